@@ -1,0 +1,103 @@
+"""The units of work that cross the gateway: a call in, one outcome out."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from .errors import RpcError
+
+_seq = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """Exactly one of ``result`` / ``error`` is meaningful: an error when ``error`` is set."""
+
+    result: Any = None
+    error: RpcError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @classmethod
+    def fail(cls, error: RpcError) -> Outcome:
+        return cls(error=error)
+
+
+@dataclass(slots=True)
+class Call:
+    """A call as a client made it, after decoding and before routing."""
+
+    method: str
+    params: Any = None
+    priority: int = 0
+    timeout_ms: float | None = None
+    idempotency_key: str | None = None
+    identity: str | None = None
+    notification: bool = False
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class Item:
+    """What a provider sees: one routed call ready to go upstream.
+
+    ``group`` decides which items may share one upstream batch (same operation,
+    same model, ...); ``tokens`` is the estimated cost charged to token limits.
+    """
+
+    route: str
+    operation: str
+    method: str
+    params: Any
+    group: Hashable = None
+    tokens: int = 1
+    priority: int = 0
+    deadline: float | None = None
+    identity: str | None = None
+    notification: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    seq: int = field(default_factory=lambda: next(_seq))
+
+
+class Future:
+    """A one-shot result slot: the first outcome wins, later ones are ignored.
+
+    This is where "every accepted call ends exactly once" is enforced: a timeout,
+    a cancel and a late upstream answer may race, only one reaches the caller.
+    """
+
+    __slots__ = ("_event", "_outcome", "callbacks")
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+        self._outcome: Outcome | None = None
+
+    def set(self, outcome: Outcome) -> bool:
+        if self._outcome is not None:
+            return False
+        self._outcome = outcome
+        self._event.set()
+        return True
+
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    @property
+    def event(self) -> anyio.Event:
+        return self._event
+
+    def outcome(self) -> Outcome:
+        assert self._outcome is not None
+        return self._outcome
+
+    async def wait(self) -> Outcome:
+        await self._event.wait()
+        assert self._outcome is not None
+        return self._outcome

@@ -1,0 +1,99 @@
+"""Command line: ``serve``, ``call``, ``check-config``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+import anyio
+
+from .config import ConfigError, load_config
+
+DEFAULT_CONFIG = "config/default.yaml"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import serve_forever
+
+    config = load_config(args.config)
+    if args.stdio:
+        from .stdio_face import serve_stdio
+
+        anyio.run(serve_stdio, config)
+        return 0
+    anyio.run(lambda: serve_forever(config, host=args.host, port=args.port))
+    return 0
+
+
+def _call(args: argparse.Namespace) -> int:
+    from .client import SyncClient
+    from .errors import RpcError
+
+    params: Any = json.loads(args.params) if args.params else None
+    try:
+        result = SyncClient(args.url, api_key=args.api_key).call(args.method, params)
+    except RpcError as e:
+        print(json.dumps(e.to_dict(), indent=2), file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    config = load_config(args.file)
+    print(f"{args.file}: ok ({len(config.providers)} providers, {len(config.routes)} routes)")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return anyio.run(run_demo, load_config(args.config), args.port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="multiplexer", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve /rpc, /mcp, /healthz, /metrics")
+    serve.add_argument("--config", default=DEFAULT_CONFIG)
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--stdio", action="store_true", help="speak MCP on stdin/stdout")
+    serve.set_defaults(fn=_serve)
+
+    call = sub.add_parser("call", help="make one call to a running gateway")
+    call.add_argument("method")
+    call.add_argument("params", nargs="?")
+    call.add_argument("--url", default="http://127.0.0.1:8080")
+    call.add_argument("--api-key", default=None)
+    call.set_defaults(fn=_call)
+
+    check = sub.add_parser("check-config", help="validate a config file")
+    check.add_argument("file")
+    check.set_defaults(fn=_check)
+
+    demo = sub.add_parser("demo", help="start the gateway, make sample calls, print them, stop")
+    demo.add_argument("--config", default=DEFAULT_CONFIG)
+    demo.add_argument("--port", type=int, default=0)
+    demo.set_defaults(fn=_demo)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        return int(args.fn(args) or 0)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""The Python SDK: ``Client.call`` and ``Client.call_many`` over JSON-RPC batch arrays.
+
+Needs only httpx and the codec. ``call_many`` chunks any number of calls under
+the server's batch limit, keeps input order, and returns a failed item as an
+``RpcError`` in its place unless asked to raise.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import anyio
+import httpx
+
+from .errors import Code, RpcError
+from .jsonrpc import dumps, loads
+
+CallSpec = tuple[str, Any] | dict[str, Any]
+
+
+def _normalise(spec: CallSpec) -> tuple[str, Any]:
+    if isinstance(spec, dict):
+        return spec["method"], spec.get("params")
+    method, params = spec
+    return method, params
+
+
+class Client:
+    """Async client; ``SyncClient`` wraps it for scripts."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8080", api_key: str | None = None, *,
+                 timeout: float = 300.0, batch_size: int = 1000, concurrency: int = 8,
+                 http: httpx.AsyncClient | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"content-type": "application/json"}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        self._http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
+            limits=httpx.Limits(max_connections=max(concurrency, 1) * 2),
+        )
+        self.batch_size = batch_size
+        self.concurrency = concurrency
+        self._ids = itertools.count(1)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, payload: Any) -> Any:
+        response = await self._http.post(f"{self.base_url}/rpc", content=dumps(payload))
+        if response.status_code == 204:
+            return None
+        try:
+            body = loads(response.content)
+        except ValueError:
+            raise RpcError(Code.INTERNAL_ERROR, "gateway sent a non-JSON reply",
+                           {"http_status": response.status_code}) from None
+        if isinstance(body, dict) and body.get("id") is None and "error" in body:
+            raise RpcError.from_dict(body["error"])
+        return body
+
+    @staticmethod
+    def _message(method: str, params: Any, rid: int | None, meta: dict[str, Any] | None) -> dict:
+        if meta:
+            params = {**(params or {}), "_meta": meta}
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            msg["params"] = params
+        if rid is not None:
+            msg["id"] = rid
+        return msg
+
+    async def call(self, method: str, params: Any = None, *, priority: int | None = None,
+                   timeout_ms: float | None = None, idempotency_key: str | None = None) -> Any:
+        """One call; returns its result or raises ``RpcError``."""
+        meta = {k: v for k, v in (("priority", priority), ("timeout_ms", timeout_ms),
+                                  ("idempotency_key", idempotency_key)) if v is not None}
+        body = await self._post(self._message(method, params, next(self._ids), meta))
+        if "error" in body:
+            raise RpcError.from_dict(body["error"])
+        return body["result"]
+
+    async def notify(self, method: str, params: Any = None) -> None:
+        await self._post(self._message(method, params, None, None))
+
+    async def call_many(self, calls: Iterable[CallSpec], *, raise_errors: bool = False,
+                        progress: bool = False, mode: str = "sync") -> list[Any]:
+        """Results in input order; a failed call's slot holds its ``RpcError``."""
+        specs = [_normalise(c) for c in calls]
+        if mode == "batch":
+            from .jobs_client import run_batch_job
+
+            return await run_batch_job(self, specs, raise_errors=raise_errors, progress=progress)
+        results: list[Any] = [None] * len(specs)
+        chunks = [range(i, min(i + self.batch_size, len(specs)))
+                  for i in range(0, len(specs), self.batch_size)]
+        bar = _progress(len(specs)) if progress else None
+        limiter = anyio.CapacityLimiter(self.concurrency)
+
+        async def run(chunk: range) -> None:
+            async with limiter:
+                await self._run_chunk(specs, chunk, results)
+            if bar is not None:
+                bar.update(len(chunk))
+
+        async with anyio.create_task_group() as tg:
+            for chunk in chunks:
+                tg.start_soon(run, chunk)
+        if bar is not None:
+            bar.close()
+        if raise_errors:
+            for r in results:
+                if isinstance(r, RpcError):
+                    raise r
+        return results
+
+    async def _run_chunk(self, specs: Sequence[tuple[str, Any]], chunk: range,
+                         results: list[Any]) -> None:
+        ids = {next(self._ids): i for i in chunk}
+        payload = [self._message(*specs[i], rid, None) for rid, i in ids.items()]
+        try:
+            body = await self._post(payload)
+        except (RpcError, httpx.HTTPError) as e:
+            err = e if isinstance(e, RpcError) else RpcError(
+                Code.UPSTREAM_UNAVAILABLE, "gateway unreachable", {"detail": str(e)})
+            for i in chunk:
+                results[i] = err
+            return
+        for reply in body or []:
+            i = ids.pop(reply.get("id"), None)
+            if i is None:
+                continue
+            results[i] = RpcError.from_dict(reply["error"]) if "error" in reply else reply["result"]
+        for i in ids.values():
+            results[i] = RpcError(Code.INTERNAL_ERROR, "no reply for this call")
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="call")
+
+
+class SyncClient:
+    """Blocking form of ``Client`` for scripts and notebooks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._args, self._kwargs = args, kwargs
+
+    def _run(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        async def go() -> Any:
+            async with Client(*self._args, **self._kwargs) as client:
+                return await getattr(client, name)(*args, **kwargs)
+
+        return anyio.run(go)
+
+    def call(self, method: str, params: Any = None, **kwargs: Any) -> Any:
+        return self._run("call", method, params, **kwargs)
+
+    def call_many(self, calls: Iterable[CallSpec], **kwargs: Any) -> list[Any]:
+        return self._run("call_many", list(calls), **kwargs)
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,101 @@
+"""Injectable time: the real monotonic clock, and a manual clock for tests.
+
+Everything that waits (lanes, limiters, deadlines) asks a ``Clock`` so tests can
+drive time explicitly instead of sleeping and hoping.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from typing import Protocol
+
+import anyio
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    async def sleep_until(self, deadline: float) -> None: ...
+
+    async def wait_event(self, event: anyio.Event, deadline: float | None) -> bool:
+        """Wait for ``event`` until ``deadline``; True when the event fired."""
+        ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep_until(self, deadline: float) -> None:
+        await anyio.sleep(max(0.0, deadline - time.monotonic()))
+
+    async def wait_event(self, event: anyio.Event, deadline: float | None) -> bool:
+        if deadline is None:
+            await event.wait()
+            return True
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+            await event.wait()
+        return event.is_set()
+
+
+class ManualClock:
+    """Time moves only when a test calls ``advance``."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self._now = start
+        self._timers: list[tuple[float, int, anyio.Event]] = []
+        self._ids = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    def _timer(self, deadline: float) -> anyio.Event:
+        ev = anyio.Event()
+        if deadline <= self._now:
+            ev.set()
+        else:
+            heapq.heappush(self._timers, (deadline, next(self._ids), ev))
+        return ev
+
+    async def sleep_until(self, deadline: float) -> None:
+        await self._timer(deadline).wait()
+
+    async def wait_event(self, event: anyio.Event, deadline: float | None) -> bool:
+        if event.is_set():
+            return True
+        if deadline is None:
+            await event.wait()
+            return True
+        timer = self._timer(deadline)
+        async with anyio.create_task_group() as tg:
+
+            async def watch(ev: anyio.Event) -> None:
+                await ev.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch, event)
+            tg.start_soon(watch, timer)
+        return event.is_set()
+
+    def pending_timers(self) -> int:
+        return sum(1 for _, _, ev in self._timers if not ev.is_set())
+
+    def next_deadline(self) -> float:
+        live = [d for d, _, ev in self._timers if not ev.is_set()]
+        return min(live) if live else math.inf
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward, firing due timers, and let woken tasks run."""
+        self._now += seconds
+        while self._timers and self._timers[0][0] <= self._now:
+            _, _, ev = heapq.heappop(self._timers)
+            ev.set()
+        for _ in range(5):
+            await anyio.lowlevel.checkpoint()
+
+
+def remaining(clock: Clock, deadline: float | None) -> float:
+    return math.inf if deadline is None else deadline - clock.now()

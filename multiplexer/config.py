@@ -1,0 +1,205 @@
+"""Configuration: YAML validated by pydantic, with ``${VAR}`` / ``${VAR:-default}`` secrets.
+
+Provider-specific keys are validated by the provider kind's own settings model,
+so a mistake is reported with its full key path (``providers.calc.url: ...``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names every bad key path."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Quota(Strict):
+    rpm: float | None = Field(default=None, gt=0)
+    concurrency: int | None = Field(default=None, ge=1)
+
+
+class McpServerConfig(Strict):
+    path: str = "/mcp"
+    allowed_origins: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1", "http://localhost", "https://127.0.0.1",
+                                 "https://localhost"]
+    )
+    tool_separator: str = "_"
+
+
+class ServerConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_batch_items: int = Field(default=1000, ge=1)
+    max_json_depth: int = Field(default=64, ge=2)
+    default_timeout_ms: float = Field(default=60_000, gt=0)
+    grace_period_s: float = Field(default=10.0, ge=0)
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    quotas: dict[str, Quota] = Field(default_factory=dict)
+    allow_public_without_keys: bool = False
+    mcp: McpServerConfig = Field(default_factory=McpServerConfig)
+
+
+class BatchPolicy(Strict):
+    max_items: int = Field(default=1, ge=1)
+    max_wait_ms: float = Field(default=0.0, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
+class Limits(Strict):
+    rpm: float | None = Field(default=None, gt=0)
+    tpm: float | None = Field(default=None, gt=0)
+    concurrency: int = Field(default=16, ge=1)
+    max_queue: int = Field(default=10_000, ge=1)
+
+
+class RetryPolicy(Strict):
+    attempts: int = Field(default=3, ge=1)
+    base_wait_ms: float = Field(default=50, ge=0)
+    max_wait_ms: float = Field(default=5_000, ge=0)
+
+
+class ProviderConfig(BaseModel):
+    """Common keys; the rest belong to the provider kind (validated by it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    kind: str
+    batch: BatchPolicy = Field(default_factory=BatchPolicy)
+    limits: Limits = Field(default_factory=Limits)
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    timeout_ms: float = Field(default=60_000, gt=0)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class RouteConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    provider: str
+    method: str | None = None
+    operation: str = "call"
+    params: dict[str, Any] = Field(default_factory=dict)
+    dedup: bool | None = None
+    dedup_scope: Literal["identity", "global"] = "identity"
+    cache_ttl_s: float | None = Field(default=None, gt=0)
+    timeout_ms: float | None = Field(default=None, gt=0)
+    priority: int = 0
+    mode: Literal["sync", "batch"] = "sync"
+    batch: BatchPolicy | None = None
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class StoreConfig(Strict):
+    path: str = "multiplexer.db"
+
+
+class CacheConfig(Strict):
+    max_entries: int = Field(default=10_000, ge=0)
+
+
+class Config(Strict):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    providers: dict[str, ProviderConfig] = Field(default_factory=dict)
+    routes: dict[str, RouteConfig] = Field(default_factory=dict)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+
+    @model_validator(mode="after")
+    def _routes_name_providers(self) -> Config:
+        for name, route in self.routes.items():
+            if route.provider not in self.providers:
+                known = ", ".join(sorted(self.providers)) or "none"
+                raise ValueError(
+                    f"routes.{name}.provider: unknown provider {route.provider!r} (known: {known})"
+                )
+            if "*" in name and not name.endswith("*"):
+                raise ValueError(f"routes.{name}: a wildcard may only end a route name")
+        return self
+
+
+def expand_env(node: Any, path: str = "", env: dict[str, str] | None = None) -> Any:
+    """Replace ``${VAR}`` and ``${VAR:-default}`` in every string of the tree."""
+    env = os.environ if env is None else env
+    if isinstance(node, dict):
+        return {k: expand_env(v, f"{path}.{k}" if path else str(k), env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [expand_env(v, f"{path}[{i}]", env) for i, v in enumerate(node)]
+    if not isinstance(node, str):
+        return node
+
+    def sub(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(2)
+        if name in env and env[name] != "":
+            return env[name]
+        if default is not None:
+            return default
+        raise ConfigError(f"{path}: environment variable {name} is not set and has no default")
+
+    return _ENV.sub(sub, node)
+
+
+def _format(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",))
+        where = ".".join(x for x in (prefix, loc) if x) or "(root)"
+        lines.append(f"{where}: {e['msg']}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: Any, env: dict[str, str] | None = None) -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("invalid config: the top level must be a mapping")
+    data = expand_env(data, env=env)
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None
+    from providers.registry import settings_model  # composition layer: config knows kinds
+
+    for name, prov in config.providers.items():
+        try:
+            model = settings_model(prov.kind)
+        except KeyError as e:
+            raise ConfigError(f"invalid config:\n  providers.{name}.kind: {e.args[0]}") from None
+        try:
+            model.model_validate(prov.extra)
+        except ValidationError as e:
+            raise ConfigError(_format(e, f"providers.{name}")) from None
+    return config
+
+
+def load_config(path: str | Path, env: dict[str, str] | None = None) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {p}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    return parse_config(data, env)

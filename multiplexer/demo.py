@@ -1,0 +1,46 @@
+"""``multiplexer demo``: serve the config on a port, show a few calls answered, stop."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .client import Client
+from .config import Config
+from .errors import RpcError
+from .server import running
+
+SAMPLES: list[tuple[str, Any]] = [
+    ("echo", {"hello": "world"}),
+    ("sum", {"values": [1, 2, 3.5]}),
+    ("embed_local", {"input": ["a cat sat on the mat", "the gateway batches calls"]}),
+    ("tools_add", {"a": 2, "b": 40}),
+    ("no_such_method", {}),
+]
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    if "embedding" in text:
+        data = value.get("data", []) if isinstance(value, dict) else []
+        dims = len(data[0]["embedding"]) if data else 0
+        return f"{len(data)} embeddings of {dims} dims, usage={value.get('usage')}"
+    return text if len(text) < 160 else text[:157] + "..."
+
+
+async def run_demo(config: Config, port: int = 0) -> int:
+    async with running(config, port=port) as (gateway, url):
+        print(f"multiplexer serving {url} (/rpc, /mcp, /healthz, /metrics)")
+        names = {t.name for t in await gateway.list_tools()}
+        samples = [(m, p) for m, p in SAMPLES if m in names or m == "no_such_method"]
+        async with Client(url) as client:
+            results = await client.call_many(samples)
+            for (method, params), result in zip(samples, results, strict=True):
+                shown = (f"error {result.code} {result.message}" if isinstance(result, RpcError)
+                         else _show(result))
+                print(f"  {method}({json.dumps(params)[:60]}) -> {shown}")
+            many = await client.call_many([("sum", {"values": [i, i]}) for i in range(1000)])
+            ok = sum(1 for i, r in enumerate(many) if r == 2 * i)
+            print(f"  call_many: 1000 sum calls, {ok} correct, in input order")
+        print("demo done; run `multiplexer serve` to keep the gateway up")
+    return 0

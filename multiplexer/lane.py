@@ -1,0 +1,171 @@
+"""One lane per provider: a bounded priority queue drained in batches under limits.
+
+The lane decides *when* a batch leaves (formation + limiter); the provider
+decides *how* it goes upstream. Every pending item ends exactly once, by the
+provider's outcome, by its callers giving up, or by shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+
+from .batching import Formation, GroupedQueue, Pending, choose
+from .call import Item, Outcome
+from .clock import Clock
+from .errors import RpcError, internal_error, overloaded, shutting_down
+from .limiter import RateLimiter
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+Execute = Callable[[str, Sequence[Item]], Awaitable[list[Outcome]]]
+
+
+class Lane:
+    def __init__(
+        self,
+        name: str,
+        execute: Execute,
+        formation: Formation,
+        clock: Clock,
+        limiter: RateLimiter,
+        *,
+        max_queue: int = 10_000,
+        max_in_flight: int = 16,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.name = name
+        self._execute = execute
+        self.formation = formation
+        self.clock = clock
+        self.limiter = limiter
+        self.queue = GroupedQueue(max_queue)
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+        self.metrics = metrics
+        self._wake = anyio.Event()
+        self._closing = False
+        self._scopes: dict[int, tuple[anyio.CancelScope, list[Pending]]] = {}
+        self._batch_ids = 0
+
+    # -- admission -------------------------------------------------------
+    def submit(self, item: Item) -> Pending:
+        """Queue an item, or raise the documented overload / shutdown error at once."""
+        if self._closing:
+            raise shutting_down()
+        if self.queue.full():
+            if self.metrics:
+                self.metrics.rejections.labels(self.name, "queue_full").inc()
+            raise overloaded(self.name, self._retry_after())
+        p = Pending(item, self.clock.now())
+        self.queue.push(p)
+        self._gauge()
+        self._wake.set()
+        return p
+
+    def _retry_after(self) -> float:
+        wait, _ = self.limiter.delay(1, 0)
+        return max(wait, 0.05)
+
+    def withdraw(self, p: Pending, outcome: Outcome) -> None:
+        """A pending item's last caller gave up: drop it, cancelling its batch if it was alone."""
+        p.waiters -= 1
+        if p.waiters > 0:
+            return
+        if p.state == "queued" and self.queue.remove(p):
+            p.state = "done"
+            self._gauge()
+        p.future.set(outcome)
+        for scope, batch in self._scopes.values():
+            if p in batch and all(q.future.done() for q in batch):
+                scope.cancel()
+
+    def _gauge(self) -> None:
+        if self.metrics:
+            self.metrics.queue_depth.labels(self.name).set(len(self.queue))
+
+    # -- the loop ----------------------------------------------------------
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            while True:
+                self._wake = anyio.Event()
+                deadline = self._step(tg)
+                if self._closing and not len(self.queue) and not self.in_flight:
+                    return
+                if deadline != 0.0:
+                    await self.clock.wait_event(
+                        self._wake, None if deadline == math.inf else deadline
+                    )
+
+    def _step(self, tg: anyio.abc.TaskGroup) -> float:
+        """Start every batch that may leave now; return when to look again (inf: on wake)."""
+        while self.in_flight < self.max_in_flight and len(self.queue):
+            now = self.clock.now()
+            group, decision = choose(self.queue, self.formation, now)
+            if not decision.take:
+                return decision.wait_until
+            pending = self.queue.group(group)
+            tokens = sum(pending[i].item.tokens for i in decision.take)
+            wait, _ = self.limiter.delay(1, tokens)
+            if wait > 0:
+                return now + wait
+            self.limiter.consume(1, tokens)
+            batch = self.queue.take(group, decision.take)
+            self._gauge()
+            self.in_flight += 1
+            tg.start_soon(self._dispatch, batch)
+        return math.inf
+
+    async def _dispatch(self, batch: list[Pending]) -> None:
+        self._batch_ids += 1
+        bid = self._batch_ids
+        for p in batch:
+            p.state = "running"
+        items = [p.item for p in batch]
+        if self.metrics:
+            self.metrics.batch_size.labels(self.name).observe(len(batch))
+            self.metrics.upstream_batches.labels(self.name).inc()
+        outcomes: list[Outcome] | None = None
+        with anyio.CancelScope() as scope:
+            self._scopes[bid] = (scope, batch)
+            try:
+                outcomes = await self._execute(items[0].operation, items)
+                if len(outcomes) != len(items):
+                    raise RuntimeError(f"provider returned {len(outcomes)} for {len(items)} items")
+            except RpcError as e:
+                outcomes = [Outcome.fail(e)] * len(items)
+            except Exception as e:  # a provider bug must not lose calls
+                log.exception("lane %s: provider failed", self.name)
+                outcomes = [Outcome.fail(internal_error(type(e).__name__))] * len(items)
+            finally:
+                self._scopes.pop(bid, None)
+                self.in_flight -= 1
+                self._wake.set()
+        if outcomes is None:  # cancelled: every caller already has its answer
+            outcomes = [Outcome.fail(shutting_down())] * len(items)
+        for p, o in zip(batch, outcomes, strict=True):
+            p.state = "done"
+            p.future.set(o)
+
+    # -- shutdown ------------------------------------------------------------
+    def close(self, fail_queued: bool = False) -> None:
+        """Stop admitting; queued items still run unless ``fail_queued``."""
+        self._closing = True
+        if fail_queued:
+            for p in self.queue.drain():
+                p.state = "done"
+                p.future.set(Outcome.fail(shutting_down()))
+            self._gauge()
+        self._wake.set()
+
+    def abort(self) -> None:
+        """Fail everything still queued or running (grace period over)."""
+        self.close(fail_queued=True)
+        for scope, batch in list(self._scopes.values()):
+            for p in batch:
+                p.future.set(Outcome.fail(shutting_down()))
+            scope.cancel()

@@ -1,0 +1,102 @@
+"""Token buckets for requests-per-minute and tokens-per-minute, and learned limits.
+
+A provider feeds what the upstream says (remaining / reset headers, 429
+Retry-After) back into the lane's limiter, so the lane slows down before the
+upstream starts refusing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .clock import Clock
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """Refills ``rate`` units per second up to ``capacity``."""
+
+    rate: float
+    capacity: float
+    level: float
+    stamp: float
+
+    @classmethod
+    def per_minute(cls, amount: float, now: float) -> TokenBucket:
+        return cls(rate=amount / 60.0, capacity=amount, level=amount, stamp=now)
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def delay(self, amount: float, now: float) -> float:
+        self._refill(now)
+        need = min(amount, self.capacity) - self.level
+        if need <= 0:
+            return 0.0
+        return need / self.rate if self.rate > 0 else math.inf
+
+    def consume(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level -= amount
+
+    def observe(self, remaining: float, reset_in: float, now: float) -> None:
+        """Clamp to what the upstream reports: ``remaining`` now, full again after ``reset_in``."""
+        self._refill(now)
+        if remaining < self.level:
+            self.level = remaining
+        if reset_in > 0 and remaining < self.capacity:
+            self.rate = max(self.rate, (self.capacity - remaining) / reset_in)
+
+
+class RateLimiter:
+    """Requests and tokens per minute, plus a hard pause set by 429 / Retry-After."""
+
+    def __init__(self, clock: Clock, rpm: float | None = None, tpm: float | None = None) -> None:
+        self.clock = clock
+        now = clock.now()
+        self.requests = TokenBucket.per_minute(rpm, now) if rpm else None
+        self.tokens = TokenBucket.per_minute(tpm, now) if tpm else None
+        self.paused_until = 0.0
+
+    def delay(self, requests: int, tokens: int) -> tuple[float, str]:
+        """Seconds until a request of this cost may go, and which limit holds it."""
+        now = self.clock.now()
+        waits = [(self.paused_until - now, "retry_after")]
+        if self.requests is not None:
+            waits.append((self.requests.delay(requests, now), "rpm"))
+        if self.tokens is not None:
+            waits.append((self.tokens.delay(tokens, now), "tpm"))
+        wait, which = max(waits)
+        return max(0.0, wait), which
+
+    def consume(self, requests: int, tokens: int) -> None:
+        now = self.clock.now()
+        if self.requests is not None:
+            self.requests.consume(requests, now)
+        if self.tokens is not None:
+            self.tokens.consume(tokens, now)
+
+    def correct_tokens(self, estimated: int, actual: int) -> None:
+        """Charge (or refund) the difference once the upstream reports real usage."""
+        if self.tokens is not None and actual != estimated:
+            self.tokens.consume(actual - estimated, self.clock.now())
+
+    def pause(self, seconds: float) -> None:
+        self.paused_until = max(self.paused_until, self.clock.now() + seconds)
+
+    def observe(self, kind: str, limit: float | None, remaining: float, reset_in: float) -> None:
+        """Learn from upstream headers; creates the bucket when the config had none."""
+        now = self.clock.now()
+        bucket = self.requests if kind == "requests" else self.tokens
+        if bucket is None:
+            if not limit or limit <= 0:
+                return
+            bucket = TokenBucket.per_minute(limit, now)
+            if kind == "requests":
+                self.requests = bucket
+            else:
+                self.tokens = bucket
+        bucket.observe(remaining, reset_in, now)

@@ -1,0 +1,53 @@
+"""Prometheus metrics, one registry per gateway so several can live in one process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.calls = Counter(
+            "multiplexer_calls", "Calls answered, by route and outcome", ["route", "outcome"],
+            registry=r,
+        )
+        self.upstream_requests = Counter(
+            "multiplexer_upstream_requests", "HTTP or protocol requests sent upstream",
+            ["provider"], registry=r,
+        )
+        self.upstream_batches = Counter(
+            "multiplexer_upstream_batches", "Batches handed to a provider", ["provider"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "multiplexer_upstream_errors", "Failed upstream attempts, by kind",
+            ["provider", "kind"], registry=r,
+        )
+        self.retries = Counter(
+            "multiplexer_retries", "Upstream retries", ["provider"], registry=r
+        )
+        self.batch_size = Histogram(
+            "multiplexer_batch_size", "Items per upstream batch", ["provider"],
+            buckets=_BATCH_BUCKETS, registry=r,
+        )
+        self.queue_depth = Gauge(
+            "multiplexer_queue_depth", "Items waiting in a lane", ["provider"], registry=r
+        )
+        self.dedup_hits = Counter(
+            "multiplexer_dedup_hits", "Calls served by a shared execution or the cache",
+            ["route", "kind"], registry=r,
+        )
+        self.rejections = Counter(
+            "multiplexer_rejections", "Calls refused before running", ["provider", "reason"],
+            registry=r,
+        )
+        self.events = Counter(
+            "multiplexer_events", "Notable events (device fallback, restarts, ...)",
+            ["component", "event"], registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,43 @@
+"""Per-identity quotas: requests per minute and concurrent calls."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from .clock import Clock
+from .config import Quota
+from .errors import rate_limited
+from .limiter import TokenBucket
+
+
+class Quotas:
+    def __init__(self, clock: Clock, quotas: dict[str, Quota]) -> None:
+        self.clock = clock
+        self.quotas = quotas
+        self._buckets: dict[str, TokenBucket] = {}
+        self._active: dict[str, int] = {}
+
+    @asynccontextmanager
+    async def admit(self, identity: str | None) -> AsyncIterator[None]:
+        quota = self.quotas.get(identity) if identity else None
+        if quota is None:
+            yield
+            return
+        assert identity is not None
+        now = self.clock.now()
+        if quota.concurrency is not None and self._active.get(identity, 0) >= quota.concurrency:
+            raise rate_limited("concurrency", 0.05, identity=identity)
+        if quota.rpm is not None:
+            bucket = self._buckets.get(identity)
+            if bucket is None:
+                bucket = self._buckets[identity] = TokenBucket.per_minute(quota.rpm, now)
+            wait = bucket.delay(1, now)
+            if wait > 0:
+                raise rate_limited("rpm", wait, identity=identity)
+            bucket.consume(1, now)
+        self._active[identity] = self._active.get(identity, 0) + 1
+        try:
+            yield
+        finally:
+            self._active[identity] -= 1

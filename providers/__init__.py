@@ -1,0 +1,1 @@
+"""Upstream kinds, one module each, found by ``kind`` through ``registry``."""

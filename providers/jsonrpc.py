@@ -1,0 +1,161 @@
+"""Generic JSON-RPC 2.0 upstream over HTTP: a lane's batch goes up as ONE batch array."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from multiplexer.call import Item, Outcome
+from multiplexer.errors import RpcError, upstream_error
+from multiplexer.provider import Provider, ProviderContext
+from multiplexer.retry import with_retries
+
+from .http_util import all_idempotent, batch_deadline, make_client, send
+
+_MALFORMED = object()
+
+
+class JsonRpcSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    headers: dict[str, str] = Field(default_factory=dict)
+    batch_arrays: bool = True
+
+
+class JsonRpcProvider(Provider):
+    Settings = JsonRpcSettings
+
+    def __init__(self, ctx: ProviderContext) -> None:
+        super().__init__(ctx)
+        self.settings: JsonRpcSettings = ctx.settings
+        self.arrays_ok = self.settings.batch_arrays
+        self._ids = itertools.count(1)
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        conf = self.ctx.config
+        self._client = make_client(conf.timeout_ms / 1000, conf.limits.concurrency * 2,
+                                   headers=self.settings.headers)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def prepare(self, route: Any, item: Item) -> None:
+        item.group = None  # any methods may share a batch array
+
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        if len(items) > 1 and self.arrays_ok:
+            outcomes = await self._batch(items)
+            if outcomes is not None:
+                return outcomes
+            self.arrays_ok = False
+        return await self._singles(items)
+
+    async def _singles(self, items: Sequence[Item]) -> list[Outcome]:
+        if len(items) == 1:
+            return [await self._single(items[0])]
+        out: list[Outcome] = [Outcome()] * len(items)
+
+        async def one(i: int) -> None:
+            out[i] = await self._single(items[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(items)):
+                tg.start_soon(one, i)
+        return out
+
+    def _message(self, item: Item, rid: int) -> dict[str, Any]:
+        msg: dict[str, Any] = {"jsonrpc": "2.0", "method": item.method}
+        if item.params is not None:
+            msg["params"] = item.params
+        if not item.notification:
+            msg["id"] = rid
+        return msg
+
+    async def _post(self, payload: Any, items: Sequence[Item]) -> httpx.Response:
+        assert self._client is not None
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        idempotent = all_idempotent(items)
+
+        async def attempt() -> httpx.Response:
+            request = self._client.build_request(
+                "POST", self.settings.url, content=body,
+                headers={"content-type": "application/json"},
+            )
+            self.ctx.metrics.upstream_requests.labels(self.name).inc()
+            return await send(self._client, request, self.name, idempotent)
+
+        retry = self.ctx.config.retry
+        return await with_retries(
+            attempt, clock=self.ctx.clock, deadline=batch_deadline(items),
+            attempts=retry.attempts, base_wait=retry.base_wait_ms / 1000,
+            max_wait=retry.max_wait_ms / 1000,
+            on_retry=lambda e: self.ctx.metrics.retries.labels(self.name).inc(),
+        )
+
+    async def _batch(self, items: Sequence[Item]) -> list[Outcome] | None:
+        """One array upstream; None when the upstream does not take arrays."""
+        ids = [next(self._ids) for _ in items]
+        try:
+            response = await self._post([self._message(i, r) for i, r in zip(items, ids,
+                                                                               strict=True)], items)
+        except RpcError as e:
+            status = (e.data or {}).get("upstream_status")
+            if status in (400, 404, 405, 415, 422, 501):
+                return None
+            return [Outcome.fail(e)] * len(items)
+        body = self._json(response)
+        if isinstance(body, dict) and "error" in body and len(items) > 1:
+            return None  # a single error object for an array: arrays are not supported
+        if body is None and all(i.notification for i in items):
+            return [Outcome(result=None)] * len(items)
+        if not isinstance(body, list):
+            err = upstream_error(self.name, "upstream sent a malformed batch response",
+                                 response.status_code)
+            return [Outcome(result=None) if i.notification else Outcome.fail(err) for i in items]
+        by_id: dict[Any, Any] = {}
+        for reply in body:
+            if isinstance(reply, dict) and "id" in reply:
+                by_id[reply["id"]] = reply
+        return [self._outcome(by_id.get(rid), item) for item, rid in zip(items, ids, strict=True)]
+
+    async def _single(self, item: Item) -> Outcome:
+        rid = next(self._ids)
+        try:
+            response = await self._post(self._message(item, rid), [item])
+        except RpcError as e:
+            return Outcome.fail(e)
+        if item.notification:
+            return Outcome(result=None)
+        body = self._json(response)
+        if isinstance(body, dict) and body.get("id") != rid:
+            body = None
+        return self._outcome(body, item)
+
+    @staticmethod
+    def _json(response: httpx.Response) -> Any:
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return _MALFORMED
+
+    def _outcome(self, reply: Any, item: Item) -> Outcome:
+        if item.notification:
+            return Outcome(result=None)
+        if not isinstance(reply, dict):
+            return Outcome.fail(upstream_error(self.name, "upstream sent no response for this call"))
+        if "error" in reply:
+            return Outcome.fail(RpcError.from_dict(reply["error"]))
+        if "result" not in reply:
+            return Outcome.fail(upstream_error(self.name, "upstream response has no result"))
+        return Outcome(result=reply["result"])

@@ -1,0 +1,35 @@
+"""Provider kinds by name, imported lazily so optional dependencies stay optional."""
+
+from __future__ import annotations
+
+import importlib
+
+from pydantic import BaseModel
+
+from multiplexer.provider import Provider
+
+KINDS: dict[str, str] = {
+    "jsonrpc": "providers.jsonrpc:JsonRpcProvider",
+    "mcp": "providers.mcp:McpProvider",
+    "openai": "providers.openai:OpenAIProvider",
+    "anthropic": "providers.anthropic:AnthropicProvider",
+    "local": "providers.local:LocalProvider",
+    "echo": "providers.echo:EchoProvider",
+}
+
+
+def provider_class(kind: str) -> type[Provider]:
+    try:
+        target = KINDS[kind]
+    except KeyError:
+        raise KeyError(f"unknown provider kind {kind!r} (known: {', '.join(sorted(KINDS))})") from None
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as e:
+        raise KeyError(f"provider kind {kind!r} is not available: {e}") from None
+    return cls
+
+
+def settings_model(kind: str) -> type[BaseModel]:
+    return provider_class(kind).Settings

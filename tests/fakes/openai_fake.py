@@ -1,0 +1,212 @@
+"""A fake OpenAI API (embeddings, chat completions, files + batches) for offline end-to-end tests.
+
+Replies are deterministic functions of the request so a test can compute what each caller
+should receive (`embed_text`, `"echo: " + last user message`) and check the gateway routed
+every answer to the right caller. See `FakeOpenAIState` for the knobs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tests.fakes.common import (
+    ApiError,
+    Dialect,
+    FakeState,
+    Limiter,
+    format_duration,
+    guarded_route,
+    json_body,
+    last_user_text,
+    not_found_handlers,
+    require,
+    text_of,
+    word_count,
+)
+from tests.fakes.openai_batch import BatchJob, StoredFile, batch_routes
+
+__all__ = ["DIALECT", "FakeOpenAIState", "chat_completion", "create_app", "embed_text", "embeddings"]
+
+
+@dataclass
+class FakeOpenAIState(FakeState):
+    """Knobs and observations for the OpenAI fake (see `FakeState` for faults and counters).
+
+    `embedding_batch_sizes` logs the input count of every accepted `/v1/embeddings` call.
+    Batches: `force_status` ends the next polled batch as failed/expired/cancelled;
+    `item_error_style` picks how failing items appear in the error file ("response": status 400
+    with an error body, like a failed request; "error": `error: {code, message}`);
+    `expired_in_error_file` writes `batch_expired` lines for unfinished items instead of omitting them.
+    """
+
+    embedding_dim: int = 8
+    max_embedding_inputs: int = 2048
+    embedding_batch_sizes: list[int] = field(default_factory=list)
+    max_batch_requests: int = 50_000
+    force_status: Literal["failed", "expired", "cancelled"] | None = None
+    item_error_style: Literal["response", "error"] = "response"
+    expired_in_error_file: bool = False
+    files: dict[str, StoredFile] = field(default_factory=dict)
+    batches: dict[str, BatchJob] = field(default_factory=dict)
+
+
+def embed_text(text: str, dim: int = 8) -> list[float]:
+    """Unit vector derived from SHAKE-256 of the text: same text, same vector, in any process."""
+    raw = hashlib.shake_256(text.encode()).digest(2 * dim)
+    values = [v / 32767.5 - 1.0 for v in struct.unpack(f"<{dim}H", raw)]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [v / norm for v in values]
+
+
+def embeddings(state: FakeOpenAIState, body: dict[str, Any]) -> dict[str, Any]:
+    """Embeddings response body; `usage` counts whitespace words (see `word_count`)."""
+    model = require(body, "model", str)
+    raw = body.get("input")
+    inputs = [raw] if isinstance(raw, str) else raw
+    if not isinstance(inputs, list) or not inputs:
+        raise ApiError(400, "'input' must be a non-empty string or array of strings", param="input")
+    if len(inputs) > state.max_embedding_inputs:
+        raise ApiError(
+            400,
+            f"'$.input' is too long. Maximum length is {state.max_embedding_inputs}, got {len(inputs)}.",
+            param="input",
+        )
+    if not all(isinstance(text, str) and text for text in inputs):
+        raise ApiError(400, "'$.input' is invalid: every item must be a non-empty string", param="input")
+    dim = body.get("dimensions", state.embedding_dim)
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+        raise ApiError(400, "'dimensions' must be a positive integer", param="dimensions")
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    data = []
+    for index, text in enumerate(inputs):
+        vector = embed_text(text, dim)
+        encoded: Any = vector
+        if encoding == "base64":
+            encoded = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode()
+        data.append({"object": "embedding", "index": index, "embedding": encoded})
+    tokens = sum(word_count(text) for text in inputs)
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def chat_completion(state: FakeOpenAIState, body: dict[str, Any]) -> dict[str, Any]:
+    """Chat completion echoing the last user message; fails (400) when it holds `fail_marker`."""
+    model = require(body, "model", str)
+    messages = require(body, "messages", list)
+    if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ApiError(400, "'messages' must be a non-empty array of {role, content}", param="messages")
+    prompt = last_user_text(messages)
+    if state.marked_to_fail(prompt):
+        raise ApiError(400, f"fake failure: message contains {state.fail_marker!r}", param="messages")
+    reply = "echo: " + prompt
+    prompt_tokens = sum(word_count(text_of(m.get("content"))) for m in messages)
+    completion_tokens = word_count(reply)
+    return {
+        "id": state.next_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": int(state.clock()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": reply, "refusal": None},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+_ERROR_DEFAULTS: dict[int, tuple[str, str | None]] = {
+    401: ("invalid_request_error", "invalid_api_key"),
+    404: ("invalid_request_error", "not_found"),
+    429: ("requests", "rate_limit_exceeded"),
+    503: ("server_error", "service_unavailable"),
+}
+
+
+def _render_error(exc: ApiError) -> Response:
+    kind, code = _ERROR_DEFAULTS.get(
+        exc.status, ("server_error" if exc.status >= 500 else "invalid_request_error", None)
+    )
+    error = {"message": exc.message, "type": exc.kind or kind, "param": exc.param, "code": exc.code or code}
+    return JSONResponse({"error": error}, status_code=exc.status)
+
+
+def _check_auth(request: Request) -> ApiError | None:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return None
+    return ApiError(401, "You didn't provide an API key. Send 'Authorization: Bearer <key>'.")
+
+
+def _limit_headers(limiter: Limiter, now: float) -> dict[str, str]:
+    reset = format_duration(limiter.reset_in(now))
+    return {
+        "x-ratelimit-limit-requests": str(limiter.requests_per_window),
+        "x-ratelimit-remaining-requests": str(limiter.remaining_requests),
+        "x-ratelimit-reset-requests": reset,
+        "x-ratelimit-limit-tokens": str(limiter.tokens_per_window),
+        "x-ratelimit-remaining-tokens": str(limiter.remaining_tokens),
+        "x-ratelimit-reset-tokens": reset,
+    }
+
+
+DIALECT = Dialect(
+    check_auth=_check_auth,
+    render_error=_render_error,
+    limit_headers=_limit_headers,
+    request_id_header="x-request-id",
+)
+
+
+def create_app(state: FakeOpenAIState | None = None) -> Starlette:
+    """Build the fake; pass a state to tune it, or read the created one from `app.state.fake`."""
+    fake = FakeOpenAIState() if state is None else state
+
+    async def embeddings_endpoint(request: Request) -> Response:
+        result = embeddings(fake, await json_body(request))
+        fake.embedding_batch_sizes.append(len(result["data"]))
+        fake.limiter.add_tokens(result["usage"]["prompt_tokens"])
+        return JSONResponse(result)
+
+    async def chat_endpoint(request: Request) -> Response:
+        result = chat_completion(fake, await json_body(request))
+        usage = result["usage"]
+        fake.limiter.add_tokens(usage["prompt_tokens"], usage["completion_tokens"])
+        return JSONResponse(result)
+
+    operations: dict[str, Callable[[FakeOpenAIState, dict[str, Any]], dict[str, Any]]] = {
+        "/v1/embeddings": embeddings,
+        "/v1/chat/completions": chat_completion,
+    }
+    routes = [
+        guarded_route("/v1/embeddings", ["POST"], embeddings_endpoint, fake, DIALECT),
+        guarded_route("/v1/chat/completions", ["POST"], chat_endpoint, fake, DIALECT),
+        *batch_routes(fake, DIALECT, operations),
+    ]
+    app = Starlette(routes=routes, exception_handlers=not_found_handlers(DIALECT))
+    app.state.fake = fake
+    return app

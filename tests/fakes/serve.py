@@ -1,0 +1,98 @@
+"""Run a fake on a real 127.0.0.1 socket, inside the caller's event loop or from the command line.
+
+`serve_app` binds the socket itself (port 0 by default), so the URL is known before uvicorn starts
+and there is no race to find a free port; readiness is an event set by uvicorn's own startup.
+Needs the asyncio backend (uvicorn is asyncio-only).
+
+    python -m tests.fakes.serve openai --port 8001
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import anyio
+import uvicorn
+from starlette.types import ASGIApp
+
+__all__ = ["serve_app"]
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn.Server that reports readiness and leaves the host's signal handlers alone."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = anyio.Event()
+        self.stopped = anyio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            self.ready.set()
+
+    async def run_until_exit(self, sockets: list[socket.socket]) -> None:
+        try:
+            await self.serve(sockets=sockets)
+        finally:
+            self.ready.set()
+            self.stopped.set()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def _config(app: ASGIApp) -> uvicorn.Config:
+    return uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    """Serve `app` until the block exits; yields its base URL, e.g. `http://127.0.0.1:54321`."""
+    sock = _bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    server = _EmbeddedServer(_config(app))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.run_until_exit, [sock])
+        try:
+            await server.ready.wait()
+            if not server.started:
+                raise RuntimeError(f"uvicorn failed to start on {bound_host}:{bound_port}")
+            yield f"http://{bound_host}:{bound_port}"
+        finally:
+            server.should_exit = True
+            with anyio.move_on_after(10, shield=True):
+                await server.stopped.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.fakes.serve", description=__doc__)
+    parser.add_argument("provider", choices=["openai", "anthropic"])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    args = parser.parse_args(argv)
+    if args.provider == "openai":
+        from tests.fakes.openai_fake import create_app
+    else:
+        from tests.fakes.anthropic_fake import create_app  # type: ignore[assignment]
+    sock = _bind(args.host, args.port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    print(f"fake {args.provider} API on http://{bound_host}:{bound_port}", flush=True)
+    uvicorn.Server(_config(create_app())).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()
