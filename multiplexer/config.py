@@ -57,6 +57,9 @@ class BatchPolicy(Strict):
     max_items: int = Field(default=1, ge=1)
     max_wait_ms: float = Field(default=0.0, ge=0)
     max_tokens: int | None = Field(default=None, ge=1)
+    # Send a partial batch at once when nothing is in flight: batching then costs no
+    # latency at low load, and batches still fill while earlier ones are upstream.
+    eager: bool = True
 
 
 class Limits(Strict):

@@ -136,7 +136,7 @@ class Gateway:
                 f"{route.provider}" if not own else f"{route.provider}:{rname}",
                 provider.execute, formation, self.clock, self.limiters[route.provider],
                 max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
-                metrics=self.metrics,
+                eager=policy.eager, metrics=self.metrics,
             )
             self.lanes[key] = lane
             assert self._tg is not None

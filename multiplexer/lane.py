@@ -36,6 +36,7 @@ class Lane:
         *,
         max_queue: int = 10_000,
         max_in_flight: int = 16,
+        eager: bool = False,
         metrics: Metrics | None = None,
     ) -> None:
         self.name = name
@@ -45,6 +46,7 @@ class Lane:
         self.limiter = limiter
         self.queue = GroupedQueue(max_queue)
         self.max_in_flight = max_in_flight
+        self.eager = eager
         self.in_flight = 0
         self.metrics = metrics
         self._wake = anyio.Event()
@@ -106,6 +108,8 @@ class Lane:
         while self.in_flight < self.max_in_flight and len(self.queue):
             now = self.clock.now()
             group, decision = choose(self.queue, self.formation, now)
+            if not decision.take and self.eager and self.in_flight == 0:
+                group, decision = choose(self.queue, self.formation, math.inf)
             if not decision.take:
                 return decision.wait_until
             pending = self.queue.group(group)

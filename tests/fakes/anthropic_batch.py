@@ -127,9 +127,10 @@ def batch_routes(
         elif state.force_status == "expired":
             end(batch, state.expired_cut(total), "expired")
         elif batch.polls >= state.polls_to_complete:
-            end(batch, total, "expired")
+            end(batch, total)
 
-    def end(batch: MessageBatch, done: int, rest: str) -> None:
+    def end(batch: MessageBatch, done: int, rest: str = "expired") -> None:
+        """Settle every request: the first `done` run, the rest become `rest` (expired or canceled)."""
         rows = [
             {"custom_id": entry["custom_id"], "result": run(entry) if i < done else {"type": rest}}
             for i, entry in enumerate(batch.requests)

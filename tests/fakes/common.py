@@ -115,6 +115,9 @@ class FakeState:
     `fail_next` holds HTTP statuses returned, in order, by the next requests to any endpoint.
     `requests` counts every request received per route template (e.g. "/v1/embeddings"),
     including rejected ones; `statuses` counts the statuses answered.
+    `retry_after_s` is the `retry-after` on injected 429s (None: omitted). `clock` (wall seconds)
+    drives the limiter window and timestamps. Batches end on the `polls_to_complete`-th poll;
+    items whose user text holds `fail_marker` or whose id is in `fail_custom_ids` fail.
     """
 
     fail_next: list[int] = field(default_factory=list)
@@ -196,7 +199,10 @@ async def _answer(
             headers["retry-after"] = str(max(1, math.ceil(limiter.reset_in(now))))
         raise ApiError(429, f"rate limit reached on {which}", which, headers=headers)
     limiter.used_requests += 1
-    return await handler(request)
+    try:
+        return await handler(request)
+    except HTTPException as exc:  # e.g. a malformed multipart body
+        raise ApiError(exc.status_code, str(exc.detail)) from exc
 
 
 def not_found_handlers(dialect: Dialect) -> dict[Any, Any]:

@@ -47,6 +47,19 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
+class _AnnouncingServer(uvicorn.Server):
+    """CLI server: prints its URL only once it accepts connections, so scripts can wait on stdout."""
+
+    def __init__(self, config: uvicorn.Config, banner: str) -> None:
+        super().__init__(config)
+        self.banner = banner
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(self.banner, flush=True)
+
+
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -90,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         from tests.fakes.anthropic_fake import create_app  # type: ignore[assignment]
     sock = _bind(args.host, args.port)
     bound_host, bound_port = sock.getsockname()[:2]
-    print(f"fake {args.provider} API on http://{bound_host}:{bound_port}", flush=True)
-    uvicorn.Server(_config(create_app())).run(sockets=[sock])
+    banner = f"fake {args.provider} API on http://{bound_host}:{bound_port}"
+    _AnnouncingServer(_config(create_app()), banner).run(sockets=[sock])
 
 
 if __name__ == "__main__":
