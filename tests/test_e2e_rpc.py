@@ -123,7 +123,7 @@ async def test_upstream_http_failures_retry_then_report_status() -> None:
             assert err.value.data["upstream_status"] == 500
             assert state.http_requests == before + 1
         text = gateway.metrics.render().decode()
-        assert 'multiplexer_retries_total{provider="calc"} 2.0' in text
+        assert 'multiplexer_retries_total{provider="calc"} 4.0' in text
 
 
 async def test_retry_after_is_honoured() -> None:
@@ -168,8 +168,6 @@ async def test_missing_reply_fails_only_that_call() -> None:
     async with gateway_with_upstream(provider={"batch": {"max_items": 10, "max_wait_ms": 100,
                                                          "eager": False}}) \
             as (url, state, gateway), Client(url) as client:
-        provider = gateway.providers["calc"]
-        first = provider._ids.__reduce__()  # noqa: F841 - ids are ours; drop by value below
         state.drop_ids = set(range(1, 10_000, 3))
         results = await client.call_many([("subtract", [i, 0]) for i in range(9)])
         failed = [r for r in results if isinstance(r, RpcError)]
@@ -201,12 +199,24 @@ async def test_full_queue_answers_overloaded_with_retry_after() -> None:
     state = UpstreamState(gate=anyio.Event())
     overrides = {"provider": {"batch": {"max_items": 1}, "limits": {"concurrency": 1,
                                                                     "max_queue": 5}}}
-    async with gateway_with_upstream(state, **overrides) as (url, state, _), \
+    async with gateway_with_upstream(state, **overrides) as (url, state, gateway), \
             Client(url) as client:
-        results = await client.call_many([("wait", {"n": i}) for i in range(20)], )
-        state.gate.set()
-    # this line is reached only after the gate opened
-    del results
+        results: list = []
+
+        async def send() -> None:
+            results.extend(await client.call_many([("wait", {"n": i}) for i in range(20)]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send)
+            rejected = gateway.metrics.rejections.labels("calc", "queue_full")
+            with anyio.fail_after(10):
+                while rejected._value.get() < 14:
+                    await anyio.sleep(0.005)
+            state.gate.set()
+        refused = [r for r in results if isinstance(r, RpcError)]
+        # one running, five queued (the first may still be queued when the rest arrive)
+        assert len(refused) in (14, 15) and results.count("released") == 20 - len(refused)
+        assert all(e.code == -32002 and e.data["retry_after"] > 0 for e in refused)
 
 
 async def test_healthz_and_metrics() -> None:

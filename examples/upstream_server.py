@@ -1,0 +1,85 @@
+"""A small upstream MCP server for demos, tests and benchmarks (built on the SDK's ``MCPServer``).
+
+Tools: ``echo`` and ``add`` (fast, read-only), ``sleep`` (slow, reports progress), ``fail``
+(always fails), ``pid`` (the server's process id, so tests can kill it), and ``grow`` (adds a
+tool at run time and announces that the tool list changed).
+
+    python examples/upstream_server.py                   # MCP over stdio
+    python examples/upstream_server.py --http --port 9002  # Streamable HTTP at /mcp
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import anyio
+from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+
+READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
+
+server = MCPServer("upstream-example", version="1.0")
+
+
+@server.tool(description="Returns the text it was given", annotations=READ_ONLY)
+def echo(text: str) -> str:
+    return text
+
+
+@server.tool(description="Adds two numbers", annotations=READ_ONLY)
+def add(a: int | float, b: int | float) -> int | float:
+    return a + b
+
+
+@server.tool(description="Sleeps, reporting progress after each step; returns 'slept'")
+async def sleep(seconds: float, ctx: Context, steps: int = 1) -> str:
+    steps = max(1, steps)
+    for i in range(steps):
+        await anyio.sleep(seconds / steps)
+        await ctx.report_progress(i + 1, steps, f"step {i + 1} of {steps}")
+    return "slept"
+
+
+@server.tool(description="Always fails with the given message")
+def fail(message: str = "boom") -> str:
+    raise ToolError(message)
+
+
+@server.tool(description="This server's process id", annotations=READ_ONLY)
+def pid() -> int:
+    return os.getpid()
+
+
+def shout(text: str) -> str:
+    return text.upper()
+
+
+@server.tool(description="Adds the tool 'shout' and announces that the tool list changed")
+async def grow(ctx: Context) -> str:
+    if all(t.name != "shout" for t in await server.list_tools()):
+        server.add_tool(shout, description="Upper-cases its text", annotations=READ_ONLY)
+    await ctx.notify_tools_changed()  # 2026-07-28 listeners
+    try:
+        await ctx.request_context.session.send_tool_list_changed()  # handshake-era sessions
+    except Exception:  # no standalone channel on this connection: nothing to tell
+        pass
+    return "grown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--http", action="store_true", help="serve Streamable HTTP instead of stdio")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9002)
+    args = parser.parse_args()
+    if args.http:
+        server.run("streamable-http", host=args.host, port=args.port)
+    else:
+        server.run("stdio")
+
+
+if __name__ == "__main__":
+    main()

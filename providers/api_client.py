@@ -1,0 +1,138 @@
+"""One pooled HTTP client per remote provider: auth, retries, and limits learned from every reply.
+
+Every response, success or not, teaches the lane's limiter what the upstream
+says is left; a 429/529 also pauses the lane for Retry-After (or, when the
+upstream omits it, until the exhausted bucket resets) before the retry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from multiplexer.errors import RpcError, upstream_error
+from multiplexer.provider import ProviderContext
+from multiplexer.retry import Retryable, with_retries
+
+from .http_util import classify, make_client
+from .ratelimit_headers import Parser, apply, wait_hint
+
+log = logging.getLogger(__name__)
+
+PAUSE_STATUSES = {429, 529}
+
+
+class ApiClient:
+    def __init__(self, ctx: ProviderContext, base_url: str, headers: Mapping[str, str],
+                 parse_limits: Parser) -> None:
+        self.ctx = ctx
+        self.name = ctx.name
+        self.base_url = base_url.rstrip("/")
+        self._headers = dict(headers)
+        self._parse_limits = parse_limits
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        conf = self.ctx.config
+        self._client = make_client(conf.timeout_ms / 1000, max(conf.limits.concurrency * 2, 8),
+                                   headers=self._headers)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def url(self, path: str) -> str:
+        return path if path.startswith(("http://", "https://")) else self.base_url + path
+
+    def learn(self, response: httpx.Response) -> None:
+        """Feed the limiter from one response's headers (also used by callers that stream)."""
+        observations = self._parse_limits(response.headers)
+        apply(self.ctx.limiter, observations)
+        if response.status_code in PAUSE_STATUSES:
+            wait = wait_hint(response.headers, observations)
+            if wait is not None:
+                self.ctx.limiter.pause(wait)
+
+    async def _attempt(self, request: httpx.Request, idempotent: bool,
+                       stream: bool) -> httpx.Response:
+        assert self._client is not None, "ApiClient used before start()"
+        self.ctx.metrics.upstream_requests.labels(self.name).inc()
+        try:
+            response = await self._client.send(request, stream=stream)
+        except httpx.HTTPError as e:
+            self.ctx.metrics.upstream_errors.labels(self.name, type(e).__name__).inc()
+            raise classify(self.name, e, None, idempotent) from None
+        self.learn(response)
+        if response.status_code < 400:
+            return response
+        if stream:
+            await response.aread()
+            await response.aclose()
+        self.ctx.metrics.upstream_errors.labels(self.name, str(response.status_code)).inc()
+        error = classify(self.name, None, response, idempotent)
+        if isinstance(error, Retryable) and error.retry_after is None:
+            if response.status_code in PAUSE_STATUSES:
+                error.retry_after = wait_hint(response.headers, self._parse_limits(response.headers))
+        raise error
+
+    async def request(self, method: str, path: str, *, idempotent: bool, deadline: float | None,
+                      stream: bool = False, **kwargs: Any) -> httpx.Response:
+        """A 2xx response after retries, or the final ``RpcError``.
+
+        With ``stream=True`` the caller reads and closes the body (large result files).
+        """
+        assert self._client is not None, "ApiClient used before start()"
+        retry = self.ctx.config.retry
+
+        async def attempt() -> httpx.Response:
+            request = self._client.build_request(method, self.url(path), **kwargs)  # type: ignore[union-attr]
+            return await self._attempt(request, idempotent, stream)
+
+        return await with_retries(
+            attempt, clock=self.ctx.clock, deadline=deadline, attempts=retry.attempts,
+            base_wait=retry.base_wait_ms / 1000, max_wait=retry.max_wait_ms / 1000,
+            on_retry=lambda e: self.ctx.metrics.retries.labels(self.name).inc(),
+        )
+
+    async def json(self, method: str, path: str, *, idempotent: bool, deadline: float | None,
+                   **kwargs: Any) -> Any:
+        """A decoded JSON object; a malformed body is an ``RpcError`` naming the provider."""
+        response = await self.request(method, path, idempotent=idempotent, deadline=deadline,
+                                      **kwargs)
+        return decode_json(self.name, response)
+
+
+def decode_json(provider: str, response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        raise upstream_error(provider, "upstream sent a malformed (non-JSON) body",
+                             response.status_code) from None
+    if not isinstance(body, dict):
+        raise upstream_error(provider, "upstream sent a JSON body that is not an object",
+                             response.status_code)
+    return body
+
+
+def error_detail(body: Any) -> tuple[str, str | None]:
+    """(message, code) from an OpenAI or Anthropic error body, tolerating odd shapes."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            if isinstance(err.get("error"), dict):  # Anthropic envelope inside a batch result
+                err = err["error"]
+            message = err.get("message")
+            code = err.get("code") or err.get("type")
+            return (str(message) if message is not None else "upstream error",
+                    str(code) if code is not None else None)
+    return "upstream error", None
+
+
+def item_error(provider: str, body: Any, status: int | None) -> RpcError:
+    message, code = error_detail(body)
+    extra = {"upstream_code": code} if code else {}
+    return upstream_error(provider, message, status, **extra)
