@@ -128,12 +128,11 @@ async def test_upstream_http_failures_retry_then_report_status() -> None:
 
 async def test_retry_after_is_honoured() -> None:
     state = UpstreamState(fail_next=[429], retry_after="0.2")
-    async with gateway_with_upstream(state) as (url, state, _):
-        async with Client(url) as client:
-            start = anyio.current_time()
-            assert await client.call("subtract", [3, 1]) == 2
-            assert anyio.current_time() - start >= 0.2
-            assert state.http_requests == 2
+    async with gateway_with_upstream(state) as (url, state, _), Client(url) as client:
+        start = anyio.current_time()
+        assert await client.call("subtract", [3, 1]) == 2
+        assert anyio.current_time() - start >= 0.2
+        assert state.http_requests == 2
 
 
 async def test_unreachable_upstream_is_a_clear_error() -> None:

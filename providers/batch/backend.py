@@ -1,0 +1,119 @@
+"""What an asynchronous batch API looks like to the job manager, whatever the vendor.
+
+A backend submits one *part* (a set of request lines under the vendor's size
+limits), reports its status, streams back per-request results matched by
+``custom_id``, and cancels. The job manager owns everything durable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from multiplexer.errors import RpcError
+
+Terminal = Literal["completed", "failed", "expired", "cancelled"]
+LineKind = Literal["succeeded", "errored", "unfinished", "cancelled"]
+
+
+class BatchApiSettings(BaseModel):
+    """Batch-job keys shared by remote provider kinds (flat keys in the provider's config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_api: bool = True  # False: jobs run through the synchronous endpoint (vLLM, Ollama, ...)
+    batch_poll_interval_s: float = Field(default=10.0, gt=0)
+    batch_max_requests: int = Field(default=50_000, ge=1)
+    batch_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)
+    batch_resubmit_expired: bool = True
+    batch_completion_window: str = "24h"
+
+
+@dataclass(slots=True)
+class JobItem:
+    """One request line: its custom id and the provider's own request body."""
+
+    custom_id: str
+    operation: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStatus:
+    remote_id: str
+    status: str  # the vendor's own word
+    terminal: Terminal | None  # None while it runs
+    counts: dict[str, int] = field(default_factory=dict)
+    detail: str | None = None  # why a failed batch failed
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LineResult:
+    custom_id: str
+    kind: LineKind
+    result: Any = None
+    error: RpcError | None = None
+
+
+class SubmissionUnknown(Exception):
+    """The vendor cannot tell whether a half-finished submission created a batch."""
+
+
+class BatchBackend(Protocol):
+    max_requests: int
+    max_bytes: int
+
+    def split_key(self, operation: str, params: dict[str, Any]) -> Hashable:
+        """Items with different keys never share a part (OpenAI: one model per file)."""
+        ...
+
+    def line_size(self, item: JobItem) -> int: ...
+
+    async def submit(self, part_id: str, items: Sequence[JobItem]) -> str:
+        """Create the remote batch; returns its id."""
+        ...
+
+    async def find(self, part_id: str, since_wall: float, size: int,
+                   claimed: set[str]) -> str | None:
+        """The batch a crashed submission created, None if it created none, or SubmissionUnknown."""
+        ...
+
+    async def poll(self, remote_id: str) -> RemoteStatus: ...
+
+    def results(self, status: RemoteStatus) -> AsyncIterator[LineResult]: ...
+
+    async def cancel(self, remote_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Planned:
+    index: int
+    key: Hashable
+    size: int
+
+
+def plan_parts(items: Sequence[Planned], max_requests: int, max_bytes: int) -> list[list[int]]:
+    """Split into parts: one key per part, at most ``max_requests`` lines and ``max_bytes``."""
+    by_key: dict[Hashable, list[Planned]] = {}
+    for p in items:
+        by_key.setdefault(p.key, []).append(p)
+    parts: list[list[int]] = []
+    for group in by_key.values():
+        cur: list[int] = []
+        size = 0
+        for p in group:
+            if cur and (len(cur) >= max_requests or size + p.size > max_bytes):
+                parts.append(cur)
+                cur, size = [], 0
+            cur.append(p.index)
+            size += p.size
+        if cur:
+            parts.append(cur)
+    return parts
+
+
+SyncRunner = Callable[[str, dict[str, Any]], Any]

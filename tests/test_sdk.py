@@ -1,0 +1,61 @@
+"""The SDK: call, call_many chunking and order, errors in place, the sync form, the CLI call."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import anyio
+import pytest
+
+from multiplexer import Client, RpcError, SyncClient
+from tests.jsonrpc_helpers import gateway_with_upstream
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_call_many_chunks_under_the_server_limit_and_keeps_order() -> None:
+    async with gateway_with_upstream(server={"max_batch_items": 50}) as (url, state, _):
+        async with Client(url, batch_size=50) as client:
+            calls = [("subtract", [i, 1]) if i % 7 else ("nope", {}) for i in range(523)]
+            results = await client.call_many(calls)
+        assert len(results) == 523
+        for i, r in enumerate(results):
+            if i % 7:
+                assert r == i - 1
+            else:
+                assert isinstance(r, RpcError) and r.code == -32601
+        async with Client(url, batch_size=50) as client:
+            with pytest.raises(RpcError):
+                await client.call_many(calls, raise_errors=True)
+
+
+async def test_client_reports_batch_too_large_when_misconfigured() -> None:
+    async with gateway_with_upstream(server={"max_batch_items": 10}) as (url, _, _):
+        async with Client(url, batch_size=20) as client:
+            results = await client.call_many([("subtract", [1, 1])] * 20)
+        assert all(isinstance(r, RpcError) and r.code == -32600 for r in results)
+
+
+async def test_sync_client_and_cli_call() -> None:
+    async with gateway_with_upstream() as (url, _, _):
+        def sync_part() -> tuple[int, list]:
+            client = SyncClient(url)
+            return client.call("subtract", [5, 2]), client.call_many([("get_data", None)] * 3)
+
+        one, many = await anyio.to_thread.run_sync(sync_part)
+        assert one == 3 and many == [["hello", 5]] * 3
+        proc = await anyio.run_process(
+            [sys.executable, "-m", "multiplexer", "call", "subtract", "[10, 4]", "--url", url],
+            check=False)
+        assert proc.returncode == 0 and proc.stdout.decode().strip() == "6"
+        proc = await anyio.run_process(
+            [sys.executable, "-m", "multiplexer", "call", "nope", "--url", url], check=False)
+        assert proc.returncode == 1 and b"-32601" in proc.stderr
+
+
+def test_demo_command_runs_offline() -> None:
+    proc = subprocess.run([sys.executable, "-m", "multiplexer", "demo"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "sum(" in proc.stdout and "1000 correct" in proc.stdout
