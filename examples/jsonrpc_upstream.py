@@ -59,6 +59,8 @@ async def _run(state: UpstreamState, method: str, params: Any) -> Any:
         if state.gate is not None:
             await state.gate.wait()
         return "released"
+    if method == "stats":
+        return {"http_requests": state.http_requests, "executions": dict(state.executions)}
     if method == "fail":
         raise ValueError((params or {}).get("message", "failed on purpose"))
     raise KeyError(method)

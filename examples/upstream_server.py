@@ -11,6 +11,7 @@ tool at run time and announces that the tool list changed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import anyio
@@ -62,10 +63,8 @@ async def grow(ctx: Context) -> str:
     if all(t.name != "shout" for t in await server.list_tools()):
         server.add_tool(shout, description="Upper-cases its text", annotations=READ_ONLY)
     await ctx.notify_tools_changed()  # 2026-07-28 listeners
-    try:
+    with contextlib.suppress(Exception):  # no standalone channel on this connection: nothing to tell
         await ctx.request_context.session.send_tool_list_changed()  # handshake-era sessions
-    except Exception:  # no standalone channel on this connection: nothing to tell
-        pass
     return "grown"
 
 

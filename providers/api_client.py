@@ -8,12 +8,16 @@ upstream omits it, until the exhausted bucket resets) before the retry.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+import anyio
 import httpx
 
+from multiplexer.call import Item, Outcome
+from multiplexer.clock import Clock
 from multiplexer.errors import RpcError, upstream_error
+from multiplexer.limiter import RateLimiter
 from multiplexer.provider import ProviderContext
 from multiplexer.retry import Retryable, with_retries
 
@@ -74,9 +78,9 @@ class ApiClient:
             await response.aclose()
         self.ctx.metrics.upstream_errors.labels(self.name, str(response.status_code)).inc()
         error = classify(self.name, None, response, idempotent)
-        if isinstance(error, Retryable) and error.retry_after is None:
-            if response.status_code in PAUSE_STATUSES:
-                error.retry_after = wait_hint(response.headers, self._parse_limits(response.headers))
+        if (isinstance(error, Retryable) and error.retry_after is None
+                and response.status_code in PAUSE_STATUSES):
+            error.retry_after = wait_hint(response.headers, self._parse_limits(response.headers))
         raise error
 
     async def request(self, method: str, path: str, *, idempotent: bool, deadline: float | None,
@@ -136,3 +140,37 @@ def item_error(provider: str, body: Any, status: int | None) -> RpcError:
     message, code = error_detail(body)
     extra = {"upstream_code": code} if code else {}
     return upstream_error(provider, message, status, **extra)
+
+
+async def admit(limiter: RateLimiter, clock: Clock, requests: int = 1, tokens: int = 0) -> None:
+    """Wait until the lane's limiter lets a request of this cost go, then charge it.
+
+    For requests the lane did not charge itself: the extra chunks of a packed
+    batch, and jobs run through the synchronous endpoint.
+    """
+    while True:
+        wait, _ = limiter.delay(requests, tokens)
+        if wait <= 0:
+            limiter.consume(requests, tokens)
+            return
+        await clock.sleep_until(clock.now() + wait)
+
+
+async def run_each(items: Sequence[Item], run_one: Callable[[Item], Awaitable[Outcome]],
+                   ctx: ProviderContext) -> list[Outcome]:
+    """One request per item, concurrently; the lane charged the first, the rest are admitted here."""
+    if len(items) == 1:
+        return [await run_one(items[0])]
+    out: list[Outcome] = [Outcome()] * len(items)
+    gate = anyio.CapacityLimiter(ctx.config.limits.concurrency)
+
+    async def one(i: int) -> None:
+        async with gate:
+            if i:
+                await admit(ctx.limiter, ctx.clock)
+            out[i] = await run_one(items[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(items)):
+            tg.start_soon(one, i)
+    return out

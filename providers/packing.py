@@ -163,3 +163,23 @@ class Scatter:
             tokens = self.prompt_tokens[i]
             out["usage"] = {"prompt_tokens": tokens, "total_tokens": tokens}
         return out
+
+
+def content_text(content: Any) -> str:
+    """The text of a message ``content``: a string or a list of typed parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p["text"] for p in content
+                        if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def chat_tokens(params: dict[str, Any]) -> int:
+    """Prompt estimate plus the completion budget, which is what providers count against limits."""
+    messages = params.get("messages") or []
+    prompt = sum(text_tokens(content_text(m.get("content"))) + 4
+                 for m in messages if isinstance(m, dict))
+    prompt += text_tokens(content_text(params.get("system"))) if params.get("system") else 0
+    budget = params.get("max_completion_tokens") or params.get("max_tokens") or 0
+    return prompt + (budget if isinstance(budget, int) and not isinstance(budget, bool) else 0)

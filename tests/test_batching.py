@@ -80,7 +80,7 @@ async def test_lane_waits_max_wait_then_sends_partial_batch() -> None:
         await a.future.wait()
         assert rec.batches == [["a", "b"]]
         assert (await b.future.wait()).result == "B"
-        c, d, e = (lane.submit(item(n)) for n in "cde")
+        *_, e = (lane.submit(item(n)) for n in "cde")
         await e.future.wait()
         assert rec.batches[-1] == ["c", "d", "e"]  # full: no wait
         assert clock.now() == pytest.approx(1000.5)

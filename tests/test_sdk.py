@@ -15,7 +15,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_call_many_chunks_under_the_server_limit_and_keeps_order() -> None:
-    async with gateway_with_upstream(server={"max_batch_items": 50}) as (url, state, _):
+    async with gateway_with_upstream(server={"max_batch_items": 50}) as (url, _, _):
         async with Client(url, batch_size=50) as client:
             calls = [("subtract", [i, 1]) if i % 7 else ("nope", {}) for i in range(523)]
             results = await client.call_many(calls)

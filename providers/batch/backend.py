@@ -7,7 +7,7 @@ limits), reports its status, streams back per-request results matched by
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -116,4 +116,3 @@ def plan_parts(items: Sequence[Planned], max_requests: int, max_bytes: int) -> l
     return parts
 
 
-SyncRunner = Callable[[str, dict[str, Any]], Any]

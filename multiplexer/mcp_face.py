@@ -1,0 +1,134 @@
+"""MCP over Streamable HTTP at ``server.mcp.path``, beside ``/rpc`` on the same port.
+
+The SDK's ``StreamableHTTPSessionManager`` serves both protocol eras. In front
+of it this face checks ``Origin`` (DNS rebinding), the bearer key (401 with a
+JSON-RPC error body) and refuses JSON-RPC batch arrays, which current
+revisions forbid: batching happens inside the gateway, not on the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from starlette.datastructures import Headers
+from starlette.routing import BaseRoute, Route
+from starlette.types import Message, Receive, Scope, Send
+
+from .auth import Authenticator
+from .errors import Code, RpcError, invalid_request
+from .gateway import Gateway
+from .http import rpc_error, too_large, unauthorized
+from .mcp_server import IDENTITY_SCOPE_KEY, McpFace
+
+_ARRAY_DETAIL = ("JSON-RPC batch arrays are not accepted on /mcp at this protocol revision; "
+                 "send one message per request (the gateway batches upstream calls itself)")
+
+
+def origin_allowed(origin: str | None, allowed: list[str]) -> bool:
+    """No Origin (not a browser) passes; otherwise scheme://host must be listed, any port."""
+    if not origin:
+        return True
+    if "*" in allowed:
+        return True
+    origin = origin.rstrip("/").lower()
+    for entry in allowed:
+        entry = entry.rstrip("/").lower()
+        if origin == entry or (origin.startswith(entry + ":") and origin[len(entry) + 1:].isdigit()):
+            return True
+    return False
+
+
+class McpEndpoint:
+    """The ASGI app at the MCP path: checks, then the SDK's session manager."""
+
+    def __init__(self, manager: StreamableHTTPSessionManager, auth: Authenticator,
+                 allowed_origins: list[str], max_body: int) -> None:
+        self.manager = manager
+        self.auth = auth
+        self.allowed_origins = allowed_origins
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        if not origin_allowed(origin, self.allowed_origins):
+            err = RpcError(Code.INVALID_REQUEST, "Forbidden: origin not allowed",
+                           {"origin": origin[:200] if origin else None})
+            await rpc_error(403, err)(scope, receive, send)
+            return
+        try:
+            identity = self.auth.identify(headers.get("authorization"))
+        except RpcError as e:
+            await unauthorized(e)(scope, receive, send)
+            return
+        scope = dict(scope)
+        scope[IDENTITY_SCOPE_KEY] = identity
+        if identity is not None:
+            # The session manager binds each session to the credential that opened it.
+            scope["user"] = AuthenticatedUser(AccessToken(token="", client_id=identity, scopes=[]))
+        if scope.get("method") == "POST":
+            body = await self._read_body(headers, receive)
+            if body is None:
+                await too_large(self.max_body)(scope, receive, send)
+                return
+            if body.lstrip()[:1] == b"[":
+                await rpc_error(400, invalid_request(_ARRAY_DETAIL))(scope, receive, send)
+                return
+            receive = _replay(body, receive)
+        await self.manager.handle_request(scope, receive, send)
+
+    async def _read_body(self, headers: Headers, receive: Receive) -> bytes | None:
+        declared = headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[BaseRoute], Any]:
+    """Routes for the HTTP app and the lifespan that runs the session manager."""
+    server = gateway.config.server
+    face = McpFace(gateway)
+    manager = StreamableHTTPSessionManager(
+        app=face.server,
+        max_request_body_size=server.max_body_bytes,
+        security_settings=None,  # Origin is checked above against server.mcp.allowed_origins
+    )
+    endpoint = McpEndpoint(manager, authenticator, server.mcp.allowed_origins, server.max_body_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        async with manager.run(), face.running():
+            yield
+
+    return [Route(server.mcp.path, endpoint)], lifespan

@@ -1,0 +1,183 @@
+"""The gateway as one MCP server (SDK low-level ``Server``), shared by the HTTP and stdio faces.
+
+``tools/list`` is the gateway's routing table; ``tools/call`` goes through
+``Gateway.submit`` like ``/rpc``, so routing, lanes, limits and dedup apply.
+When an upstream's tool list changes, every connected client hears about it:
+2026-07-28 clients on their ``subscriptions/listen`` streams, handshake-era
+clients on their connection's standalone channel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import mcp_types as types
+from mcp.server import NotificationOptions, Server, ServerRequestContext
+from mcp.server.models import InitializationOptions
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+from .call import Call
+from .errors import RpcError
+from .gateway import Gateway
+from .jsonrpc import META_KEYS, call_from
+from .mcp_tools import MAX_NAME, ToolCatalog, error_result, protocol_error, to_tool, wrap_result
+from .provider import ToolSpec
+
+log = logging.getLogger(__name__)
+
+IDENTITY_SCOPE_KEY = "multiplexer.identity"
+_SERVER_INFO = types.SERVER_INFO_META_KEY
+
+
+class _GatewayServer(Server[Any]):
+    """Advertises ``tools.listChanged`` to handshake-era clients on every transport."""
+
+    def create_initialization_options(
+        self,
+        notification_options: NotificationOptions | None = None,
+        experimental_capabilities: dict[str, dict[str, Any]] | None = None,
+        extensions: dict[str, dict[str, Any]] | None = None,
+    ) -> InitializationOptions:
+        return super().create_initialization_options(
+            notification_options or NotificationOptions(tools_changed=True),
+            experimental_capabilities, extensions,
+        )
+
+
+class McpFace:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.catalog = ToolCatalog()
+        self.bus = InMemorySubscriptionBus()
+        self.listen = ListenHandler(self.bus)
+        self._legacy: dict[int, Any] = {}  # handshake-era connections, by id
+        self._changes_in, self._changes_out = anyio.create_memory_object_stream[None](1)
+        self.server = _GatewayServer(
+            "multiplexer", version="0.1.0",
+            instructions="Every route of this gateway is a tool; calls are batched, limited and shared.",
+            get_tool_input_schema=self.catalog.input_schema,
+            on_list_tools=self.list_tools,
+            on_call_tool=self.call_tool,
+            on_subscriptions_listen=self.listen,
+        )
+        self.server.middleware.append(self._track_connection)
+
+    # -- lifetime --------------------------------------------------------------
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[McpFace]:
+        """Forward the gateway's tool-list changes to connected clients while the face is up."""
+        self.gateway.listeners.append(self._on_event)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._broadcast)
+                try:
+                    yield self
+                finally:
+                    self.listen.close()
+                    tg.cancel_scope.cancel()
+        finally:
+            self.gateway.listeners.remove(self._on_event)
+
+    def _on_event(self, event: str, data: dict[str, Any]) -> None:
+        if event == "tools_changed":
+            with contextlib.suppress(anyio.WouldBlock):  # a pending broadcast covers this change
+                self._changes_in.send_nowait(None)
+
+    async def _broadcast(self) -> None:
+        async for _ in self._changes_out:
+            await self.bus.publish(ToolsListChanged())
+            for connection in list(self._legacy.values()):
+                with anyio.move_on_after(1.0):
+                    await connection.send_tool_list_changed()
+
+    async def _track_connection(self, ctx: ServerRequestContext[Any, Any],
+                                call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+        """Remember handshake-era connections so list changes can reach them later."""
+        if ctx.method != "initialize" and ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            # ServerSession keeps its connection private; it is the only handle on the
+            # connection's standalone channel and on its teardown (exit_stack).
+            connection = getattr(ctx.session, "_connection", None)
+            key = id(connection)
+            if connection is not None and key not in self._legacy:
+                self._legacy[key] = connection
+                connection.exit_stack.callback(self._legacy.pop, key, None)
+        return await call_next(ctx)
+
+    # -- handlers ----------------------------------------------------------------
+    async def specs(self) -> list[ToolSpec]:
+        """The gateway's tools; exact routes to an MCP upstream take that tool's schema."""
+        config = self.gateway.config
+        upstream: dict[str, dict[str, ToolSpec]] = {}
+        specs: list[ToolSpec] = []
+        for spec in await self.gateway.list_tools():
+            route = config.routes.get(spec.name)
+            if (route is not None and route.input_schema is None
+                    and config.providers[route.provider].kind == "mcp"):
+                if route.provider not in upstream:
+                    listed = await self.gateway.providers[route.provider].list_tools()
+                    upstream[route.provider] = {t.name: t for t in listed}
+                found = upstream[route.provider].get(route.method or spec.name)
+                if found is not None:
+                    spec = ToolSpec(spec.name, route.description or found.description,
+                                    found.input_schema, found.annotations, found.meta)
+            specs.append(spec)
+        return specs
+
+    async def list_tools(self, ctx: ServerRequestContext[Any, Any],
+                         params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=self.catalog.build(await self.specs()))
+
+    async def call_tool(self, ctx: ServerRequestContext[Any, Any],
+                        params: types.CallToolRequestParams) -> types.CallToolResult | dict[str, Any]:
+        if len(params.name) == MAX_NAME and params.name not in self.catalog.aliases:
+            self.catalog.build(await self.specs())  # a client calling a short alias it never listed
+        method = self.catalog.resolve(params.name)
+        raw_meta = (ctx.params or {}).get("_meta")
+        meta = {k: v for k, v in raw_meta.items() if k in META_KEYS} if isinstance(raw_meta, dict) else {}
+        try:
+            call = call_from(method, params.arguments, meta, identity_of(ctx))
+        except RpcError as e:
+            return error_result(e)
+        if isinstance(raw_meta, dict) and raw_meta.get("progressToken") is not None:
+            call.extra_meta["progress"] = ctx.session.report_progress
+        outcome = await self.gateway.submit(call)
+        return self._result(call, params.name, outcome.result, outcome.error)
+
+    def _result(self, call: Call, tool: str, result: Any, error: RpcError | None
+                ) -> types.CallToolResult | dict[str, Any]:
+        if error is not None:
+            raised = protocol_error(error, tool)
+            if raised is not None:
+                raise raised
+            return error_result(error)
+        if self._is_mcp_route(call.method) and isinstance(result, dict) and "content" in result:
+            meta = result.get("_meta")
+            if isinstance(meta, dict) and _SERVER_INFO in meta:  # this server identifies itself
+                meta = {k: v for k, v in meta.items() if k != _SERVER_INFO}
+                result = {**result, "_meta": meta} if meta else {
+                    k: v for k, v in result.items() if k != "_meta"}
+            return result
+        return wrap_result(result)
+
+    def _is_mcp_route(self, method: str) -> bool:
+        try:
+            route = self.gateway.resolve(method).route
+        except RpcError:
+            return False
+        return self.gateway.config.providers[route.provider].kind == "mcp"
+
+
+def identity_of(ctx: ServerRequestContext[Any, Any]) -> str | None:
+    """The authenticated identity the HTTP face put on the request scope (None on stdio)."""
+    request = ctx.request
+    scope = getattr(request, "scope", None)
+    return scope.get(IDENTITY_SCOPE_KEY) if isinstance(scope, dict) else None
+
+
+__all__ = ["IDENTITY_SCOPE_KEY", "McpFace", "identity_of", "to_tool"]

@@ -1,0 +1,1 @@
+"""Asynchronous batch APIs (OpenAI Batch, Anthropic Message Batches) behind durable jobs."""

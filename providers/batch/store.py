@@ -1,0 +1,379 @@
+"""Durable batch jobs in SQLite: jobs, their items (custom id -> call), parts, and results.
+
+A part's life is written down before each irreversible step: ``submitting``
+(with the wall time) is committed before the batch is created upstream, and the
+remote batch id together with ``submitted`` in one transaction after it, so a
+gateway killed at any instant knows on restart whether to poll, to look the
+batch up, or to submit; never to submit twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+
+T = TypeVar("T")
+
+ITEM_DONE = ("succeeded", "failed")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  id TEXT PRIMARY KEY, identity TEXT, source TEXT NOT NULL, state TEXT NOT NULL,
+  total INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS parts (
+  id TEXT PRIMARY KEY, job_id TEXT NOT NULL, provider TEXT NOT NULL, attempt INTEGER NOT NULL,
+  state TEXT NOT NULL, remote_id TEXT, remote_status TEXT, detail TEXT, intent_wall REAL,
+  created REAL NOT NULL, updated REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS parts_open ON parts(provider, state);
+CREATE TABLE IF NOT EXISTS items (
+  job_id TEXT NOT NULL, idx INTEGER NOT NULL, provider TEXT, route TEXT, operation TEXT,
+  method TEXT, params TEXT, options TEXT, tokens INTEGER NOT NULL DEFAULT 1,
+  custom_id TEXT NOT NULL, part_id TEXT, state TEXT NOT NULL, result TEXT, error TEXT,
+  PRIMARY KEY (job_id, idx));
+CREATE INDEX IF NOT EXISTS items_part ON items(part_id);
+"""
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    id: str
+    identity: str | None
+    source: str
+    state: str
+    total: int
+    created: float
+    updated: float
+
+
+@dataclass(frozen=True, slots=True)
+class PartRow:
+    id: str
+    job_id: str
+    provider: str
+    attempt: int
+    state: str
+    remote_id: str | None
+    remote_status: str | None
+    detail: str | None
+    intent_wall: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ItemRow:
+    idx: int
+    custom_id: str
+    route: str | None
+    operation: str | None
+    method: str | None
+    params: str | None
+    options: str | None
+    tokens: int
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class NewItem:
+    idx: int
+    provider: str | None
+    route: str | None
+    operation: str | None
+    method: str | None
+    params: Any
+    options: dict[str, Any]
+    tokens: int
+    custom_id: str
+    state: str = "queued"
+    error: dict[str, Any] | None = None
+
+
+def _locked(fn: Callable[..., T]) -> Callable[..., T]:
+    @functools.wraps(fn)
+    def wrapper(self: JobStore, *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+class JobStore:
+    """Blocking methods guarded by a lock; call them through ``run`` from async code."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
+                                   timeout=30.0)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _tx(self) -> sqlite3.Connection:
+        self._db.execute("BEGIN IMMEDIATE")
+        return self._db
+
+    # -- jobs ------------------------------------------------------------------
+    @_locked
+    def create_job(self, job_id: str, identity: str | None, source: str, state: str) -> None:
+        now = time.time()
+        self._db.execute("INSERT INTO jobs VALUES (?,?,?,?,0,?,?)",
+                         (job_id, identity, source, state, now, now))
+
+    @_locked
+    def job(self, job_id: str) -> JobRow | None:
+        row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return JobRow(*row) if row else None
+
+    @_locked
+    def list_jobs(self, identity: str | None, limit: int) -> list[JobRow]:
+        rows = self._db.execute(
+            "SELECT * FROM jobs WHERE identity IS ? ORDER BY created DESC LIMIT ?",
+            (identity, limit)).fetchall()
+        return [JobRow(*r) for r in rows]
+
+    @_locked
+    def set_job_state(self, job_id: str, state: str, only_from: Sequence[str] = ()) -> bool:
+        sql = "UPDATE jobs SET state=?, updated=? WHERE id=?"
+        args: list[Any] = [state, time.time(), job_id]
+        if only_from:
+            sql += f" AND state IN ({','.join('?' * len(only_from))})"
+            args += list(only_from)
+        return self._db.execute(sql, args).rowcount > 0
+
+    @_locked
+    def finish_job_if_done(self, job_id: str) -> str | None:
+        """Close a sealed job whose items all ended; returns its final state when it did."""
+        job = self.job(job_id)
+        if job is None or job.state not in ("running", "cancelling"):
+            return job.state if job and job.state in ("done", "cancelled") else None
+        left = self._db.execute(
+            "SELECT COUNT(*) FROM items WHERE job_id=? AND state NOT IN ('succeeded','failed')",
+            (job_id,)).fetchone()[0]
+        if left:
+            return None
+        final = "cancelled" if job.state == "cancelling" else "done"
+        self.set_job_state(job_id, final)
+        return final
+
+    @_locked
+    def counts(self, job_id: str) -> dict[str, int]:
+        counts = dict.fromkeys(("queued", "submitted", "succeeded", "failed"), 0)
+        for state, n in self._db.execute(
+                "SELECT state, COUNT(*) FROM items WHERE job_id=? GROUP BY state", (job_id,)):
+            counts[state] = n
+        return counts
+
+    @_locked
+    def job_parts(self, job_id: str) -> list[PartRow]:
+        rows = self._db.execute("SELECT * FROM parts WHERE job_id=? ORDER BY created",
+                                (job_id,)).fetchall()
+        return [_part(r) for r in rows]
+
+    # -- items -----------------------------------------------------------------
+    @_locked
+    def add_items(self, job_id: str, items: Iterable[NewItem]) -> int:
+        db = self._tx()
+        try:
+            cur = db.executemany(
+                "INSERT INTO items VALUES (?,?,?,?,?,?,?,?,?,?,NULL,?,NULL,?)",
+                ((job_id, n.idx, n.provider, n.route, n.operation, n.method, dumps(n.params),
+                  dumps(n.options), n.tokens, n.custom_id, n.state,
+                  dumps(n.error) if n.error is not None else None) for n in items))
+            added = cur.rowcount
+            db.execute("UPDATE jobs SET total=total+?, updated=? WHERE id=?",
+                       (added, time.time(), job_id))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return added
+
+    @_locked
+    def jobs_with_unplanned(self, provider: str) -> list[str]:
+        """Sealed jobs whose items for ``provider`` were never split into parts (crash window)."""
+        return [j for (j,) in self._db.execute(
+            "SELECT DISTINCT i.job_id FROM items i JOIN jobs j ON j.id=i.job_id WHERE "
+            "i.provider=? AND i.part_id IS NULL AND i.state='queued' AND j.state!='open'",
+            (provider,))]
+
+    @_locked
+    def unplanned(self, job_id: str, provider: str) -> list[ItemRow]:
+        rows = self._db.execute(
+            "SELECT idx, custom_id, route, operation, method, params, options, tokens, state "
+            "FROM items WHERE job_id=? AND provider=? AND part_id IS NULL AND state='queued' "
+            "ORDER BY idx", (job_id, provider)).fetchall()
+        return [ItemRow(*r) for r in rows]
+
+    @_locked
+    def part_items(self, part_id: str, pending_only: bool = False) -> list[ItemRow]:
+        sql = ("SELECT idx, custom_id, route, operation, method, params, options, tokens, state "
+               "FROM items WHERE part_id=?")
+        if pending_only:
+            sql += " AND state NOT IN ('succeeded','failed')"
+        return [ItemRow(*r) for r in self._db.execute(sql + " ORDER BY idx", (part_id,))]
+
+    @_locked
+    def record(self, job_id: str, rows: Sequence[tuple[int, str, Any, Any]]) -> int:
+        """Store (idx, state, result, error) for items not already finished; returns how many."""
+        db = self._tx()
+        try:
+            cur = db.executemany(
+                "UPDATE items SET state=?, result=?, error=? WHERE job_id=? AND idx=? "
+                "AND state NOT IN ('succeeded','failed')",
+                ((state, dumps(result) if state == "succeeded" else None,
+                  dumps(error) if error is not None else None, job_id, idx)
+                 for idx, state, result, error in rows))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return cur.rowcount
+
+    @_locked
+    def fail_open(self, job_id: str, error: dict[str, Any], part_id: str | None = None,
+                  provider: str | None = None, unplanned_only: bool = False) -> int:
+        """Fail unfinished items of a part, or of the job (optionally one provider's, unplanned)."""
+        sql = ("UPDATE items SET state='failed', error=? WHERE job_id=? "
+               "AND state NOT IN ('succeeded','failed')")
+        args: list[Any] = [dumps(error), job_id]
+        if part_id is not None:
+            sql += " AND part_id=?"
+            args.append(part_id)
+        if provider is not None:
+            sql += " AND provider=?"
+            args.append(provider)
+        if unplanned_only:
+            sql += " AND part_id IS NULL"
+        return self._db.execute(sql, args).rowcount
+
+    @_locked
+    def page(self, job_id: str, cursor: int, limit: int) -> list[tuple[int, str, Any, Any]]:
+        rows = self._db.execute(
+            "SELECT idx, state, result, error FROM items WHERE job_id=? AND idx>=? "
+            "ORDER BY idx LIMIT ?", (job_id, cursor, limit)).fetchall()
+        return [(i, s, json.loads(r) if r else None, json.loads(e) if e else None)
+                for i, s, r, e in rows]
+
+    @_locked
+    def outcomes(self, job_id: str, idxs: Sequence[int]) -> list[tuple[str, Any, Any]]:
+        """(state, result, error) for the given items, in the given order."""
+        rows = {i: (s, r, e) for i, s, r, e in self._db.execute(
+            "SELECT idx, state, result, error FROM items WHERE job_id=?", (job_id,))}
+        out = []
+        for i in idxs:
+            s, r, e = rows[i]
+            out.append((s, json.loads(r) if r else None, json.loads(e) if e else None))
+        return out
+
+    # -- parts -----------------------------------------------------------------
+    @_locked
+    def create_parts(self, job_id: str, provider: str, attempt: int,
+                     parts: Sequence[tuple[str, Sequence[int]]]) -> None:
+        now = time.time()
+        db = self._tx()
+        try:
+            for part_id, idxs in parts:
+                db.execute("INSERT INTO parts VALUES (?,?,?,?,'pending',NULL,NULL,NULL,NULL,?,?)",
+                           (part_id, job_id, provider, attempt, now, now))
+                db.executemany("UPDATE items SET part_id=?, state='queued' WHERE job_id=? AND idx=?",
+                               ((part_id, job_id, i) for i in idxs))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    @_locked
+    def part(self, part_id: str) -> PartRow | None:
+        row = self._db.execute("SELECT * FROM parts WHERE id=?", (part_id,)).fetchone()
+        return _part(row) if row else None
+
+    @_locked
+    def open_parts(self, provider: str) -> list[PartRow]:
+        rows = self._db.execute(
+            "SELECT * FROM parts WHERE provider=? AND state!='done' ORDER BY created",
+            (provider,)).fetchall()
+        return [_part(r) for r in rows]
+
+    @_locked
+    def claimed_remote_ids(self, provider: str) -> set[str]:
+        return {r for (r,) in self._db.execute(
+            "SELECT remote_id FROM parts WHERE provider=? AND remote_id IS NOT NULL", (provider,))}
+
+    @_locked
+    def mark_submitting(self, part_id: str, intent_wall: float) -> None:
+        self._db.execute(
+            "UPDATE parts SET state='submitting', intent_wall=?, updated=? WHERE id=?",
+            (intent_wall, time.time(), part_id))
+
+    @_locked
+    def mark_submitted(self, part_id: str, remote_id: str) -> None:
+        db = self._tx()
+        try:
+            db.execute("UPDATE parts SET state='submitted', remote_id=?, updated=? WHERE id=?",
+                       (remote_id, time.time(), part_id))
+            db.execute("UPDATE items SET state='submitted' WHERE part_id=? AND state='queued'",
+                       (part_id,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    @_locked
+    def set_remote_status(self, part_id: str, status: str) -> None:
+        self._db.execute("UPDATE parts SET remote_status=?, updated=? WHERE id=?",
+                         (status, time.time(), part_id))
+
+    @_locked
+    def finish_part(self, part_id: str, remote_status: str | None, detail: str | None) -> None:
+        self._db.execute(
+            "UPDATE parts SET state='done', remote_status=COALESCE(?, remote_status), detail=?, "
+            "updated=? WHERE id=?", (remote_status, detail, time.time(), part_id))
+
+
+def _part(row: Sequence[Any]) -> PartRow:
+    return PartRow(*row[:9])
+
+
+_shared: dict[Path, tuple[JobStore, int]] = {}
+
+
+def acquire(path: str | Path) -> JobStore:
+    """One connection per database file and process, shared by its providers and the job face."""
+    key = Path(path).resolve()
+    store, refs = _shared.get(key, (None, 0))
+    if store is None:
+        store = JobStore(key)
+    _shared[key] = (store, refs + 1)
+    return store
+
+
+def release(store: JobStore) -> None:
+    key = store.path.resolve()
+    held, refs = _shared.get(key, (None, 0))
+    if held is not store:
+        return
+    if refs <= 1:
+        del _shared[key]
+        store.close()
+    else:
+        _shared[key] = (store, refs - 1)

@@ -1,0 +1,124 @@
+"""Upstream MCP servers (``kind: mcp``) over stdio or Streamable HTTP.
+
+A wildcard route (``tools_*: {provider: tools}``) exposes every upstream tool
+under the route's prefix; an item's ``method`` is the upstream tool name and its
+params are the tool's arguments. All calls share one long-lived session
+(``mcp_session.UpstreamSession``); the lane bounds how many are in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import mcp_types as types
+
+from multiplexer.call import Item, Outcome
+from multiplexer.config import RouteConfig
+from multiplexer.errors import RpcError, invalid_params
+from multiplexer.provider import Provider, ProviderContext, ToolSpec
+
+from .mcp_session import UpstreamSession
+from .mcp_transport import McpSettings
+
+__all__ = ["McpProvider", "McpSettings"]
+
+_RETRY_SAFE = "mcp_retry_safe"
+
+
+def tool_spec(tool: types.Tool) -> ToolSpec:
+    meta: dict[str, Any] = {}
+    if tool.title:
+        meta["title"] = tool.title
+    if tool.output_schema is not None:
+        meta["outputSchema"] = tool.output_schema
+    if tool.meta:
+        meta["_meta"] = dict(tool.meta)
+    annotations = (tool.annotations.model_dump(by_alias=True, exclude_none=True)
+                   if tool.annotations is not None else {})
+    return ToolSpec(tool.name, tool.description or "", dict(tool.input_schema), annotations, meta)
+
+
+class McpProvider(Provider):
+    Settings = McpSettings
+
+    def __init__(self, ctx: ProviderContext) -> None:
+        super().__init__(ctx)
+        self.settings: McpSettings = ctx.settings
+        self.session = UpstreamSession(
+            ctx.name, self.settings, call_timeout_s=ctx.config.timeout_ms / 1000,
+            on_tools=self._tools_changed,
+        )
+        self._stack: AsyncExitStack | None = None
+
+    async def start(self) -> None:
+        """Start the session supervisor and give the first connection a bounded chance to come up."""
+        stack = AsyncExitStack()
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        tg.start_soon(self.session.run)
+        self._stack = stack
+        with anyio.move_on_after(self.settings.connect_timeout_ms / 1000):
+            await self.session.attempted.wait()
+
+    async def aclose(self) -> None:
+        """Cancelling the supervisor closes the session; the SDK reaps the child on every path."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    def _tools_changed(self, tools: dict[str, types.Tool]) -> None:
+        self.ctx.notify("tools_changed", {"provider": self.name, "tools": sorted(tools)})
+
+    # -- routing hooks -----------------------------------------------------------
+    def _declared_safe(self, tool: str) -> bool:
+        if tool in self.settings.idempotent_tools:
+            return True
+        spec = self.session.tools.get(tool)
+        hints = spec.annotations if spec is not None else None
+        return bool(hints and (hints.read_only_hint or hints.idempotent_hint))
+
+    def prepare(self, route: RouteConfig, item: Item) -> None:
+        if item.params is not None and not isinstance(item.params, dict):
+            raise invalid_params("MCP tool arguments must be an object")
+        item.group = (item.operation,)
+        # Decided here, over anything a client put in _meta: only config and annotations count.
+        item.options[_RETRY_SAFE] = bool(route.dedup) or self._declared_safe(item.method)
+
+    def dedup_safe(self, item: Item) -> bool:
+        """Share identical concurrent calls only for tools declared read-only or idempotent."""
+        return self._declared_safe(item.method)
+
+    async def list_tools(self) -> list[ToolSpec]:
+        await self.session.ensure_fresh()
+        return [tool_spec(t) for t in self.session.tools.values()]
+
+    # -- calls --------------------------------------------------------------------
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        if len(items) == 1:
+            return [await self._one(items[0])]
+        out: list[Outcome] = [Outcome()] * len(items)
+
+        async def one(i: int) -> None:
+            out[i] = await self._one(items[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(items)):
+                tg.start_soon(one, i)
+        return out
+
+    async def _one(self, item: Item) -> Outcome:
+        progress = item.options.get("progress")
+        timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
+        self.ctx.metrics.upstream_requests.labels(self.name).inc()
+        try:
+            result = await self.session.call(
+                item.method, item.params, timeout_s=timeout,
+                progress=progress if callable(progress) else None,
+                retry_safe=bool(item.options.get(_RETRY_SAFE)),
+            )
+        except RpcError as e:
+            return Outcome.fail(e)
+        return Outcome(result=None if item.notification else result)

@@ -1,0 +1,255 @@
+"""One long-lived MCP client session per upstream, kept alive across crashes.
+
+Every call shares the one session (the SDK client allocates the upstream
+request ids, so two upstreams never collide and a cancel names the right id).
+A supervisor task owns the session: it connects, keeps the tool list fresh,
+notices the moment the transport ends, and reconnects with backoff. Calls wait
+for a live session; a call caught in flight by a fault is retried only when the
+tool is safe to repeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import mcp_types as types
+from mcp import Client, MCPError
+from mcp.client.subscriptions import ListenNotSupportedError, SubscriptionLost
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+from multiplexer.errors import RpcError, timeout_error, upstream_unavailable
+
+from .mcp_transport import McpSettings, open_transport, watched
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[float, float | None, str | None], Awaitable[None]]
+_STABLE_AFTER_S = 5.0  # a connection that lived this long resets the restart backoff
+
+
+def is_connection_fault(error: MCPError) -> bool:
+    """The session is gone (child died, stream closed, HTTP session expired), not the call."""
+    return error.code == types.CONNECTION_CLOSED or (
+        error.code == types.INVALID_REQUEST and error.message == "Session terminated"
+    )
+
+
+def protocol_error(provider: str, error: MCPError) -> RpcError:
+    """An upstream JSON-RPC error, passed on with its own code; marked so /mcp re-raises it as one."""
+    data: dict[str, Any] = {"provider": provider, "mcp_protocol_error": True}
+    if error.data is not None:
+        data["upstream_data"] = error.data
+    return RpcError(error.code, error.message, data)
+
+
+class UpstreamSession:
+    def __init__(self, name: str, settings: McpSettings, *, call_timeout_s: float,
+                 on_tools: Callable[[dict[str, types.Tool]], None]) -> None:
+        self.name = name
+        self.settings = settings
+        self.call_timeout_s = call_timeout_s
+        self._on_tools = on_tools
+        self.tools: dict[str, types.Tool] = {}
+        self.tools_expire_at: float | None = None
+        self.generation = 0
+        self.connects = 0
+        self.last_error: str | None = None
+        self.protocol_version: str | None = None
+        self.attempted = anyio.Event()  # the first connection attempt has finished, either way
+        self._client: Client | None = None
+        self._ready = anyio.Event()
+        self._ended = anyio.Event()
+        self._dirty = anyio.Event()
+        self._list_lock = anyio.Lock()
+        self._list_seq = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    # -- the supervisor ---------------------------------------------------------
+    async def run(self) -> None:
+        """Connect, serve until the connection ends, back off, reconnect; until cancelled."""
+        initial = self.settings.restart_backoff_ms / 1000
+        backoff = initial
+        while True:
+            began = time.monotonic()
+            try:
+                await self._serve_connection()
+            except Exception as e:
+                self.last_error = f"{type(e).__name__}: {e}"[:300]
+                log.warning("mcp upstream %s: %s; reconnecting in %.2fs", self.name, self.last_error,
+                            backoff)
+            finally:
+                self._drop()
+                self.attempted.set()
+            if time.monotonic() - began >= _STABLE_AFTER_S:
+                backoff = initial
+            await anyio.sleep(backoff)
+            backoff = min(max(backoff * 2, 0.05), self.settings.max_backoff_ms / 1000)
+
+    async def _serve_connection(self) -> None:
+        ended = self._ended = anyio.Event()
+        client = Client(
+            watched(open_transport(self.settings, self.call_timeout_s), self._end_hook(ended)),
+            mode=self.settings.protocol,
+            cache=None,
+            read_timeout_seconds=self.settings.connect_timeout_ms / 1000,
+            message_handler=self._on_message,
+            client_info=types.Implementation(name="multiplexer", version="0.1.0"),
+        )
+        async with client:
+            self.protocol_version = client.protocol_version
+            await self._refresh(client)
+            self.generation += 1
+            self.connects += 1
+            self.last_error = None
+            self._client = client
+            self._ready.set()
+            self.attempted.set()
+            log.info("mcp upstream %s connected (%s, %d tools)", self.name, self.protocol_version,
+                     len(self.tools))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._refresher, client)
+                if client.protocol_version in MODERN_PROTOCOL_VERSIONS:
+                    tg.start_soon(self._listen, client)
+                await ended.wait()
+                tg.cancel_scope.cancel()
+        raise ConnectionError(self.last_error or "connection ended")
+
+    def _end_hook(self, ended: anyio.Event) -> Callable[[], None]:
+        """Called by the transport watcher: readiness flips off before any caller sees the fault."""
+
+        def on_end() -> None:
+            if self._ended is ended:
+                self._drop()
+            ended.set()
+
+        return on_end
+
+    def _drop(self) -> None:
+        self._client = None
+        if self._ready.is_set():
+            self._ready = anyio.Event()
+
+    def _lost(self, generation: int, reason: str) -> None:
+        if generation == self.generation and not self._ended.is_set():
+            self.last_error = reason
+            self._drop()
+            self._ended.set()
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            self._dirty.set()
+        elif isinstance(message, Exception):
+            log.debug("mcp upstream %s transport error: %r", self.name, message)
+
+    async def _refresher(self, client: Client) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty = anyio.Event()
+            try:
+                await self._refresh(client)
+            except Exception as e:
+                log.warning("mcp upstream %s: tool list refresh failed: %s", self.name, e)
+
+    async def _listen(self, client: Client) -> None:
+        """2026-07-28 upstreams announce list changes on a subscription stream, not in-band."""
+        try:
+            async with client.listen(tools_list_changed=True) as subscription:
+                async for _event in subscription:
+                    self._dirty.set()
+        except (ListenNotSupportedError, SubscriptionLost, MCPError, TimeoutError) as e:
+            log.debug("mcp upstream %s: no list-changed subscription: %s", self.name, e)
+
+    # -- tool list -----------------------------------------------------------------
+    async def _refresh(self, client: Client) -> None:
+        """Fetch every page (up to the cap); concurrent refreshes share one upstream listing."""
+        seq = self._list_seq
+        async with self._list_lock:
+            if self._list_seq != seq:
+                return
+            tools, ttl_ms = await self._fetch(client)
+            self._list_seq += 1
+        self.tools_expire_at = time.monotonic() + ttl_ms / 1000 if ttl_ms else None
+        before = {n: t.model_dump(exclude_none=True) for n, t in self.tools.items()}
+        self.tools = tools
+        if before != {n: t.model_dump(exclude_none=True) for n, t in tools.items()}:
+            self._on_tools(tools)
+
+    async def _fetch(self, client: Client) -> tuple[dict[str, types.Tool], int | None]:
+        tools: dict[str, types.Tool] = {}
+        ttl_ms: int | None = None
+        cursor: str | None = None
+        seen: set[str] = set()
+        for _ in range(self.settings.max_pages):
+            page = await client.list_tools(cursor=cursor)
+            for tool in page.tools:
+                tools.setdefault(tool.name, tool)
+            if page.ttl_ms is not None:
+                ttl_ms = page.ttl_ms if ttl_ms is None else min(ttl_ms, page.ttl_ms)
+            cursor = page.next_cursor
+            if cursor is None:
+                return tools, ttl_ms
+            if cursor in seen:
+                log.warning("mcp upstream %s: tools/list cursor cycle; stopping", self.name)
+                return tools, ttl_ms
+            seen.add(cursor)
+        log.warning("mcp upstream %s: tools/list stopped at the page cap (%d pages)", self.name,
+                    self.settings.max_pages)
+        return tools, ttl_ms
+
+    async def ensure_fresh(self) -> None:
+        """Refetch a listing whose ``ttlMs`` ran out (the upstream's cache hint)."""
+        client, expires = self._client, self.tools_expire_at
+        if client is not None and expires is not None and time.monotonic() >= expires:
+            try:
+                await self._refresh(client)
+            except Exception as e:
+                log.warning("mcp upstream %s: tool list refresh failed: %s", self.name, e)
+
+    # -- calls -----------------------------------------------------------------
+    async def _acquire(self, wait_s: float) -> tuple[Client, int]:
+        with anyio.move_on_after(max(wait_s, 0.0)):
+            while True:
+                client = self._client
+                if client is not None:
+                    return client, self.generation
+                await self._ready.wait()
+        raise upstream_unavailable(self.name, f"not connected ({self.last_error or 'connecting'})")
+
+    async def call(self, tool: str, arguments: dict[str, Any] | None, *, timeout_s: float | None,
+                   progress: Progress | None, retry_safe: bool) -> dict[str, Any]:
+        """The upstream's ``CallToolResult`` as a wire dict, or an ``RpcError``."""
+        timeout = self.call_timeout_s if timeout_s is None else min(timeout_s, self.call_timeout_s)
+        deadline = time.monotonic() + timeout
+        request = types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
+        attempts = 2 if retry_safe else 1
+        for attempt in range(attempts):
+            remaining = deadline - time.monotonic()
+            wait = min(remaining, self.settings.connect_timeout_ms / 1000)
+            client, generation = await self._acquire(wait)
+            try:
+                result = await client.session.send_request(
+                    request, types.CallToolResult,
+                    request_read_timeout_seconds=max(deadline - time.monotonic(), 0.001),
+                    progress_callback=progress,
+                )
+            except MCPError as e:
+                if is_connection_fault(e):
+                    self._lost(generation, f"connection lost: {e.message}")
+                    if attempt + 1 < attempts:
+                        continue
+                    why = "retried once" if retry_safe else "not retried: the tool is not declared idempotent"
+                    raise upstream_unavailable(
+                        self.name, f"the upstream connection was lost while the call was in flight ({why})"
+                    ) from None
+                if e.code == types.REQUEST_TIMEOUT:
+                    raise timeout_error("upstream") from None
+                raise protocol_error(self.name, e) from None
+            return result.model_dump(by_alias=True, exclude_none=True, mode="json")
+        raise AssertionError("unreachable")

@@ -1,0 +1,128 @@
+"""How an ``mcp`` upstream is reached: its settings, and a transport per connection attempt.
+
+Each attempt gets a fresh transport (a new child process or HTTP session); the
+read side is watched so the session supervisor learns at once that a child died
+or a stream ended, instead of at the next call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import httpx2
+from mcp import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_PYTHON_ALIASES = {"python", "python3"}
+
+
+class McpSettings(BaseModel):
+    """Keys of a ``kind: mcp`` provider; exactly one of ``command`` (stdio) or ``url`` (HTTP)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: str | None = None
+    args: list[str] = Field(default_factory=list)
+    # A list names variables the child may inherit (an allow-list); a mapping sets values.
+    env: list[str] | dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    url: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    protocol: Literal["auto", "legacy", "2026-07-28"] = "auto"
+    max_pages: int = Field(default=20, ge=1)
+    idempotent_tools: list[str] = Field(default_factory=list)
+    restart_backoff_ms: float = Field(default=100, ge=0)
+    max_backoff_ms: float = Field(default=10_000, ge=0)
+    connect_timeout_ms: float = Field(default=15_000, gt=0)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpSettings:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("set exactly one of 'command' (stdio) or 'url' (Streamable HTTP)")
+        return self
+
+    @property
+    def transport(self) -> str:
+        return "stdio" if self.command is not None else "http"
+
+
+def stdio_parameters(settings: McpSettings) -> StdioServerParameters:
+    """``command: python`` means this interpreter, so configs work where no ``python`` is on PATH."""
+    assert settings.command is not None
+    command = sys.executable if settings.command in _PYTHON_ALIASES else settings.command
+    if isinstance(settings.env, list):
+        env = {k: os.environ[k] for k in settings.env if k in os.environ}
+    else:
+        env = dict(settings.env)
+    return StdioServerParameters(command=command, args=list(settings.args), env=env or None,
+                                 cwd=settings.cwd)
+
+
+@asynccontextmanager
+async def _http_streams(settings: McpSettings, read_timeout_s: float) -> AsyncIterator[Any]:
+    assert settings.url is not None
+    timeout = httpx2.Timeout(30.0, read=max(read_timeout_s, 300.0))
+    async with (
+        httpx2.AsyncClient(headers=settings.headers, timeout=timeout) as http,
+        streamable_http_client(settings.url, http_client=http) as streams,
+    ):
+        yield streams
+
+
+def open_transport(settings: McpSettings, read_timeout_s: float) -> AbstractAsyncContextManager[Any]:
+    if settings.command is not None:
+        return stdio_client(stdio_parameters(settings))
+    return _http_streams(settings, read_timeout_s)
+
+
+class WatchedReadStream:
+    """A read stream that calls ``on_end`` when the transport's read side ends for any reason."""
+
+    def __init__(self, inner: Any, on_end: Callable[[], None]) -> None:
+        self._inner = inner
+        self._on_end = on_end
+
+    @property
+    def last_context(self) -> Any:
+        return getattr(self._inner, "last_context", None)
+
+    async def receive(self) -> Any:
+        try:
+            return await self._inner.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._on_end()
+            raise
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    def __aiter__(self) -> WatchedReadStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> WatchedReadStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+
+@asynccontextmanager
+async def watched(transport: AbstractAsyncContextManager[Any],
+                  on_end: Callable[[], None]) -> AsyncIterator[Any]:
+    """Wrap a transport so its end is observable; pass the result to ``mcp.Client``."""
+    async with transport as (read_stream, write_stream):
+        yield WatchedReadStream(read_stream, on_end), write_stream

@@ -1,0 +1,218 @@
+"""``kind: openai``: any OpenAI-compatible API (OpenAI, vLLM, Ollama, ...): chat and embeddings.
+
+A lane's batch of embedding calls goes up as few requests with an ``input``
+array and each caller gets its own embeddings object back; chat calls are one
+request each, run under the lane's limits. Routes with ``mode: batch`` become
+durable jobs on the Batch API (or on the synchronous endpoint where a
+deployment has none).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from pydantic import Field, SecretStr
+
+from multiplexer.batching import CountFormation
+from multiplexer.call import Item, Outcome
+from multiplexer.config import BatchPolicy, RouteConfig
+from multiplexer.errors import Code, RpcError, invalid_params, upstream_error
+from multiplexer.provider import Provider, ProviderContext
+
+from .api_client import ApiClient, admit, run_each
+from .batch.backend import BatchApiSettings
+from .batch.jobs import JobManager
+from .batch.openai_batch import OpenAIBatchBackend
+from .batch.sync_fallback import SyncFallback
+from .dedup_rules import deterministic_chat
+from .formations import PackOrSingle
+from .http_util import batch_deadline
+from .packing import Chunk, Scatter, chat_tokens, embedding_inputs, ordered_data, pack
+from .ratelimit_headers import openai_limits
+
+PATHS = {"chat": "/chat/completions", "embeddings": "/embeddings"}
+
+
+class OpenAISettings(BatchApiSettings):
+    base_url: str = "https://api.openai.com/v1"
+    api_key: SecretStr | None = None  # falls back to $OPENAI_API_KEY; never logged
+    organization: str | None = None
+    project: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    max_inputs: int = Field(default=2048, ge=1)
+    max_batch_tokens: int | None = Field(default=300_000, ge=1)
+
+
+def auth_headers(settings: OpenAISettings) -> dict[str, str]:
+    key = settings.api_key.get_secret_value() if settings.api_key else os.environ.get("OPENAI_API_KEY")
+    headers = {"content-type": "application/json", **settings.headers}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    if settings.organization:
+        headers["openai-organization"] = settings.organization
+    if settings.project:
+        headers["openai-project"] = settings.project
+    return headers
+
+
+def usage_total(body: Any) -> int | None:
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    total = usage.get("total_tokens")
+    if not isinstance(total, int):
+        parts = [usage.get(k) for k in ("prompt_tokens", "completion_tokens", "input_tokens",
+                                        "output_tokens")]
+        numbers = [p for p in parts if isinstance(p, int)]
+        total = sum(numbers) if numbers else None
+    return total
+
+
+class OpenAIProvider(Provider):
+    Settings = OpenAISettings
+
+    def __init__(self, ctx: ProviderContext) -> None:
+        super().__init__(ctx)
+        self.settings: OpenAISettings = ctx.settings
+        self.api = ApiClient(ctx, self.settings.base_url, auth_headers(self.settings), openai_limits)
+        sync = SyncFallback(self.run_one, ctx.limiter, ctx.clock, ctx.config.limits.concurrency)
+        self.jobs = JobManager(ctx, self.settings, OpenAIBatchBackend(self.api, self.settings), sync)
+
+    async def start(self) -> None:
+        await self.api.start()
+        await self.jobs.start()
+
+    async def aclose(self) -> None:
+        try:
+            await self.jobs.aclose()
+        finally:
+            await self.api.aclose()
+
+    # -- admission -------------------------------------------------------------
+    def prepare(self, route: RouteConfig, item: Item) -> None:
+        if item.operation not in PATHS:
+            raise invalid_params(f"{self.name} has no operation {item.operation!r}",
+                                 operations=sorted(PATHS))
+        params = item.params
+        if not isinstance(params, dict):
+            raise invalid_params("params must be an object (the provider's request body)")
+        model = params.get("model")
+        if not isinstance(model, str) or not model:
+            raise invalid_params("'model' is required (in params or the route's params)",
+                                 param="model")
+        if params.get("stream"):
+            raise invalid_params("streaming responses are not supported through the gateway",
+                                 param="stream")
+        if item.operation == "chat":
+            messages = params.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise invalid_params("'messages' must be a non-empty array", param="messages")
+            tokens = chat_tokens(params)
+            item.group = ("chat", model)
+        else:
+            tokens = sum(len(v) if isinstance(v, list) else max(1, (len(v) + 3) // 4)
+                         for v in embedding_inputs(params))
+            rest = {k: v for k, v in params.items() if k not in ("input", "model")}
+            item.group = ("embeddings", model) if not rest else (
+                "embeddings", model, tuple(sorted((k, repr(v)) for k, v in rest.items())))
+        item.options["mode"] = route.mode
+        if route.mode == "batch":
+            item.options["tokens"] = tokens
+            item.tokens = 0  # batch APIs have their own quota; keep the live lane's budget free
+        else:
+            item.tokens = tokens
+
+    def dedup_safe(self, item: Item) -> bool:
+        return item.operation == "embeddings" or deterministic_chat(item.params)
+
+    def formation(self, policy: BatchPolicy) -> PackOrSingle:
+        count = CountFormation(policy.max_items, policy.max_wait_ms / 1000.0, policy.max_tokens)
+        return PackOrSingle(count, frozenset({"embeddings"}))
+
+    # -- execution -------------------------------------------------------------
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        if items[0].options.get("mode") == "batch":
+            return await self.jobs.run_items(items)
+        if operation == "embeddings":
+            return await self._embeddings(items)
+        return await run_each(items, self.run_one, self.ctx)
+
+    async def run_one(self, item: Item) -> Outcome:
+        """One synchronous request for one call: chat, or embeddings for that call alone."""
+        idempotent = (item.operation == "embeddings" or bool(item.options.get("idempotent"))
+                      or deterministic_chat(item.params))
+        try:
+            body = await self.api.json("POST", PATHS[item.operation], json=item.params,
+                                       idempotent=idempotent, deadline=item.deadline)
+        except RpcError as e:
+            return Outcome.fail(e)
+        self._correct(item.tokens, body)
+        return Outcome(result=body)
+
+    def _correct(self, estimated: int, body: Any) -> None:
+        actual = usage_total(body)
+        if actual is not None and estimated:
+            self.ctx.limiter.correct_tokens(estimated, actual)
+
+    async def _embeddings(self, items: Sequence[Item]) -> list[Outcome]:
+        per_item: list[list[Any]] = []
+        bad: dict[int, RpcError] = {}
+        for i, item in enumerate(items):
+            try:
+                per_item.append(embedding_inputs(item.params))
+            except RpcError as e:
+                per_item.append([])
+                bad[i] = e
+        base = {k: v for k, v in items[0].params.items() if k != "input"}
+        chunks = pack(per_item, self.settings.max_inputs, self.settings.max_batch_tokens)
+        scatter = Scatter(per_item)
+        gate = anyio.CapacityLimiter(self.ctx.config.limits.concurrency)
+
+        async def run(k: int, chunk: Chunk) -> None:
+            async with gate:
+                if k:
+                    await admit(self.ctx.limiter, self.ctx.clock)
+                await self._send_chunk(base, chunk, [items[s.item] for s in chunk.spans], scatter,
+                                       split_on_400=len(chunk.spans) > 1)
+
+        async with anyio.create_task_group() as tg:
+            for k, chunk in enumerate(chunks):
+                tg.start_soon(run, k, chunk)
+        out = []
+        for i in range(len(items)):
+            result = bad.get(i) or scatter.result(i)
+            out.append(Outcome.fail(result) if isinstance(result, RpcError) else Outcome(result=result))
+        return out
+
+    async def _send_chunk(self, base: dict[str, Any], chunk: Chunk, owners: Sequence[Item],
+                          scatter: Scatter, split_on_400: bool) -> None:
+        try:
+            body = await self.api.json("POST", PATHS["embeddings"], json={**base, "input": chunk.inputs},
+                                       idempotent=True, deadline=batch_deadline(owners))
+        except RpcError as e:
+            if split_on_400 and e.code == Code.UPSTREAM_ERROR and (e.data or {}).get(
+                    "upstream_status") in (400, 413, 422):
+                await self._isolate(base, chunk, owners, scatter)
+            else:
+                scatter.fail(chunk, e)
+            return
+        data = ordered_data(body, len(chunk.inputs))
+        if data is None:
+            scatter.fail(chunk, upstream_error(self.name, "malformed embeddings response: expected "
+                                               f"{len(chunk.inputs)} vectors indexed from 0"))
+            return
+        scatter.add(chunk, body, data)
+        self._correct(chunk.tokens, body)
+
+    async def _isolate(self, base: dict[str, Any], chunk: Chunk, owners: Sequence[Item],
+                       scatter: Scatter) -> None:
+        """A request refused as a whole: resend each caller's part alone so the error finds its owner."""
+        pos = 0
+        for span, owner in zip(chunk.spans, owners, strict=True):
+            alone = Chunk([span], chunk.inputs[pos:pos + span.count], span.tokens)
+            pos += span.count
+            await admit(self.ctx.limiter, self.ctx.clock)
+            await self._send_chunk(base, alone, [owner], scatter, split_on_400=False)
