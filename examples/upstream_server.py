@@ -1,8 +1,9 @@
 """A small upstream MCP server for demos, tests and benchmarks (built on the SDK's ``MCPServer``).
 
-Tools: ``echo`` and ``add`` (fast, read-only), ``sleep`` (slow, reports progress), ``fail``
-(always fails), ``pid`` (the server's process id, so tests can kill it), and ``grow`` (adds a
-tool at run time and announces that the tool list changed).
+Tools: ``echo`` and ``add`` (fast, read-only), ``sleep`` (slow, reports progress; ``stats``
+counts running, cancelled and finished sleeps), ``fail`` (always fails), ``pid`` (the server's
+process id, so tests can kill it), and ``grow`` (adds a tool at run time and announces that the
+tool list changed).
 
     python examples/upstream_server.py                   # MCP over stdio
     python examples/upstream_server.py --http --port 9002  # Streamable HTTP at /mcp
@@ -22,7 +23,7 @@ from mcp.types import ToolAnnotations
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
 
-server = MCPServer("upstream-example", version="1.0")
+server = MCPServer("upstream-example", version="1.0", log_level="WARNING")
 
 
 @server.tool(description="Returns the text it was given", annotations=READ_ONLY)
@@ -35,13 +36,29 @@ def add(a: int | float, b: int | float) -> int | float:
     return a + b
 
 
+SLEEPS = {"running": 0, "cancelled": 0, "finished": 0}
+
+
 @server.tool(description="Sleeps, reporting progress after each step; returns 'slept'")
 async def sleep(seconds: float, ctx: Context, steps: int = 1) -> str:
     steps = max(1, steps)
-    for i in range(steps):
-        await anyio.sleep(seconds / steps)
-        await ctx.report_progress(i + 1, steps, f"step {i + 1} of {steps}")
+    SLEEPS["running"] += 1
+    try:
+        for i in range(steps):
+            await anyio.sleep(seconds / steps)
+            await ctx.report_progress(i + 1, steps, f"step {i + 1} of {steps}")
+    except anyio.get_cancelled_exc_class():
+        SLEEPS["cancelled"] += 1
+        raise
+    finally:
+        SLEEPS["running"] -= 1
+    SLEEPS["finished"] += 1
     return "slept"
+
+
+@server.tool(description="Counts of sleep calls running, cancelled and finished")
+def stats() -> dict[str, int]:
+    return dict(SLEEPS)
 
 
 @server.tool(description="Always fails with the given message")

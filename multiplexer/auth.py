@@ -5,12 +5,15 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
+from pydantic import SecretStr
+
 from .errors import Code, RpcError
 
 
 class Authenticator:
-    def __init__(self, api_keys: dict[str, str]) -> None:
-        self._keys = [(name, key.encode()) for name, key in api_keys.items() if key]
+    def __init__(self, api_keys: dict[str, SecretStr]) -> None:
+        self._keys = [(name, key.get_secret_value().encode()) for name, key in api_keys.items()
+                      if key.get_secret_value()]
         self.enabled = bool(api_keys)
 
     def identify(self, authorization: str | None) -> str | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -47,7 +47,7 @@ class ServerConfig(Strict):
     max_json_depth: int = Field(default=64, ge=2)
     default_timeout_ms: float = Field(default=60_000, gt=0)
     grace_period_s: float = Field(default=10.0, ge=0)
-    api_keys: dict[str, str] = Field(default_factory=dict)
+    api_keys: dict[str, SecretStr] = Field(default_factory=dict)
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
     mcp: McpServerConfig = Field(default_factory=McpServerConfig)

@@ -20,7 +20,7 @@ from .call import Call, Item, Outcome
 from .clock import Clock, MonotonicClock
 from .config import Config, ProviderConfig, RouteConfig
 from .dedup import InFlight, TtlCache, canonical
-from .errors import RpcError, cancelled, internal_error, timeout_error
+from .errors import Code, RpcError, cancelled, internal_error, timeout_error
 from .lane import Lane
 from .limiter import RateLimiter
 from .metrics import Metrics
@@ -84,6 +84,8 @@ class Gateway:
             stack.callback(self._abort_lanes)
             for rname, route in self.config.routes.items():
                 self._lane_for(rname, route)
+            from .jobs_face import register_job_methods  # batch jobs: jobs.* methods
+            register_job_methods(self)
         except BaseException:
             await stack.aclose()
             raise
@@ -164,6 +166,9 @@ class Gateway:
             outcome = await self._submit(call, resolved)
         except RpcError as e:
             outcome = Outcome.fail(e)
+        except anyio.get_cancelled_exc_class():
+            self.metrics.calls.labels(label, str(int(Code.CANCELLED))).inc()
+            raise
         except Exception as e:
             log.exception("call %s failed inside the gateway", call.method)
             outcome = Outcome.fail(internal_error(type(e).__name__))

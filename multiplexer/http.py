@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
+
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,6 +51,22 @@ def unauthorized(error: RpcError) -> Response:
     return rpc_error(401, error, {"WWW-Authenticate": 'Bearer realm="multiplexer"'})
 
 
+async def _cancel_on_disconnect(request: Request, work: Awaitable[bytes | None]) -> bytes | None:
+    """Run ``work``; if the client goes away first, cancel it (and so its calls upstream)."""
+    reply: bytes | None = None
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        reply = await work
+        tg.cancel_scope.cancel()
+    return reply
+
+
 def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     server = gateway.config.server
 
@@ -61,7 +79,7 @@ def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
             body = await read_body(request, server.max_body_bytes)
         except BodyTooLarge:
             return too_large(server.max_body_bytes)
-        reply = await handle_body(gateway, body, identity)
+        reply = await _cancel_on_disconnect(request, handle_body(gateway, body, identity))
         if reply is None:
             return Response(status_code=204)
         return Response(reply, media_type=JSON)

@@ -44,7 +44,7 @@ class AnthropicSettings(BatchApiSettings):
 def auth_headers(settings: AnthropicSettings) -> dict[str, str]:
     key = (settings.api_key.get_secret_value() if settings.api_key
            else os.environ.get("ANTHROPIC_API_KEY"))
-    headers = {"content-type": "application/json", "anthropic-version": settings.anthropic_version,
+    headers = {"anthropic-version": settings.anthropic_version,
                **settings.headers}
     if key:
         headers["x-api-key"] = key

@@ -31,6 +31,13 @@ Progress = Callable[[float, float | None, str | None], Awaitable[None]]
 _STABLE_AFTER_S = 5.0  # a connection that lived this long resets the restart backoff
 
 
+def describe(exc: BaseException) -> str:
+    """The first leaf of an exception group, as one short line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
 def is_connection_fault(error: MCPError) -> bool:
     """The session is gone (child died, stream closed, HTTP session expired), not the call."""
     return error.code == types.CONNECTION_CLOSED or (
@@ -57,11 +64,13 @@ class UpstreamSession:
         self.tools_expire_at: float | None = None
         self.generation = 0
         self.connects = 0
+        self.failures = 0  # connection attempts that failed since the session was last up
         self.last_error: str | None = None
         self.protocol_version: str | None = None
         self.attempted = anyio.Event()  # the first connection attempt has finished, either way
         self._client: Client | None = None
-        self._ready = anyio.Event()
+        self._attempt_end = anyio.Event()  # replaced after each connection attempt ends
+        self._kick = anyio.Event()  # a waiting call asks for a reconnect now, not after the backoff
         self._ended = anyio.Event()
         self._dirty = anyio.Event()
         self._list_lock = anyio.Lock()
@@ -81,16 +90,29 @@ class UpstreamSession:
             try:
                 await self._serve_connection()
             except Exception as e:
-                self.last_error = f"{type(e).__name__}: {e}"[:300]
+                self.last_error = describe(e)
+                self.failures += 1
                 log.warning("mcp upstream %s: %s; reconnecting in %.2fs", self.name, self.last_error,
                             backoff)
             finally:
                 self._drop()
-                self.attempted.set()
+                self._attempt_ended()
             if time.monotonic() - began >= _STABLE_AFTER_S:
                 backoff = initial
-            await anyio.sleep(backoff)
+            await self._pause(initial, backoff)
             backoff = min(max(backoff * 2, 0.05), self.settings.max_backoff_ms / 1000)
+
+    async def _pause(self, floor: float, backoff: float) -> None:
+        """Back off before reconnecting; a waiting call cuts it short, but never below ``floor``."""
+        with anyio.move_on_after(backoff):
+            await anyio.sleep(floor)
+            await self._kick.wait()
+        self._kick = anyio.Event()
+
+    def _attempt_ended(self) -> None:
+        self.attempted.set()
+        ended, self._attempt_end = self._attempt_end, anyio.Event()
+        ended.set()
 
     async def _serve_connection(self) -> None:
         ended = self._ended = anyio.Event()
@@ -107,10 +129,10 @@ class UpstreamSession:
             await self._refresh(client)
             self.generation += 1
             self.connects += 1
+            self.failures = 0
             self.last_error = None
             self._client = client
-            self._ready.set()
-            self.attempted.set()
+            self._attempt_ended()
             log.info("mcp upstream %s connected (%s, %d tools)", self.name, self.protocol_version,
                      len(self.tools))
             async with anyio.create_task_group() as tg:
@@ -133,8 +155,6 @@ class UpstreamSession:
 
     def _drop(self) -> None:
         self._client = None
-        if self._ready.is_set():
-            self._ready = anyio.Event()
 
     def _lost(self, generation: int, reason: str) -> None:
         if generation == self.generation and not self._ended.is_set():
@@ -214,12 +234,19 @@ class UpstreamSession:
 
     # -- calls -----------------------------------------------------------------
     async def _acquire(self, wait_s: float) -> tuple[Client, int]:
+        """The live session. While down, wait for one fresh connection attempt, then give up."""
+        kicked = False
         with anyio.move_on_after(max(wait_s, 0.0)):
             while True:
                 client = self._client
                 if client is not None:
                     return client, self.generation
-                await self._ready.wait()
+                if self.failures:
+                    if kicked:
+                        break
+                    kicked = True
+                    self._kick.set()
+                await self._attempt_end.wait()
         raise upstream_unavailable(self.name, f"not connected ({self.last_error or 'connecting'})")
 
     async def call(self, tool: str, arguments: dict[str, Any] | None, *, timeout_s: float | None,

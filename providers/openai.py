@@ -48,7 +48,7 @@ class OpenAISettings(BatchApiSettings):
 
 def auth_headers(settings: OpenAISettings) -> dict[str, str]:
     key = settings.api_key.get_secret_value() if settings.api_key else os.environ.get("OPENAI_API_KEY")
-    headers = {"content-type": "application/json", **settings.headers}
+    headers = dict(settings.headers)
     if key:
         headers["authorization"] = f"Bearer {key}"
     if settings.organization:

@@ -56,7 +56,9 @@ def test_invalid_config_names_the_key_path(data: dict, expected: str) -> None:
 def test_env_expansion_with_defaults_and_missing_vars() -> None:
     data = {"server": {"api_keys": {"alice": "${KEY_A}", "bob": "${KEY_B:-fallback}"}}}
     config = parse_config(data, env={"KEY_A": "secret-a"})
-    assert config.server.api_keys == {"alice": "secret-a", "bob": "fallback"}
+    keys = {k: v.get_secret_value() for k, v in config.server.api_keys.items()}
+    assert keys == {"alice": "secret-a", "bob": "fallback"}
+    assert "secret-a" not in repr(config)
     with pytest.raises(ConfigError) as err:
         parse_config(data, env={})
     assert "server.api_keys.alice: environment variable KEY_A is not set" in str(err.value)

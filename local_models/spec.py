@@ -1,0 +1,33 @@
+"""Per-model configuration (``providers.<name>.models.<model>``), torch-free so config parsing stays light."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Task = Literal["embed", "classify", "generate"]
+DType = Literal["auto", "float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16", "float64"]
+Pooling = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(description="package:<module>, a model directory, or a cached Hugging Face id")
+    task: Task
+    device: str = "auto"
+    dtype: DType = "auto"
+    max_batch_size: int = Field(default=64, ge=1, description="rows per forward pass")
+    max_tokens: int = Field(default=16384, ge=16, description="padded tokens per batch: rows x longest")
+    max_wait_ms: float = Field(default=2.0, ge=0)
+    max_length: int | None = Field(default=None, ge=1, description="input limit, at most the model's own")
+    max_padding: float = Field(default=0.15, ge=0, le=1, description="padding share tolerated when grouping")
+    length_grouping: bool = True
+    aging_s: float = Field(default=1.0, ge=0, description="waiting time worth one priority level")
+    concurrency: int = Field(default=1, ge=1, description="batches running at once on this model")
+    truncate: bool = False
+    pooling: Pooling | list[Pooling] | None = None
+    normalize: bool | None = None
+    max_new_tokens: int = Field(default=64, ge=1)
+    max_new_tokens_limit: int = Field(default=2048, ge=1)

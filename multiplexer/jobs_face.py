@@ -1,0 +1,219 @@
+"""Batch jobs for clients: ``jobs.submit``, ``jobs.status``, ``jobs.results``, ``jobs.cancel``, ``jobs.list``.
+
+Registered as gateway methods, so they work on ``/rpc`` and as MCP tools alike,
+and only when some provider has a job manager (OpenAI, Anthropic). A job may
+mix routes of several such providers; each provider runs its own share. A job
+belongs to the identity that submitted it: others get "not found".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from providers.batch.jobs import JobManager, new_job_id
+from providers.batch.store import JobRow, JobStore, NewItem
+
+from .call import Call, Item
+from .errors import Code, RpcError, invalid_params
+from .gateway import Gateway
+from .provider import ToolSpec
+
+MAX_CALLS_PER_SUBMIT = 100_000
+MAX_PAGE = 10_000
+
+_JOB_ID = {"type": "string", "description": "The id jobs.submit returned"}
+SPECS = {
+    "jobs.submit": ToolSpec("jobs.submit", "Submit calls as one batch job (cheaper, slower); returns a job id.", {
+        "type": "object",
+        "properties": {
+            "calls": {"type": "array", "items": {
+                "type": "object", "properties": {"method": {"type": "string"}, "params": {}},
+                "required": ["method"]}},
+            "job_id": {"type": "string", "description": "Append to this open job"},
+            "more": {"type": "boolean", "description": "More calls follow: keep the job open"},
+        },
+        "required": ["calls"]}),
+    "jobs.status": ToolSpec("jobs.status", "State and counts of a batch job.", {
+        "type": "object", "properties": {"job_id": _JOB_ID}, "required": ["job_id"]}),
+    "jobs.results": ToolSpec("jobs.results", "A page of a batch job's results, in input order.", {
+        "type": "object",
+        "properties": {"job_id": _JOB_ID, "cursor": {"type": "integer", "minimum": 0},
+                       "limit": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}},
+        "required": ["job_id"]}),
+    "jobs.cancel": ToolSpec("jobs.cancel", "Cancel a batch job; finished results stay available.", {
+        "type": "object", "properties": {"job_id": _JOB_ID}, "required": ["job_id"]}),
+    "jobs.list": ToolSpec("jobs.list", "Your most recent batch jobs.", {
+        "type": "object", "properties": {"limit": {"type": "integer", "minimum": 1, "maximum": 1000}}}),
+}
+
+
+def batch_managers(gateway: Gateway) -> dict[str, JobManager]:
+    return {name: jobs for name, p in gateway.providers.items()
+            if isinstance(jobs := getattr(p, "jobs", None), JobManager)}
+
+
+def register_job_methods(gateway: Gateway) -> None:
+    managers = batch_managers(gateway)
+    if not managers:
+        return
+    face = JobFace(gateway, managers)
+    handlers: dict[str, Callable[[Call], Awaitable[Any]]] = {
+        "jobs.submit": face.submit, "jobs.status": face.status, "jobs.results": face.results,
+        "jobs.cancel": face.cancel, "jobs.list": face.list,
+    }
+    for name, handler in handlers.items():
+        gateway.register_method(SPECS[name], handler)
+
+
+def _params(call: Call) -> dict[str, Any]:
+    if call.params is None:
+        return {}
+    if not isinstance(call.params, dict):
+        raise invalid_params("params must be an object")
+    return call.params
+
+
+def _int(params: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    value = params.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise invalid_params(f"'{key}' must be an integer from {lo} to {hi}")
+    return value
+
+
+def not_found(job_id: Any) -> RpcError:
+    return RpcError(Code.NOT_FOUND, "Job not found", {"job_id": job_id})
+
+
+class JobFace:
+    def __init__(self, gateway: Gateway, managers: dict[str, JobManager]) -> None:
+        self.gateway = gateway
+        self.managers = managers
+        self._lock = anyio.Lock()
+
+    def store(self) -> JobStore:
+        return next(iter(self.managers.values())).store()
+
+    async def _job(self, call: Call) -> JobRow:
+        job_id = _params(call).get("job_id")
+        if not isinstance(job_id, str):
+            raise invalid_params("'job_id' must be a string")
+        st = self.store()
+        job = await st.run(st.job, job_id)
+        if job is None or job.identity != call.identity:
+            raise not_found(job_id)
+        return job
+
+    def _item(self, spec: Any, identity: str | None) -> tuple[JobManager, Item]:
+        if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
+            raise invalid_params("each call must be an object with a string 'method'")
+        method, params = spec["method"], spec.get("params")
+        if method in self.gateway.methods:
+            raise invalid_params(f"{method} cannot run inside a batch job")
+        resolved = self.gateway.resolve(method)
+        route = resolved.route
+        manager = self.managers.get(route.provider)
+        if manager is None:
+            raise invalid_params(f"route {resolved.name!r} has no batch support "
+                                 f"(provider {route.provider!r})")
+        if route.params and isinstance(params, dict | None):
+            params = {**route.params, **(params or {})}
+        item = Item(route=resolved.name, operation=route.operation, method=resolved.upstream_method,
+                    params=params, identity=identity, options={**route.extra, "mode": route.mode})
+        self.gateway.providers[route.provider].prepare(route, item)
+        return manager, item
+
+    async def submit(self, call: Call) -> dict[str, Any]:
+        params = _params(call)
+        calls = params.get("calls")
+        if not isinstance(calls, list) or not calls:
+            raise invalid_params("'calls' must be a non-empty array of {method, params}")
+        if len(calls) > MAX_CALLS_PER_SUBMIT:
+            raise invalid_params(f"at most {MAX_CALLS_PER_SUBMIT} calls per jobs.submit; "
+                                 "send the rest with job_id and more")
+        more = bool(params.get("more", False))
+        st = self.store()
+        async with self._lock:
+            if params.get("job_id") is not None:
+                job = await self._job(call)
+                if job.state != "open":
+                    raise invalid_params(f"job {job.id} is {job.state}; only open jobs take more calls")
+            else:
+                job_id = new_job_id()
+                await st.run(st.create_job, job_id, call.identity, "client", "open")
+                job = await st.run(st.job, job_id)
+                assert job is not None
+            rows = []
+            for k, spec in enumerate(calls):
+                idx = job.total + k
+                try:
+                    manager, item = self._item(spec, call.identity)
+                    rows.append(manager.new_item(job.id, idx, item))
+                except RpcError as e:
+                    rows.append(NewItem(idx, None, None, None, None, None, None, {}, 0,
+                                        f"{job.id}-{idx}", "failed", e.to_dict()))
+            await st.run(st.add_items, job.id, rows)
+            if not more:
+                await st.run(st.set_job_state, job.id, "running", ("open",))
+                for manager in self.managers.values():
+                    await manager.plan(job.id)
+                await st.run(st.finish_job_if_done, job.id)
+        current = await st.run(st.job, job.id)
+        assert current is not None
+        return {"job_id": job.id, "accepted": len(calls), "total": current.total,
+                "state": current.state}
+
+    async def status(self, call: Call) -> dict[str, Any]:
+        job = await self._job(call)
+        st = self.store()
+        counts = await st.run(st.counts, job.id)
+        parts = await st.run(st.job_parts, job.id)
+        finished = counts["succeeded"] + counts["failed"]
+        return {
+            "job_id": job.id, "state": job.state, "source": job.source, "total": job.total,
+            "counts": {"queued": counts["queued"], "running": counts["submitted"],
+                       "succeeded": counts["succeeded"], "failed": counts["failed"],
+                       "finished": finished},
+            "done": job.state in ("done", "cancelled"),
+            "created_at": job.created, "updated_at": job.updated,
+            "batches": [{"provider": p.provider, "remote_id": p.remote_id, "attempt": p.attempt,
+                         "state": p.state, "remote_status": p.remote_status} for p in parts],
+        }
+
+    async def results(self, call: Call) -> dict[str, Any]:
+        job = await self._job(call)
+        params = _params(call)
+        cursor = _int(params, "cursor", 0, 0, 1 << 62)
+        limit = _int(params, "limit", 1000, 1, MAX_PAGE)
+        st = self.store()
+        rows = await st.run(st.page, job.id, cursor, limit)
+        out = []
+        for idx, state, result, error in rows:
+            if state == "succeeded":
+                out.append({"index": idx, "status": "succeeded", "result": result})
+            elif state == "failed":
+                out.append({"index": idx, "status": "failed", "error": error})
+            else:
+                out.append({"index": idx, "status": "pending"})
+        last = rows[-1][0] if rows else cursor - 1
+        more = len(rows) == limit and last + 1 < job.total
+        return {"job_id": job.id, "state": job.state, "results": out,
+                "next_cursor": last + 1 if more else None}
+
+    async def cancel(self, call: Call) -> dict[str, Any]:
+        job = await self._job(call)
+        st = self.store()
+        if await st.run(st.set_job_state, job.id, "cancelling", ("open", "running")):
+            for manager in self.managers.values():
+                await manager.cancel(job.id)
+            await st.run(st.finish_job_if_done, job.id)
+        return await self.status(call)
+
+    async def list(self, call: Call) -> dict[str, Any]:
+        limit = _int(_params(call), "limit", 20, 1, 1000)
+        st = self.store()
+        jobs = await st.run(st.list_jobs, call.identity, limit)
+        return {"jobs": [{"job_id": j.id, "state": j.state, "source": j.source, "total": j.total,
+                          "created_at": j.created} for j in jobs]}

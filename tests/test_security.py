@@ -1,0 +1,149 @@
+"""Client keys, identities, quotas, bind refusal, disconnect cancels, SIGTERM drains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from examples.jsonrpc_upstream import UpstreamState
+from multiplexer import Client, RpcError
+from multiplexer.config import ConfigError, parse_config
+from multiplexer.server import check_bind
+from tests.jsonrpc_helpers import gateway_with_upstream, post
+
+pytestmark = pytest.mark.anyio
+KEYS = {"api_keys": {"alice": "key-alice-123", "bob": "key-bob-456"},
+        "quotas": {"bob": {"rpm": 3}}}
+CALL = {"jsonrpc": "2.0", "method": "subtract", "params": [3, 1], "id": 1}
+
+
+async def test_missing_wrong_and_malformed_keys_get_401_and_healthz_stays_open() -> None:
+    async with gateway_with_upstream(server=KEYS) as (url, _, _):
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "key-alice-123"},
+                        {"authorization": "Basic a2V5LWFsaWNlLTEyMw=="},
+                        {"authorization": "Bearer"}):
+            r = await post(url, CALL, headers=headers)
+            assert r.status_code == 401, headers
+            assert r.json()["error"]["code"] == -32005 and r.json()["id"] is None
+            assert "key-alice-123" not in r.text
+        r = await post(url, CALL, headers={"authorization": "Bearer key-alice-123"})
+        assert r.status_code == 200 and r.json()["result"] == 2
+        async with httpx.AsyncClient() as http:
+            health = await http.get(f"{url}/healthz")
+            metrics = await http.get(f"{url}/metrics")
+        assert health.status_code == 200
+        for text in (health.text, metrics.text):
+            assert "key-alice" not in text and "key-bob" not in text
+
+
+async def test_quota_per_key_is_enforced_with_retry_after() -> None:
+    async with gateway_with_upstream(server=KEYS) as (url, _, _):
+        async with Client(url, api_key="key-bob-456") as bob, \
+                Client(url, api_key="key-alice-123") as alice:
+            results = [await bob.call("subtract", [i, 0]) for i in range(3)]
+            assert results == [0, 1, 2]
+            with pytest.raises(RpcError) as err:
+                await bob.call("subtract", [1, 0])
+            assert err.value.code == -32003 and err.value.data["limit"] == "rpm"
+            assert err.value.data["retry_after"] > 0
+            assert await alice.call("subtract", [1, 0]) == 1  # alice has no quota
+
+
+async def test_private_cached_results_never_cross_identities() -> None:
+    routes = {"data": {"provider": "calc", "method": "echo", "dedup": True, "cache_ttl_s": 60}}
+    async with gateway_with_upstream(server=KEYS, routes=routes) as (url, state, _):
+        async with Client(url, api_key="key-alice-123") as alice, \
+                Client(url, api_key="key-bob-456") as bob:
+            assert await alice.call("data", {"q": 1}) == {"q": 1}
+            assert await alice.call("data", {"q": 1}) == {"q": 1}
+            assert state.executions["echo"] == 1  # alice's second call came from her cache
+            assert await bob.call("data", {"q": 1}) == {"q": 1}
+            assert state.executions["echo"] == 2  # bob never gets alice's entry
+
+
+def test_refuses_public_bind_without_keys() -> None:
+    with pytest.raises(ConfigError, match="refusing to bind"):
+        check_bind(parse_config({"server": {"host": "0.0.0.0"}}))
+    check_bind(parse_config({"server": {"host": "0.0.0.0", "api_keys": {"a": "k"}}}))
+    check_bind(parse_config({"server": {"host": "0.0.0.0", "allow_public_without_keys": True}}))
+    check_bind(parse_config({"server": {"host": "::1"}}))
+
+
+async def test_oversized_body_gets_413_with_a_json_rpc_error() -> None:
+    async with gateway_with_upstream(server={"max_body_bytes": 2048}) as (url, _, _):
+        r = await post(url, b"[" + b" " * 4096 + b"]")
+        assert r.status_code == 413 and r.json()["error"]["code"] == -32006
+        assert r.json()["error"]["data"]["max_body_bytes"] == 2048
+        assert (await post(url, CALL)).json()["result"] == 2
+
+
+async def test_client_disconnect_cancels_its_call_upstream() -> None:
+    state = UpstreamState(gate=anyio.Event())
+    async with gateway_with_upstream(state, provider={"batch": {"max_items": 1}}) \
+            as (url, state, gateway):
+        lane = gateway.lanes[("calc", None)]
+        async with anyio.create_task_group() as tg:
+            async def doomed() -> None:
+                async with httpx.AsyncClient() as http:
+                    await http.post(f"{url}/rpc", json={"jsonrpc": "2.0", "method": "wait",
+                                                        "id": 1})
+
+            tg.start_soon(doomed)
+            with anyio.fail_after(10):
+                while lane.in_flight == 0:
+                    await anyio.sleep(0.005)
+            tg.cancel_scope.cancel()  # the client hangs up
+        with anyio.fail_after(10):
+            while lane.in_flight:
+                await anyio.sleep(0.005)
+        assert 'outcome="-32004"' in gateway.metrics.render().decode()
+        state.gate.set()
+
+
+def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path: Path) -> None:
+    from benchmarks._procs import child, free_port
+
+    up, gw = free_port(), free_port()
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"""
+server: {{port: {gw}, grace_period_s: 10}}
+providers: {{calc: {{kind: jsonrpc, url: "http://127.0.0.1:{up}/"}}}}
+routes: {{sleep: {{provider: calc}}}}
+""")
+    root = Path(__file__).parent.parent
+    with child(["examples/jsonrpc_upstream.py", "--port", str(up)], f"http://127.0.0.1:{up}/"):
+        proc = subprocess.Popen([sys.executable, "-m", "multiplexer", "serve", "--config",
+                                 str(conf)], cwd=root, env=os.environ.copy(),
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            from benchmarks._procs import wait_http
+
+            wait_http(f"http://127.0.0.1:{gw}/healthz")
+            with httpx.Client(timeout=30) as http:
+                import threading
+
+                result: dict = {}
+
+                def slow() -> None:
+                    result["r"] = http.post(f"http://127.0.0.1:{gw}/rpc", json={
+                        "jsonrpc": "2.0", "method": "sleep", "params": {"ms": 800}, "id": 7})
+
+                t = threading.Thread(target=slow)
+                t.start()
+                while b"sleep" not in http.get(f"http://127.0.0.1:{gw}/metrics").content and \
+                        t.is_alive():
+                    pass  # wait until the call is admitted
+                proc.send_signal(signal.SIGTERM)
+                t.join(30)
+            assert result["r"].json() == {"jsonrpc": "2.0", "result": "slept", "id": 7}
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
