@@ -44,9 +44,8 @@ async def test_missing_wrong_and_malformed_keys_get_401_and_healthz_stays_open()
 
 
 async def test_quota_per_key_is_enforced_with_retry_after() -> None:
-    async with gateway_with_upstream(server=KEYS) as (url, _, _):
-        async with Client(url, api_key="key-bob-456") as bob, \
-                Client(url, api_key="key-alice-123") as alice:
+    async with gateway_with_upstream(server=KEYS) as (url, _, _), \
+            Client(url, api_key="key-bob-456") as bob, Client(url, api_key="key-alice-123") as alice:
             results = [await bob.call("subtract", [i, 0]) for i in range(3)]
             assert results == [0, 1, 2]
             with pytest.raises(RpcError) as err:
@@ -58,9 +57,8 @@ async def test_quota_per_key_is_enforced_with_retry_after() -> None:
 
 async def test_private_cached_results_never_cross_identities() -> None:
     routes = {"data": {"provider": "calc", "method": "echo", "dedup": True, "cache_ttl_s": 60}}
-    async with gateway_with_upstream(server=KEYS, routes=routes) as (url, state, _):
-        async with Client(url, api_key="key-alice-123") as alice, \
-                Client(url, api_key="key-bob-456") as bob:
+    async with gateway_with_upstream(server=KEYS, routes=routes) as (url, state, _), \
+            Client(url, api_key="key-alice-123") as alice, Client(url, api_key="key-bob-456") as bob:
             assert await alice.call("data", {"q": 1}) == {"q": 1}
             assert await alice.call("data", {"q": 1}) == {"q": 1}
             assert state.executions["echo"] == 1  # alice's second call came from her cache
