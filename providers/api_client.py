@@ -117,7 +117,7 @@ def decode_json(provider: str, response: httpx.Response) -> dict[str, Any]:
         raise upstream_error(provider, "upstream sent a malformed (non-JSON) body",
                              response.status_code) from None
     if not isinstance(body, dict):
-        raise upstream_error(provider, "upstream sent a JSON body that is not an object",
+        raise upstream_error(provider, "upstream sent a malformed body (JSON, but not an object)",
                              response.status_code)
     return body
 
