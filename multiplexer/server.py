@@ -21,12 +21,51 @@ from .http import create_app
 log = logging.getLogger(__name__)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal capture: we own SIGTERM so the exit code stays 0."""
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn inside our event loop: readiness is an event, and we own SIGTERM/SIGINT
+    (uvicorn's own capture would re-raise the signal after shutdown and spoil exit 0)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = anyio.Event()
+        self.stopped = anyio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            self.ready.set()
+
+    async def run_until_exit(self, sockets: list[socket.socket]) -> None:
+        try:
+            await self.serve(sockets=sockets)
+        finally:
+            self.ready.set()
+            self.stopped.set()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+@asynccontextmanager
+async def serve_asgi(app: Any, sock: socket.socket, *, lifespan: bool = False) -> AsyncIterator[str]:
+    """Serve an ASGI app on a bound socket until the block exits; yields the base URL."""
+    host, port = sock.getsockname()[:2]
+    uconf = uvicorn.Config(app, log_level="warning", lifespan="on" if lifespan else "off",
+                           access_log=False, timeout_graceful_shutdown=5)
+    server = EmbeddedServer(uconf)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.run_until_exit, [sock])
+        try:
+            await server.ready.wait()
+            if not server.started:
+                raise RuntimeError(f"HTTP server failed to start on {host}:{port}")
+            yield f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        finally:
+            server.should_exit = True
+            with anyio.move_on_after(10, shield=True):
+                await server.stopped.wait()
 
 
 def check_bind(config: Config, allow_public: bool = False) -> None:
@@ -49,8 +88,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
+    sock.set_inheritable(True)
     return sock
 
 
@@ -70,26 +108,15 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
     host = host or config.server.host
     port = config.server.port if port is None else port
     sock = bind(host, port)
-    actual = sock.getsockname()[1]
     gw = gateway or Gateway(config)
-    async with gw:
-        routes, lifespan = _faces(gw)
-        app = create_app(gw, routes, lifespan)
-        uconf = uvicorn.Config(app, log_level="warning", lifespan="on" if lifespan else "off",
-                               access_log=False, timeout_graceful_shutdown=5)
-        server = _Server(uconf)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(server.serve, [sock])
-            while not server.started:
-                if server.should_exit:
-                    raise RuntimeError("HTTP server failed to start")
-                await anyio.sleep(0.005)
-            shown = f"[{host}]" if ":" in host else host
-            try:
-                yield gw, f"http://{shown}:{actual}"
-            finally:
-                server.should_exit = True
-    sock.close()
+    try:
+        async with gw:
+            routes, lifespan = _faces(gw)
+            app = create_app(gw, routes, lifespan)
+            async with serve_asgi(app, sock, lifespan=lifespan is not None) as url:
+                yield gw, url
+    finally:
+        sock.close()
 
 
 async def serve_forever(config: Config, *, host: str | None = None, port: int | None = None,

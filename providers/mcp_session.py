@@ -38,11 +38,14 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
+def is_session_lost(error: MCPError) -> bool:
+    """The upstream no longer knows our HTTP session (404): it refused the call without running it."""
+    return error.code == types.INVALID_REQUEST and "session" in error.message.lower()
+
+
 def is_connection_fault(error: MCPError) -> bool:
-    """The session is gone (child died, stream closed, HTTP session expired), not the call."""
-    return error.code == types.CONNECTION_CLOSED or (
-        error.code == types.INVALID_REQUEST and error.message == "Session terminated"
-    )
+    """The session is gone (child died, stream closed, HTTP session expired), not just the call."""
+    return error.code == types.CONNECTION_CLOSED or is_session_lost(error)
 
 
 def protocol_error(provider: str, error: MCPError) -> RpcError:
@@ -141,7 +144,7 @@ class UpstreamSession:
                     tg.start_soon(self._listen, client)
                 await ended.wait()
                 tg.cancel_scope.cancel()
-        raise ConnectionError(self.last_error or "connection ended")
+        raise ConnectionError(self.last_error or "the upstream closed the connection")
 
     def _end_hook(self, ended: anyio.Event) -> Callable[[], None]:
         """Called by the transport watcher: readiness flips off before any caller sees the fault."""
@@ -255,7 +258,7 @@ class UpstreamSession:
         timeout = self.call_timeout_s if timeout_s is None else min(timeout_s, self.call_timeout_s)
         deadline = time.monotonic() + timeout
         request = types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
-        attempts = 2 if retry_safe else 1
+        attempts = 2
         for attempt in range(attempts):
             remaining = deadline - time.monotonic()
             wait = min(remaining, self.settings.connect_timeout_ms / 1000)
@@ -269,7 +272,8 @@ class UpstreamSession:
             except MCPError as e:
                 if is_connection_fault(e):
                     self._lost(generation, f"connection lost: {e.message}")
-                    if attempt + 1 < attempts:
+                    # A refused call never ran; one caught in flight may have: repeat only if safe.
+                    if attempt + 1 < attempts and (retry_safe or is_session_lost(e)):
                         continue
                     why = "retried once" if retry_safe else "not retried: the tool is not declared idempotent"
                     raise upstream_unavailable(

@@ -276,11 +276,11 @@ async def test_503_and_deterministic_500_are_retried(tmp_path):
 async def test_timeouts(tmp_path):
     p = provider(tmp_path)
     with respx.mock(base_url=BASE) as mock:
+        conn_route = mock.post("/chat/completions", json__messages__0__content="conn").mock(
+            side_effect=[httpx.ConnectError("refused"), httpx.Response(200, json=chat_reply("ok"))])
         chat_route = mock.post("/chat/completions").mock(side_effect=httpx.ReadTimeout("slow"))
         emb_route = mock.post("/embeddings").mock(side_effect=[
             httpx.ReadTimeout("slow"), httpx.Response(200, json=embedding_reply(["a"]))])
-        conn_route = mock.post("/chat/completions", json__messages__0__content="conn").mock(
-            side_effect=[httpx.ConnectError("refused"), httpx.Response(200, json=chat_reply("ok"))])
         async with started(p):
             conn_out = await p.execute("chat", [chat(p, "conn")])
             chat_out = await p.execute("chat", [chat(p, "x")])

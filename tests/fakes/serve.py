@@ -12,39 +12,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
-import anyio
 import uvicorn
 from starlette.types import ASGIApp
 
+from multiplexer.server import bind, serve_asgi
+
 __all__ = ["serve_app"]
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn.Server that reports readiness and leaves the host's signal handlers alone."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = anyio.Event()
-        self.stopped = anyio.Event()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        try:
-            await super().startup(sockets=sockets)
-        finally:
-            self.ready.set()
-
-    async def run_until_exit(self, sockets: list[socket.socket]) -> None:
-        try:
-            await self.serve(sockets=sockets)
-        finally:
-            self.ready.set()
-            self.stopped.set()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class _AnnouncingServer(uvicorn.Server):
@@ -60,14 +35,6 @@ class _AnnouncingServer(uvicorn.Server):
             print(self.banner, flush=True)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # for TCP_NODELAY
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
-
-
 def _config(app: ASGIApp) -> uvicorn.Config:
     return uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)
 
@@ -75,20 +42,12 @@ def _config(app: ASGIApp) -> uvicorn.Config:
 @contextlib.asynccontextmanager
 async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
     """Serve `app` until the block exits; yields its base URL, e.g. `http://127.0.0.1:54321`."""
-    sock = _bind(host, port)
-    bound_host, bound_port = sock.getsockname()[:2]
-    server = _EmbeddedServer(_config(app))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(server.run_until_exit, [sock])
-        try:
-            await server.ready.wait()
-            if not server.started:
-                raise RuntimeError(f"uvicorn failed to start on {bound_host}:{bound_port}")
-            yield f"http://{bound_host}:{bound_port}"
-        finally:
-            server.should_exit = True
-            with anyio.move_on_after(10, shield=True):
-                await server.stopped.wait()
+    sock = bind(host, port)
+    try:
+        async with serve_asgi(app, sock) as url:
+            yield url
+    finally:
+        sock.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         from tests.fakes.openai_fake import create_app
     else:
         from tests.fakes.anthropic_fake import create_app  # type: ignore[assignment]
-    sock = _bind(args.host, args.port)
+    sock = bind(args.host, args.port)
     bound_host, bound_port = sock.getsockname()[:2]
     banner = f"fake {args.provider} API on http://{bound_host}:{bound_port}"
     _AnnouncingServer(_config(create_app()), banner).run(sockets=[sock])

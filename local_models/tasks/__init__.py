@@ -1,0 +1,1 @@
+"""One module per task: how a padded batch goes through a model and what comes out."""
