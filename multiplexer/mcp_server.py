@@ -32,7 +32,6 @@ from .provider import ToolSpec
 log = logging.getLogger(__name__)
 
 IDENTITY_SCOPE_KEY = "multiplexer.identity"
-_SERVER_INFO = types.SERVER_INFO_META_KEY
 
 
 class _GatewayServer(Server[Any]):
@@ -157,12 +156,7 @@ class McpFace:
                 raise raised
             return error_result(error)
         if self._is_mcp_route(call.method) and isinstance(result, dict) and "content" in result:
-            meta = result.get("_meta")
-            if isinstance(meta, dict) and _SERVER_INFO in meta:  # this server identifies itself
-                meta = {k: v for k, v in meta.items() if k != _SERVER_INFO}
-                result = {**result, "_meta": meta} if meta else {
-                    k: v for k, v in result.items() if k != "_meta"}
-            return result
+            return result  # the upstream's CallToolResult, as it sent it
         return wrap_result(result)
 
     def _is_mcp_route(self, method: str) -> bool:

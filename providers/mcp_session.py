@@ -282,5 +282,18 @@ class UpstreamSession:
                 if e.code == types.REQUEST_TIMEOUT:
                     raise timeout_error("upstream") from None
                 raise protocol_error(self.name, e) from None
-            return result.model_dump(by_alias=True, exclude_none=True, mode="json")
+            return wire_result(result)
         raise AssertionError("unreachable")
+
+
+def wire_result(result: types.CallToolResult) -> dict[str, Any]:
+    """The tool's result as sent; the upstream's per-response identity stamp is not part of it."""
+    dumped = result.model_dump(by_alias=True, exclude_none=True, mode="json")
+    meta = dumped.get("_meta")
+    if isinstance(meta, dict) and types.SERVER_INFO_META_KEY in meta:
+        meta = {k: v for k, v in meta.items() if k != types.SERVER_INFO_META_KEY}
+        if meta:
+            dumped["_meta"] = meta
+        else:
+            del dumped["_meta"]
+    return dumped

@@ -1,0 +1,86 @@
+"""The SQLite job store and part planning: what a restart relies on."""
+
+from __future__ import annotations
+
+from providers.batch.backend import Planned, plan_parts
+from providers.batch.store import JobStore, NewItem, acquire, release
+
+
+def new(idx, provider="p", state="queued", error=None):
+    return NewItem(idx, provider, "r", "chat", "m", {"model": "x", "n": idx}, {"mode": "batch"}, 3,
+                   f"job-{idx}", state, error)
+
+
+def test_plan_parts_splits_by_key_count_and_bytes():
+    items = [Planned(i, "a" if i < 7 else "b", 10) for i in range(10)]
+    assert plan_parts(items, max_requests=3, max_bytes=1000) == [[0, 1, 2], [3, 4, 5], [6], [7, 8, 9]]
+    assert plan_parts(items, max_requests=100, max_bytes=25) == [[0, 1], [2, 3], [4, 5], [6], [7, 8], [9]]
+    assert plan_parts([Planned(0, None, 5000)], 10, 100) == [[0]]  # an oversize line still goes
+
+
+def test_job_life_cycle(tmp_path):
+    st = JobStore(tmp_path / "j.db")
+    st.create_job("job", "alice", "client", "open")
+    assert st.add_items("job", [new(i) for i in range(4)] + [new(4, None, "failed", {"code": 1})]) == 5
+    assert st.job("job").total == 5
+    assert [r.idx for r in st.unplanned("job", "p")] == [0, 1, 2, 3]
+    st.set_job_state("job", "running", ("open",))
+    assert st.jobs_with_unplanned("p") == ["job"]
+    st.create_parts("job", "p", 0, [("part1", [0, 1]), ("part2", [2, 3])])
+    assert st.jobs_with_unplanned("p") == []
+    assert [p.id for p in st.open_parts("p")] == ["part1", "part2"]
+
+    st.mark_submitting("part1", 123.0)
+    part = st.part("part1")
+    assert part.state == "submitting" and part.intent_wall == 123.0 and part.remote_id is None
+    st.mark_submitted("part1", "batch_1")
+    assert st.part("part1").remote_id == "batch_1"
+    assert st.claimed_remote_ids("p") == {"batch_1"}
+    assert st.counts("job") == {"queued": 2, "submitted": 2, "succeeded": 0, "failed": 1}
+
+    assert st.record("job", [(0, "succeeded", {"ok": 0}, None), (1, "failed", None, {"code": -1})]) == 2
+    # a late duplicate never overwrites a finished item
+    assert st.record("job", [(0, "failed", None, {"code": -2})]) == 0
+    assert st.page("job", 0, 2) == [(0, "succeeded", {"ok": 0}, None), (1, "failed", None, {"code": -1})]
+    assert st.finish_job_if_done("job") is None
+    st.finish_part("part1", "completed", None)
+    assert st.fail_open("job", {"code": -3}, "part2") == 2
+    assert st.finish_job_if_done("job") == "done"
+    assert st.job("job").state == "done"
+    assert [s for s, _, _ in st.outcomes("job", [4, 0])] == ["failed", "succeeded"]
+    st.close()
+
+
+def test_state_survives_reopening(tmp_path):
+    st = JobStore(tmp_path / "j.db")
+    st.create_job("job", None, "route", "running")
+    st.add_items("job", [new(0)])
+    st.create_parts("job", "p", 0, [("part", [0])])
+    st.mark_submitting("part", 1.0)
+    st.close()
+    again = JobStore(tmp_path / "j.db")
+    assert again.part("part").state == "submitting"
+    assert [i.custom_id for i in again.part_items("part")] == ["job-0"]
+    again.close()
+
+
+def test_cancel_fails_only_unplanned_items_of_one_provider(tmp_path):
+    st = JobStore(tmp_path / "j.db")
+    st.create_job("job", None, "client", "running")
+    st.add_items("job", [new(0, "a"), new(1, "a"), new(2, "b")])
+    st.create_parts("job", "a", 0, [("pa", [0])])
+    assert st.fail_open("job", {"code": -32004}, None, "a", True) == 1
+    assert st.counts("job") == {"queued": 2, "submitted": 0, "succeeded": 0, "failed": 1}
+    st.close()
+
+
+def test_acquire_shares_one_connection_per_file(tmp_path):
+    a = acquire(tmp_path / "s.db")
+    b = acquire(tmp_path / "s.db")
+    assert a is b
+    release(a)
+    a.create_job("still-open", None, "client", "open")  # still held by b
+    release(b)
+    c = acquire(tmp_path / "s.db")
+    assert c is not a and c.job("still-open") is not None
+    release(c)

@@ -1,0 +1,130 @@
+"""The gateway's call path with an injected clock and provider: deadlines, dedup, cache, shutdown."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import pytest
+
+from multiplexer.call import Call, Item, Outcome
+from multiplexer.clock import ManualClock
+from multiplexer.config import parse_config
+from multiplexer.errors import Code, invalid_params
+from multiplexer.gateway import Gateway
+from multiplexer.provider import Provider, ProviderContext
+
+pytestmark = pytest.mark.anyio
+
+
+class Gate(Provider):
+    """Runs nothing until the test opens the gate; counts executions per method."""
+
+    def __init__(self, ctx: ProviderContext | None = None) -> None:
+        self.name = "p"
+        self.gate = anyio.Event()
+        self.runs: list[str] = []
+
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        self.runs.extend(i.method for i in items)
+        await self.gate.wait()
+        return [Outcome.fail(invalid_params("bad")) if i.method == "bad"
+                else Outcome(result=i.params) for i in items]
+
+
+def config(**route: object) -> object:
+    return parse_config({
+        "providers": {"p": {"kind": "echo", "batch": {"max_items": 1},
+                            "limits": {"concurrency": 1}}},
+        "routes": {"r": {"provider": "p", **route}, "bad": {"provider": "p", "dedup": True},
+                   "*": {"provider": "p"}},
+    })
+
+
+async def test_deadline_in_queue_and_in_flight_report_their_stage() -> None:
+    clock, prov = ManualClock(), Gate()
+    async with Gateway(config(), clock=clock, providers={"p": prov}) as gw:
+        out: dict[str, Outcome] = {}
+
+        async def call(name: str, timeout: float) -> None:
+            out[name] = await gw.submit(Call("r", {"n": name}, timeout_ms=timeout))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "first", 1000)
+            await clock.advance(0)
+            tg.start_soon(call, "second", 500)
+            await clock.advance(0)
+            await clock.advance(0.5)
+            await clock.advance(0.5)
+        assert out["second"].error.code == Code.TIMEOUT
+        assert out["second"].error.data == {"stage": "queued"}
+        assert out["first"].error.data == {"stage": "running"}
+        assert prov.runs == ["r"]  # the queued call never went upstream
+
+
+async def test_dedup_waiters_share_one_run_errors_reach_all_and_timeouts_are_per_caller() -> None:
+    clock, prov = ManualClock(), Gate()
+    async with Gateway(config(dedup=True), clock=clock, providers={"p": prov}) as gw:
+        results: list[Outcome] = []
+
+        async def call(method: str, timeout: float) -> None:
+            results.append(await gw.submit(Call(method, {"x": 1}, timeout_ms=timeout)))
+
+        async with anyio.create_task_group() as tg:
+            for timeout in (10_000, 10_000, 100):
+                tg.start_soon(call, "r", timeout)
+            await clock.advance(0)
+            await clock.advance(0.1)  # the impatient caller leaves; the run goes on
+            assert [o.error.code for o in results] == [Code.TIMEOUT]
+            prov.gate.set()
+        assert [o.result for o in results[1:]] == [{"x": 1}, {"x": 1}]
+        assert prov.runs == ["r"]
+        results.clear()
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(call, "bad", 10_000)
+        assert [o.error.code for o in results] == [Code.INVALID_PARAMS] * 3
+        assert prov.runs == ["r", "bad"]
+
+
+async def test_ttl_cache_serves_until_expiry() -> None:
+    clock, prov = ManualClock(), Gate()
+    prov.gate.set()
+    async with Gateway(config(dedup=True, cache_ttl_s=10), clock=clock,
+                       providers={"p": prov}) as gw:
+        for _ in range(3):
+            assert (await gw.submit(Call("r", {"k": 1}))).result == {"k": 1}
+        assert prov.runs == ["r"]
+        await clock.advance(11)
+        await gw.submit(Call("r", {"k": 1}))
+        assert prov.runs == ["r", "r"]
+        assert (await gw.submit(Call("r", {"k": 2}))).ok and prov.runs == ["r", "r", "r"]
+
+
+async def test_shutdown_fails_what_cannot_finish_and_refuses_new_calls() -> None:
+    clock, prov = ManualClock(), Gate()
+    gw = Gateway(config(), clock=clock, providers={"p": prov})
+    out: list[Outcome] = []
+    async with anyio.create_task_group() as tg:
+        await gw.__aenter__()
+
+        async def call() -> None:
+            out.append(await gw.submit(Call("r", {})))
+
+        for _ in range(3):
+            tg.start_soon(call)
+        await clock.advance(0)
+        await gw.aclose(grace=0)
+    assert len(out) == 3 and all(o.error.code == Code.SHUTTING_DOWN for o in out)
+    late = await gw.submit(Call("r", {}))
+    assert late.error.code == Code.SHUTTING_DOWN
+
+
+async def test_wildcard_route_and_unknown_method() -> None:
+    prov = Gate()
+    prov.gate.set()
+    async with Gateway(config(), providers={"p": prov}) as gw:
+        assert (await gw.submit(Call("anything", [1]))).result == [1]
+        assert prov.runs == ["anything"]
+        tools = {t.name for t in await gw.list_tools()}
+        assert {"r", "bad"} <= tools
