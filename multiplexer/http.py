@@ -10,6 +10,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
 from .auth import Authenticator
 from .errors import Code, RpcError
@@ -18,23 +19,6 @@ from .jsonrpc import dumps, error_response
 from .service import handle_body
 
 JSON = "application/json"
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def rpc_error(status: int, error: RpcError, headers: dict[str, str] | None = None) -> Response:
@@ -50,38 +34,68 @@ def unauthorized(error: RpcError) -> Response:
     return rpc_error(401, error, {"WWW-Authenticate": 'Bearer realm="multiplexer"'})
 
 
-async def _cancel_on_disconnect(request: Request, work: Awaitable[bytes | None]) -> bytes | None:
-    """Run ``work``; if the client goes away first, cancel it (and so its calls upstream)."""
-    reply: bytes | None = None
+class RpcEndpoint:
+    """``POST /rpc`` as a bare ASGI app: the hot path skips request/response wrappers."""
 
-    async def watch(scope: anyio.CancelScope) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        scope.cancel()
+    def __init__(self, gateway: Gateway, auth: Authenticator) -> None:
+        self.gateway = gateway
+        self.auth = auth
+        self.limit = gateway.config.server.max_body_bytes
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch, tg.cancel_scope)
-        reply = await work
-        tg.cancel_scope.cancel()
-    return reply
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope["headers"])
+        try:
+            auth = headers.get(b"authorization")
+            identity = self.auth.identify(auth.decode("latin-1") if auth else None)
+        except RpcError as e:
+            await unauthorized(e)(scope, receive, send)
+            return
+        declared = headers.get(b"content-length", b"")
+        chunks, size, more = [], 0, True
+        if declared.isdigit() and int(declared) > self.limit:
+            more = False
+            size = self.limit + 1
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                break
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        if size > self.limit:
+            await too_large(self.limit)(scope, receive, send)
+            return
+        reply = await self._run(receive, b"".join(chunks), identity)
+        if reply is None:
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(reply)).encode()),
+        ]})
+        await send({"type": "http.response.body", "body": reply})
+
+    async def _run(self, receive: Receive, body: bytes, identity: str | None) -> bytes | None:
+        """Run the calls; if the client goes away first, cancel them (and so their upstream work)."""
+        reply: bytes | None = None
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            reply = await handle_body(self.gateway, body, identity)
+            tg.cancel_scope.cancel()
+        return reply
 
 
 def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
-    server = gateway.config.server
-
-    async def rpc(request: Request) -> Response:
-        try:
-            identity = auth.identify(request.headers.get("authorization"))
-        except RpcError as e:
-            return unauthorized(e)
-        try:
-            body = await read_body(request, server.max_body_bytes)
-        except BodyTooLarge:
-            return too_large(server.max_body_bytes)
-        reply = await _cancel_on_disconnect(request, handle_body(gateway, body, identity))
-        if reply is None:
-            return Response(status_code=204)
-        return Response(reply, media_type=JSON)
 
     async def healthz(request: Request) -> Response:
         lanes = {
@@ -97,7 +111,7 @@ def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return [
-        Route("/rpc", rpc, methods=["POST"]),
+        Route("/rpc", RpcEndpoint(gateway, auth), methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -26,7 +26,7 @@ MAX_PAGE = 10_000
 
 _JOB_ID = {"type": "string", "description": "The id jobs.submit returned"}
 SPECS = {
-    "jobs.submit": ToolSpec("jobs.submit", "Submit calls as one batch job (cheaper, slower); returns a job id.", {
+    "jobs.submit": ToolSpec("jobs.submit", "Submit calls as one batch job (cheaper, slower): a job id.", {
         "type": "object",
         "properties": {
             "calls": {"type": "array", "items": {

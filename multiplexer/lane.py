@@ -53,6 +53,7 @@ class Lane:
         self._closing = False
         self._scopes: dict[int, tuple[anyio.CancelScope, list[Pending]]] = {}
         self._batch_ids = 0
+        self._tg: anyio.abc.TaskGroup | None = None
 
     # -- admission -------------------------------------------------------
     def submit(self, item: Item) -> Pending:
@@ -66,7 +67,11 @@ class Lane:
         p = Pending(item, self.clock.now())
         self.queue.push(p)
         self._gauge()
-        self._wake.set()
+        direct = self.eager and self.in_flight == 0 and self._tg is not None
+        if direct:  # idle lane: send now, without a hop through the loop task
+            self._step(self._tg)
+        if not direct or len(self.queue):
+            self._wake.set()
         return p
 
     def _retry_after(self) -> float:
@@ -93,6 +98,7 @@ class Lane:
     # -- the loop ----------------------------------------------------------
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
+            self._tg = tg
             while True:
                 self._wake = anyio.Event()
                 deadline = self._step(tg)

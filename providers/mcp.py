@@ -49,7 +49,7 @@ class McpProvider(Provider):
         self.settings: McpSettings = ctx.settings
         self.session = UpstreamSession(
             ctx.name, self.settings, call_timeout_s=ctx.config.timeout_ms / 1000,
-            on_tools=self._tools_changed,
+            on_tools=self._tools_changed, on_event=self._session_event,
         )
         self._stack: AsyncExitStack | None = None
 
@@ -68,6 +68,12 @@ class McpProvider(Provider):
         stack, self._stack = self._stack, None
         if stack is not None:
             await stack.aclose()
+
+    def _session_event(self, event: str) -> None:
+        metrics = self.ctx.metrics
+        metrics.events.labels(f"mcp:{self.name}", event).inc()
+        if event == "retry":
+            metrics.retries.labels(self.name).inc()
 
     def _tools_changed(self, tools: dict[str, types.Tool]) -> None:
         self.ctx.notify("tools_changed", {"provider": self.name, "tools": sorted(tools)})
@@ -120,5 +126,6 @@ class McpProvider(Provider):
                 retry_safe=bool(item.options.get(_RETRY_SAFE)),
             )
         except RpcError as e:
+            self.ctx.metrics.upstream_errors.labels(self.name, str(e.code)).inc()
             return Outcome.fail(e)
         return Outcome(result=None if item.notification else result)

@@ -58,8 +58,10 @@ def protocol_error(provider: str, error: MCPError) -> RpcError:
 
 class UpstreamSession:
     def __init__(self, name: str, settings: McpSettings, *, call_timeout_s: float,
-                 on_tools: Callable[[dict[str, types.Tool]], None]) -> None:
+                 on_tools: Callable[[dict[str, types.Tool]], None],
+                 on_event: Callable[[str], None] = lambda event: None) -> None:
         self.name = name
+        self._on_event = on_event
         self.settings = settings
         self.call_timeout_s = call_timeout_s
         self._on_tools = on_tools
@@ -95,6 +97,7 @@ class UpstreamSession:
             except Exception as e:
                 self.last_error = describe(e)
                 self.failures += 1
+                self._on_event("disconnected")
                 log.warning("mcp upstream %s: %s; reconnecting in %.2fs", self.name, self.last_error,
                             backoff)
             finally:
@@ -136,6 +139,7 @@ class UpstreamSession:
             self.last_error = None
             self._client = client
             self._attempt_ended()
+            self._on_event("connected")
             log.info("mcp upstream %s connected (%s, %d tools)", self.name, self.protocol_version,
                      len(self.tools))
             async with anyio.create_task_group() as tg:
@@ -274,6 +278,7 @@ class UpstreamSession:
                     self._lost(generation, f"connection lost: {e.message}")
                     # A refused call never ran; one caught in flight may have: repeat only if safe.
                     if attempt + 1 < attempts and (retry_safe or is_session_lost(e)):
+                        self._on_event("retry")
                         continue
                     why = "retried once" if retry_safe else "not retried: the tool is not declared idempotent"
                     raise upstream_unavailable(

@@ -95,3 +95,84 @@ def chat_reply(text: str, prompt_tokens: int = 5, completion_tokens: int = 2) ->
                          "finish_reason": "stop"}],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+
+
+# -- end-to-end against the fake servers ------------------------------------------
+
+class Fakes:
+    def __init__(self, openai: Any, anthropic: Any, openai_url: str, anthropic_url: str) -> None:
+        self.openai, self.anthropic = openai, anthropic
+        self.openai_url, self.anthropic_url = openai_url, anthropic_url
+
+
+@asynccontextmanager
+async def fakes(**openai_knobs: Any) -> AsyncIterator[Fakes]:
+    from tests.fakes.anthropic_fake import FakeAnthropicState
+    from tests.fakes.anthropic_fake import create_app as anthropic_app
+    from tests.fakes.openai_fake import FakeOpenAIState
+    from tests.fakes.openai_fake import create_app as openai_app
+    from tests.fakes.serve import serve_app
+
+    ostate, astate = FakeOpenAIState(**openai_knobs), FakeAnthropicState()
+    async with serve_app(openai_app(ostate)) as ourl, serve_app(anthropic_app(astate)) as aurl:
+        yield Fakes(ostate, astate, ourl, aurl)
+
+
+def remote_config_data(f: Fakes, tmp_path: Path) -> dict[str, Any]:
+    """The issue's contract config, pointed at the fakes, with fast polling."""
+    fast = {"batch_poll_interval_s": 0.01, "retry": {"attempts": 3, "base_wait_ms": 1, "max_wait_ms": 5}}
+    return {
+        "store": {"path": str(tmp_path / "jobs.db")},
+        "providers": {
+            "oai": {"kind": "openai", "base_url": f.openai_url + "/v1", "api_key": "sk-test",
+                    "batch": {"max_items": 256, "max_wait_ms": 5}, **fast},
+            "claude": {"kind": "anthropic", "base_url": f.anthropic_url, "api_key": "test", **fast},
+        },
+        "routes": {
+            "embed": {"provider": "oai", "operation": "embeddings",
+                      "params": {"model": "text-embedding-3-small"}},
+            "chat": {"provider": "oai", "operation": "chat"},
+            "chat_batch": {"provider": "oai", "operation": "chat", "mode": "batch",
+                           "params": {"model": "gpt-test"},
+                           "batch": {"max_items": 50000, "max_wait_ms": 50}},
+            "claude": {"provider": "claude", "operation": "messages",
+                       "params": {"model": "claude-test", "max_tokens": 32}},
+            "claude_batch": {"provider": "claude", "operation": "messages", "mode": "batch",
+                             "params": {"model": "claude-test", "max_tokens": 32},
+                             "batch": {"max_items": 1000, "max_wait_ms": 50}},
+        },
+    }
+
+
+def user(text: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}], **extra}
+
+
+def reply_text(result: Any) -> Any:
+    """The assistant text of an OpenAI or Anthropic reply (or the error itself)."""
+    if not isinstance(result, dict):
+        return result
+    if "choices" in result:
+        return result["choices"][0]["message"]["content"]
+    return result["content"][0]["text"]
+
+
+class Events:
+    """Collects gateway notifications; a test waits for one instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+        self._waiters: list[tuple[str, anyio.Event]] = []
+
+    def __call__(self, event: str, data: dict[str, Any]) -> None:
+        self.seen.append((event, data))
+        for name, ev in self._waiters:
+            if name == event:
+                ev.set()
+
+    async def wait(self, event: str, count: int = 1) -> None:
+        while sum(1 for name, _ in self.seen if name == event) < count:
+            ev = anyio.Event()
+            self._waiters.append((event, ev))
+            await ev.wait()
+            self._waiters.remove((event, ev))

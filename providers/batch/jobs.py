@@ -24,7 +24,15 @@ from multiplexer.call import Item, Outcome
 from multiplexer.errors import RpcError, cancelled, internal_error, upstream_error
 from multiplexer.provider import ProviderContext
 
-from .backend import BatchApiSettings, BatchBackend, JobItem, Planned, RemoteStatus, plan_parts
+from .backend import (
+    BatchApiSettings,
+    BatchBackend,
+    JobItem,
+    Planned,
+    RemoteStatus,
+    SubmissionUnknown,
+    plan_parts,
+)
 from .store import ItemRow, JobStore, NewItem, PartRow, acquire, release
 from .sync_fallback import SyncFallback
 
@@ -260,6 +268,11 @@ class JobManager:
                 try:
                     found = await self.backend.find(part.id, current.intent_wall or 0.0, len(rows),
                                                     claimed)
+                except SubmissionUnknown as e:
+                    await self._end_part(part, upstream_error(
+                        self.name, f"batch submission outcome unknown after an interruption ({e}); "
+                        "not resubmitted, to avoid running it twice", part_id=part.id), "unknown")
+                    return None
                 except RpcError as e:
                     last = e
                     continue
@@ -292,6 +305,8 @@ class JobManager:
 
     async def _submitted(self, part: PartRow, remote: str) -> str:
         self.ctx.metrics.events.labels(self.name, "batch_submitted").inc()
+        self.ctx.notify("batch_submitted", {"job_id": part.job_id, "part_id": part.id,
+                                            "remote_id": remote})
         if await self._cancelling(part.job_id):
             await self._cancel_remote(remote)
         return remote

@@ -1,0 +1,129 @@
+"""A real gateway child process for the reliability runs: config file, log file, RSS, metrics.
+
+Unlike ``_procs.child`` its stderr goes to a file, never to an unread pipe: a run that
+makes the gateway log a lot must not block it on a full pipe, and the log is read
+afterwards for tracebacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from benchmarks._procs import ROOT, free_port, wait_http
+
+
+@dataclass
+class GatewayProc:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tracebacks(self) -> int:
+        return self.log().count("Traceback (most recent call last)")
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample over the series whose labels include ``labels``."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+@contextlib.contextmanager
+def gateway(config_yaml: str, env: dict[str, str] | None = None) -> Iterator[GatewayProc]:
+    """``python -m multiplexer serve`` on a free port; ``{port}`` in the YAML is filled in."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = Path(tmp) / "gateway.yaml"
+        conf.write_text(config_yaml.replace("{port}", str(port)))
+        log_path = Path(tmp) / "gateway.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "multiplexer", "serve", "--config", str(conf)],
+                cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=log,
+            )
+            gw = GatewayProc(f"http://127.0.0.1:{port}", proc, log_path)
+            try:
+                wait_http(f"{gw.url}/healthz")
+                yield gw
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+@dataclass
+class RssSampler:
+    """Samples a process's RSS on a thread; ``mark`` names phases for per-phase peaks."""
+
+    pid: int
+    interval: float = 0.02
+    samples: list[tuple[float, str, int]] = field(default_factory=list)
+    phase: str = "start"
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> RssSampler:
+        proc = psutil.Process(self.pid)
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                with contextlib.suppress(psutil.Error):
+                    self.samples.append((time.monotonic(), self.phase, proc.memory_info().rss))
+                self._stop.wait(self.interval)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def mark(self, phase: str) -> None:
+        self.phase = phase
+
+    def peak(self, phase: str | None = None) -> int:
+        return max((rss for _, p, rss in self.samples if phase is None or p == phase), default=0)
+
+    def series(self, phase: str) -> list[int]:
+        return [rss for _, p, rss in self.samples if p == phase]

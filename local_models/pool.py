@@ -1,0 +1,258 @@
+"""The model pool: one handle per configured model, loading in the background, running in threads.
+
+Every forward pass runs in a worker thread under ``torch.inference_mode`` so the
+event loop never blocks; the lane's formation decides which rows share a pass
+(``policy``), the handle pads them to the batch's longest row, survives
+out-of-memory errors (split, retry, CPU fallback, lower budget) and counts
+real against padded tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import torch
+
+from multiplexer.batching import Formation
+from multiplexer.errors import RpcError, upstream_unavailable
+
+from .devices import pick_device, pick_dtype, run_resilient
+from .formation import PassThrough, TokenBudget, plan_chunks
+from .loading import Loaded, load
+from .sources import resolve_source
+from .spec import ModelSpec
+from .tasks.classify import classify
+from .tasks.embed import EmbedConfig, embed, read_embed_config
+from .tasks.generate import GenerateEngine, GenRequest
+from .tensors import padded_cost
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MIN_BUDGET = 64
+
+
+@dataclass(slots=True)
+class Stats:
+    batches: int = 0
+    rows: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+    @property
+    def padding_waste(self) -> float:
+        return 1 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+class ModelHandle:
+    def __init__(self, name: str, spec: ModelSpec, *, cache_dir: str | None,
+                 on_event: Callable[[str, str], None]) -> None:
+        self.name = name
+        self.spec = spec
+        self.task = spec.task
+        self.cache_dir = cache_dir
+        self.on_event = on_event
+        self.ready = anyio.Event()
+        self.started = False
+        self.loaded: Loaded | None = None
+        self.error: str | None = None
+        self.limit: int | None = None
+        self.embed_cfg = EmbedConfig()
+        self.engine: GenerateEngine | None = None
+        self.fallback_device: torch.device | None = None
+        self.budget = TokenBudget(
+            spec.max_batch_size, spec.max_tokens, spec.max_wait_ms / 1000.0, spec.max_padding,
+            spec.length_grouping, spec.aging_s,
+        )
+        self.stats = Stats()
+        self._lock = threading.Lock()
+
+    # -- loading (worker thread) ------------------------------------------------
+    def load_sync(self) -> None:
+        path = resolve_source(self.spec.source, cache_dir=self.cache_dir)
+        device = pick_device(self.spec.device)
+        dtype = pick_dtype(self.spec.dtype, device)
+        limits = [self.spec.max_length]
+        if self.task == "embed":
+            self.embed_cfg = read_embed_config(path, pooling=self.spec.pooling, normalize=self.spec.normalize)
+            limits.append(self.embed_cfg.max_length)
+        loaded = load(path, self.task, device, dtype)
+        limits.append(loaded.max_positions())
+        known = [n for n in limits if n]
+        self.limit = min(known) if known else None
+        self.fallback_device = torch.device("cpu") if device.type != "cpu" else None
+        if self.task == "generate":
+            self.engine = GenerateEngine(
+                loaded.model, loaded.tokenizer, device, max_rows=self.spec.max_batch_size,
+                max_tokens=self.spec.max_tokens, max_positions=loaded.max_positions(),
+                on_event=lambda name, n: self.on_event(self.name, name),
+            )
+        self.loaded = loaded
+        log.info("local model %s (%s) loaded from %s on %s as %s", self.name, self.task, path, device, dtype)
+
+    # -- tokens ------------------------------------------------------------------
+    def tokenize(self, texts: list[str], truncate: bool) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """Token ids per text, and (index, length) of each text over the limit (kept when truncating)."""
+        assert self.loaded is not None
+        tok = self.loaded.tokenizer
+        if self.embed_cfg.lowercase:
+            texts = [t.lower() for t in texts]
+        limit = self.limit
+        if self.task == "generate":
+            ids = tok(texts, verbose=False)["input_ids"]
+            cap = None if limit is None else limit - 1  # room for one new token at least
+            over = [(i, len(x)) for i, x in enumerate(ids) if cap is not None and len(x) > cap]
+            if truncate and over:
+                ids = [x[-cap:] if cap is not None else x for x in ids]
+            return ids, over
+        if truncate and limit is not None:
+            return tok(texts, truncation=True, max_length=limit, verbose=False)["input_ids"], []
+        ids = tok(texts, verbose=False)["input_ids"]
+        return ids, [(i, len(x)) for i, x in enumerate(ids) if limit is not None and len(x) > limit]
+
+    # -- forward passes (worker thread) -------------------------------------------
+    def forward(self, rows: Sequence[Sequence[int]], on: str) -> list[torch.Tensor]:
+        """One padded pass on the primary device or the CPU fallback; a vector per row."""
+        assert self.loaded is not None
+        loaded = self.loaded if on == "primary" else self._cpu()
+        tok = loaded.tokenizer
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        side = getattr(tok, "padding_side", "right") or "right"
+        if self.task == "embed":
+            out = embed(loaded.model, rows, self.embed_cfg, pad_id=pad_id, side=side, device=loaded.device)
+        else:
+            out = classify(loaded.model, rows, pad_id=pad_id, side=side, device=loaded.device)
+        with self._lock:
+            self.stats.batches += 1
+            self.stats.rows += len(rows)
+            self.stats.real_tokens += sum(len(r) for r in rows)
+            self.stats.padded_tokens += padded_cost(rows)
+        return list(out)
+
+    def _cpu(self) -> Loaded:
+        assert self.loaded is not None
+        return load(self.loaded.path, self.task, torch.device("cpu"), torch.float32)
+
+    def run_sync(self, rows: Sequence[Sequence[int]], finish: Callable[[torch.Tensor], T]) -> T:
+        assert self.loaded is not None
+        budget = self.budget
+        fallback = (lambda r: self.forward(r, "fallback")) if self.fallback_device is not None else None
+        with torch.inference_mode():
+            results: list[torch.Tensor | None] = [None] * len(rows)
+            for chunk in plan_chunks([len(r) for r in rows], budget.max_rows, budget.max_tokens):
+                part = run_resilient(
+                    [rows[i] for i in chunk], lambda r: self.forward(r, "primary"), fallback,
+                    cost=padded_cost, on_event=self._oom, device=self.loaded.device,
+                )
+                for i, vector in zip(chunk, part, strict=True):
+                    results[i] = vector
+            return finish(torch.stack(results))  # type: ignore[arg-type]
+
+    def _oom(self, event: str, failed_cost: int) -> None:
+        log.warning("local model %s: %s (a batch of %d padded tokens did not fit)", self.name, event, failed_cost)
+        self.on_event(self.name, event)
+        lowered = max(MIN_BUDGET, failed_cost // 2)
+        if lowered < self.budget.max_tokens:
+            self.budget = dataclasses.replace(self.budget, max_tokens=lowered)
+            log.warning("local model %s: token budget lowered to %d", self.name, lowered)
+            self.on_event(self.name, "budget_lowered")
+
+
+class LocalPool:
+    """Owns the handles and a task group for background loads and generation loops."""
+
+    def __init__(
+        self, specs: dict[str, ModelSpec], *, on_event: Callable[[str, str], None] = lambda m, e: None,
+        threads: int | None = None, preload: bool = True, cache_dir: str | Path | None = None,
+    ) -> None:
+        self.handles = {
+            name: ModelHandle(name, spec, cache_dir=str(cache_dir) if cache_dir else None, on_event=on_event)
+            for name, spec in specs.items()
+        }
+        self.on_event = on_event
+        self.threads = threads
+        self.preload = preload
+        self._stack: AsyncExitStack | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def __aenter__(self) -> LocalPool:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        stack = AsyncExitStack()
+        self._tg = await stack.enter_async_context(anyio.create_task_group())
+        self._stack = stack
+        if self.preload:
+            for handle in self.handles.values():
+                self._start_load(handle)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._stack is None:
+            return
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        stack, self._stack = self._stack, None
+        await stack.aclose()
+
+    def _start_load(self, handle: ModelHandle) -> None:
+        if handle.started:
+            return
+        handle.started = True
+        assert self._tg is not None
+        self._tg.start_soon(self._load, handle)
+
+    async def _load(self, handle: ModelHandle) -> None:
+        try:
+            await anyio.to_thread.run_sync(handle.load_sync, abandon_on_cancel=True)
+        except Exception as e:
+            handle.error = f"{type(e).__name__}: {e}"
+            log.error("local model %s failed to load: %s", handle.name, handle.error)
+            self.on_event(handle.name, "load_failed")
+        else:
+            self.on_event(handle.name, "model_loaded")
+            if handle.engine is not None:
+                assert self._tg is not None
+                self._tg.start_soon(handle.engine.run)
+        finally:
+            handle.ready.set()
+
+    async def ready(self, name: str) -> ModelHandle:
+        handle = self.handles[name]
+        self._start_load(handle)
+        await handle.ready.wait()
+        if handle.error is not None:
+            raise upstream_unavailable(f"local:{name}", handle.error)
+        return handle
+
+    def policy(self, group: Hashable) -> tuple[Formation, int | None]:
+        """The formation and capacity for a lane group ``(model,)``; used by ``GatedFormation``."""
+        name = group[0] if isinstance(group, tuple) and group else group
+        handle = self.handles.get(name)  # type: ignore[arg-type]
+        if handle is None or handle.task == "generate":
+            return PassThrough(), None
+        return handle.budget, handle.spec.concurrency
+
+    async def run_rows(self, name: str, rows: Sequence[Sequence[int]], finish: Callable[[torch.Tensor], T]) -> T:
+        handle = await self.ready(name)
+        if handle.task == "generate":
+            raise RpcError(-32603, "Internal error", {"detail": f"{name} is a generation model"})
+        return await anyio.to_thread.run_sync(handle.run_sync, rows, finish)
+
+    async def generate(self, name: str, requests: list[GenRequest]) -> list[GenRequest]:
+        handle = await self.ready(name)
+        assert handle.engine is not None
+        return await handle.engine.generate(requests)
+
+    def stats(self, name: str) -> Stats:
+        return self.handles[name].stats
+
+    def describe(self) -> dict[str, Any]:
+        return {name: {"task": h.task, "loaded": h.loaded is not None, "error": h.error,
+                       "budget": h.budget.max_tokens} for name, h in self.handles.items()}

@@ -1,0 +1,130 @@
+"""Request params in, OpenAI-shaped responses out, so local and remote models are interchangeable.
+
+Parsing is torch-free (it runs in ``prepare`` on the event loop); the response
+builders take tensors and run in the worker thread with the forward pass.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+from multiplexer.errors import RpcError, invalid_params
+
+from .prepared import Prepared
+
+MAX_STOPS = 8
+
+
+def texts_of(params: dict[str, Any], task: str) -> tuple[list[str], bool]:
+    """``input`` (or ``prompt`` for generation): one string or a non-empty list of strings."""
+    key = "input" if "input" in params or task != "generate" else "prompt"
+    value = params.get(key)
+    if isinstance(value, str):
+        return [value], True
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return list(value), False
+    raise invalid_params(f"{key} must be a string or a non-empty list of strings")
+
+
+def _number(params: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not lo <= value <= hi:
+        raise invalid_params(f"{key} must be a number in [{lo}, {hi}]")
+    return float(value)
+
+
+def _int(params: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise invalid_params(f"{key} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def options_of(params: dict[str, Any], task: str, *, max_new_tokens: int, limit: int) -> dict[str, Any]:
+    """The task's own knobs, validated; what the model does not support is refused, not ignored."""
+    if task == "embed":
+        fmt = params.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise invalid_params('encoding_format must be "float" or "base64"')
+        if params.get("dimensions") is not None:
+            raise invalid_params("dimensions is not supported by local embedding models")
+        return {"encoding_format": fmt}
+    if task == "classify":
+        return {"top_k": _int(params, "top_k", None, 1, 1_000_000)}
+    new = params.get("max_new_tokens", params.get("max_tokens"))
+    new = _int({"max_new_tokens": new}, "max_new_tokens", max_new_tokens, 1, limit)
+    stop = params.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str) and stop:
+        stops = (stop,)
+    elif isinstance(stop, list) and len(stop) <= MAX_STOPS and all(isinstance(s, str) and s for s in stop):
+        stops = tuple(stop)
+    else:
+        raise invalid_params(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
+    return {
+        "max_new_tokens": new,
+        "temperature": _number(params, "temperature", 0.0, 0.0, 100.0),
+        "top_p": _number(params, "top_p", 1.0, 1e-6, 1.0),
+        "seed": _int(params, "seed", None, 0, 2**63 - 1),
+        "stop": stops,
+    }
+
+
+def too_long(model: str, index: int, tokens: int, limit: int) -> RpcError:
+    return invalid_params(
+        f"input {index} is {tokens} tokens long; model {model} takes at most {limit} "
+        "(pass truncate: true to cut it)",
+        index=index, tokens=tokens, max_tokens=limit,
+    )
+
+
+def usage(p: Prepared, completion: int | None = None) -> dict[str, int]:
+    prompt = p.real
+    out = {"prompt_tokens": prompt, "total_tokens": prompt + (completion or 0)}
+    if completion is not None:
+        out["completion_tokens"] = completion
+    return out
+
+
+def embeddings_response(p: Prepared, vectors: Any) -> dict[str, Any]:
+    """``vectors`` is a float32 tensor [rows, dim] for this call's inputs."""
+    if p.extra.get("encoding_format") == "base64":
+        data = [base64.b64encode(v.contiguous().numpy().astype("<f4").tobytes()).decode() for v in vectors]
+    else:
+        data = vectors.tolist()
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+        "model": p.model,
+        "usage": usage(p),
+    }
+
+
+def classification_response(p: Prepared, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"object": "classification", "index": i, **r} for i, r in enumerate(rows)],
+        "model": p.model,
+        "usage": usage(p),
+    }
+
+
+def completion_response(p: Prepared, results: Sequence[Any]) -> dict[str, Any]:
+    """``results`` are finished ``GenRequest``s, one per prompt."""
+    completion = sum(len(r.tokens) for r in results)
+    return {
+        "object": "text_completion",
+        "model": p.model,
+        "choices": [
+            {"index": i, "text": r.text, "finish_reason": r.finish_reason, "token_ids": list(r.tokens)}
+            for i, r in enumerate(results)
+        ],
+        "usage": usage(p, completion),
+    }

@@ -1,0 +1,257 @@
+"""``kind: local``: models served in-process by ``local_models``, batched by the gateway's lane.
+
+The lane forms batches with the pool's token-budget formation (similar lengths
+together, padded tokens under a budget, priorities with aging, one batch per
+model running at a time); generation items pass straight through to the
+model's continuous-batching engine. torch and transformers are imported only
+when the provider starts, so config parsing never needs them.
+
+Each call may carry one input or a list; a list stays one item whose cost is
+its padded size (rows x longest), and the pool splits it into several passes
+when it alone exceeds the model's budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field
+
+from local_models.formation import GatedFormation
+from local_models.prepared import KEY, Prepared, prepared_of
+from local_models.spec import ModelSpec
+from local_models.wire import options_of, texts_of, too_long
+from multiplexer.call import Item, Outcome
+from multiplexer.config import RouteConfig
+from multiplexer.errors import (
+    RpcError,
+    internal_error,
+    invalid_params,
+    upstream_error,
+    upstream_unavailable,
+)
+from multiplexer.provider import Provider, ProviderContext, ToolSpec
+
+if TYPE_CHECKING:
+    from local_models.pool import LocalPool
+
+log = logging.getLogger(__name__)
+PREPARE_TOKENIZE_CHARS = 16_384  # bigger calls are tokenised in a worker thread
+
+
+class LocalSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: dict[str, ModelSpec] = Field(min_length=1)
+    threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
+    preload: bool = True
+    cache_dir: str | None = Field(default=None, description="Hugging Face cache to resolve ids from")
+
+
+class LocalProvider(Provider):
+    Settings = LocalSettings
+
+    def __init__(self, ctx: ProviderContext) -> None:
+        super().__init__(ctx)
+        self.settings: LocalSettings = ctx.settings
+        limits = ctx.config.limits
+        if "concurrency" not in limits.model_fields_set:
+            # Each generation holds a lane slot until it ends; the pool gates batches itself.
+            limits.concurrency = 4096
+        self.pool: LocalPool | None = None
+        self._missing = "not started"
+        self._formation = GatedFormation(self._policy)
+
+    async def start(self) -> None:
+        try:
+            from local_models.pool import LocalPool
+        except ImportError as e:  # the gateway still serves everything else
+            self._missing = f"the local extra is not installed ({e})"
+            log.error("provider %s: %s", self.name, self._missing)
+            return
+        self.pool = LocalPool(
+            self.settings.models, on_event=self._event, threads=self.settings.threads,
+            preload=self.settings.preload, cache_dir=self.settings.cache_dir,
+        )
+        await self.pool.__aenter__()
+
+    async def aclose(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            await pool.__aexit__(None, None, None)
+
+    def _event(self, model: str, event: str) -> None:
+        self.ctx.metrics.events.labels("local", event).inc()
+        self.ctx.notify(f"local.{event}", {"provider": self.name, "model": model})
+
+    def _policy(self, group: Any):
+        from local_models.formation import PassThrough
+
+        if self.pool is None:
+            return PassThrough(), 1
+        return self.pool.policy(group)
+
+    def formation(self, policy: Any) -> GatedFormation:
+        return self._formation
+
+    # -- admission -------------------------------------------------------------
+    def _model_for(self, item: Item) -> str:
+        models = self.settings.models
+        name = item.options.get("model")
+        if name is None:
+            asked = item.params.get("model") if isinstance(item.params, dict) else None
+            if asked in models:
+                name = asked
+            elif len(models) == 1:
+                name = next(iter(models))
+            else:
+                raise invalid_params(f"route {item.route} names no model: and the call none of {sorted(models)}")
+        if name not in models:
+            raise invalid_params(f"unknown local model {name!r} (known: {', '.join(sorted(models))})")
+        return str(name)
+
+    def prepare(self, route: RouteConfig, item: Item) -> None:
+        name = self._model_for(item)
+        spec = self.settings.models[name]
+        params = item.params if isinstance(item.params, dict) else None
+        if params is None:
+            raise invalid_params("params must be an object with an input")
+        texts, single = texts_of(params, spec.task)
+        truncate = params.get("truncate", spec.truncate)
+        if not isinstance(truncate, bool):
+            raise invalid_params("truncate must be a boolean")
+        extra = options_of(params, spec.task, max_new_tokens=spec.max_new_tokens,
+                           limit=spec.max_new_tokens_limit)
+        extra["priority"] = item.priority
+        prepared = Prepared(name, texts, single, truncate, extra=extra,
+                            estimate=max(len(t) for t in texts) // 4 + 2)
+        handle = self.pool.handles[name] if self.pool is not None else None
+        if handle is not None and handle.loaded is not None and sum(map(len, texts)) <= PREPARE_TOKENIZE_CHARS:
+            error = self._tokenize(handle, prepared)
+            if error is not None:
+                raise error
+        item.group = (name,)
+        item.tokens = prepared.real + extra.get("max_new_tokens", 0)
+        item.options[KEY] = prepared
+
+    @staticmethod
+    def _tokenize(handle: Any, p: Prepared) -> RpcError | None:
+        ids, over = handle.tokenize(p.texts, p.truncate)
+        if over and not p.truncate:
+            index, tokens = over[0]
+            limit = handle.limit - 1 if handle.task == "generate" else handle.limit
+            return too_long(p.model, index, tokens, limit)
+        if handle.task == "generate" and any(not x for x in ids):
+            return invalid_params("prompt is empty after tokenisation")
+        p.ids = ids
+        return None
+
+    def dedup_safe(self, item: Item) -> bool:
+        p = prepared_of(item)
+        if p is None:
+            return False
+        return p.extra.get("temperature", 0.0) == 0.0 or p.extra.get("seed") is not None
+
+    async def list_tools(self) -> list[ToolSpec]:
+        return [
+            ToolSpec(name, f"{spec.task} with local model {name}",
+                     {"type": "object", "properties": {"input": {}}, "required": ["input"]})
+            for name, spec in self.settings.models.items()
+        ]
+
+    # -- execution ---------------------------------------------------------------
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        outcomes: list[Outcome | None] = [None] * len(items)
+        by_model: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            p = prepared_of(item)
+            if p is None:
+                outcomes[i] = Outcome.fail(internal_error("item was not prepared by the local provider"))
+            else:
+                by_model.setdefault(p.model, []).append(i)
+        for name, idxs in by_model.items():
+            results = await self._execute_model(name, [prepared_of(items[i]) for i in idxs])  # type: ignore[misc]
+            for i, o in zip(idxs, results, strict=True):
+                outcomes[i] = o
+        return outcomes  # type: ignore[return-value]
+
+    async def _execute_model(self, name: str, preps: list[Prepared]) -> list[Outcome]:
+        if self.pool is None:
+            return [Outcome.fail(upstream_unavailable(f"{self.name}:{name}", self._missing))] * len(preps)
+        try:
+            handle = await self.pool.ready(name)
+        except RpcError as e:
+            return [Outcome.fail(e)] * len(preps)
+        errors: dict[int, RpcError] = {}
+        if any(p.ids is None for p in preps):
+            def tokenize_rest() -> None:
+                for i, p in enumerate(preps):
+                    if p.ids is None:
+                        error = self._tokenize(handle, p)
+                        if error is not None:
+                            errors[i] = error
+            await anyio.to_thread.run_sync(tokenize_rest)
+        ok = [i for i in range(len(preps)) if i not in errors]
+        try:
+            if handle.task == "generate":
+                results = await self._generate(name, [preps[i] for i in ok])
+            else:
+                results = await self._forward(handle, name, [preps[i] for i in ok])
+        except RpcError as e:
+            results = [Outcome.fail(e)] * len(ok)
+        except Exception as e:
+            log.exception("local model %s failed a batch", name)
+            results = [Outcome.fail(upstream_error(f"{self.name}:{name}", f"{type(e).__name__}: {e}"))] * len(ok)
+        outcomes = [Outcome.fail(errors[i]) if i in errors else None for i in range(len(preps))]
+        for i, o in zip(ok, results, strict=True):
+            outcomes[i] = o
+        return outcomes  # type: ignore[return-value]
+
+    async def _forward(self, handle: Any, name: str, preps: list[Prepared]) -> list[Outcome]:
+        from local_models.tasks.classify import labelled
+        from local_models.wire import classification_response, embeddings_response
+
+        assert self.pool is not None
+        rows = [ids for p in preps for ids in (p.ids or [])]
+        if not rows:
+            return []
+        id2label = getattr(handle.loaded.model.config, "id2label", None) or {}
+
+        def finish(out: Any) -> list[Outcome]:
+            results, start = [], 0
+            for p in preps:
+                part = out[start:start + p.rows]
+                start += p.rows
+                if handle.task == "embed":
+                    results.append(Outcome(result=embeddings_response(p, part)))
+                else:
+                    rows = labelled(part, id2label, p.extra.get("top_k"))
+                    results.append(Outcome(result=classification_response(p, rows)))
+            return results
+
+        self.ctx.metrics.upstream_requests.labels(self.name).inc()
+        return await self.pool.run_rows(name, rows, finish)
+
+    async def _generate(self, name: str, preps: list[Prepared]) -> list[Outcome]:
+        from local_models.tasks.generate import GenRequest
+        from local_models.wire import completion_response
+
+        assert self.pool is not None
+        per_call = [
+            [GenRequest(ids, p.extra["max_new_tokens"], p.extra["temperature"], p.extra["top_p"],
+                        p.extra["seed"], p.extra["stop"], p.extra["priority"]) for ids in (p.ids or [])]
+            for p in preps
+        ]
+        self.ctx.metrics.upstream_requests.labels(self.name).inc()
+        await self.pool.generate(name, [r for rs in per_call for r in rs])
+        outcomes = []
+        for p, rs in zip(preps, per_call, strict=True):
+            failed = next((r for r in rs if r.finish_reason == "error"), None)
+            if failed is not None:
+                outcomes.append(Outcome.fail(upstream_error(f"{self.name}:{name}", failed.error or "failed")))
+            else:
+                outcomes.append(Outcome(result=completion_response(p, rs)))
+        return outcomes

@@ -1,0 +1,116 @@
+"""Shared pieces for the MCP tests: real upstream processes, gateway configs, process accounting."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+
+from multiplexer.call import Call
+from multiplexer.gateway import Gateway
+
+ROOT = Path(__file__).resolve().parent.parent
+UPSTREAM = str(ROOT / "examples" / "upstream_server.py")
+
+
+def stdio_upstream(**extra: Any) -> dict[str, Any]:
+    return {"kind": "mcp", "command": "python", "args": [UPSTREAM], "restart_backoff_ms": 20,
+            "limits": {"concurrency": 256}, **extra}
+
+
+def http_upstream(url: str, **extra: Any) -> dict[str, Any]:
+    return {"kind": "mcp", "url": url, "restart_backoff_ms": 20, "limits": {"concurrency": 256},
+            **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    with anyio.fail_after(timeout):
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"upstream exited with {proc.returncode}")
+            try:
+                stream = await anyio.connect_tcp("127.0.0.1", port)
+            except OSError:
+                await anyio.sleep(0.05)
+                continue
+            await stream.aclose()
+            return
+
+
+class HttpUpstream:
+    """``examples/upstream_server.py --http`` as a real child process that tests may kill and restart."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, UPSTREAM, "--http", "--port", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await wait_listening(self.port, self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@asynccontextmanager
+async def http_upstream_process() -> AsyncIterator[HttpUpstream]:
+    upstream = HttpUpstream()
+    await upstream.start()
+    try:
+        yield upstream
+    finally:
+        upstream.stop()
+
+
+def live_children() -> set[int]:
+    """Descendants of this test process that are still running (zombies do not count)."""
+    out = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                out.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def structured(outcome: Any) -> Any:
+    """``structuredContent`` of a successful MCP-route outcome."""
+    assert outcome.ok, outcome.error
+    return outcome.result["structuredContent"]
+
+
+async def call(gateway: Gateway, method: str, params: Any = None, **kw: Any) -> Any:
+    return await gateway.submit(Call(method, params, **kw))
+
+
+async def upstream_pid(gateway: Gateway, tool: str = "tools_pid") -> int:
+    return int(structured(await call(gateway, tool, {}))["result"])
+
+
+async def wait_until(predicate: Any, timeout: float = 10, poll: float = 0.02) -> None:
+    """Poll an observable condition of a real subprocess (no event is available across processes)."""
+    with anyio.fail_after(timeout):
+        while not await predicate():
+            await anyio.sleep(poll)
