@@ -38,7 +38,8 @@ def pick_device(spec: str = "auto") -> torch.device:
     device = torch.device(spec)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {spec!r} requested but CUDA is not available")
-    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+    mps = getattr(torch.backends, "mps", None)
+    if device.type == "mps" and not (mps is not None and mps.is_available()):
         raise ValueError(f"device {spec!r} requested but MPS is not available")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device {spec!r} does not exist ({torch.cuda.device_count()} CUDA devices)")

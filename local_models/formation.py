@@ -27,7 +27,7 @@ class TokenBudget:
     max_rows: int = 64
     max_tokens: int = 16384
     max_wait: float = 0.002
-    max_padding: float = 0.15
+    max_padding: float = 0.1
     length_grouping: bool = True
     aging: float = 1.0
 

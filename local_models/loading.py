@@ -59,6 +59,7 @@ def load(path: Path, task: str, device: torch.device, dtype: torch.dtype) -> Loa
             return hit
         import transformers
 
+        transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in server logs
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         cls = getattr(transformers, _MODEL_CLASSES[task])
         model = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True)

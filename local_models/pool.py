@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import torch
@@ -156,7 +156,8 @@ class ModelHandle:
             return finish(torch.stack(results))  # type: ignore[arg-type]
 
     def _oom(self, event: str, failed_cost: int) -> None:
-        log.warning("local model %s: %s (a batch of %d padded tokens did not fit)", self.name, event, failed_cost)
+        log.warning("local model %s: %s (a batch of %d padded tokens did not fit)",
+                    self.name, event, failed_cost)
         self.on_event(self.name, event)
         lowered = max(MIN_BUDGET, failed_cost // 2)
         if lowered < self.budget.max_tokens:
@@ -239,7 +240,9 @@ class LocalPool:
             return PassThrough(), None
         return handle.budget, handle.spec.concurrency
 
-    async def run_rows(self, name: str, rows: Sequence[Sequence[int]], finish: Callable[[torch.Tensor], T]) -> T:
+    async def run_rows(
+        self, name: str, rows: Sequence[Sequence[int]], finish: Callable[[torch.Tensor], T]
+    ) -> T:
         handle = await self.ready(name)
         if handle.task == "generate":
             raise RpcError(-32603, "Internal error", {"detail": f"{name} is a generation model"})
@@ -252,7 +255,3 @@ class LocalPool:
 
     def stats(self, name: str) -> Stats:
         return self.handles[name].stats
-
-    def describe(self) -> dict[str, Any]:
-        return {name: {"task": h.task, "loaded": h.loaded is not None, "error": h.error,
-                       "budget": h.budget.max_tokens} for name, h in self.handles.items()}

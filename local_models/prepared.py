@@ -20,7 +20,6 @@ class Prepared:
 
     model: str
     texts: list[str]
-    single: bool
     truncate: bool
     ids: list[list[int]] | None = None
     estimate: int = 1

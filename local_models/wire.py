@@ -17,14 +17,14 @@ from .prepared import Prepared
 MAX_STOPS = 8
 
 
-def texts_of(params: dict[str, Any], task: str) -> tuple[list[str], bool]:
+def texts_of(params: dict[str, Any], task: str) -> list[str]:
     """``input`` (or ``prompt`` for generation): one string or a non-empty list of strings."""
     key = "input" if "input" in params or task != "generate" else "prompt"
     value = params.get(key)
     if isinstance(value, str):
-        return [value], True
+        return [value]
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        return list(value), False
+        return list(value)
     raise invalid_params(f"{key} must be a string or a non-empty list of strings")
 
 

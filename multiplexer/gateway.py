@@ -138,7 +138,9 @@ class Gateway:
                 f"{route.provider}" if not own else f"{route.provider}:{rname}",
                 provider.execute, formation, self.clock, self.limiters[route.provider],
                 max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
-                eager=policy.eager, metrics=self.metrics,
+                # batch mode gathers until size or age; eager only if the route says so
+                eager=policy.eager and (route.mode != "batch" or "eager" in policy.model_fields_set),
+                metrics=self.metrics,
             )
             self.lanes[key] = lane
             assert self._tg is not None

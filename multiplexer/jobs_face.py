@@ -152,8 +152,11 @@ class JobFace:
                     manager, item = self._item(spec, call.identity)
                     rows.append(manager.new_item(job.id, idx, item))
                 except RpcError as e:
-                    rows.append(NewItem(idx, None, None, None, None, None, None, {}, 0,
-                                        f"{job.id}-{idx}", "failed", e.to_dict()))
+                    rows.append(NewItem(idx=idx, provider=None, route=None, operation=None,
+                                        method=spec.get("method") if isinstance(spec, dict) else None,
+                                        params=None, options={}, tokens=0,
+                                        custom_id=f"{job.id}-{idx}", state="failed",
+                                        error=e.to_dict()))
             await st.run(st.add_items, job.id, rows)
             if not more:
                 await st.run(st.set_job_state, job.id, "running", ("open",))

@@ -47,7 +47,11 @@ def loads(body: bytes | str) -> Any:
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # a lone surrogate (valid JSON as a \ud800 escape): keep it escaped
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
 def depth_exceeds(obj: Any, limit: int) -> bool:

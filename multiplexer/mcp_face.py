@@ -1,9 +1,10 @@
 """MCP over Streamable HTTP at ``server.mcp.path``, beside ``/rpc`` on the same port.
 
 The SDK's ``StreamableHTTPSessionManager`` serves both protocol eras. In front
-of it this face checks ``Origin`` (DNS rebinding), the bearer key (401 with a
-JSON-RPC error body) and refuses JSON-RPC batch arrays, which current
-revisions forbid: batching happens inside the gateway, not on the wire.
+of it this face checks ``Origin`` (DNS rebinding) and the bearer key (401 with a
+JSON-RPC error body), and handles JSON-RPC batch arrays by revision: current
+revisions refuse them (batching happens inside the gateway, not on the wire),
+2025-03-26 sessions get them split and answered as one array.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Message, Receive, Scope, Send
 
 from .auth import Authenticator
-from .errors import Code, RpcError, invalid_request
+from .errors import Code, RpcError, invalid_request, parse_error
 from .gateway import Gateway
 from .http import rpc_error, too_large, unauthorized
+from .jsonrpc import loads
+from .mcp_batch import BATCH_REVISIONS, serve_batch
 from .mcp_server import IDENTITY_SCOPE_KEY, McpFace
 
 _ARRAY_DETAIL = ("JSON-RPC batch arrays are not accepted on /mcp at this protocol revision; "
@@ -46,12 +49,14 @@ def origin_allowed(origin: str | None, allowed: list[str]) -> bool:
 class McpEndpoint:
     """The ASGI app at the MCP path: checks, then the SDK's session manager."""
 
-    def __init__(self, manager: StreamableHTTPSessionManager, auth: Authenticator,
-                 allowed_origins: list[str], max_body: int) -> None:
+    def __init__(self, face: McpFace, manager: StreamableHTTPSessionManager, auth: Authenticator,
+                 allowed_origins: list[str], max_body: int, max_batch: int) -> None:
+        self.face = face
         self.manager = manager
         self.auth = auth
         self.allowed_origins = allowed_origins
         self.max_body = max_body
+        self.max_batch = max_batch
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = Headers(scope=scope)
@@ -77,10 +82,29 @@ class McpEndpoint:
                 await too_large(self.max_body)(scope, receive, send)
                 return
             if body.lstrip()[:1] == b"[":
-                await rpc_error(400, invalid_request(_ARRAY_DETAIL))(scope, receive, send)
+                await self._array(scope, headers, body, receive, send)
                 return
             receive = _replay(body, receive)
         await self.manager.handle_request(scope, receive, send)
+
+    async def _array(self, scope: Scope, headers: Headers, body: bytes, receive: Receive,
+                     send: Send) -> None:
+        """Batches exist only at 2025-03-26 (the revision the header or the session names)."""
+        version = headers.get("mcp-protocol-version") or self.face.session_version(
+            headers.get("mcp-session-id"))
+        if version not in BATCH_REVISIONS:
+            await rpc_error(400, invalid_request(_ARRAY_DETAIL))(scope, receive, send)
+            return
+        try:
+            items = loads(body)
+        except (ValueError, RecursionError) as e:
+            await rpc_error(400, parse_error(str(e)[:200]))(scope, receive, send)
+            return
+        if len(items) > self.max_batch:
+            detail = f"batch of {len(items)} items exceeds the limit of {self.max_batch}"
+            await rpc_error(400, invalid_request(detail))(scope, receive, send)
+            return
+        await serve_batch(self.manager.handle_request, scope, items, receive, send)
 
     async def _read_body(self, headers: Headers, receive: Receive) -> bytes | None:
         declared = headers.get("content-length")
@@ -124,7 +148,8 @@ def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[Base
         max_request_body_size=server.max_body_bytes,
         security_settings=None,  # Origin is checked above against server.mcp.allowed_origins
     )
-    endpoint = McpEndpoint(manager, authenticator, server.mcp.allowed_origins, server.max_body_bytes)
+    endpoint = McpEndpoint(face, manager, authenticator, server.mcp.allowed_origins,
+                           server.max_body_bytes, server.max_batch_items)
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:

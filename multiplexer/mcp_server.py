@@ -22,6 +22,7 @@ from mcp.server.models import InitializationOptions
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+from . import __version__
 from .call import Call
 from .errors import RpcError
 from .gateway import Gateway
@@ -56,9 +57,10 @@ class McpFace:
         self.bus = InMemorySubscriptionBus()
         self.listen = ListenHandler(self.bus)
         self._legacy: dict[int, Any] = {}  # handshake-era connections, by id
+        self._sessions: dict[str, Any] = {}  # the same, by HTTP session id
         self._changes_in, self._changes_out = anyio.create_memory_object_stream[None](1)
         self.server = _GatewayServer(
-            "multiplexer", version="0.1.0",
+            "multiplexer", version=__version__,
             instructions="Every route of this gateway is a tool; calls are batched, limited and shared.",
             get_tool_input_schema=self.catalog.input_schema,
             on_list_tools=self.list_tools,
@@ -106,7 +108,15 @@ class McpFace:
             if connection is not None and key not in self._legacy:
                 self._legacy[key] = connection
                 connection.exit_stack.callback(self._legacy.pop, key, None)
+                if connection.session_id:
+                    self._sessions[connection.session_id] = connection
+                    connection.exit_stack.callback(self._sessions.pop, connection.session_id, None)
         return await call_next(ctx)
+
+    def session_version(self, session_id: str | None) -> str | None:
+        """The revision a handshake-era HTTP session negotiated (None if unknown)."""
+        connection = self._sessions.get(session_id) if session_id else None
+        return connection.protocol_version if connection is not None else None
 
     # -- handlers ----------------------------------------------------------------
     async def specs(self) -> list[ToolSpec]:

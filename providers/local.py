@@ -108,7 +108,9 @@ class LocalProvider(Provider):
             elif len(models) == 1:
                 name = next(iter(models))
             else:
-                raise invalid_params(f"route {item.route} names no model: and the call none of {sorted(models)}")
+                raise invalid_params(
+                    f"route {item.route} names no model: and the call none of {sorted(models)}"
+                )
         if name not in models:
             raise invalid_params(f"unknown local model {name!r} (known: {', '.join(sorted(models))})")
         return str(name)
@@ -119,17 +121,18 @@ class LocalProvider(Provider):
         params = item.params if isinstance(item.params, dict) else None
         if params is None:
             raise invalid_params("params must be an object with an input")
-        texts, single = texts_of(params, spec.task)
+        texts = texts_of(params, spec.task)
         truncate = params.get("truncate", spec.truncate)
         if not isinstance(truncate, bool):
             raise invalid_params("truncate must be a boolean")
         extra = options_of(params, spec.task, max_new_tokens=spec.max_new_tokens,
                            limit=spec.max_new_tokens_limit)
         extra["priority"] = item.priority
-        prepared = Prepared(name, texts, single, truncate, extra=extra,
+        prepared = Prepared(name, texts, truncate, extra=extra,
                             estimate=max(len(t) for t in texts) // 4 + 2)
         handle = self.pool.handles[name] if self.pool is not None else None
-        if handle is not None and handle.loaded is not None and sum(map(len, texts)) <= PREPARE_TOKENIZE_CHARS:
+        small = sum(map(len, texts)) <= PREPARE_TOKENIZE_CHARS
+        if handle is not None and handle.loaded is not None and small:
             error = self._tokenize(handle, prepared)
             if error is not None:
                 raise error
@@ -204,7 +207,8 @@ class LocalProvider(Provider):
             results = [Outcome.fail(e)] * len(ok)
         except Exception as e:
             log.exception("local model %s failed a batch", name)
-            results = [Outcome.fail(upstream_error(f"{self.name}:{name}", f"{type(e).__name__}: {e}"))] * len(ok)
+            error = upstream_error(f"{self.name}:{name}", f"{type(e).__name__}: {e}")
+            results = [Outcome.fail(error)] * len(ok)
         outcomes = [Outcome.fail(errors[i]) if i in errors else None for i in range(len(preps))]
         for i, o in zip(ok, results, strict=True):
             outcomes[i] = o

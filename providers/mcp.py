@@ -52,6 +52,7 @@ class McpProvider(Provider):
             on_tools=self._tools_changed, on_event=self._session_event,
         )
         self._stack: AsyncExitStack | None = None
+        self._sent = ctx.metrics.upstream_requests.labels(ctx.name)
 
     async def start(self) -> None:
         """Start the session supervisor and give the first connection a bounded chance to come up."""
@@ -118,7 +119,7 @@ class McpProvider(Provider):
     async def _one(self, item: Item) -> Outcome:
         progress = item.options.get("progress")
         timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
-        self.ctx.metrics.upstream_requests.labels(self.name).inc()
+        self._sent.inc()
         try:
             result = await self.session.call(
                 item.method, item.params, timeout_s=timeout,

@@ -20,7 +20,9 @@ import mcp_types as types
 from mcp import Client, MCPError
 from mcp.client.subscriptions import ListenNotSupportedError, SubscriptionLost
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from pydantic import TypeAdapter
 
+from multiplexer import __version__
 from multiplexer.errors import RpcError, timeout_error, upstream_unavailable
 
 from .mcp_transport import McpSettings, open_transport, watched
@@ -28,6 +30,8 @@ from .mcp_transport import McpSettings, open_transport, watched
 log = logging.getLogger(__name__)
 
 Progress = Callable[[float, float | None, str | None], Awaitable[None]]
+# The SDK checks the result against the negotiated revision; we keep its wire form as is.
+_RAW_RESULT: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
 _STABLE_AFTER_S = 5.0  # a connection that lived this long resets the restart backoff
 
 
@@ -39,13 +43,13 @@ def describe(exc: BaseException) -> str:
 
 
 def is_session_lost(error: MCPError) -> bool:
-    """The upstream no longer knows our HTTP session (404): it refused the call without running it."""
+    """An HTTP upstream no longer knows our session (404): it refused the call without running it."""
     return error.code == types.INVALID_REQUEST and "session" in error.message.lower()
 
 
-def is_connection_fault(error: MCPError) -> bool:
-    """The session is gone (child died, stream closed, HTTP session expired), not just the call."""
-    return error.code == types.CONNECTION_CLOSED or is_session_lost(error)
+def is_closed(error: MCPError) -> bool:
+    """What the SDK reports when the transport ended under a request (-32000 alone is too common)."""
+    return error.code == types.CONNECTION_CLOSED and error.message == "Connection closed"
 
 
 def protocol_error(provider: str, error: MCPError) -> RpcError:
@@ -102,6 +106,7 @@ class UpstreamSession:
                             backoff)
             finally:
                 self._drop()
+                self._ended.set()  # however it ended, calls waiting on this connection learn now
                 self._attempt_ended()
             if time.monotonic() - began >= _STABLE_AFTER_S:
                 backoff = initial
@@ -128,7 +133,7 @@ class UpstreamSession:
             cache=None,
             read_timeout_seconds=self.settings.connect_timeout_ms / 1000,
             message_handler=self._on_message,
-            client_info=types.Implementation(name="multiplexer", version="0.1.0"),
+            client_info=types.Implementation(name="multiplexer", version=__version__),
         )
         async with client:
             self.protocol_version = client.protocol_version
@@ -240,14 +245,14 @@ class UpstreamSession:
                 log.warning("mcp upstream %s: tool list refresh failed: %s", self.name, e)
 
     # -- calls -----------------------------------------------------------------
-    async def _acquire(self, wait_s: float) -> tuple[Client, int]:
+    async def _acquire(self, wait_s: float) -> tuple[Client, int, anyio.Event]:
         """The live session. While down, wait for one fresh connection attempt, then give up."""
         kicked = False
         with anyio.move_on_after(max(wait_s, 0.0)):
             while True:
                 client = self._client
                 if client is not None:
-                    return client, self.generation
+                    return client, self.generation, self._ended
                 if self.failures:
                     if kicked:
                         break
@@ -255,6 +260,15 @@ class UpstreamSession:
                     self._kick.set()
                 await self._attempt_end.wait()
         raise upstream_unavailable(self.name, f"not connected ({self.last_error or 'connecting'})")
+
+    @staticmethod
+    async def _ended_under(error: MCPError, ended: anyio.Event) -> bool:
+        """Whether the call failed because its connection ended (the watcher may lag a write error)."""
+        if not is_closed(error):
+            return False
+        with anyio.move_on_after(1.0):
+            await ended.wait()
+        return ended.is_set()
 
     async def call(self, tool: str, arguments: dict[str, Any] | None, *, timeout_s: float | None,
                    progress: Progress | None, retry_safe: bool) -> dict[str, Any]:
@@ -266,18 +280,19 @@ class UpstreamSession:
         for attempt in range(attempts):
             remaining = deadline - time.monotonic()
             wait = min(remaining, self.settings.connect_timeout_ms / 1000)
-            client, generation = await self._acquire(wait)
+            client, generation, ended = await self._acquire(wait)
             try:
                 result = await client.session.send_request(
-                    request, types.CallToolResult,
+                    request, _RAW_RESULT,
                     request_read_timeout_seconds=max(deadline - time.monotonic(), 0.001),
                     progress_callback=progress,
                 )
             except MCPError as e:
-                if is_connection_fault(e):
+                refused = self.settings.transport == "http" and is_session_lost(e)
+                if refused or await self._ended_under(e, ended):
                     self._lost(generation, f"connection lost: {e.message}")
                     # A refused call never ran; one caught in flight may have: repeat only if safe.
-                    if attempt + 1 < attempts and (retry_safe or is_session_lost(e)):
+                    if attempt + 1 < attempts and (retry_safe or refused):
                         self._on_event("retry")
                         continue
                     why = "retried once" if retry_safe else "not retried: the tool is not declared idempotent"
@@ -291,9 +306,8 @@ class UpstreamSession:
         raise AssertionError("unreachable")
 
 
-def wire_result(result: types.CallToolResult) -> dict[str, Any]:
+def wire_result(dumped: dict[str, Any]) -> dict[str, Any]:
     """The tool's result as sent; the upstream's per-response identity stamp is not part of it."""
-    dumped = result.model_dump(by_alias=True, exclude_none=True, mode="json")
     meta = dumped.get("_meta")
     if isinstance(meta, dict) and types.SERVER_INFO_META_KEY in meta:
         meta = {k: v for k, v in meta.items() if k != types.SERVER_INFO_META_KEY}

@@ -154,19 +154,18 @@ async def test_cancelled_job_keeps_finished_results(tmp_path):
         api = MessageBatches(mock, polls=1000)
         created = anyio.Event()
         api.create_route.mock(side_effect=lambda r: (api.create(r), created.set())[0])
-        async with started(p):
-            async with anyio.create_task_group() as tg:
-                results: list[Any] = []
+        results: list[Any] = []
 
-                async def run():
-                    results.extend(await p.execute("messages", msgs(p, ["a", "b", "c"])))
+        async def run():
+            results.extend(await p.execute("messages", msgs(p, ["a", "b", "c"])))
 
-                tg.start_soon(run)
-                store = p.jobs.store()
-                await created.wait()
-                job = (await store.run(store.list_jobs, None, 1))[0]
-                await store.run(store.set_job_state, job.id, "cancelling", ("running",))
-                await p.jobs.cancel(job.id)
+        async with started(p), anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            store = p.jobs.store()
+            await created.wait()
+            job = (await store.run(store.list_jobs, None, 1))[0]
+            await store.run(store.set_job_state, job.id, "cancelling", ("running",))
+            await p.jobs.cancel(job.id)
     assert api.cancel_route.call_count == 1
     assert results[0].ok
     assert [o.error.code for o in results[1:]] == [Code.CANCELLED, Code.CANCELLED]

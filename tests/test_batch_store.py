@@ -8,7 +8,7 @@ from providers.batch.store import JobStore, NewItem, acquire, release
 
 def new(idx, provider="p", state="queued", error=None):
     return NewItem(idx, provider, "r", "chat", "m", {"model": "x", "n": idx}, {"mode": "batch"}, 3,
-                   f"job-{idx}", state, error)
+                   f"job-{idx}", state, error, split='["x"]')
 
 
 def test_plan_parts_splits_by_key_count_and_bytes():
@@ -23,7 +23,7 @@ def test_job_life_cycle(tmp_path):
     st.create_job("job", "alice", "client", "open")
     assert st.add_items("job", [new(i) for i in range(4)] + [new(4, None, "failed", {"code": 1})]) == 5
     assert st.job("job").total == 5
-    assert [r.idx for r in st.unplanned("job", "p")] == [0, 1, 2, 3]
+    assert [idx for idx, _, _ in st.unplanned("job", "p")] == [0, 1, 2, 3]
     st.set_job_state("job", "running", ("open",))
     assert st.jobs_with_unplanned("p") == ["job"]
     st.create_parts("job", "p", 0, [("part1", [0, 1]), ("part2", [2, 3])])
@@ -47,7 +47,8 @@ def test_job_life_cycle(tmp_path):
     assert st.fail_open("job", {"code": -3}, "part2") == 2
     assert st.finish_job_if_done("job") == "done"
     assert st.job("job").state == "done"
-    assert [s for s, _, _ in st.outcomes("job", [4, 0])] == ["failed", "succeeded"]
+    assert [s for s, _, _ in st.outcomes("job", 5)] == ["succeeded", "failed", "failed", "failed",
+                                                         "failed"]
     st.close()
 
 
@@ -84,3 +85,14 @@ def test_acquire_shares_one_connection_per_file(tmp_path):
     c = acquire(tmp_path / "s.db")
     assert c is not a and c.job("still-open") is not None
     release(c)
+
+
+def test_unplanned_reports_split_key_and_size_and_many_results_decode_together(tmp_path):
+    st = JobStore(tmp_path / "j.db")
+    st.create_job("job", None, "route", "running")
+    st.add_items("job", [new(0), new(1)])
+    assert st.unplanned("job", "p") == [(0, '["x"]', len('{"model":"x","n":0}')),
+                                        (1, '["x"]', len('{"model":"x","n":1}'))]
+    st.record("job", [(1, "succeeded", {"k": [1, "é"]}, None)])
+    assert st.outcomes("job", 2) == [("queued", None, None), ("succeeded", {"k": [1, "é"]}, None)]
+    st.close()

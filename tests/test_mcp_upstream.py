@@ -257,10 +257,11 @@ async def test_list_changed_refreshes_the_list_and_is_announced(protocol: str) -
 
 
 def paginated_server(pages: int, per_page: int) -> Server[Any]:
-    calls = {"list": 0}
+    calls: dict[str, Any] = {"list": 0, "x-team": set()}
 
     async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
         calls["list"] += 1
+        calls["x-team"].add(ctx.request.headers.get("x-team"))
         page = int(params.cursor) if params and params.cursor else 0
         tools = [types.Tool(name=f"t{page}_{i}", input_schema={"type": "object"}) for i in range(per_page)]
         cursor = str(page + 1) if page + 1 < pages else None
@@ -282,7 +283,8 @@ async def test_pagination_is_followed_up_to_the_page_cap() -> None:
         async with serve_asgi(app, sock, lifespan=True) as url:
             for cap, expected in ((10, 10), (3, 6)):
                 config = parse_config({
-                    "providers": {"paged": http_upstream(url + "/mcp", max_pages=cap)},
+                    "providers": {"paged": http_upstream(url + "/mcp", max_pages=cap,
+                                                         headers={"X-Team": "blue"})},
                     "routes": {"paged_*": {"provider": "paged"}},
                 })
                 async with Gateway(config) as gateway:
@@ -293,8 +295,21 @@ async def test_pagination_is_followed_up_to_the_page_cap() -> None:
                     assert server.calls["list"] == listed  # type: ignore[attr-defined]
                     outcome = await call(gateway, "paged_t1_1", {})
                     assert outcome.result["content"][0]["text"] == "t1_1"
+            assert server.calls["x-team"] == {"blue"}  # type: ignore[attr-defined]
     finally:
         sock.close()
+
+
+async def test_an_upstream_that_cannot_start_gives_a_clear_error() -> None:
+    config = parse_config({
+        "providers": {"gone": stdio_upstream(command="/nonexistent/mcp-server", args=[])},
+        "routes": {"gone_*": {"provider": "gone"}, "gone_exact": {"provider": "gone", "method": "x"}},
+    })
+    async with Gateway(config) as gateway:
+        assert [t.name for t in await gateway.list_tools()] == ["gone_exact"]
+        outcome = await call(gateway, "gone_x", {})
+        assert outcome.error is not None and outcome.error.code == Code.UPSTREAM_UNAVAILABLE
+        assert "FileNotFoundError" in outcome.error.data["detail"]
 
 
 def test_settings_need_exactly_one_transport() -> None:

@@ -22,7 +22,9 @@ def classify(
     return torch.softmax(logits, dim=-1).cpu()
 
 
-def labelled(scores: torch.Tensor, id2label: dict[int, str], top_k: int | None = None) -> list[dict[str, Any]]:
+def labelled(
+    scores: torch.Tensor, id2label: dict[int, str], top_k: int | None = None
+) -> list[dict[str, Any]]:
     """One ``{label, score, scores}`` per row, ``scores`` best first."""
     out = []
     for row in scores.tolist():

@@ -66,8 +66,11 @@ class AnthropicBatchBackend:
         return None  # one batch may mix models
 
     async def submit(self, part_id: str, items: Sequence[JobItem]) -> str:
-        body = {"requests": [{"custom_id": i.custom_id, "params": i.params} for i in items]}
-        created = await self.api.json("POST", PATH, idempotent=False, deadline=None, json=body)
+        content = b'{"requests":[' + b",".join(
+            b'{"custom_id":' + json.dumps(i.custom_id).encode() + b',"params":' + i.body.encode() + b"}"
+            for i in items) + b"]}"
+        created = await self.api.json("POST", PATH, idempotent=False, deadline=None, content=content,
+                                      headers={"content-type": "application/json"})
         if not isinstance(created.get("id"), str):
             raise upstream_error(self.name, "message batch creation returned no id")
         return created["id"]

@@ -33,7 +33,7 @@ from .backend import (
     SubmissionUnknown,
     plan_parts,
 )
-from .store import ItemRow, JobStore, NewItem, PartRow, acquire, release
+from .store import JobStore, NewItem, PartRow, acquire, release
 from .sync_fallback import SyncFallback
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class JobManager:
         self._done: dict[str, anyio.Event] = {}
         self._scopes: dict[str, anyio.CancelScope] = {}
         self._driving: set[str] = set()
+        self._cancel_sent: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------
     def store(self) -> JobStore:
@@ -116,10 +117,13 @@ class JobManager:
 
     # -- jobs ------------------------------------------------------------------
     def new_item(self, job_id: str, idx: int, item: Item) -> NewItem:
+        split = None
+        if self.backend is not None and isinstance(item.params, dict):
+            split = json.dumps(self.backend.split_key(item.operation, item.params), default=str)
         return NewItem(idx=idx, provider=self.name, route=item.route, operation=item.operation,
                        method=item.method, params=item.params, options=item.options,
                        tokens=int(item.options.get("tokens", item.tokens)),
-                       custom_id=f"{job_id}-{idx}")
+                       custom_id=f"{job_id}-{idx}", split=split)
 
     async def run_items(self, items: Sequence[Item]) -> list[Outcome]:
         """A lane's batch from a ``mode: batch`` route: one job; outcomes when it ends."""
@@ -128,12 +132,12 @@ class JobManager:
         identities = {i.identity for i in items}
         identity = identities.pop() if len(identities) == 1 else None
         await st.run(st.create_job, job_id, identity, "route", "open")
-        await st.run(st.add_items, job_id, [self.new_item(job_id, i, it) for i, it in enumerate(items)])
+        await st.run(st.add_items, job_id, (self.new_item(job_id, i, it) for i, it in enumerate(items)))
         done = self._done[job_id] = anyio.Event()
         await st.run(st.set_job_state, job_id, "running")
         await self.plan(job_id)
         await done.wait()
-        rows = await st.run(st.outcomes, job_id, list(range(len(items))))
+        rows = await st.run(st.outcomes, job_id, len(items))
         return [to_outcome(*row) for row in rows]
 
     def watch(self, job_id: str) -> anyio.Event:
@@ -148,13 +152,9 @@ class JobManager:
             return
         if self.backend is None:
             limit, max_bytes = self.settings.batch_max_requests, 1 << 62
-            key = lambda r: None  # noqa: E731
         else:
             limit, max_bytes = self.backend.max_requests, self.backend.max_bytes
-            backend = self.backend
-            key = lambda r: backend.split_key(r.operation or "", json.loads(r.params or "{}"))  # noqa: E731
-        planned = [Planned(r.idx, key(r), len((r.params or "").encode()) + LINE_OVERHEAD)
-                   for r in rows]
+        planned = [Planned(idx, split, (size or 0) + LINE_OVERHEAD) for idx, split, size in rows]
         await self._create_parts(job_id, 0, plan_parts(planned, limit, max_bytes))
 
     async def _create_parts(self, job_id: str, attempt: int, groups: list[list[int]]) -> None:
@@ -183,6 +183,9 @@ class JobManager:
 
     async def _cancel_remote(self, remote_id: str) -> None:
         assert self.backend is not None
+        if remote_id in self._cancel_sent:  # cancel() and a just-finished submit may both ask
+            return
+        self._cancel_sent.add(remote_id)
         try:
             await self.backend.cancel(remote_id)
         except RpcError as e:  # already ended, most often: polling will tell
@@ -262,12 +265,12 @@ class JobManager:
                 await self._sleep(self._backoff(tries))
             current = await st.run(st.part, part.id)
             assert current is not None
-            rows = await st.run(st.part_items, part.id, True)
+            open_items = await st.run(st.part_open, part.id)
             if current.state == "submitting":
                 claimed = await st.run(st.claimed_remote_ids, self.name)
                 try:
-                    found = await self.backend.find(part.id, current.intent_wall or 0.0, len(rows),
-                                                    claimed)
+                    found = await self.backend.find(part.id, current.intent_wall or 0.0,
+                                                    len(open_items), claimed)
                 except SubmissionUnknown as e:
                     await self._end_part(part, upstream_error(
                         self.name, f"batch submission outcome unknown after an interruption ({e}); "
@@ -279,14 +282,14 @@ class JobManager:
                 if found is not None:
                     await st.run(st.mark_submitted, part.id, found)
                     return await self._submitted(part, found)
-            if not rows:
+            if not open_items:
                 await self._end_part(part, None, "empty")
                 return None
             if await self._cancelling(part.job_id):
                 await self._end_part(part, cancelled("batch job cancelled"), "cancelled")
                 return None
-            items = [JobItem(r.custom_id, r.operation or "", json.loads(r.params or "{}"))
-                     for r in rows]
+            items = [JobItem(cid, op or "", body or "{}")
+                     for cid, op, body in await st.run(st.part_requests, part.id)]
             await st.run(st.mark_submitting, part.id, time.time())
             try:
                 remote = await self.backend.submit(part.id, items)
@@ -345,7 +348,7 @@ class JobManager:
             return
         unfinished: set[int] = set()
         for tries in range(COLLECT_TRIES):
-            rows = await st.run(st.part_items, part.id, True)
+            rows = await st.run(st.part_open, part.id)
             try:
                 unfinished = await self._read_results(part, status, rows)
                 break
@@ -356,7 +359,7 @@ class JobManager:
                 log.warning("%s: reading results of %s failed (%s)", self.name,
                             status.remote_id, e.message)
                 await self._sleep(self._backoff(tries + 1))
-        leftover = {r.idx for r in await st.run(st.part_items, part.id, True)}
+        leftover = {idx for idx, _ in await st.run(st.part_open, part.id)}
         missing = leftover - unfinished
         if status.terminal == "completed" and missing:
             err = upstream_error(self.name, "the batch ended without a result for this request",
@@ -380,11 +383,11 @@ class JobManager:
                 status.status)
 
     async def _read_results(self, part: PartRow, status: RemoteStatus,
-                            rows: list[ItemRow]) -> set[int]:
+                            rows: list[tuple[int, str]]) -> set[int]:
         """Record every finished line; return items the vendor reports as not run."""
         assert self.backend is not None
         st = self.store()
-        by_id = {r.custom_id: r.idx for r in rows}
+        by_id = {cid: idx for idx, cid in rows}
         unfinished: set[int] = set()
         buf: list[tuple[int, str, Any, Any]] = []
         stop = cancelled("batch job cancelled").to_dict()

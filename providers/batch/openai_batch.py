@@ -29,9 +29,9 @@ LIST_WINDOW_S = 300.0  # how far before the recorded intent a batch may claim to
 
 
 def jsonl_line(item: JobItem) -> bytes:
-    row = {"custom_id": item.custom_id, "method": "POST", "url": ENDPOINTS[item.operation],
-           "body": item.params}
-    return json.dumps(row, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    head = {"custom_id": item.custom_id, "method": "POST", "url": ENDPOINTS[item.operation]}
+    return (json.dumps(head, separators=(",", ":"))[:-1] + ',"body":').encode() + \
+        item.body.encode() + b"}\n"
 
 
 def parse_line(provider: str, text: str) -> LineResult | None:

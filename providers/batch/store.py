@@ -38,7 +38,7 @@ CREATE TABLE IF NOT EXISTS items (
   job_id TEXT NOT NULL, idx INTEGER NOT NULL, provider TEXT, route TEXT, operation TEXT,
   method TEXT, params TEXT, options TEXT, tokens INTEGER NOT NULL DEFAULT 1,
   custom_id TEXT NOT NULL, part_id TEXT, state TEXT NOT NULL, result TEXT, error TEXT,
-  PRIMARY KEY (job_id, idx));
+  split TEXT, PRIMARY KEY (job_id, idx));
 CREATE INDEX IF NOT EXISTS items_part ON items(part_id);
 """
 
@@ -97,6 +97,7 @@ class NewItem:
     custom_id: str
     state: str = "queued"
     error: dict[str, Any] | None = None
+    split: str | None = None  # items with different split keys never share a part
 
 
 def _locked(fn: Callable[..., T]) -> Callable[..., T]:
@@ -195,10 +196,10 @@ class JobStore:
         db = self._tx()
         try:
             cur = db.executemany(
-                "INSERT INTO items VALUES (?,?,?,?,?,?,?,?,?,?,NULL,?,NULL,?)",
+                "INSERT INTO items VALUES (?,?,?,?,?,?,?,?,?,?,NULL,?,NULL,?,?)",
                 ((job_id, n.idx, n.provider, n.route, n.operation, n.method, dumps(n.params),
                   dumps(n.options), n.tokens, n.custom_id, n.state,
-                  dumps(n.error) if n.error is not None else None) for n in items))
+                  dumps(n.error) if n.error is not None else None, n.split) for n in items))
             added = cur.rowcount
             db.execute("UPDATE jobs SET total=total+?, updated=? WHERE id=?",
                        (added, time.time(), job_id))
@@ -217,12 +218,26 @@ class JobStore:
             (provider,))]
 
     @_locked
-    def unplanned(self, job_id: str, provider: str) -> list[ItemRow]:
-        rows = self._db.execute(
-            "SELECT idx, custom_id, route, operation, method, params, options, tokens, state "
-            "FROM items WHERE job_id=? AND provider=? AND part_id IS NULL AND state='queued' "
-            "ORDER BY idx", (job_id, provider)).fetchall()
-        return [ItemRow(*r) for r in rows]
+    def unplanned(self, job_id: str, provider: str) -> list[tuple[int, str | None, int]]:
+        """(idx, split key, request size in bytes) of items not yet in a part."""
+        return self._db.execute(
+            "SELECT idx, split, LENGTH(CAST(params AS BLOB)) FROM items WHERE job_id=? AND "
+            "provider=? AND part_id IS NULL AND state='queued' ORDER BY idx",
+            (job_id, provider)).fetchall()
+
+    @_locked
+    def part_open(self, part_id: str) -> list[tuple[int, str]]:
+        """(idx, custom_id) of the part's unfinished items: all that matching results needs."""
+        return self._db.execute(
+            "SELECT idx, custom_id FROM items WHERE part_id=? AND state NOT IN ('succeeded','failed') "
+            "ORDER BY idx", (part_id,)).fetchall()
+
+    @_locked
+    def part_requests(self, part_id: str) -> list[tuple[str, str, str]]:
+        """(custom_id, operation, params JSON) of the part's unfinished items, for an upload."""
+        return self._db.execute(
+            "SELECT custom_id, operation, params FROM items WHERE part_id=? "
+            "AND state NOT IN ('succeeded','failed') ORDER BY idx", (part_id,)).fetchall()
 
     @_locked
     def part_items(self, part_id: str, pending_only: bool = False) -> list[ItemRow]:
@@ -271,18 +286,21 @@ class JobStore:
         rows = self._db.execute(
             "SELECT idx, state, result, error FROM items WHERE job_id=? AND idx>=? "
             "ORDER BY idx LIMIT ?", (job_id, cursor, limit)).fetchall()
-        return [(i, s, json.loads(r) if r else None, json.loads(e) if e else None)
-                for i, s, r, e in rows]
+        results = loads_many([r for _, _, r, _ in rows])
+        errors = loads_many([e for _, _, _, e in rows])
+        return [(i, s, r, e) for (i, s, _, _), r, e in zip(rows, results, errors, strict=True)]
 
     @_locked
-    def outcomes(self, job_id: str, idxs: Sequence[int]) -> list[tuple[str, Any, Any]]:
-        """(state, result, error) for the given items, in the given order."""
-        rows = {i: (s, r, e) for i, s, r, e in self._db.execute(
-            "SELECT idx, state, result, error FROM items WHERE job_id=?", (job_id,))}
-        out = []
-        for i in idxs:
-            s, r, e = rows[i]
-            out.append((s, json.loads(r) if r else None, json.loads(e) if e else None))
+    def outcomes(self, job_id: str, count: int) -> list[tuple[str, Any, Any]]:
+        """(state, result, error) of items 0..count-1, in order."""
+        out: list[tuple[str, Any, Any]] = []
+        for start in range(0, count, 5000):
+            rows = self._db.execute(
+                "SELECT state, result, error FROM items WHERE job_id=? AND idx>=? AND idx<? "
+                "ORDER BY idx", (job_id, start, min(start + 5000, count))).fetchall()
+            results = loads_many([r for _, r, _ in rows])
+            errors = loads_many([e for _, _, e in rows])
+            out += [(s, r, e) for (s, _, _), r, e in zip(rows, results, errors, strict=True)]
         return out
 
     # -- parts -----------------------------------------------------------------
@@ -348,6 +366,16 @@ class JobStore:
         self._db.execute(
             "UPDATE parts SET state='done', remote_status=COALESCE(?, remote_status), detail=?, "
             "updated=? WHERE id=?", (remote_status, detail, time.time(), part_id))
+
+
+def loads_many(texts: Sequence[str | None]) -> list[Any]:
+    """Decode many stored JSON texts in one pass: the decoder then shares one copy of each
+    object key among them all, which matters when 50,000 results wait in memory."""
+    present = [t for t in texts if t]
+    if not present:
+        return [None] * len(texts)
+    decoded = iter(json.loads("[" + ",".join(present) + "]"))
+    return [next(decoded) if t else None for t in texts]
 
 
 def _part(row: Sequence[Any]) -> PartRow:

