@@ -162,7 +162,7 @@ async def run(args: argparse.Namespace) -> dict:
     st_model = SentenceTransformer(str(resolve_source(MINILM)), device="cpu")
     pooled = {"max_batch_size": args.max_batch, "max_tokens": args.max_tokens,
               "max_wait_ms": args.max_wait_ms, "max_padding": args.max_padding,
-              "concurrency": args.concurrency}
+              "concurrency": args.concurrency, "padding_slack": args.padding_slack}
     fixed = {"max_batch_size": 32, "max_tokens": 10**9, "max_wait_ms": args.max_wait_ms,
              "length_grouping": False, "concurrency": args.concurrency}
     base_threads = [int(n) for n in args.baseline_threads.split(",")]
@@ -208,6 +208,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
     parser.add_argument("--max-padding", type=float, default=0.1)
+    parser.add_argument("--padding-slack", type=int, default=0)
     args = parser.parse_args()
     r = anyio.run(run, args)
     m, x = r["median"], r["pool_speedup_vs"]

@@ -22,6 +22,7 @@ so nothing is shared; each call has its own arguments and its result is checked.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -56,55 +57,92 @@ def upstream_params() -> StdioServerParameters:
     return StdioServerParameters(command=sys.executable, args=[UPSTREAM])
 
 
-async def concurrently(n: int, one: Callable[[int], Awaitable[None]], limit: int = CONCURRENCY) -> float:
-    """Seconds to run ``one(i)`` for i < n with at most ``limit`` in flight."""
-    sem = anyio.Semaphore(limit)
+class Meter:
+    """Wall time and CPU per call of each process in this tree: client (this one), gateway, upstream."""
+
+    def __init__(self, gateway_pid: int | None = None) -> None:
+        self.gateway_pid = gateway_pid
+        self._cpu: dict[int, float] = {}
+        self._wall = 0.0
+        self.result: dict[str, float] = {}
+
+    @staticmethod
+    def _snapshot() -> dict[int, float]:
+        me = psutil.Process()
+        out = {}
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            out[proc.pid] = times.user + times.system
+        return out
+
+    def start(self) -> None:
+        self._cpu = self._snapshot()
+        self._wall = time.perf_counter()
+
+    def stop(self, n: int) -> None:
+        wall = time.perf_counter() - self._wall
+        after = self._snapshot()
+        cpu = {"client": 0.0, "gateway": 0.0, "upstream": 0.0}
+        for pid, used in after.items():
+            if pid in self._cpu:
+                role = ("client" if pid == os.getpid() else
+                        "gateway" if pid == self.gateway_pid else "upstream")
+                cpu[role] += used - self._cpu[pid]
+        self.result = {"calls_per_s": n / wall,
+                       **{f"{role}_cpu_ms": v / n * 1e3 for role, v in cpu.items()}}
+
+
+async def concurrently(n: int, one: Callable[[int], Awaitable[None]], meter: Meter) -> None:
+    """Run ``one(i)`` for i < n with at most CONCURRENCY in flight, metered."""
+    sem = anyio.Semaphore(CONCURRENCY)
 
     async def guarded(i: int) -> None:
         async with sem:
             await one(i)
 
-    start = time.perf_counter()
+    meter.start()
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(guarded, i)
-    return time.perf_counter() - start
+    meter.stop(n)
 
 
 def check(result: Any, i: int) -> None:
     assert not result.is_error and result.structured_content == {"result": str(i)}, result
 
 
-async def direct(n: int) -> float:
+async def direct(n: int, meter: Meter) -> None:
     async with McpClient(upstream_params()) as client:
         await client.call_tool("echo", {"text": "warm"})
 
         async def one(i: int) -> None:
             check(await client.call_tool("echo", {"text": str(i)}), i)
 
-        return await concurrently(n, one)
+        await concurrently(n, one, meter)
 
 
-async def per_call(n: int) -> float:
+async def per_call(n: int, meter: Meter) -> None:
     async def one(i: int) -> None:
         async with McpClient(upstream_params()) as client:
             check(await client.call_tool("echo", {"text": str(i)}), i)
 
-    return await concurrently(n, one)
+    await concurrently(n, one, meter)
 
 
-async def gateway_rpc(url: str, n: int, batch_size: int) -> float:
+async def gateway_rpc(url: str, n: int, batch_size: int, meter: Meter) -> None:
     """``call_many`` keeps CONCURRENCY calls in flight: arrays of ``batch_size``, several at a time."""
     async with Client(url, batch_size=batch_size, concurrency=CONCURRENCY // batch_size) as client:
         await client.call("tools_echo", {"text": "warm"})
-        start = time.perf_counter()
+        meter.start()
         results = await client.call_many([("tools_echo", {"text": str(i)}) for i in range(n)])
-        elapsed = time.perf_counter() - start
+        meter.stop(n)
     assert [r["structuredContent"]["result"] for r in results] == [str(i) for i in range(n)]
-    return elapsed
 
 
-async def gateway_mcp(url: str, n: int) -> float:
+async def gateway_mcp(url: str, n: int, meter: Meter) -> None:
     async with McpClient(url + "/mcp") as client:
         await client.list_tools()
         await client.call_tool("tools_echo", {"text": "warm"})
@@ -112,10 +150,10 @@ async def gateway_mcp(url: str, n: int) -> float:
         async def one(i: int) -> None:
             check(await client.call_tool("tools_echo", {"text": str(i)}), i)
 
-        return await concurrently(n, one)
+        await concurrently(n, one, meter)
 
 
-async def gateway_inprocess(n: int) -> float:
+async def gateway_inprocess(n: int, meter: Meter) -> None:
     config = parse_config({
         "providers": {"tools": {"kind": "mcp", "command": "python", "args": [UPSTREAM],
                                 "limits": {"concurrency": 64}}},
@@ -128,34 +166,38 @@ async def gateway_inprocess(n: int) -> float:
             outcome = await gateway.submit(Call("tools_echo", {"text": str(i)}))
             assert outcome.ok and outcome.result["structuredContent"] == {"result": str(i)}
 
-        return await concurrently(n, one)
+        await concurrently(n, one, meter)
 
 
 async def run(calls: int, per_call_calls: int, rounds: int) -> dict[str, Any]:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    samples: dict[str, list[float]] = {}
+    samples: dict[str, list[dict[str, float]]] = {}
 
-    def record(name: str, n: int, seconds: float) -> None:
-        samples.setdefault(name, []).append(n / seconds)
+    async def measure(name: str, scenario: Callable[[Meter], Awaitable[None]],
+                      gateway_pid: int | None = None) -> None:
+        meter = Meter(gateway_pid)
+        await scenario(meter)
+        samples.setdefault(name, []).append(meter.result)
 
     with tempfile.TemporaryDirectory() as tmp:
         conf = Path(tmp) / "bench.yaml"
         conf.write_text(CONFIG.format(port=port, upstream=UPSTREAM))
-        with child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{url}/healthz"):
+        with child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{url}/healthz") as gw:
             # Rounds interleave the scenarios so drift in machine load hits all of them alike.
             for _ in range(rounds):
-                record("direct", calls, await direct(calls))
-                record("gateway_rpc", calls, await gateway_rpc(url, calls, batch_size=1))
-                record("gateway_rpc_batch", calls, await gateway_rpc(url, calls, batch_size=10))
-                record("gateway_mcp", calls, await gateway_mcp(url, calls))
-                record("gateway_inprocess", calls, await gateway_inprocess(calls))
-            record("per_call", per_call_calls, await per_call(per_call_calls))
+                await measure("direct", lambda m: direct(calls, m))
+                await measure("gateway_rpc_batch", lambda m: gateway_rpc(url, calls, 10, m), gw.pid)
+                await measure("gateway_rpc", lambda m: gateway_rpc(url, calls, 1, m), gw.pid)
+                await measure("gateway_mcp", lambda m: gateway_mcp(url, calls, m), gw.pid)
+                await measure("gateway_inprocess", lambda m: gateway_inprocess(calls, m))
+            await measure("per_call", lambda m: per_call(per_call_calls, m))
     leaked = {p.pid for p in psutil.Process().children(recursive=True)} - before
-    rates = {name: statistics.median(values) for name, values in samples.items()}
+    medians = {name: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
+               for name, runs in samples.items()}
     return {"calls": calls, "per_call_calls": per_call_calls, "rounds": rounds,
-            "concurrency": CONCURRENCY, "calls_per_s": rates, "samples": samples,
+            "concurrency": CONCURRENCY, "median": medians, "samples": samples,
             "leaked_processes": sorted(leaked)}
 
 
@@ -176,26 +218,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     data = anyio.run(run, args.calls, args.per_call_calls, args.rounds)
-    rates = data["calls_per_s"]
-    base, slow = rates["direct"], rates["per_call"]
+    med = data["median"]
+    base, slow = med["direct"]["calls_per_s"], med["per_call"]["calls_per_s"]
     rows = []
     for name in ("direct", "gateway_rpc_batch", "gateway_rpc", "gateway_mcp", "gateway_inprocess",
                  "per_call"):
+        rate = med[name]["calls_per_s"]
         n = data["per_call_calls"] if name == "per_call" else data["calls"]
-        gateway = name.startswith("gateway")
-        verdict = (f"{'PASS' if rates[name] >= 0.8 * base else 'FAIL'} / "
-                   f"{'PASS' if rates[name] >= 10 * slow else 'FAIL'}") if gateway else ""
-        rows.append([LABELS[name], n, f"{rates[name]:.0f}", f"{rates[name] / base:.2f}x",
-                     f"{rates[name] / slow:.1f}x", verdict])
+        cpu = "" if name == "per_call" else " / ".join(
+            f"{med[name][f'{role}_cpu_ms']:.2f}" for role in ("client", "gateway", "upstream"))
+        verdict = (f"{'PASS' if rate >= 0.8 * base else 'FAIL'} / "
+                   f"{'PASS' if rate >= 10 * slow else 'FAIL'}") if name.startswith("gateway") else ""
+        rows.append([LABELS[name], n, f"{rate:.0f}", f"{rate / base:.2f}x", f"{rate / slow:.0f}x",
+                     cpu, verdict])
     print(f"tools/call to a stdio upstream, {data['concurrency']} concurrent, "
           f"median of {data['rounds']} rounds (per-call: 1 round)\n")
-    print(table(["path", "calls", "calls/s", "vs direct", "vs per-call", "floors 0.8x / 10x"], rows))
-    floor = rates["gateway_rpc_batch"]
+    print(table(["path", "calls", "calls/s", "vs direct", "vs per-call",
+                 "CPU ms/call client / gateway / upstream", "floors 0.8x / 10x"], rows))
+    floor = med["gateway_rpc_batch"]["calls_per_s"]
     floors = {"gateway >= 0.8x direct": floor >= 0.8 * base, "gateway >= 10x per-call": floor >= 10 * slow}
     print()
     for name, ok in floors.items():
         print(f"- floor row, {name}: {'PASS' if ok else 'FAIL'}")
     print(f"- leaked child processes: {len(data['leaked_processes'])}")
+    print("- in-process rows count the gateway's CPU as the client's (one process)")
     data["floors"] = floors
     save("bench_mcp", data)
 

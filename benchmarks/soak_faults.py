@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import psutil
 
-from benchmarks._gateway import GatewayProc, gateway, metric_sum
+from benchmarks._gateway import gateway, metric_sum
 from benchmarks._h11 import Conn
 from benchmarks._procs import save, table
 from examples.fault_upstream import FaultState, create_app
@@ -84,7 +84,8 @@ class Ledger:
     seconds: float = 0.0
 
 
-def build_batch(seed: int, b: int, size: int, ledger: Ledger) -> tuple[list[dict[str, Any]], list[int]]:
+def build_batch(seed: int, b: int, size: int, ledger: Ledger,
+                short_share: float) -> tuple[list[dict[str, Any]], list[int]]:
     """Batch ``b``: messages and the ids owed an answer (a token may appear under two ids)."""
     rng = random.Random(f"{seed}:{b}")
     kinds, weights = zip(*MIX, strict=True)
@@ -104,7 +105,7 @@ def build_batch(seed: int, b: int, size: int, ledger: Ledger) -> tuple[list[dict
         meta: dict[str, Any] = {}
         if kind == "act_key":
             meta["idempotency_key"] = token
-        if rng.random() < 0.1:
+        if rng.random() < short_share:
             meta["timeout_ms"] = SHORT_DEADLINE_MS
         if meta:
             params["_meta"] = meta
@@ -150,7 +151,7 @@ def settle(ledger: Ledger, owed: list[int], reply: Any) -> None:
 
 
 async def drive(url: str, seed: int, calls: int, batch: int, concurrency: int,
-                ledger: Ledger, first_batch: int = 0) -> None:
+                ledger: Ledger, short_share: float = 0.1, first_batch: int = 0) -> None:
     batches = (calls + batch - 1) // batch
     counter = itertools.count(first_batch)
     last = first_batch + batches
@@ -159,7 +160,7 @@ async def drive(url: str, seed: int, calls: int, batch: int, concurrency: int,
         conn = Conn.to(url, timeout=120.0)
         try:
             while (b := next(counter)) < last:
-                msgs, owed = build_batch(seed, b, batch, ledger)
+                msgs, owed = build_batch(seed, b, batch, ledger, short_share)
                 try:
                     r = await conn.request("POST", "/rpc", {"content-type": "application/json"},
                                            dumps(msgs))
@@ -201,20 +202,23 @@ class SoakResult:
     metrics: dict[str, float]
     gateway_alive: bool
     tracebacks: int
+    cpu_s: tuple[float, float]  # gateway, this process (client + upstream)
 
 
-async def soak(gw: GatewayProc, state: FaultState, calls: int, baseline_calls: int, batch: int,
-               concurrency: int, seed: int) -> tuple[Ledger, Ledger, dict[str, int]]:
+async def soak(url: str, state: FaultState, calls: int, baseline_calls: int, batch: int,
+               concurrency: int, seed: int, rate: float = 0.2) -> tuple[Ledger, Ledger, dict[str, int]]:
+    """A fault-free pass (the baseline), then the faulty one; then the side-effect audit."""
     baseline, faulty = Ledger(), Ledger()
     state.rate = 0.0
-    await drive(gw.url, seed + 1000, baseline_calls, batch, concurrency, baseline)
-    state.rate = 0.2
-    await drive(gw.url, seed, calls, batch, concurrency, faulty)
-    await anyio.sleep(state.hang_s + state.slow_s + 0.5)  # late executions land before the audit
+    await drive(url, seed + 1000, baseline_calls, batch, concurrency, baseline, short_share=0.0)
+    state.rate = rate
+    await drive(url, seed, calls, batch, concurrency, faulty)
+    with anyio.fail_after(30):
+        await state.quiet()  # hung and slow requests finish their side effects first
     return baseline, faulty, audit(faulty, state)
 
 
-def run_soak(calls: int, baseline_calls: int = 0, batch: int = 50, concurrency: int = 16,
+def run_soak(calls: int, baseline_calls: int = 0, batch: int = 50, concurrency: int = 8,
              seed: int = 7, rate: float = 0.2) -> SoakResult:
     state = FaultState(rate=rate, seed=seed, hang_s=1.5, slow_s=0.5, retry_after="0.02")
     sock = bind("127.0.0.1", 0)
@@ -227,9 +231,9 @@ def run_soak(calls: int, baseline_calls: int = 0, batch: int = 50, concurrency: 
                 before = gw.metrics()
                 gw_proc, me = psutil.Process(gw.pid), psutil.Process()
                 cpu0 = sum(gw_proc.cpu_times()[:2]), sum(me.cpu_times()[:2])
-                out["ledgers"] = await soak(gw, state, calls, baseline_calls, batch, concurrency, seed)
+                out["ledgers"] = await soak(gw.url, state, calls, baseline_calls, batch, concurrency,
+                                            seed, rate)
                 out["cpu"] = (sum(gw_proc.cpu_times()[:2]) - cpu0[0], sum(me.cpu_times()[:2]) - cpu0[1])
-                print("cpu gateway %.1f s, client+upstream %.1f s" % out["cpu"])
                 text = gw.metrics()
                 out["metrics"] = {
                     "retries": metric_sum(text, "multiplexer_retries_total")
@@ -245,7 +249,7 @@ def run_soak(calls: int, baseline_calls: int = 0, batch: int = 50, concurrency: 
         sock.close()
     baseline, faulty, checks = out["ledgers"]
     return SoakResult(baseline, faulty, checks, state.faults, state.http_requests, out["metrics"],
-                      out["alive"], out["tracebacks"])
+                      out["alive"], out["tracebacks"], out["cpu"])
 
 
 CODES = {"ok": "ok (result carries its own token)", "-32000": "-32000 upstream error",
@@ -277,6 +281,7 @@ def render(r: SoakResult) -> str:
         ["re-executions, idempotent calls (allowed)", r.audit["re_executions_idempotent"], ""],
         ["ok answers never executed upstream", r.audit["ok_without_execution"], ""],
         ["gateway alive and /healthz 200 after; tracebacks", f"{r.gateway_alive}; {r.tracebacks}", ""],
+        ["CPU seconds: gateway / client + upstream", f"{r.cpu_s[0]:.0f} / {r.cpu_s[1]:.0f}", ""],
     ]
     return table(["measure", "20% faults", "no faults (baseline)"], rows)
 
@@ -302,9 +307,9 @@ def invariant_failures(r: SoakResult) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--calls", type=int, default=100_000)
-    parser.add_argument("--baseline", type=int, default=10_000, help="fault-free calls first")
+    parser.add_argument("--baseline", type=int, default=5_000, help="fault-free calls first")
     parser.add_argument("--batch", type=int, default=50, help="calls per HTTP request to /rpc")
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8, help="HTTP requests in flight")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
     r = run_soak(args.calls, args.baseline, args.batch, args.concurrency, args.seed)
@@ -322,6 +327,7 @@ def main() -> None:
         "baseline_calls_per_s": r.baseline.calls / r.baseline.seconds if r.baseline.seconds else None,
         "faults": dict(r.faults), "upstream_requests": r.upstream_requests, **r.metrics, **r.audit,
         "gateway_alive": r.gateway_alive, "tracebacks": r.tracebacks, "invariants_broken": bad,
+        "cpu_s_gateway": r.cpu_s[0], "cpu_s_client_upstream": r.cpu_s[1],
     })
     raise SystemExit(1 if bad else 0)
 

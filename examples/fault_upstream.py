@@ -57,10 +57,24 @@ class FaultState:
     faults: Counter[str] = field(default_factory=Counter)
     http_requests: int = 0
     messages: int = 0
+    active: int = 0  # requests being handled, hung and slow ones included
     rng: random.Random = field(init=False)
+    _quiet: anyio.Event | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+
+    async def quiet(self) -> None:
+        """Until no request is in progress: late side effects (hung, slow) have all landed."""
+        while self.active:
+            self._quiet = self._quiet or anyio.Event()
+            await self._quiet.wait()
+
+    def _leave(self) -> None:
+        self.active -= 1
+        if not self.active and self._quiet is not None:
+            self._quiet.set()
+            self._quiet = None
 
     def draw(self) -> str | None:
         if self.rng.random() >= self.rate:
@@ -140,6 +154,13 @@ def create_app(state: FaultState | None = None) -> ASGIApp:
 
     async def rpc(request: Request) -> Response:
         state.http_requests += 1
+        state.active += 1
+        try:
+            return await handle(request)
+        finally:
+            state._leave()
+
+    async def handle(request: Request) -> Response:
         raw = await request.body()
         try:
             body = json.loads(raw)

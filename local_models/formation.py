@@ -2,7 +2,8 @@
 
 A forward pass costs its padded size (rows x longest row), so the decision
 groups items of similar length under a padded-token budget, a row cap and a
-padding tolerance, anchored on the item that has the best claim to go next:
+padding tolerance (a share of the batch, or a few tokens that cost less than
+a pass's fixed overhead), anchored on the item that has the best claim to go next:
 its priority plus an aging credit, so low priorities cannot starve. The
 decisions are pure functions of the queue and the time; ``GatedFormation`` is
 the thin stateful shell that holds a model's next batch back while its
@@ -30,6 +31,7 @@ class TokenBudget:
     max_padding: float = 0.1
     length_grouping: bool = True
     aging: float = 1.0
+    padding_slack: int = 0
 
     def decide(self, pending: Sequence[Pending], now: float) -> Decision:
         return form_batch(pending, now, self)
@@ -101,7 +103,7 @@ def _grow_by_length(
             if n_rows > b.max_rows or padded > b.max_tokens:
                 capped = True
                 continue
-            if padded - n_real > b.max_padding * padded:
+            if padded - n_real > max(b.max_padding * padded, b.padding_slack):
                 continue
             options.append(((padded - n_real) - (rows * top - real), side, j))
         if not options:

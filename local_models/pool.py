@@ -69,7 +69,7 @@ class ModelHandle:
         self.fallback_device: torch.device | None = None
         self.budget = TokenBudget(
             spec.max_batch_size, spec.max_tokens, spec.max_wait_ms / 1000.0, spec.max_padding,
-            spec.length_grouping, spec.aging_s,
+            spec.length_grouping, spec.aging_s, spec.padding_slack,
         )
         self.stats = Stats()
         self._lock = threading.Lock()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .client import Client
 
 SUBMIT_CHUNK = 5_000
+TRANSIENT = {Code.SHUTTING_DOWN, Code.OVERLOADED, Code.RATE_LIMITED, Code.UPSTREAM_UNAVAILABLE}
 PAGE = 5_000
 
 
@@ -46,7 +47,9 @@ async def wait_job(client: Client, job_id: str, *, progress: Any = None, poll_in
         try:
             status = await client.call("jobs.status", {"job_id": job_id})
             away_since = None
-        except httpx.TransportError:
+        except (httpx.TransportError, RpcError) as e:
+            if isinstance(e, RpcError) and e.code not in TRANSIENT:
+                raise
             now = anyio.current_time()
             away_since = away_since if away_since is not None else now
             if now - away_since > unreachable_for:

@@ -14,7 +14,8 @@ from typing import Any
 import anyio
 
 from providers.batch.jobs import JobManager, new_job_id
-from providers.batch.store import JobRow, JobStore, NewItem
+from providers.batch.rows import JobRow, NewItem
+from providers.batch.store import JobStore
 
 from .call import Call, Item
 from .errors import Code, RpcError, invalid_params

@@ -103,7 +103,7 @@ class LocalProvider(Provider):
         name = item.options.get("model")
         if name is None:
             asked = item.params.get("model") if isinstance(item.params, dict) else None
-            if asked in models:
+            if isinstance(asked, str) and asked in models:
                 name = asked
             elif len(models) == 1:
                 name = next(iter(models))
@@ -111,9 +111,9 @@ class LocalProvider(Provider):
                 raise invalid_params(
                     f"route {item.route} names no model: and the call none of {sorted(models)}"
                 )
-        if name not in models:
+        if not isinstance(name, str) or name not in models:
             raise invalid_params(f"unknown local model {name!r} (known: {', '.join(sorted(models))})")
-        return str(name)
+        return name
 
     def prepare(self, route: RouteConfig, item: Item) -> None:
         name = self._model_for(item)

@@ -219,7 +219,12 @@ class UpstreamSession:
         cursor: str | None = None
         seen: set[str] = set()
         for _ in range(self.settings.max_pages):
-            page = await client.list_tools(cursor=cursor)
+            try:
+                page = await client.list_tools(cursor=cursor)
+            except MCPError as e:
+                if e.code == types.METHOD_NOT_FOUND and cursor is None:
+                    return {}, None  # an upstream without tools is not a broken one
+                raise
             for tool in page.tools:
                 tools.setdefault(tool.name, tool)
             if page.ttl_ms is not None:

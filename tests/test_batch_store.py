@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from providers.batch.backend import Planned, plan_parts
-from providers.batch.store import JobStore, NewItem, acquire, release
+from providers.batch.rows import NewItem
+from providers.batch.store import JobStore, acquire, release
 
 
 def new(idx, provider="p", state="queued", error=None):

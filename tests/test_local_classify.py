@@ -35,7 +35,7 @@ async def classify(gw: Gateway, value: object, **params: object) -> dict:
 
 async def test_batched_classification_equals_single_runs(clf_dir: Path) -> None:
     results: dict[int, dict] = {}
-    async with Gateway(clf_config(clf_dir, max_wait_ms=50)) as gw:
+    async with Gateway(clf_config(clf_dir, max_wait_ms=50, max_padding=1.0)) as gw:  # mix lengths
         alone = [(await classify(gw, t))["data"][0] for t in TEXTS]
         listed = (await classify(gw, TEXTS))["data"]
         stats = gw.providers["local"].pool.stats("clf")

@@ -42,6 +42,13 @@ def test_groups_similar_lengths_around_the_oldest() -> None:
     assert lengths(ps, d.take) == [5, 6, 7]
 
 
+def test_padding_slack_lets_short_items_of_different_lengths_share_a_pass() -> None:
+    ps = ordered([pend(n, enqueued=0.0) for n in [5, 9, 6, 8, 150, 140]])
+    assert lengths(ps, TokenBudget(max_padding=0.1).decide(ps, now=1.0).take) == [5, 6]
+    slack = TokenBudget(max_padding=0.1, padding_slack=16).decide(ps, now=1.0)
+    assert sorted(lengths(ps, slack.take)) == [5, 6, 8, 9]  # 4 x 9 = 36, 8 padding tokens
+
+
 def test_padded_budget_caps_the_batch_and_a_full_batch_leaves_at_once() -> None:
     ps = ordered([pend(100, enqueued=10.0) for _ in range(8)])
     d = TokenBudget(max_tokens=400, max_wait=1.0).decide(ps, now=10.0)  # nobody has waited
@@ -113,18 +120,19 @@ def test_eager_lane_asks_with_infinite_time_without_nan() -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 300), st.integers(0, 3), st.floats(0, 2)), min_size=1, max_size=60),
-    st.integers(1, 32), st.integers(16, 4096), st.floats(0, 0.5),
+    st.integers(1, 32), st.integers(16, 4096), st.floats(0, 0.5), st.integers(0, 64),
 )
-def test_every_batch_respects_its_limits(items, max_rows, max_tokens, max_padding) -> None:
+def test_every_batch_respects_its_limits(items, max_rows, max_tokens, max_padding, slack) -> None:
     ps = ordered([pend(n, priority=p, enqueued=t) for n, p, t in items])
-    b = TokenBudget(max_rows=max_rows, max_tokens=max_tokens, max_padding=max_padding, max_wait=0.0)
+    b = TokenBudget(max_rows=max_rows, max_tokens=max_tokens, max_padding=max_padding, max_wait=0.0,
+                    padding_slack=slack)
     d = form_batch(ps, 5.0, b)
     assert d.take and len(set(d.take)) == len(d.take)
     chosen = lengths(ps, d.take)
     if len(chosen) > 1:
         padded = len(chosen) * max(chosen)
         assert len(chosen) <= max_rows and padded <= max_tokens
-        assert padded - sum(chosen) <= max_padding * padded + 1e-9
+        assert padded - sum(chosen) <= max(max_padding * padded, slack) + 1e-9
 
 
 def test_plan_chunks_keeps_small_batches_whole_and_splits_big_ones_by_length() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import Any
@@ -21,26 +20,22 @@ from typing import Any
 import anyio
 
 from multiplexer.call import Item, Outcome
-from multiplexer.errors import RpcError, cancelled, internal_error, upstream_error
+from multiplexer.errors import RpcError, cancelled, internal_error
 from multiplexer.provider import ProviderContext
 
 from .backend import (
     BatchApiSettings,
     BatchBackend,
-    JobItem,
     Planned,
-    RemoteStatus,
-    SubmissionUnknown,
     plan_parts,
 )
-from .store import JobStore, NewItem, PartRow, acquire, release
+from .parts import PartDriver
+from .rows import NewItem
+from .store import JobStore, acquire, release
 from .sync_fallback import SyncFallback
 
 log = logging.getLogger(__name__)
 
-SUBMIT_TRIES = 6
-COLLECT_TRIES = 5
-FLUSH_EVERY = 1000
 LINE_OVERHEAD = 160  # custom_id, method, url and JSON punctuation around the body
 
 
@@ -56,13 +51,7 @@ def to_outcome(state: str, result: Any, error: Any) -> Outcome:
     return Outcome.fail(internal_error(f"batch item ended in state {state!r}"))
 
 
-def _rejected(error: RpcError) -> bool:
-    """The upstream refused the submission outright: trying again will not help."""
-    status = (error.data or {}).get("upstream_status")
-    return isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 425, 429)
-
-
-class JobManager:
+class JobManager(PartDriver):
     def __init__(self, ctx: ProviderContext, settings: BatchApiSettings,
                  backend: BatchBackend | None, sync: SyncFallback) -> None:
         self.ctx = ctx
@@ -205,244 +194,10 @@ class JobManager:
         job = await st.run(st.job, job_id)
         return job is not None and job.state in ("cancelling", "cancelled")
 
-    # -- driving one part ------------------------------------------------------
+    # -- driving parts (see PartDriver) -----------------------------------------
     def _spawn(self, part_id: str) -> None:
         if part_id in self._driving:
             return
         assert self._tg is not None, "JobManager used before start()"
         self._driving.add(part_id)
         self._tg.start_soon(self._drive, part_id)
-
-    async def _drive(self, part_id: str) -> None:
-        st = self.store()
-        try:
-            await self._drive_part(part_id)
-        except Exception as e:  # a bug must neither lose the items nor stop the gateway
-            log.exception("%s: batch part %s failed", self.name, part_id)
-            part = await st.run(st.part, part_id)
-            if part is not None:
-                await self._end_part(part, internal_error(f"batch part failed: {type(e).__name__}"))
-        finally:
-            self._driving.discard(part_id)
-
-    async def _drive_part(self, part_id: str) -> None:
-        st = self.store()
-        part = await st.run(st.part, part_id)
-        if part is None or part.state == "done":
-            return
-        if self.backend is None:
-            await self._run_sync(part)
-            return
-        remote = part.remote_id if part.state == "submitted" else await self._submit(part)
-        if remote is None:
-            return
-        status = await self._wait_terminal(part, remote)
-        if status is not None:
-            await self._collect(part, status)
-
-    async def _sleep(self, seconds: float) -> None:
-        await self.ctx.clock.sleep_until(self.ctx.clock.now() + seconds)
-
-    def _backoff(self, tries: int) -> float:
-        return min(self.settings.batch_poll_interval_s * 2 ** max(tries - 1, 0), 300.0)
-
-    async def _end_part(self, part: PartRow, error: RpcError | None, status: str | None = None,
-                        detail: str | None = None) -> None:
-        """Fail what is still open in the part (if ``error``), close it, maybe close the job."""
-        st = self.store()
-        if error is not None:
-            await st.run(st.fail_open, part.job_id, error.to_dict(), part.id)
-        await st.run(st.finish_part, part.id, status, detail)
-        await self._finish_job(part.job_id)
-
-    async def _submit(self, part: PartRow) -> str | None:
-        """Create the remote batch exactly once; after an unclear failure, look before retrying."""
-        assert self.backend is not None
-        st = self.store()
-        last: RpcError | None = None
-        for tries in range(SUBMIT_TRIES):
-            if tries:
-                await self._sleep(self._backoff(tries))
-            current = await st.run(st.part, part.id)
-            assert current is not None
-            open_items = await st.run(st.part_open, part.id)
-            if current.state == "submitting":
-                claimed = await st.run(st.claimed_remote_ids, self.name)
-                try:
-                    found = await self.backend.find(part.id, current.intent_wall or 0.0,
-                                                    len(open_items), claimed)
-                except SubmissionUnknown as e:
-                    await self._end_part(part, upstream_error(
-                        self.name, f"batch submission outcome unknown after an interruption ({e}); "
-                        "not resubmitted, to avoid running it twice", part_id=part.id), "unknown")
-                    return None
-                except RpcError as e:
-                    last = e
-                    continue
-                if found is not None:
-                    await st.run(st.mark_submitted, part.id, found)
-                    return await self._submitted(part, found)
-            if not open_items:
-                await self._end_part(part, None, "empty")
-                return None
-            if await self._cancelling(part.job_id):
-                await self._end_part(part, cancelled("batch job cancelled"), "cancelled")
-                return None
-            items = [JobItem(cid, op or "", body or "{}")
-                     for cid, op, body in await st.run(st.part_requests, part.id)]
-            await st.run(st.mark_submitting, part.id, time.time())
-            try:
-                remote = await self.backend.submit(part.id, items)
-            except RpcError as e:
-                if _rejected(e):
-                    await self._end_part(part, e, "rejected")
-                    return None
-                log.warning("%s: batch submit failed (%s); will retry", self.name, e.message)
-                last = e
-                continue
-            await st.run(st.mark_submitted, part.id, remote)
-            return await self._submitted(part, remote)
-        await self._end_part(part, last or upstream_error(self.name, "batch submission failed"),
-                             "unsubmitted")
-        return None
-
-    async def _submitted(self, part: PartRow, remote: str) -> str:
-        self.ctx.metrics.events.labels(self.name, "batch_submitted").inc()
-        self.ctx.notify("batch_submitted", {"job_id": part.job_id, "part_id": part.id,
-                                            "remote_id": remote})
-        if await self._cancelling(part.job_id):
-            await self._cancel_remote(remote)
-        return remote
-
-    async def _wait_terminal(self, part: PartRow, remote: str) -> RemoteStatus | None:
-        assert self.backend is not None
-        st = self.store()
-        seen, errors = part.remote_status, 0
-        while True:
-            try:
-                status = await self.backend.poll(remote)
-            except RpcError as e:
-                if (e.data or {}).get("upstream_status") == 404:
-                    await self._end_part(part, e, "missing")
-                    return None
-                errors += 1
-                log.warning("%s: polling %s failed (%s)", self.name, remote, e.message)
-                await self._sleep(self._backoff(errors))
-                continue
-            errors = 0
-            if status.status != seen:
-                seen = status.status
-                await st.run(st.set_remote_status, part.id, seen)
-            if status.terminal is not None:
-                return status
-            await self._sleep(self.settings.batch_poll_interval_s)
-
-    async def _collect(self, part: PartRow, status: RemoteStatus) -> None:
-        assert self.backend is not None
-        st = self.store()
-        if status.terminal == "failed":
-            detail = status.detail or "batch failed"
-            await self._end_part(part, upstream_error(self.name, detail, batch_id=status.remote_id,
-                                                      batch_status=status.status),
-                                 status.status, detail)
-            return
-        unfinished: set[int] = set()
-        for tries in range(COLLECT_TRIES):
-            rows = await st.run(st.part_open, part.id)
-            try:
-                unfinished = await self._read_results(part, status, rows)
-                break
-            except RpcError as e:
-                if tries == COLLECT_TRIES - 1:
-                    await self._end_part(part, e, status.status)
-                    return
-                log.warning("%s: reading results of %s failed (%s)", self.name,
-                            status.remote_id, e.message)
-                await self._sleep(self._backoff(tries + 1))
-        leftover = {idx for idx, _ in await st.run(st.part_open, part.id)}
-        missing = leftover - unfinished
-        if status.terminal == "completed" and missing:
-            err = upstream_error(self.name, "the batch ended without a result for this request",
-                                 batch_id=status.remote_id).to_dict()
-            await st.run(st.record, part.job_id, [(i, "failed", None, err) for i in sorted(missing)])
-            leftover -= missing
-        if not leftover:
-            await self._end_part(part, None, status.status)
-        elif status.terminal == "cancelled" or await self._cancelling(part.job_id):
-            await self._end_part(part, cancelled("batch job cancelled"), status.status)
-        elif self.settings.batch_resubmit_expired and part.attempt == 0:
-            log.info("%s: %d request(s) of %s did not run; resubmitting once", self.name,
-                     len(leftover), status.remote_id)
-            await self._create_parts(part.job_id, 1, [sorted(leftover)])
-            await self._end_part(part, None, status.status)
-        else:
-            again = " (also after one resubmission)" if part.attempt else ""
-            await self._end_part(part, upstream_error(
-                self.name, f"the batch expired before this request ran{again}",
-                batch_id=status.remote_id, batch_status=status.status, expired=True),
-                status.status)
-
-    async def _read_results(self, part: PartRow, status: RemoteStatus,
-                            rows: list[tuple[int, str]]) -> set[int]:
-        """Record every finished line; return items the vendor reports as not run."""
-        assert self.backend is not None
-        st = self.store()
-        by_id = {cid: idx for idx, cid in rows}
-        unfinished: set[int] = set()
-        buf: list[tuple[int, str, Any, Any]] = []
-        stop = cancelled("batch job cancelled").to_dict()
-        async for line in self.backend.results(status):
-            idx = by_id.pop(line.custom_id, None)
-            if idx is None:
-                continue
-            if line.kind == "succeeded":
-                buf.append((idx, "succeeded", line.result, None))
-            elif line.kind == "errored":
-                err = line.error or upstream_error(self.name, "batch request failed")
-                buf.append((idx, "failed", None, err.to_dict()))
-            elif line.kind == "cancelled":
-                buf.append((idx, "failed", None, stop))
-            else:
-                unfinished.add(idx)
-            if len(buf) >= FLUSH_EVERY:
-                await st.run(st.record, part.job_id, buf)
-                buf = []
-        if buf:
-            await st.run(st.record, part.job_id, buf)
-        return unfinished
-
-    async def _run_sync(self, part: PartRow) -> None:
-        """No batch API: the same items through the synchronous endpoint, results kept as they come."""
-        st = self.store()
-        rows = await st.run(st.part_items, part.id, True)
-        await st.run(st.mark_submitted, part.id, "sync")
-        items = [(r.idx, Item(route=r.route or "", operation=r.operation or "", method=r.method or "",
-                              params=json.loads(r.params or "null"), tokens=r.tokens,
-                              options=json.loads(r.options or "{}"))) for r in rows]
-        buf: list[tuple[int, str, Any, Any]] = []
-
-        async def flush() -> None:
-            if buf:
-                chunk = buf[:]
-                buf.clear()
-                await st.run(st.record, part.job_id, chunk)
-
-        async def on_result(idx: int, outcome: Outcome) -> None:
-            if outcome.ok:
-                buf.append((idx, "succeeded", outcome.result, None))
-            else:
-                assert outcome.error is not None
-                buf.append((idx, "failed", None, outcome.error.to_dict()))
-            if len(buf) >= 100:
-                await flush()
-
-        with anyio.CancelScope() as scope:
-            self._scopes[part.id] = scope
-            try:
-                await self.sync.run(items, on_result)
-            finally:
-                self._scopes.pop(part.id, None)
-                with anyio.CancelScope(shield=True):
-                    await flush()
-        error = cancelled("batch job cancelled") if scope.cancelled_caught else None
-        await self._end_part(part, error, "cancelled" if error else "completed")

@@ -10,20 +10,19 @@ batch up, or to submit; never to submit twice.
 from __future__ import annotations
 
 import functools
-import json
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
 
+from .rows import ItemRow, JobRow, NewItem, PartRow, dumps, loads_many
+
 T = TypeVar("T")
 
-ITEM_DONE = ("succeeded", "failed")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -41,63 +40,6 @@ CREATE TABLE IF NOT EXISTS items (
   split TEXT, PRIMARY KEY (job_id, idx));
 CREATE INDEX IF NOT EXISTS items_part ON items(part_id);
 """
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
-
-
-@dataclass(frozen=True, slots=True)
-class JobRow:
-    id: str
-    identity: str | None
-    source: str
-    state: str
-    total: int
-    created: float
-    updated: float
-
-
-@dataclass(frozen=True, slots=True)
-class PartRow:
-    id: str
-    job_id: str
-    provider: str
-    attempt: int
-    state: str
-    remote_id: str | None
-    remote_status: str | None
-    detail: str | None
-    intent_wall: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class ItemRow:
-    idx: int
-    custom_id: str
-    route: str | None
-    operation: str | None
-    method: str | None
-    params: str | None
-    options: str | None
-    tokens: int
-    state: str
-
-
-@dataclass(frozen=True, slots=True)
-class NewItem:
-    idx: int
-    provider: str | None
-    route: str | None
-    operation: str | None
-    method: str | None
-    params: Any
-    options: dict[str, Any]
-    tokens: int
-    custom_id: str
-    state: str = "queued"
-    error: dict[str, Any] | None = None
-    split: str | None = None  # items with different split keys never share a part
 
 
 def _locked(fn: Callable[..., T]) -> Callable[..., T]:
@@ -163,10 +105,10 @@ class JobStore:
 
     @_locked
     def finish_job_if_done(self, job_id: str) -> str | None:
-        """Close a sealed job whose items all ended; returns its final state when it did."""
+        """Close a sealed job whose items all ended; its final state if this call closed it."""
         job = self.job(job_id)
         if job is None or job.state not in ("running", "cancelling"):
-            return job.state if job and job.state in ("done", "cancelled") else None
+            return None
         left = self._db.execute(
             "SELECT COUNT(*) FROM items WHERE job_id=? AND state NOT IN ('succeeded','failed')",
             (job_id,)).fetchone()[0]
@@ -366,16 +308,6 @@ class JobStore:
         self._db.execute(
             "UPDATE parts SET state='done', remote_status=COALESCE(?, remote_status), detail=?, "
             "updated=? WHERE id=?", (remote_status, detail, time.time(), part_id))
-
-
-def loads_many(texts: Sequence[str | None]) -> list[Any]:
-    """Decode many stored JSON texts in one pass: the decoder then shares one copy of each
-    object key among them all, which matters when 50,000 results wait in memory."""
-    present = [t for t in texts if t]
-    if not present:
-        return [None] * len(texts)
-    decoded = iter(json.loads("[" + ",".join(present) + "]"))
-    return [next(decoded) if t else None for t in texts]
 
 
 def _part(row: Sequence[Any]) -> PartRow:
