@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,33 +71,44 @@ class Future:
 
     This is where "every accepted call ends exactly once" is enforced: a timeout,
     a cancel and a late upstream answer may race, only one reaches the caller.
+    Waiting is by callback; no event is allocated unless someone awaits ``wait``,
+    which keeps tens of thousands of parked calls cheap.
     """
 
-    __slots__ = ("_event", "_outcome", "callbacks")
+    __slots__ = ("_callbacks", "_outcome")
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
         self._outcome: Outcome | None = None
+        self._callbacks: list[Callable[[], object]] | None = None
 
     def set(self, outcome: Outcome) -> bool:
         if self._outcome is not None:
             return False
         self._outcome = outcome
-        self._event.set()
+        callbacks, self._callbacks = self._callbacks, None
+        for cb in callbacks or ():
+            cb()
         return True
 
     def done(self) -> bool:
         return self._outcome is not None
 
-    @property
-    def event(self) -> anyio.Event:
-        return self._event
+    def add_done_callback(self, cb: Callable[[], object]) -> None:
+        if self._outcome is not None:
+            cb()
+        elif self._callbacks is None:
+            self._callbacks = [cb]
+        else:
+            self._callbacks.append(cb)
 
     def outcome(self) -> Outcome:
         assert self._outcome is not None
         return self._outcome
 
     async def wait(self) -> Outcome:
-        await self._event.wait()
+        if self._outcome is None:
+            event = anyio.Event()
+            self.add_done_callback(event.set)
+            await event.wait()
         assert self._outcome is not None
         return self._outcome

@@ -6,10 +6,12 @@ it returns exactly one ``Outcome`` per call, whatever happens upstream.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from .call import Call, Item, Outcome
 from .clock import Clock, MonotonicClock
 from .config import Config, ProviderConfig, RouteConfig
 from .dedup import InFlight, TtlCache, canonical
-from .errors import Code, RpcError, cancelled, internal_error, timeout_error
+from .errors import RpcError, cancelled, internal_error, timeout_error
 from .lane import Lane
 from .limiter import RateLimiter
 from .metrics import Metrics
@@ -29,6 +31,24 @@ from .quota import Quotas
 from .router import Resolved, Router
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One caller's claim on a call: what it waits for, what it holds, and its outcome."""
+
+    label: str
+    identity: str | None
+    deadline: float
+    outcome: Outcome | None = None
+    pending: Pending | None = None
+    lane: Lane | None = None
+    key: Hashable | None = None
+    cache_ttl: float | None = None
+    quota: bool = False
+    handler: Handler | None = None
+    call: Call | None = None
+
 
 Handler = Callable[[Call], Awaitable[Any]]
 
@@ -156,66 +176,140 @@ class Gateway:
         self.methods[spec.name] = (handler, spec)
 
     async def submit(self, call: Call) -> Outcome:
-        label = call.method
+        return (await self.submit_many([call]))[0]
+
+    async def submit_many(self, calls: Sequence[Call]) -> list[Outcome]:
+        """Admit every call at once, then wait for all of them with one waiter.
+
+        Outcomes come back in input order, one per call. A batch of a thousand
+        calls parks a thousand small tickets, not a thousand tasks.
+        """
+        tickets = [self._admit(call) for call in calls]
+        try:
+            for t in tickets:
+                if t.handler is not None:
+                    await self._run_handler(t)
+            await self._settle(tickets)
+        except BaseException:
+            gone = Outcome.fail(cancelled("caller went away"))
+            for t in tickets:
+                self._finish(t, gone, withdraw=True)
+            raise
+        return [t.outcome for t in tickets]  # type: ignore[misc]
+
+    def _admit(self, call: Call) -> Ticket:
+        """Route, check and queue one call without waiting; errors end the ticket at once."""
+        ticket = Ticket(call.method, call.identity, math.inf)
         try:
             builtin = self.methods.get(call.method)
             if builtin is not None:
-                outcome = Outcome(result=await builtin[0](call))
-                self.metrics.calls.labels(call.method, "ok").inc()
-                return outcome
+                ticket.handler, ticket.call = builtin[0], call
+                return ticket
             resolved = self.router.resolve(call.method)
-            label = resolved.name
-            outcome = await self._submit(call, resolved)
-        except RpcError as e:
-            outcome = Outcome.fail(e)
-        except anyio.get_cancelled_exc_class():
-            self.metrics.calls.labels(label, str(int(Code.CANCELLED))).inc()
-            raise
-        except Exception as e:
-            log.exception("call %s failed inside the gateway", call.method)
-            outcome = Outcome.fail(internal_error(type(e).__name__))
-        self.metrics.calls.labels(label, "ok" if outcome.ok else str(outcome.error.code)).inc()
-        return outcome
-
-    async def _submit(self, call: Call, resolved: Resolved) -> Outcome:
-        route = resolved.route
-        async with self.quotas.admit(call.identity):
+            ticket.label = resolved.name
+            route = resolved.route
+            ticket.quota = self.quotas.acquire(call.identity)
             timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
-            deadline = self.clock.now() + timeout_ms / 1000.0
+            ticket.deadline = self.clock.now() + timeout_ms / 1000.0
             params = call.params
             if route.params and isinstance(params, dict | None):
                 params = {**route.params, **(params or {})}
             item = Item(
                 route=resolved.name, operation=route.operation, method=resolved.upstream_method,
-                params=params, priority=call.priority or route.priority, deadline=deadline,
+                params=params, priority=call.priority or route.priority, deadline=ticket.deadline,
                 identity=call.identity, notification=call.notification,
                 options={**route.extra, "mode": route.mode, **call.extra_meta},
             )
             provider = self.providers[route.provider]
             provider.prepare(route, item)
-            lane = self._lane_for(resolved.name, route)
+            ticket.lane = lane = self._lane_for(resolved.name, route)
             key = self._dedup_key(call, route, item, provider)
-            if key is not None:
-                item.options["idempotent"] = True
             if key is None:
-                return await self._wait(lane, lane.submit(item), deadline)
+                ticket.pending = lane.submit(item)
+                return ticket
+            item.options["idempotent"] = True
             cached = self.cache.get(key)
             if cached is not None:
                 self.metrics.dedup_hits.labels(resolved.name, "cache").inc()
-                return cached
+                self._finish(ticket, cached)
+                return ticket
             pending = self.inflight.join(key)
             if pending is not None:
                 self.metrics.dedup_hits.labels(resolved.name, "inflight").inc()
             else:
                 pending = lane.submit(item)
                 self.inflight.register(key, pending)
-            try:
-                outcome = await self._wait(lane, pending, deadline)
-            finally:
-                self.inflight.release(key, pending)
-            if outcome.ok and route.cache_ttl_s and pending.future.done():
-                self.cache.put(key, outcome, route.cache_ttl_s)
-            return outcome
+            ticket.pending, ticket.key, ticket.cache_ttl = pending, key, route.cache_ttl_s
+        except RpcError as e:
+            self._finish(ticket, Outcome.fail(e))
+        except Exception as e:
+            log.exception("call %s failed inside the gateway", call.method)
+            self._finish(ticket, Outcome.fail(internal_error(type(e).__name__)))
+        return ticket
+
+    async def _run_handler(self, t: Ticket) -> None:
+        assert t.handler is not None and t.call is not None
+        try:
+            outcome = Outcome(result=await t.handler(t.call))
+        except RpcError as e:
+            outcome = Outcome.fail(e)
+        except Exception as e:
+            log.exception("method %s failed inside the gateway", t.label)
+            outcome = Outcome.fail(internal_error(type(e).__name__))
+        self._finish(t, outcome)
+
+    async def _settle(self, tickets: Sequence[Ticket]) -> None:
+        """Wait until every ticket has its outcome: a result, or its deadline's timeout."""
+        waiting = [t for t in tickets if t.outcome is None]
+        if not waiting:
+            return
+        ready: list[Ticket] = []
+        wake = [anyio.Event()]
+        for t in waiting:
+            assert t.pending is not None
+            t.pending.future.add_done_callback(
+                lambda t=t: (ready.append(t), wake[0].set()))  # type: ignore[func-returns-value]
+        deadlines = [(t.deadline, i) for i, t in enumerate(waiting)]
+        heapq.heapify(deadlines)
+        left = len(waiting)
+        while True:
+            for t in ready:
+                if t.outcome is None:
+                    self._finish(t, t.pending.future.outcome())  # type: ignore[union-attr]
+                    left -= 1
+            ready.clear()
+            now = self.clock.now()
+            while deadlines and deadlines[0][0] <= now:
+                t = waiting[heapq.heappop(deadlines)[1]]
+                if t.outcome is None:
+                    stage = t.pending.state if t.pending is not None else "queued"
+                    self._finish(t, Outcome.fail(timeout_error(stage)), withdraw=True)
+                    left -= 1
+            if left <= 0:
+                return
+            while deadlines and waiting[deadlines[0][1]].outcome is not None:
+                heapq.heappop(deadlines)
+            wake[0] = anyio.Event()
+            until = deadlines[0][0] if deadlines else None
+            await self.clock.wait_event(wake[0], None if until == math.inf else until)
+
+    def _finish(self, t: Ticket, outcome: Outcome, *, withdraw: bool = False) -> None:
+        """Give a ticket its one outcome and release what it held."""
+        if t.outcome is not None:
+            return
+        t.outcome = outcome
+        if t.pending is not None:
+            if withdraw and t.lane is not None:
+                t.lane.withdraw(t.pending, outcome)
+            if t.key is not None:
+                self.inflight.release(t.key, t.pending)
+                if outcome.ok and t.cache_ttl and not withdraw:
+                    self.cache.put(t.key, outcome, t.cache_ttl)
+        if t.quota:
+            self.quotas.release(t.identity)
+        code = "ok" if outcome.error is None else str(outcome.error.code)
+        self.metrics.calls.labels(t.label, code).inc()
+        t.pending = t.lane = t.call = None  # type: ignore[assignment]
 
     def _dedup_key(
         self, call: Call, route: RouteConfig, item: Item, provider: Provider
@@ -228,21 +322,6 @@ class Gateway:
         scope = None if route.dedup_scope == "global" else call.identity
         body = call.idempotency_key if call.idempotency_key is not None else canonical(item.params)
         return (item.route, item.method, scope, body)
-
-    async def _wait(self, lane: Lane, pending: Pending, deadline: float) -> Outcome:
-        try:
-            fired = await self.clock.wait_event(
-                pending.future.event, None if deadline == math.inf else deadline
-            )
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                lane.withdraw(pending, Outcome.fail(cancelled("caller went away")))
-            raise
-        if fired:
-            return pending.future.outcome()
-        outcome = Outcome.fail(timeout_error(pending.state))
-        lane.withdraw(pending, outcome)
-        return outcome
 
     # -- discovery -------------------------------------------------------------
     async def list_tools(self) -> list[ToolSpec]:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 from .clock import Clock
 from .config import Quota
 from .errors import rate_limited
@@ -18,12 +15,11 @@ class Quotas:
         self._buckets: dict[str, TokenBucket] = {}
         self._active: dict[str, int] = {}
 
-    @asynccontextmanager
-    async def admit(self, identity: str | None) -> AsyncIterator[None]:
+    def acquire(self, identity: str | None) -> bool:
+        """Admit one call for ``identity`` or raise -32003; True when a slot must be released."""
         quota = self.quotas.get(identity) if identity else None
         if quota is None:
-            yield
-            return
+            return False
         assert identity is not None
         now = self.clock.now()
         if quota.concurrency is not None and self._active.get(identity, 0) >= quota.concurrency:
@@ -37,7 +33,8 @@ class Quotas:
                 raise rate_limited("rpm", wait, identity=identity)
             bucket.consume(1, now)
         self._active[identity] = self._active.get(identity, 0) + 1
-        try:
-            yield
-        finally:
+        return True
+
+    def release(self, identity: str | None) -> None:
+        if identity is not None and self._active.get(identity, 0) > 0:
             self._active[identity] -= 1

@@ -4,38 +4,33 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
-
+from .call import Outcome
 from .errors import internal_error
 from .gateway import Gateway
 from .jsonrpc import Decoded, Entry, decode, dumps, error_response, response
 
 
-async def run_entry(gateway: Gateway, entry: Entry) -> dict[str, Any] | None:
+def _reply(entry: Entry, outcome: Outcome | None) -> dict[str, Any] | None:
+    if entry.is_notification:
+        return None
     if entry.error is not None:
-        return None if entry.is_notification else error_response(entry.id, entry.error)
-    assert entry.call is not None
-    outcome = await gateway.submit(entry.call)
-    return None if entry.is_notification else response(entry.id, outcome)
+        return error_response(entry.id, entry.error)
+    assert outcome is not None
+    return response(entry.id, outcome)
 
 
 async def run_decoded(gateway: Gateway, decoded: Decoded) -> Any:
     """The response object (dict or list), or None when nothing is owed."""
+    calls = [e.call for e in decoded.entries if e.call is not None and e.error is None]
+    outcomes = iter(await gateway.submit_many(calls) if calls else [])
+    replies = [
+        _reply(e, next(outcomes) if e.call is not None and e.error is None else None)
+        for e in decoded.entries
+    ]
     if not decoded.batch:
-        return await run_entry(gateway, decoded.entries[0])
-    results: list[dict[str, Any] | None] = [None] * len(decoded.entries)
-
-    async def one(i: int, entry: Entry) -> None:
-        results[i] = await run_entry(gateway, entry)
-
-    async with anyio.create_task_group() as tg:
-        for i, entry in enumerate(decoded.entries):
-            if entry.call is None:
-                results[i] = await run_entry(gateway, entry)
-            else:
-                tg.start_soon(one, i, entry)
-    replies = [r for r in results if r is not None]
-    return replies or None
+        return replies[0]
+    kept = [r for r in replies if r is not None]
+    return kept or None
 
 
 async def handle_body(gateway: Gateway, body: bytes, identity: str | None = None) -> bytes | None:
