@@ -48,6 +48,21 @@ class Ticket:
     quota: bool = False
     handler: Handler | None = None
     call: Call | None = None
+    waiter: _Waiter | None = None
+
+    def __call__(self) -> None:
+        """Done-callback of the pending it waits on (a bound object, not a closure per call)."""
+        if self.waiter is not None:
+            self.waiter.ready.append(self)
+            self.waiter.wake.set()
+
+
+class _Waiter:
+    __slots__ = ("ready", "wake")
+
+    def __init__(self) -> None:
+        self.ready: list[Ticket] = []
+        self.wake = anyio.Event()
 
 
 Handler = Callable[[Call], Awaitable[Any]]
@@ -263,12 +278,12 @@ class Gateway:
         waiting = [t for t in tickets if t.outcome is None]
         if not waiting:
             return
-        ready: list[Ticket] = []
-        wake = [anyio.Event()]
+        waiter = _Waiter()
+        ready = waiter.ready
         for t in waiting:
             assert t.pending is not None
-            t.pending.future.add_done_callback(
-                lambda t=t: (ready.append(t), wake[0].set()))  # type: ignore[func-returns-value]
+            t.waiter = waiter
+            t.pending.future.add_done_callback(t)
         deadlines = [(t.deadline, i) for i, t in enumerate(waiting)]
         heapq.heapify(deadlines)
         left = len(waiting)
@@ -289,9 +304,9 @@ class Gateway:
                 return
             while deadlines and waiting[deadlines[0][1]].outcome is not None:
                 heapq.heappop(deadlines)
-            wake[0] = anyio.Event()
+            waiter.wake = anyio.Event()
             until = deadlines[0][0] if deadlines else None
-            await self.clock.wait_event(wake[0], None if until == math.inf else until)
+            await self.clock.wait_event(waiter.wake, None if until == math.inf else until)
 
     def _finish(self, t: Ticket, outcome: Outcome, *, withdraw: bool = False) -> None:
         """Give a ticket its one outcome and release what it held."""
@@ -309,7 +324,7 @@ class Gateway:
             self.quotas.release(t.identity)
         code = "ok" if outcome.error is None else str(outcome.error.code)
         self.metrics.calls.labels(t.label, code).inc()
-        t.pending = t.lane = t.call = None  # type: ignore[assignment]
+        t.pending = t.lane = t.call = t.waiter = None
 
     def _dedup_key(
         self, call: Call, route: RouteConfig, item: Item, provider: Provider
