@@ -28,6 +28,25 @@ def _show(value: Any) -> str:
     return text if len(text) < 160 else text[:157] + "..."
 
 
+async def _mcp_demo(url: str) -> None:
+    """The same gateway through the MCP SDK's own client over Streamable HTTP."""
+    try:
+        import httpx2
+        from mcp import Client as McpClient
+        from mcp.client.streamable_http import streamable_http_client
+    except ImportError:
+        return
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(30, read=120)) as http, \
+            McpClient(streamable_http_client(url, http_client=http)) as mcp:
+        tools = (await mcp.list_tools()).tools
+        print(f"  MCP {url}: protocol {mcp.protocol_version}, {len(tools)} tools "
+              f"({', '.join(t.name for t in tools[:6])}{', ...' if len(tools) > 6 else ''})")
+        name, args = ("tools_add", {"a": 2, "b": 40}) if any(
+            t.name == "tools_add" for t in tools) else ("sum", {"values": [1, 2]})
+        result = await mcp.call_tool(name, args)
+        print(f"  MCP tools/call {name}({json.dumps(args)}) -> {result.structured_content}")
+
+
 async def run_demo(config: Config, port: int = 0) -> int:
     async with running(config, port=port) as (gateway, url):
         print(f"multiplexer serving {url} (/rpc, /mcp, /healthz, /metrics)")
@@ -42,5 +61,6 @@ async def run_demo(config: Config, port: int = 0) -> int:
             many = await client.call_many([("sum", {"values": [i, i]}) for i in range(1000)])
             ok = sum(1 for i, r in enumerate(many) if r == 2 * i)
             print(f"  call_many: 1000 sum calls, {ok} correct, in input order")
+        await _mcp_demo(f"{url}{config.server.mcp.path}")
         print("demo done; run `multiplexer serve` to keep the gateway up")
     return 0

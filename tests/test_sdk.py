@@ -59,3 +59,4 @@ def test_demo_command_runs_offline() -> None:
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "sum(" in proc.stdout and "1000 correct" in proc.stdout
+    assert "MCP tools/call tools_add" in proc.stdout and "embed_local" in proc.stdout
