@@ -1,8 +1,8 @@
 """A real gateway child process for the reliability runs: config file, log file, RSS, metrics.
 
-Unlike ``_procs.child`` its stderr goes to a file, never to an unread pipe: a run that
-makes the gateway log a lot must not block it on a full pipe, and the log is read
-afterwards for tracebacks.
+Unlike ``_procs.child`` a child's output goes to a file, never to an unread pipe: a
+fuzz run makes the upstream log a traceback per odd input, and a full 64 KiB pipe
+froze it mid-run. The gateway's log is read afterwards for tracebacks.
 """
 
 from __future__ import annotations
@@ -65,29 +65,48 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 
 
 @contextlib.contextmanager
+def logged_child(args: list[str], ready_url: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """A Python child whose output goes to ``log_path``; terminated (then killed) on exit."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
+                                stdout=log, stderr=log)
+        try:
+            wait_http(ready_url)
+            if proc.poll() is not None:  # something else answered on our port (it was taken)
+                raise RuntimeError(f"{args[0]} exited at start: {log_path.read_text()[-500:]}")
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def upstream(script: str, *extra: str) -> Iterator[str]:
+    """An example upstream (``examples/...py --port``) on a free port; yields its base URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp, \
+            logged_child([script, "--port", str(port), *extra], f"{url}/", Path(tmp) / "upstream.log"):
+        yield url
+
+
+@contextlib.contextmanager
 def gateway(config_yaml: str, env: dict[str, str] | None = None) -> Iterator[GatewayProc]:
     """``python -m multiplexer serve`` on a free port; ``{port}`` in the YAML is filled in."""
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         conf = Path(tmp) / "gateway.yaml"
         conf.write_text(config_yaml.replace("{port}", str(port)))
         log_path = Path(tmp) / "gateway.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "multiplexer", "serve", "--config", str(conf)],
-                cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=log,
-            )
-            gw = GatewayProc(f"http://127.0.0.1:{port}", proc, log_path)
-            try:
-                wait_http(f"{gw.url}/healthz")
-                yield gw
-            finally:
-                proc.terminate()
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        with logged_child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{url}/healthz",
+                          log_path, env) as proc:
+            yield GatewayProc(url, proc, log_path)
 
 
 @dataclass

@@ -197,18 +197,20 @@ async def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--texts", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--callers", type=int, default=64)
     parser.add_argument("--http", action="store_true", help="JSON-RPC over HTTP instead of Gateway.submit")
     parser.add_argument("--baseline-threads", default="1,2",
                         help="torch thread counts tried for each baseline; the best one counts")
-    parser.add_argument("--pool-threads", type=int, default=2, help="torch threads for the pooled run")
-    parser.add_argument("--concurrency", type=int, default=1, help="batches at once on the model")
+    parser.add_argument("--pool-threads", type=int, default=1,
+                        help="torch threads per forward pass in the pooled runs")
+    parser.add_argument("--concurrency", type=int, default=2,
+                        help="batches at once on the model (2 x 1 thread beats 1 x 2 threads on 2 cores)")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
     parser.add_argument("--max-padding", type=float, default=0.1)
-    parser.add_argument("--padding-slack", type=int, default=0)
+    parser.add_argument("--padding-slack", type=int, default=32)
     args = parser.parse_args()
     r = anyio.run(run, args)
     m, x = r["median"], r["pool_speedup_vs"]

@@ -16,6 +16,8 @@ import argparse
 import base64
 import itertools
 import os
+import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -24,22 +26,18 @@ from typing import Any
 
 import anyio
 import h11
+import httpx
 import psutil
 
-from benchmarks._gateway import gateway
+from benchmarks._gateway import gateway, upstream
 from benchmarks._h11 import Conn
-from benchmarks._procs import child, free_port, save, table
-from benchmarks.fuzz_inputs import (
-    Case,
-    Limits,
-    McpFuzzer,
-    RpcFuzzer,
-    check_mcp,
-    check_rpc,
-    expect_rpc,
-)
+from benchmarks._procs import save, table
+from benchmarks.fuzz_inputs import Case, Limits, RpcFuzzer
+from benchmarks.fuzz_mcp import McpFuzzer
+from benchmarks.fuzz_oracle import check_mcp, check_rpc, expect_rpc
 
 KEY = "fuzz-key-0000"
+MAX_SERIES = 100  # metric series must not grow with the inputs (routes x outcomes)
 LIMITS = Limits(max_body=65_536, max_items=200, max_depth=64)
 CONFIG = """
 server:
@@ -106,7 +104,7 @@ class Tally:
 
 async def fire(base: str, path: str, cases: Callable[[int], Case], n: int,
                check: Callable[[Case, int, str, bytes], tuple[str, list[str]]],
-               concurrency: int, tally: Tally) -> None:
+               concurrency: int, tally: Tally, progress: bool = False) -> None:
     counter = itertools.count()
 
     async def worker() -> None:
@@ -125,6 +123,9 @@ async def fire(base: str, path: str, cases: Callable[[int], Case], n: int,
                     continue
                 label, problems = check(case, r.status, r.content_type, r.body)
                 tally.record(case, r.status, label, problems, r.body, time.perf_counter() - start)
+                if progress and tally.inputs % 10_000 == 0:
+                    print(f"  {path}: {tally.inputs:,} inputs, {tally.total_violations} violations",
+                          file=sys.stderr, flush=True)
         finally:
             await conn.aclose()
 
@@ -151,7 +152,7 @@ async def fuzz(base: str, n_rpc: int, n_mcp: int, seed: int, concurrency: int) -
             continue
         tally = Tally()
         start = time.perf_counter()
-        await fire(base, f"/{name}", fuzzer.case, n, check, concurrency, tally)
+        await fire(base, f"/{name}", fuzzer.case, n, check, concurrency, tally, progress=True)
         results[name] = {"tally": tally, "seconds": time.perf_counter() - start}
     return results
 
@@ -189,12 +190,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     args = parser.parse_args()
     n_mcp = args.mcp if has_mcp() else 0
-    up = free_port()
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp, \
-            child(["examples/jsonrpc_upstream.py", "--port", str(up)], f"http://127.0.0.1:{up}/"), \
-            gateway(CONFIG.replace("{upstream}", str(up)).replace("{store}", f"{tmp}/store.db"),
+    with tempfile.TemporaryDirectory() as tmp, upstream("examples/jsonrpc_upstream.py") as up, \
+            gateway(CONFIG.replace("{upstream}", up.rsplit(":", 1)[1]).replace("{store}", f"{tmp}/store.db"),
                     env={"FUZZ_KEY": KEY}) as gw:
         proc = psutil.Process(gw.pid)
         rss_before = proc.memory_info().rss
@@ -204,6 +201,8 @@ def main() -> None:
         wall = time.perf_counter() - start
         gateway_cpu = sum(proc.cpu_times()[:2]) - cpu_before
         alive, healthy = gw.alive(), gw.healthy()
+        metrics = httpx.get(f"{gw.url}/metrics", timeout=10) if alive else None
+        series = metrics.text.count("multiplexer_calls_total{") if metrics else 0
         rss_after = proc.memory_info().rss if alive else 0
         tracebacks = gw.tracebacks()
         log_tail = gw.log()[-3000:] if tracebacks else ""
@@ -212,6 +211,7 @@ def main() -> None:
         "healthz_after": healthy, "gateway_tracebacks": tracebacks,
         "rss_before_mb": rss_before / 2**20, "rss_after_mb": rss_after / 2**20,
         "cpus": os.cpu_count(), "wall_s": wall, "gateway_cpu_s": gateway_cpu,
+        "metrics_status_after": metrics.status_code if metrics else None, "calls_series": series,
     }
     for name, r in out.items():
         tally: Tally = r["tally"]
@@ -228,10 +228,12 @@ def main() -> None:
     print(table(["endpoint", "inputs", "inputs/s", "violations"], rows))
     print(f"\ngateway alive after: {alive}; /healthz 200 after: {healthy}; tracebacks in its log: "
           f"{tracebacks}; RSS {rss_before / 2**20:.0f} MiB -> {rss_after / 2**20:.0f} MiB; "
-          f"gateway CPU {gateway_cpu:.0f} s in {wall:.0f} s")
+          f"gateway CPU {gateway_cpu:.0f} s in {wall:.0f} s; /metrics after: "
+          f"{summary['metrics_status_after']} with {series} call series")
     if log_tail:
         print(log_tail)
-    summary["ok"] = alive and healthy and tracebacks == 0 and all(
+    summary["ok"] = alive and healthy and tracebacks == 0 and summary["metrics_status_after"] == 200 \
+        and series < MAX_SERIES and all(
         summary[n]["violations"] == 0 for n in out)
     save("fuzz_rpc", summary)
     raise SystemExit(0 if summary["ok"] else 1)

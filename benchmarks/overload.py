@@ -5,7 +5,8 @@ per call and the gateway lets ``--concurrency`` calls run at once, so capacity i
 ``concurrency / upstream_ms`` calls/s. An open-loop client (arrivals on a fixed
 schedule, whatever the replies do) offers 1x, then 10x, then 1x again. Measured per
 phase: admitted calls/s, rejections (-32002 with ``retry_after``), p50/p99 latency of
-admitted calls from their scheduled start, and the gateway's peak RSS (psutil). With
+admitted calls (request sent to reply read; the client's lag behind its schedule is
+reported apart), and the gateway's peak RSS (psutil). With
 a bounded queue the 10x phase must keep memory flat and admitted latency within
 ``max_queue / capacity`` of the 1x phase.
 
@@ -24,9 +25,9 @@ from typing import Any
 import anyio
 import psutil
 
-from benchmarks._gateway import RssSampler, gateway, metric_sum
+from benchmarks._gateway import RssSampler, gateway, metric_sum, upstream
 from benchmarks._h11 import Conn
-from benchmarks._procs import child, free_port, percentile, save, table
+from benchmarks._procs import percentile, save, table
 from multiplexer.jsonrpc import loads
 
 CONFIG = """
@@ -50,12 +51,13 @@ class Phase:
     rate: float
     seconds: float
     sent: int = 0
-    latencies: list[float] = field(default_factory=list)  # admitted (ok) calls, from schedule
+    latencies: list[float] = field(default_factory=list)  # admitted (ok) calls, send to reply
     outcomes: Counter[str] = field(default_factory=Counter)
     retry_after: list[float] = field(default_factory=list)
     max_lag: float = 0.0  # how far the client fell behind its own schedule
     cpu_s: float = 0.0
     upstream: float = 0.0  # upstream requests the gateway made
+    samples: list[Any] = field(default_factory=list)  # unexpected errors, for the JSON
 
 
 async def offer(url: str, phase: Phase, workers: int) -> None:
@@ -77,7 +79,8 @@ async def offer(url: str, phase: Phase, workers: int) -> None:
         conn = Conn.to(url, timeout=30.0)
         try:
             async for due in receive:
-                phase.max_lag = max(phase.max_lag, time.perf_counter() - due)
+                sent = time.perf_counter()
+                phase.max_lag = max(phase.max_lag, sent - due)
                 phase.sent += 1
                 try:
                     r = await conn.request("POST", "/rpc", {"content-type": "application/json"}, BODY)
@@ -90,10 +93,12 @@ async def offer(url: str, phase: Phase, workers: int) -> None:
                     phase.outcomes[f"HTTP {r.status}"] += 1
                 elif "result" in body:
                     phase.outcomes["ok"] += 1
-                    phase.latencies.append(done - due)
+                    phase.latencies.append(done - sent)
                 else:
                     code = body["error"]["code"]
                     phase.outcomes[str(code)] += 1
+                    if code not in (-32002,) and len(phase.samples) < 5:
+                        phase.samples.append(body["error"])
                     if code == -32002:
                         phase.retry_after.append((body["error"].get("data") or {}).get("retry_after", 0))
         finally:
@@ -108,8 +113,8 @@ async def offer(url: str, phase: Phase, workers: int) -> None:
 @dataclass
 class Settings:
     concurrency: int = 8
-    upstream_ms: float = 50.0
-    max_queue: int = 32
+    upstream_ms: float = 100.0
+    max_queue: int = 16
     seconds: float = 10.0
     workers: int = 256
 
@@ -119,13 +124,16 @@ class Settings:
 
 
 def run(s: Settings) -> dict[str, Any]:
-    up = free_port()
-    config = (CONFIG.replace("{upstream}", str(up)).replace("{concurrency}", str(s.concurrency))
+    with upstream("examples/jsonrpc_upstream.py") as up_url:
+        return _run(s, up_url.rsplit(":", 1)[1])
+
+
+def _run(s: Settings, up: str) -> dict[str, Any]:
+    config = (CONFIG.replace("{upstream}", up).replace("{concurrency}", str(s.concurrency))
               .replace("{max_queue}", str(s.max_queue)).replace("{ms}", str(s.upstream_ms)))
     phases = [Phase("warm-up 1x", s.capacity, 2.0), Phase("1x", s.capacity, s.seconds),
               Phase("10x", 10 * s.capacity, s.seconds), Phase("1x after", s.capacity, s.seconds / 2)]
-    with child(["examples/jsonrpc_upstream.py", "--port", str(up)], f"http://127.0.0.1:{up}/"), \
-            gateway(config) as gw, RssSampler(gw.pid) as rss:
+    with gateway(config) as gw, RssSampler(gw.pid) as rss:
         proc = psutil.Process(gw.pid)
         for phase in phases:
             rss.mark(phase.name)
@@ -149,7 +157,7 @@ def summarise(s: Settings, phases: list[Phase], rss: RssSampler) -> dict[str, An
             "rejections_with_retry_after": sum(1 for x in p.retry_after if x and x > 0),
             "p50_ms": percentile(lat, 0.5) * 1e3, "p99_ms": percentile(lat, 0.99) * 1e3,
             "max_client_lag_ms": p.max_lag * 1e3, "gateway_cpu_s": p.cpu_s,
-            "upstream_per_s": p.upstream / p.seconds,
+            "upstream_per_s": p.upstream / p.seconds, "error_samples": p.samples,
             "peak_rss_mb": rss.peak(p.name) / 2**20,
         }
     ten = rss.series("10x")
@@ -168,17 +176,17 @@ def render(out: dict[str, Any]) -> str:
                      f"{sum(v for k, v in p['outcomes'].items() if k not in ('ok', '-32002')):,}",
                      f"{p['p50_ms']:.1f}", f"{p['p99_ms']:.1f}",
                      f"{p['p99_ms'] / base['p99_ms']:.2f}x", f"{p['peak_rss_mb']:.1f}",
-                     f"{p['gateway_cpu_s'] / p['seconds']:.0%}"])
+                     f"{p['gateway_cpu_s'] / p['seconds']:.0%}", f"{p['max_client_lag_ms']:.0f}"])
     return table(["phase", "offered calls/s", "admitted calls/s", "rejected -32002", "other errors",
                   "admitted p50 ms", "admitted p99 ms", "p99 vs 1x", "gateway peak RSS MiB",
-                  "gateway CPU"], rows)
+                  "gateway CPU", "client lag max ms"], rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--upstream-ms", type=float, default=50.0)
-    parser.add_argument("--max-queue", type=int, default=32)
+    parser.add_argument("--upstream-ms", type=float, default=100.0)
+    parser.add_argument("--max-queue", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=10.0, help="per phase")
     args = parser.parse_args()
     s = Settings(args.concurrency, args.upstream_ms, args.max_queue, args.seconds)

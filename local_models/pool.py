@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class Stats:
     rows: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
+    busy_s: float = 0.0  # summed forward-pass time (can exceed wall time with concurrency > 1)
 
     @property
     def padding_waste(self) -> float:
@@ -125,6 +127,7 @@ class ModelHandle:
         tok = loaded.tokenizer
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         side = getattr(tok, "padding_side", "right") or "right"
+        start = time.perf_counter()
         if self.task == "embed":
             out = embed(loaded.model, rows, self.embed_cfg, pad_id=pad_id, side=side, device=loaded.device)
         else:
@@ -134,6 +137,7 @@ class ModelHandle:
             self.stats.rows += len(rows)
             self.stats.real_tokens += sum(len(r) for r in rows)
             self.stats.padded_tokens += padded_cost(rows)
+            self.stats.busy_s += time.perf_counter() - start
         return list(out)
 
     def _cpu(self) -> Loaded:

@@ -21,7 +21,8 @@ from .clock import Clock
 def canonical(params: Any) -> str:
     data = json.dumps(params, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       default=str)
-    return hashlib.blake2b(data.encode(), digest_size=16).hexdigest()
+    # surrogatepass: a lone surrogate (valid JSON as "\ud800") must hash, not raise
+    return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 class TtlCache:

@@ -31,6 +31,7 @@ from .quota import Quotas
 from .router import Resolved, Router
 
 log = logging.getLogger(__name__)
+UNROUTED = "(no route)"
 
 
 @dataclass(slots=True, eq=False)
@@ -214,10 +215,13 @@ class Gateway:
 
     def _admit(self, call: Call) -> Ticket:
         """Route, check and queue one call without waiting; errors end the ticket at once."""
-        ticket = Ticket(call.method, call.identity, math.inf)
+        # Metrics label by route, never by the client's method string: unknown names would
+        # grow the registry without bound (and a lone surrogate would break /metrics).
+        ticket = Ticket(UNROUTED, call.identity, math.inf)
         try:
             builtin = self.methods.get(call.method)
             if builtin is not None:
+                ticket.label = call.method
                 ticket.handler, ticket.call = builtin[0], call
                 return ticket
             resolved = self.router.resolve(call.method)

@@ -49,6 +49,10 @@ class Lane:
         self.eager = eager
         self.in_flight = 0
         self.metrics = metrics
+        if metrics is not None:  # label lookups cost microseconds: do them once
+            self._depth = metrics.queue_depth.labels(name)
+            self._sizes = metrics.batch_size.labels(name)
+            self._batches = metrics.upstream_batches.labels(name)
         self._wake = anyio.Event()
         self._closing = False
         self._scopes: dict[int, tuple[anyio.CancelScope, list[Pending]]] = {}
@@ -93,7 +97,7 @@ class Lane:
 
     def _gauge(self) -> None:
         if self.metrics:
-            self.metrics.queue_depth.labels(self.name).set(len(self.queue))
+            self._depth.set(len(self.queue))
 
     # -- the loop ----------------------------------------------------------
     async def run(self) -> None:
@@ -137,8 +141,8 @@ class Lane:
             p.state = "running"
         items = [p.item for p in batch]
         if self.metrics:
-            self.metrics.batch_size.labels(self.name).observe(len(batch))
-            self.metrics.upstream_batches.labels(self.name).inc()
+            self._sizes.observe(len(batch))
+            self._batches.inc()
         outcomes: list[Outcome] | None = None
         with anyio.CancelScope() as scope:
             self._scopes[bid] = (scope, batch)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -10,7 +11,6 @@ from tenacity import (
     AsyncRetrying,
     RetryCallState,
     retry_if_exception_type,
-    stop_after_attempt,
     wait_exponential_jitter,
 )
 
@@ -44,19 +44,24 @@ async def with_retries(
     Gives up with the last error when attempts run out or the next wait would pass
     ``deadline``.
     """
-    backoff = wait_exponential_jitter(initial=base_wait, max=max_wait, jitter=base_wait)
+    try:  # the common case: one attempt, without tenacity's per-attempt bookkeeping
+        return await fn()
+    except Retryable as e:
+        first: Retryable = e
     end = math.inf if deadline is None else deadline
+    backoff = wait_exponential_jitter(initial=base_wait, max=max_wait, jitter=base_wait)
 
-    def wait(state: RetryCallState) -> float:
-        exc = state.outcome.exception() if state.outcome else None
+    def wait_for(exc: BaseException | None, state: RetryCallState | None) -> float:
         if isinstance(exc, Retryable) and exc.retry_after is not None:
             return min(exc.retry_after, 60.0)
-        return backoff(state)
+        return backoff(state) if state is not None else base_wait + random.uniform(0, base_wait)
+
+    def wait(state: RetryCallState) -> float:
+        return wait_for(state.outcome.exception() if state.outcome else None, state)
 
     def stop(state: RetryCallState) -> bool:
-        if stop_after_attempt(attempts)(state):
-            return True
-        return clock.now() + wait(state) >= end
+        # attempt 1 already ran before tenacity took over
+        return state.attempt_number + 1 >= attempts or clock.now() + wait(state) >= end
 
     async def sleep(seconds: float) -> None:
         await clock.sleep_until(clock.now() + seconds)
@@ -66,6 +71,12 @@ async def with_retries(
         if on_retry and isinstance(exc, Retryable):
             on_retry(exc)
 
+    first_wait = wait_for(first, None)
+    if attempts <= 1 or clock.now() + first_wait >= end:
+        raise first.final from None
+    if on_retry:
+        on_retry(first)
+    await sleep(first_wait)
     retrying = AsyncRetrying(
         retry=retry_if_exception_type(Retryable),
         wait=wait,

@@ -21,7 +21,13 @@ SAFE_STATUSES = {408, 425, 429, 503, 529}
 UNSAFE_STATUSES = {500, 502, 504}
 
 
-def make_client(timeout_s: float, max_connections: int, **kwargs: object) -> httpx.AsyncClient:
+def make_client(timeout_s: float, max_connections: int, *, transport: str = "httpx",
+                **kwargs: object) -> httpx.AsyncClient:
+    """A pooled client; ``transport="h11"`` swaps in the lean connection layer for hot paths."""
+    if transport == "h11":
+        from .h11_transport import H11Transport
+
+        kwargs["transport"] = H11Transport(max_connections)
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
         limits=httpx.Limits(max_connections=max_connections,

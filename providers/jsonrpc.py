@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import httpx
@@ -27,6 +27,8 @@ class JsonRpcSettings(BaseModel):
     url: str
     headers: dict[str, str] = Field(default_factory=dict)
     batch_arrays: bool = True
+    # h11: the lean connection layer (providers/h11_transport.py); httpx: httpx's own pool.
+    transport: Literal["h11", "httpx"] = "h11"
 
 
 class JsonRpcProvider(Provider):
@@ -38,10 +40,12 @@ class JsonRpcProvider(Provider):
         self.arrays_ok = self.settings.batch_arrays
         self._ids = itertools.count(1)
         self._client: httpx.AsyncClient | None = None
+        self._requests = ctx.metrics.upstream_requests.labels(self.name)
 
     async def start(self) -> None:
         conf = self.ctx.config
         self._client = make_client(conf.timeout_ms / 1000, conf.limits.concurrency * 2,
+                                   transport=self.settings.transport,
                                    headers=self.settings.headers)
 
     async def aclose(self) -> None:
@@ -90,7 +94,7 @@ class JsonRpcProvider(Provider):
                 "POST", self.settings.url, content=body,
                 headers={"content-type": "application/json"},
             )
-            self.ctx.metrics.upstream_requests.labels(self.name).inc()
+            self._requests.inc()
             return await send(self._client, request, self.name, idempotent)
 
         retry = self.ctx.config.retry

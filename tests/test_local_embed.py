@@ -176,3 +176,16 @@ async def test_model_choice_by_route_or_by_call(minilm_path) -> None:
         fixed = await gw.submit(Call("fixed", {"input": "x", "model": "a"}))
     assert unnamed.error is not None and unnamed.error.code == -32602
     assert named.result["model"] == "a" and fixed.result["model"] == "b"
+
+
+async def test_embed_local_over_http_json_rpc(minilm_path) -> None:
+    import httpx
+
+    from multiplexer.server import running
+
+    async with running(embed_config(), port=0) as (_, url), httpx.AsyncClient() as client:
+        body = [{"jsonrpc": "2.0", "id": i, "method": "embed_local", "params": {"input": text}}
+                for i, text in enumerate(["one", ["two", "three"]])]
+        replies = sorted((await client.post(f"{url}/rpc", json=body)).json(), key=lambda r: r["id"])
+    assert [len(r["result"]["data"]) for r in replies] == [1, 2]
+    assert replies[1]["result"]["data"][1]["index"] == 1

@@ -15,7 +15,9 @@ import pytest
 import yaml
 
 from benchmarks import fuzz_rpc, soak_faults
-from benchmarks.fuzz_inputs import Case, Limits, McpFuzzer, Owed, RpcFuzzer, check_rpc, expect_rpc, id_key
+from benchmarks.fuzz_inputs import RPC_CLASSES, Case, Limits, RpcFuzzer
+from benchmarks.fuzz_mcp import McpFuzzer
+from benchmarks.fuzz_oracle import Owed, check_rpc, expect_rpc, id_key
 from examples.fault_upstream import FAULTS, FaultState
 from examples.fault_upstream import create_app as fault_app
 from examples.jsonrpc_upstream import create_app as calc_app
@@ -49,27 +51,35 @@ async def test_fuzzed_rpc_and_mcp_get_spec_shaped_replies_and_no_5xx(
                                 fuzz_rpc._mcp_check, 16, mcp)
             async with httpx.AsyncClient() as http:
                 assert (await http.get(f"{url}/healthz")).status_code == 200
+                metrics = await http.get(f"{url}/metrics")
+    assert metrics.status_code == 200  # once, a method named "\ud800" broke /metrics for good
+    assert metrics.text.count("multiplexer_calls_total{") < fuzz_rpc.MAX_SERIES  # not one per name
     for tally in (rpc, mcp):
         assert tally.total_violations == 0, tally.samples[:3]
         assert not any(s >= 500 or s == 0 for c in tally.statuses.values() for s in c)
-    assert rpc.inputs == 2000 and len(rpc.by_class) == len(fuzz_rpc.RpcFuzzer(0, Limits(), "").classes)
+    assert rpc.inputs == 2000 and set(rpc.by_class) == set(RPC_CLASSES)  # every class was tried
     assert {401, 413, 204, 200} <= {s for c in rpc.statuses.values() for s in c}
     assert _errors(caplog) == []
 
 
-async def test_lone_surrogates_round_trip_instead_of_a_500() -> None:
-    """Found by the fuzzer: ``"\\udc00"`` is valid JSON, but not encodable as UTF-8."""
+async def test_lone_surrogates_round_trip_instead_of_a_500(tmp_path: Any) -> None:
+    """Found by the fuzzer: ``"\\udc00"`` is valid JSON but not encodable as UTF-8; it broke the
+    reply (HTTP 500), the dedup key (-32603) and, as a method name, /metrics (500 for good)."""
     async with serve_app(calc_app()) as upstream:
         config = _config(fuzz_rpc.CONFIG.replace('api_keys: {fuzz: "${FUZZ_KEY}"}', ""), port="0",
-                         upstream=upstream.rsplit(":", 1)[1], store="unused.db")
+                         upstream=upstream.rsplit(":", 1)[1], store=str(tmp_path / "s.db"))
         async with running(config, port=0) as (_, url), httpx.AsyncClient() as http:
             body = b'[{"jsonrpc":"2.0","method":"echo","params":["\\ud83d"],"id":"\\udc00"},' \
-                   b'{"jsonrpc":"2.0","method":"nope\\ud800","id":2}]'
+                   b'{"jsonrpc":"2.0","method":"nope\\ud800","id":2},' \
+                   b'{"jsonrpc":"2.0","method":"sum","params":["\\ud800"],"id":3}]'
             r = await http.post(f"{url}/rpc", content=body)
-    assert r.status_code == 200
-    one, two = r.json()
+            metrics = await http.get(f"{url}/metrics")
+    assert r.status_code == 200 and metrics.status_code == 200
+    assert "nope" not in metrics.text  # metrics are labelled by route, not by client strings
+    one, two, three = r.json()
     assert one == {"jsonrpc": "2.0", "result": ["\ud83d"], "id": "\udc00"}
     assert two["id"] == 2 and two["error"]["code"] == -32601
+    assert three["id"] == 3 and three["error"]["code"] == -32602  # the upstream's verdict, not ours
 
 
 def test_the_oracle_catches_wrong_replies() -> None:
