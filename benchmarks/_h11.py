@@ -9,6 +9,7 @@ strict client would refuse to build. One ``Conn`` per worker: no pool, no locks.
 
 from __future__ import annotations
 
+import select
 import socket
 from dataclasses import dataclass
 
@@ -34,7 +35,6 @@ class Conn:
         self.host, self.port, self.timeout = host, port, timeout
         self._stream: anyio.abc.SocketStream | None = None
         self._h11 = h11.Connection(h11.CLIENT)
-        self._got_bytes = False
 
     @classmethod
     def to(cls, base_url: str, timeout: float = 30.0) -> Conn:
@@ -56,23 +56,27 @@ class Conn:
 
     async def request(self, method: str, path: str, headers: dict[str, str] | None = None,
                       body: bytes = b"", *, chunked: bool = False) -> Reply:
-        """Send one request and read its reply; raises on a transport failure or timeout."""
-        for attempt in (1, 2):
-            reused = self._stream is not None
-            self._got_bytes = False
-            try:
-                with anyio.fail_after(self.timeout):
-                    return await self._exchange(method, path, headers or {}, body, chunked)
-            except (anyio.BrokenResourceError, anyio.EndOfStream, OSError, h11.RemoteProtocolError):
-                await self.aclose()
-                # A kept-alive connection the server closed meanwhile: retry once on a fresh one,
-                # as HTTP clients do; a failure with reply bytes or on a fresh connection is real.
-                if attempt == 2 or not reused or self._got_bytes:
-                    raise
-            except BaseException:
-                await self.aclose()
-                raise
-        raise AssertionError("unreachable")
+        """Send one request and read its reply; raises on a transport failure or timeout.
+
+        Never resends: a POST that reached the server may have run, and a soak counting
+        answers must see a failure, not a silent second try. A kept-alive connection
+        the server has closed is noticed (readable at EOF) and replaced before sending.
+        """
+        if self._stream is not None and self._peer_closed():
+            await self.aclose()
+        try:
+            with anyio.fail_after(self.timeout):
+                return await self._exchange(method, path, headers or {}, body, chunked)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def _peer_closed(self) -> bool:
+        assert self._stream is not None
+        raw = self._stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        poller = select.poll()
+        poller.register(raw.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     async def _exchange(self, method: str, path: str, headers: dict[str, str], body: bytes,
                         chunked: bool) -> Reply:
@@ -98,7 +102,6 @@ class Conn:
             if event is h11.NEED_DATA:
                 try:
                     conn.receive_data(await stream.receive(65536))
-                    self._got_bytes = True
                 except anyio.EndOfStream:
                     conn.receive_data(b"")
                 continue

@@ -70,6 +70,9 @@ store: {path: "{store}"}
 
 @dataclass
 class Tally:
+    """Counts by input class, HTTP status and reply class; the first violations in full
+    (case index, body, reply), so ``RpcFuzzer(seed, LIMITS, KEY).case(i)`` replays one."""
+
     by_class: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     statuses: dict[str, Counter[int]] = field(default_factory=lambda: defaultdict(Counter))
     labels: Counter[str] = field(default_factory=Counter)
@@ -134,19 +137,21 @@ async def fire(base: str, path: str, cases: Callable[[int], Case], n: int,
             tg.start_soon(worker)
 
 
-def _rpc_check(case: Case, status: int, ctype: str, content: bytes) -> tuple[str, list[str]]:
+def rpc_check(case: Case, status: int, ctype: str, content: bytes) -> tuple[str, list[str]]:
+    """(reply class, problems) for a ``/rpc`` reply to ``case`` under this run's limits and key."""
     return check_rpc(expect_rpc(case, LIMITS, KEY), status, ctype, content)
 
 
-def _mcp_check(case: Case, status: int, ctype: str, content: bytes) -> tuple[str, list[str]]:
+def mcp_check(case: Case, status: int, ctype: str, content: bytes) -> tuple[str, list[str]]:
+    """(reply class, problems) for a ``/mcp`` reply to ``case``."""
     return check_mcp(case, KEY, LIMITS, status, ctype, content)
 
 
 async def fuzz(base: str, n_rpc: int, n_mcp: int, seed: int, concurrency: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, n, fuzzer, check in (
-        ("rpc", n_rpc, RpcFuzzer(seed, LIMITS, KEY), _rpc_check),
-        ("mcp", n_mcp, McpFuzzer(seed, LIMITS, KEY), _mcp_check),
+        ("rpc", n_rpc, RpcFuzzer(seed, LIMITS, KEY), rpc_check),
+        ("mcp", n_mcp, McpFuzzer(seed, LIMITS, KEY), mcp_check),
     ):
         if n <= 0:
             continue
@@ -223,6 +228,12 @@ def main() -> None:
             "reply_classes": dict(tally.labels.most_common()), "violation_kinds": dict(tally.violations),
             "samples": tally.samples,
         }
+    names = list(out)
+    classes = sorted({lbl for n in names for lbl in out[n]["tally"].labels},
+                     key=lambda lbl: -sum(out[n]["tally"].labels[lbl] for n in names))
+    print(table(["response class (HTTP status, JSON-RPC code or result)", *[f"/{n}" for n in names]],
+                [[lbl, *[f"{out[n]['tally'].labels[lbl]:,}" for n in names]] for lbl in classes]),
+          end="\n\n")
     rows = [[f"/{name}", f"{summary[name]['inputs']:,}", f"{summary[name]['inputs_per_s']:,.0f}",
              summary[name]["violations"]] for name in out]
     print(table(["endpoint", "inputs", "inputs/s", "violations"], rows))

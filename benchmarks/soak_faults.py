@@ -227,6 +227,8 @@ def run_soak(calls: int, baseline_calls: int = 0, batch: int = 50, concurrency: 
 
     async def main() -> None:
         async with serve_asgi(create_app(state), sock):
+            # The gateway helpers block (start-up poll, /metrics); the upstream in this loop is
+            # idle then: the gateway only calls it while ``soak`` runs.
             with gateway(CONFIG.replace("{upstream}", str(port))) as gw:
                 before = gw.metrics()
                 gw_proc, me = psutil.Process(gw.pid), psutil.Process()

@@ -12,6 +12,7 @@ origin, at most ``max_connections`` open per origin.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import ssl
 
@@ -22,6 +23,9 @@ import httpx
 
 _BROKEN = (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError,
            h11.RemoteProtocolError, ConnectionError)
+
+
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 
 
 class _Stale(Exception):
@@ -57,6 +61,9 @@ class H11Transport(httpx.AsyncBaseTransport):
             idle = self._idle.setdefault(origin, [])
             while idle:
                 conn = idle.pop()
+                if _closed_by_peer(conn):
+                    await _close(conn)
+                    continue
                 try:
                     return await self._exchange(conn, origin, request, body, timeouts)
                 except _Stale:
@@ -135,7 +142,9 @@ class H11Transport(httpx.AsyncBaseTransport):
                     try:
                         data = await conn.stream.receive(65536)
                     except _BROKEN:
-                        if not got_bytes:
+                        # Closed after our request went out: it may have run (a crash or reset
+                        # mid-call), so resend only what HTTP calls idempotent; a POST is not.
+                        if not got_bytes and request.method in _IDEMPOTENT:
                             raise _Stale from None
                         raise
                     got_bytes = True
@@ -160,6 +169,19 @@ class H11Transport(httpx.AsyncBaseTransport):
         self._idle.clear()
         for conn in conns:
             await _close(conn)
+
+
+def _closed_by_peer(conn: _Conn) -> bool:
+    """An idle connection with something to read (the server's FIN, or stray bytes) is done."""
+    raw = conn.stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+    if raw is None:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(raw.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 async def _close(conn: _Conn) -> None:

@@ -46,9 +46,9 @@ async def test_fuzzed_rpc_and_mcp_get_spec_shaped_replies_and_no_5xx(
         async with running(config, port=0) as (_, url):
             rpc, mcp = fuzz_rpc.Tally(), fuzz_rpc.Tally()
             await fuzz_rpc.fire(url, "/rpc", RpcFuzzer(11, fuzz_rpc.LIMITS, fuzz_rpc.KEY).case, 2000,
-                                fuzz_rpc._rpc_check, 32, rpc)
+                                fuzz_rpc.rpc_check, 32, rpc)
             await fuzz_rpc.fire(url, "/mcp", McpFuzzer(11, fuzz_rpc.LIMITS, fuzz_rpc.KEY).case, 500,
-                                fuzz_rpc._mcp_check, 16, mcp)
+                                fuzz_rpc.mcp_check, 16, mcp)
             async with httpx.AsyncClient() as http:
                 assert (await http.get(f"{url}/healthz")).status_code == 200
                 metrics = await http.get(f"{url}/metrics")
