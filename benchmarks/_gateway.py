@@ -8,10 +8,8 @@ froze it mid-run. The gateway's log is read afterwards for tracebacks.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks._procs import ROOT, free_port, wait_http
+from benchmarks._procs import free_port, logged_child
 
 
 @dataclass
@@ -62,27 +60,6 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
         if all(have.get(k) == v for k, v in labels.items()):
             total += float(m.group(2))
     return total
-
-
-@contextlib.contextmanager
-def logged_child(args: list[str], ready_url: str, log_path: Path,
-                 env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """A Python child whose output goes to ``log_path``; terminated (then killed) on exit."""
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                                stdout=log, stderr=log)
-        try:
-            wait_http(ready_url)
-            if proc.poll() is not None:  # something else answered on our port (it was taken)
-                raise RuntimeError(f"{args[0]} exited at start: {log_path.read_text()[-500:]}")
-            yield proc
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,18 +37,32 @@ def wait_http(url: str, timeout: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def child(args: list[str], ready_url: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_http(ready_url)
-        yield proc
-    finally:
-        proc.terminate()
+def logged_child(args: list[str], ready_url: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """A Python child whose output goes to ``log_path``; terminated (then killed) on exit."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
+                                stdout=log, stderr=log)
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            wait_http(ready_url)
+            if proc.poll() is not None:  # something else answered on our port (it was taken)
+                raise RuntimeError(f"{args[0]} exited at start: {log_path.read_text()[-500:]}")
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def child(args: list[str], ready_url: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """A Python child logging to a temporary file (never an unread pipe, which can fill and freeze it)."""
+    with tempfile.TemporaryDirectory() as tmp, \
+            logged_child(args, ready_url, Path(tmp) / "child.log", env) as proc:
+        yield proc
 
 
 def percentile(values: list[float], q: float) -> float:
