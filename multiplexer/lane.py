@@ -58,6 +58,8 @@ class Lane:
         self._scopes: dict[int, tuple[anyio.CancelScope, list[Pending]]] = {}
         self._batch_ids = 0
         self._tg: anyio.abc.TaskGroup | None = None
+        self._avg_batch_s = 0.0  # moving averages of batch duration and size, for retry_after
+        self._avg_size = 1.0
 
     # -- admission -------------------------------------------------------
     def submit(self, item: Item) -> Pending:
@@ -79,8 +81,12 @@ class Lane:
         return p
 
     def _retry_after(self) -> float:
+        """When a refused caller should come back: the rate limit's wait, or the time the
+        queue takes to drain at the recent pace (batch time x batches / parallelism)."""
         wait, _ = self.limiter.delay(1, 0)
-        return max(wait, 0.05)
+        batches = len(self.queue) / max(self._avg_size, 1.0)
+        drain = batches * self._avg_batch_s / max(self.max_in_flight, 1)
+        return min(max(wait, drain, 0.05), 60.0)
 
     def withdraw(self, p: Pending, outcome: Outcome) -> None:
         """A pending item's last caller gave up: drop it, cancelling its batch if it was alone."""
@@ -144,6 +150,7 @@ class Lane:
             self._sizes.observe(len(batch))
             self._batches.inc()
         outcomes: list[Outcome] | None = None
+        started = self.clock.now()
         with anyio.CancelScope() as scope:
             self._scopes[bid] = (scope, batch)
             try:
@@ -156,6 +163,8 @@ class Lane:
                 log.exception("lane %s: provider failed", self.name)
                 outcomes = [Outcome.fail(internal_error(type(e).__name__))] * len(items)
             finally:
+                self._avg_batch_s += 0.2 * (self.clock.now() - started - self._avg_batch_s)
+                self._avg_size += 0.2 * (len(batch) - self._avg_size)
                 self._scopes.pop(bid, None)
                 self.in_flight -= 1
                 self._wake.set()

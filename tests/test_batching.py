@@ -172,3 +172,28 @@ def test_force_decision_takes_partial_batch() -> None:
     q = GroupedQueue(5)
     q.push(pend(0.0))
     assert choose(q, CountFormation(5, 10.0), math.inf)[1].take == (0,)
+
+
+async def test_retry_after_follows_how_fast_the_queue_drains() -> None:
+    clock, rec = ManualClock(), Recorder()
+    rec.block = True
+    lane = Lane("p", rec.execute, CountFormation(1, 0.0), clock, RateLimiter(clock),
+                max_queue=4, max_in_flight=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lane.run)
+        first = lane.submit(item("a"))
+        await clock.advance(0)
+        await clock.advance(2.0)  # the first batch takes 2 s
+        rec.release.set()
+        await first.future.wait()
+        rec.release = anyio.Event()
+        for n in "bcde":
+            lane.submit(item(n))
+        await clock.advance(0)  # b goes upstream, c d e wait
+        lane.submit(item("f"))
+        with pytest.raises(RpcError) as err:
+            lane.submit(item("g"))
+        # four queued, one batch at a time, ~0.4 s a batch on the moving average: >= 1.6 s
+        assert err.value.data["retry_after"] == pytest.approx(4 * 0.4, rel=0.01)
+        rec.release.set()
+        lane.close()
