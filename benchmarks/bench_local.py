@@ -209,8 +209,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
-    parser.add_argument("--max-padding", type=float, default=0.1)
-    parser.add_argument("--padding-slack", type=int, default=32)
+    parser.add_argument("--max-padding", type=float, default=0.05)
+    parser.add_argument("--padding-slack", type=int, default=16)
     args = parser.parse_args()
     r = anyio.run(run, args)
     m, x = r["median"], r["pool_speedup_vs"]

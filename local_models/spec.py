@@ -23,7 +23,7 @@ class ModelSpec(BaseModel):
     max_wait_ms: float = Field(default=2.0, ge=0)
     max_length: int | None = Field(default=None, ge=1, description="input limit, at most the model's own")
     max_padding: float = Field(default=0.1, ge=0, le=1, description="padding share tolerated when grouping")
-    padding_slack: int = Field(default=0, ge=0, description="padding tokens a batch may always carry")
+    padding_slack: int = Field(default=16, ge=0, description="padding tokens a batch may always carry")
     length_grouping: bool = True
     aging_s: float = Field(default=1.0, ge=0, description="waiting time worth one priority level")
     concurrency: int = Field(default=1, ge=1, description="batches running at once on this model")

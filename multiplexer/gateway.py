@@ -237,7 +237,7 @@ class Gateway:
                 route=resolved.name, operation=route.operation, method=resolved.upstream_method,
                 params=params, priority=call.priority or route.priority, deadline=ticket.deadline,
                 identity=call.identity, notification=call.notification,
-                options={**route.extra, "mode": route.mode, **call.extra_meta},
+                options={**call.extra_meta, **route.extra, "mode": route.mode},  # config wins
             )
             provider = self.providers[route.provider]
             provider.prepare(route, item)
