@@ -16,20 +16,16 @@ from typing import Any
 import anyio
 from pydantic import Field, SecretStr
 
-from multiplexer.batching import CountFormation
 from multiplexer.call import Item, Outcome
-from multiplexer.config import BatchPolicy, RouteConfig
-from multiplexer.errors import Code, RpcError, invalid_params, upstream_error
-from multiplexer.provider import Provider, ProviderContext
+from multiplexer.config import RouteConfig
+from multiplexer.errors import Code, RpcError, upstream_error
+from multiplexer.provider import ProviderContext
 
-from .api_client import ApiClient, admit, run_each
+from .api_client import ApiClient, admit
 from .batch.backend import BatchApiSettings
-from .batch.jobs import JobManager
 from .batch.openai_batch import OpenAIBatchBackend
-from .batch.sync_fallback import SyncFallback
-from .dedup_rules import deterministic_chat
-from .formations import PackOrSingle
 from .http_util import batch_deadline
+from .llm_base import LlmProvider
 from .packing import Chunk, Scatter, chat_tokens, embedding_inputs, ordered_data, pack
 from .ratelimit_headers import openai_limits
 
@@ -71,45 +67,22 @@ def usage_total(body: Any) -> int | None:
     return total
 
 
-class OpenAIProvider(Provider):
+class OpenAIProvider(LlmProvider):
     Settings = OpenAISettings
+    paths = PATHS
+    packable = frozenset({"embeddings"})
+    usage_total = staticmethod(usage_total)
 
     def __init__(self, ctx: ProviderContext) -> None:
-        super().__init__(ctx)
         self.settings: OpenAISettings = ctx.settings
-        self.api = ApiClient(ctx, self.settings.base_url, auth_headers(self.settings), openai_limits)
-        sync = SyncFallback(self.run_one, ctx.limiter, ctx.clock, ctx.config.limits.concurrency)
-        self.jobs = JobManager(ctx, self.settings, OpenAIBatchBackend(self.api, self.settings), sync)
-
-    async def start(self) -> None:
-        await self.api.start()
-        await self.jobs.start()
-
-    async def aclose(self) -> None:
-        try:
-            await self.jobs.aclose()
-        finally:
-            await self.api.aclose()
+        api = ApiClient(ctx, self.settings.base_url, auth_headers(self.settings), openai_limits)
+        super().__init__(ctx, api, lambda api: OpenAIBatchBackend(api, self.settings))
 
     # -- admission -------------------------------------------------------------
     def prepare(self, route: RouteConfig, item: Item) -> None:
-        if item.operation not in PATHS:
-            raise invalid_params(f"{self.name} has no operation {item.operation!r}",
-                                 operations=sorted(PATHS))
-        params = item.params
-        if not isinstance(params, dict):
-            raise invalid_params("params must be an object (the provider's request body)")
-        model = params.get("model")
-        if not isinstance(model, str) or not model:
-            raise invalid_params("'model' is required (in params or the route's params)",
-                                 param="model")
-        if params.get("stream"):
-            raise invalid_params("streaming responses are not supported through the gateway",
-                                 param="stream")
+        params, model = self.request_body(item)
         if item.operation == "chat":
-            messages = params.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise invalid_params("'messages' must be a non-empty array", param="messages")
+            self.require_messages(params)
             tokens = chat_tokens(params)
             item.group = ("chat", model)
         else:
@@ -118,44 +91,19 @@ class OpenAIProvider(Provider):
             rest = {k: v for k, v in params.items() if k not in ("input", "model")}
             item.group = ("embeddings", model) if not rest else (
                 "embeddings", model, tuple(sorted((k, repr(v)) for k, v in rest.items())))
-        item.options["mode"] = route.mode
-        if route.mode == "batch":
-            item.options["tokens"] = tokens
-            item.tokens = 0  # batch APIs have their own quota; keep the live lane's budget free
-        else:
-            item.tokens = tokens
+        self.charge(route, item, tokens)
+
+    def idempotent(self, item: Item) -> bool:
+        return item.operation == "embeddings" or super().idempotent(item)
 
     def dedup_safe(self, item: Item) -> bool:
-        return item.operation == "embeddings" or deterministic_chat(item.params)
-
-    def formation(self, policy: BatchPolicy) -> PackOrSingle:
-        count = CountFormation(policy.max_items, policy.max_wait_ms / 1000.0, policy.max_tokens)
-        return PackOrSingle(count, frozenset({"embeddings"}))
+        return item.operation == "embeddings" or super().dedup_safe(item)
 
     # -- execution -------------------------------------------------------------
-    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
-        if items[0].options.get("mode") == "batch":
-            return await self.jobs.run_items(items)
+    async def execute_now(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
         if operation == "embeddings":
             return await self._embeddings(items)
-        return await run_each(items, self.run_one, self.ctx)
-
-    async def run_one(self, item: Item) -> Outcome:
-        """One synchronous request for one call: chat, or embeddings for that call alone."""
-        idempotent = (item.operation == "embeddings" or bool(item.options.get("idempotent"))
-                      or deterministic_chat(item.params))
-        try:
-            body = await self.api.json("POST", PATHS[item.operation], json=item.params,
-                                       idempotent=idempotent, deadline=item.deadline)
-        except RpcError as e:
-            return Outcome.fail(e)
-        self._correct(item.tokens, body)
-        return Outcome(result=body)
-
-    def _correct(self, estimated: int, body: Any) -> None:
-        actual = usage_total(body)
-        if actual is not None and estimated:
-            self.ctx.limiter.correct_tokens(estimated, actual)
+        return await super().execute_now(operation, items)
 
     async def _embeddings(self, items: Sequence[Item]) -> list[Outcome]:
         per_item: list[list[Any]] = []
@@ -205,7 +153,7 @@ class OpenAIProvider(Provider):
                                                f"{len(chunk.inputs)} vectors indexed from 0"))
             return
         scatter.add(chunk, body, data)
-        self._correct(chunk.tokens, body)
+        self.correct(chunk.tokens, body)
 
     async def _isolate(self, base: dict[str, Any], chunk: Chunk, owners: Sequence[Item],
                        scatter: Scatter) -> None:

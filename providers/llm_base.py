@@ -1,0 +1,115 @@
+"""What the HTTP LLM providers share: an API client, a durable job manager, body checks,
+token charging, and one request per call for the operations that do not pack."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from multiplexer.batching import CountFormation
+from multiplexer.call import Item, Outcome
+from multiplexer.config import BatchPolicy, RouteConfig
+from multiplexer.errors import RpcError, invalid_params
+from multiplexer.provider import Provider, ProviderContext
+
+from .api_client import ApiClient, run_each
+from .batch.backend import BatchBackend
+from .batch.jobs import JobManager
+from .batch.sync_fallback import SyncFallback
+from .dedup_rules import deterministic_chat
+from .formations import PackOrSingle
+
+
+class LlmProvider(Provider):
+    """Subclasses name their ``paths`` (operation -> endpoint), which operations pack
+    several calls into one request, and how a response body reports token usage."""
+
+    paths: ClassVar[dict[str, str]]
+    packable: ClassVar[frozenset[str]] = frozenset()
+
+    @staticmethod
+    def usage_total(body: Any) -> int | None:
+        """Tokens a response body says it used; None when it does not say."""
+        return None
+
+    def __init__(self, ctx: ProviderContext, api: ApiClient,
+                 backend: Callable[[ApiClient], BatchBackend]) -> None:
+        super().__init__(ctx)
+        self.api = api
+        sync = SyncFallback(self.run_one, ctx.limiter, ctx.clock, ctx.config.limits.concurrency)
+        self.jobs = JobManager(ctx, ctx.settings, backend(api), sync)
+
+    async def start(self) -> None:
+        await self.api.start()
+        await self.jobs.start()
+
+    async def aclose(self) -> None:
+        try:
+            await self.jobs.aclose()
+        finally:
+            await self.api.aclose()
+
+    def request_body(self, item: Item) -> tuple[dict[str, Any], str]:
+        """The call's params as a request body, checked for what every operation needs."""
+        if item.operation not in self.paths:
+            raise invalid_params(f"{self.name} has no operation {item.operation!r}",
+                                 operations=sorted(self.paths))
+        params = item.params
+        if not isinstance(params, dict):
+            raise invalid_params("params must be an object (the provider's request body)")
+        model = params.get("model")
+        if not isinstance(model, str) or not model:
+            raise invalid_params("'model' is required (in params or the route's params)",
+                                 param="model")
+        if params.get("stream"):
+            raise invalid_params("streaming responses are not supported through the gateway",
+                                 param="stream")
+        return params, model
+
+    @staticmethod
+    def require_messages(params: dict[str, Any]) -> None:
+        messages = params.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise invalid_params("'messages' must be a non-empty array", param="messages")
+
+    @staticmethod
+    def charge(route: RouteConfig, item: Item, tokens: int) -> None:
+        item.options["mode"] = route.mode
+        if route.mode == "batch":
+            item.options["tokens"] = tokens
+            item.tokens = 0  # batch APIs have their own quota; keep the live lane's budget free
+        else:
+            item.tokens = tokens
+
+    def idempotent(self, item: Item) -> bool:
+        return bool(item.options.get("idempotent")) or deterministic_chat(item.params)
+
+    def dedup_safe(self, item: Item) -> bool:
+        return deterministic_chat(item.params)
+
+    def formation(self, policy: BatchPolicy) -> PackOrSingle:
+        count = CountFormation(policy.max_items, policy.max_wait_ms / 1000.0, policy.max_tokens)
+        return PackOrSingle(count, self.packable)
+
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        if items[0].options.get("mode") == "batch":
+            return await self.jobs.run_items(items)
+        return await self.execute_now(operation, items)
+
+    async def execute_now(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        return await run_each(items, self.run_one, self.ctx)
+
+    async def run_one(self, item: Item) -> Outcome:
+        """One synchronous request for one call."""
+        try:
+            body = await self.api.json("POST", self.paths[item.operation], json=item.params,
+                                       idempotent=self.idempotent(item), deadline=item.deadline)
+        except RpcError as e:
+            return Outcome.fail(e)
+        self.correct(item.tokens, body)
+        return Outcome(result=body)
+
+    def correct(self, estimated: int, body: Any) -> None:
+        actual = self.usage_total(body)
+        if actual is not None and estimated:
+            self.ctx.limiter.correct_tokens(estimated, actual)
