@@ -6,7 +6,7 @@ import email.utils
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 
 import httpx
@@ -21,13 +21,8 @@ SAFE_STATUSES = {408, 425, 429, 503, 529}
 UNSAFE_STATUSES = {500, 502, 504}
 
 
-def make_client(timeout_s: float, max_connections: int, *, transport: str = "httpx",
-                **kwargs: object) -> httpx.AsyncClient:
-    """A pooled client; ``transport="h11"`` swaps in the lean connection layer for hot paths."""
-    if transport == "h11":
-        from .h11_transport import H11Transport
-
-        kwargs["transport"] = H11Transport(max_connections)
+def make_client(timeout_s: float, max_connections: int, **kwargs: object) -> httpx.AsyncClient:
+    """A pooled client (pass ``transport=`` for the lean connection layer on hot paths)."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
         limits=httpx.Limits(max_connections=max_connections,
@@ -118,11 +113,12 @@ def classify(provider: str, exc: Exception | None, response: httpx.Response | No
     return final
 
 
-async def send(client: httpx.AsyncClient, request: httpx.Request, provider: str,
-               idempotent: bool) -> httpx.Response:
-    """One attempt: a 2xx response, or raise Retryable / RpcError."""
+async def send(sender: Callable[[httpx.Request], Awaitable[httpx.Response]],
+               request: httpx.Request, provider: str, idempotent: bool) -> httpx.Response:
+    """One attempt through ``sender`` (a client's or a transport's send): a 2xx response,
+    or raise Retryable / RpcError."""
     try:
-        response = await client.send(request)
+        response = await sender(request)
     except httpx.HTTPError as e:
         raise classify(provider, e, None, idempotent) from None
     if response.status_code >= 400:

@@ -16,6 +16,7 @@ from multiplexer.errors import RpcError, upstream_error
 from multiplexer.provider import Provider, ProviderContext
 from multiplexer.retry import with_retries
 
+from .h11_transport import H11Transport
 from .http_util import all_idempotent, batch_deadline, make_client, send
 
 _MALFORMED = object()
@@ -44,9 +45,21 @@ class JsonRpcProvider(Provider):
 
     async def start(self) -> None:
         conf = self.ctx.config
-        self._client = make_client(conf.timeout_ms / 1000, conf.limits.concurrency * 2,
-                                   transport=self.settings.transport,
-                                   headers=self.settings.headers)
+        connections = conf.limits.concurrency * 2
+        if self.settings.transport == "h11":
+            # The hot path hands prepared requests straight to the transport: the client's
+            # per-request work (URL merging, cookies, auth and redirect flows) is not needed.
+            transport = H11Transport(connections)
+            self._client = make_client(conf.timeout_ms / 1000, connections, transport=transport,
+                                       headers=self.settings.headers)
+            self._sender = transport.handle_async_request
+        else:
+            self._client = make_client(conf.timeout_ms / 1000, connections,
+                                       headers=self.settings.headers)
+            self._sender = self._client.send
+        self._url = httpx.URL(self.settings.url)
+        self._headers = httpx.Headers({**self._client.headers, "content-type": "application/json"})
+        self._extensions = {"timeout": self._client.timeout.as_dict()}
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -90,12 +103,10 @@ class JsonRpcProvider(Provider):
         idempotent = all_idempotent(items)
 
         async def attempt() -> httpx.Response:
-            request = self._client.build_request(
-                "POST", self.settings.url, content=body,
-                headers={"content-type": "application/json"},
-            )
+            request = httpx.Request("POST", self._url, headers=self._headers, content=body,
+                                    extensions=self._extensions)
             self._requests.inc()
-            return await send(self._client, request, self.name, idempotent)
+            return await send(self._sender, request, self.name, idempotent)
 
         retry = self.ctx.config.retry
         return await with_retries(

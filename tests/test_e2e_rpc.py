@@ -231,3 +231,12 @@ async def test_healthz_and_metrics() -> None:
             assert 'multiplexer_upstream_requests_total{provider="calc"}' in m
             assert "multiplexer_batch_size_bucket" in m
             assert "multiplexer_queue_depth" in m
+
+
+async def test_httpx_transport_option_gives_the_same_answers() -> None:
+    async with gateway_with_upstream(provider={"transport": "httpx"}) as (url, state, _), \
+            Client(url) as client:
+        assert await client.call_many([("subtract", [i, 1]) for i in range(50)]) == \
+            [i - 1 for i in range(50)]
+        state.fail_next = [503]
+        assert await client.call("subtract", [3, 1]) == 2
