@@ -7,6 +7,7 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -124,4 +125,24 @@ def create_app(gateway: Gateway, extra_routes: list[BaseRoute] | None = None,
                lifespan: Any = None) -> Starlette:
     auth = Authenticator(gateway.config.server.api_keys)
     routes = build_routes(gateway, auth) + list(extra_routes or [])
-    return Starlette(routes=routes, lifespan=lifespan)
+    limit = gateway.config.server.max_header_bytes
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(HeaderLimit, limit=limit)])
+
+
+class HeaderLimit:
+    """Refuse requests whose headers exceed the limit (HTTP 431), before any route runs."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.limit or len(scope["headers"]) > 200:
+                error = RpcError(Code.TOO_LARGE, "Request headers too large",
+                                 {"max_header_bytes": self.limit})
+                await rpc_error(431, error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

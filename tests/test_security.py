@@ -82,6 +82,17 @@ async def test_oversized_body_gets_413_with_a_json_rpc_error() -> None:
         assert (await post(url, CALL)).json()["result"] == 2
 
 
+async def test_oversized_headers_get_431_on_every_endpoint() -> None:
+    async with gateway_with_upstream(server={"max_header_bytes": 2048}) as (url, _, _):
+        big = {"x-filler": "a" * 4096}
+        r = await post(url, CALL, headers=big)
+        assert r.status_code == 431 and r.json()["error"]["code"] == -32006
+        assert r.json()["error"]["data"] == {"max_header_bytes": 2048}
+        async with httpx.AsyncClient() as http:
+            assert (await http.post(f"{url}/mcp", json=CALL, headers=big)).status_code == 431
+        assert (await post(url, CALL)).json()["result"] == 2
+
+
 async def test_client_disconnect_cancels_its_call_upstream() -> None:
     state = UpstreamState(gate=anyio.Event())
     async with gateway_with_upstream(state, provider={"batch": {"max_items": 1}}) \
