@@ -95,6 +95,20 @@ def batch_routes(
             advance(batch)
         return JSONResponse(batch.to_json(base(request)))
 
+    async def list_batches(request: Request) -> Response:
+        """Newest first, paged with ``limit`` and ``after_id``, as the real API."""
+        batches = list(reversed(state.batches.values()))
+        after = request.query_params.get("after_id")
+        if after:
+            ids = [b.id for b in batches]
+            batches = batches[ids.index(after) + 1:] if after in ids else []
+        limit = max(1, min(1000, int(request.query_params.get("limit", "20"))))
+        page = batches[:limit]
+        return JSONResponse({"data": [b.to_json(base(request)) for b in page],
+                             "first_id": page[0].id if page else None,
+                             "last_id": page[-1].id if page else None,
+                             "has_more": len(batches) > limit})
+
     async def poll(request: Request) -> Response:
         batch = get_batch(request)
         batch.polls += 1
@@ -153,6 +167,7 @@ def batch_routes(
 
     return [
         guarded_route("/v1/messages/batches", ["POST"], create, state, dialect),
+        guarded_route("/v1/messages/batches", ["GET"], list_batches, state, dialect),
         guarded_route("/v1/messages/batches/{batch_id}", ["GET"], poll, state, dialect),
         guarded_route("/v1/messages/batches/{batch_id}/cancel", ["POST"], cancel, state, dialect),
         guarded_route("/v1/messages/batches/{batch_id}/results", ["GET"], results, state, dialect),

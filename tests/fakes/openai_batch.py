@@ -163,6 +163,20 @@ def batch_routes(
             advance(job)
         return JSONResponse(job.to_json())
 
+    async def list_batches(request: Request) -> Response:
+        """Newest first, paged with ``limit`` and ``after`` (a batch id), as the real API."""
+        jobs = sorted(state.batches.values(), key=lambda j: j.created_at, reverse=True)
+        after = request.query_params.get("after")
+        if after:
+            ids = [j.id for j in jobs]
+            jobs = jobs[ids.index(after) + 1:] if after in ids else []
+        limit = max(1, min(100, int(request.query_params.get("limit", "20"))))
+        page = jobs[:limit]
+        return JSONResponse({"object": "list", "data": [j.to_json() for j in page],
+                             "first_id": page[0].id if page else None,
+                             "last_id": page[-1].id if page else None,
+                             "has_more": len(jobs) > limit})
+
     async def poll(request: Request) -> Response:
         job = get_batch(request)
         job.polls += 1
@@ -271,6 +285,7 @@ def batch_routes(
         guarded_route("/v1/files/{file_id}", ["GET"], file_meta, state, dialect),
         guarded_route("/v1/files/{file_id}/content", ["GET"], file_content, state, dialect),
         guarded_route("/v1/batches", ["POST"], create, state, dialect),
+        guarded_route("/v1/batches", ["GET"], list_batches, state, dialect),
         guarded_route("/v1/batches/{batch_id}", ["GET"], poll, state, dialect),
         guarded_route("/v1/batches/{batch_id}/cancel", ["POST"], cancel, state, dialect),
     ]
