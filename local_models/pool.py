@@ -33,11 +33,13 @@ from .spec import ModelSpec
 from .tasks.classify import classify
 from .tasks.embed import EmbedConfig, embed, read_embed_config
 from .tasks.generate import GenerateEngine, GenRequest
+from .tasks.packed_bert import PackedBert, packable
 from .tensors import padded_cost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MIN_BUDGET = 64
+DIRECT_TOKENIZE = 8  # calls with at most this many texts skip the batch tokenizer
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ class ModelHandle:
         self.limit: int | None = None
         self.embed_cfg = EmbedConfig()
         self.engine: GenerateEngine | None = None
+        self.packed: PackedBert | None = None
         self.fallback_device: torch.device | None = None
         self.budget = TokenBudget(
             spec.max_batch_size, spec.max_tokens, spec.max_wait_ms / 1000.0, spec.max_padding,
@@ -86,6 +89,8 @@ class ModelHandle:
             self.embed_cfg = read_embed_config(path, pooling=self.spec.pooling, normalize=self.spec.normalize)
             limits.append(self.embed_cfg.max_length)
         loaded = load(path, self.task, device, dtype)
+        if self.task == "embed" and self.spec.unpadded and packable(loaded.model):
+            self.packed = PackedBert(loaded.model)
         limits.append(loaded.max_positions())
         known = [n for n in limits if n]
         self.limit = min(known) if known else None
@@ -116,7 +121,14 @@ class ModelHandle:
             return ids, over
         if truncate and limit is not None:
             return tok(texts, truncation=True, max_length=limit, verbose=False)["input_ids"], []
-        ids = tok(texts, verbose=False)["input_ids"]
+        backend = getattr(tok, "backend_tokenizer", None)
+        if len(texts) <= DIRECT_TOKENIZE and backend is not None and backend.truncation is None \
+                and backend.padding is None:
+            # What ``tok(texts)`` returns, without its wrapper or a hop to the tokenizer's thread pool:
+            # this runs on the event loop for each small call.
+            ids = [backend.encode(t).ids for t in texts]
+        else:
+            ids = tok(texts, verbose=False)["input_ids"]
         return ids, [(i, len(x)) for i, x in enumerate(ids) if limit is not None and len(x) > limit]
 
     # -- forward passes (worker thread) -------------------------------------------
@@ -129,7 +141,9 @@ class ModelHandle:
         side = getattr(tok, "padding_side", "right") or "right"
         start = time.perf_counter()
         if self.task == "embed":
-            out = embed(loaded.model, rows, self.embed_cfg, pad_id=pad_id, side=side, device=loaded.device)
+            packed = self.packed if on == "primary" else None
+            out = embed(loaded.model, rows, self.embed_cfg, pad_id=pad_id, side=side, device=loaded.device,
+                        packed=packed)
         else:
             out = classify(loaded.model, rows, pad_id=pad_id, side=side, device=loaded.device)
         with self._lock:

@@ -28,6 +28,7 @@ class ModelSpec(BaseModel):
     aging_s: float = Field(default=1.0, ge=0, description="waiting time worth one priority level")
     concurrency: int = Field(default=1, ge=1, description="batches running at once on this model")
     truncate: bool = False
+    unpadded: bool = Field(default=True, description="BERT encoders: linear layers skip padding tokens")
     pooling: Pooling | list[Pooling] | None = None
     normalize: bool | None = None
     max_new_tokens: int = Field(default=64, ge=1)

@@ -189,3 +189,32 @@ async def test_embed_local_over_http_json_rpc(minilm_path) -> None:
         replies = sorted((await client.post(f"{url}/rpc", json=body)).json(), key=lambda r: r["id"])
     assert [len(r["result"]["data"]) for r in replies] == [1, 2]
     assert replies[1]["result"]["data"][1]["index"] == 1
+
+
+async def test_unpadded_bert_forward_equals_the_padded_model_forward(minilm_path) -> None:
+    """The packed fast path is the same model: hidden states within 1e-5 at every real token."""
+    from local_models.loading import load
+    from local_models.tasks.packed_bert import PackedBert, packable
+    from local_models.tensors import pad
+
+    loaded = load(minilm_path, "embed", torch.device("cpu"), torch.float32)
+    assert packable(loaded.model)
+    packed = PackedBert(loaded.model)
+    ids = loaded.tokenizer(TEXTS)["input_ids"]
+    with torch.inference_mode():
+        for rows in (ids, ids[:1], [ids[3], ids[3]]):  # mixed lengths, one row, uniform lengths
+            x, mask = pad(rows, loaded.tokenizer.pad_token_id)
+            ref = loaded.model(input_ids=x, attention_mask=mask).last_hidden_state
+            hidden, packed_mask = packed(rows, torch.device("cpu"))
+            assert torch.equal(packed_mask, mask)
+            assert ((ref - hidden) * mask.unsqueeze(-1)).abs().max().item() < 1e-5
+            assert not hidden[mask == 0].any()  # padding slots stay zero for pooling
+
+
+async def test_padded_and_unpadded_paths_give_the_same_embeddings(minilm_path) -> None:
+    results = []
+    for unpadded in (True, False):
+        async with Gateway(embed_config(unpadded=unpadded)) as gw:
+            results.append([d["embedding"] for d in (await embed(gw, TEXTS))["data"]])
+    fast, slow = torch.tensor(results[0]), torch.tensor(results[1])
+    assert (fast - slow).abs().max().item() < 1e-5

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tensors import pad
+from .packed_bert import PackedBert
 
 # Concatenation order of sentence-transformers' legacy boolean keys.
 _LEGACY = {
@@ -123,12 +124,18 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
 
 def embed(
     model: torch.nn.Module, rows: Sequence[Sequence[int]], cfg: EmbedConfig, *,
-    pad_id: int, side: str, device: torch.device,
+    pad_id: int, side: str, device: torch.device, packed: PackedBert | None = None,
 ) -> torch.Tensor:
-    """[rows, dim] float32 on the CPU; call under ``torch.inference_mode``."""
-    ids, mask = pad(rows, pad_id, side=side, device=device)
-    out = model(input_ids=ids, attention_mask=mask)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    """[rows, dim] float32 on the CPU; call under ``torch.inference_mode``.
+
+    With ``packed`` (a BERT encoder) the linear layers skip the padding.
+    """
+    if packed is not None:
+        hidden, mask = packed(rows, device)
+    else:
+        ids, mask = pad(rows, pad_id, side=side, device=device)
+        out = model(input_ids=ids, attention_mask=mask)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     vectors = pool(hidden, mask, cfg.pooling)
     if cfg.normalize:
         vectors = F.normalize(vectors, p=2, dim=1)
