@@ -13,13 +13,18 @@ import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
-import httpx
-
-from multiplexer.errors import RpcError, upstream_error, upstream_unavailable
+from multiplexer.errors import RpcError, upstream_error
 
 from ..api_client import ApiClient, item_error
 from ..http_util import parse_rfc3339
-from .backend import BatchApiSettings, JobItem, LineResult, RemoteStatus, SubmissionUnknown
+from .backend import (
+    BatchApiSettings,
+    JobItem,
+    LineResult,
+    RemoteStatus,
+    SubmissionUnknown,
+    read_result_lines,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,20 +128,8 @@ class AnthropicBatchBackend:
     async def results(self, status: RemoteStatus) -> AsyncIterator[LineResult]:
         url = status.raw.get("results_url") or f"{PATH}/{status.remote_id}/results"
         response = await self.api.request("GET", str(url), idempotent=True, deadline=None, stream=True)
-        try:
-            async for text in response.aiter_lines():
-                if not text.strip():
-                    continue
-                line = parse_line(self.name, text)
-                if line is None:
-                    log.warning("%s: skipped a malformed result line of %s", self.name,
-                                status.remote_id)
-                    continue
-                yield line
-        except httpx.HTTPError as e:
-            raise upstream_unavailable(self.name, f"reading results: {type(e).__name__}") from None
-        finally:
-            await response.aclose()
+        async for line in read_result_lines(self.name, response, parse_line, status.remote_id):
+            yield line
 
     async def cancel(self, remote_id: str) -> None:
         await self.api.json("POST", f"{PATH}/{remote_id}/cancel", idempotent=True, deadline=None)

@@ -7,13 +7,17 @@ limits), reports its status, streams back per-request results matched by
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Hashable, Sequence
+import logging
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from multiplexer.errors import RpcError
+from multiplexer.errors import RpcError, upstream_unavailable
+
+log = logging.getLogger(__name__)
 
 Terminal = Literal["completed", "failed", "expired", "cancelled"]
 LineKind = Literal["succeeded", "errored", "unfinished", "cancelled"]
@@ -117,3 +121,22 @@ def plan_parts(items: Sequence[Planned], max_requests: int, max_bytes: int) -> l
     return parts
 
 
+async def read_result_lines(
+    provider: str, response: httpx.Response, parse: Callable[[str, str], LineResult | None],
+    where: str,
+) -> AsyncIterator[LineResult]:
+    """Stream a JSONL results body line by line (results can be hundreds of MB), skipping
+    blank and malformed lines; a broken stream is -32007 for the caller to retry later."""
+    try:
+        async for text in response.aiter_lines():
+            if not text.strip():
+                continue
+            line = parse(provider, text)
+            if line is None:
+                log.warning("%s: skipped a malformed result line in %s", provider, where)
+                continue
+            yield line
+    except httpx.HTTPError as e:
+        raise upstream_unavailable(provider, f"reading {where}: {type(e).__name__}") from None
+    finally:
+        await response.aclose()

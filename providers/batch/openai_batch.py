@@ -12,12 +12,18 @@ import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
-import httpx
-
-from multiplexer.errors import RpcError, upstream_error, upstream_unavailable
+from multiplexer.errors import RpcError, upstream_error
 
 from ..api_client import ApiClient, item_error
-from .backend import BatchApiSettings, JobItem, LineResult, RemoteStatus, SubmissionUnknown, Terminal
+from .backend import (
+    BatchApiSettings,
+    JobItem,
+    LineResult,
+    RemoteStatus,
+    SubmissionUnknown,
+    Terminal,
+    read_result_lines,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,19 +138,8 @@ class OpenAIBatchBackend:
                 continue
             response = await self.api.request("GET", f"/files/{file_id}/content", idempotent=True,
                                               deadline=None, stream=True)
-            try:
-                async for text in response.aiter_lines():
-                    if not text.strip():
-                        continue
-                    line = parse_line(self.name, text)
-                    if line is None:
-                        log.warning("%s: skipped a malformed line in %s", self.name, file_id)
-                        continue
-                    yield line
-            except httpx.HTTPError as e:
-                raise upstream_unavailable(self.name, f"reading {file_id}: {type(e).__name__}") from None
-            finally:
-                await response.aclose()
+            async for line in read_result_lines(self.name, response, parse_line, file_id):
+                yield line
 
     async def cancel(self, remote_id: str) -> None:
         await self.api.json("POST", f"/batches/{remote_id}/cancel", idempotent=True, deadline=None)
