@@ -161,6 +161,8 @@ class JobManager(PartDriver):
         for part in await st.run(st.job_parts, job_id):
             if part.provider != self.name or part.state == "done":
                 continue
+            if part.state == "submitting" and part.id in self._scopes:
+                continue  # let it learn the remote id: it then cancels upstream (_submitted)
             if part.id in self._scopes:
                 self._scopes[part.id].cancel()
             elif part.state == "pending":
