@@ -70,6 +70,12 @@ class Lane:
             if self.metrics:
                 self.metrics.rejections.labels(self.name, "queue_full").inc()
             raise overloaded(self.name, self._retry_after())
+        if item.deadline is not None and len(self.queue) and self._avg_batch_s > 0:
+            drain = self._drain_time()
+            if self.clock.now() + drain > item.deadline:  # it would only time out in the queue
+                if self.metrics:
+                    self.metrics.rejections.labels(self.name, "deadline").inc()
+                raise overloaded(self.name, drain)
         p = Pending(item, self.clock.now())
         self.queue.push(p)
         self._gauge()
@@ -84,9 +90,12 @@ class Lane:
         """When a refused caller should come back: the rate limit's wait, or the time the
         queue takes to drain at the recent pace (batch time x batches / parallelism)."""
         wait, _ = self.limiter.delay(1, 0)
+        return min(max(wait, self._drain_time(), 0.05), 60.0)
+
+    def _drain_time(self) -> float:
+        """Seconds until the queue ahead empties at the recent pace."""
         batches = len(self.queue) / max(self._avg_size, 1.0)
-        drain = batches * self._avg_batch_s / max(self.max_in_flight, 1)
-        return min(max(wait, drain, 0.05), 60.0)
+        return batches * self._avg_batch_s / max(self.max_in_flight, 1)
 
     def withdraw(self, p: Pending, outcome: Outcome) -> None:
         """A pending item's last caller gave up: drop it, cancelling its batch if it was alone."""

@@ -197,3 +197,30 @@ async def test_retry_after_follows_how_fast_the_queue_drains() -> None:
         assert err.value.data["retry_after"] == pytest.approx(4 * 0.4, rel=0.01)
         rec.release.set()
         lane.close()
+
+
+async def test_a_call_the_queue_cannot_serve_before_its_deadline_is_refused_at_once() -> None:
+    clock, rec = ManualClock(), Recorder()
+    rec.block = True
+    lane = Lane("p", rec.execute, CountFormation(1, 0.0), clock, RateLimiter(clock),
+                max_queue=100, max_in_flight=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lane.run)
+        first = lane.submit(item("a"))
+        await clock.advance(0)
+        await clock.advance(5.0)  # batches take 5 s: the moving average learns 1 s
+        rec.release.set()
+        await first.future.wait()
+        rec.release = anyio.Event()
+        for n in "bcd":  # b runs, c and d wait: about 2 s of queue ahead
+            lane.submit(item(n))
+        await clock.advance(0)
+        patient = Item("r", "call", "e", None, deadline=clock.now() + 10)
+        lane.submit(patient)  # fits its deadline: admitted
+        hasty = Item("r", "call", "f", None, deadline=clock.now() + 0.5)
+        with pytest.raises(RpcError) as err:
+            lane.submit(hasty)
+        assert err.value.code == Code.OVERLOADED
+        assert err.value.data["retry_after"] == pytest.approx(3.0, rel=0.01)
+        rec.release.set()
+        lane.close()
