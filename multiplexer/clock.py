@@ -80,13 +80,6 @@ class ManualClock:
             tg.start_soon(watch, timer)
         return event.is_set()
 
-    def pending_timers(self) -> int:
-        return sum(1 for _, _, ev in self._timers if not ev.is_set())
-
-    def next_deadline(self) -> float:
-        live = [d for d, _, ev in self._timers if not ev.is_set()]
-        return min(live) if live else math.inf
-
     async def advance(self, seconds: float) -> None:
         """Move time forward, firing due timers, and let woken tasks run."""
         self._now += seconds

@@ -174,6 +174,17 @@ def test_force_decision_takes_partial_batch() -> None:
     assert choose(q, CountFormation(5, 10.0), math.inf)[1].take == (0,)
 
 
+async def run_one_slow_batch(lane: Lane, clock: ManualClock, rec: Recorder,
+                             seconds: float) -> None:
+    """Send one batch that takes ``seconds``, so the lane's moving average has a pace."""
+    first = lane.submit(item("a"))
+    await clock.advance(0)
+    await clock.advance(seconds)
+    rec.release.set()
+    await first.future.wait()
+    rec.release = anyio.Event()
+
+
 async def test_retry_after_follows_how_fast_the_queue_drains() -> None:
     clock, rec = ManualClock(), Recorder()
     rec.block = True
@@ -181,12 +192,7 @@ async def test_retry_after_follows_how_fast_the_queue_drains() -> None:
                 max_queue=4, max_in_flight=1)
     async with anyio.create_task_group() as tg:
         tg.start_soon(lane.run)
-        first = lane.submit(item("a"))
-        await clock.advance(0)
-        await clock.advance(2.0)  # the first batch takes 2 s
-        rec.release.set()
-        await first.future.wait()
-        rec.release = anyio.Event()
+        await run_one_slow_batch(lane, clock, rec, 2.0)
         for n in "bcde":
             lane.submit(item(n))
         await clock.advance(0)  # b goes upstream, c d e wait
@@ -206,12 +212,7 @@ async def test_a_call_the_queue_cannot_serve_before_its_deadline_is_refused_at_o
                 max_queue=100, max_in_flight=1)
     async with anyio.create_task_group() as tg:
         tg.start_soon(lane.run)
-        first = lane.submit(item("a"))
-        await clock.advance(0)
-        await clock.advance(5.0)  # batches take 5 s: the moving average learns 1 s
-        rec.release.set()
-        await first.future.wait()
-        rec.release = anyio.Event()
+        await run_one_slow_batch(lane, clock, rec, 5.0)  # the moving average learns 1 s
         for n in "bcd":  # b runs, c and d wait: about 2 s of queue ahead
             lane.submit(item(n))
         await clock.advance(0)

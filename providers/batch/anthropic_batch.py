@@ -24,6 +24,7 @@ from .backend import (
     RemoteStatus,
     SubmissionUnknown,
     read_result_lines,
+    result_row,
 )
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,11 @@ CLOCK_SKEW_S = 120.0
 
 
 def parse_line(provider: str, text: str) -> LineResult | None:
-    try:
-        row = json.loads(text)
-    except ValueError:
+    parsed = result_row(text)
+    if parsed is None:
         return None
-    if not isinstance(row, dict) or not isinstance(row.get("custom_id"), str):
-        return None
-    cid, result = row["custom_id"], row.get("result")
+    cid, row = parsed
+    result = row.get("result")
     kind = result.get("type") if isinstance(result, dict) else None
     if kind == "succeeded" and isinstance(result.get("message"), dict):  # type: ignore[union-attr]
         return LineResult(cid, "succeeded", result=result["message"])  # type: ignore[index]

@@ -7,6 +7,7 @@ limits), reports its status, streams back per-request results matched by
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -76,8 +77,6 @@ class BatchBackend(Protocol):
         """Items with different keys never share a part (OpenAI: one model per file)."""
         ...
 
-    def line_size(self, item: JobItem) -> int: ...
-
     async def submit(self, part_id: str, items: Sequence[JobItem]) -> str:
         """Create the remote batch; returns its id."""
         ...
@@ -119,6 +118,17 @@ def plan_parts(items: Sequence[Planned], max_requests: int, max_bytes: int) -> l
         if cur:
             parts.append(cur)
     return parts
+
+
+def result_row(text: str) -> tuple[str, dict[str, Any]] | None:
+    """A results line as (custom_id, row); None when it is not JSON or has no custom_id."""
+    try:
+        row = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("custom_id"), str):
+        return None
+    return row["custom_id"], row
 
 
 async def read_result_lines(

@@ -23,6 +23,7 @@ from .backend import (
     SubmissionUnknown,
     Terminal,
     read_result_lines,
+    result_row,
 )
 
 log = logging.getLogger(__name__)
@@ -42,13 +43,10 @@ def jsonl_line(item: JobItem) -> bytes:
 
 def parse_line(provider: str, text: str) -> LineResult | None:
     """One output/error file line; None when it is not a usable line."""
-    try:
-        row = json.loads(text)
-    except ValueError:
+    parsed = result_row(text)
+    if parsed is None:
         return None
-    if not isinstance(row, dict) or not isinstance(row.get("custom_id"), str):
-        return None
-    cid = row["custom_id"]
+    cid, row = parsed
     response, error = row.get("response"), row.get("error")
     if isinstance(response, dict):
         status = response.get("status_code")
