@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -25,6 +25,7 @@ import torch
 from multiplexer.batching import Formation
 from multiplexer.errors import RpcError, upstream_unavailable
 
+from .compiling import compiled_forward, warm_batches
 from .devices import pick_device, pick_dtype, run_resilient
 from .formation import PassThrough, TokenBudget, plan_chunks
 from .loading import Loaded, load
@@ -33,7 +34,7 @@ from .spec import ModelSpec
 from .tasks.classify import classify
 from .tasks.embed import EmbedConfig, embed, read_embed_config
 from .tasks.generate import GenerateEngine, GenRequest
-from .tasks.packed_bert import PackedBert, packable
+from .tasks.packed_bert import PackedEncoder, pack, packable
 from .tensors import padded_cost
 
 log = logging.getLogger(__name__)
@@ -64,13 +65,15 @@ class ModelHandle:
         self.cache_dir = cache_dir
         self.on_event = on_event
         self.ready = anyio.Event()
+        self.warm = anyio.Event()  # the fastest forward is in place (compiled, or eager for good)
         self.started = False
         self.loaded: Loaded | None = None
         self.error: str | None = None
         self.limit: int | None = None
         self.embed_cfg = EmbedConfig()
         self.engine: GenerateEngine | None = None
-        self.packed: PackedBert | None = None
+        self.packed: PackedEncoder | None = None
+        self.compiled_model: Callable[..., Any] | None = None  # the padded path's compiled model
         self.fallback_device: torch.device | None = None
         self.budget = TokenBudget(
             spec.max_batch_size, spec.max_tokens, spec.max_wait_ms / 1000.0, spec.max_padding,
@@ -90,7 +93,7 @@ class ModelHandle:
             limits.append(self.embed_cfg.max_length)
         loaded = load(path, self.task, device, dtype)
         if self.task == "embed" and self.spec.unpadded and packable(loaded.model):
-            self.packed = PackedBert(loaded.model)
+            self.packed = PackedEncoder(loaded.model)
         limits.append(loaded.max_positions())
         known = [n for n in limits if n]
         self.limit = min(known) if known else None
@@ -136,16 +139,10 @@ class ModelHandle:
         """One padded pass on the primary device or the CPU fallback; a vector per row."""
         assert self.loaded is not None
         loaded = self.loaded if on == "primary" else self._cpu()
-        tok = loaded.tokenizer
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        side = getattr(tok, "padding_side", "right") or "right"
         start = time.perf_counter()
-        if self.task == "embed":
-            packed = self.packed if on == "primary" else None
-            out = embed(loaded.model, rows, self.embed_cfg, pad_id=pad_id, side=side, device=loaded.device,
-                        packed=packed)
-        else:
-            out = classify(loaded.model, rows, pad_id=pad_id, side=side, device=loaded.device)
+        primary = on == "primary"
+        model = self.compiled_model if primary and self.compiled_model is not None else loaded.model
+        out = self._task(model, self.packed if primary else None, rows, loaded)
         with self._lock:
             self.stats.batches += 1
             self.stats.rows += len(rows)
@@ -153,6 +150,36 @@ class ModelHandle:
             self.stats.padded_tokens += padded_cost(rows)
             self.stats.busy_s += time.perf_counter() - start
         return list(out)
+
+    def _task(self, model: Any, packed: PackedEncoder | None, rows: Sequence[Sequence[int]],
+              loaded: Loaded) -> torch.Tensor:
+        tok = loaded.tokenizer
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        side = getattr(tok, "padding_side", "right") or "right"
+        if self.task == "embed":
+            return embed(model, rows, self.embed_cfg, pad_id=pad_id, side=side, device=loaded.device,
+                         packed=packed)
+        return classify(model, rows, pad_id=pad_id, side=side, device=loaded.device)
+
+    def compile_sync(self) -> None:
+        """Compile and warm the primary forward, then swap it in (blocking; a worker thread)."""
+        loaded = self.loaded
+        assert loaded is not None
+        batches = warm_batches(loaded.tokenizer)
+        packed = self.packed
+        if packed is not None:
+            def warm_packed(forward: Callable[..., Any]) -> None:
+                for rows in batches:
+                    forward(*pack(rows, loaded.device)[0])
+
+            packed.forward = compiled_forward(loaded, "packed", packed.module, warm_packed)
+        else:
+            def warm_model(forward: Callable[..., Any]) -> None:
+                for rows in batches:
+                    self._task(forward, None, rows, loaded)
+
+            self.compiled_model = compiled_forward(loaded, self.task, loaded.model, warm_model)
+        log.info("local model %s: compiled forward in place", self.name)
 
     def _cpu(self) -> Loaded:
         assert self.loaded is not None
@@ -236,11 +263,27 @@ class LocalPool:
             self.on_event(handle.name, "load_failed")
         else:
             self.on_event(handle.name, "model_loaded")
+            assert self._tg is not None
             if handle.engine is not None:
-                assert self._tg is not None
                 self._tg.start_soon(handle.engine.run)
+            if handle.spec.compile and handle.task != "generate":
+                self._tg.start_soon(self._compile, handle)
         finally:
             handle.ready.set()
+            if not handle.spec.compile or handle.error is not None or handle.task == "generate":
+                handle.warm.set()
+
+    async def _compile(self, handle: ModelHandle) -> None:
+        try:
+            await anyio.to_thread.run_sync(handle.compile_sync, abandon_on_cancel=True)
+        except Exception as e:
+            log.warning("local model %s: compile failed, the eager forward stays: %s: %s",
+                        handle.name, type(e).__name__, e)
+            self.on_event(handle.name, "compile_failed")
+        else:
+            self.on_event(handle.name, "compiled")
+        finally:
+            handle.warm.set()
 
     async def ready(self, name: str) -> ModelHandle:
         handle = self.handles[name]
@@ -248,6 +291,12 @@ class LocalPool:
         await handle.ready.wait()
         if handle.error is not None:
             raise upstream_unavailable(f"local:{name}", handle.error)
+        return handle
+
+    async def warm(self, name: str) -> ModelHandle:
+        """Ready, and compiled too where the spec asks for it (or compiling failed)."""
+        handle = await self.ready(name)
+        await handle.warm.wait()
         return handle
 
     def policy(self, group: Hashable) -> tuple[Formation, int | None]:

@@ -29,6 +29,10 @@ class ModelSpec(BaseModel):
     concurrency: int = Field(default=1, ge=1, description="batches running at once on this model")
     truncate: bool = False
     unpadded: bool = Field(default=True, description="BERT encoders: linear layers skip padding tokens")
+    compile: bool = Field(
+        default=False,
+        description="torch.compile the forward (embed, classify) in the background; eager until it is warm",
+    )
     pooling: Pooling | list[Pooling] | None = None
     normalize: bool | None = None
     max_new_tokens: int = Field(default=64, ge=1)

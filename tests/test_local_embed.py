@@ -194,12 +194,12 @@ async def test_embed_local_over_http_json_rpc(minilm_path) -> None:
 async def test_unpadded_bert_forward_equals_the_padded_model_forward(minilm_path) -> None:
     """The packed fast path is the same model: hidden states within 1e-5 at every real token."""
     from local_models.loading import load
-    from local_models.tasks.packed_bert import PackedBert, packable
+    from local_models.tasks.packed_bert import PackedEncoder, packable
     from local_models.tensors import pad
 
     loaded = load(minilm_path, "embed", torch.device("cpu"), torch.float32)
     assert packable(loaded.model)
-    packed = PackedBert(loaded.model)
+    packed = PackedEncoder(loaded.model)
     ids = loaded.tokenizer(TEXTS)["input_ids"]
     with torch.inference_mode():
         for rows in (ids, ids[:1], [ids[3], ids[3]]):  # mixed lengths, one row, uniform lengths

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tensors import pad
-from .packed_bert import PackedBert
+from .packed_bert import PackedEncoder
 
 # Concatenation order of sentence-transformers' legacy boolean keys.
 _LEGACY = {
@@ -124,7 +124,7 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torc
 
 def embed(
     model: torch.nn.Module, rows: Sequence[Sequence[int]], cfg: EmbedConfig, *,
-    pad_id: int, side: str, device: torch.device, packed: PackedBert | None = None,
+    pad_id: int, side: str, device: torch.device, packed: PackedEncoder | None = None,
 ) -> torch.Tensor:
     """[rows, dim] float32 on the CPU; call under ``torch.inference_mode``.
 

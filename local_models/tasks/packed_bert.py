@@ -7,85 +7,88 @@ with a mask. Query, key and value share one fused projection. The weights are
 the model's own; only the order of work changes, so the results match the
 padded forward to float rounding (tests check 1e-5). Models it does not
 recognise (``packable`` is False) take the ordinary padded path.
+
+The forward takes tensors and plain ints only (the packing is done before it),
+so ``torch.compile`` can trace it whole with dynamic shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True, slots=True)
-class _Layer:
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor
-    out: torch.nn.Linear
-    ln1: torch.nn.LayerNorm
-    up: torch.nn.Linear
-    down: torch.nn.Linear
-    ln2: torch.nn.LayerNorm
+PackedArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
 
 
-class PackedBert:
-    """Holds fused views of a ``BertModel``'s weights; ``__call__`` is the packed forward."""
+class PackedBert(torch.nn.Module):
+    """Shares a ``BertModel``'s weights (query, key and value fused into one projection)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
         cfg = model.config
         emb = model.embeddings
-        self.word = emb.word_embeddings.weight
-        self.pos = emb.position_embeddings.weight
-        self.type0 = emb.token_type_embeddings.weight[0]
+        self.word = emb.word_embeddings
+        self.pos = emb.position_embeddings
+        self.type0 = torch.nn.Parameter(emb.token_type_embeddings.weight[0].detach(), requires_grad=False)
         self.ln0 = emb.LayerNorm
         self.heads = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.layers = []
+        self.layers = torch.nn.ModuleList()
         for layer in model.encoder.layer:
-            att = layer.attention
-            s = att.self
+            s, att = layer.attention.self, layer.attention
+            qkv = torch.nn.Linear(s.query.in_features, 3 * s.query.out_features,
+                                  device=s.query.weight.device, dtype=s.query.weight.dtype)
             with torch.no_grad():
-                qkv_w = torch.cat([s.query.weight, s.key.weight, s.value.weight]).contiguous()
-                qkv_b = torch.cat([s.query.bias, s.key.bias, s.value.bias]).contiguous()
-            self.layers.append(_Layer(qkv_w, qkv_b, att.output.dense, att.output.LayerNorm,
-                                      layer.intermediate.dense, layer.output.dense, layer.output.LayerNorm))
+                qkv.weight.copy_(torch.cat([s.query.weight, s.key.weight, s.value.weight]))
+                qkv.bias.copy_(torch.cat([s.query.bias, s.key.bias, s.value.bias]))
+            self.layers.append(torch.nn.ModuleDict({
+                "qkv": qkv, "out": att.output.dense, "ln1": att.output.LayerNorm,
+                "up": layer.intermediate.dense, "down": layer.output.dense, "ln2": layer.output.LayerNorm,
+            }))
+        self.eval()
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, where: torch.Tensor,
+                attn_mask: torch.Tensor, n: int, longest: int) -> torch.Tensor:
+        """Hidden states ``[n, longest, dim]``, zero at padding, from packed token ids."""
+        x = self.ln0(self.word(ids) + self.pos(positions) + self.type0)
+        h, d = self.heads, self.head_dim
+        for layer in self.layers:
+            qkv = layer["qkv"](x)  # [tokens, 3 * dim]
+            grid = qkv.new_zeros(n * longest, qkv.shape[1]).index_copy(0, where, qkv)
+            grid = grid.view(n, longest, 3, h, d)
+            q, k, v = (grid[:, :, i].transpose(1, 2) for i in range(3))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [n, h, longest, d]
+            a = a.transpose(1, 2).reshape(n * longest, h * d).index_select(0, where)
+            x = layer["ln1"](layer["out"](a) + x)
+            x = layer["ln2"](layer["down"](F.gelu(layer["up"](x))) + x)
+        return x.new_zeros(n * longest, x.shape[1]).index_copy(0, where, x).view(n, longest, -1)
+
+
+def pack(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[PackedArgs, torch.Tensor]:
+    """The forward's arguments for ``rows``, and the ``[rows, longest]`` attention mask (0/1)."""
+    lengths = [len(r) for r in rows]
+    n, longest = len(rows), max(lengths)
+    ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=device)
+    lens = torch.tensor(lengths, dtype=torch.long, device=device)
+    mask = torch.arange(longest, device=device).unsqueeze(0) < lens.unsqueeze(1)
+    where = mask.reshape(-1).nonzero().squeeze(1)  # packed token -> slot in the padded layout
+    return (ids, where % longest, where, mask.view(n, 1, 1, longest), n, longest), mask.to(torch.long)
+
+
+class PackedEncoder:
+    """``(rows, device) -> (hidden, mask)`` like a padded forward; runs eager or a compiled forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.module = PackedBert(model)
+        self.forward: Callable[..., torch.Tensor] = self.module
 
     def __call__(
         self, rows: Sequence[Sequence[int]], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden [rows, longest, dim] zero at padding, mask [rows, longest]) like a padded forward."""
-        lengths = [len(r) for r in rows]
-        n, longest = len(rows), max(lengths)
-        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=device)
-        lens = torch.tensor(lengths, dtype=torch.long, device=device)
-        mask = torch.arange(longest, device=device).unsqueeze(0) < lens.unsqueeze(1)  # [n, longest]
-        where = mask.reshape(-1).nonzero().squeeze(1)  # packed token -> slot in the padded layout
-        positions = where % longest
-        x = self.word.index_select(0, ids) + self.pos.index_select(0, positions) + self.type0
-        x = self.ln0(x)
-        uniform = min(lengths) == longest
-        attn_mask = None if uniform else mask.view(n, 1, 1, longest)
-        h, d = self.heads, self.head_dim
-        for layer in self.layers:
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [tokens, 3 * dim]
-            if uniform:
-                grid = qkv.view(n, longest, 3, h, d)
-            else:
-                grid = qkv.new_zeros(n * longest, qkv.shape[1])
-                grid.index_copy_(0, where, qkv)
-                grid = grid.view(n, longest, 3, h, d)
-            q, k, v = (grid[:, :, i].transpose(1, 2) for i in range(3))
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [n, h, longest, d]
-            a = a.transpose(1, 2).reshape(n * longest, h * d)
-            if not uniform:
-                a = a.index_select(0, where)
-            x = layer.ln1(layer.out(a) + x)
-            y = layer.up(x)
-            x = layer.ln2(layer.down(F.gelu(y)) + x)
-        hidden = x.new_zeros(n * longest, x.shape[1])
-        hidden.index_copy_(0, where, x)
-        return hidden.view(n, longest, -1), mask.to(torch.long)
+        args, mask = pack(rows, device)
+        return self.forward(*args), mask
 
 
 def packable(model: torch.nn.Module) -> bool:

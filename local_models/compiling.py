@@ -1,0 +1,51 @@
+"""``torch.compile`` of a model's forward, built and warmed off the serving path.
+
+Inductor fuses the work between matrix products (bias with GELU, residual with
+layer norm, the packing gathers), about 15% faster on CPU for MiniLM. Compiling
+takes seconds to tens of seconds, so the pool keeps serving the eager forward
+while a worker thread compiles and warms this one with a few batch shapes
+(one row is its own specialisation), then swaps it in. Compiled forwards are
+kept per loaded model for the process, like the weights, so a restart of the
+gateway in the same process does not compile again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+_compiled: dict[tuple[int, str], tuple[object, Callable[..., Any]]] = {}  # the owner pins its id
+_lock = threading.Lock()
+
+
+def warm_batches(tokenizer: Any) -> list[list[list[int]]]:
+    """Batches of real token ids covering one row, several rows and mixed lengths."""
+    texts = ["warm", "compile the forward once", "a longer sentence, so that the rows differ in length."]
+    ids = tokenizer(texts, verbose=False)["input_ids"]
+    return [[ids[0]], [ids[1], ids[2]], [ids[2], ids[0], ids[1]], [ids[1], ids[1]]]
+
+
+def compiled_forward(
+    owner: object, kind: str, module: torch.nn.Module, warm: Callable[[Callable[..., Any]], None]
+) -> Callable[..., Any]:
+    """``module`` compiled with dynamic shapes and warmed by ``warm(forward)``; blocking, once per owner.
+
+    Raises what the compiler raises (no C++ compiler, an unsupported op); the
+    caller keeps the eager forward then.
+    """
+    key = (id(owner), kind)
+    with _lock:
+        hit = _compiled.get(key)
+        if hit is not None:
+            return hit[1]
+        forward = torch.compile(module, dynamic=True, options={"freezing": True})
+        with torch.inference_mode():
+            warm(forward)
+        _compiled[key] = (owner, forward)
+        return forward
+

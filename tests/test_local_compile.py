@@ -1,0 +1,101 @@
+"""``compile: true``: the compiled forward is the same model, built off the serving path, optional."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+
+from multiplexer.call import Call
+from multiplexer.gateway import Gateway
+from tests.local_helpers import MINILM, local_config, sentence, tiny_classifier
+
+pytestmark = pytest.mark.anyio
+torch = pytest.importorskip("torch")
+
+TEXTS = ["hi", sentence(1, 40), "a cat sat on the mat", sentence(2, 120), "", sentence(3, 8)]
+
+
+def config(source: str, task: str, route: str, **model: object):
+    return local_config({"m": {"source": source, "task": task, "device": "cpu", **model}},
+                        {route: {"provider": "local", "model": "m"}})
+
+
+def events(gw: Gateway, event: str) -> float:
+    return gw.metrics.registry.get_sample_value(
+        "multiplexer_events_total", {"component": "local", "event": event}) or 0.0
+
+
+async def vectors(gw: Gateway, value: object) -> torch.Tensor:
+    outcome = await gw.submit(Call("embed_local", {"input": value}))
+    assert outcome.ok, outcome.error
+    return torch.tensor([d["embedding"] for d in outcome.result["data"]])
+
+
+async def test_compiled_embeddings_equal_eager_ones_and_calls_never_wait_for_the_compile(monkeypatch) -> None:
+    import local_models.pool as pool_module
+
+    release = threading.Event()
+    real = pool_module.compiled_forward
+
+    def held(*args, **kwargs):  # the compile cannot finish until the eager answers are in
+        assert release.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pool_module, "compiled_forward", held)
+    async with Gateway(config(MINILM, "embed", "embed_local", compile=True, max_wait_ms=20)) as gw:
+        pool = gw.providers["local"].pool
+        handle = await pool.ready("m")
+        eager_batch = await vectors(gw, TEXTS)
+        eager_single = torch.cat([await vectors(gw, t) for t in TEXTS])
+        assert not handle.warm.is_set() and handle.packed.forward is handle.packed.module
+        release.set()
+        await pool.warm("m")
+        assert handle.packed.forward is not handle.packed.module  # swapped in
+        assert events(gw, "compiled") == 1 and events(gw, "compile_failed") == 0
+        batches = pool.stats("m").batches
+        compiled_single = torch.cat([await vectors(gw, t) for t in TEXTS])
+        results: dict[int, torch.Tensor] = {}
+
+        async def caller(i: int) -> None:
+            results[i] = await vectors(gw, TEXTS[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(TEXTS)):
+                tg.start_soon(caller, i)
+        assert pool.stats("m").batches - batches < 2 * len(TEXTS)  # the concurrent callers shared passes
+    compiled_shared = torch.cat([results[i] for i in range(len(TEXTS))])
+    for got in (compiled_single, compiled_shared):
+        assert (got - eager_single).abs().max().item() < 1e-5
+    assert (eager_batch - eager_single).abs().max().item() < 1e-5
+
+
+async def test_a_failed_compile_keeps_the_eager_forward(monkeypatch, caplog) -> None:
+    import local_models.compiling as compiling
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiling, "_compiled", {})
+    monkeypatch.setattr(compiling.torch, "compile", no_compiler)
+    async with Gateway(config(MINILM, "embed", "embed_local", compile=True)) as gw:
+        handle = await gw.providers["local"].pool.warm("m")
+        assert handle.packed.forward is handle.packed.module
+        assert events(gw, "compile_failed") == 1 and events(gw, "compiled") == 0
+        assert (await vectors(gw, ["still", "served"])).shape == (2, 384)
+    assert "compile failed" in caplog.text and "no C++ compiler" in caplog.text
+
+
+async def test_a_compiled_padded_classifier_gives_the_eager_scores(tmp_path) -> None:
+    source = str(tiny_classifier(tmp_path))
+    texts = [sentence(i, n) for i, n in enumerate((2, 9, 4, 15))]
+    scores = []
+    for compile in (False, True):
+        async with Gateway(config(source, "classify", "classify", compile=compile)) as gw:
+            handle = await gw.providers["local"].pool.warm("m")
+            assert (handle.compiled_model is not None) == compile
+            outcome = await gw.submit(Call("classify", {"input": texts}))
+            assert outcome.ok, outcome.error
+            scores.append([[s["score"] for s in row["scores"]] for row in outcome.result["data"]])
+    assert torch.tensor(scores[0]).sub(torch.tensor(scores[1])).abs().max().item() < 1e-5
