@@ -25,6 +25,7 @@ import torch
 from multiplexer.batching import Formation
 from multiplexer.errors import RpcError, upstream_unavailable
 
+from .budget import BudgetControl
 from .compiling import compiled_forward, warm_batches
 from .devices import pick_device, pick_dtype, run_resilient
 from .formation import PassThrough, TokenBudget, plan_chunks
@@ -39,7 +40,6 @@ from .tensors import padded_cost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MIN_BUDGET = 64
 DIRECT_TOKENIZE = 8  # calls with at most this many texts skip the batch tokenizer
 
 
@@ -79,6 +79,7 @@ class ModelHandle:
             spec.max_batch_size, spec.max_tokens, spec.max_wait_ms / 1000.0, spec.max_padding,
             spec.length_grouping, spec.aging_s, spec.padding_slack,
         )
+        self.control = BudgetControl(spec.max_tokens, spec.max_tokens)
         self.stats = Stats()
         self._lock = threading.Lock()
 
@@ -143,12 +144,19 @@ class ModelHandle:
         primary = on == "primary"
         model = self.compiled_model if primary and self.compiled_model is not None else loaded.model
         out = self._task(model, self.packed if primary else None, rows, loaded)
+        cost = padded_cost(rows)
         with self._lock:
             self.stats.batches += 1
             self.stats.rows += len(rows)
             self.stats.real_tokens += sum(len(r) for r in rows)
-            self.stats.padded_tokens += padded_cost(rows)
+            self.stats.padded_tokens += cost
             self.stats.busy_s += time.perf_counter() - start
+            raised = self.control.passed(cost) if primary else None
+            if raised is not None:
+                self.budget = dataclasses.replace(self.budget, max_tokens=raised)
+        if raised is not None:
+            log.info("local model %s: token budget raised to %d", self.name, raised)
+            self.on_event(self.name, "budget_raised")
         return list(out)
 
     def _task(self, model: Any, packed: PackedEncoder | None, rows: Sequence[Sequence[int]],
@@ -204,9 +212,11 @@ class ModelHandle:
         log.warning("local model %s: %s (a batch of %d padded tokens did not fit)",
                     self.name, event, failed_cost)
         self.on_event(self.name, event)
-        lowered = max(MIN_BUDGET, failed_cost // 2)
-        if lowered < self.budget.max_tokens:
-            self.budget = dataclasses.replace(self.budget, max_tokens=lowered)
+        with self._lock:
+            lowered = self.control.failed(failed_cost)
+            if lowered is not None:
+                self.budget = dataclasses.replace(self.budget, max_tokens=lowered)
+        if lowered is not None:
             log.warning("local model %s: token budget lowered to %d", self.name, lowered)
             self.on_event(self.name, "budget_lowered")
 

@@ -155,3 +155,53 @@ async def test_generation_splits_prefills_and_preempts_on_oom(tmp_path: Path) ->
     assert [r.tokens for r in reqs] == alone
     assert all(r.finish_reason in ("length", "stop") for r in reqs)
     assert "oom_split" in events and "oom_preempt" in events and "budget_lowered" in events
+
+
+def test_budget_halves_on_oom_and_is_won_back_below_the_failure_then_probed_past() -> None:
+    from local_models.budget import BudgetControl
+
+    c = BudgetControl(configured=16000, current=16000, recover_after=3)
+    assert c.failed(10000) == 5000 and c.current == 5000
+    assert c.failed(12000) is None and c.ceiling == 10000  # already under it; the smaller failure counts
+    assert [c.passed(2000) for _ in range(5)] == [None] * 5  # under half the budget: no evidence
+    assert [c.passed(4000) for _ in range(3)] == [None, None, 6250]
+    steps = [c.passed(c.current) for _ in range(9)]
+    assert [s for s in steps if s is not None] == [7812, 9765, 9999]  # never back to the size that failed
+    assert [c.passed(9999) for _ in range(3)] == [None, None, None] and c.ceiling is None
+    assert [c.passed(9999) for _ in range(3)][-1] == 12498  # a clean streak right under it: probe past
+    assert c.failed(12498) == 6249 and c.ceiling == 12498 and c.clean == 0  # a new OOM starts over
+    seen = [c.passed(c.current) for _ in range(60)]
+    assert 12497 in seen and c.current == 16000  # under the new failure first, then all the way back
+    top = BudgetControl(configured=16000, current=16000, recover_after=1)
+    assert top.passed(16000) is None and top.current == 16000  # at the configured budget: nothing to do
+
+
+async def test_the_pool_wins_its_budget_back_after_passing_memory_pressure() -> None:
+    texts = [sentence(i, 30) for i in range(16)]
+    async with running(minilm_config(), port=0) as (gw, url):
+        handle = gw.providers["local"].pool.handles["minilm"]
+        await gw.submit(Call("embed_local", {"input": texts[:1]}))
+        configured = handle.budget.max_tokens
+        original = handle.forward
+        handle.control.recover_after = 3  # more than the two halves of the batch that fails
+        pressure = True
+
+        def injected(rows, on):  # while under pressure, memory for at most 8 of these rows
+            if on == "primary" and pressure and len(rows) > 8:
+                raise oom()
+            return original(rows, on)
+
+        handle.forward = injected
+        assert (await gw.submit(Call("embed_local", {"input": texts}))).ok
+        failed, lowered = handle.control.ceiling, handle.budget.max_tokens
+        assert failed is not None and lowered == failed // 2 < configured
+        pressure = False
+        budgets = []
+        for _ in range(40):
+            outcome = await gw.submit(Call("embed_local", {"input": texts}))
+            assert outcome.ok, outcome.error
+            budgets.append(handle.budget.max_tokens)
+        assert budgets == sorted(budgets) and budgets[-1] > failed  # crept back up, then past the failure
+        assert budgets[-1] < 4 * failed  # and stops where passes no longer fill it (no evidence)
+        assert budgets[-1] == budgets[-10]
+        assert await metric(url, "budget_raised") >= 3 and await metric(url, "budget_lowered") == 1
