@@ -36,7 +36,6 @@ class McpServerConfig(Strict):
         default_factory=lambda: ["http://127.0.0.1", "http://localhost", "https://127.0.0.1",
                                  "https://localhost"]
     )
-    tool_separator: str = "_"
 
 
 class ServerConfig(Strict):
