@@ -115,6 +115,10 @@ class RouteConfig(BaseModel):
 
 class StoreConfig(Strict):
     path: str = "multiplexer.db"
+    open_job_idle_s: float | None = Field(
+        default=3600.0, gt=0,
+        description="a job left open (more: true) this long without calls is closed and run; null: never",
+    )
 
 
 class CacheConfig(Strict):

@@ -92,6 +92,7 @@ class Gateway:
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self.jobs: Any = None  # the jobs.* face, where some provider has a batch API
         self.closing = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -110,7 +111,7 @@ class Gateway:
                     ctx = ProviderContext(
                         name=name, config=pconf, settings=settings, clock=self.clock,
                         limiter=limiter, metrics=self.metrics,
-                        store_path=Path(self.config.store.path), notify=self._notify,
+                        store_path=Path(self.config.store.path), notify=self.notify,
                     )
                     self.providers[name] = cls(ctx)
                 provider = self.providers[name]
@@ -121,7 +122,7 @@ class Gateway:
             for rname, route in self.config.routes.items():
                 self._lane_for(rname, route)
             from .jobs_face import register_job_methods  # batch jobs: jobs.* methods
-            register_job_methods(self)
+            self.jobs = register_job_methods(self)
         except BaseException:
             await stack.aclose()
             raise
@@ -151,7 +152,13 @@ class Gateway:
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
 
-    def _notify(self, event: str, data: dict[str, Any]) -> None:
+    def start_background(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` for the gateway's lifetime (cancelled when it closes)."""
+        assert self._tg is not None, "the gateway is not running"
+        self._tg.start_soon(fn, *args)
+
+    def notify(self, event: str, data: dict[str, Any]) -> None:
+        """Tell the listeners (MCP faces, tests) about an event."""
         for listener in list(self.listeners):
             try:
                 listener(event, data)

@@ -3,11 +3,15 @@
 Registered as gateway methods, so they work on ``/rpc`` and as MCP tools alike,
 and only when some provider has a job manager (OpenAI, Anthropic). A job may
 mix routes of several such providers; each provider runs its own share. A job
-belongs to the identity that submitted it: others get "not found".
+belongs to the identity that submitted it: others get "not found". A job kept
+open with ``more: true`` closes with a last ``jobs.submit`` (calls optional) or,
+forgotten, after ``store.open_job_idle_s`` without calls.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,6 +26,7 @@ from .errors import Code, RpcError, invalid_params
 from .gateway import Gateway
 from .provider import ToolSpec
 
+log = logging.getLogger(__name__)
 MAX_CALLS_PER_SUBMIT = 100_000
 MAX_PAGE = 10_000
 
@@ -30,13 +35,12 @@ SPECS = {
     "jobs.submit": ToolSpec("jobs.submit", "Submit calls as one batch job (cheaper, slower): a job id.", {
         "type": "object",
         "properties": {
-            "calls": {"type": "array", "items": {
+            "calls": {"type": "array", "description": "Required for a new job", "items": {
                 "type": "object", "properties": {"method": {"type": "string"}, "params": {}},
                 "required": ["method"]}},
-            "job_id": {"type": "string", "description": "Append to this open job"},
+            "job_id": {"type": "string", "description": "Append to this open job (calls may be empty)"},
             "more": {"type": "boolean", "description": "More calls follow: keep the job open"},
-        },
-        "required": ["calls"]}),
+        }}),
     "jobs.status": ToolSpec("jobs.status", "State and counts of a batch job.", {
         "type": "object", "properties": {"job_id": _JOB_ID}, "required": ["job_id"]}),
     "jobs.results": ToolSpec("jobs.results", "A page of a batch job's results, in input order.", {
@@ -56,10 +60,10 @@ def batch_managers(gateway: Gateway) -> dict[str, JobManager]:
             if isinstance(jobs := getattr(p, "jobs", None), JobManager)}
 
 
-def register_job_methods(gateway: Gateway) -> None:
+def register_job_methods(gateway: Gateway) -> JobFace | None:
     managers = batch_managers(gateway)
     if not managers:
-        return
+        return None
     face = JobFace(gateway, managers)
     handlers: dict[str, Callable[[Call], Awaitable[Any]]] = {
         "jobs.submit": face.submit, "jobs.status": face.status, "jobs.results": face.results,
@@ -67,6 +71,10 @@ def register_job_methods(gateway: Gateway) -> None:
     }
     for name, handler in handlers.items():
         gateway.register_method(SPECS[name], handler)
+    idle = gateway.config.store.open_job_idle_s
+    if idle is not None:
+        gateway.start_background(face.close_idle_forever, idle)
+    return face
 
 
 def _params(call: Call) -> dict[str, Any]:
@@ -128,8 +136,9 @@ class JobFace:
 
     async def submit(self, call: Call) -> dict[str, Any]:
         params = _params(call)
-        calls = params.get("calls")
-        if not isinstance(calls, list) or not calls:
+        appending = params.get("job_id") is not None
+        calls = params.get("calls", [] if appending else None)
+        if not isinstance(calls, list) or not (calls or appending):
             raise invalid_params("'calls' must be a non-empty array of {method, params}")
         if len(calls) > MAX_CALLS_PER_SUBMIT:
             raise invalid_params(f"at most {MAX_CALLS_PER_SUBMIT} calls per jobs.submit; "
@@ -160,14 +169,39 @@ class JobFace:
                                         error=e.to_dict()))
             await st.run(st.add_items, job.id, rows)
             if not more:
-                await st.run(st.set_job_state, job.id, "running", ("open",))
-                for manager in self.managers.values():
-                    await manager.plan(job.id)
-                await st.run(st.finish_job_if_done, job.id)
+                await self._close(job.id)
         current = await st.run(st.job, job.id)
         assert current is not None
         return {"job_id": job.id, "accepted": len(calls), "total": current.total,
                 "state": current.state}
+
+    async def _close(self, job_id: str) -> bool:
+        """Seal an open job and hand it to the managers; False if it was no longer open."""
+        st = self.store()
+        if not await st.run(st.set_job_state, job_id, "running", ("open",)):
+            return False
+        for manager in self.managers.values():
+            await manager.plan(job_id)
+        await st.run(st.finish_job_if_done, job_id)
+        return True
+
+    async def close_idle(self, idle_s: float, now: float | None = None) -> list[str]:
+        """Close the jobs left open ``idle_s`` without calls (as of wall time ``now``)."""
+        st = self.store()
+        closed = []
+        async with self._lock:
+            for job_id in await st.run(st.idle_open_jobs, (now or time.time()) - idle_s):
+                if await self._close(job_id):
+                    closed.append(job_id)
+                    log.warning("batch job %s was left open %.0f s without calls: closed and run",
+                                job_id, idle_s)
+                    self.gateway.notify("batch_job_closed_idle", {"job_id": job_id})
+        return closed
+
+    async def close_idle_forever(self, idle_s: float) -> None:
+        while True:
+            await self.close_idle(idle_s)
+            await anyio.sleep(min(60.0, idle_s / 4))
 
     async def status(self, call: Call) -> dict[str, Any]:
         job = await self._job(call)

@@ -217,10 +217,38 @@ async def test_job_methods_are_mcp_tools(tmp_path):
             async with httpx2.AsyncClient(timeout=httpx2.Timeout(30)) as http, \
                     McpClient(streamable_http_client(url + "/mcp", http_client=http)) as mcp:
                 tools = {t.name: t for t in (await mcp.list_tools()).tools}
-                assert tools["jobs.submit"].input_schema["required"] == ["calls"]
+                assert {"calls", "job_id", "more"} == set(tools["jobs.submit"].input_schema["properties"])
                 submitted = await mcp.call_tool("jobs.submit", {"calls": [
                     {"method": "claude", "params": user("via mcp")}]})
                 job_id = submitted.structured_content["job_id"]
                 await events.wait("batch_job_ended")
                 page = await mcp.call_tool("jobs.results", {"job_id": job_id})
     assert reply_text(page.structured_content["results"][0]["result"]) == "echo: via mcp"
+
+
+async def test_an_open_job_closes_by_a_last_submit_or_when_left_idle(tmp_path):
+    import time
+
+    calls = [{"method": "chat", "params": {"model": "gpt-test", **user(f"o{i}")}} for i in range(3)]
+    async with fakes() as f:
+        events = Events()
+        async with running(parse_config(remote_config_data(f, tmp_path)), port=0) as (gateway, url):
+            gateway.listeners.append(events)
+            async with Client(url) as client:
+                closed = await client.call("jobs.submit", {"calls": calls, "more": True})
+                sealed = await client.call("jobs.submit", {"job_id": closed["job_id"]})  # no calls: close
+                assert sealed["state"] == "running" and sealed["total"] == 3
+                forgotten = await client.call("jobs.submit", {"calls": calls[:2], "more": True})
+                assert await gateway.jobs.close_idle(3600, now=time.time()) == []  # not idle yet
+                assert await gateway.jobs.close_idle(3600, now=time.time() + 3601) == [forgotten["job_id"]]
+                assert [d for e, d in events.seen if e == "batch_job_closed_idle"] == [
+                    {"job_id": forgotten["job_id"]}]
+                await events.wait("batch_job_ended", count=2)
+                for job in (closed, forgotten):
+                    assert (await client.call("jobs.status", {"job_id": job["job_id"]}))["done"]
+                page = await client.call("jobs.results", {"job_id": forgotten["job_id"]})
+                with pytest.raises(RpcError) as e:
+                    await client.call("jobs.submit", {"calls": []})
+    assert [reply_text(r["result"]) for r in page["results"]] == ["echo: o0", "echo: o1"]
+    assert e.value.code == Code.INVALID_PARAMS
+    assert len(f.openai.batches) == 2

@@ -95,6 +95,12 @@ class JobStore:
         return [JobRow(*r) for r in rows]
 
     @_locked
+    def idle_open_jobs(self, before: float) -> list[str]:
+        """Jobs still open whose last change is older than ``before`` (wall time)."""
+        rows = self._db.execute("SELECT id FROM jobs WHERE state='open' AND updated < ?", (before,))
+        return [r[0] for r in rows.fetchall()]
+
+    @_locked
     def set_job_state(self, job_id: str, state: str, only_from: Sequence[str] = ()) -> bool:
         sql = "UPDATE jobs SET state=?, updated=? WHERE id=?"
         args: list[Any] = [state, time.time(), job_id]
