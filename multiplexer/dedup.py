@@ -7,15 +7,20 @@ explicitly global, so one client's private result never reaches another.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 from .batching import Pending
 from .call import Outcome
 from .clock import Clock
+
+log = logging.getLogger(__name__)
+Progress = Callable[[float, float | None, str | None], Awaitable[None]]
 
 
 def canonical(params: Any) -> str:
@@ -78,3 +83,31 @@ class InFlight:
 
     def __len__(self) -> int:
         return len(self._table)
+
+
+class ProgressFanout:
+    """The progress of one shared execution, sent to every caller that asked for it.
+
+    A call that joins an identical one in flight adds its sink; a caller that goes
+    away is removed; a sink that fails (its client left) is dropped and the rest go on.
+    """
+
+    __slots__ = ("sinks",)
+
+    def __init__(self) -> None:
+        self.sinks: list[Progress] = []
+
+    def add(self, sink: Progress) -> None:
+        self.sinks.append(sink)
+
+    def remove(self, sink: Progress) -> None:
+        with contextlib.suppress(ValueError):
+            self.sinks.remove(sink)
+
+    async def __call__(self, progress: float, total: float | None = None, message: str | None = None) -> None:
+        for sink in list(self.sinks):
+            try:
+                await sink(progress, total, message)
+            except Exception as e:
+                log.debug("progress sink dropped: %r", e)
+                self.remove(sink)

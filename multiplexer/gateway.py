@@ -21,7 +21,7 @@ from .batching import CountFormation, Pending
 from .call import Call, Item, Outcome
 from .clock import Clock, MonotonicClock
 from .config import Config, ProviderConfig, RouteConfig
-from .dedup import InFlight, TtlCache, canonical
+from .dedup import InFlight, ProgressFanout, TtlCache, canonical
 from .errors import RpcError, cancelled, internal_error, timeout_error
 from .lane import Lane
 from .limiter import RateLimiter
@@ -50,6 +50,7 @@ class Ticket:
     handler: Handler | None = None
     call: Call | None = None
     waiter: _Waiter | None = None
+    progress: tuple[ProgressFanout, Any] | None = None  # this caller's sink on a shared execution
 
     def __call__(self) -> None:
         """Done-callback of the pending it waits on (a bound object, not a closure per call)."""
@@ -254,6 +255,7 @@ class Gateway:
                 ticket.pending = lane.submit(item)
                 return ticket
             item.options["idempotent"] = True
+            sink = item.options.get("progress")
             cached = self.cache.get(key)
             if cached is not None:
                 self.metrics.dedup_hits.labels(resolved.name, "cache").inc()
@@ -262,9 +264,14 @@ class Gateway:
             pending = self.inflight.join(key)
             if pending is not None:
                 self.metrics.dedup_hits.labels(resolved.name, "inflight").inc()
+                fan = pending.item.options.get("progress")
             else:
+                fan = item.options["progress"] = ProgressFanout()  # later sharers may ask for progress
                 pending = lane.submit(item)
                 self.inflight.register(key, pending)
+            if callable(sink) and isinstance(fan, ProgressFanout):
+                fan.add(sink)
+                ticket.progress = (fan, sink)
             ticket.pending, ticket.key, ticket.cache_ttl = pending, key, route.cache_ttl_s
         except RpcError as e:
             self._finish(ticket, Outcome.fail(e))
@@ -324,6 +331,9 @@ class Gateway:
         if t.outcome is not None:
             return
         t.outcome = outcome
+        if t.progress is not None:
+            t.progress[0].remove(t.progress[1])
+            t.progress = None
         if t.pending is not None:
             if withdraw and t.lane is not None:
                 t.lane.withdraw(t.pending, outcome)

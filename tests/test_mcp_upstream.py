@@ -14,6 +14,7 @@ import psutil
 import pytest
 from mcp.server import Server
 
+from multiplexer.call import Call
 from multiplexer.config import ConfigError, parse_config
 from multiplexer.errors import Code
 from multiplexer.gateway import Gateway
@@ -127,6 +128,25 @@ async def test_progress_is_passed_through(two_upstreams: Gateway) -> None:
                          extra_meta={"progress": progress})
     assert structured(outcome) == {"result": "slept"}
     assert seen == [(1, 2, "step 1 of 2"), (2, 2, "step 2 of 2")]
+
+
+async def test_progress_of_a_shared_call_reaches_every_caller_that_asked(two_upstreams: Gateway) -> None:
+    seen: dict[str, list[float]] = {"a": [], "b": []}
+
+    def sink(name: str):
+        async def progress(value: float, total: float | None, message: str | None) -> None:
+            seen[name].append(value)
+        return progress
+
+    before = structured(await call(two_upstreams, "demo_stats", {}))["finished"]
+    args = {"seconds": 0.02, "steps": 3}
+    calls = [Call("demo_sleep", args, idempotency_key="k1", extra_meta={"progress": sink("a")}),
+             Call("demo_sleep", args, idempotency_key="k1"),  # shares it, asked for no progress
+             Call("demo_sleep", args, idempotency_key="k1", extra_meta={"progress": sink("b")})]
+    outcomes = await two_upstreams.submit_many(calls)
+    assert [structured(o) for o in outcomes] == [{"result": "slept"}] * 3
+    assert structured(await call(two_upstreams, "demo_stats", {}))["finished"] == before + 1  # one run
+    assert seen == {"a": [1, 2, 3], "b": [1, 2, 3]}
 
 
 async def test_a_cancelled_call_cancels_the_upstream_request(two_upstreams: Gateway) -> None:
