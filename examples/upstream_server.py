@@ -3,7 +3,9 @@
 Tools: ``echo`` and ``add`` (fast, read-only), ``sleep`` (slow, reports progress; ``stats``
 counts running, cancelled and finished sleeps), ``fail`` (always fails), ``pid`` (the server's
 process id, so tests can kill it), and ``grow`` (adds a tool at run time and announces that the
-tool list changed).
+tool list changed). Resources: ``example://readme`` (text naming the server's process id, so
+tests can tell two copies apart) and the template ``example://items/{item_id}``. Prompt:
+``greet(name)``.
 
     python examples/upstream_server.py                   # MCP over stdio
     python examples/upstream_server.py --http --port 9002  # Streamable HTTP at /mcp
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 
 import anyio
@@ -83,6 +86,23 @@ async def grow(ctx: Context) -> str:
     with contextlib.suppress(Exception):  # no standalone channel on this connection: nothing to tell
         await ctx.request_context.session.send_tool_list_changed()  # handshake-era sessions
     return "grown"
+
+
+@server.resource("example://readme", name="readme", description="About this server",
+                 mime_type="text/plain")
+def readme() -> str:
+    return f"upstream-example, pid {os.getpid()}"
+
+
+@server.resource("example://items/{item_id}", name="item", description="One item, by id",
+                 mime_type="application/json")
+def item(item_id: str) -> str:
+    return json.dumps({"id": item_id, "label": f"item {item_id}"})
+
+
+@server.prompt(description="Greets someone by name")
+def greet(name: str) -> str:
+    return f"Hello, {name}! Say something nice."
 
 
 def main() -> None:

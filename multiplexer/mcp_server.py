@@ -5,6 +5,7 @@
 When an upstream's tool list changes, every connected client hears about it:
 2026-07-28 clients on their ``subscriptions/listen`` streams, handshake-era
 clients on their connection's standalone channel.
+Resources and prompts are the upstreams' own, through ``mcp_resources``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .call import Call
 from .errors import RpcError
 from .gateway import Gateway
 from .jsonrpc import META_KEYS, call_from
+from .mcp_resources import UpstreamCatalog
 from .mcp_tools import MAX_NAME, ToolCatalog, error_result, protocol_error, to_tool, wrap_result
 from .provider import ToolSpec
 
@@ -49,6 +51,16 @@ class _GatewayServer(Server[Any]):
             experimental_capabilities, extensions,
         )
 
+    def get_capabilities(self, *args: Any, **kwargs: Any) -> types.ServerCapabilities:
+        """Promise no resource or prompt change events: only tool-list changes are forwarded
+        (at 2026-07-28 the SDK would derive every ``listChanged`` and ``subscribe`` from the listen handler).
+        """
+        caps = super().get_capabilities(*args, **kwargs)
+        resources = types.ResourcesCapability(subscribe=False, list_changed=False)
+        prompts = types.PromptsCapability(list_changed=False)
+        return caps.model_copy(update={"resources": resources if caps.resources else None,
+                                       "prompts": prompts if caps.prompts else None})
+
 
 class McpFace:
     def __init__(self, gateway: Gateway) -> None:
@@ -59,12 +71,18 @@ class McpFace:
         self._legacy: dict[int, Any] = {}  # handshake-era connections, by id
         self._sessions: dict[str, Any] = {}  # the same, by HTTP session id
         self._changes_in, self._changes_out = anyio.create_memory_object_stream[None](1)
+        self.upstream = UpstreamCatalog(gateway)
         self.server = _GatewayServer(
             "multiplexer", version=__version__,
             instructions="Every route of this gateway is a tool; calls are batched, limited and shared.",
             get_tool_input_schema=self.catalog.input_schema,
             on_list_tools=self.list_tools,
             on_call_tool=self.call_tool,
+            on_list_resources=self.upstream.list_resources,
+            on_list_resource_templates=self.upstream.list_resource_templates,
+            on_read_resource=self.upstream.read_resource,
+            on_list_prompts=self.upstream.list_prompts,
+            on_get_prompt=self.upstream.get_prompt,
             on_subscriptions_listen=self.listen,
         )
         self.server.middleware.append(self._track_connection)

@@ -115,5 +115,12 @@ def protocol_error(error: RpcError, tool: str) -> MCPError | None:
     if error.code == Code.METHOD_NOT_FOUND:
         return MCPError(types.INVALID_PARAMS, f"Unknown tool: {tool}", {"tool": tool})
     if error.data and error.data.get("mcp_protocol_error"):
-        return MCPError(error.code, error.message, error.data.get("upstream_data"))
+        return mcp_error(error)
     return None
+
+
+def mcp_error(error: RpcError) -> MCPError:
+    """An upstream's protocol error exactly as it sent it; a gateway error (-32007, ...) as ours."""
+    if error.data and error.data.get("mcp_protocol_error"):
+        return MCPError(error.code, error.message, error.data.get("upstream_data"))
+    return MCPError(error.code, error.message, error.data)

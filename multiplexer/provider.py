@@ -18,6 +18,7 @@ from .batching import Formation
 from .call import Item, Outcome
 from .clock import Clock
 from .config import ProviderConfig, RouteConfig
+from .errors import Code, RpcError
 from .limiter import RateLimiter
 from .metrics import Metrics
 
@@ -79,6 +80,26 @@ class Provider:
     async def list_tools(self) -> list[ToolSpec]:
         """Tools for wildcard routes (``tools_*``) and the MCP face."""
         return []
+
+    # MCP resources and prompts, in wire form (camelCase dicts): only MCP upstreams have them, but
+    # the MCP face asks every provider the same way. Reads and gets bypass lanes: they are not routes.
+    async def list_resources(self) -> list[dict[str, Any]]:
+        return []
+
+    async def list_resource_templates(self) -> list[dict[str, Any]]:
+        return []
+
+    async def read_resource(self, uri: str) -> dict[str, Any]:
+        """A ``ReadResourceResult``; -32602 is MCP's "no such resource" (the face then asks elsewhere)."""
+        raise RpcError(Code.INVALID_PARAMS, f"Unknown resource: {uri}", {"uri": uri, "provider": self.name})
+
+    async def list_prompts(self) -> list[dict[str, Any]]:
+        return []
+
+    async def get_prompt(self, name: str, arguments: dict[str, str] | None) -> dict[str, Any]:
+        """A ``GetPromptResult``; ``name`` is the provider's own, without the route's prefix."""
+        raise RpcError(Code.INVALID_PARAMS, f"Unknown prompt: {name}",
+                       {"prompt": name, "provider": self.name})
 
     async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
         raise NotImplementedError

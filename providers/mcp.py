@@ -4,16 +4,19 @@ A wildcard route (``tools_*: {provider: tools}``) exposes every upstream tool
 under the route's prefix; an item's ``method`` is the upstream tool name and its
 params are the tool's arguments. All calls share one long-lived session
 (``mcp_session.UpstreamSession``); the lane bounds how many are in flight.
+The upstream's resources and prompts are passed through for the MCP face (which
+namespaces them), only where the upstream advertises them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
 import mcp_types as types
+from pydantic import BaseModel
 
 from multiplexer.call import Item, Outcome
 from multiplexer.config import RouteConfig
@@ -39,6 +42,10 @@ def tool_spec(tool: types.Tool) -> ToolSpec:
     annotations = (tool.annotations.model_dump(by_alias=True, exclude_none=True)
                    if tool.annotations is not None else {})
     return ToolSpec(tool.name, tool.description or "", dict(tool.input_schema), annotations, meta)
+
+
+def wire(item: BaseModel) -> dict[str, Any]:
+    return item.model_dump(by_alias=True, mode="json", exclude_none=True)
 
 
 class McpProvider(Provider):
@@ -130,3 +137,31 @@ class McpProvider(Provider):
             self.ctx.metrics.upstream_errors.labels(self.name, str(e.code)).inc()
             return Outcome.fail(e)
         return Outcome(result=None if item.notification else result)
+
+    # -- resources and prompts ---------------------------------------------------
+    async def list_resources(self) -> list[dict[str, Any]]:
+        return [wire(r) for r in await self.session.list_resources()]
+
+    async def list_resource_templates(self) -> list[dict[str, Any]]:
+        return [wire(t) for t in await self.session.list_resource_templates()]
+
+    async def read_resource(self, uri: str) -> dict[str, Any]:
+        if not self.session.offers("resources"):
+            return await super().read_resource(uri)
+        return await self._counted(self.session.read_resource(uri))
+
+    async def list_prompts(self) -> list[dict[str, Any]]:
+        return [wire(p) for p in await self.session.list_prompts()]
+
+    async def get_prompt(self, name: str, arguments: dict[str, str] | None) -> dict[str, Any]:
+        if not self.session.offers("prompts"):
+            return await super().get_prompt(name, arguments)
+        return await self._counted(self.session.get_prompt(name, arguments))
+
+    async def _counted(self, request: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        self._sent.inc()
+        try:
+            return await request
+        except RpcError as e:
+            self.ctx.metrics.upstream_errors.labels(self.name, str(e.code)).inc()
+            raise

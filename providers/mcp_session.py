@@ -3,9 +3,11 @@
 Every call shares the one session (the SDK client allocates the upstream
 request ids, so two upstreams never collide and a cancel names the right id).
 A supervisor task owns the session: it connects, keeps the tool list fresh,
-notices the moment the transport ends, and reconnects with backoff. Calls wait
-for a live session; a call caught in flight by a fault is retried only when the
-tool is safe to repeat.
+notices the moment the transport ends, and reconnects with backoff. Requests
+(tool calls, resource reads, prompt gets, list pages) wait for a live session;
+one caught in flight by a fault is retried only when it is safe to repeat.
+Resources and prompts are listed on demand, not cached: nothing in the gateway
+routes by them, so a stale copy would buy nothing.
 """
 
 from __future__ import annotations
@@ -13,17 +15,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import anyio
 import mcp_types as types
 from mcp import Client, MCPError
 from mcp.client.subscriptions import ListenNotSupportedError, SubscriptionLost
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from multiplexer import __version__
-from multiplexer.errors import RpcError, timeout_error, upstream_unavailable
+from multiplexer.errors import RpcError, timeout_error, upstream_error, upstream_unavailable
 
 from .mcp_transport import McpSettings, open_transport, watched
 
@@ -33,6 +35,8 @@ Progress = Callable[[float, float | None, str | None], Awaitable[None]]
 # The SDK checks the result against the negotiated revision; we keep its wire form as is.
 _RAW_RESULT: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
 _STABLE_AFTER_S = 5.0  # a connection that lived this long resets the restart backoff
+R = TypeVar("R")
+Page = TypeVar("Page", bound=types.PaginatedResult)
 
 
 def describe(exc: BaseException) -> str:
@@ -76,6 +80,7 @@ class UpstreamSession:
         self.failures = 0  # connection attempts that failed since the session was last up
         self.last_error: str | None = None
         self.protocol_version: str | None = None
+        self.capabilities: types.ServerCapabilities | None = None  # of the last connection
         self.attempted = anyio.Event()  # the first connection attempt has finished, either way
         self._client: Client | None = None
         self._attempt_end = anyio.Event()  # replaced after each connection attempt ends
@@ -137,6 +142,7 @@ class UpstreamSession:
         )
         async with client:
             self.protocol_version = client.protocol_version
+            self.capabilities = client.server_capabilities
             await self._refresh(client)
             self.generation += 1
             self.connects += 1
@@ -214,31 +220,43 @@ class UpstreamSession:
             self._on_tools(tools)
 
     async def _fetch(self, client: Client) -> tuple[dict[str, types.Tool], int | None]:
+        pages, ttl_ms = await self._pages("tools/list", lambda cursor: client.list_tools(cursor=cursor))
         tools: dict[str, types.Tool] = {}
+        for page in pages:
+            for tool in page.tools:
+                tools.setdefault(tool.name, tool)
+        return tools, ttl_ms
+
+    async def _pages(self, method: str, fetch: Callable[[str | None], Awaitable[Page]]
+                     ) -> tuple[list[Page], int | None]:
+        """Every page of a listing, up to the cap, with the smallest ``ttlMs`` seen.
+
+        Cursors are opaque: a repeated one means a broken upstream, not more data.
+        """
+        pages: list[Page] = []
         ttl_ms: int | None = None
         cursor: str | None = None
         seen: set[str] = set()
         for _ in range(self.settings.max_pages):
             try:
-                page = await client.list_tools(cursor=cursor)
-            except MCPError as e:
+                page = await fetch(cursor)
+            except (MCPError, RpcError) as e:
                 if e.code == types.METHOD_NOT_FOUND and cursor is None:
-                    return {}, None  # an upstream without tools is not a broken one
+                    return [], None  # an upstream without this kind of item is not a broken one
                 raise
-            for tool in page.tools:
-                tools.setdefault(tool.name, tool)
+            pages.append(page)
             if page.ttl_ms is not None:
                 ttl_ms = page.ttl_ms if ttl_ms is None else min(ttl_ms, page.ttl_ms)
             cursor = page.next_cursor
             if cursor is None:
-                return tools, ttl_ms
+                return pages, ttl_ms
             if cursor in seen:
-                log.warning("mcp upstream %s: tools/list cursor cycle; stopping", self.name)
-                return tools, ttl_ms
+                log.warning("mcp upstream %s: %s cursor cycle; stopping", self.name, method)
+                return pages, ttl_ms
             seen.add(cursor)
-        log.warning("mcp upstream %s: tools/list stopped at the page cap (%d pages)", self.name,
+        log.warning("mcp upstream %s: %s stopped at the page cap (%d pages)", self.name, method,
                     self.settings.max_pages)
-        return tools, ttl_ms
+        return pages, ttl_ms
 
     async def ensure_fresh(self) -> None:
         """Refetch a listing whose ``ttlMs`` ran out (the upstream's cache hint)."""
@@ -275,28 +293,33 @@ class UpstreamSession:
             await ended.wait()
         return ended.is_set()
 
-    async def call(self, tool: str, arguments: dict[str, Any] | None, *, timeout_s: float | None,
-                   progress: Progress | None, retry_safe: bool) -> dict[str, Any]:
-        """The upstream's ``CallToolResult`` as a wire dict, or an ``RpcError``."""
+    async def request(self, request: types.Request[Any, Any], result_type: type[R] | TypeAdapter[R], *,
+                      timeout_s: float | None = None, progress: Progress | None = None,
+                      retry_safe: bool = True) -> R:
+        """One request on the live session, as an ``RpcError`` on failure.
+
+        A refused request (lost HTTP session) never ran and is always sent again;
+        one caught in flight by a lost connection is repeated only if ``retry_safe``.
+        """
         timeout = self.call_timeout_s if timeout_s is None else min(timeout_s, self.call_timeout_s)
         deadline = time.monotonic() + timeout
-        request = types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
         attempts = 2
         for attempt in range(attempts):
             remaining = deadline - time.monotonic()
             wait = min(remaining, self.settings.connect_timeout_ms / 1000)
             client, generation, ended = await self._acquire(wait)
             try:
-                result = await client.session.send_request(
-                    request, _RAW_RESULT,
+                return await client.session.send_request(
+                    request, result_type,
                     request_read_timeout_seconds=max(deadline - time.monotonic(), 0.001),
                     progress_callback=progress,
                 )
+            except ValidationError as e:
+                raise upstream_error(self.name, f"invalid {request.method} result: {describe(e)}") from None
             except MCPError as e:
                 refused = self.settings.transport == "http" and is_session_lost(e)
                 if refused or await self._ended_under(e, ended):
                     self._lost(generation, f"connection lost: {e.message}")
-                    # A refused call never ran; one caught in flight may have: repeat only if safe.
                     if attempt + 1 < attempts and (retry_safe or refused):
                         self._on_event("retry")
                         continue
@@ -307,12 +330,59 @@ class UpstreamSession:
                 if e.code == types.REQUEST_TIMEOUT:
                     raise timeout_error("upstream") from None
                 raise protocol_error(self.name, e) from None
-            return wire_result(result)
         raise AssertionError("unreachable")
+
+    async def call(self, tool: str, arguments: dict[str, Any] | None, *, timeout_s: float | None,
+                   progress: Progress | None, retry_safe: bool) -> dict[str, Any]:
+        """The upstream's ``CallToolResult`` as a wire dict, or an ``RpcError``."""
+        request = types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
+        return wire_result(await self.request(request, _RAW_RESULT, timeout_s=timeout_s, progress=progress,
+                                              retry_safe=retry_safe))
+
+    # -- resources and prompts -------------------------------------------------------
+    def offers(self, capability: Literal["resources", "prompts"]) -> bool:
+        """Whether the upstream advertised it; unknown until the first connection, so ask then."""
+        caps = self.capabilities
+        return caps is None or getattr(caps, capability) is not None
+
+    async def _listing(self, request: type[types.PaginatedRequest[Any]], result: type[Page]) -> list[Page]:
+        async def page(cursor: str | None) -> Page:
+            params = types.PaginatedRequestParams(cursor=cursor) if cursor is not None else None
+            return await self.request(request(params=params), result)
+
+        return (await self._pages(request().method, page))[0]
+
+    async def list_resources(self) -> list[types.Resource]:
+        if not self.offers("resources"):
+            return []
+        pages = await self._listing(types.ListResourcesRequest, types.ListResourcesResult)
+        return [r for page in pages for r in page.resources]
+
+    async def list_resource_templates(self) -> list[types.ResourceTemplate]:
+        if not self.offers("resources"):
+            return []
+        pages = await self._listing(types.ListResourceTemplatesRequest, types.ListResourceTemplatesResult)
+        return [t for page in pages for t in page.resource_templates]
+
+    async def list_prompts(self) -> list[types.Prompt]:
+        if not self.offers("prompts"):
+            return []
+        pages = await self._listing(types.ListPromptsRequest, types.ListPromptsResult)
+        return [p for page in pages for p in page.prompts]
+
+    async def read_resource(self, uri: str) -> dict[str, Any]:
+        """The upstream's ``ReadResourceResult`` as a wire dict (a read is safe to repeat)."""
+        request = types.ReadResourceRequest(params=types.ReadResourceRequestParams(uri=uri))
+        return wire_result(await self.request(request, _RAW_RESULT))
+
+    async def get_prompt(self, name: str, arguments: dict[str, str] | None) -> dict[str, Any]:
+        """The upstream's ``GetPromptResult`` as a wire dict (rendering a prompt is safe to repeat)."""
+        request = types.GetPromptRequest(params=types.GetPromptRequestParams(name=name, arguments=arguments))
+        return wire_result(await self.request(request, _RAW_RESULT))
 
 
 def wire_result(dumped: dict[str, Any]) -> dict[str, Any]:
-    """The tool's result as sent; the upstream's per-response identity stamp is not part of it."""
+    """A result as the upstream sent it, less its per-response identity stamp (not ours to pass on)."""
     meta = dumped.get("_meta")
     if isinstance(meta, dict) and types.SERVER_INFO_META_KEY in meta:
         meta = {k: v for k, v in meta.items() if k != types.SERVER_INFO_META_KEY}

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx2
 import psutil
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 from multiplexer.call import Call
 from multiplexer.gateway import Gateway
@@ -81,6 +84,21 @@ async def http_upstream_process() -> AsyncIterator[HttpUpstream]:
         yield upstream
     finally:
         upstream.stop()
+
+
+MODES = {"auto": "2026-07-28", "legacy": "2025-11-25"}  # client mode -> the revision it speaks
+
+
+@asynccontextmanager
+async def mcp_http_client(url: str, mode: str = "auto", key: str | None = None,
+                          **kw: Any) -> AsyncIterator[Client]:
+    """The SDK's client on Streamable HTTP (bearer ``key`` if given), with long timeouts for slow tools."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300)) as http,
+        Client(streamable_http_client(url, http_client=http), mode=mode, **kw) as client,
+    ):
+        yield client
 
 
 def live_children() -> set[int]:

@@ -6,19 +6,16 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
-import httpx2
 import mcp_types as types
 import psutil
 import pytest
 import yaml
-from mcp import Client, MCPError
-from mcp.client.streamable_http import streamable_http_client
+from mcp import MCPError
 
 from multiplexer.call import Call
 from multiplexer.config import parse_config
@@ -27,10 +24,12 @@ from multiplexer.mcp_tools import ERROR_META_KEY
 from multiplexer.provider import ToolSpec
 from multiplexer.server import running
 from tests.mcp_helpers import (
+    MODES,
     ROOT,
     call,
     free_port,
     live_children,
+    mcp_http_client,
     stdio_upstream,
     structured,
     wait_until,
@@ -38,7 +37,6 @@ from tests.mcp_helpers import (
 
 pytestmark = pytest.mark.anyio
 
-MODES = {"auto": "2026-07-28", "legacy": "2025-11-25"}
 LONG = "a_route_with_a_name_far_longer_than_the_sixty_four_characters_clients_accept"
 
 SUM_SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "number"}}},
@@ -67,21 +65,10 @@ async def gateway() -> AsyncIterator[tuple[Gateway, str]]:
     assert live_children() <= before
 
 
-@asynccontextmanager
-async def mcp_client(url: str, mode: str = "auto", key: str | None = None,
-                     **kw: Any) -> AsyncIterator[Client]:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with (
-        httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300)) as http,
-        Client(streamable_http_client(url, http_client=http), mode=mode, **kw) as client,
-    ):
-        yield client
-
-
 @pytest.mark.parametrize("mode", MODES)
 async def test_every_route_is_a_tool(gateway: tuple[Gateway, str], mode: str) -> None:
     _, url = gateway
-    async with mcp_client(url, mode) as client:
+    async with mcp_http_client(url, mode) as client:
         assert client.protocol_version == MODES[mode]
         tools = {t.name: t for t in (await client.list_tools()).tools}
         assert {"tools_echo", "tools_add", "tools_sleep", "echo", "sum"} <= set(tools)
@@ -100,7 +87,7 @@ async def test_every_route_is_a_tool(gateway: tuple[Gateway, str], mode: str) ->
 @pytest.mark.parametrize("mode", MODES)
 async def test_calls_results_and_errors(gateway: tuple[Gateway, str], mode: str) -> None:
     _, url = gateway
-    async with mcp_client(url, mode) as client:
+    async with mcp_http_client(url, mode) as client:
         passthrough = await client.call_tool("tools_add", {"a": 2, "b": 40})
         assert passthrough.structured_content == {"result": 42} and not passthrough.is_error
         assert passthrough.content[0].text == "42"  # type: ignore[union-attr]
@@ -129,7 +116,7 @@ async def test_progress_is_passed_through(gateway: tuple[Gateway, str], mode: st
     async def progress(value: float, total: float | None, message: str | None) -> None:
         seen.append((value, total, message))
 
-    async with mcp_client(url, mode) as client:
+    async with mcp_http_client(url, mode) as client:
         result = await client.call_tool("tools_sleep", {"seconds": 0.02, "steps": 3},
                                         progress_callback=progress)
     assert result.structured_content == {"result": "slept"}
@@ -140,7 +127,7 @@ async def test_progress_is_passed_through(gateway: tuple[Gateway, str], mode: st
 async def test_client_cancel_reaches_the_upstream(gateway: tuple[Gateway, str], mode: str) -> None:
     gw, url = gateway
     before = structured(await call(gw, "tools_stats", {}))["cancelled"]
-    async with mcp_client(url, mode) as client:
+    async with mcp_http_client(url, mode) as client:
         with anyio.move_on_after(0.5):
             await client.call_tool("tools_sleep", {"seconds": 30})
 
@@ -223,7 +210,7 @@ async def test_bearer_keys_identify_the_caller() -> None:
         assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
         assert r.json()["error"]["code"] == -32005
         for mode in MODES:
-            async with mcp_client(url, mode, key="key-b") as client:
+            async with mcp_http_client(url, mode, key="key-b") as client:
                 result = await client.call_tool("whoami", {})
                 assert result.structured_content == {"identity": "bob"}
         # A handshake-era session belongs to the key that opened it.
@@ -250,7 +237,7 @@ async def test_upstream_list_changes_reach_connected_clients(mode: str) -> None:
 
     async with (
         running(parse_config(gateway_config())) as (_, base),
-        mcp_client(base + "/mcp", mode, message_handler=on_message) as client,
+        mcp_http_client(base + "/mcp", mode, message_handler=on_message) as client,
     ):
         assert "tools_shout" not in {t.name for t in (await client.list_tools()).tools}
         if client.protocol_version == "2026-07-28":

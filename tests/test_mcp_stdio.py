@@ -16,11 +16,10 @@ import pytest
 import yaml
 from mcp import Client, StdioServerParameters
 
-from tests.mcp_helpers import ROOT, UPSTREAM, live_children
+from tests.mcp_helpers import MODES, ROOT, UPSTREAM, live_children
 
 pytestmark = pytest.mark.anyio
 
-MODES = {"auto": "2026-07-28", "legacy": "2025-11-25"}
 
 
 @pytest.fixture

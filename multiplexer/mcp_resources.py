@@ -1,0 +1,150 @@
+"""Upstream MCP resources and prompts, served by the gateway's MCP face.
+
+They come from the upstream MCP servers that wildcard routes expose. Prompts
+take the route's prefix, like that upstream's tools; resource URIs are global
+identifiers (tool results link to them), so they stay as they are: the first
+upstream in route order owns a URI listed twice, and a URI no listing named (a
+template's) is offered to each upstream in turn. Reads and gets go straight to
+the upstream session: they are metadata, not the volume path the lanes serve.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import mcp_types as types
+from mcp import MCPError
+from mcp.server import ServerRequestContext
+
+from .errors import Code, RpcError
+from .gateway import Gateway
+from .mcp_tools import mcp_error
+from .provider import Provider
+
+log = logging.getLogger(__name__)
+
+RESOURCE_NOT_FOUND = -32002  # MCP's code before 2026-07-28, which answers -32602 instead
+Listing = list[dict[str, Any]]
+
+
+class UpstreamCatalog:
+    """The MCP face's resources/* and prompts/* handlers."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self._owners: dict[str, str] = {}  # resource URI -> provider, from the last resources/list
+        self._duplicates: set[str] = set()  # URIs already warned about
+
+    def mcp_routes(self) -> list[tuple[str, Provider]]:
+        """(prefix, provider) of each wildcard route to an MCP upstream, in config order."""
+        config = self.gateway.config
+        return [(name[:-1], self.gateway.providers[route.provider]) for name, route in config.routes.items()
+                if name.endswith("*") and config.providers[route.provider].kind == "mcp"]
+
+    def mcp_providers(self) -> list[Provider]:
+        """Each of those upstreams once, in route order: the order that settles duplicate URIs."""
+        return list({provider.name: provider for _, provider in self.mcp_routes()}.values())
+
+    async def _gather(self, method: str, fetch: Callable[[Provider], Awaitable[Listing]]
+                      ) -> list[tuple[Provider, Listing]]:
+        """Every upstream's listing, fetched at once; one that fails is left out, not fatal to the rest."""
+        providers = self.mcp_providers()
+        listings: list[Listing] = [[] for _ in providers]
+
+        async def one(i: int) -> None:
+            try:
+                listings[i] = await fetch(providers[i])
+            except RpcError as e:
+                log.warning("%s from %s failed (left out): %s %s", method, providers[i].name, e.message,
+                            e.data or "")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(providers)):
+                tg.start_soon(one, i)
+        return list(zip(providers, listings, strict=True))
+
+    def _claim(self, owners: dict[str, str], uri: str, provider: str) -> bool:
+        """Whether the entry is new: the first upstream to list a URI owns it; others are warned of once."""
+        owner = owners.get(uri)
+        if owner is None:
+            owners[uri] = provider
+            return True
+        if owner != provider and uri not in self._duplicates:
+            self._duplicates.add(uri)
+            log.warning("resource %r is listed by %s and %s; %s serves it", uri, owner, provider, owner)
+        return False
+
+    async def list_resources(self, ctx: ServerRequestContext[Any, Any],
+                             params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
+        owners: dict[str, str] = {}
+        resources: list[types.Resource] = []
+        for provider, listed in await self._gather("resources/list", lambda p: p.list_resources()):
+            for item in listed:
+                if self._claim(owners, item["uri"], provider.name):
+                    resources.append(types.Resource.model_validate(item))
+        self._owners = owners
+        return types.ListResourcesResult(resources=resources)
+
+    async def list_resource_templates(self, ctx: ServerRequestContext[Any, Any],
+                                      params: types.PaginatedRequestParams | None
+                                      ) -> types.ListResourceTemplatesResult:
+        owners: dict[str, str] = {}
+        templates: list[types.ResourceTemplate] = []
+        for provider, listed in await self._gather("resources/templates/list",
+                                                   lambda p: p.list_resource_templates()):
+            for item in listed:
+                if self._claim(owners, item["uriTemplate"], provider.name):
+                    templates.append(types.ResourceTemplate.model_validate(item))
+        return types.ListResourceTemplatesResult(resource_templates=templates)
+
+    async def read_resource(self, ctx: ServerRequestContext[Any, Any], params: types.ReadResourceRequestParams
+                            ) -> types.ReadResourceResult | dict[str, Any]:
+        """A listed URI goes to its owner; any other to each upstream in turn, until one has it."""
+        uri = str(params.uri)
+        owner = self._owners.get(uri)
+        failure: RpcError | None = None
+        for provider in self.mcp_providers():
+            if owner is not None and provider.name != owner:
+                continue
+            try:
+                return await provider.read_resource(uri)
+            except RpcError as e:
+                if owner is not None or not is_not_found(e):
+                    failure = failure or e
+        if failure is not None:
+            raise mcp_error(failure)
+        raise MCPError(types.INVALID_PARAMS, f"Unknown resource: {uri}", {"uri": uri})
+
+    async def list_prompts(self, ctx: ServerRequestContext[Any, Any],
+                           params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
+        gathered = await self._gather("prompts/list", lambda p: p.list_prompts())
+        listed = {provider.name: items for provider, items in gathered}
+        prompts: dict[str, types.Prompt] = {}
+        for prefix, provider in self.mcp_routes():
+            for item in listed[provider.name]:
+                name = prefix + item["name"]
+                prompts.setdefault(name, types.Prompt.model_validate({**item, "name": name}))
+        return types.ListPromptsResult(prompts=list(prompts.values()))
+
+    async def get_prompt(self, ctx: ServerRequestContext[Any, Any], params: types.GetPromptRequestParams
+                         ) -> types.GetPromptResult | dict[str, Any]:
+        """The longest matching prefix picks the upstream, as the router does for tools."""
+        name = params.name
+        for prefix, provider in sorted(self.mcp_routes(), key=lambda route: -len(route[0])):
+            if name.startswith(prefix) and len(name) > len(prefix):
+                try:
+                    return await provider.get_prompt(name[len(prefix):], params.arguments)
+                except RpcError as e:
+                    raise mcp_error(e) from None
+        raise MCPError(types.INVALID_PARAMS, f"Unknown prompt: {name}", {"prompt": name})
+
+
+def is_not_found(error: RpcError) -> bool:
+    """An upstream's "no such resource" (or no resources at all): the next upstream may have it."""
+    if error.code == Code.INVALID_PARAMS:
+        return True
+    upstream = bool(error.data and error.data.get("mcp_protocol_error"))
+    return upstream and error.code in (RESOURCE_NOT_FOUND, Code.METHOD_NOT_FOUND)
