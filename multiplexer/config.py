@@ -32,6 +32,10 @@ class Quota(Strict):
 
 class McpServerConfig(Strict):
     path: str = "/mcp"
+    max_sessions: int = Field(default=10_000, ge=1, description="open handshake-era HTTP sessions, all keys")
+    max_sessions_per_key: int | None = Field(
+        default=1000, ge=1, description="open HTTP sessions per API key (or for all keyless callers)")
+    session_idle_s: float = Field(default=1800.0, gt=0, description="an idle session is closed after this")
     allowed_origins: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1", "http://localhost", "https://127.0.0.1",
                                  "https://localhost"]

@@ -50,8 +50,10 @@ class McpEndpoint:
     """The ASGI app at the MCP path: checks, then the SDK's session manager."""
 
     def __init__(self, face: McpFace, manager: StreamableHTTPSessionManager, auth: Authenticator,
-                 allowed_origins: list[str], max_body: int, max_batch: int) -> None:
+                 allowed_origins: list[str], max_body: int, max_batch: int,
+                 max_sessions_per_key: int | None = None) -> None:
         self.face = face
+        self.max_sessions_per_key = max_sessions_per_key
         self.manager = manager
         self.auth = auth
         self.allowed_origins = allowed_origins
@@ -84,8 +86,29 @@ class McpEndpoint:
             if body.lstrip()[:1] == b"[":
                 await self._array(scope, headers, body, receive, send)
                 return
+            refusal = self._session_refusal(identity, headers, body)
+            if refusal is not None:
+                await rpc_error(429, refusal)(scope, receive, send)
+                return
             receive = _replay(body, receive)
         await self.manager.handle_request(scope, receive, send)
+
+    def _session_refusal(self, identity: str | None, headers: Headers, body: bytes) -> RpcError | None:
+        """A new handshake-era session past this key's cap (one client must not hold them all)."""
+        cap = self.max_sessions_per_key
+        if cap is None or headers.get("mcp-session-id") or b'"initialize"' not in body:
+            return None  # the cheap checks first: most requests are in a session or sessionless
+        held = self.face.sessions_of(identity)
+        if held < cap:
+            return None
+        try:
+            message = loads(body)
+        except (ValueError, RecursionError):
+            return None  # the SDK answers malformed JSON itself
+        if not isinstance(message, dict) or message.get("method") != "initialize":
+            return None
+        return RpcError(Code.RATE_LIMITED, "Rate limited: too many open MCP sessions for this key",
+                        {"limit": "mcp_sessions", "max": cap, "open": held})
 
     async def _array(self, scope: Scope, headers: Headers, body: bytes, receive: Receive,
                      send: Send) -> None:
@@ -146,10 +169,12 @@ def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[Base
     manager = StreamableHTTPSessionManager(
         app=face.server,
         max_request_body_size=server.max_body_bytes,
+        max_sessions=server.mcp.max_sessions,
+        session_idle_timeout=server.mcp.session_idle_s,
         security_settings=None,  # Origin is checked above against server.mcp.allowed_origins
     )
     endpoint = McpEndpoint(face, manager, authenticator, server.mcp.allowed_origins,
-                           server.max_body_bytes, server.max_batch_items)
+                           server.max_body_bytes, server.max_batch_items, server.mcp.max_sessions_per_key)
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:

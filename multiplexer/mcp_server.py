@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -70,6 +71,8 @@ class McpFace:
         self.listen = ListenHandler(self.bus)
         self._legacy: dict[int, Any] = {}  # handshake-era connections, by id
         self._sessions: dict[str, Any] = {}  # the same, by HTTP session id
+        self._open: Counter[str | None] = Counter()  # open HTTP sessions per identity
+        self._counted: set[int] = set()  # connections counted in ``_open``
         self._changes_in, self._changes_out = anyio.create_memory_object_stream[None](1)
         self.upstream = UpstreamCatalog(gateway)
         self.server = _GatewayServer(
@@ -115,10 +118,35 @@ class McpFace:
                 with anyio.move_on_after(1.0):
                     await connection.send_tool_list_changed()
 
+    def sessions_of(self, identity: str | None) -> int:
+        """HTTP sessions this identity holds open (the HTTP face caps them per key)."""
+        return self._open[identity]
+
+    def _count_session(self, ctx: ServerRequestContext[Any, Any]) -> None:
+        connection = getattr(ctx.session, "_connection", None)
+        if connection is None or not connection.session_id or id(connection) in self._counted:
+            return
+        key, identity = id(connection), identity_of(ctx)
+        self._counted.add(key)
+        self._open[identity] += 1
+        gauge = self.gateway.metrics.mcp_sessions
+        gauge.inc()
+
+        def closed() -> None:
+            self._counted.discard(key)
+            self._open[identity] -= 1
+            if self._open[identity] <= 0:
+                del self._open[identity]
+            gauge.dec()
+
+        connection.exit_stack.callback(closed)
+
     async def _track_connection(self, ctx: ServerRequestContext[Any, Any],
                                 call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         """Remember handshake-era connections so list changes can reach them later."""
-        if ctx.method != "initialize" and ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+        if ctx.method == "initialize":
+            self._count_session(ctx)
+        elif ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
             # ServerSession keeps its connection private; it is the only handle on the
             # connection's standalone channel and on its teardown (exit_stack).
             connection = getattr(ctx.session, "_connection", None)

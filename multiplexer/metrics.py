@@ -53,6 +53,9 @@ class Metrics:
             "multiplexer_rejections", "Calls refused before running", ["provider", "reason"],
             registry=r,
         )
+        self.mcp_sessions = Gauge(
+            "multiplexer_mcp_sessions", "Open handshake-era MCP sessions over HTTP", registry=r
+        )
         self.events = Counter(
             "multiplexer_events", "Notable events (device fallback, restarts, ...)",
             ["component", "event"], registry=r,

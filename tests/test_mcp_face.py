@@ -227,6 +227,48 @@ async def test_bearer_keys_identify_the_caller() -> None:
         assert opened.status_code == 200 and hijack.status_code == 404
 
 
+async def test_open_sessions_are_capped_per_key() -> None:
+    config = {
+        "server": {"host": "127.0.0.1", "port": 0, "api_keys": {"alice": "key-a", "bob": "key-b"},
+                   "mcp": {"max_sessions_per_key": 2}},
+        "providers": {"builtin": {"kind": "echo"}},
+        "routes": {"echo": {"provider": "builtin"}},
+    }
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    accept = {"Accept": "application/json, text/event-stream"}
+
+    def as_(key: str) -> dict[str, str]:
+        return {**accept, "Authorization": f"Bearer {key}"}
+
+    async with running(parse_config(config)) as (gw, base), httpx.AsyncClient() as http:
+        url = base + "/mcp"
+
+        async def sessions() -> float:
+            return gw.metrics.registry.get_sample_value("multiplexer_mcp_sessions") or 0.0
+
+        async def one_ended() -> bool:  # the session ends just after the DELETE's reply
+            return await sessions() == 2
+
+        opened = [await http.post(url, json=init, headers=as_("key-a")) for _ in range(2)]
+        assert [r.status_code for r in opened] == [200, 200]
+        refused = await http.post(url, json=init, headers=as_("key-a"))
+        assert refused.status_code == 429
+        assert refused.json()["error"]["code"] == -32003
+        assert refused.json()["error"]["data"] == {"limit": "mcp_sessions", "max": 2, "open": 2}
+        assert (await http.post(url, json=init, headers=as_("key-b"))).status_code == 200  # bob's own
+        in_session = {**as_("key-a"), "Mcp-Session-Id": opened[0].headers["mcp-session-id"],
+                      "MCP-Protocol-Version": "2025-11-25"}
+        listed = await http.post(url, json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
+                                 headers=in_session)
+        assert listed.status_code == 200  # open sessions still work at the cap
+        assert await sessions() == 3
+        assert (await http.delete(url, headers=in_session)).status_code == 200
+        await wait_until(one_ended)
+        again = await http.post(url, json=init, headers=as_("key-a"))
+    assert again.status_code == 200  # a closed session frees its place
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_upstream_list_changes_reach_connected_clients(mode: str) -> None:
     changed = anyio.Event()
