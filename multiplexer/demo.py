@@ -45,6 +45,11 @@ async def _mcp_demo(url: str) -> None:
             t.name == "tools_add" for t in tools) else ("sum", {"values": [1, 2]})
         result = await mcp.call_tool(name, args)
         print(f"  MCP tools/call {name}({json.dumps(args)}) -> {result.structured_content}")
+        resources = (await mcp.list_resources()).resources
+        prompts = (await mcp.list_prompts()).prompts
+        if resources or prompts:
+            print(f"  MCP upstream resources {[str(r.uri) for r in resources]}, "
+                  f"prompts {[p.name for p in prompts]}")
 
 
 async def run_demo(config: Config, port: int = 0) -> int:
