@@ -60,3 +60,4 @@ def test_demo_command_runs_offline() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "sum(" in proc.stdout and "1000 correct" in proc.stdout
     assert "MCP tools/call tools_add" in proc.stdout and "embed_local" in proc.stdout
+    assert "resources ['example://readme'], prompts ['tools_greet']" in proc.stdout
