@@ -27,6 +27,7 @@ from multiplexer.errors import RpcError, upstream_unavailable
 
 from .budget import BudgetControl
 from .compiling import compiled_forward, warm_batches
+from .daemon import run_daemon
 from .devices import pick_device, pick_dtype, run_resilient
 from .formation import PassThrough, TokenBudget, plan_chunks
 from .loading import Loaded, load
@@ -266,7 +267,7 @@ class LocalPool:
 
     async def _load(self, handle: ModelHandle) -> None:
         try:
-            await anyio.to_thread.run_sync(handle.load_sync, abandon_on_cancel=True)
+            await run_daemon(handle.load_sync, f"load {handle.name}")
         except Exception as e:
             handle.error = f"{type(e).__name__}: {e}"
             log.error("local model %s failed to load: %s", handle.name, handle.error)
@@ -285,7 +286,7 @@ class LocalPool:
 
     async def _compile(self, handle: ModelHandle) -> None:
         try:
-            await anyio.to_thread.run_sync(handle.compile_sync, abandon_on_cancel=True)
+            await run_daemon(handle.compile_sync, f"compile {handle.name}")
         except Exception as e:
             log.warning("local model %s: compile failed, the eager forward stays: %s: %s",
                         handle.name, type(e).__name__, e)

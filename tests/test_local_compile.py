@@ -114,3 +114,47 @@ async def test_a_compiled_padded_classifier_gives_the_eager_scores(tmp_path) -> 
             assert outcome.ok, outcome.error
             scores.append([[s["score"] for s in row["scores"]] for row in outcome.result["data"]])
     assert torch.tensor(scores[0]).sub(torch.tensor(scores[1])).abs().max().item() < 1e-5
+
+
+async def test_daemon_work_hands_back_its_result_or_error() -> None:
+    from local_models.daemon import run_daemon
+
+    assert await run_daemon(lambda: threading.current_thread().daemon, "check") is True
+
+    def broken() -> None:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        await run_daemon(broken, "broken")
+
+
+def test_a_model_still_loading_does_not_hold_the_process_open() -> None:
+    """The gateway closes while a load blocks; the process exits (a worker thread would keep it)."""
+    import subprocess
+    import sys
+
+    script = """
+import threading, anyio
+from local_models import pool
+started = threading.Event()
+
+def load_forever(self):
+    started.set()
+    threading.Event().wait()
+
+pool.ModelHandle.load_sync = load_forever
+from multiplexer.gateway import Gateway
+from tests.local_helpers import MINILM, local_config
+
+async def main():
+    async with Gateway(local_config({"m": {"source": MINILM, "task": "embed", "device": "cpu"}})) as gw:
+        while not started.is_set():  # the load is under way on its thread
+            await anyio.sleep(0.01)
+        assert not gw.providers["local"].pool.handles["m"].ready.is_set()
+
+anyio.run(main)
+print("closed")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "closed"
