@@ -2,8 +2,9 @@
 
 Tools: ``echo`` and ``add`` (fast, read-only), ``sleep`` (slow, reports progress; ``stats``
 counts running, cancelled and finished sleeps), ``fail`` (always fails), ``pid`` (the server's
-process id, so tests can kill it), and ``grow`` (adds a tool at run time and announces that the
-tool list changed). Resources: ``example://readme`` (text naming the server's process id, so
+process id, so tests can kill it), ``grow`` (adds a tool at run time and announces that the
+tool list changed) and ``grow_catalog`` (adds a resource and a prompt, and announces both).
+Resources: ``example://readme`` (text naming the server's process id, so
 tests can tell two copies apart) and the template ``example://items/{item_id}``. Prompt:
 ``greet(name)``.
 
@@ -22,6 +23,8 @@ import anyio
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver.prompts import Prompt
+from mcp.server.mcpserver.resources import FunctionResource
 from mcp.types import ToolAnnotations
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
@@ -85,6 +88,29 @@ async def grow(ctx: Context) -> str:
     await ctx.notify_tools_changed()  # 2026-07-28 listeners
     with contextlib.suppress(Exception):  # no standalone channel on this connection: nothing to tell
         await ctx.request_context.session.send_tool_list_changed()  # handshake-era sessions
+    return "grown"
+
+
+def news() -> str:
+    return "the catalog grew"
+
+
+def farewell(name: str) -> str:
+    return f"Goodbye, {name}."
+
+
+@server.tool(description="Adds the resource example://news and the prompt 'farewell', and announces both")
+async def grow_catalog(ctx: Context) -> str:
+    if all(str(r.uri) != "example://news" for r in await server.list_resources()):
+        server.add_resource(FunctionResource.from_function(news, uri="example://news", name="news",
+                                                           mime_type="text/plain"))
+        server.add_prompt(Prompt.from_function(farewell, description="Says goodbye"))
+    await ctx.notify_resources_changed()  # 2026-07-28 listeners
+    await ctx.notify_prompts_changed()
+    session = ctx.request_context.session
+    with contextlib.suppress(Exception):  # handshake-era sessions, where there is a standalone channel
+        await session.send_resource_list_changed()
+        await session.send_prompt_list_changed()
     return "grown"
 
 

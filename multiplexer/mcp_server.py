@@ -10,7 +10,6 @@ Resources and prompts are the upstreams' own, through ``mcp_resources``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,7 +20,13 @@ import anyio
 import mcp_types as types
 from mcp.server import NotificationOptions, Server, ServerRequestContext
 from mcp.server.models import InitializationOptions
-from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
+from mcp.server.subscriptions import (
+    InMemorySubscriptionBus,
+    ListenHandler,
+    PromptsListChanged,
+    ResourcesListChanged,
+    ToolsListChanged,
+)
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from . import __version__
@@ -36,10 +41,16 @@ from .provider import ToolSpec
 log = logging.getLogger(__name__)
 
 IDENTITY_SCOPE_KEY = "multiplexer.identity"
+# Gateway event -> (the 2026-07-28 bus event, the handshake-era connection's sender).
+_LIST_CHANGES: dict[str, tuple[type[Any], str]] = {
+    "tools_changed": (ToolsListChanged, "send_tool_list_changed"),
+    "resources_changed": (ResourcesListChanged, "send_resource_list_changed"),
+    "prompts_changed": (PromptsListChanged, "send_prompt_list_changed"),
+}
 
 
 class _GatewayServer(Server[Any]):
-    """Advertises ``tools.listChanged`` to handshake-era clients on every transport."""
+    """Advertises ``listChanged`` (tools, resources, prompts) to handshake-era clients on every transport."""
 
     def create_initialization_options(
         self,
@@ -48,17 +59,18 @@ class _GatewayServer(Server[Any]):
         extensions: dict[str, dict[str, Any]] | None = None,
     ) -> InitializationOptions:
         return super().create_initialization_options(
-            notification_options or NotificationOptions(tools_changed=True),
+            notification_options or NotificationOptions(
+                tools_changed=True, resources_changed=True, prompts_changed=True),
             experimental_capabilities, extensions,
         )
 
     def get_capabilities(self, *args: Any, **kwargs: Any) -> types.ServerCapabilities:
-        """Promise no resource or prompt change events: only tool-list changes are forwarded
-        (at 2026-07-28 the SDK would derive every ``listChanged`` and ``subscribe`` from the listen handler).
+        """List changes are forwarded, resource subscriptions are not (at 2026-07-28 the SDK would
+        derive ``subscribe`` from the listen handler too).
         """
         caps = super().get_capabilities(*args, **kwargs)
-        resources = types.ResourcesCapability(subscribe=False, list_changed=False)
-        prompts = types.PromptsCapability(list_changed=False)
+        resources = types.ResourcesCapability(subscribe=False, list_changed=True)
+        prompts = types.PromptsCapability(list_changed=True)
         return caps.model_copy(update={"resources": resources if caps.resources else None,
                                        "prompts": prompts if caps.prompts else None})
 
@@ -73,7 +85,8 @@ class McpFace:
         self._sessions: dict[str, Any] = {}  # the same, by HTTP session id
         self._open: Counter[str | None] = Counter()  # open HTTP sessions per identity
         self._counted: set[int] = set()  # connections counted in ``_open``
-        self._changes_in, self._changes_out = anyio.create_memory_object_stream[None](1)
+        self._changed: set[str] = set()  # list-change events waiting for the broadcaster
+        self._wake: anyio.Event | None = None  # made in ``running``, inside the event loop
         self.upstream = UpstreamCatalog(gateway)
         self.server = _GatewayServer(
             "multiplexer", version=__version__,
@@ -93,7 +106,8 @@ class McpFace:
     # -- lifetime --------------------------------------------------------------
     @asynccontextmanager
     async def running(self) -> AsyncIterator[McpFace]:
-        """Forward the gateway's tool-list changes to connected clients while the face is up."""
+        """Forward the upstreams' list changes to connected clients while the face is up."""
+        self._wake = anyio.Event()
         self.gateway.listeners.append(self._on_event)
         try:
             async with anyio.create_task_group() as tg:
@@ -107,16 +121,23 @@ class McpFace:
             self.gateway.listeners.remove(self._on_event)
 
     def _on_event(self, event: str, data: dict[str, Any]) -> None:
-        if event == "tools_changed":
-            with contextlib.suppress(anyio.WouldBlock):  # a pending broadcast covers this change
-                self._changes_in.send_nowait(None)
+        if event in _LIST_CHANGES:
+            self._changed.add(event)  # a change already waiting covers this one
+            if self._wake is not None:
+                self._wake.set()
 
     async def _broadcast(self) -> None:
-        async for _ in self._changes_out:
-            await self.bus.publish(ToolsListChanged())
-            for connection in list(self._legacy.values()):
-                with anyio.move_on_after(1.0):
-                    await connection.send_tool_list_changed()
+        while True:
+            assert self._wake is not None
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            changed, self._changed = self._changed, set()
+            for event in sorted(changed):
+                bus_event, send = _LIST_CHANGES[event]
+                await self.bus.publish(bus_event())
+                for connection in list(self._legacy.values()):
+                    with anyio.move_on_after(1.0):
+                        await getattr(connection, send)()
 
     def sessions_of(self, identity: str | None) -> int:
         """HTTP sessions this identity holds open (the HTTP face caps them per key)."""

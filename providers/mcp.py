@@ -56,7 +56,7 @@ class McpProvider(Provider):
         self.settings: McpSettings = ctx.settings
         self.session = UpstreamSession(
             ctx.name, self.settings, call_timeout_s=ctx.config.timeout_ms / 1000,
-            on_tools=self._tools_changed, on_event=self._session_event,
+            on_tools=self._tools_changed, on_event=self._session_event, on_lists=self._lists_changed,
         )
         self._stack: AsyncExitStack | None = None
         self._sent = ctx.metrics.upstream_requests.labels(ctx.name)
@@ -85,6 +85,9 @@ class McpProvider(Provider):
 
     def _tools_changed(self, tools: dict[str, types.Tool]) -> None:
         self.ctx.notify("tools_changed", {"provider": self.name, "tools": sorted(tools)})
+
+    def _lists_changed(self, kind: str) -> None:
+        self.ctx.notify(f"{kind}_changed", {"provider": self.name})
 
     # -- routing hooks -----------------------------------------------------------
     def _declared_safe(self, tool: str) -> bool:

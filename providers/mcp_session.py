@@ -20,7 +20,12 @@ from typing import Any, Literal, TypeVar
 import anyio
 import mcp_types as types
 from mcp import Client, MCPError
-from mcp.client.subscriptions import ListenNotSupportedError, SubscriptionLost
+from mcp.client.subscriptions import (
+    ListenNotSupportedError,
+    PromptsListChanged,
+    ResourcesListChanged,
+    SubscriptionLost,
+)
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import TypeAdapter, ValidationError
 
@@ -67,12 +72,14 @@ def protocol_error(provider: str, error: MCPError) -> RpcError:
 class UpstreamSession:
     def __init__(self, name: str, settings: McpSettings, *, call_timeout_s: float,
                  on_tools: Callable[[dict[str, types.Tool]], None],
-                 on_event: Callable[[str], None] = lambda event: None) -> None:
+                 on_event: Callable[[str], None] = lambda event: None,
+                 on_lists: Callable[[str], None] = lambda kind: None) -> None:
         self.name = name
         self._on_event = on_event
         self.settings = settings
         self.call_timeout_s = call_timeout_s
         self._on_tools = on_tools
+        self._on_lists = on_lists  # "resources" / "prompts": the upstream's list changed
         self.tools: dict[str, types.Tool] = {}
         self.tools_expire_at: float | None = None
         self.generation = 0
@@ -183,6 +190,10 @@ class UpstreamSession:
     async def _on_message(self, message: Any) -> None:
         if isinstance(message, types.ToolListChangedNotification):
             self._dirty.set()
+        elif isinstance(message, types.ResourceListChangedNotification):
+            self._on_lists("resources")
+        elif isinstance(message, types.PromptListChangedNotification):
+            self._on_lists("prompts")
         elif isinstance(message, Exception):
             log.debug("mcp upstream %s transport error: %r", self.name, message)
 
@@ -198,9 +209,17 @@ class UpstreamSession:
     async def _listen(self, client: Client) -> None:
         """2026-07-28 upstreams announce list changes on a subscription stream, not in-band."""
         try:
-            async with client.listen(tools_list_changed=True) as subscription:
-                async for _event in subscription:
-                    self._dirty.set()
+            async with client.listen(
+                tools_list_changed=True, resources_list_changed=self.offers("resources"),
+                prompts_list_changed=self.offers("prompts"),
+            ) as subscription:
+                async for event in subscription:
+                    if isinstance(event, ResourcesListChanged):
+                        self._on_lists("resources")
+                    elif isinstance(event, PromptsListChanged):
+                        self._on_lists("prompts")
+                    else:
+                        self._dirty.set()
         except (ListenNotSupportedError, SubscriptionLost, MCPError, TimeoutError) as e:
             log.debug("mcp upstream %s: no list-changed subscription: %s", self.name, e)
 

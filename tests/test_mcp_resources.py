@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import mcp_types as types
 import pytest
 import yaml
@@ -78,7 +79,8 @@ async def test_listings_are_merged_and_prompts_prefixed(gateway: tuple[Gateway, 
         assert client.protocol_version == MODES[mode]
         caps = client.server_capabilities
         assert caps.resources is not None and caps.prompts is not None and caps.tools is not None
-        assert not caps.resources.subscribe and not caps.resources.list_changed  # nothing is forwarded
+        assert caps.resources.list_changed and caps.prompts.list_changed  # forwarded
+        assert not caps.resources.subscribe  # resource subscriptions are not
         resources = (await client.list_resources()).resources
         assert [(r.uri, r.name, r.mime_type) for r in resources] == [(README, "readme", "text/plain")]
         templates = (await client.list_resource_templates()).resource_templates
@@ -105,6 +107,45 @@ async def test_reads_and_prompts_reach_their_upstream(gateway: tuple[Gateway, st
         assert item.contents[0].mime_type == "application/json"
         await assert_greets(client, "tools_greet")
         await assert_greets(client, "more_greet")
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_resource_and_prompt_list_changes_reach_connected_clients(mode: str) -> None:
+    heard: dict[str, anyio.Event] = {"resources": anyio.Event(), "prompts": anyio.Event()}
+
+    async def on_message(message: Any) -> None:  # handshake-era clients hear it in band
+        if isinstance(message, types.ResourceListChangedNotification):
+            heard["resources"].set()
+        elif isinstance(message, types.PromptListChangedNotification):
+            heard["prompts"].set()
+
+    async with (
+        running(parse_config(two_upstreams())) as (_, base),  # its own upstreams: this test grows one
+        mcp_http_client(base + "/mcp", mode, message_handler=on_message) as client,
+    ):
+        assert "more_farewell" not in {p.name for p in (await client.list_prompts()).prompts}
+        if client.protocol_version == "2026-07-28":
+            async with client.listen(resources_list_changed=True, prompts_list_changed=True) as events:
+                await client.call_tool("more_grow_catalog", {})
+                with anyio.fail_after(10):
+                    async for event in events:
+                        heard["resources" if "Resources" in type(event).__name__ else "prompts"].set()
+                        if all(e.is_set() for e in heard.values()):
+                            break
+        else:
+            await client.call_tool("more_grow_catalog", {})
+            with anyio.fail_after(10):
+                for event in heard.values():
+                    await event.wait()
+        resources = (await client.list_resources(cache_mode="bypass")).resources
+        prompts = (await client.list_prompts(cache_mode="bypass")).prompts
+        assert "example://news" in {str(r.uri) for r in resources}
+        names = {p.name for p in prompts}
+        assert "more_farewell" in names and "tools_farewell" not in names
+        news = await client.read_resource("example://news", cache_mode="bypass")
+        assert text_of(news) == "the catalog grew"
+        bye = await client.get_prompt("more_farewell", {"name": "Ada"})
+        assert bye.messages[0].content.text == "Goodbye, Ada."  # type: ignore[union-attr]
 
 
 async def test_a_duplicate_uri_read_before_any_listing_goes_to_the_first_upstream() -> None:

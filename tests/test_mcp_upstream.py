@@ -33,7 +33,7 @@ from tests.mcp_helpers import (
 
 pytestmark = pytest.mark.anyio
 
-TOOLS = {"echo", "add", "sleep", "stats", "fail", "pid", "grow"}
+TOOLS = {"echo", "add", "sleep", "stats", "fail", "pid", "grow", "grow_catalog"}
 
 
 @pytest.fixture(scope="module")
