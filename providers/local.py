@@ -13,11 +13,15 @@ when it alone exceeds the model's budget.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 from pydantic import BaseModel, ConfigDict, Field
 
 from local_models.formation import GatedFormation
@@ -63,9 +67,13 @@ class LocalProvider(Provider):
             limits.concurrency = 4096
         self.pool: LocalPool | None = None
         self._missing = "not started"
+        self._loop_thread: int | None = None
+        self._token: Any = None
         self._formation = GatedFormation(self._policy)
 
     async def start(self) -> None:
+        self._loop_thread = threading.get_ident()
+        self._token = anyio.lowlevel.current_token()
         try:
             from local_models.pool import LocalPool
         except ImportError as e:  # the gateway still serves everything else
@@ -84,8 +92,15 @@ class LocalProvider(Provider):
             await pool.__aexit__(None, None, None)
 
     def _event(self, model: str, event: str) -> None:
+        """Counted at once; listeners hear it on the event loop (OOM and budget events come from
+        the forward pass's worker thread, and listeners set anyio events)."""
         self.ctx.metrics.events.labels("local", event).inc()
-        self.ctx.notify(f"local.{event}", {"provider": self.name, "model": model})
+        data = {"provider": self.name, "model": model}
+        if threading.get_ident() == self._loop_thread or self._token is None:
+            self.ctx.notify(f"local.{event}", data)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closing: nobody listens any more
+            anyio.from_thread.run_sync(self.ctx.notify, f"local.{event}", data, token=self._token)
 
     def _policy(self, group: Any):
         from local_models.formation import PassThrough

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import httpx
@@ -185,6 +186,8 @@ async def test_the_pool_wins_its_budget_back_after_passing_memory_pressure() -> 
         original = handle.forward
         handle.control.recover_after = 3  # more than the two halves of the batch that fails
         pressure = True
+        heard: list[tuple[str, int]] = []
+        gw.listeners.append(lambda event, data: heard.append((event, threading.get_ident())))
 
         def injected(rows, on):  # while under pressure, memory for at most 8 of these rows
             if on == "primary" and pressure and len(rows) > 8:
@@ -205,3 +208,5 @@ async def test_the_pool_wins_its_budget_back_after_passing_memory_pressure() -> 
         assert budgets[-1] < 4 * failed  # and stops where passes no longer fill it (no evidence)
         assert budgets[-1] == budgets[-10]
         assert await metric(url, "budget_raised") >= 3 and await metric(url, "budget_lowered") == 1
+        assert {"local.oom_split", "local.budget_lowered", "local.budget_raised"} <= {e for e, _ in heard}
+        assert {thread for _, thread in heard} == {threading.get_ident()}  # on the event loop, not a worker
