@@ -9,6 +9,7 @@ revisions refuse them (batching happens inside the gateway, not on the wire),
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -54,6 +55,7 @@ class McpEndpoint:
                  max_sessions_per_key: int | None = None) -> None:
         self.face = face
         self.max_sessions_per_key = max_sessions_per_key
+        self._opening: Counter[str | None] = Counter()  # initialize requests in flight, per identity
         self.manager = manager
         self.auth = auth
         self.allowed_origins = allowed_origins
@@ -86,29 +88,32 @@ class McpEndpoint:
             if body.lstrip()[:1] == b"[":
                 await self._array(scope, headers, body, receive, send)
                 return
-            refusal = self._session_refusal(identity, headers, body)
-            if refusal is not None:
-                await rpc_error(429, refusal)(scope, receive, send)
-                return
             receive = _replay(body, receive)
+            if self.max_sessions_per_key is not None and _is_initialize(headers, body):
+                await self._open_session(identity, scope, receive, send)
+                return
         await self.manager.handle_request(scope, receive, send)
 
-    def _session_refusal(self, identity: str | None, headers: Headers, body: bytes) -> RpcError | None:
-        """A new handshake-era session past this key's cap (one client must not hold them all)."""
+    async def _open_session(self, identity: str | None, scope: Scope, receive: Receive, send: Send) -> None:
+        """A new handshake-era session, unless this key holds its cap (one client must not hold them all).
+
+        Sessions being opened count too, so a burst of ``initialize`` cannot overshoot the cap.
+        """
         cap = self.max_sessions_per_key
-        if cap is None or headers.get("mcp-session-id") or b'"initialize"' not in body:
-            return None  # the cheap checks first: most requests are in a session or sessionless
-        held = self.face.sessions_of(identity)
-        if held < cap:
-            return None
+        assert cap is not None
+        held = self.face.sessions_of(identity) + self._opening[identity]
+        if held >= cap:
+            refusal = RpcError(Code.RATE_LIMITED, "Rate limited: too many open MCP sessions for this key",
+                               {"limit": "mcp_sessions", "max": cap, "open": held})
+            await rpc_error(429, refusal)(scope, receive, send)
+            return
+        self._opening[identity] += 1
         try:
-            message = loads(body)
-        except (ValueError, RecursionError):
-            return None  # the SDK answers malformed JSON itself
-        if not isinstance(message, dict) or message.get("method") != "initialize":
-            return None
-        return RpcError(Code.RATE_LIMITED, "Rate limited: too many open MCP sessions for this key",
-                        {"limit": "mcp_sessions", "max": cap, "open": held})
+            await self.manager.handle_request(scope, receive, send)  # counted by the face once open
+        finally:
+            self._opening[identity] -= 1
+            if self._opening[identity] <= 0:
+                del self._opening[identity]
 
     async def _array(self, scope: Scope, headers: Headers, body: bytes, receive: Receive,
                      send: Send) -> None:
@@ -147,6 +152,17 @@ class McpEndpoint:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
+
+
+def _is_initialize(headers: Headers, body: bytes) -> bool:
+    """A request that opens a handshake-era session (the cheap checks first)."""
+    if headers.get("mcp-session-id") or b'"initialize"' not in body:
+        return False
+    try:
+        message = loads(body)
+    except (ValueError, RecursionError):
+        return False  # the SDK answers malformed JSON itself
+    return isinstance(message, dict) and message.get("method") == "initialize"
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -250,8 +250,16 @@ async def test_open_sessions_are_capped_per_key() -> None:
         async def one_ended() -> bool:  # the session ends just after the DELETE's reply
             return await sessions() == 2
 
-        opened = [await http.post(url, json=init, headers=as_("key-a")) for _ in range(2)]
-        assert [r.status_code for r in opened] == [200, 200]
+        burst: list[httpx.Response] = []
+
+        async def open_one() -> None:
+            burst.append(await http.post(url, json=init, headers=as_("key-a")))
+
+        async with anyio.create_task_group() as tg:  # sessions being opened count toward the cap
+            for _ in range(6):
+                tg.start_soon(open_one)
+        assert sorted(r.status_code for r in burst) == [200, 200, 429, 429, 429, 429]
+        opened = [r for r in burst if r.status_code == 200]
         refused = await http.post(url, json=init, headers=as_("key-a"))
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == -32003
