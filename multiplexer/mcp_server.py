@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import mcp_types as types
@@ -35,12 +35,21 @@ from .errors import RpcError
 from .gateway import Gateway
 from .jsonrpc import META_KEYS, call_from
 from .mcp_resources import UpstreamCatalog
-from .mcp_tools import MAX_NAME, ToolCatalog, error_result, protocol_error, to_tool, wrap_result
+from .mcp_tools import (
+    MAX_NAME,
+    ToolCatalog,
+    error_result,
+    mcp_error,
+    protocol_error,
+    to_tool,
+    wrap_result,
+)
 from .provider import ToolSpec
 
 log = logging.getLogger(__name__)
 
 IDENTITY_SCOPE_KEY = "multiplexer.identity"
+R = TypeVar("R")
 # Gateway event -> (the 2026-07-28 bus event, the handshake-era connection's sender).
 _LIST_CHANGES: dict[str, tuple[type[Any], str]] = {
     "tools_changed": (ToolsListChanged, "send_tool_list_changed"),
@@ -94,11 +103,11 @@ class McpFace:
             get_tool_input_schema=self.catalog.input_schema,
             on_list_tools=self.list_tools,
             on_call_tool=self.call_tool,
-            on_list_resources=self.upstream.list_resources,
-            on_list_resource_templates=self.upstream.list_resource_templates,
-            on_read_resource=self.upstream.read_resource,
-            on_list_prompts=self.upstream.list_prompts,
-            on_get_prompt=self.upstream.get_prompt,
+            on_list_resources=self._metered(self.upstream.list_resources),
+            on_list_resource_templates=self._metered(self.upstream.list_resource_templates),
+            on_read_resource=self._metered(self.upstream.read_resource),
+            on_list_prompts=self._metered(self.upstream.list_prompts),
+            on_get_prompt=self._metered(self.upstream.get_prompt),
             on_subscriptions_listen=self.listen,
         )
         self.server.middleware.append(self._track_connection)
@@ -186,6 +195,24 @@ class McpFace:
         return connection.protocol_version if connection is not None else None
 
     # -- handlers ----------------------------------------------------------------
+    def _metered(self, handler: Callable[[Any, Any], Awaitable[R]]) -> Callable[[Any, Any], Awaitable[R]]:
+        """Resources and prompts skip the lanes, but not the caller's quota (rpm, concurrency)."""
+        quotas = self.gateway.quotas
+
+        async def run(ctx: ServerRequestContext[Any, Any], params: Any) -> R:
+            identity = identity_of(ctx)
+            try:
+                held = quotas.acquire(identity)
+            except RpcError as e:
+                raise mcp_error(e) from None
+            try:
+                return await handler(ctx, params)
+            finally:
+                if held:
+                    quotas.release(identity)
+
+        return run
+
     async def specs(self) -> list[ToolSpec]:
         """The gateway's tools; exact routes to an MCP upstream take that tool's schema."""
         config = self.gateway.config

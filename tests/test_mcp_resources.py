@@ -295,3 +295,21 @@ async def test_stdio_gateway_lists_reads_and_gets(tmp_path: Path, mode: str) -> 
         with pytest.raises(MCPError) as unknown:
             await client.read_resource("example://nope")
         assert unknown.value.code == types.INVALID_PARAMS and "example://nope" in unknown.value.message
+
+
+async def test_reads_and_prompt_gets_count_against_the_callers_quota() -> None:
+    """They skip the lanes but not the key's quota: a key cannot read its way past its rpm."""
+    config = two_upstreams()
+    config["server"].update(api_keys={"alice": "key-a", "bob": "key-b"}, quotas={"alice": {"rpm": 3}})
+    async with running(parse_config(config)) as (_, base):
+        async with mcp_http_client(base + "/mcp", key="key-a") as alice:
+            await alice.list_resources(cache_mode="bypass")
+            await alice.read_resource(README, cache_mode="bypass")
+            await assert_greets(alice, "tools_greet")
+            with pytest.raises(MCPError) as refused:
+                await alice.read_resource(README, cache_mode="bypass")
+        async with mcp_http_client(base + "/mcp", key="key-b") as bob:  # another key is not held back
+            read = await bob.read_resource(README, cache_mode="bypass")
+        assert text_of(read).startswith("upstream-example")
+    assert refused.value.error.code == Code.RATE_LIMITED
+    assert refused.value.error.data["limit"] == "rpm" and refused.value.error.data["retry_after"] > 0
