@@ -2,7 +2,8 @@
 
 Tools: ``echo`` and ``add`` (fast, read-only), ``sleep`` (slow, reports progress; ``stats``
 counts running, cancelled and finished sleeps), ``fail`` (always fails), ``pid`` (the server's
-process id, so tests can kill it), ``grow`` (adds a tool at run time and announces that the
+process id, so tests can kill it), ``record`` (appends a token to a file: a side effect to
+count), ``grow`` (adds a tool at run time and announces that the
 tool list changed) and ``grow_catalog`` (adds a resource and a prompt, and announces both).
 Resources: ``example://readme`` (text naming the server's process id, so
 tests can tell two copies apart) and the template ``example://items/{item_id}``. Prompt:
@@ -60,6 +61,13 @@ async def sleep(seconds: float, ctx: Context, steps: int = 1) -> str:
         SLEEPS["running"] -= 1
     SLEEPS["finished"] += 1
     return "slept"
+
+
+@server.tool(description="Appends its token to the file at path: a side effect that must not run twice")
+def record(token: str, path: str) -> str:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(token + "\n")
+    return token
 
 
 @server.tool(description="Counts of sleep calls running, cancelled and finished")

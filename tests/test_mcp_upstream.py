@@ -33,7 +33,7 @@ from tests.mcp_helpers import (
 
 pytestmark = pytest.mark.anyio
 
-TOOLS = {"echo", "add", "sleep", "stats", "fail", "pid", "grow", "grow_catalog"}
+TOOLS = {"echo", "add", "sleep", "stats", "fail", "pid", "grow", "grow_catalog", "record"}
 
 
 @pytest.fixture(scope="module")

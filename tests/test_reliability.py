@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from benchmarks import fuzz_rpc, soak_faults
+from benchmarks import fuzz_rpc, soak_faults, soak_mcp
 from benchmarks.fuzz_inputs import RPC_CLASSES, Case, Limits, RpcFuzzer
 from benchmarks.fuzz_mcp import McpFuzzer
 from benchmarks.fuzz_oracle import Owed, check_rpc, expect_rpc, id_key
@@ -118,6 +118,18 @@ async def test_fault_soak_answers_every_call_once_without_duplicate_side_effects
     assert faulty.outcomes["ok"] > faulty.calls // 2 and len(faulty.outcomes) > 2
     retries = soak_faults.metric_sum(metrics, "multiplexer_retries_total")
     assert retries > 0
+
+
+async def test_mcp_crash_soak_answers_every_call_once_and_never_repeats_a_side_effect() -> None:
+    """The stdio upstream is SIGKILLed every 150 answers; read-only calls retry, side effects never."""
+    r = await soak_mcp.soak(calls=600, kill_every=150, batch=20, workers=6)
+    assert r["kills"] >= 3 and r["connects"] >= 3  # the child really died and came back
+    assert r["answered_once"] == r["calls"] and r["missing"] == r["duplicates"] == r["unknown_ids"] == 0
+    assert r["wrong_token"] == 0 and r["undocumented_errors"] == 0
+    assert r["records_run_twice"] == 0 and r["ok_records_not_run_once"] == 0
+    assert r["ok"]["echo"] >= 290  # read-only: caught by a crash, sent again (once)
+    assert r["errors"].get("-32007", 0) >= 1  # side effects caught in flight: reported, not repeated
+    assert sum(r["ok"].values()) + sum(r["errors"].values()) == 600
 
 
 N = 5
