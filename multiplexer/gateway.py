@@ -249,6 +249,8 @@ class Gateway:
             )
             provider = self.providers[route.provider]
             provider.prepare(route, item)
+            if route.mode == "batch" and call.identity is not None:
+                item.group = (*item.group, call.identity)  # one job per owner, who sees it in jobs.*
             ticket.lane = lane = self._lane_for(resolved.name, route)
             key = self._dedup_key(call, route, item, provider)
             if key is None:

@@ -205,6 +205,31 @@ async def test_jobs_belong_to_their_identity(tmp_path):
     assert reply_text(page["results"][0]["result"]) == "echo: mine"
 
 
+async def test_a_batch_route_makes_one_job_per_key_each_owner_can_see(tmp_path):
+    import anyio
+
+    async with fakes() as f:
+        data = remote_config_data(f, tmp_path)
+        data["server"] = {"api_keys": {"alice": "key-a", "bob": "key-b"}}
+        async with running(parse_config(data), port=0) as (_, url), \
+                Client(url, api_key="key-a") as alice, Client(url, api_key="key-b") as bob:
+            results: dict[str, list[Any]] = {}
+
+            async def send(name: str, client: Client) -> None:
+                prompts = [f"{name}{i}" for i in range(3)]
+                results[name] = await client.call_many(batch_calls("chat_batch", prompts))
+
+            async with anyio.create_task_group() as tg:  # inside one batch window
+                tg.start_soon(send, "a", alice)
+                tg.start_soon(send, "b", bob)
+            jobs = {name: (await c.call("jobs.list", {}))["jobs"] for name, c in (("a", alice), ("b", bob))}
+    assert {n: [reply_text(r) for r in rs] for n, rs in results.items()} == {
+        n: [f"echo: {n}{i}" for i in range(3)] for n in "ab"}
+    assert [(j["source"], j["total"]) for j in jobs["a"]] == [("route", 3)]
+    assert [(j["source"], j["total"]) for j in jobs["b"]] == [("route", 3)]
+    assert jobs["a"][0]["job_id"] != jobs["b"][0]["job_id"] and len(f.openai.batches) == 2
+
+
 async def test_job_methods_are_mcp_tools(tmp_path):
     import httpx2
     from mcp import Client as McpClient
