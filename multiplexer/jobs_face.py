@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 
 from providers.batch.jobs import JobManager, new_job_id
-from providers.batch.rows import JobRow, NewItem
+from providers.batch.rows import JobRow, NewItem, storable
 from providers.batch.store import JobStore
 
 from .call import Call, Item
@@ -109,6 +109,8 @@ class JobFace:
         job_id = _params(call).get("job_id")
         if not isinstance(job_id, str):
             raise invalid_params("'job_id' must be a string")
+        if not storable(job_id):
+            raise not_found(job_id)  # no job id holds a lone surrogate
         st = self.store()
         job = await st.run(st.job, job_id)
         if job is None or job.identity != call.identity:
@@ -162,8 +164,11 @@ class JobFace:
                     manager, item = self._item(spec, call.identity)
                     rows.append(manager.new_item(job.id, idx, item))
                 except RpcError as e:
+                    method = spec.get("method") if isinstance(spec, dict) else None
+                    if not (isinstance(method, str) and storable(method)):
+                        method = None
                     rows.append(NewItem(idx=idx, provider=None, route=None, operation=None,
-                                        method=spec.get("method") if isinstance(spec, dict) else None,
+                                        method=method,
                                         params=None, options={}, tokens=0,
                                         custom_id=f"{job.id}-{idx}", state="failed",
                                         error=e.to_dict()))

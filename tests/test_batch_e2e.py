@@ -277,3 +277,50 @@ async def test_an_open_job_closes_by_a_last_submit_or_when_left_idle(tmp_path):
     assert [reply_text(r["result"]) for r in page["results"]] == ["echo: o0", "echo: o1"]
     assert e.value.code == Code.INVALID_PARAMS
     assert len(f.openai.batches) == 2
+
+
+def junk(rng: Any, depth: int = 0) -> Any:
+    """A random JSON value, biased toward the shapes jobs.* parameters take and their edges."""
+    kinds = ["int", "str", "none", "bool", "float", "big"] + (["list", "dict", "call"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "int":
+        return rng.choice([0, 1, -1, 7, 10_000, 100_001, 2**62, -(2**63)])
+    if kind == "str":
+        return rng.choice(["", "job_nope", "chat", "claude", "jobs.submit", "\ud800", "x" * 300, "job_"])
+    if kind == "float":
+        return rng.choice([0.5, -1.5, 1e308])
+    if kind == "big":
+        return 10**30
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [junk(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == "call":
+        return {"method": rng.choice(["chat", "claude", "jobs.list", "nope", 5, "\ud800"]),
+                "params": junk(rng, depth + 1)}
+    keys = ["calls", "job_id", "more", "cursor", "limit", "method", "params", "extra"]
+    return {rng.choice(keys): junk(rng, depth + 1) for _ in range(rng.randrange(5))}
+
+
+async def test_fuzzed_job_method_params_get_precise_errors_never_internal_ones(tmp_path):
+    import random
+
+    from multiplexer.call import Call
+
+    rng = random.Random(11)
+    methods = ["jobs.submit", "jobs.status", "jobs.results", "jobs.cancel", "jobs.list"]
+    codes: dict[int | str, int] = {}
+    async with fakes() as f, running(parse_config(remote_config_data(f, tmp_path)), port=0) as (gateway, _):
+        real = (await gateway.submit(Call("jobs.submit", {"calls": [
+            {"method": "chat", "params": {"model": "gpt-test", **user("seed")}}]}))).result["job_id"]
+        for _ in range(1500):
+            params = junk(rng)
+            if isinstance(params, dict) and rng.random() < 0.3:
+                params["job_id"] = real  # reach past the lookup into the parameter checks
+            outcome = await gateway.submit(Call(rng.choice(methods), params))
+            key = "ok" if outcome.ok else outcome.error.code
+            codes[key] = codes.get(key, 0) + 1
+    assert set(codes) <= {"ok", Code.INVALID_PARAMS, Code.NOT_FOUND}, codes
+    assert codes.get(Code.INVALID_PARAMS, 0) > 100 and codes.get("ok", 0) > 50  # both paths were reached

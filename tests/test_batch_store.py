@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from providers.batch.backend import Planned, plan_parts
 from providers.batch.rows import NewItem
 from providers.batch.store import JobStore, acquire, release
@@ -97,3 +99,12 @@ def test_unplanned_reports_split_key_and_size_and_many_results_decode_together(t
     st.record("job", [(1, "succeeded", {"k": [1, "é"]}, None)])
     assert st.outcomes("job", 2) == [("queued", None, None), ("succeeded", {"k": [1, "é"]}, None)]
     st.close()
+
+
+def test_text_a_lone_surrogate_cannot_hold_is_stored_escaped() -> None:
+    from providers.batch.rows import dumps, storable
+
+    assert dumps({"q": "é"}) == '{"q":"é"}'  # readable where it can be
+    escaped = dumps({"q": "\ud800é"})
+    assert storable(escaped) and json.loads(escaped) == {"q": "\ud800é"}
+    assert not storable("\ud800")

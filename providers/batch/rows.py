@@ -9,7 +9,19 @@ from typing import Any
 
 
 def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+    """Compact JSON for a TEXT column; lone surrogates (valid JSON escapes) stay escaped, as SQLite
+    takes only UTF-8."""
+    out = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+    return out if storable(out) else json.dumps(value, separators=(",", ":"), default=str)
+
+
+def storable(text: str) -> bool:
+    """Whether SQLite can hold ``text`` (a lone surrogate cannot be encoded as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
