@@ -171,10 +171,12 @@ async def best_of(threads: list[int], fn: Callable[[int], Any]) -> dict:
 async def run(args: argparse.Namespace) -> dict:
     from sentence_transformers import SentenceTransformer
 
+    from local_models.devices import pick_device
     from local_models.sources import resolve_source
 
-    st_model = SentenceTransformer(str(resolve_source(MINILM)), device="cpu")
-    model = {"compile": args.compile}
+    device = str(pick_device(args.device))
+    st_model = SentenceTransformer(str(resolve_source(MINILM)), device=device)
+    model = {"compile": args.compile, "device": device}
     pooled = {**model, "max_batch_size": args.max_batch, "max_tokens": args.max_tokens,
               "max_wait_ms": args.max_wait_ms, "max_padding": args.max_padding,
               "concurrency": args.concurrency, "padding_slack": args.padding_slack}
@@ -231,6 +233,8 @@ def main() -> None:
                         help="batches at once on the model (2 x 1 thread beats 1 x 2 threads on 2 cores)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model forward in every gateway run (the spec's compile key)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda, mps or auto (the pool and sentence-transformers use the same one)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the pool in bfloat16 (fast where the CPU has AMX / AVX512-BF16)")
     parser.add_argument("--max-batch", type=int, default=64)
