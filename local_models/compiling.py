@@ -11,14 +11,12 @@ gateway in the same process does not compile again.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
 _compiled: dict[tuple[int, str], tuple[object, Callable[..., Any]]] = {}  # the owner pins its id
 _lock = threading.Lock()
 

@@ -5,7 +5,8 @@ take the route's prefix, like that upstream's tools; resource URIs are global
 identifiers (tool results link to them), so they stay as they are: the first
 upstream in route order owns a URI listed twice, and a URI no listing named (a
 template's) is offered to each upstream in turn. Reads and gets go straight to
-the upstream session: they are metadata, not the volume path the lanes serve.
+the upstream session (the face still counts them against the caller's quota):
+they are metadata, not the volume path the lanes serve.
 """
 
 from __future__ import annotations
