@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import invalid_request
+from .gather import gather
 from .jsonrpc import error_response
 
 BATCH_REVISIONS = frozenset({"2025-03-26"})
@@ -93,14 +94,7 @@ async def serve_batch(app: ASGIApp, scope: Scope, items: list[Any], receive: Rec
         reply = error_response(None, invalid_request("initialize must not be part of a batch"))
         await Response(json.dumps(reply), 400, media_type="application/json")(scope, receive, send)
         return
-    replies: list[Any] = [None] * len(items)
-
-    async def one(i: int) -> None:
-        replies[i] = await _serve_one(app, scope, items[i])
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(items)):
-            tg.start_soon(one, i)
+    replies = await gather(lambda item: _serve_one(app, scope, item), items)
     gathered = [r for r in replies if r is not None]
     if not gathered:
         await Response(status_code=202)(scope, receive, send)

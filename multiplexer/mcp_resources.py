@@ -15,13 +15,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
 import mcp_types as types
 from mcp import MCPError
 from mcp.server import ServerRequestContext
 
 from .errors import Code, RpcError
 from .gateway import Gateway
+from .gather import gather
 from .mcp_tools import mcp_error
 from .provider import Provider
 
@@ -53,19 +53,16 @@ class UpstreamCatalog:
                       ) -> list[tuple[Provider, Listing]]:
         """Every upstream's listing, fetched at once; one that fails is left out, not fatal to the rest."""
         providers = self.mcp_providers()
-        listings: list[Listing] = [[] for _ in providers]
 
-        async def one(i: int) -> None:
+        async def one(provider: Provider) -> Listing:
             try:
-                listings[i] = await fetch(providers[i])
+                return await fetch(provider)
             except RpcError as e:
-                log.warning("%s from %s failed (left out): %s %s", method, providers[i].name, e.message,
+                log.warning("%s from %s failed (left out): %s %s", method, provider.name, e.message,
                             e.data or "")
+                return []
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(providers)):
-                tg.start_soon(one, i)
-        return list(zip(providers, listings, strict=True))
+        return list(zip(providers, await gather(one, providers), strict=True))
 
     def _claim(self, owners: dict[str, str], uri: str, provider: str) -> bool:
         """Whether the entry is new: the first upstream to list a URI owns it; others are warned of once."""

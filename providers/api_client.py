@@ -17,6 +17,7 @@ import httpx
 from multiplexer.call import Item, Outcome
 from multiplexer.clock import Clock
 from multiplexer.errors import RpcError, upstream_error
+from multiplexer.gather import gather
 from multiplexer.limiter import RateLimiter
 from multiplexer.provider import ProviderContext
 from multiplexer.retry import Retryable, with_retries
@@ -161,16 +162,12 @@ async def run_each(items: Sequence[Item], run_one: Callable[[Item], Awaitable[Ou
     """One request per item, concurrently; the lane charged the first, the rest are admitted here."""
     if len(items) == 1:
         return [await run_one(items[0])]
-    out: list[Outcome] = [Outcome()] * len(items)
     gate = anyio.CapacityLimiter(ctx.config.limits.concurrency)
 
-    async def one(i: int) -> None:
+    async def one(i: int) -> Outcome:
         async with gate:
             if i:
                 await admit(ctx.limiter, ctx.clock)
-            out[i] = await run_one(items[i])
+            return await run_one(items[i])
 
-    async with anyio.create_task_group() as tg:
-        for i in range(len(items)):
-            tg.start_soon(one, i)
-    return out
+    return await gather(one, range(len(items)))

@@ -7,12 +7,12 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import anyio
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from multiplexer.call import Item, Outcome
 from multiplexer.errors import RpcError, upstream_error
+from multiplexer.gather import gather
 from multiplexer.provider import Provider, ProviderContext
 from multiplexer.retry import with_retries
 
@@ -77,17 +77,7 @@ class JsonRpcProvider(Provider):
         return await self._singles(items)
 
     async def _singles(self, items: Sequence[Item]) -> list[Outcome]:
-        if len(items) == 1:
-            return [await self._single(items[0])]
-        out: list[Outcome] = [Outcome()] * len(items)
-
-        async def one(i: int) -> None:
-            out[i] = await self._single(items[i])
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(items)):
-                tg.start_soon(one, i)
-        return out
+        return await gather(self._single, items)
 
     def _message(self, item: Item, rid: int) -> dict[str, Any]:
         msg: dict[str, Any] = {"jsonrpc": "2.0", "method": item.method}

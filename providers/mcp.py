@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from multiplexer.call import Item, Outcome
 from multiplexer.config import RouteConfig
 from multiplexer.errors import RpcError, invalid_params
+from multiplexer.gather import gather
 from multiplexer.provider import Provider, ProviderContext, ToolSpec
 
 from .mcp_session import UpstreamSession
@@ -114,17 +115,7 @@ class McpProvider(Provider):
 
     # -- calls --------------------------------------------------------------------
     async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
-        if len(items) == 1:
-            return [await self._one(items[0])]
-        out: list[Outcome] = [Outcome()] * len(items)
-
-        async def one(i: int) -> None:
-            out[i] = await self._one(items[i])
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(items)):
-                tg.start_soon(one, i)
-        return out
+        return await gather(self._one, items)
 
     async def _one(self, item: Item) -> Outcome:
         progress = item.options.get("progress")
