@@ -266,6 +266,7 @@ class LocalPool:
         self._tg.start_soon(self._load, handle)
 
     async def _load(self, handle: ModelHandle) -> None:
+        compiling = False
         try:
             await run_daemon(handle.load_sync, f"load {handle.name}")
         except Exception as e:
@@ -279,9 +280,10 @@ class LocalPool:
                 self._tg.start_soon(handle.engine.run)
             if handle.spec.compile and handle.task != "generate":
                 self._tg.start_soon(self._compile, handle)
+                compiling = True
         finally:
             handle.ready.set()
-            if not handle.spec.compile or handle.error is not None or handle.task == "generate":
+            if not compiling:  # otherwise the compile sets it, however it ends
                 handle.warm.set()
 
     async def _compile(self, handle: ModelHandle) -> None:
