@@ -101,6 +101,21 @@ async def mcp_http_client(url: str, mode: str = "auto", key: str | None = None,
         yield client
 
 
+async def grow_and_hear_it(client: Client, changed: anyio.Event) -> None:
+    """Call ``tools_grow`` and wait until the client hears the tool list changed: on a listen stream
+    at 2026-07-28, in band (``changed``, set by its message handler) on handshake-era revisions."""
+    if client.protocol_version == "2026-07-28":
+        async with client.listen(tools_list_changed=True) as subscription:
+            await client.call_tool("tools_grow", {})
+            with anyio.fail_after(10):
+                async for _event in subscription:
+                    break
+    else:
+        await client.call_tool("tools_grow", {})
+        with anyio.fail_after(10):
+            await changed.wait()
+
+
 def live_children() -> set[int]:
     """Descendants of this test process that are still running (zombies do not count)."""
     out = set()

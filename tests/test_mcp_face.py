@@ -28,6 +28,7 @@ from tests.mcp_helpers import (
     ROOT,
     call,
     free_port,
+    grow_and_hear_it,
     live_children,
     mcp_http_client,
     stdio_upstream,
@@ -290,18 +291,10 @@ async def test_upstream_list_changes_reach_connected_clients(mode: str) -> None:
         mcp_http_client(base + "/mcp", mode, message_handler=on_message) as client,
     ):
         assert "tools_shout" not in {t.name for t in (await client.list_tools()).tools}
-        if client.protocol_version == "2026-07-28":
-            async with client.listen(tools_list_changed=True) as subscription:
-                await client.call_tool("tools_grow", {})
-                with anyio.fail_after(10):
-                    async for _event in subscription:
-                        break
-        else:
+        if client.protocol_version != "2026-07-28":
             assert client.server_capabilities.tools is not None
             assert client.server_capabilities.tools.list_changed
-            await client.call_tool("tools_grow", {})
-            with anyio.fail_after(10):
-                await changed.wait()
+        await grow_and_hear_it(client, changed)
         tools = {t.name for t in (await client.list_tools(cache_mode="bypass")).tools}
         assert "tools_shout" in tools
         shout = await client.call_tool("tools_shout", {"text": "hi"})

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from mcp import Client, StdioServerParameters
 
-from tests.mcp_helpers import MODES, ROOT, UPSTREAM, live_children
+from tests.mcp_helpers import MODES, ROOT, UPSTREAM, grow_and_hear_it, live_children
 
 pytestmark = pytest.mark.anyio
 
@@ -77,16 +77,7 @@ async def test_stdio_gateway_serves_tools_and_leaves_no_process_behind(config_fi
         tree = gateway_tree(before)
         assert len(tree) == 2  # the gateway and its upstream child
 
-        if client.protocol_version == "2026-07-28":
-            async with client.listen(tools_list_changed=True) as subscription:
-                await client.call_tool("tools_grow", {})
-                with anyio.fail_after(10):
-                    async for _event in subscription:
-                        break
-        else:
-            await client.call_tool("tools_grow", {})
-            with anyio.fail_after(10):
-                await changed.wait()
+        await grow_and_hear_it(client, changed)
         assert "tools_shout" in {t.name for t in (await client.list_tools(cache_mode="bypass")).tools}
     assert problems == []
     assert not (tree & live_children())
