@@ -65,6 +65,36 @@ async def started(provider: Provider) -> AsyncIterator[Provider]:
         await provider.aclose()
 
 
+async def die_after_create(api: Any, provider: Any, items: list[Item]) -> None:
+    """Run a batch job until the remote batch is created, then stop as a killed process would:
+    the reply with its id is never read. ``api`` is a respx fake with ``create`` / ``create_route``;
+    creating works normally again afterwards."""
+    created = anyio.Event()
+
+    async def create_then_hang(request: httpx.Request) -> Any:
+        api.create(request)
+        created.set()
+        await anyio.sleep_forever()
+
+    api.create_route.mock(side_effect=create_then_hang)
+    async with started(provider), anyio.create_task_group() as tg:
+        tg.start_soon(provider.jobs.run_items, items)
+        await created.wait()
+        tg.cancel_scope.cancel()
+    api.create_route.mock(side_effect=api.create)
+
+
+async def restart_until_done(provider: Any) -> tuple[Any, list[Any]]:
+    """Start ``provider`` on the store a dead one left; (its open part as found, the job's rows once done)."""
+    store = provider.jobs.store()
+    part = (await store.run(store.open_parts, "p"))[0]
+    done = provider.jobs.watch(part.job_id)
+    async with started(provider):
+        await done.wait()
+        rows = await store.run(store.page, part.job_id, 0, 10)
+    return part, rows
+
+
 def item(provider: Provider, operation: str, params: dict[str, Any], *, mode: str = "sync",
          deadline: float | None = None) -> Item:
     it = Item(route="r", operation=operation, method="m", params=params, deadline=deadline,

@@ -13,7 +13,14 @@ import respx
 from multiplexer.errors import Code
 from providers.anthropic import AnthropicProvider
 from providers.batch.anthropic_batch import parse_line
-from tests.remote_helpers import InstantClock, item, make_provider, started
+from tests.remote_helpers import (
+    InstantClock,
+    die_after_create,
+    item,
+    make_provider,
+    restart_until_done,
+    started,
+)
 
 pytestmark = pytest.mark.anyio
 BASE = "http://claude.test"
@@ -175,32 +182,14 @@ async def test_restart_in_the_submission_window_finds_the_batch_by_listing(tmp_p
     first = provider(tmp_path)
     with respx.mock(base_url=BASE, assert_all_called=False) as mock:
         api = MessageBatches(mock)
-        created = anyio.Event()
-
-        async def create_then_hang(request):
-            api.create(request)
-            created.set()
-            await anyio.sleep_forever()
-
-        api.create_route.mock(side_effect=create_then_hang)
-        async with started(first), anyio.create_task_group() as tg:
-            tg.start_soon(first.jobs.run_items, msgs(first, ["a", "b"]))
-            await created.wait()
-            tg.cancel_scope.cancel()
+        await die_after_create(api, first, msgs(first, ["a", "b"]))
         other = {"id": "msgbatch_other", "created_at": "2100-01-01T00:00:00Z",
                  "request_counts": {"processing": 5}}  # a different size: not ours
         old = {"id": "msgbatch_old", "created_at": "2001-01-01T00:00:00Z",
                "request_counts": {"succeeded": 2}}  # before the intent: not ours
         mock.get(PATH).mock(side_effect=lambda r: httpx.Response(200, json={
             "data": [other, api.view("msgbatch_1"), old], "has_more": False}))
-        api.create_route.mock(side_effect=api.create)
-        second = provider(tmp_path)
-        store = second.jobs.store()
-        part = (await store.run(store.open_parts, "p"))[0]
-        done = second.jobs.watch(part.job_id)
-        async with started(second):
-            await done.wait()
-            rows = await store.run(store.page, part.job_id, 0, 10)
+        _, rows = await restart_until_done(provider(tmp_path))
     assert len(api.batches) == 1
     assert [r[2]["content"][0]["text"] for r in rows] == ["re: a", "re: b"]
 
@@ -209,28 +198,11 @@ async def test_an_ambiguous_listing_is_reported_not_resubmitted(tmp_path):
     first = provider(tmp_path)
     with respx.mock(base_url=BASE, assert_all_called=False) as mock:
         api = MessageBatches(mock)
-        created = anyio.Event()
-
-        async def create_then_hang(request):
-            api.create(request)
-            created.set()
-            await anyio.sleep_forever()
-
-        api.create_route.mock(side_effect=create_then_hang)
-        async with started(first), anyio.create_task_group() as tg:
-            tg.start_soon(first.jobs.run_items, msgs(first, ["a"]))
-            await created.wait()
-            tg.cancel_scope.cancel()
+        await die_after_create(api, first, msgs(first, ["a"]))
         twin = {**api.view("msgbatch_1"), "id": "msgbatch_twin"}
         mock.get(PATH).mock(return_value=httpx.Response(200, json={
             "data": [api.view("msgbatch_1"), twin], "has_more": False}))
-        second = provider(tmp_path)
-        store = second.jobs.store()
-        part = (await store.run(store.open_parts, "p"))[0]
-        done = second.jobs.watch(part.job_id)
-        async with started(second):
-            await done.wait()
-            rows = await store.run(store.page, part.job_id, 0, 10)
+        _, rows = await restart_until_done(provider(tmp_path))
     assert len(api.batches) == 1
     assert rows[0][1] == "failed" and "unknown" in rows[0][3]["data"]["detail"]
 

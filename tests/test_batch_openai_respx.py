@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 import respx
@@ -13,7 +12,15 @@ import respx
 from multiplexer.errors import Code
 from providers.batch.openai_batch import parse_line
 from providers.openai import OpenAIProvider
-from tests.remote_helpers import InstantClock, chat_reply, item, make_provider, started
+from tests.remote_helpers import (
+    InstantClock,
+    chat_reply,
+    die_after_create,
+    item,
+    make_provider,
+    restart_until_done,
+    started,
+)
 
 pytestmark = pytest.mark.anyio
 BASE = "http://oai.test/v1"
@@ -255,30 +262,12 @@ async def test_restart_in_the_submission_window_adopts_the_listed_batch(tmp_path
     first = provider(tmp_path)
     with respx.mock(base_url=BASE, assert_all_called=False) as mock:
         api = BatchApi(mock, ["completed"])
-        created = anyio.Event()
-
-        async def create_then_hang(request):
-            api.create(request)
-            created.set()
-            await anyio.sleep_forever()
-
-        api.create_route.mock(side_effect=create_then_hang)
-        async with started(first), anyio.create_task_group() as tg:
-            tg.start_soon(first.jobs.run_items, chats(first, ["a", "b"]))
-            await created.wait()
-            tg.cancel_scope.cancel()  # the process dies here, reply never read
+        await die_after_create(api, first, chats(first, ["a", "b"]))
         mock.get("/batches").mock(side_effect=lambda r: httpx.Response(200, json={
             "data": [{"id": "batch_1", "metadata": api.creates[0]["metadata"],
                       "created_at": 2_000_000_000}], "has_more": False}))
-        api.create_route.mock(side_effect=api.create)
-        second = provider(tmp_path)
-        store = second.jobs.store()
-        part = (await store.run(store.open_parts, "p"))[0]
-        assert part.state == "submitting" and part.remote_id is None
-        done = second.jobs.watch(part.job_id)
-        async with started(second):
-            await done.wait()
-            rows = await store.run(store.page, part.job_id, 0, 10)
+        part, rows = await restart_until_done(provider(tmp_path))
+    assert part.state == "submitting" and part.remote_id is None
     assert len(api.creates) == 1 and len(api.uploads) == 1  # nothing submitted twice
     assert [r[2]["choices"][0]["message"]["content"] for r in rows] == ["re: a", "re: b"]
 
