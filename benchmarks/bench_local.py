@@ -27,9 +27,9 @@ import httpx
 import torch
 
 from benchmarks._procs import percentile, save, table
-from multiplexer.call import Call
-from multiplexer.config import parse_config
-from multiplexer.gateway import Gateway
+from multiplexer.core.call import Call
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
 
 LENGTHS = (3, 5, 8, 12, 20, 40, 80, 120)

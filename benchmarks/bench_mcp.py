@@ -38,9 +38,9 @@ from mcp import StdioServerParameters
 
 from benchmarks._procs import ROOT, child, free_port, save, table
 from multiplexer import Client
-from multiplexer.call import Call
-from multiplexer.config import parse_config
-from multiplexer.gateway import Gateway
+from multiplexer.core.call import Call
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
 
 UPSTREAM = str(ROOT / "examples" / "upstream_server.py")
 CONCURRENCY = 50

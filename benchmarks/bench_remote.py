@@ -25,7 +25,7 @@ import psutil
 from benchmarks._gateway import RssSampler, gateway, metric_sum
 from benchmarks._procs import child, free_port, save, table
 from multiplexer import Client
-from multiplexer.errors import RpcError
+from multiplexer.core.errors import RpcError
 
 MAX_INPUTS = 2048
 CONCURRENCY = 16

@@ -164,7 +164,7 @@ async def fuzz(base: str, n_rpc: int, n_mcp: int, seed: int, concurrency: int) -
 
 def has_mcp() -> bool:
     try:
-        import multiplexer.mcp_face  # noqa: F401
+        import multiplexer.faces.mcp.http  # noqa: F401
     except ImportError:
         return False
     return True

@@ -23,7 +23,7 @@ import yaml
 
 from benchmarks._procs import save, table
 from multiplexer import Client, RpcError
-from multiplexer.jobs_client import job_results, submit_job, wait_job
+from multiplexer.sdk.jobs import job_results, submit_job, wait_job
 from tests.remote_helpers import fakes, remote_config_data, reply_text, user
 from tests.test_batch_restart import free_port, gateway_process
 

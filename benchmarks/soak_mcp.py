@@ -32,7 +32,7 @@ import httpx
 import psutil
 
 from benchmarks._procs import save, table
-from multiplexer.config import parse_config
+from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 
 UPSTREAM = str(Path(__file__).resolve().parent.parent / "examples" / "upstream_server.py")

@@ -16,14 +16,14 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from multiplexer.batching import Decision, Formation, Pending
+from multiplexer.core.batching import Decision, Formation, Pending
 
 from .prepared import shape
 
 
 @dataclass(frozen=True, slots=True)
 class TokenBudget:
-    """Implements ``multiplexer.batching.Formation`` for one model's queue."""
+    """Implements ``multiplexer.core.batching.Formation`` for one model's queue."""
 
     max_rows: int = 64
     max_tokens: int = 16384

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from multiplexer.batching import Formation
-from multiplexer.errors import RpcError, upstream_unavailable
+from multiplexer.core.batching import Formation
+from multiplexer.core.errors import RpcError, upstream_unavailable
 
 from .budget import BudgetControl
 from .compiling import compiled_forward, warm_batches

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from multiplexer.call import Item
+from multiplexer.core.call import Item
 
 KEY = "_local"
 

@@ -10,7 +10,7 @@ import base64
 from collections.abc import Sequence
 from typing import Any
 
-from multiplexer.errors import RpcError, invalid_params
+from multiplexer.core.errors import RpcError, invalid_params
 
 from .prepared import Prepared
 

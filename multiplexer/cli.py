@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from .config import ConfigError, load_config
+from multiplexer.gateway.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "config/default.yaml"
 
@@ -27,11 +27,11 @@ def _run(fn: Any, *args: Any) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server import serve_forever
+    from multiplexer.server import serve_forever
 
     config = load_config(args.config)
     if args.stdio:
-        from .stdio_face import serve_stdio
+        from multiplexer.faces.mcp.stdio import serve_stdio
 
         anyio.run(serve_stdio, config)
         return 0
@@ -40,8 +40,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _call(args: argparse.Namespace) -> int:
-    from .client import SyncClient
-    from .errors import RpcError
+    from multiplexer.core.errors import RpcError
+    from multiplexer.sdk.client import SyncClient
 
     params: Any = json.loads(args.params) if args.params else None
     try:
@@ -60,7 +60,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from multiplexer.demo import run_demo
 
     return anyio.run(run_demo, load_config(args.config), args.port)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .client import Client
-from .config import Config
-from .errors import RpcError
-from .server import running
+from multiplexer.core.errors import RpcError
+from multiplexer.gateway.config import Config
+from multiplexer.sdk.client import Client
+from multiplexer.server import running
 
 SAMPLES: list[tuple[str, Any]] = [
     ("echo", {"hello": "world"}),

@@ -13,10 +13,11 @@ from typing import Any
 import anyio
 import uvicorn
 
-from .auth import Authenticator, is_loopback
-from .config import Config, ConfigError
-from .gateway import Gateway
-from .http import create_app
+from multiplexer.faces.auth import Authenticator, is_loopback
+from multiplexer.faces.http import create_app
+from multiplexer.faces.jobs import attach_jobs
+from multiplexer.gateway.config import Config, ConfigError
+from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def bind(host: str, port: int) -> socket.socket:
 def _faces(gateway: Gateway) -> tuple[list[Any], Any]:
     """Extra routes and a lifespan from optional faces (MCP)."""
     try:
-        from .mcp_face import mount_mcp
+        from multiplexer.faces.mcp.http import mount_mcp
     except ImportError:
         return [], None
     return mount_mcp(gateway, Authenticator(gateway.config.server.api_keys))
@@ -111,6 +112,7 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
     gw = gateway or Gateway(config)
     try:
         async with gw:
+            attach_jobs(gw)
             routes, lifespan = _faces(gw)
             app = create_app(gw, routes, lifespan)
             async with serve_asgi(app, sock, lifespan=lifespan is not None) as url:

@@ -11,10 +11,10 @@ import os
 
 from pydantic import Field, SecretStr
 
-from multiplexer.call import Item
-from multiplexer.config import RouteConfig
-from multiplexer.errors import invalid_params
-from multiplexer.provider import ProviderContext
+from multiplexer.core.call import Item
+from multiplexer.core.errors import invalid_params
+from multiplexer.core.policy import RouteConfig
+from multiplexer.core.provider import ProviderContext
 
 from .api_client import ApiClient
 from .batch.anthropic_batch import AnthropicBatchBackend

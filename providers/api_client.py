@@ -14,13 +14,13 @@ from typing import Any
 import anyio
 import httpx
 
-from multiplexer.call import Item, Outcome
-from multiplexer.clock import Clock
-from multiplexer.errors import RpcError, upstream_error
-from multiplexer.gather import gather
-from multiplexer.limiter import RateLimiter
-from multiplexer.provider import ProviderContext
-from multiplexer.retry import Retryable, with_retries
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.clock import Clock
+from multiplexer.core.errors import RpcError, upstream_error
+from multiplexer.core.gather import gather
+from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.provider import ProviderContext
+from multiplexer.core.retry import Retryable, with_retries
 
 from .http_util import classify, make_client
 from .ratelimit_headers import Parser, apply, wait_hint

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from multiplexer.call import Item, Outcome
-from multiplexer.errors import invalid_params
-from multiplexer.provider import Provider
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.errors import invalid_params
+from multiplexer.core.provider import Provider
 
 
 class EchoSettings(BaseModel):

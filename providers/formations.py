@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from multiplexer.batching import CountFormation, Decision, Pending
+from multiplexer.core.batching import CountFormation, Decision, Pending
 
 _SINGLE = CountFormation(max_items=1, max_wait=0.0)
 

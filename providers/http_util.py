@@ -11,9 +11,9 @@ from datetime import datetime
 
 import httpx
 
-from multiplexer.call import Item
-from multiplexer.errors import RpcError, upstream_error, upstream_unavailable
-from multiplexer.retry import Retryable
+from multiplexer.core.call import Item
+from multiplexer.core.errors import RpcError, upstream_error, upstream_unavailable
+from multiplexer.core.retry import Retryable
 
 # Statuses where the upstream did not run the request: always safe to retry.
 SAFE_STATUSES = {408, 425, 429, 503, 529}

@@ -10,11 +10,11 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from multiplexer.call import Item, Outcome
-from multiplexer.errors import RpcError, upstream_error
-from multiplexer.gather import gather
-from multiplexer.provider import Provider, ProviderContext
-from multiplexer.retry import with_retries
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.errors import RpcError, upstream_error
+from multiplexer.core.gather import gather
+from multiplexer.core.provider import Provider, ProviderContext
+from multiplexer.core.retry import with_retries
 
 from .h11_transport import H11Transport
 from .http_util import all_idempotent, batch_deadline, make_client, send

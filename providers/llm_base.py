@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from multiplexer.batching import CountFormation
-from multiplexer.call import Item, Outcome
-from multiplexer.config import BatchPolicy, RouteConfig
-from multiplexer.errors import RpcError, invalid_params
-from multiplexer.provider import Provider, ProviderContext
+from multiplexer.core.batching import CountFormation
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.errors import RpcError, invalid_params
+from multiplexer.core.policy import BatchPolicy, RouteConfig
+from multiplexer.core.provider import Provider, ProviderContext
 
 from .api_client import ApiClient, run_each
 from .batch.backend import BatchBackend

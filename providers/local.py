@@ -28,16 +28,16 @@ from local_models.formation import GatedFormation
 from local_models.prepared import KEY, Prepared, prepared_of
 from local_models.spec import ModelSpec
 from local_models.wire import options_of, texts_of, too_long
-from multiplexer.call import Item, Outcome
-from multiplexer.config import RouteConfig
-from multiplexer.errors import (
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.errors import (
     RpcError,
     internal_error,
     invalid_params,
     upstream_error,
     upstream_unavailable,
 )
-from multiplexer.provider import Provider, ProviderContext, ToolSpec
+from multiplexer.core.policy import RouteConfig
+from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
 
 if TYPE_CHECKING:
     from local_models.pool import LocalPool

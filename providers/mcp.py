@@ -18,11 +18,11 @@ import anyio
 import mcp_types as types
 from pydantic import BaseModel
 
-from multiplexer.call import Item, Outcome
-from multiplexer.config import RouteConfig
-from multiplexer.errors import RpcError, invalid_params
-from multiplexer.gather import gather
-from multiplexer.provider import Provider, ProviderContext, ToolSpec
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.errors import Code, RpcError, invalid_params
+from multiplexer.core.gather import gather
+from multiplexer.core.policy import RouteConfig
+from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
 
 from .mcp_session import UpstreamSession
 from .mcp_transport import McpSettings
@@ -51,6 +51,7 @@ def wire(item: BaseModel) -> dict[str, Any]:
 
 class McpProvider(Provider):
     Settings = McpSettings
+    mcp_upstream = True  # results are CallToolResults already (the McpUpstream capability)
 
     def __init__(self, ctx: ProviderContext) -> None:
         super().__init__(ctx)
@@ -141,7 +142,8 @@ class McpProvider(Provider):
 
     async def read_resource(self, uri: str) -> dict[str, Any]:
         if not self.session.offers("resources"):
-            return await super().read_resource(uri)
+            raise RpcError(Code.INVALID_PARAMS, f"Unknown resource: {uri}",
+                           {"uri": uri, "provider": self.name})
         return await self._counted(self.session.read_resource(uri))
 
     async def list_prompts(self) -> list[dict[str, Any]]:
@@ -149,7 +151,8 @@ class McpProvider(Provider):
 
     async def get_prompt(self, name: str, arguments: dict[str, str] | None) -> dict[str, Any]:
         if not self.session.offers("prompts"):
-            return await super().get_prompt(name, arguments)
+            raise RpcError(Code.INVALID_PARAMS, f"Unknown prompt: {name}",
+                           {"prompt": name, "provider": self.name})
         return await self._counted(self.session.get_prompt(name, arguments))
 
     async def _counted(self, request: Awaitable[dict[str, Any]]) -> dict[str, Any]:

@@ -29,8 +29,8 @@ from mcp.client.subscriptions import (
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import TypeAdapter, ValidationError
 
-from multiplexer import __version__
-from multiplexer.errors import RpcError, timeout_error, upstream_error, upstream_unavailable
+from multiplexer.core.errors import RpcError, timeout_error, upstream_error, upstream_unavailable
+from multiplexer.core.version import VERSION as __version__
 
 from .mcp_transport import McpSettings, open_transport, watched
 

@@ -16,10 +16,10 @@ from typing import Any
 import anyio
 from pydantic import Field, SecretStr
 
-from multiplexer.call import Item, Outcome
-from multiplexer.config import RouteConfig
-from multiplexer.errors import Code, RpcError, upstream_error
-from multiplexer.provider import ProviderContext
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.errors import Code, RpcError, upstream_error
+from multiplexer.core.policy import RouteConfig
+from multiplexer.core.provider import ProviderContext
 
 from .api_client import ApiClient, admit
 from .batch.backend import BatchApiSettings

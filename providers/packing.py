@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from multiplexer.errors import RpcError, invalid_params
+from multiplexer.core.errors import RpcError, invalid_params
 
 
 def text_tokens(text: str) -> int:

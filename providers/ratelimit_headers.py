@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from multiplexer.limiter import RateLimiter
+from multiplexer.core.limiter import RateLimiter
 
 from .http_util import parse_duration, parse_retry_after, parse_rfc3339
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from examples.jsonrpc_upstream import UpstreamState, create_app
-from multiplexer.config import parse_config
+from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 from tests.fakes.serve import serve_app
 

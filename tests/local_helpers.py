@@ -77,7 +77,7 @@ def tiny_classifier(out: Path) -> Path:
 
 def local_config(models: dict[str, dict[str, Any]], routes: dict[str, dict[str, Any]] | None = None,
                  **provider: Any):
-    from multiplexer.config import parse_config
+    from multiplexer.gateway.config import parse_config
 
     routes = routes or {name: {"provider": "local", "model": name} for name in models}
     return parse_config({

@@ -16,8 +16,8 @@ import psutil
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from multiplexer.call import Call
-from multiplexer.gateway import Gateway
+from multiplexer.core.call import Call
+from multiplexer.gateway.gateway import Gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = str(ROOT / "examples" / "upstream_server.py")

@@ -11,11 +11,11 @@ from typing import Any
 import anyio
 import httpx
 
-from multiplexer.call import Item
-from multiplexer.config import ProviderConfig, RouteConfig
-from multiplexer.limiter import RateLimiter
-from multiplexer.metrics import Metrics
-from multiplexer.provider import Provider, ProviderContext
+from multiplexer.core.call import Item
+from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.metrics import Metrics
+from multiplexer.core.provider import Provider, ProviderContext
+from multiplexer.gateway.config import ProviderConfig, RouteConfig
 
 
 class InstantClock:

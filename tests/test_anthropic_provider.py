@@ -8,7 +8,7 @@ import httpx
 import pytest
 import respx
 
-from multiplexer.errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError
 from providers.anthropic import AnthropicProvider, auth_headers
 from tests.remote_helpers import InstantClock, body, item, make_provider, started
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import respx
 
-from multiplexer.errors import Code
+from multiplexer.core.errors import Code
 from providers.anthropic import AnthropicProvider
 from providers.batch.anthropic_batch import parse_line
 from tests.remote_helpers import (

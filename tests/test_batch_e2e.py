@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from multiplexer.client import Client
-from multiplexer.config import parse_config
-from multiplexer.errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError
+from multiplexer.gateway.config import parse_config
+from multiplexer.sdk.client import Client
 from multiplexer.server import running
 from tests.remote_helpers import Events, fakes, remote_config_data, reply_text, user
 
@@ -264,8 +264,9 @@ async def test_an_open_job_closes_by_a_last_submit_or_when_left_idle(tmp_path):
                 sealed = await client.call("jobs.submit", {"job_id": closed["job_id"]})  # no calls: close
                 assert sealed["state"] == "running" and sealed["total"] == 3
                 forgotten = await client.call("jobs.submit", {"calls": calls[:2], "more": True})
-                assert await gateway.jobs.close_idle(3600, now=time.time()) == []  # not idle yet
-                assert await gateway.jobs.close_idle(3600, now=time.time() + 3601) == [forgotten["job_id"]]
+                face = gateway.faces["jobs"]
+                assert await face.close_idle(3600, now=time.time()) == []  # not idle yet
+                assert await face.close_idle(3600, now=time.time() + 3601) == [forgotten["job_id"]]
                 assert [d for e, d in events.seen if e == "batch_job_closed_idle"] == [
                     {"job_id": forgotten["job_id"]}]
                 await events.wait("batch_job_ended", count=2)
@@ -307,7 +308,7 @@ def junk(rng: Any, depth: int = 0) -> Any:
 async def test_fuzzed_job_method_params_get_precise_errors_never_internal_ones(tmp_path):
     import random
 
-    from multiplexer.call import Call
+    from multiplexer.core.call import Call
 
     rng = random.Random(11)
     methods = ["jobs.submit", "jobs.status", "jobs.results", "jobs.cancel", "jobs.list"]

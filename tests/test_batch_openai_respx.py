@@ -9,7 +9,7 @@ import httpx
 import pytest
 import respx
 
-from multiplexer.errors import Code
+from multiplexer.core.errors import Code
 from providers.batch.openai_batch import parse_line
 from providers.openai import OpenAIProvider
 from tests.remote_helpers import (

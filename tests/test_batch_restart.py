@@ -20,8 +20,8 @@ import anyio
 import pytest
 import yaml
 
-from multiplexer.client import Client
-from multiplexer.jobs_client import job_results, submit_job, wait_job
+from multiplexer.sdk.client import Client
+from multiplexer.sdk.jobs import job_results, submit_job, wait_job
 from tests.remote_helpers import fakes, remote_config_data, reply_text, user
 
 pytestmark = pytest.mark.anyio

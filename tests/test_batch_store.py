@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from multiplexer.core.jobrows import NewItem
 from providers.batch.backend import Planned, plan_parts
-from providers.batch.rows import NewItem
 from providers.batch.store import JobStore, acquire, release
 
 
@@ -102,7 +102,7 @@ def test_unplanned_reports_split_key_and_size_and_many_results_decode_together(t
 
 
 def test_text_a_lone_surrogate_cannot_hold_is_stored_escaped() -> None:
-    from providers.batch.rows import dumps, storable
+    from multiplexer.core.jobrows import dumps, storable
 
     assert dumps({"q": "é"}) == '{"q":"é"}'  # readable where it can be
     escaped = dumps({"q": "\ud800é"})

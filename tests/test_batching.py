@@ -8,12 +8,12 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
-from multiplexer.batching import CountFormation, GroupedQueue, Pending, choose
-from multiplexer.call import Item, Outcome
-from multiplexer.clock import ManualClock
-from multiplexer.errors import Code, RpcError
-from multiplexer.lane import Lane
-from multiplexer.limiter import RateLimiter
+from multiplexer.core.batching import CountFormation, GroupedQueue, Pending, choose
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.clock import ManualClock
+from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.lane import Lane
+from multiplexer.core.limiter import RateLimiter
 
 pytestmark = pytest.mark.anyio
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from multiplexer.config import parse_config
-from multiplexer.gateway import Gateway
-from multiplexer.jsonrpc import decode, split_meta
-from multiplexer.service import handle_body
+from multiplexer.core.jsonrpc import decode, split_meta
+from multiplexer.faces.rpc import handle_body
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
 
 CONFIG = parse_config({
     "providers": {"b": {"kind": "echo", "batch": {"max_items": 50}}},

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from multiplexer.config import ConfigError, load_config, parse_config
-from multiplexer.router import Router
+from multiplexer.core.router import Router
+from multiplexer.gateway.config import ConfigError, load_config, parse_config
 
 CONTRACT = """
 server: {host: 127.0.0.1, port: 8080}

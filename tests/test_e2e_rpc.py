@@ -136,7 +136,7 @@ async def test_retry_after_is_honoured() -> None:
 
 
 async def test_unreachable_upstream_is_a_clear_error() -> None:
-    from multiplexer.config import parse_config
+    from multiplexer.gateway.config import parse_config
     from multiplexer.server import running
     from tests.jsonrpc_helpers import calc_config
 

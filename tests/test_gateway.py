@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
-from multiplexer.call import Call, Item, Outcome
-from multiplexer.clock import ManualClock
-from multiplexer.config import parse_config
-from multiplexer.errors import Code, invalid_params
-from multiplexer.gateway import Gateway
-from multiplexer.provider import Provider, ProviderContext
+from multiplexer.core.call import Call, Item, Outcome
+from multiplexer.core.clock import ManualClock
+from multiplexer.core.errors import Code, invalid_params
+from multiplexer.core.provider import Provider, ProviderContext
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
 
 pytestmark = pytest.mark.anyio
 

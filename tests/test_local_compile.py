@@ -7,8 +7,8 @@ import threading
 import anyio
 import pytest
 
-from multiplexer.call import Call
-from multiplexer.gateway import Gateway
+from multiplexer.core.call import Call
+from multiplexer.gateway.gateway import Gateway
 from tests.local_helpers import MINILM, local_config, sentence, tiny_classifier
 
 pytestmark = pytest.mark.anyio
@@ -143,7 +143,7 @@ def load_forever(self):
     threading.Event().wait()
 
 pool.ModelHandle.load_sync = load_forever
-from multiplexer.gateway import Gateway
+from multiplexer.gateway.gateway import Gateway
 from tests.local_helpers import MINILM, local_config
 
 async def main():

@@ -10,9 +10,9 @@ import anyio
 import pytest
 import yaml
 
-from multiplexer.call import Call
-from multiplexer.config import parse_config
-from multiplexer.gateway import Gateway
+from multiplexer.core.call import Call
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
 from tests.local_helpers import MINILM, local_config, sentence
 
 pytestmark = pytest.mark.anyio

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from local_models.formation import GatedFormation, PassThrough, TokenBudget, form_batch, plan_chunks
 from local_models.prepared import KEY, Prepared
-from multiplexer.batching import Pending
-from multiplexer.call import Item, Outcome
-from multiplexer.clock import ManualClock
-from multiplexer.lane import Lane
-from multiplexer.limiter import RateLimiter
+from multiplexer.core.batching import Pending
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.clock import ManualClock
+from multiplexer.core.lane import Lane
+from multiplexer.core.limiter import RateLimiter
 
 pytestmark = pytest.mark.anyio
 

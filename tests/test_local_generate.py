@@ -7,8 +7,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from multiplexer.call import Call
-from multiplexer.gateway import Gateway
+from multiplexer.core.call import Call
+from multiplexer.gateway.gateway import Gateway
 from tests.local_helpers import local_config, sentence, tiny_causal_lm
 
 pytestmark = pytest.mark.anyio

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from multiplexer.call import Call
+from multiplexer.core.call import Call
 from multiplexer.server import running
 from tests.local_helpers import MINILM, local_config, sentence, tiny_causal_lm
 

@@ -17,11 +17,11 @@ import pytest
 import yaml
 from mcp import MCPError
 
-from multiplexer.call import Call
-from multiplexer.config import parse_config
-from multiplexer.gateway import Gateway
-from multiplexer.mcp_tools import ERROR_META_KEY
-from multiplexer.provider import ToolSpec
+from multiplexer.core.call import Call
+from multiplexer.core.provider import ToolSpec
+from multiplexer.faces.mcp.tools import ERROR_META_KEY
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
 from tests.mcp_helpers import (
     MODES,

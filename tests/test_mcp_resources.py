@@ -19,9 +19,9 @@ import yaml
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.server import Server
 
-from multiplexer.config import parse_config
-from multiplexer.errors import Code
-from multiplexer.gateway import Gateway
+from multiplexer.core.errors import Code
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import bind, running, serve_asgi
 from tests.mcp_helpers import (
     MODES,

@@ -8,9 +8,10 @@ import mcp_types as types
 from hypothesis import given
 from hypothesis import strategies as st
 
-from multiplexer.errors import Code, RpcError, rate_limited
-from multiplexer.mcp_face import origin_allowed
-from multiplexer.mcp_tools import (
+from multiplexer.core.errors import Code, RpcError, rate_limited
+from multiplexer.core.provider import ToolSpec
+from multiplexer.faces.mcp.http import origin_allowed
+from multiplexer.faces.mcp.tools import (
     ERROR_META_KEY,
     MAX_NAME,
     ToolCatalog,
@@ -19,7 +20,6 @@ from multiplexer.mcp_tools import (
     short_name,
     wrap_result,
 )
-from multiplexer.provider import ToolSpec
 
 NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_0123456789", min_size=1, max_size=200)
 

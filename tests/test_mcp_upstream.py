@@ -14,10 +14,10 @@ import psutil
 import pytest
 from mcp.server import Server
 
-from multiplexer.call import Call
-from multiplexer.config import ConfigError, parse_config
-from multiplexer.errors import Code
-from multiplexer.gateway import Gateway
+from multiplexer.core.call import Call
+from multiplexer.core.errors import Code
+from multiplexer.gateway.config import ConfigError, parse_config
+from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import bind, serve_asgi
 from providers.mcp_transport import McpSettings, stdio_parameters
 from tests.mcp_helpers import (

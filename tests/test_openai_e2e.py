@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from multiplexer.client import Client
-from multiplexer.config import parse_config
-from multiplexer.errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError
+from multiplexer.gateway.config import parse_config
+from multiplexer.sdk.client import Client
 from multiplexer.server import running
 from tests.fakes.openai_fake import embed_text
 from tests.remote_helpers import fakes, remote_config_data, reply_text, user

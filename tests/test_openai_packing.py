@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from multiplexer.limiter import RateLimiter
+from multiplexer.core.limiter import RateLimiter
 from providers.packing import Scatter, ordered_data, pack, split_usage
 from providers.ratelimit_headers import Observation, anthropic_limits, apply, openai_limits, wait_hint
 from tests.remote_helpers import InstantClock

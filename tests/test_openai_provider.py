@@ -6,7 +6,7 @@ import httpx
 import pytest
 import respx
 
-from multiplexer.errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError
 from providers.openai import OpenAIProvider, auth_headers
 from tests.remote_helpers import (
     InstantClock,

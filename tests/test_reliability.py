@@ -21,7 +21,7 @@ from benchmarks.fuzz_oracle import Owed, check_rpc, expect_rpc, id_key
 from examples.fault_upstream import FAULTS, FaultState
 from examples.fault_upstream import create_app as fault_app
 from examples.jsonrpc_upstream import create_app as calc_app
-from multiplexer.config import parse_config
+from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 from tests.fakes.serve import serve_app
 

@@ -14,7 +14,7 @@ import pytest
 
 from examples.jsonrpc_upstream import UpstreamState
 from multiplexer import Client, RpcError
-from multiplexer.config import ConfigError, parse_config
+from multiplexer.gateway.config import ConfigError, parse_config
 from multiplexer.server import check_bind
 from tests.jsonrpc_helpers import gateway_with_upstream, post
 

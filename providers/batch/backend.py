@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from multiplexer.errors import RpcError, upstream_unavailable
+from multiplexer.core.errors import RpcError, upstream_unavailable
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,11 @@ from typing import Any
 
 import anyio
 
-from multiplexer.call import Item, Outcome
-from multiplexer.errors import RpcError, cancelled, internal_error
-from multiplexer.provider import ProviderContext
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.errors import RpcError, cancelled, internal_error
+from multiplexer.core.jobrows import NewItem
+from multiplexer.core.jobs import new_job_id
+from multiplexer.core.provider import ProviderContext
 
 from .backend import (
     BatchApiSettings,
@@ -30,17 +32,12 @@ from .backend import (
     plan_parts,
 )
 from .parts import PartDriver
-from .rows import NewItem
 from .store import JobStore, acquire, release
 from .sync_fallback import SyncFallback
 
 log = logging.getLogger(__name__)
 
 LINE_OVERHEAD = 160  # custom_id, method, url and JSON punctuation around the body
-
-
-def new_job_id() -> str:
-    return "job_" + secrets.token_hex(8)
 
 
 def to_outcome(state: str, result: Any, error: Any) -> Outcome:

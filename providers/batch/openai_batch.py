@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
-from multiplexer.errors import RpcError, upstream_error
+from multiplexer.core.errors import RpcError, upstream_error
 
 from ..api_client import ApiClient, item_error
 from .backend import (

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from multiplexer.call import Item, Outcome
-from multiplexer.errors import RpcError, cancelled, internal_error, upstream_error
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.errors import RpcError, cancelled, internal_error, upstream_error
+from multiplexer.core.jobrows import PartRow
 
 from .backend import JobItem, RemoteStatus, SubmissionUnknown
-from .rows import PartRow
 
 if TYPE_CHECKING:
-    from multiplexer.provider import ProviderContext
+    from multiplexer.core.provider import ProviderContext
 
     from .backend import BatchApiSettings, BatchBackend
     from .store import JobStore

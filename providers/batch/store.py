@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from .rows import ItemRow, JobRow, NewItem, PartRow, dumps, loads_many
+from multiplexer.core.jobrows import ItemRow, JobRow, NewItem, PartRow, dumps, loads_many
 
 T = TypeVar("T")
 

@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
-from multiplexer.call import Item, Outcome
-from multiplexer.clock import Clock
-from multiplexer.limiter import RateLimiter
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.clock import Clock
+from multiplexer.core.limiter import RateLimiter
 
 from ..api_client import admit
 

@@ -13,12 +13,12 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
-from .batching import Formation, GroupedQueue, Pending, choose
-from .call import Item, Outcome
-from .clock import Clock
-from .errors import RpcError, internal_error, overloaded, shutting_down
-from .limiter import RateLimiter
-from .metrics import Metrics
+from multiplexer.core.batching import Formation, GroupedQueue, Pending, choose
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.clock import Clock
+from multiplexer.core.errors import RpcError, internal_error, overloaded, shutting_down
+from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

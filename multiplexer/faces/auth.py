@@ -7,7 +7,7 @@ import ipaddress
 
 from pydantic import SecretStr
 
-from .errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError
 
 
 class Authenticator:

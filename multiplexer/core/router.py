@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import RouteConfig
-from .errors import method_not_found
+from multiplexer.core.errors import method_not_found
+from multiplexer.core.policy import RouteConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,13 +29,13 @@ from mcp.server.subscriptions import (
 )
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from . import __version__
-from .call import Call
-from .errors import RpcError
-from .gateway import Gateway
-from .jsonrpc import META_KEYS, call_from
-from .mcp_resources import UpstreamCatalog
-from .mcp_tools import (
+from multiplexer.core.call import Call
+from multiplexer.core.errors import RpcError
+from multiplexer.core.jsonrpc import META_KEYS, call_from
+from multiplexer.core.provider import McpUpstream, ToolSpec
+from multiplexer.core.version import VERSION as __version__
+from multiplexer.faces.mcp.resources import UpstreamCatalog
+from multiplexer.faces.mcp.tools import (
     MAX_NAME,
     ToolCatalog,
     error_result,
@@ -44,7 +44,7 @@ from .mcp_tools import (
     to_tool,
     wrap_result,
 )
-from .provider import ToolSpec
+from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +220,10 @@ class McpFace:
         specs: list[ToolSpec] = []
         for spec in await self.gateway.list_tools():
             route = config.routes.get(spec.name)
-            if (route is not None and route.input_schema is None
-                    and config.providers[route.provider].kind == "mcp"):
+            provider = self.gateway.providers[route.provider] if route is not None else None
+            if route is not None and route.input_schema is None and isinstance(provider, McpUpstream):
                 if route.provider not in upstream:
-                    listed = await self.gateway.providers[route.provider].list_tools()
+                    listed = await provider.list_tools()
                     upstream[route.provider] = {t.name: t for t in listed}
                 found = upstream[route.provider].get(route.method or spec.name)
                 if found is not None:
@@ -268,7 +268,7 @@ class McpFace:
             route = self.gateway.resolve(method).route
         except RpcError:
             return False
-        return self.gateway.config.providers[route.provider].kind == "mcp"
+        return isinstance(self.gateway.providers[route.provider], McpUpstream)
 
 
 def identity_of(ctx: ServerRequestContext[Any, Any]) -> str | None:

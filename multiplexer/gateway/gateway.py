@@ -17,18 +17,18 @@ from typing import Any
 
 import anyio
 
-from .batching import CountFormation, Pending
-from .call import Call, Item, Outcome
-from .clock import Clock, MonotonicClock
-from .config import Config, ProviderConfig, RouteConfig
-from .dedup import InFlight, ProgressFanout, TtlCache, canonical
-from .errors import RpcError, cancelled, internal_error, timeout_error
-from .lane import Lane
-from .limiter import RateLimiter
-from .metrics import Metrics
-from .provider import Provider, ProviderContext, ToolSpec
-from .quota import Quotas
-from .router import Resolved, Router
+from multiplexer.core.batching import CountFormation, Pending
+from multiplexer.core.call import Call, Item, Outcome
+from multiplexer.core.clock import Clock, MonotonicClock
+from multiplexer.core.dedup import InFlight, ProgressFanout, TtlCache, canonical
+from multiplexer.core.errors import RpcError, cancelled, internal_error, timeout_error
+from multiplexer.core.lane import Lane
+from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.metrics import Metrics
+from multiplexer.core.provider import Provider, ProviderContext, ToolSource, ToolSpec
+from multiplexer.core.quota import Quotas
+from multiplexer.core.router import Resolved, Router
+from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 
 log = logging.getLogger(__name__)
 UNROUTED = "(no route)"
@@ -93,12 +93,12 @@ class Gateway:
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self.jobs: Any = None  # the jobs.* face, where some provider has a batch API
+        self.faces: dict[str, Any] = {}  # what composers attached (the jobs.* face, ...), by name
         self.closing = False
 
     # -- lifecycle -------------------------------------------------------------
     async def __aenter__(self) -> Gateway:
-        from providers.registry import provider_class
+        from multiplexer.gateway.registry import provider_class
 
         stack = AsyncExitStack()
         await stack.__aenter__()
@@ -122,8 +122,6 @@ class Gateway:
             stack.callback(self._abort_lanes)
             for rname, route in self.config.routes.items():
                 self._lane_for(rname, route)
-            from .jobs_face import register_job_methods  # batch jobs: jobs.* methods
-            self.jobs = register_job_methods(self)
         except BaseException:
             await stack.aclose()
             raise
@@ -368,7 +366,9 @@ class Gateway:
         for name, route in self.config.routes.items():
             if name.endswith("*"):
                 prefix = name[:-1]
-                for spec in await self.providers[route.provider].list_tools():
+                provider = self.providers[route.provider]
+                listed = await provider.list_tools() if isinstance(provider, ToolSource) else []
+                for spec in listed:
                     tools.append(ToolSpec(prefix + spec.name, spec.description,
                                           spec.input_schema, spec.annotations, spec.meta))
             else:

@@ -17,14 +17,12 @@ from typing import Any
 
 import anyio
 
-from providers.batch.jobs import JobManager, new_job_id
-from providers.batch.rows import JobRow, NewItem, storable
-from providers.batch.store import JobStore
-
-from .call import Call, Item
-from .errors import Code, RpcError, invalid_params
-from .gateway import Gateway
-from .provider import ToolSpec
+from multiplexer.core.call import Call, Item
+from multiplexer.core.errors import Code, RpcError, invalid_params
+from multiplexer.core.jobrows import JobRow, NewItem, storable
+from multiplexer.core.jobs import BatchJobs, JobStore, new_job_id
+from multiplexer.core.provider import BatchCapable, ToolSpec
+from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
 MAX_CALLS_PER_SUBMIT = 100_000
@@ -55,9 +53,16 @@ SPECS = {
 }
 
 
-def batch_managers(gateway: Gateway) -> dict[str, JobManager]:
-    return {name: jobs for name, p in gateway.providers.items()
-            if isinstance(jobs := getattr(p, "jobs", None), JobManager)}
+def batch_managers(gateway: Gateway) -> dict[str, BatchJobs]:
+    return {name: p.jobs for name, p in gateway.providers.items() if isinstance(p, BatchCapable)}
+
+
+def attach_jobs(gateway: Gateway) -> JobFace | None:
+    """Serve ``jobs.*`` on a running gateway (the composer calls this: the gateway knows no face)."""
+    face = register_job_methods(gateway)
+    if face is not None:
+        gateway.faces["jobs"] = face
+    return face
 
 
 def register_job_methods(gateway: Gateway) -> JobFace | None:
@@ -97,7 +102,7 @@ def not_found(job_id: Any) -> RpcError:
 
 
 class JobFace:
-    def __init__(self, gateway: Gateway, managers: dict[str, JobManager]) -> None:
+    def __init__(self, gateway: Gateway, managers: dict[str, BatchJobs]) -> None:
         self.gateway = gateway
         self.managers = managers
         self._lock = anyio.Lock()
@@ -117,7 +122,7 @@ class JobFace:
             raise not_found(job_id)
         return job
 
-    def _item(self, spec: Any, identity: str | None) -> tuple[JobManager, Item]:
+    def _item(self, spec: Any, identity: str | None) -> tuple[BatchJobs, Item]:
         if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
             raise invalid_params("each call must be an object with a string 'method'")
         method, params = spec["method"], spec.get("params")

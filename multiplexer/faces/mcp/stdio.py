@@ -23,9 +23,10 @@ import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream
 from mcp import stdio_server
 
-from .config import Config
-from .gateway import Gateway
-from .mcp_server import McpFace
+from multiplexer.faces.jobs import attach_jobs
+from multiplexer.faces.mcp.server import McpFace
+from multiplexer.gateway.config import Config
+from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ async def stdin_lines(fd: int = 0) -> AsyncIterator[_Lines]:
 
 async def serve_stdio(config: Config) -> None:
     async with Gateway(config) as gateway:
+        attach_jobs(gateway)
         face = McpFace(gateway)
         server = face.server
         async with face.running(), anyio.create_task_group() as tg:

@@ -13,11 +13,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from .auth import Authenticator
-from .errors import Code, RpcError
-from .gateway import Gateway
-from .jsonrpc import dumps, error_response
-from .service import handle_body
+from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.jsonrpc import dumps, error_response
+from multiplexer.faces.auth import Authenticator
+from multiplexer.faces.rpc import handle_body
+from multiplexer.gateway.gateway import Gateway
 
 JSON = "application/json"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .call import Outcome
-from .errors import internal_error
-from .gateway import Gateway
-from .jsonrpc import Decoded, Entry, decode, dumps, error_response, response
+from multiplexer.core.call import Outcome
+from multiplexer.core.errors import internal_error
+from multiplexer.core.jsonrpc import Decoded, Entry, decode, dumps, error_response, response
+from multiplexer.gateway.gateway import Gateway
 
 
 def _reply(entry: Entry, outcome: Outcome | None) -> dict[str, Any] | None:

@@ -7,15 +7,18 @@ status poll that cannot connect is simply tried again later.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import httpx
 
-from .errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError
 
-if TYPE_CHECKING:
-    from .client import Client
+
+class Client(Protocol):
+    """What a job needs of the SDK client: one JSON-RPC call (the client imports this module)."""
+
+    async def call(self, method: str, params: Any = None) -> Any: ...
 
 SUBMIT_CHUNK = 5_000
 TRANSIENT = {Code.SHUTTING_DOWN, Code.OVERLOADED, Code.RATE_LIMITED, Code.UPSTREAM_UNAVAILABLE}

@@ -21,13 +21,13 @@ from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Route
 from starlette.types import Message, Receive, Scope, Send
 
-from .auth import Authenticator
-from .errors import Code, RpcError, invalid_request, parse_error
-from .gateway import Gateway
-from .http import rpc_error, too_large, unauthorized
-from .jsonrpc import loads
-from .mcp_batch import BATCH_REVISIONS, serve_batch
-from .mcp_server import IDENTITY_SCOPE_KEY, McpFace
+from multiplexer.core.errors import Code, RpcError, invalid_request, parse_error
+from multiplexer.core.jsonrpc import loads
+from multiplexer.faces.auth import Authenticator
+from multiplexer.faces.http import rpc_error, too_large, unauthorized
+from multiplexer.faces.mcp.batch import BATCH_REVISIONS, serve_batch
+from multiplexer.faces.mcp.server import IDENTITY_SCOPE_KEY, McpFace
+from multiplexer.gateway.gateway import Gateway
 
 _ARRAY_DETAIL = ("JSON-RPC batch arrays are not accepted on /mcp at this protocol revision; "
                  "send one message per request (the gateway batches upstream calls itself)")

@@ -15,9 +15,9 @@ import anyio
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import invalid_request
-from .gather import gather
-from .jsonrpc import error_response
+from multiplexer.core.errors import invalid_request
+from multiplexer.core.gather import gather
+from multiplexer.core.jsonrpc import error_response
 
 BATCH_REVISIONS = frozenset({"2025-03-26"})
 

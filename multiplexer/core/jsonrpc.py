@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .call import Call, Outcome
-from .errors import RpcError, invalid_params, invalid_request, parse_error
+from multiplexer.core.call import Call, Outcome
+from multiplexer.core.errors import RpcError, invalid_params, invalid_request, parse_error
 
 _NO_ID = object()
 META_KEYS = {"priority", "timeout_ms", "idempotency_key"}

@@ -15,9 +15,9 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
-from .batching import Pending
-from .call import Outcome
-from .clock import Clock
+from multiplexer.core.batching import Pending
+from multiplexer.core.call import Outcome
+from multiplexer.core.clock import Clock
 
 log = logging.getLogger(__name__)
 Progress = Callable[[float, float | None, str | None], Awaitable[None]]

@@ -18,8 +18,8 @@ from typing import Any
 import mcp_types as types
 from mcp import MCPError
 
-from .errors import Code, RpcError
-from .provider import ToolSpec
+from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.provider import ToolSpec
 
 log = logging.getLogger(__name__)
 

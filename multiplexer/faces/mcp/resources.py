@@ -13,22 +13,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import mcp_types as types
 from mcp import MCPError
 from mcp.server import ServerRequestContext
 
-from .errors import Code, RpcError
-from .gateway import Gateway
-from .gather import gather
-from .mcp_tools import mcp_error
-from .provider import Provider
+from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.gather import gather
+from multiplexer.core.provider import PromptSource, ResourceSource
+from multiplexer.faces.mcp.tools import mcp_error
+from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
 RESOURCE_NOT_FOUND = -32002  # MCP's code before 2026-07-28, which answers -32602 instead
 Listing = list[dict[str, Any]]
+S = TypeVar("S", ResourceSource, PromptSource)
+MAX_WARNED = 1000  # duplicate URIs remembered for warn-once; bounded whatever upstreams list
 
 
 class UpstreamCatalog:
@@ -39,26 +41,29 @@ class UpstreamCatalog:
         self._owners: dict[str, str] = {}  # resource URI -> provider, from the last resources/list
         self._duplicates: set[str] = set()  # URIs already warned about
 
-    def mcp_routes(self) -> list[tuple[str, Provider]]:
-        """(prefix, provider) of each wildcard route to an MCP upstream, in config order."""
-        config = self.gateway.config
-        return [(name[:-1], self.gateway.providers[route.provider]) for name, route in config.routes.items()
-                if name.endswith("*") and config.providers[route.provider].kind == "mcp"]
+    def mcp_routes(self, capability: type[S]) -> list[tuple[str, S]]:
+        """(prefix, provider) of each wildcard route whose provider has ``capability``, in config order."""
+        routes = []
+        for name, route in self.gateway.config.routes.items():
+            provider = self.gateway.providers[route.provider]
+            if name.endswith("*") and isinstance(provider, capability):
+                routes.append((name[:-1], provider))
+        return routes
 
-    def mcp_providers(self) -> list[Provider]:
+    def mcp_providers(self, capability: type[S]) -> list[S]:
         """Each of those upstreams once, in route order: the order that settles duplicate URIs."""
-        return list({provider.name: provider for _, provider in self.mcp_routes()}.values())
+        return list({_name(p): p for _, p in self.mcp_routes(capability)}.values())
 
-    async def _gather(self, method: str, fetch: Callable[[Provider], Awaitable[Listing]]
-                      ) -> list[tuple[Provider, Listing]]:
+    async def _gather(self, method: str, capability: type[S], fetch: Callable[[S], Awaitable[Listing]]
+                      ) -> list[tuple[S, Listing]]:
         """Every upstream's listing, fetched at once; one that fails is left out, not fatal to the rest."""
-        providers = self.mcp_providers()
+        providers = self.mcp_providers(capability)
 
-        async def one(provider: Provider) -> Listing:
+        async def one(provider: S) -> Listing:
             try:
                 return await fetch(provider)
             except RpcError as e:
-                log.warning("%s from %s failed (left out): %s %s", method, provider.name, e.message,
+                log.warning("%s from %s failed (left out): %s %s", method, _name(provider), e.message,
                             e.data or "")
                 return []
 
@@ -71,7 +76,8 @@ class UpstreamCatalog:
             owners[uri] = provider
             return True
         if owner != provider and uri not in self._duplicates:
-            self._duplicates.add(uri)
+            if len(self._duplicates) < MAX_WARNED:
+                self._duplicates.add(uri)
             log.warning("resource %r is listed by %s and %s; %s serves it", uri, owner, provider, owner)
         return False
 
@@ -79,9 +85,10 @@ class UpstreamCatalog:
                              params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
         owners: dict[str, str] = {}
         resources: list[types.Resource] = []
-        for provider, listed in await self._gather("resources/list", lambda p: p.list_resources()):
+        gathered = await self._gather("resources/list", ResourceSource, lambda p: p.list_resources())
+        for provider, listed in gathered:
             for item in listed:
-                if self._claim(owners, item["uri"], provider.name):
+                if self._claim(owners, item["uri"], _name(provider)):
                     resources.append(types.Resource.model_validate(item))
         self._owners = owners
         return types.ListResourcesResult(resources=resources)
@@ -91,10 +98,10 @@ class UpstreamCatalog:
                                       ) -> types.ListResourceTemplatesResult:
         owners: dict[str, str] = {}
         templates: list[types.ResourceTemplate] = []
-        for provider, listed in await self._gather("resources/templates/list",
+        for provider, listed in await self._gather("resources/templates/list", ResourceSource,
                                                    lambda p: p.list_resource_templates()):
             for item in listed:
-                if self._claim(owners, item["uriTemplate"], provider.name):
+                if self._claim(owners, item["uriTemplate"], _name(provider)):
                     templates.append(types.ResourceTemplate.model_validate(item))
         return types.ListResourceTemplatesResult(resource_templates=templates)
 
@@ -104,8 +111,8 @@ class UpstreamCatalog:
         uri = str(params.uri)
         owner = self._owners.get(uri)
         failure: RpcError | None = None
-        for provider in self.mcp_providers():
-            if owner is not None and provider.name != owner:
+        for provider in self.mcp_providers(ResourceSource):
+            if owner is not None and _name(provider) != owner:
                 continue
             try:
                 return await provider.read_resource(uri)
@@ -118,11 +125,11 @@ class UpstreamCatalog:
 
     async def list_prompts(self, ctx: ServerRequestContext[Any, Any],
                            params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
-        gathered = await self._gather("prompts/list", lambda p: p.list_prompts())
-        listed = {provider.name: items for provider, items in gathered}
+        gathered = await self._gather("prompts/list", PromptSource, lambda p: p.list_prompts())
+        listed = {_name(provider): items for provider, items in gathered}
         prompts: dict[str, types.Prompt] = {}
-        for prefix, provider in self.mcp_routes():
-            for item in listed[provider.name]:
+        for prefix, provider in self.mcp_routes(PromptSource):
+            for item in listed[_name(provider)]:
                 name = prefix + item["name"]
                 prompts.setdefault(name, types.Prompt.model_validate({**item, "name": name}))
         return types.ListPromptsResult(prompts=list(prompts.values()))
@@ -131,7 +138,7 @@ class UpstreamCatalog:
                          ) -> types.GetPromptResult | dict[str, Any]:
         """The longest matching prefix picks the upstream, as the router does for tools."""
         name = params.name
-        for prefix, provider in sorted(self.mcp_routes(), key=lambda route: -len(route[0])):
+        for prefix, provider in sorted(self.mcp_routes(PromptSource), key=lambda route: -len(route[0])):
             if name.startswith(prefix) and len(name) > len(prefix):
                 try:
                     return await provider.get_prompt(name[len(prefix):], params.arguments)
@@ -146,3 +153,8 @@ def is_not_found(error: RpcError) -> bool:
         return True
     upstream = bool(error.data and error.data.get("mcp_protocol_error"))
     return upstream and error.code in (RESOURCE_NOT_FOUND, Code.METHOD_NOT_FOUND)
+
+
+def _name(provider: object) -> str:
+    """A provider's configured name (every capability is implemented by a ``Provider``)."""
+    return str(getattr(provider, "name", provider))

@@ -14,8 +14,9 @@ from typing import Any
 import anyio
 import httpx
 
-from .errors import Code, RpcError
-from .jsonrpc import dumps, loads
+from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.jsonrpc import dumps, loads
+from multiplexer.sdk.jobs import run_batch_job
 
 CallSpec = tuple[str, Any] | dict[str, Any]
 
@@ -96,8 +97,6 @@ class Client:
         """Results in input order; a failed call's slot holds its ``RpcError``."""
         specs = [_normalise(c) for c in calls]
         if mode == "batch":
-            from .jobs_client import run_batch_job
-
             return await run_batch_job(self, specs, raise_errors=raise_errors, progress=progress)
         results: list[Any] = [None] * len(specs)
         chunks = [range(i, min(i + self.batch_size, len(specs)))

@@ -6,7 +6,7 @@ import importlib
 
 from pydantic import BaseModel
 
-from multiplexer.provider import Provider
+from multiplexer.core.provider import Provider
 
 KINDS: dict[str, str] = {
     "jsonrpc": "providers.jsonrpc:JsonRpcProvider",

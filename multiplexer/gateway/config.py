@@ -9,25 +9,23 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
+
+from multiplexer.core.policy import (
+    ProviderConfig,
+    Quota,
+    RouteConfig,
+    Strict,
+)
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 class ConfigError(ValueError):
     """Invalid configuration; the message names every bad key path."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class Quota(Strict):
-    rpm: float | None = Field(default=None, gt=0)
-    concurrency: int | None = Field(default=None, ge=1)
 
 
 class McpServerConfig(Strict):
@@ -55,66 +53,6 @@ class ServerConfig(Strict):
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
     mcp: McpServerConfig = Field(default_factory=McpServerConfig)
-
-
-class BatchPolicy(Strict):
-    max_items: int = Field(default=1, ge=1)
-    max_wait_ms: float = Field(default=0.0, ge=0)
-    max_tokens: int | None = Field(default=None, ge=1)
-    # Send a partial batch at once when nothing is in flight: batching then costs no
-    # latency at low load, and batches still fill while earlier ones are upstream.
-    eager: bool = True
-
-
-class Limits(Strict):
-    rpm: float | None = Field(default=None, gt=0)
-    tpm: float | None = Field(default=None, gt=0)
-    concurrency: int = Field(default=16, ge=1)
-    max_queue: int = Field(default=10_000, ge=1)
-
-
-class RetryPolicy(Strict):
-    attempts: int = Field(default=3, ge=1)
-    base_wait_ms: float = Field(default=50, ge=0)
-    max_wait_ms: float = Field(default=5_000, ge=0)
-
-
-class ProviderConfig(BaseModel):
-    """Common keys; the rest belong to the provider kind (validated by it)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    kind: str
-    batch: BatchPolicy = Field(default_factory=BatchPolicy)
-    limits: Limits = Field(default_factory=Limits)
-    retry: RetryPolicy = Field(default_factory=RetryPolicy)
-    timeout_ms: float = Field(default=60_000, gt=0)
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
-
-
-class RouteConfig(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    provider: str
-    method: str | None = None
-    operation: str = "call"
-    params: dict[str, Any] = Field(default_factory=dict)
-    dedup: bool | None = None
-    dedup_scope: Literal["identity", "global"] = "identity"
-    cache_ttl_s: float | None = Field(default=None, gt=0)
-    timeout_ms: float | None = Field(default=None, gt=0)
-    priority: int = 0
-    mode: Literal["sync", "batch"] = "sync"
-    batch: BatchPolicy | None = None
-    description: str | None = None
-    input_schema: dict[str, Any] | None = None
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
 
 
 class StoreConfig(Strict):
@@ -189,7 +127,7 @@ def parse_config(data: Any, env: dict[str, str] | None = None) -> Config:
         config = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format(e)) from None
-    from providers.registry import settings_model  # composition layer: config knows kinds
+    from multiplexer.gateway.registry import settings_model  # composition layer: config knows kinds
 
     for name, prov in config.providers.items():
         try:

@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 
-from .errors import RpcError
+from multiplexer.core.errors import RpcError
 
 _seq = itertools.count()
 

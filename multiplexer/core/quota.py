@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .clock import Clock
-from .config import Quota
-from .errors import rate_limited
-from .limiter import TokenBucket
+from multiplexer.core.clock import Clock
+from multiplexer.core.errors import rate_limited
+from multiplexer.core.limiter import TokenBucket
+from multiplexer.core.policy import Quota
 
 
 class Quotas:

@@ -14,8 +14,8 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from .clock import Clock
-from .errors import RpcError
+from multiplexer.core.clock import Clock
+from multiplexer.core.errors import RpcError
 
 T = TypeVar("T")
 

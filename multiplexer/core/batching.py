@@ -12,7 +12,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .call import Future, Item
+from multiplexer.core.call import Future, Item
 
 
 @dataclass(eq=False, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .clock import Clock
+from multiplexer.core.clock import Clock
 
 
 @dataclass(slots=True)

@@ -1,0 +1,80 @@
+"""The policy a provider and a lane need: batching, limits, retries, quotas, and the route/provider keys.
+
+These live in the core so that providers and the lane depend on them without
+depending on config loading (the composition layer), which builds them from YAML.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Quota(Strict):
+    rpm: float | None = Field(default=None, gt=0)
+    concurrency: int | None = Field(default=None, ge=1)
+
+
+class BatchPolicy(Strict):
+    max_items: int = Field(default=1, ge=1)
+    max_wait_ms: float = Field(default=0.0, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    # Send a partial batch at once when nothing is in flight: batching then costs no
+    # latency at low load, and batches still fill while earlier ones are upstream.
+    eager: bool = True
+
+
+class Limits(Strict):
+    rpm: float | None = Field(default=None, gt=0)
+    tpm: float | None = Field(default=None, gt=0)
+    concurrency: int = Field(default=16, ge=1)
+    max_queue: int = Field(default=10_000, ge=1)
+
+
+class RetryPolicy(Strict):
+    attempts: int = Field(default=3, ge=1)
+    base_wait_ms: float = Field(default=50, ge=0)
+    max_wait_ms: float = Field(default=5_000, ge=0)
+
+
+class ProviderConfig(BaseModel):
+    """Common keys; the rest belong to the provider kind (validated by it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    kind: str
+    batch: BatchPolicy = Field(default_factory=BatchPolicy)
+    limits: Limits = Field(default_factory=Limits)
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    timeout_ms: float = Field(default=60_000, gt=0)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class RouteConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    provider: str
+    method: str | None = None
+    operation: str = "call"
+    params: dict[str, Any] = Field(default_factory=dict)
+    dedup: bool | None = None
+    dedup_scope: Literal["identity", "global"] = "identity"
+    cache_ttl_s: float | None = Field(default=None, gt=0)
+    timeout_ms: float | None = Field(default=None, gt=0)
+    priority: int = 0
+    mode: Literal["sync", "batch"] = "sync"
+    batch: BatchPolicy | None = None
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})

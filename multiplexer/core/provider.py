@@ -1,0 +1,133 @@
+"""The contract between the gateway and an upstream kind.
+
+A provider turns a batch of routed items into one outcome per item, in order;
+one item's failure never fails its neighbours. Everything else (queueing,
+limits, dedup, deadlines) is the lane's job, so a provider stays small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+from multiplexer.core.batching import Formation
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.clock import Clock
+from multiplexer.core.jobs import BatchJobs
+from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.metrics import Metrics
+from multiplexer.core.policy import ProviderConfig, RouteConfig
+
+
+class NoSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(slots=True)
+class ToolSpec:
+    """A callable the provider exposes (an MCP tool, a model, ...), before namespacing."""
+
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any] = field(default_factory=lambda: {"type": "object"})
+    annotations: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ProviderContext:
+    name: str
+    config: ProviderConfig
+    settings: Any
+    clock: Clock
+    limiter: RateLimiter
+    metrics: Metrics
+    store_path: Path
+    notify: Callable[[str, dict[str, Any]], None] = lambda event, data: None
+
+
+class Provider:
+    """Base class with the defaults most kinds want; override what differs.
+
+    ``execute`` is the one required method; ``start``/``aclose`` are the lifecycle;
+    ``prepare``, ``dedup_safe`` and ``formation`` tune the lane. Anything more a kind
+    can do is a capability below, which the faces discover with ``isinstance``.
+    """
+
+    Settings: ClassVar[type[BaseModel]] = NoSettings
+
+    def __init__(self, ctx: ProviderContext) -> None:
+        self.ctx = ctx
+        self.name = ctx.name
+
+    async def start(self) -> None:
+        """Open connections or children; called once before the first call."""
+
+    async def aclose(self) -> None:
+        """Release everything ``start`` opened, on every shutdown path."""
+
+    def prepare(self, route: RouteConfig, item: Item) -> None:
+        """Validate params and set ``item.group`` / ``item.tokens``; raise RpcError -32602."""
+        item.group = (item.operation,)
+
+    def dedup_safe(self, item: Item) -> bool:
+        """Whether identical concurrent calls may share one execution when the route is silent."""
+        return False
+
+    def formation(self, policy: Any) -> Formation | None:
+        """A custom batch formation (local models use token budgets); None for the default."""
+        return None
+
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        raise NotImplementedError
+
+
+# -- capabilities: what some kinds can do beyond ``execute`` ------------------------------
+
+
+@runtime_checkable
+class ToolSource(Protocol):
+    """Lists its tools, for wildcard routes (``tools_*``) and the MCP face."""
+
+    async def list_tools(self) -> list[ToolSpec]: ...
+
+
+@runtime_checkable
+class McpUpstream(ToolSource, Protocol):
+    """An upstream MCP server: its tool results are already MCP ``CallToolResult`` objects,
+    and an exact route to one of its tools takes that tool's schema."""
+
+    mcp_upstream: bool
+
+
+@runtime_checkable
+class ResourceSource(Protocol):
+    """MCP resources in wire form (camelCase dicts). Reads bypass lanes: they are not routes."""
+
+    async def list_resources(self) -> list[dict[str, Any]]: ...
+
+    async def list_resource_templates(self) -> list[dict[str, Any]]: ...
+
+    async def read_resource(self, uri: str) -> dict[str, Any]:
+        """A ``ReadResourceResult``; RpcError -32602 is "no such resource" (the face asks elsewhere)."""
+        ...
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """MCP prompts in wire form; ``name`` is the provider's own, without the route's prefix."""
+
+    async def list_prompts(self) -> list[dict[str, Any]]: ...
+
+    async def get_prompt(self, name: str, arguments: dict[str, str] | None) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class BatchCapable(Protocol):
+    """Runs calls through an asynchronous batch API: the ``jobs.*`` face hands it jobs."""
+
+    jobs: BatchJobs

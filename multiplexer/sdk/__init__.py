@@ -1,0 +1,1 @@
+"""The Python SDK: ``Client`` / ``SyncClient`` over HTTP JSON-RPC, needing only httpx and the codec."""
