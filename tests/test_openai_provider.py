@@ -321,6 +321,9 @@ async def test_rate_limit_headers_teach_the_limiter(tmp_path):
     limiter = p.ctx.limiter
     assert limiter.requests is not None and limiter.requests.capacity == 100
     assert limiter.requests.level == 3
+    # full again in 12 ms: fast for those 12 ms only, then the plan's 100 per minute
+    assert limiter.requests.until == pytest.approx(p.ctx.clock.now() + 0.012, abs=0.5)
+    assert limiter.requests.rate == pytest.approx(100 / 60)
     assert limiter.tokens is None  # "-1" means unknown: nothing learned
 
 

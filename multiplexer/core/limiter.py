@@ -15,40 +15,72 @@ from multiplexer.core.clock import Clock
 
 @dataclass(slots=True)
 class TokenBucket:
-    """Refills ``rate`` units per second up to ``capacity``."""
+    """Refills ``rate`` units per second up to ``capacity``.
+
+    What the upstream reports overrides the plan for a while: until ``until`` the
+    bucket refills at ``learned`` (fast or slow) so that it is full exactly when the
+    upstream says it resets; after that it goes back to ``rate``. A tiny reset thus
+    speeds the bucket up for that instant only, and a long one slows it down.
+    """
 
     rate: float
     capacity: float
     level: float
     stamp: float
+    learned: float = 0.0
+    until: float = 0.0
+    ceiling: float | None = None  # the configured limit: learned limits never exceed it
 
     @classmethod
-    def per_minute(cls, amount: float, now: float) -> TokenBucket:
-        return cls(rate=amount / 60.0, capacity=amount, level=amount, stamp=now)
+    def per_minute(cls, amount: float, now: float, *, configured: bool = True) -> TokenBucket:
+        return cls(rate=amount / 60.0, capacity=amount, level=amount, stamp=now,
+                   ceiling=amount if configured else None)
 
     def _refill(self, now: float) -> None:
-        if now > self.stamp:
-            self.level = min(self.capacity, self.level + (now - self.stamp) * self.rate)
-            self.stamp = now
+        if now <= self.stamp:
+            return
+        gain, t = 0.0, self.stamp
+        if self.until > t:
+            seg = min(now, self.until) - t
+            gain, t = seg * self.learned, t + seg
+        gain += (now - t) * self.rate
+        self.level = min(self.capacity, self.level + gain)
+        self.stamp = now
 
     def delay(self, amount: float, now: float) -> float:
         self._refill(now)
         need = min(amount, self.capacity) - self.level
         if need <= 0:
             return 0.0
-        return need / self.rate if self.rate > 0 else math.inf
+        wait = 0.0
+        if self.until > now:
+            span = self.until - now
+            if need <= span * self.learned:
+                return need / self.learned
+            need -= span * self.learned
+            wait = span
+        return wait + need / self.rate if self.rate > 0 else math.inf
 
     def consume(self, amount: float, now: float) -> None:
         self._refill(now)
         self.level -= amount
 
-    def observe(self, remaining: float, reset_in: float, now: float) -> None:
-        """Clamp to what the upstream reports: ``remaining`` now, full again after ``reset_in``."""
+    def observe(self, limit: float | None, remaining: float, reset_in: float, now: float) -> None:
+        """Follow what the upstream reports, both ways: its limit, ``remaining`` now, full
+        again after ``reset_in``."""
         self._refill(now)
+        if limit:
+            cap = min(limit, self.ceiling) if self.ceiling else limit
+            if cap != self.capacity:
+                self.capacity, self.rate = cap, cap / 60.0
+                self.level = min(self.level, cap)
         if remaining < self.level:
             self.level = remaining
-        if reset_in > 0 and remaining < self.capacity:
-            self.rate = max(self.rate, (self.capacity - remaining) / reset_in)
+        if reset_in > 0 and self.level < self.capacity:
+            self.learned = (self.capacity - self.level) / reset_in
+            self.until = now + reset_in
+        else:
+            self.until = 0.0
 
 
 class RateLimiter:
@@ -94,9 +126,9 @@ class RateLimiter:
         if bucket is None:
             if not limit or limit <= 0:
                 return
-            bucket = TokenBucket.per_minute(limit, now)
+            bucket = TokenBucket.per_minute(limit, now, configured=False)
             if kind == "requests":
                 self.requests = bucket
             else:
                 self.tokens = bucket
-        bucket.observe(remaining, reset_in, now)
+        bucket.observe(limit, remaining, reset_in, now)
