@@ -55,10 +55,10 @@ class ApiClient:
 
     def learn(self, response: httpx.Response) -> None:
         """Feed the limiter from one response's headers (also used by callers that stream)."""
-        observations = self._parse_limits(response.headers)
+        observations = self._parse_limits(response.headers, self.ctx.clock.wall)
         apply(self.ctx.limiter, observations)
         if response.status_code in PAUSE_STATUSES:
-            wait = wait_hint(response.headers, observations)
+            wait = wait_hint(response.headers, observations, self.ctx.clock.wall)
             if wait is not None:
                 self.ctx.limiter.pause(wait)
 
@@ -70,7 +70,7 @@ class ApiClient:
             response = await self._client.send(request, stream=stream)
         except httpx.HTTPError as e:
             self.ctx.metrics.upstream_errors.labels(self.name, type(e).__name__).inc()
-            raise classify(self.name, e, None, idempotent) from None
+            raise classify(self.name, e, None, idempotent, self.ctx.clock.wall) from None
         self.learn(response)
         if response.status_code < 400:
             return response
@@ -78,10 +78,11 @@ class ApiClient:
             await response.aread()
             await response.aclose()
         self.ctx.metrics.upstream_errors.labels(self.name, str(response.status_code)).inc()
-        error = classify(self.name, None, response, idempotent)
+        error = classify(self.name, None, response, idempotent, self.ctx.clock.wall)
         if (isinstance(error, Retryable) and error.retry_after is None
                 and response.status_code in PAUSE_STATUSES):
-            error.retry_after = wait_hint(response.headers, self._parse_limits(response.headers))
+            wall = self.ctx.clock.wall
+            error.retry_after = wait_hint(response.headers, self._parse_limits(response.headers, wall), wall)
         raise error
 
     async def request(self, method: str, path: str, *, idempotent: bool, deadline: float | None,

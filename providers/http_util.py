@@ -5,7 +5,6 @@ from __future__ import annotations
 import email.utils
 import math
 import re
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 
@@ -40,7 +39,10 @@ def batch_deadline(items: Sequence[Item]) -> float | None:
     return max(deadlines) if deadlines else None
 
 
-def parse_retry_after(value: str | None, now_wall: float | None = None) -> float | None:
+Wall = Callable[[], float]  # the clock's wall time (``Clock.wall``), read only when a date needs it
+
+
+def parse_retry_after(value: str | None, wall: Wall) -> float | None:
     """Seconds from a Retry-After header (delta seconds or HTTP date); None if absent or bad."""
     if not value:
         return None
@@ -54,8 +56,7 @@ def parse_retry_after(value: str | None, now_wall: float | None = None) -> float
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
-    now_wall = time.time() if now_wall is None else now_wall
-    return max(0.0, when.timestamp() - now_wall)
+    return max(0.0, when.timestamp() - wall())
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
@@ -81,7 +82,7 @@ def parse_duration(value: str | None) -> float | None:
     return total
 
 
-def parse_rfc3339(value: str | None, now_wall: float | None = None) -> float | None:
+def parse_rfc3339(value: str | None, wall: Wall) -> float | None:
     """Seconds until an RFC 3339 instant (Anthropic resets)."""
     if not value:
         return None
@@ -89,12 +90,11 @@ def parse_rfc3339(value: str | None, now_wall: float | None = None) -> float | N
         when = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError:
         return None
-    now_wall = time.time() if now_wall is None else now_wall
-    return max(0.0, when.timestamp() - now_wall)
+    return max(0.0, when.timestamp() - wall())
 
 
 def classify(provider: str, exc: Exception | None, response: httpx.Response | None,
-             idempotent: bool) -> Exception:
+             idempotent: bool, wall: Wall) -> Exception:
     """Turn a transport failure or a bad status into Retryable or a final RpcError."""
     if exc is not None:
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
@@ -105,7 +105,7 @@ def classify(provider: str, exc: Exception | None, response: httpx.Response | No
     status = response.status_code
     detail = response.text[:300] if response.content else response.reason_phrase
     final: RpcError = upstream_error(provider, detail, status)
-    retry_after = parse_retry_after(response.headers.get("retry-after"))
+    retry_after = parse_retry_after(response.headers.get("retry-after"), wall)
     if retry_after is not None and final.data is not None:
         final.data["retry_after"] = retry_after
     if status in SAFE_STATUSES or (status in UNSAFE_STATUSES and idempotent):
@@ -114,13 +114,13 @@ def classify(provider: str, exc: Exception | None, response: httpx.Response | No
 
 
 async def send(sender: Callable[[httpx.Request], Awaitable[httpx.Response]],
-               request: httpx.Request, provider: str, idempotent: bool) -> httpx.Response:
+               request: httpx.Request, provider: str, idempotent: bool, wall: Wall) -> httpx.Response:
     """One attempt through ``sender`` (a client's or a transport's send): a 2xx response,
     or raise Retryable / RpcError."""
     try:
         response = await sender(request)
     except httpx.HTTPError as e:
-        raise classify(provider, e, None, idempotent) from None
+        raise classify(provider, e, None, idempotent, wall) from None
     if response.status_code >= 400:
-        raise classify(provider, None, response, idempotent)
+        raise classify(provider, None, response, idempotent, wall)
     return response

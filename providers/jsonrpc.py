@@ -96,7 +96,7 @@ class JsonRpcProvider(Provider):
             request = httpx.Request("POST", self._url, headers=self._headers, content=body,
                                     extensions=self._extensions)
             self._requests.inc()
-            return await send(self._sender, request, self.name, idempotent)
+            return await send(self._sender, request, self.name, idempotent, self.ctx.clock.wall)
 
         retry = self.ctx.config.retry
         return await with_retries(

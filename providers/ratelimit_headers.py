@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from multiplexer.core.limiter import RateLimiter
 
-from .http_util import parse_duration, parse_retry_after, parse_rfc3339
+from .http_util import Wall, parse_duration, parse_retry_after, parse_rfc3339
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class Observation:
     reset_in: float
 
 
-Parser = Callable[[Mapping[str, str]], list[Observation]]
+Parser = Callable[[Mapping[str, str], Wall], list[Observation]]
 
 
 def _number(value: str | None) -> float | None:
@@ -48,7 +48,7 @@ def _observe(kind: str, limit: str | None, remaining: str | None, reset_in: floa
     return Observation(kind, _number(limit), left, reset_in if reset_in is not None else 0.0)
 
 
-def openai_limits(headers: Mapping[str, str]) -> list[Observation]:
+def openai_limits(headers: Mapping[str, str], wall: Wall) -> list[Observation]:
     out = []
     for kind in ("requests", "tokens"):
         obs = _observe(
@@ -62,12 +62,12 @@ def openai_limits(headers: Mapping[str, str]) -> list[Observation]:
     return out
 
 
-def anthropic_limits(headers: Mapping[str, str], now_wall: float | None = None) -> list[Observation]:
+def anthropic_limits(headers: Mapping[str, str], wall: Wall) -> list[Observation]:
     """Requests, and tokens: the combined bucket when sent, else the tighter of input/output."""
     def read(name: str, kind: str) -> Observation | None:
         prefix = f"anthropic-ratelimit-{name}"
         return _observe(kind, headers.get(f"{prefix}-limit"), headers.get(f"{prefix}-remaining"),
-                        parse_rfc3339(headers.get(f"{prefix}-reset"), now_wall))
+                        parse_rfc3339(headers.get(f"{prefix}-reset"), wall))
 
     out = []
     if (requests := read("requests", "requests")) is not None:
@@ -86,9 +86,9 @@ def apply(limiter: RateLimiter, observations: list[Observation]) -> None:
         limiter.observe(obs.kind, obs.limit, obs.remaining, obs.reset_in)
 
 
-def wait_hint(headers: Mapping[str, str], observations: list[Observation]) -> float | None:
+def wait_hint(headers: Mapping[str, str], observations: list[Observation], wall: Wall) -> float | None:
     """How long to wait after a 429/529: Retry-After, else the reset of an exhausted bucket."""
-    retry_after = parse_retry_after(headers.get("retry-after"))
+    retry_after = parse_retry_after(headers.get("retry-after"), wall)
     if retry_after is not None:
         return retry_after
     ms = _number(headers.get("retry-after-ms"))

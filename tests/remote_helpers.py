@@ -28,6 +28,9 @@ class InstantClock:
     def now(self) -> float:
         return self.t
 
+    def wall(self) -> float:
+        return 1_700_000_000.0 + self.t
+
     async def sleep_until(self, deadline: float) -> None:
         self.sleeps.append(round(max(0.0, deadline - self.t), 6))
         self.t = max(self.t, deadline)

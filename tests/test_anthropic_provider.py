@@ -93,8 +93,7 @@ async def test_529_overloaded_honours_retry_after(tmp_path):
 async def test_429_without_retry_after_waits_for_the_rfc3339_reset(tmp_path, monkeypatch):
     clock = InstantClock()
     p = provider(tmp_path, clock=clock)
-    wall = 1_700_000_000.0
-    monkeypatch.setattr("providers.http_util.time.time", lambda: wall)
+    wall = clock.wall()
     reset = datetime.fromtimestamp(wall + 20, tz=UTC).isoformat().replace("+00:00", "Z")
     headers = {"anthropic-ratelimit-requests-limit": "50",
                "anthropic-ratelimit-requests-remaining": "0",

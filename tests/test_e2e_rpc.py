@@ -126,6 +126,24 @@ async def test_upstream_http_failures_retry_then_report_status() -> None:
         assert 'multiplexer_retries_total{provider="calc"} 4.0' in text
 
 
+async def test_client_meta_cannot_make_an_unsafe_call_retry() -> None:
+    """Only documented ``_meta`` keys steer the gateway: ``idempotent: true`` from a client is
+    dropped, so a 500 (the call may have run) is not repeated and the side effect runs once."""
+    state = UpstreamState()
+    async with gateway_with_upstream(state) as (url, state, _):
+        for meta in ({"idempotent": True}, {"idempotent": True, "mode": "batch", "tokens": 0}):
+            state.fail_next = [500, 500]
+            before = state.http_requests
+            r = await post(url, {"jsonrpc": "2.0", "method": "subtract", "id": 1,
+                                 "params": {"minuend": 3, "subtrahend": 1, "_meta": meta}})
+            assert r.json()["error"]["data"]["upstream_status"] == 500
+            assert state.http_requests == before + 1
+        state.fail_next = []
+        r = await post(url, {"jsonrpc": "2.0", "method": "echo", "id": 2,
+                             "params": {"x": 1, "_meta": {"idempotent": True, "priority": 1}}})
+        assert r.json()["result"] == {"x": 1}  # unknown keys neither reach upstream nor fail the call
+
+
 async def test_retry_after_is_honoured() -> None:
     state = UpstreamState(fail_next=[429], retry_after="0.2")
     async with gateway_with_upstream(state) as (url, state, _), Client(url) as client:

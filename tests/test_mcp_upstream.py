@@ -125,7 +125,7 @@ async def test_progress_is_passed_through(two_upstreams: Gateway) -> None:
         seen.append((value, total, message))
 
     outcome = await call(two_upstreams, "demo_sleep", {"seconds": 0.02, "steps": 2},
-                         extra_meta={"progress": progress})
+                         progress=progress)
     assert structured(outcome) == {"result": "slept"}
     assert seen == [(1, 2, "step 1 of 2"), (2, 2, "step 2 of 2")]
 
@@ -140,9 +140,9 @@ async def test_progress_of_a_shared_call_reaches_every_caller_that_asked(two_ups
 
     before = structured(await call(two_upstreams, "demo_stats", {}))["finished"]
     args = {"seconds": 0.02, "steps": 3}
-    calls = [Call("demo_sleep", args, idempotency_key="k1", extra_meta={"progress": sink("a")}),
+    calls = [Call("demo_sleep", args, idempotency_key="k1", progress=sink("a")),
              Call("demo_sleep", args, idempotency_key="k1"),  # shares it, asked for no progress
-             Call("demo_sleep", args, idempotency_key="k1", extra_meta={"progress": sink("b")})]
+             Call("demo_sleep", args, idempotency_key="k1", progress=sink("b"))]
     outcomes = await two_upstreams.submit_many(calls)
     assert [structured(o) for o in outcomes] == [{"result": "slept"}] * 3
     assert structured(await call(two_upstreams, "demo_stats", {}))["finished"] == before + 1  # one run

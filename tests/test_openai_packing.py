@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from multiplexer.core.limiter import RateLimiter
+from providers.http_util import parse_retry_after
 from providers.packing import Scatter, ordered_data, pack, split_usage
 from providers.ratelimit_headers import Observation, anthropic_limits, apply, openai_limits, wait_hint
 from tests.remote_helpers import InstantClock
@@ -53,15 +54,27 @@ def test_ordered_data_rejects_gaps_and_wrong_counts():
     assert ordered_data({"nope": 1}, 1) is None
 
 
+def WALL() -> float:
+    return 1_700_000_000.0
+
+
+def test_retry_after_dates_are_read_against_the_injected_wall_clock():
+    date = "Tue, 14 Nov 2023 22:14:00 GMT"  # 1_700_000_040
+    assert parse_retry_after(date, WALL) == 40.0
+    assert parse_retry_after(date, lambda: 1_700_000_100.0) == 0.0  # already past
+    assert parse_retry_after("2.5", WALL) == 2.5
+    assert parse_retry_after("soon", WALL) is None
+
+
 def test_openai_headers():
     obs = openai_limits({
         "x-ratelimit-limit-requests": "500", "x-ratelimit-remaining-requests": "499",
         "x-ratelimit-reset-requests": "120ms", "x-ratelimit-limit-tokens": "90000",
         "x-ratelimit-remaining-tokens": "89000", "x-ratelimit-reset-tokens": "1m30s",
-    })
+    }, WALL)
     assert obs == [Observation("requests", 500, 499, 0.12), Observation("tokens", 90000, 89000, 90.0)]
-    assert openai_limits({"x-ratelimit-remaining-requests": "-1"}) == []
-    assert openai_limits({"x-ratelimit-remaining-requests": "soon"}) == []
+    assert openai_limits({"x-ratelimit-remaining-requests": "-1"}, WALL) == []
+    assert openai_limits({"x-ratelimit-remaining-requests": "soon"}, WALL) == []
 
 
 def test_anthropic_headers_use_rfc3339_resets():
@@ -75,16 +88,16 @@ def test_anthropic_headers_use_rfc3339_resets():
         "anthropic-ratelimit-output-tokens-limit": "1000",
         "anthropic-ratelimit-output-tokens-remaining": "900",
         "anthropic-ratelimit-output-tokens-reset": "2023-11-14T22:13:30Z",
-    }, now_wall=now)
+    }, lambda: now)
     assert obs == [Observation("requests", 50, 10, 30.0), Observation("tokens", 1000, 300, 20.0)]
 
 
 def test_wait_hint_prefers_retry_after_then_an_exhausted_reset():
     exhausted = [Observation("requests", 10, 0, 12.0), Observation("tokens", 10, 5, 50.0)]
-    assert wait_hint({"retry-after": "3"}, exhausted) == 3.0
-    assert wait_hint({"retry-after-ms": "250"}, exhausted) == 0.25
-    assert wait_hint({}, exhausted) == 12.0
-    assert wait_hint({}, [Observation("requests", 10, 4, 12.0)]) is None
+    assert wait_hint({"retry-after": "3"}, exhausted, WALL) == 3.0
+    assert wait_hint({"retry-after-ms": "250"}, exhausted, WALL) == 0.25
+    assert wait_hint({}, exhausted, WALL) == 12.0
+    assert wait_hint({}, [Observation("requests", 10, 4, 12.0)], WALL) is None
 
 
 def test_observations_create_and_clamp_limiter_buckets():

@@ -41,7 +41,9 @@ class Call:
     idempotency_key: str | None = None
     identity: str | None = None
     notification: bool = False
-    extra_meta: dict[str, Any] = field(default_factory=dict)
+    # Where progress notifications for this call go (the MCP face's sink for a progressToken).
+    # Set by a face, never from the wire: client ``_meta`` keys never reach the providers' options.
+    progress: Callable[..., Any] | None = None
 
 
 @dataclass(slots=True, eq=False)

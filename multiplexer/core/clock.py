@@ -18,6 +18,11 @@ import anyio
 class Clock(Protocol):
     def now(self) -> float: ...
 
+    def wall(self) -> float:
+        """Seconds since the epoch, for absolute instants that upstreams send (Retry-After dates,
+        rate-limit resets) and for what is stored across restarts; ``now`` is for waiting."""
+        ...
+
     async def sleep_until(self, deadline: float) -> None: ...
 
     async def wait_event(self, event: anyio.Event, deadline: float | None) -> bool:
@@ -28,6 +33,9 @@ class Clock(Protocol):
 class MonotonicClock:
     def now(self) -> float:
         return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
 
     async def sleep_until(self, deadline: float) -> None:
         await anyio.sleep(max(0.0, deadline - time.monotonic()))
@@ -44,13 +52,18 @@ class MonotonicClock:
 class ManualClock:
     """Time moves only when a test calls ``advance``."""
 
-    def __init__(self, start: float = 1000.0) -> None:
+    def __init__(self, start: float = 1000.0, wall: float = 1_700_000_000.0) -> None:
         self._now = start
+        self._wall_offset = wall - start
         self._timers: list[tuple[float, int, anyio.Event]] = []
         self._ids = itertools.count()
 
     def now(self) -> float:
         return self._now
+
+    def wall(self) -> float:
+        """Wall time moves with ``advance``, from the ``wall`` the clock was made with."""
+        return self._now + self._wall_offset
 
     def _timer(self, deadline: float) -> anyio.Event:
         ev = anyio.Event()

@@ -15,6 +15,8 @@ from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import RpcError, invalid_params, invalid_request, parse_error
 
 _NO_ID = object()
+# The only ``_meta`` keys that steer the gateway; any other key is dropped, never interpreted
+# (a client must not switch on, say, retries of a call that is not safe to repeat).
 META_KEYS = {"priority", "timeout_ms", "idempotency_key"}
 
 
@@ -95,8 +97,7 @@ def call_from(method: str, params: Any, meta: dict[str, Any], identity: str | No
     key = meta.get("idempotency_key")
     if key is not None and not isinstance(key, str):
         raise invalid_params("_meta.idempotency_key must be a string")
-    extra = {k: v for k, v in meta.items() if k not in META_KEYS}
-    return Call(method, params, priority, timeout_ms, key, identity, extra_meta=extra)
+    return Call(method, params, priority, timeout_ms, key, identity)
 
 
 def decode_entry(obj: Any, identity: str | None = None) -> Entry:

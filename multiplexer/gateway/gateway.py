@@ -243,8 +243,10 @@ class Gateway:
                 route=resolved.name, operation=route.operation, method=resolved.upstream_method,
                 params=params, priority=call.priority or route.priority, deadline=ticket.deadline,
                 identity=call.identity, notification=call.notification,
-                options={**call.extra_meta, **route.extra, "mode": route.mode},  # config wins
+                options={**route.extra, "mode": route.mode},
             )
+            if call.progress is not None:
+                item.options["progress"] = call.progress
             provider = self.providers[route.provider]
             provider.prepare(route, item)
             if route.mode == "batch" and call.identity is not None:

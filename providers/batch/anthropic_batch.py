@@ -56,7 +56,7 @@ def _created(batch: dict[str, Any]) -> float | None:
     if not isinstance(value, str):
         return None
     # parse_rfc3339 gives "seconds until"; with now=0 that is the timestamp itself
-    return parse_rfc3339(value, now_wall=0.0)
+    return parse_rfc3339(value, lambda: 0.0)
 
 
 class AnthropicBatchBackend:

@@ -248,7 +248,7 @@ class McpFace:
         except RpcError as e:
             return error_result(e)
         if isinstance(raw_meta, dict) and raw_meta.get("progressToken") is not None:
-            call.extra_meta["progress"] = ctx.session.report_progress
+            call.progress = ctx.session.report_progress
         outcome = await self.gateway.submit(call)
         return self._result(call, params.name, outcome.result, outcome.error)
 
