@@ -325,3 +325,28 @@ async def test_fuzzed_job_method_params_get_precise_errors_never_internal_ones(t
             codes[key] = codes.get(key, 0) + 1
     assert set(codes) <= {"ok", Code.INVALID_PARAMS, Code.NOT_FOUND}, codes
     assert codes.get(Code.INVALID_PARAMS, 0) > 100 and codes.get("ok", 0) > 50  # both paths were reached
+
+
+async def test_jobs_methods_count_against_the_keys_quotas(tmp_path):
+    """jobs.* are calls like any other (rpm, concurrency), and the calls a job carries count
+    against batch_calls_per_day, all or none, for jobs.submit and for mode: batch routes alike."""
+    async with fakes() as f:
+        data = remote_config_data(f, tmp_path)
+        data["server"] = {"api_keys": {"alice": "key-a", "bob": "key-b"},
+                          "quotas": {"alice": {"rpm": 3, "batch_calls_per_day": 5}}}
+        async with running(parse_config(data), port=0) as (_, url), \
+                Client(url, api_key="key-a") as alice, Client(url, api_key="key-b") as bob:
+            calls = [{"method": "claude", "params": user(f"c{i}")} for i in range(4)]
+            job = await alice.call("jobs.submit", {"calls": calls})  # 4 of 5 used, 1 of 3 requests
+            with pytest.raises(RpcError) as over:
+                await alice.call("jobs.submit", {"calls": calls[:2]})  # 2 > 1 left: nothing stored
+            assert over.value.code == Code.RATE_LIMITED
+            assert over.value.data["limit"] == "batch_calls_per_day"
+            assert over.value.data["remaining"] == 1 and over.value.data["retry_after"] > 0
+            assert [r.code for r in await alice.call_many(batch_calls("chat_batch", ["x"]))
+                    if isinstance(r, RpcError)] == []  # the fifth call, through a batch route
+            with pytest.raises(RpcError) as rpm:
+                await alice.call("jobs.status", {"job_id": job["job_id"]})  # request 4 of 3
+            assert rpm.value.code == Code.RATE_LIMITED and rpm.value.data["limit"] == "rpm"
+            assert len((await bob.call("jobs.list", {}))["jobs"]) == 0  # bob has no quota set
+    assert f.openai.requests["/v1/files"] == 1

@@ -18,6 +18,9 @@ class Strict(BaseModel):
 class Quota(Strict):
     rpm: float | None = Field(default=None, gt=0)
     concurrency: int | None = Field(default=None, ge=1)
+    batch_calls_per_day: int | None = Field(
+        default=None, ge=1,
+        description="calls carried by batch jobs (jobs.submit, mode: batch routes) per UTC day")
 
 
 class BatchPolicy(Strict):

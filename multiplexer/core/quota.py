@@ -1,4 +1,4 @@
-"""Per-identity quotas: requests per minute and concurrent calls."""
+"""Per-identity quotas: requests per minute, concurrent calls, and batch-job calls per day."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ class Quotas:
         self.quotas = quotas
         self._buckets: dict[str, TokenBucket] = {}
         self._active: dict[str, int] = {}
+        self._batch: dict[str, tuple[int, int]] = {}  # identity -> (UTC day, calls charged that day)
 
     def acquire(self, identity: str | None) -> bool:
         """Admit one call for ``identity`` or raise -32003; True when a slot must be released."""
@@ -34,6 +35,23 @@ class Quotas:
             bucket.consume(1, now)
         self._active[identity] = self._active.get(identity, 0) + 1
         return True
+
+    def charge_batch(self, identity: str | None, calls: int) -> None:
+        """Count ``calls`` carried by a batch job against the key's daily allowance, all or none:
+        a job may hold 100,000 calls for the price of one request, so rpm alone cannot bound it."""
+        quota = self.quotas.get(identity) if identity else None
+        if quota is None or quota.batch_calls_per_day is None or calls <= 0:
+            return
+        assert identity is not None
+        wall = self.clock.wall()
+        day = int(wall // 86_400)
+        seen_day, used = self._batch.get(identity, (day, 0))
+        if seen_day != day:
+            used = 0
+        if used + calls > quota.batch_calls_per_day:
+            raise rate_limited("batch_calls_per_day", (day + 1) * 86_400 - wall, identity=identity,
+                               allowed=quota.batch_calls_per_day, remaining=quota.batch_calls_per_day - used)
+        self._batch[identity] = (day, used + calls)
 
     def release(self, identity: str | None) -> None:
         if identity is not None and self._active.get(identity, 0) > 0:

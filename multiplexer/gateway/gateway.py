@@ -19,7 +19,7 @@ import anyio
 
 from multiplexer.core.batching import CountFormation, Pending
 from multiplexer.core.call import Call, Item, Outcome
-from multiplexer.core.clock import Clock, MonotonicClock
+from multiplexer.core.clock import Clock, MonotonicClock, remaining
 from multiplexer.core.dedup import InFlight, ProgressFanout, TtlCache, canonical
 from multiplexer.core.errors import RpcError, cancelled, internal_error, timeout_error
 from multiplexer.core.lane import Lane
@@ -208,9 +208,13 @@ class Gateway:
         """
         tickets = [self._admit(call) for call in calls]
         try:
-            for t in tickets:
-                if t.handler is not None:
-                    await self._run_handler(t)
+            handlers = [t for t in tickets if t.handler is not None and t.outcome is None]
+            if len(handlers) == 1:
+                await self._run_handler(handlers[0])
+            elif handlers:  # at once, each under its own deadline: one slow jobs.* waits for no other
+                async with anyio.create_task_group() as tg:
+                    for t in handlers:
+                        tg.start_soon(self._run_handler, t)
             await self._settle(tickets)
         except BaseException:
             gone = Outcome.fail(cancelled("caller went away"))
@@ -228,6 +232,9 @@ class Gateway:
             builtin = self.methods.get(call.method)
             if builtin is not None:
                 ticket.label = call.method
+                ticket.quota = self.quotas.acquire(call.identity)  # jobs.* count like any call
+                timeout_ms = call.timeout_ms or self.config.server.default_timeout_ms
+                ticket.deadline = self.clock.now() + timeout_ms / 1000.0
                 ticket.handler, ticket.call = builtin[0], call
                 return ticket
             resolved = self.router.resolve(call.method)
@@ -249,6 +256,8 @@ class Gateway:
                 item.options["progress"] = call.progress
             provider = self.providers[route.provider]
             provider.prepare(route, item)
+            if route.mode == "batch":
+                self.quotas.charge_batch(call.identity, 1)
             if route.mode == "batch" and call.identity is not None:
                 item.group = (*item.group, call.identity)  # one job per owner, who sees it in jobs.*
             ticket.lane = lane = self._lane_for(resolved.name, route)
@@ -285,7 +294,10 @@ class Gateway:
     async def _run_handler(self, t: Ticket) -> None:
         assert t.handler is not None and t.call is not None
         try:
-            outcome = Outcome(result=await t.handler(t.call))
+            with anyio.move_on_after(remaining(self.clock, t.deadline)) as scope:
+                outcome = Outcome(result=await t.handler(t.call))
+            if scope.cancelled_caught:
+                outcome = Outcome.fail(timeout_error("running"))
         except RpcError as e:
             outcome = Outcome.fail(e)
         except Exception as e:
