@@ -62,7 +62,8 @@ async def _run(state: UpstreamState, method: str, params: Any) -> Any:
     if method == "stats":
         return {"http_requests": state.http_requests, "executions": dict(state.executions)}
     if method == "fail":
-        raise ValueError((params or {}).get("message", "failed on purpose"))
+        params = params or {}
+        raise ValueError(params.get("message", "failed on purpose"), params.get("code", 1001))
     raise KeyError(method)
 
 
@@ -77,7 +78,7 @@ async def _handle(state: UpstreamState, msg: Any) -> dict[str, Any] | None:
     except (TypeError, IndexError):
         reply = _error(-32602, "Invalid params", rid)
     except ValueError as e:
-        reply = {"jsonrpc": "2.0", "error": {"code": 1001, "message": str(e),
+        reply = {"jsonrpc": "2.0", "error": {"code": e.args[-1], "message": str(e.args[0]),
                                              "data": {"why": "asked to"}}, "id": rid}
     else:
         reply = {"jsonrpc": "2.0", "result": result, "id": rid}

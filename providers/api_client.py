@@ -19,6 +19,7 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, upstream_error
 from multiplexer.core.gather import gather
 from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
 
@@ -77,7 +78,7 @@ class ApiClient:
         if stream:
             await response.aread()
             await response.aclose()
-        self.ctx.metrics.upstream_errors.labels(self.name, str(response.status_code)).inc()
+        self.ctx.metrics.upstream_errors.labels(self.name, status_label(response.status_code)).inc()
         error = classify(self.name, None, response, idempotent, self.ctx.clock.wall)
         if (isinstance(error, Retryable) and error.retry_after is None
                 and response.status_code in PAUSE_STATUSES):

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.gather import gather
+from multiplexer.core.metrics import code_label
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
 
@@ -129,7 +130,7 @@ class McpProvider(Provider):
                 retry_safe=bool(item.options.get(_RETRY_SAFE)),
             )
         except RpcError as e:
-            self.ctx.metrics.upstream_errors.labels(self.name, str(e.code)).inc()
+            self.ctx.metrics.upstream_errors.labels(self.name, code_label(e.code)).inc()
             return Outcome.fail(e)
         return Outcome(result=None if item.notification else result)
 
@@ -160,5 +161,5 @@ class McpProvider(Provider):
         try:
             return await request
         except RpcError as e:
-            self.ctx.metrics.upstream_errors.labels(self.name, str(e.code)).inc()
+            self.ctx.metrics.upstream_errors.labels(self.name, code_label(e.code)).inc()
             raise

@@ -258,3 +258,15 @@ async def test_httpx_transport_option_gives_the_same_answers() -> None:
             [i - 1 for i in range(50)]
         state.fail_next = [503]
         assert await client.call("subtract", [3, 1]) == 2
+
+
+async def test_metric_labels_stay_bounded_whatever_codes_upstreams_send() -> None:
+    async with gateway_with_upstream() as (url, _, gateway), Client(url) as client:
+        calls = [("fail", {"code": 5000 + i, "message": "own"}) for i in range(40)]
+        results = await client.call_many([*calls, ("fail", {"code": -32602})])
+        assert [r.code for r in results] == [5000 + i for i in range(40)] + [-32602]  # passed through
+        text = gateway.metrics.render().decode()
+    outcomes = {line.split('outcome="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith('multiplexer_calls_total{') and 'route="fail"' in line}
+    assert outcomes == {"other", "-32602"}
+    assert 'multiplexer_calls_total{outcome="other",route="fail"} 40.0' in text

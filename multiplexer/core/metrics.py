@@ -11,7 +11,22 @@ from prometheus_client import (
     generate_latest,
 )
 
+from multiplexer.core.errors import Code
+
 disable_created_metrics()
+
+_KNOWN_CODES = frozenset(int(c) for c in Code)
+
+
+def code_label(code: int) -> str:
+    """An error code as a label value: ours and JSON-RPC's own by number, any other code an
+    upstream or client may send as ``other``, so the label set stays bounded whatever they send."""
+    return str(code) if code in _KNOWN_CODES else "other"
+
+
+def status_label(status: int) -> str:
+    """An upstream HTTP status as a label value (a status outside 100-599 is ``other``)."""
+    return str(status) if 100 <= status <= 599 else "other"
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 

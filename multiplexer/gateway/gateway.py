@@ -24,7 +24,7 @@ from multiplexer.core.dedup import InFlight, ProgressFanout, TtlCache, canonical
 from multiplexer.core.errors import RpcError, cancelled, internal_error, timeout_error
 from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import RateLimiter
-from multiplexer.core.metrics import Metrics
+from multiplexer.core.metrics import Metrics, code_label
 from multiplexer.core.provider import Provider, ProviderContext, ToolSource, ToolSpec
 from multiplexer.core.quota import Quotas
 from multiplexer.core.router import Resolved, Router
@@ -357,7 +357,7 @@ class Gateway:
                     self.cache.put(t.key, outcome, t.cache_ttl)
         if t.quota:
             self.quotas.release(t.identity)
-        code = "ok" if outcome.error is None else str(outcome.error.code)
+        code = "ok" if outcome.error is None else code_label(outcome.error.code)
         self.metrics.calls.labels(t.label, code).inc()
         t.pending = t.lane = t.call = t.waiter = None
 
