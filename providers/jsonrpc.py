@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from .h11_transport import H11Transport
 from .http_util import all_idempotent, batch_deadline, make_client, send
 
 _MALFORMED = object()
+log = logging.getLogger(__name__)
 
 
 class JsonRpcSettings(BaseModel):
@@ -28,6 +30,9 @@ class JsonRpcSettings(BaseModel):
     url: str
     headers: dict[str, str] = Field(default_factory=dict)
     batch_arrays: bool = True
+    # After an upstream refuses an array, singles for this long, then one array again (a refusal
+    # may be transient); each refusal in a row doubles the pause, up to an hour.
+    batch_arrays_reprobe_s: float = Field(default=300.0, gt=0)
     # h11: the lean connection layer (providers/h11_transport.py); httpx: httpx's own pool.
     transport: Literal["h11", "httpx"] = "h11"
 
@@ -38,7 +43,8 @@ class JsonRpcProvider(Provider):
     def __init__(self, ctx: ProviderContext) -> None:
         super().__init__(ctx)
         self.settings: JsonRpcSettings = ctx.settings
-        self.arrays_ok = self.settings.batch_arrays
+        self._arrays_off_until: float | None = None  # clock time when arrays are tried again
+        self._array_refusals = 0
         self._ids = itertools.count(1)
         self._client: httpx.AsyncClient | None = None
         self._requests = ctx.metrics.upstream_requests.labels(self.name)
@@ -68,13 +74,31 @@ class JsonRpcProvider(Provider):
     def prepare(self, route: Any, item: Item) -> None:
         item.group = None  # any methods may share a batch array
 
+    @property
+    def arrays_ok(self) -> bool:
+        """Whether the next multi-item batch goes up as one array."""
+        if not self.settings.batch_arrays:
+            return False
+        return self._arrays_off_until is None or self.ctx.clock.now() >= self._arrays_off_until
+
     async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
         if len(items) > 1 and self.arrays_ok:
             outcomes = await self._batch(items)
             if outcomes is not None:
+                if self._array_refusals:
+                    log.info("%s: the upstream takes batch arrays again", self.name)
+                self._arrays_off_until, self._array_refusals = None, 0
                 return outcomes
-            self.arrays_ok = False
+            self._arrays_refused()
         return await self._singles(items)
+
+    def _arrays_refused(self) -> None:
+        pause = min(3600.0, self.settings.batch_arrays_reprobe_s * 2 ** self._array_refusals)
+        self._array_refusals += 1
+        self._arrays_off_until = self.ctx.clock.now() + pause
+        log.warning("%s: the upstream refused a batch array; single requests for %.0f s, then "
+                    "an array again", self.name, pause)
+        self.ctx.metrics.events.labels(self.name, "batch_arrays_refused").inc()
 
     async def _singles(self, items: Sequence[Item]) -> list[Outcome]:
         return await gather(self._single, items)
