@@ -108,3 +108,29 @@ def test_text_a_lone_surrogate_cannot_hold_is_stored_escaped() -> None:
     escaped = dumps({"q": "\ud800é"})
     assert storable(escaped) and json.loads(escaped) == {"q": "\ud800é"}
     assert not storable("\ud800")
+
+
+def test_retention_soak_keeps_the_database_flat(tmp_path):
+    from benchmarks.soak_retention import soak
+
+    r = soak(hours=30, retention_h=10, jobs_per_hour=4, items=20, tmp=tmp_path)
+    assert r["jobs_left"] == 4 * 10  # exactly the jobs inside the retention window
+    at_retention = r["sizes"][10]
+    # past one retention period the file stops growing: freed pages are reused
+    assert r["after_retention_max"] <= at_retention * 1.05
+    assert r["sizes"][-1] <= r["sizes"][15] * 1.02
+
+
+def test_delete_and_purge_take_items_and_parts_along(tmp_path):
+    st = JobStore(tmp_path / "j.db", wall=lambda: 100.0)
+    for job in ("a", "b", "c"):
+        st.create_job(job, None, "client", "running")
+        st.add_items(job, [new(0)])
+        st.create_parts(job, "p", 0, [(f"{job}.1", [0])])
+    st.set_job_state("a", "done")
+    st.set_job_state("b", "cancelled")
+    assert st.purge(before=100.0) == []  # ended exactly at 'before': not older
+    assert sorted(st.purge(before=101.0)) == ["a", "b"]  # c is running: kept
+    assert st.delete_job("c") and not st.delete_job("c")
+    assert [st._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("jobs", "items", "parts")] \
+        == [0, 0, 0]

@@ -61,6 +61,11 @@ class StoreConfig(Strict):
         default=3600.0, gt=0,
         description="a job left open (more: true) this long without calls is closed and run; null: never",
     )
+    retention_s: float | None = Field(
+        default=7 * 86400.0, gt=0,
+        description="ended jobs, their items and results are deleted this long after they ended; "
+                    "null: kept until jobs.delete",
+    )
 
 
 class CacheConfig(Strict):

@@ -62,7 +62,7 @@ class JobManager(PartDriver):
         self._done: dict[str, anyio.Event] = {}
         self._scopes: dict[str, anyio.CancelScope] = {}
         self._driving: set[str] = set()
-        self._cancel_sent: set[str] = set()
+        self._cancel_sent: dict[str, str] = {}  # remote batch id -> job id, until the job ends
 
     # -- lifecycle -------------------------------------------------------------
     def store(self) -> JobStore:
@@ -166,14 +166,14 @@ class JobManager(PartDriver):
                 await st.run(st.fail_open, job_id, err, part.id)
                 await st.run(st.finish_part, part.id, "cancelled", None)
             elif part.state == "submitted" and part.remote_id and self.backend is not None:
-                await self._cancel_remote(part.remote_id)
+                await self._cancel_remote(part.remote_id, job_id)
         await self._finish_job(job_id)
 
-    async def _cancel_remote(self, remote_id: str) -> None:
+    async def _cancel_remote(self, remote_id: str, job_id: str) -> None:
         assert self.backend is not None
         if remote_id in self._cancel_sent:  # cancel() and a just-finished submit may both ask
             return
-        self._cancel_sent.add(remote_id)
+        self._cancel_sent[remote_id] = job_id
         try:
             await self.backend.cancel(remote_id)
         except RpcError as e:  # already ended, most often: polling will tell
@@ -183,10 +183,17 @@ class JobManager(PartDriver):
         st = self.store()
         final = await st.run(st.finish_job_if_done, job_id)
         if final is not None:
-            event = self._done.pop(job_id, None)
+            event = self._done.get(job_id)
+            self.forget(job_id)
             if event is not None:
                 event.set()
             self.ctx.notify("batch_job_ended", {"job_id": job_id, "state": final})
+
+    def forget(self, job_id: str) -> None:
+        """Drop the job's entries in memory: on its end, and on delete (it may never end)."""
+        self._done.pop(job_id, None)
+        for remote in [r for r, j in self._cancel_sent.items() if j == job_id]:
+            del self._cancel_sent[remote]
 
     async def _cancelling(self, job_id: str) -> bool:
         st = self.store()

@@ -63,7 +63,7 @@ class PartDriver:
     async def _cancelling(self, job_id: str) -> bool:
         raise NotImplementedError
 
-    async def _cancel_remote(self, remote_id: str) -> None:
+    async def _cancel_remote(self, remote_id: str, job_id: str) -> None:
         raise NotImplementedError
 
     async def _drive(self, part_id: str) -> None:
@@ -167,7 +167,7 @@ class PartDriver:
         self.ctx.notify("batch_submitted", {"job_id": part.job_id, "part_id": part.id,
                                             "remote_id": remote})
         if await self._cancelling(part.job_id):
-            await self._cancel_remote(remote)
+            await self._cancel_remote(remote, part.job_id)
         return remote
 
     async def _wait_terminal(self, part: PartRow, remote: str) -> RemoteStatus | None:

@@ -39,6 +39,8 @@ CREATE TABLE IF NOT EXISTS items (
   custom_id TEXT NOT NULL, part_id TEXT, state TEXT NOT NULL, result TEXT, error TEXT,
   split TEXT, PRIMARY KEY (job_id, idx));
 CREATE INDEX IF NOT EXISTS items_part ON items(part_id);
+CREATE INDEX IF NOT EXISTS jobs_ended ON jobs(state, updated);
+CREATE INDEX IF NOT EXISTS parts_job ON parts(job_id);
 """
 
 
@@ -54,8 +56,9 @@ def _locked(fn: Callable[..., T]) -> Callable[..., T]:
 class JobStore:
     """Blocking methods guarded by a lock; call them through ``run`` from async code."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, wall: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
+        self.wall = wall  # wall time of every row (injected by the retention soak)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
@@ -78,7 +81,7 @@ class JobStore:
     # -- jobs ------------------------------------------------------------------
     @_locked
     def create_job(self, job_id: str, identity: str | None, source: str, state: str) -> None:
-        now = time.time()
+        now = self.wall()
         self._db.execute("INSERT INTO jobs VALUES (?,?,?,?,0,?,?)",
                          (job_id, identity, source, state, now, now))
 
@@ -103,11 +106,34 @@ class JobStore:
     @_locked
     def set_job_state(self, job_id: str, state: str, only_from: Sequence[str] = ()) -> bool:
         sql = "UPDATE jobs SET state=?, updated=? WHERE id=?"
-        args: list[Any] = [state, time.time(), job_id]
+        args: list[Any] = [state, self.wall(), job_id]
         if only_from:
             sql += f" AND state IN ({','.join('?' * len(only_from))})"
             args += list(only_from)
         return self._db.execute(sql, args).rowcount > 0
+
+    @_locked
+    def delete_job(self, job_id: str) -> bool:
+        """Drop a job, its items and parts; True if it existed."""
+        db = self._tx()
+        try:
+            for table, col in (("items", "job_id"), ("parts", "job_id"), ("jobs", "id")):
+                n = db.execute(f"DELETE FROM {table} WHERE {col}=?", (job_id,)).rowcount
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return n > 0
+
+    @_locked
+    def purge(self, before: float, limit: int = 500) -> list[str]:
+        """Delete up to ``limit`` ended jobs last changed before ``before`` (wall time)."""
+        ids = [r[0] for r in self._db.execute(
+            "SELECT id FROM jobs WHERE state IN ('done','cancelled') AND updated < ? LIMIT ?",
+            (before, limit))]
+        for job_id in ids:
+            self.delete_job(job_id)
+        return ids
 
     @_locked
     def finish_job_if_done(self, job_id: str) -> str | None:
@@ -150,7 +176,7 @@ class JobStore:
                   dumps(n.error) if n.error is not None else None, n.split) for n in items))
             added = cur.rowcount
             db.execute("UPDATE jobs SET total=total+?, updated=? WHERE id=?",
-                       (added, time.time(), job_id))
+                       (added, self.wall(), job_id))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -255,7 +281,7 @@ class JobStore:
     @_locked
     def create_parts(self, job_id: str, provider: str, attempt: int,
                      parts: Sequence[tuple[str, Sequence[int]]]) -> None:
-        now = time.time()
+        now = self.wall()
         db = self._tx()
         try:
             for part_id, idxs in parts:
@@ -289,14 +315,14 @@ class JobStore:
     def mark_submitting(self, part_id: str, intent_wall: float) -> None:
         self._db.execute(
             "UPDATE parts SET state='submitting', intent_wall=?, updated=? WHERE id=?",
-            (intent_wall, time.time(), part_id))
+            (intent_wall, self.wall(), part_id))
 
     @_locked
     def mark_submitted(self, part_id: str, remote_id: str) -> None:
         db = self._tx()
         try:
             db.execute("UPDATE parts SET state='submitted', remote_id=?, updated=? WHERE id=?",
-                       (remote_id, time.time(), part_id))
+                       (remote_id, self.wall(), part_id))
             db.execute("UPDATE items SET state='submitted' WHERE part_id=? AND state='queued'",
                        (part_id,))
             db.execute("COMMIT")
@@ -307,13 +333,13 @@ class JobStore:
     @_locked
     def set_remote_status(self, part_id: str, status: str) -> None:
         self._db.execute("UPDATE parts SET remote_status=?, updated=? WHERE id=?",
-                         (status, time.time(), part_id))
+                         (status, self.wall(), part_id))
 
     @_locked
     def finish_part(self, part_id: str, remote_status: str | None, detail: str | None) -> None:
         self._db.execute(
             "UPDATE parts SET state='done', remote_status=COALESCE(?, remote_status), detail=?, "
-            "updated=? WHERE id=?", (remote_status, detail, time.time(), part_id))
+            "updated=? WHERE id=?", (remote_status, detail, self.wall(), part_id))
 
 
 def _part(row: Sequence[Any]) -> PartRow:
