@@ -311,7 +311,7 @@ async def test_fuzzed_job_method_params_get_precise_errors_never_internal_ones(t
     from multiplexer.core.call import Call
 
     rng = random.Random(11)
-    methods = ["jobs.submit", "jobs.status", "jobs.results", "jobs.cancel", "jobs.list"]
+    methods = ["jobs.submit", "jobs.status", "jobs.results", "jobs.cancel", "jobs.list", "jobs.delete"]
     codes: dict[int | str, int] = {}
     async with fakes() as f, running(parse_config(remote_config_data(f, tmp_path)), port=0) as (gateway, _):
         real = (await gateway.submit(Call("jobs.submit", {"calls": [
@@ -350,3 +350,45 @@ async def test_jobs_methods_count_against_the_keys_quotas(tmp_path):
             assert rpm.value.code == Code.RATE_LIMITED and rpm.value.data["limit"] == "rpm"
             assert len((await bob.call("jobs.list", {}))["jobs"]) == 0  # bob has no quota set
     assert f.openai.requests["/v1/files"] == 1
+
+
+async def test_jobs_delete_owner_only_and_retention_purges_ended_jobs(tmp_path):
+    import time
+
+    async with fakes() as f:
+        data = remote_config_data(f, tmp_path)
+        data["server"] = {"api_keys": {"alice": "key-a", "bob": "key-b"}}
+        events = Events()
+        async with running(parse_config(data), port=0) as (gateway, url):
+            gateway.listeners.append(events)
+            async with Client(url, api_key="key-a") as alice, Client(url, api_key="key-b") as bob:
+                kept = await alice.call("jobs.submit", {"calls": [{"method": "claude", "params": user("a")}]})
+                gone = await alice.call("jobs.submit", {"calls": [{"method": "claude", "params": user("b")}]})
+                opened = await alice.call("jobs.submit", {"calls": [{"method": "claude",
+                                                                     "params": user("c")}], "more": True})
+                await events.wait("batch_job_ended", count=2)
+                with pytest.raises(RpcError) as other:
+                    await bob.call("jobs.delete", {"job_id": gone["job_id"]})
+                with pytest.raises(RpcError) as running_job:
+                    await alice.call("jobs.delete", {"job_id": opened["job_id"]})
+                assert await alice.call("jobs.delete", {"job_id": gone["job_id"]}) == {
+                    "job_id": gone["job_id"], "deleted": True}
+                with pytest.raises(RpcError) as again:
+                    await alice.call("jobs.results", {"job_id": gone["job_id"]})
+                face = gateway.faces["jobs"]
+                retention = gateway.config.store.retention_s
+                managers = list(face.managers.values())
+                for m in managers:
+                    m.watch(kept["job_id"])  # a watch on an ended job: its event would never fire
+                assert await face.purge(retention, now=time.time()) == []  # ended just now
+                assert await face.purge(retention, now=time.time() + retention + 1) == [kept["job_id"]]
+                listed = (await alice.call("jobs.list", {}))["jobs"]
+                st = face.store()
+                leftover = st._db.execute("SELECT COUNT(*) FROM items WHERE job_id IN (?,?)",
+                                          (kept["job_id"], gone["job_id"])).fetchone()[0]
+    assert other.value.code == Code.NOT_FOUND and again.value.code == Code.NOT_FOUND
+    assert running_job.value.code == Code.INVALID_PARAMS
+    assert running_job.value.data["state"] == "open"
+    assert [j["job_id"] for j in listed] == [opened["job_id"]]  # the open job is never purged
+    assert leftover == 0
+    assert all(kept["job_id"] not in m._done for m in managers)  # purge forgets it in memory too

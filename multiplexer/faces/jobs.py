@@ -1,11 +1,13 @@
-"""Batch jobs for clients: ``jobs.submit``, ``jobs.status``, ``jobs.results``, ``jobs.cancel``, ``jobs.list``.
+"""Batch jobs for clients: ``jobs.submit``, ``jobs.status``, ``jobs.results``, ``jobs.cancel``,
+``jobs.list``, ``jobs.delete``.
 
 Registered as gateway methods, so they work on ``/rpc`` and as MCP tools alike,
 and only when some provider has a job manager (OpenAI, Anthropic). A job may
 mix routes of several such providers; each provider runs its own share. A job
 belongs to the identity that submitted it: others get "not found". A job kept
 open with ``more: true`` closes with a last ``jobs.submit`` (calls optional) or,
-forgotten, after ``store.open_job_idle_s`` without calls.
+forgotten, after ``store.open_job_idle_s`` without calls. Ended jobs go, with their
+results, ``store.retention_s`` after they ended, or at once on ``jobs.delete``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ SPECS = {
         "required": ["job_id"]}),
     "jobs.cancel": ToolSpec("jobs.cancel", "Cancel a batch job; finished results stay available.", {
         "type": "object", "properties": {"job_id": _JOB_ID}, "required": ["job_id"]}),
+    "jobs.delete": ToolSpec("jobs.delete", "Delete an ended batch job and its results.", {
+        "type": "object", "properties": {"job_id": _JOB_ID}, "required": ["job_id"]}),
     "jobs.list": ToolSpec("jobs.list", "Your most recent batch jobs.", {
         "type": "object", "properties": {"limit": {"type": "integer", "minimum": 1, "maximum": 1000}}}),
 }
@@ -72,13 +76,16 @@ def register_job_methods(gateway: Gateway) -> JobFace | None:
     face = JobFace(gateway, managers)
     handlers: dict[str, Callable[[Call], Awaitable[Any]]] = {
         "jobs.submit": face.submit, "jobs.status": face.status, "jobs.results": face.results,
-        "jobs.cancel": face.cancel, "jobs.list": face.list,
+        "jobs.cancel": face.cancel, "jobs.list": face.list, "jobs.delete": face.delete,
     }
     for name, handler in handlers.items():
         gateway.register_method(SPECS[name], handler)
     idle = gateway.config.store.open_job_idle_s
     if idle is not None:
         gateway.start_background(face.close_idle_forever, idle)
+    retention = gateway.config.store.retention_s
+    if retention is not None:
+        gateway.start_background(face.purge_forever, retention)
     return face
 
 
@@ -213,6 +220,33 @@ class JobFace:
         while True:
             await self.close_idle(idle_s)
             await anyio.sleep(min(60.0, idle_s / 4))
+
+    async def purge(self, retention_s: float, now: float | None = None) -> list[str]:
+        """Delete the jobs that ended more than ``retention_s`` ago (as of wall time ``now``)."""
+        st = self.store()
+        gone: list[str] = []
+        while batch := await st.run(st.purge, (now or time.time()) - retention_s):
+            gone += batch
+        for job_id in gone:
+            for manager in self.managers.values():
+                manager.forget(job_id)
+        return gone
+
+    async def purge_forever(self, retention_s: float) -> None:
+        while True:
+            await self.purge(retention_s)
+            await anyio.sleep(min(3600.0, retention_s / 4))
+
+    async def delete(self, call: Call) -> dict[str, Any]:
+        job = await self._job(call)
+        if job.state not in ("done", "cancelled"):
+            raise invalid_params(f"job {job.id} is {job.state}; cancel it and delete it once it ended",
+                                 job_id=job.id, state=job.state)
+        st = self.store()
+        deleted = await st.run(st.delete_job, job.id)
+        for manager in self.managers.values():
+            manager.forget(job.id)
+        return {"job_id": job.id, "deleted": deleted}
 
     async def status(self, call: Call) -> dict[str, Any]:
         job = await self._job(call)
