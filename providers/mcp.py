@@ -3,7 +3,8 @@
 A wildcard route (``tools_*: {provider: tools}``) exposes every upstream tool
 under the route's prefix; an item's ``method`` is the upstream tool name and its
 params are the tool's arguments. All calls share one long-lived session
-(``mcp_session.UpstreamSession``); the lane bounds how many are in flight.
+(``mcp_session.UpstreamSession``, requests through ``mcp_request``, listings
+through ``mcp_listing``); the lane bounds how many are in flight.
 The upstream's resources and prompts are passed through for the MCP face (which
 namespaces them), only where the upstream advertises them.
 """
@@ -25,6 +26,8 @@ from multiplexer.core.metrics import code_label
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
 
+from .mcp_listing import Catalog
+from .mcp_request import Requester
 from .mcp_session import UpstreamSession
 from .mcp_transport import McpSettings
 
@@ -58,9 +61,11 @@ class McpProvider(Provider):
         super().__init__(ctx)
         self.settings: McpSettings = ctx.settings
         self.session = UpstreamSession(
-            ctx.name, self.settings, call_timeout_s=ctx.config.timeout_ms / 1000,
+            ctx.name, self.settings, call_timeout_s=ctx.config.timeout_ms / 1000, clock=ctx.clock,
             on_tools=self._tools_changed, on_event=self._session_event, on_lists=self._lists_changed,
         )
+        self.requests = Requester(self.session)
+        self.catalog = Catalog(ctx.name, self.settings.max_pages, self.requests, self.session.offers)
         self._stack: AsyncExitStack | None = None
         self._sent = ctx.metrics.upstream_requests.labels(ctx.name)
 
@@ -124,7 +129,7 @@ class McpProvider(Provider):
         timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
         self._sent.inc()
         try:
-            result = await self.session.call(
+            result = await self.requests.call(
                 item.method, item.params, timeout_s=timeout,
                 progress=progress if callable(progress) else None,
                 retry_safe=bool(item.options.get(_RETRY_SAFE)),
@@ -136,25 +141,25 @@ class McpProvider(Provider):
 
     # -- resources and prompts ---------------------------------------------------
     async def list_resources(self) -> list[dict[str, Any]]:
-        return [wire(r) for r in await self.session.list_resources()]
+        return [wire(r) for r in await self.catalog.list_resources()]
 
     async def list_resource_templates(self) -> list[dict[str, Any]]:
-        return [wire(t) for t in await self.session.list_resource_templates()]
+        return [wire(t) for t in await self.catalog.list_resource_templates()]
 
     async def read_resource(self, uri: str) -> dict[str, Any]:
         if not self.session.offers("resources"):
             raise RpcError(Code.INVALID_PARAMS, f"Unknown resource: {uri}",
                            {"uri": uri, "provider": self.name})
-        return await self._counted(self.session.read_resource(uri))
+        return await self._counted(self.requests.read_resource(uri))
 
     async def list_prompts(self) -> list[dict[str, Any]]:
-        return [wire(p) for p in await self.session.list_prompts()]
+        return [wire(p) for p in await self.catalog.list_prompts()]
 
     async def get_prompt(self, name: str, arguments: dict[str, str] | None) -> dict[str, Any]:
         if not self.session.offers("prompts"):
             raise RpcError(Code.INVALID_PARAMS, f"Unknown prompt: {name}",
                            {"prompt": name, "provider": self.name})
-        return await self._counted(self.session.get_prompt(name, arguments))
+        return await self._counted(self.requests.get_prompt(name, arguments))
 
     async def _counted(self, request: Awaitable[dict[str, Any]]) -> dict[str, Any]:
         self._sent.inc()

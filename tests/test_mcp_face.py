@@ -128,9 +128,14 @@ async def test_progress_is_passed_through(gateway: tuple[Gateway, str], mode: st
 async def test_client_cancel_reaches_the_upstream(gateway: tuple[Gateway, str], mode: str) -> None:
     gw, url = gateway
     before = structured(await call(gw, "tools_stats", {}))["cancelled"]
-    async with mcp_http_client(url, mode) as client:
-        with anyio.move_on_after(0.5):
-            await client.call_tool("tools_sleep", {"seconds": 30})
+    async with mcp_http_client(url, mode) as client, anyio.create_task_group() as tg:
+        tg.start_soon(client.call_tool, "tools_sleep", {"seconds": 30})
+
+        async def running() -> bool:
+            return structured(await call(gw, "tools_stats", {}))["running"] == 1
+
+        await wait_until(running)  # the upstream runs it: the client's cancel has to travel there
+        tg.cancel_scope.cancel()
 
     async def upstream_cancelled() -> bool:
         stats = structured(await call(gw, "tools_stats", {}))

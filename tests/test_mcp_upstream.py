@@ -15,6 +15,7 @@ import pytest
 from mcp.server import Server
 
 from multiplexer.core.call import Call
+from multiplexer.core.clock import ManualClock
 from multiplexer.core.errors import Code
 from multiplexer.gateway.config import ConfigError, parse_config
 from multiplexer.gateway.gateway import Gateway
@@ -152,8 +153,14 @@ async def test_progress_of_a_shared_call_reaches_every_caller_that_asked(two_ups
 async def test_a_cancelled_call_cancels_the_upstream_request(two_upstreams: Gateway) -> None:
     for route in ("tools_", "demo_"):
         before = structured(await call(two_upstreams, route + "stats", {}))["cancelled"]
-        with anyio.move_on_after(0.3):
-            await call(two_upstreams, route + "sleep", {"seconds": 30})
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, two_upstreams, route + "sleep", {"seconds": 30})
+
+            async def running(route: str = route) -> bool:
+                return structured(await call(two_upstreams, route + "stats", {}))["running"] == 1
+
+            await wait_until(running)  # the upstream runs it: a cancel now has to travel there
+            tg.cancel_scope.cancel()
 
         async def upstream_saw_cancel(route: str = route, before: int = before) -> bool:
             stats = structured(await call(two_upstreams, route + "stats", {}))
@@ -307,12 +314,17 @@ async def test_pagination_is_followed_up_to_the_page_cap() -> None:
                                                          headers={"X-Team": "blue"})},
                     "routes": {"paged_*": {"provider": "paged"}},
                 })
-                async with Gateway(config) as gateway:
+                clock = ManualClock()
+                async with Gateway(config, clock=clock) as gateway:
                     names = [t.name for t in await gateway.list_tools()]
                     assert len(names) == expected and names[0] == "paged_t0_0"
                     listed = server.calls["list"]  # type: ignore[attr-defined]
+                    await clock.advance(59)
                     await gateway.list_tools()  # ttlMs says the listing is still fresh
                     assert server.calls["list"] == listed  # type: ignore[attr-defined]
+                    await clock.advance(1)  # on the gateway's clock, the upstream's 60 s are up
+                    await gateway.list_tools()
+                    assert server.calls["list"] == listed + expected // 2  # type: ignore[attr-defined]
                     outcome = await call(gateway, "paged_t1_1", {})
                     assert outcome.result["content"][0]["text"] == "t1_1"
             assert server.calls["x-team"] == {"blue"}  # type: ignore[attr-defined]

@@ -153,7 +153,7 @@ class McpFace:
         return self._open[identity]
 
     def _count_session(self, ctx: ServerRequestContext[Any, Any]) -> None:
-        connection = getattr(ctx.session, "_connection", None)
+        connection = connection_of(ctx)
         if connection is None or not connection.session_id or id(connection) in self._counted:
             return
         key, identity = id(connection), identity_of(ctx)
@@ -177,9 +177,7 @@ class McpFace:
         if ctx.method == "initialize":
             self._count_session(ctx)
         elif ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
-            # ServerSession keeps its connection private; it is the only handle on the
-            # connection's standalone channel and on its teardown (exit_stack).
-            connection = getattr(ctx.session, "_connection", None)
+            connection = connection_of(ctx)
             key = id(connection)
             if connection is not None and key not in self._legacy:
                 self._legacy[key] = connection
@@ -269,6 +267,18 @@ class McpFace:
         except RpcError:
             return False
         return isinstance(self.gateway.providers[route.provider], McpUpstream)
+
+
+def connection_of(ctx: ServerRequestContext[Any, Any]) -> Any:
+    """The request's SDK ``Connection``, or None.
+
+    mcp 2.3 hands lowlevel handlers no public path to it (``ServerRequestContext``
+    has none; ``Context.connection`` is not what ``ServerRunner`` builds), yet it is
+    the only handle on a connection's standalone channel (list changes for
+    handshake-era clients) and its teardown (``exit_stack``). The one read of the
+    private attribute lives here, so an SDK change breaks one place.
+    """
+    return getattr(ctx.session, "_connection", None)
 
 
 def identity_of(ctx: ServerRequestContext[Any, Any]) -> str | None:

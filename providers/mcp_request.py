@@ -1,0 +1,155 @@
+"""Requests on an upstream MCP session: one live connection, one retry when it is safe.
+
+A request waits (bounded) for the supervisor's live connection, sends on it,
+and turns every failure into an ``RpcError``: a refused request (lost HTTP
+session) never ran and is always sent again; one caught in flight by a lost
+connection is repeated only when the caller says it is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import anyio
+import mcp_types as types
+from mcp import Client, MCPError
+from pydantic import TypeAdapter, ValidationError
+
+from multiplexer.core.clock import Clock
+from multiplexer.core.errors import RpcError, timeout_error, upstream_error, upstream_unavailable
+
+from .mcp_transport import McpSettings
+
+Progress = Callable[[float, float | None, str | None], Awaitable[None]]
+R = TypeVar("R")
+
+
+def describe(exc: BaseException) -> str:
+    """The first leaf of an exception group, as one short line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def is_session_lost(error: MCPError) -> bool:
+    """An HTTP upstream no longer knows our session (404): it refused the call without running it."""
+    return error.code == types.INVALID_REQUEST and "session" in error.message.lower()
+
+
+def is_closed(error: MCPError) -> bool:
+    """What the SDK reports when the transport ended under a request (-32000 alone is too common)."""
+    return error.code == types.CONNECTION_CLOSED and error.message == "Connection closed"
+
+
+def protocol_error(provider: str, error: MCPError) -> RpcError:
+    """An upstream JSON-RPC error, passed on with its own code; marked so /mcp re-raises it as one."""
+    data: dict[str, Any] = {"provider": provider, "mcp_protocol_error": True}
+    if error.data is not None:
+        data["upstream_data"] = error.data
+    return RpcError(error.code, error.message, data)
+
+
+class Link(Protocol):
+    """What a request needs of the supervisor (``mcp_session.UpstreamSession``)."""
+
+    name: str
+    settings: McpSettings
+    clock: Clock
+    call_timeout_s: float
+
+    def on_event(self, event: str) -> None: ...
+
+    async def acquire(self, wait_s: float) -> tuple[Client, int, anyio.Event]:
+        """The live client, its generation and its end event; ``RpcError`` when none comes up."""
+        ...
+
+    def lost(self, generation: int, reason: str) -> None:
+        """A request saw that connection ``generation`` is gone."""
+        ...
+
+
+class Requester:
+    """Sends requests on the supervisor's live connection, with deadlines from the gateway's clock."""
+
+    def __init__(self, session: Link) -> None:
+        self.session = session
+
+    @staticmethod
+    async def _ended_under(error: MCPError, ended: anyio.Event) -> bool:
+        """Whether the call failed because its connection ended (the watcher may lag a write error;
+        a bound on real I/O, so real time, not the gateway's clock)."""
+        if not is_closed(error):
+            return False
+        with anyio.move_on_after(1.0):
+            await ended.wait()
+        return ended.is_set()
+
+    async def request(self, request: types.Request[Any, Any], result_type: type[R] | TypeAdapter[R], *,
+                      timeout_s: float | None = None, progress: Progress | None = None,
+                      retry_safe: bool = True) -> R:
+        """One request on the live session, as an ``RpcError`` on failure."""
+        session = self.session
+        name, clock = session.name, session.clock
+        timeout = session.call_timeout_s if timeout_s is None else min(timeout_s, session.call_timeout_s)
+        deadline = clock.now() + timeout
+        attempts = 2
+        for attempt in range(attempts):
+            wait = min(deadline - clock.now(), session.settings.connect_timeout_ms / 1000)
+            client, generation, ended = await session.acquire(wait)
+            try:
+                return await client.session.send_request(
+                    request, result_type,
+                    request_read_timeout_seconds=max(deadline - clock.now(), 0.001),
+                    progress_callback=progress,
+                )
+            except ValidationError as e:
+                raise upstream_error(name, f"invalid {request.method} result: {describe(e)}") from None
+            except MCPError as e:
+                refused = session.settings.transport == "http" and is_session_lost(e)
+                if refused or await self._ended_under(e, ended):
+                    session.lost(generation, f"connection lost: {e.message}")
+                    if attempt + 1 < attempts and (retry_safe or refused):
+                        session.on_event("retry")
+                        continue
+                    why = "retried once" if retry_safe else "not retried: the tool is not declared idempotent"
+                    raise upstream_unavailable(
+                        name, f"the upstream connection was lost while the call was in flight ({why})"
+                    ) from None
+                if e.code == types.REQUEST_TIMEOUT:
+                    raise timeout_error("upstream") from None
+                raise protocol_error(name, e) from None
+        raise AssertionError("unreachable")
+
+    async def call(self, tool: str, arguments: dict[str, Any] | None, *, timeout_s: float | None,
+                   progress: Progress | None, retry_safe: bool) -> dict[str, Any]:
+        """The upstream's ``CallToolResult`` as a wire dict, or an ``RpcError``."""
+        request = types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
+        return wire_result(await self.request(request, _RAW_RESULT, timeout_s=timeout_s, progress=progress,
+                                              retry_safe=retry_safe))
+
+    async def read_resource(self, uri: str) -> dict[str, Any]:
+        """The upstream's ``ReadResourceResult`` as a wire dict (a read is safe to repeat)."""
+        request = types.ReadResourceRequest(params=types.ReadResourceRequestParams(uri=uri))
+        return wire_result(await self.request(request, _RAW_RESULT))
+
+    async def get_prompt(self, name: str, arguments: dict[str, str] | None) -> dict[str, Any]:
+        """The upstream's ``GetPromptResult`` as a wire dict (rendering a prompt is safe to repeat)."""
+        request = types.GetPromptRequest(params=types.GetPromptRequestParams(name=name, arguments=arguments))
+        return wire_result(await self.request(request, _RAW_RESULT))
+
+
+# The SDK checks the result against the negotiated revision; we keep its wire form as is.
+_RAW_RESULT: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
+
+
+def wire_result(dumped: dict[str, Any]) -> dict[str, Any]:
+    """A result as the upstream sent it, less its per-response identity stamp (not ours to pass on)."""
+    meta = dumped.get("_meta")
+    if isinstance(meta, dict) and types.SERVER_INFO_META_KEY in meta:
+        meta = {k: v for k, v in meta.items() if k != types.SERVER_INFO_META_KEY}
+        if meta:
+            dumped["_meta"] = meta
+        else:
+            del dumped["_meta"]
+    return dumped
