@@ -18,11 +18,13 @@ from multiplexer.core.call import Item, Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, upstream_error
 from multiplexer.core.gather import gather
+from multiplexer.core.jsonrpc import dumps
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
 
+from .h11_transport import H11Transport
 from .http_util import classify, make_client
 from .ratelimit_headers import Parser, apply, wait_hint
 
@@ -32,6 +34,10 @@ PAUSE_STATUSES = {429, 529}
 
 
 class ApiClient:
+    """Requests go straight to the transport (the lean h11 one unless the context hands in
+    another): the httpx client only builds the cold-path requests (multipart uploads, query
+    params), and its per-request flows (auth, redirects, cookies) are not needed."""
+
     def __init__(self, ctx: ProviderContext, base_url: str, headers: Mapping[str, str],
                  parse_limits: Parser) -> None:
         self.ctx = ctx
@@ -40,16 +46,24 @@ class ApiClient:
         self._headers = dict(headers)
         self._parse_limits = parse_limits
         self._client: httpx.AsyncClient | None = None
+        self._transport: httpx.AsyncBaseTransport | None = None
+        self._urls: dict[str, httpx.URL] = {}
+        self._requests = ctx.metrics.upstream_requests.labels(self.name)
 
     async def start(self) -> None:
         conf = self.ctx.config
-        self._client = make_client(conf.timeout_ms / 1000, max(conf.limits.concurrency * 2, 8),
-                                   headers=self._headers)
+        connections = max(conf.limits.concurrency * 2, 8)
+        self._transport = self.ctx.transport or H11Transport(connections)
+        self._client = make_client(conf.timeout_ms / 1000, connections, headers=self._headers,
+                                   transport=self._transport)
+        self._json_headers = httpx.Headers({**self._client.headers,
+                                            "content-type": "application/json"})
+        self._extensions = {"timeout": self._client.timeout.as_dict()}
 
     async def aclose(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+            await self._client.aclose()  # closes the transport too
+            self._client = self._transport = None
 
     def url(self, path: str) -> str:
         return path if path.startswith(("http://", "https://")) else self.base_url + path
@@ -63,15 +77,29 @@ class ApiClient:
             if wait is not None:
                 self.ctx.limiter.pause(wait)
 
+    def build(self, method: str, path: str, **kwargs: Any) -> httpx.Request:
+        """A request for ``path``; a JSON body (the hot path) skips the client's merging."""
+        assert self._client is not None, "ApiClient used before start()"
+        if kwargs.keys() == {"json"}:
+            url = self._urls.get(path)
+            if url is None:
+                url = self._urls[path] = httpx.URL(self.url(path))
+            return httpx.Request(method, url, headers=self._json_headers, content=dumps(kwargs["json"]),
+                                 extensions=self._extensions)
+        return self._client.build_request(method, self.url(path), **kwargs)
+
     async def _attempt(self, request: httpx.Request, idempotent: bool,
                        stream: bool) -> httpx.Response:
-        assert self._client is not None, "ApiClient used before start()"
-        self.ctx.metrics.upstream_requests.labels(self.name).inc()
+        assert self._transport is not None, "ApiClient used before start()"
+        self._requests.inc()
         try:
-            response = await self._client.send(request, stream=stream)
+            response = await self._transport.handle_async_request(request)
+            if not stream:
+                await response.aread()
         except httpx.HTTPError as e:
             self.ctx.metrics.upstream_errors.labels(self.name, type(e).__name__).inc()
             raise classify(self.name, e, None, idempotent, self.ctx.clock.wall) from None
+        response.request = request
         self.learn(response)
         if response.status_code < 400:
             return response
@@ -90,13 +118,15 @@ class ApiClient:
                       stream: bool = False, **kwargs: Any) -> httpx.Response:
         """A 2xx response after retries, or the final ``RpcError``.
 
-        With ``stream=True`` the caller reads and closes the body (large result files).
+        With ``stream=True`` the caller reads and closes the body (large result files,
+        server-sent events); such a body has no size cap.
         """
-        assert self._client is not None, "ApiClient used before start()"
         retry = self.ctx.config.retry
 
         async def attempt() -> httpx.Response:
-            request = self._client.build_request(method, self.url(path), **kwargs)  # type: ignore[union-attr]
+            request = self.build(method, path, **kwargs)
+            if stream:
+                request.extensions = {**request.extensions, "max_response_bytes": None}
             return await self._attempt(request, idempotent, stream)
 
         return await with_retries(

@@ -3,10 +3,18 @@
 Why: on this project's 2-core reference machine httpx's default transport costs
 ~0.5 ms per request (two socket writes per request, anyio stream wrappers, and a
 pool that scans every connection on each request), more than the gateway's whole
-latency budget. This transport keeps the httpx API (``Client``, ``Request``,
-``Response``, timeouts, exception types) and h11 for the protocol; it only
-replaces the connection layer: one write per request, an idle-connection stack per
-origin, at most ``max_connections`` open per origin.
+latency budget (``benchmarks/bench_llm.py --transport`` measures the two side by
+side). This transport keeps the httpx API (``Client``, ``Request``, ``Response``,
+timeouts, exception types) and h11 for the protocol; it only replaces the
+connection layer: one write per request, an idle-connection stack per origin, at
+most ``max_connections`` open per origin (waiting up to the pool timeout for one).
+
+A reply already whole in the first read comes back with its content and frees its
+connection at once (the hot path); a longer one (a large file, a stream of
+server-sent events) comes back as a stream that holds the connection until it is
+read to the end or closed. A reply larger than ``max_response_bytes`` (per request:
+the ``max_response_bytes`` extension, ``None`` for no cap) fails instead of filling
+the memory.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import contextlib
 import select
 import socket
 import ssl
+from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import anyio
 import anyio.abc
@@ -23,9 +33,15 @@ import httpx
 
 _BROKEN = (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError,
            h11.RemoteProtocolError, ConnectionError)
-
-
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+_READ = 65536
+
+Origin = tuple[str, str, int]
+
+
+class ResponseTooLarge(httpx.RemoteProtocolError):
+    """The upstream's reply is over the transport's size cap."""
 
 
 class _Stale(Exception):
@@ -41,10 +57,12 @@ class _Conn:
 
 
 class H11Transport(httpx.AsyncBaseTransport):
-    def __init__(self, max_connections: int = 100, verify: ssl.SSLContext | bool = True) -> None:
-        self._idle: dict[tuple[str, str, int], list[_Conn]] = {}
-        self._slots: dict[tuple[str, str, int], anyio.Semaphore] = {}
+    def __init__(self, max_connections: int = 100, verify: ssl.SSLContext | bool = True,
+                 max_response_bytes: int | None = DEFAULT_MAX_RESPONSE_BYTES) -> None:
+        self._idle: dict[Origin, list[_Conn]] = {}
+        self._slots: dict[Origin, anyio.Semaphore] = {}
         self._max = max_connections
+        self._cap = max_response_bytes
         self._ssl = verify if isinstance(verify, ssl.SSLContext) else (
             ssl.create_default_context() if verify else None)
         self._closed = False
@@ -56,8 +74,12 @@ class H11Transport(httpx.AsyncBaseTransport):
         slots = self._slots.get(origin)
         if slots is None:
             slots = self._slots[origin] = anyio.Semaphore(self._max)
-        body = request.content  # the client has read any stream into memory for us
-        async with slots:
+        try:
+            body = request.content
+        except httpx.RequestNotRead:  # a multipart upload: read it whole, it goes in one write
+            body = await request.aread()
+        await _acquire(slots, timeouts.get("pool"), request)
+        try:
             idle = self._idle.setdefault(origin, [])
             while idle:
                 conn = idle.pop()
@@ -65,13 +87,16 @@ class H11Transport(httpx.AsyncBaseTransport):
                     await _close(conn)
                     continue
                 try:
-                    return await self._exchange(conn, origin, request, body, timeouts)
+                    return await self._exchange(conn, origin, slots, request, body, timeouts)
                 except _Stale:
                     continue  # the server closed a kept-alive connection: try the next one
             conn = await self._connect(origin, request, timeouts.get("connect"))
-            return await self._exchange(conn, origin, request, body, timeouts, fresh=True)
+            return await self._exchange(conn, origin, slots, request, body, timeouts, fresh=True)
+        except BaseException:
+            slots.release()
+            raise
 
-    async def _connect(self, origin: tuple[str, str, int], request: httpx.Request,
+    async def _connect(self, origin: Origin, request: httpx.Request,
                        timeout: float | None) -> _Conn:
         scheme, host, port = origin
         try:
@@ -91,77 +116,45 @@ class H11Transport(httpx.AsyncBaseTransport):
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Conn(stream)
 
-    async def _exchange(self, conn: _Conn, origin: tuple[str, str, int], request: httpx.Request,
-                        body: bytes, timeouts: dict[str, float | None], fresh: bool = False
-                        ) -> httpx.Response:
+    async def _exchange(self, conn: _Conn, origin: Origin, slots: anyio.Semaphore,
+                        request: httpx.Request, body: bytes, timeouts: dict[str, float | None],
+                        fresh: bool = False) -> httpx.Response:
+        """Send the request and read the head; a slot is released here only for a whole reply."""
+        cap = request.extensions.get("max_response_bytes", self._cap)
         try:
-            response = await self._roundtrip(conn, request, body, timeouts)
-        except TimeoutError:
-            await _close(conn)
-            raise httpx.ReadTimeout("upstream did not answer in time", request=request) from None
+            head = await _send_and_read_head(conn, request, body, timeouts)
+            chunks, done = _buffered(conn)
+            length = _content_length(head.headers) or sum(len(c) for c in chunks)
+            if cap is not None and length > cap:
+                raise ResponseTooLarge(f"upstream reply of {length} bytes is over the "
+                                       f"{cap}-byte cap", request=request)
         except _Stale as e:
             await _close(conn)
             if not fresh:
                 raise
             raise httpx.RemoteProtocolError("server closed the connection without a reply",
                                             request=request) from e
-        except _BROKEN as e:
+        except BaseException as e:
             await _close(conn)
-            raise httpx.ReadError(f"{type(e).__name__}: {e}", request=request) from None
-        except BaseException:
-            await _close(conn)
-            raise
-        if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE and not self._closed:
-            conn.h11.start_next_cycle()
-            self._idle.setdefault(origin, []).append(conn)
-        else:
-            await _close(conn)
-        return response
+            _reraise(e, request)
+        extensions = {"http_version": b"HTTP/1.1"}
+        if done:
+            self._release(conn, origin, slots)
+            return httpx.Response(head.status_code, headers=head.headers, content=b"".join(chunks),
+                                  request=request, extensions=extensions)
+        stream = _Body(self, conn, origin, slots, chunks, request, timeouts.get("read"), cap)
+        return httpx.Response(head.status_code, headers=head.headers, stream=stream,
+                              request=request, extensions=extensions)
 
-    @staticmethod
-    async def _roundtrip(conn: _Conn, request: httpx.Request, body: bytes,
-                         timeouts: dict[str, float | None]) -> httpx.Response:
+    def _release(self, conn: _Conn | None, origin: Origin, slots: anyio.Semaphore) -> None:
+        """Hand the slot back; a connection that finished its exchange cleanly is kept alive."""
+        slots.release()
+        if conn is None:
+            return
         c = conn.h11
-        headers = list(request.headers.raw)
-        out = c.send(h11.Request(method=request.method, target=request.url.raw_path,
-                                 headers=headers))
-        if body:
-            out += c.send(h11.Data(data=body))
-        out += c.send(h11.EndOfMessage())
-        got_bytes = False
-        status, reply_headers, chunks = 0, [], []
-        # one scope for the exchange: the write is a single small send, the read dominates
-        with anyio.fail_after(timeouts.get("read")):
-            try:
-                await conn.stream.send(out)
-            except _BROKEN:
-                raise _Stale from None
-            while True:
-                event = c.next_event()
-                if event is h11.NEED_DATA:
-                    try:
-                        data = await conn.stream.receive(65536)
-                    except _BROKEN:
-                        # Closed after our request went out: it may have run (a crash or reset
-                        # mid-call), so resend only what HTTP calls idempotent; a POST is not.
-                        if not got_bytes and request.method in _IDEMPOTENT:
-                            raise _Stale from None
-                        raise
-                    got_bytes = True
-                    c.receive_data(data)
-                    continue
-                if isinstance(event, h11.InformationalResponse):
-                    continue
-                if isinstance(event, h11.Response):
-                    status, reply_headers = event.status_code, event.headers
-                elif isinstance(event, h11.Data):
-                    chunks.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    break
-                elif isinstance(event, h11.ConnectionClosed):
-                    raise anyio.EndOfStream
-        return httpx.Response(status, headers=reply_headers, content=b"".join(chunks),
-                              request=request, extensions={"http_version": b"HTTP/1.1"})
+        if c.our_state is h11.DONE and c.their_state is h11.DONE and not self._closed:
+            c.start_next_cycle()
+            self._idle.setdefault(origin, []).append(conn)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -171,15 +164,156 @@ class H11Transport(httpx.AsyncBaseTransport):
             await _close(conn)
 
 
+class _Body(httpx.AsyncByteStream):
+    """The rest of a reply, read as the caller asks for it; owns the connection until done."""
+
+    def __init__(self, transport: H11Transport, conn: _Conn, origin: Origin,
+                 slots: anyio.Semaphore, first: list[bytes], request: httpx.Request,
+                 read_timeout: float | None, cap: int | None) -> None:
+        self._transport, self._conn, self._origin, self._slots = transport, conn, origin, slots
+        self._first, self._request = first, request
+        self._timeout, self._cap = read_timeout, cap
+        self._seen = sum(len(c) for c in first)
+        self._ended = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        first, self._first = self._first, []
+        for chunk in first:
+            yield chunk
+        conn = self._conn
+        while conn is not None and not self._ended:
+            try:
+                event = conn.h11.next_event()
+                if event is h11.NEED_DATA:
+                    with anyio.fail_after(self._timeout):
+                        data = await conn.stream.receive(_READ)
+                    conn.h11.receive_data(data)
+                    continue
+            except BaseException as e:
+                await self.aclose()
+                _reraise(e, self._request)
+            if isinstance(event, h11.Data):
+                self._seen += len(event.data)
+                if self._cap is not None and self._seen > self._cap:
+                    await self.aclose()
+                    raise ResponseTooLarge(f"upstream reply is over the {self._cap}-byte cap",
+                                           request=self._request)
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._finish(keep=True)
+            elif isinstance(event, h11.ConnectionClosed):
+                await self.aclose()
+                raise httpx.ReadError("upstream closed the connection mid-reply",
+                                      request=self._request)
+
+    def _finish(self, keep: bool) -> _Conn | None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._ended = True
+            self._transport._release(conn if keep else None, self._origin, self._slots)
+        return None if keep else conn
+
+    async def aclose(self) -> None:
+        conn = self._finish(keep=False)
+        if conn is not None:
+            await _close(conn)
+
+
+async def _acquire(slots: anyio.Semaphore, timeout: float | None, request: httpx.Request) -> None:
+    try:
+        slots.acquire_nowait()
+        return
+    except anyio.WouldBlock:
+        pass
+    try:
+        with anyio.fail_after(timeout):
+            await slots.acquire()
+    except TimeoutError:
+        raise httpx.PoolTimeout("no upstream connection came free in time",
+                                request=request) from None
+
+
+async def _send_and_read_head(conn: _Conn, request: httpx.Request, body: bytes,
+                              timeouts: dict[str, float | None]) -> h11.Response:
+    c = conn.h11
+    out = c.send(h11.Request(method=request.method, target=request.url.raw_path,
+                             headers=list(request.headers.raw)))
+    if body:
+        out += c.send(h11.Data(data=body))
+    out += c.send(h11.EndOfMessage())
+    try:
+        with anyio.fail_after(timeouts.get("write")):
+            await conn.stream.send(out)  # one write per request
+    except TimeoutError:
+        raise httpx.WriteTimeout("upstream did not take the request in time",
+                                 request=request) from None
+    except _BROKEN:
+        raise _Stale from None
+    got_bytes = False
+    with anyio.fail_after(timeouts.get("read")):
+        while True:
+            event = c.next_event()
+            if event is h11.NEED_DATA:
+                try:
+                    data = await conn.stream.receive(_READ)
+                except _BROKEN:
+                    # Closed after our request went out: it may have run (a crash or reset
+                    # mid-call), so resend only what HTTP calls idempotent; a POST is not.
+                    if not got_bytes and request.method in _IDEMPOTENT:
+                        raise _Stale from None
+                    raise
+                got_bytes = True
+                c.receive_data(data)
+            elif isinstance(event, h11.Response):
+                return event
+            elif isinstance(event, h11.ConnectionClosed):
+                raise anyio.EndOfStream
+            # an InformationalResponse (100 Continue): keep reading
+
+
+def _buffered(conn: _Conn) -> tuple[list[bytes], bool]:
+    """The body bytes already received, and whether they are the whole reply."""
+    chunks = []
+    while True:
+        event = conn.h11.next_event()
+        if isinstance(event, h11.Data):
+            chunks.append(bytes(event.data))
+        elif isinstance(event, h11.EndOfMessage):
+            return chunks, True
+        elif isinstance(event, h11.ConnectionClosed):
+            raise anyio.EndOfStream
+        else:  # NEED_DATA
+            return chunks, False
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            with contextlib.suppress(ValueError):
+                return int(value)
+    return None
+
+
+def _reraise(e: BaseException, request: httpx.Request) -> NoReturn:
+    """Raise a transport failure as the httpx exception callers classify; others unchanged."""
+    if isinstance(e, TimeoutError):
+        raise httpx.ReadTimeout("upstream did not answer in time", request=request) from None
+    if isinstance(e, _BROKEN):
+        raise httpx.ReadError(f"{type(e).__name__}: {e}", request=request) from None
+    raise e
+
+
 def _closed_by_peer(conn: _Conn) -> bool:
     """An idle connection with something to read (the server's FIN, or stray bytes) is done."""
     raw = conn.stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
     if raw is None:
         return False
     try:
-        poller = select.poll()
-        poller.register(raw.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(raw.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        return bool(select.select([raw], [], [], 0)[0])  # Windows has no poll
     except (OSError, ValueError):
         return True
 

@@ -58,7 +58,13 @@ class JsonRpcProvider(Provider):
             transport = H11Transport(connections)
             self._client = make_client(conf.timeout_ms / 1000, connections, transport=transport,
                                        headers=self.settings.headers)
-            self._sender = transport.handle_async_request
+
+            async def sender(request: httpx.Request) -> httpx.Response:
+                response = await transport.handle_async_request(request)
+                await response.aread()  # at once for a reply whole in its first read
+                return response
+
+            self._sender = sender
         else:
             self._client = make_client(conf.timeout_ms / 1000, connections,
                                        headers=self.settings.headers)

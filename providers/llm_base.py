@@ -19,6 +19,11 @@ from .batch.sync_fallback import SyncFallback
 from .dedup_rules import deterministic_chat
 from .formations import PackOrSingle
 
+# In-flight requests when the config says none: a hosted API takes hundreds at once and
+# says what it allows in its rate-limit headers, which the lane's limiter learns; a
+# small default (the lane's 16) would cap a 64-client run below the upstream's speed.
+DEFAULT_CONCURRENCY = 256
+
 
 class LlmProvider(Provider):
     """Subclasses name their ``paths`` (operation -> endpoint), which operations pack
@@ -35,6 +40,9 @@ class LlmProvider(Provider):
     def __init__(self, ctx: ProviderContext, api: ApiClient,
                  backend: Callable[[ApiClient], BatchBackend]) -> None:
         super().__init__(ctx)
+        limits = ctx.config.limits
+        if "concurrency" not in limits.model_fields_set:
+            limits.concurrency = DEFAULT_CONCURRENCY
         self.api = api
         sync = SyncFallback(self.run_one, ctx.limiter, ctx.clock, ctx.config.limits.concurrency)
         self.jobs = JobManager(ctx, ctx.settings, backend(api), sync)

@@ -44,7 +44,9 @@ class InstantClock:
 def make_provider(cls: type[Provider], settings: dict[str, Any], tmp_path: Path,
                   clock: Any = None, *, name: str = "p", rpm: float | None = None,
                   tpm: float | None = None, attempts: int = 3, concurrency: int = 4,
-                  ) -> Provider:
+                  transport: httpx.AsyncBaseTransport | None = None) -> Provider:
+    """``transport``: httpx's own by default, which ``respx.mock`` patches; or a respx router
+    handed in (``httpx.MockTransport(router.async_handler)``)."""
     clock = clock or InstantClock()
     conf = ProviderConfig.model_validate({
         "kind": "x", **settings,
@@ -54,7 +56,7 @@ def make_provider(cls: type[Provider], settings: dict[str, Any], tmp_path: Path,
     ctx = ProviderContext(
         name=name, config=conf, settings=cls.Settings.model_validate(conf.extra), clock=clock,
         limiter=RateLimiter(clock, rpm, tpm), metrics=Metrics(),
-        store_path=tmp_path / "jobs.db",
+        store_path=tmp_path / "jobs.db", transport=transport or httpx.AsyncHTTPTransport(),
     )
     return cls(ctx)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 import anyio.abc
 import httpx
 import pytest
 
-from providers.h11_transport import H11Transport
+from providers.h11_transport import H11Transport, ResponseTooLarge
 
 pytestmark = pytest.mark.anyio
 REPLY = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
@@ -88,4 +90,171 @@ async def test_body_headers_and_status_round_trip() -> None:
                                   headers={"authorization": "Bearer k"})
         assert r.status_code == 418 and r.headers["x-test"] == "yes" and r.json() == {"a": 1}
         assert seen[0].startswith(b"POST /rpc?x=1 HTTP/1.1") and b"Bearer k" in seen[0]
+        tg.cancel_scope.cancel()
+
+
+def head(length: int | None = None, status: int = 200) -> bytes:
+    size = b"transfer-encoding: chunked" if length is None else b"content-length: %d" % length
+    return b"HTTP/1.1 %d OK\r\n%s\r\n\r\n" % (status, size)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def test_a_long_reply_streams_and_its_connection_is_reused_after_the_end() -> None:
+    more = anyio.Event()
+    connections: list[int] = []
+
+    async def stream_events(stream: anyio.abc.SocketStream) -> None:
+        connections.append(1)
+        async with stream:
+            await read_request(stream)
+            await stream.send(head() + chunk(b"data: 1\n\n"))
+            await more.wait()  # the client must see the first event before the rest exists
+            await stream.send(chunk(b"data: 2\n\n") + b"0\r\n\r\n")
+            await read_request(stream)
+            await stream.send(REPLY)
+
+    listener, port = await serve()
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, stream_events)
+        async with httpx.AsyncClient(transport=H11Transport()) as client:
+            request = client.build_request("POST", f"http://127.0.0.1:{port}/", json={})
+            response = await client.send(request, stream=True)
+            lines = response.aiter_lines()
+            assert await anext(lines) == "data: 1"
+            more.set()
+            assert [line async for line in lines] == ["", "data: 2", ""]
+            await response.aclose()
+            assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
+        assert len(connections) == 1
+        tg.cancel_scope.cancel()
+
+
+async def test_a_reply_over_the_size_cap_fails_and_the_cap_can_be_lifted_per_request() -> None:
+    async def big(stream: anyio.abc.SocketStream) -> None:
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):  # client hung up
+            async with stream:
+                while True:
+                    request = await read_request(stream)
+                    if b"/declared" in request:
+                        await stream.send(head(2048) + b"x" * 2048)
+                    else:  # no length up front: counted as it arrives
+                        await stream.send(head() + chunk(b"x" * 700) + chunk(b"x" * 700)
+                                          + b"0\r\n\r\n")
+
+    listener, port = await serve()
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, big)
+        transport = H11Transport(max_response_bytes=1024)
+        async with httpx.AsyncClient(transport=transport) as client:
+            for path in ("/declared", "/chunked"):
+                with pytest.raises(ResponseTooLarge, match="1024-byte cap"):
+                    await client.get(f"http://127.0.0.1:{port}{path}")
+            request = client.build_request("GET", f"http://127.0.0.1:{port}/declared",
+                                           extensions={"max_response_bytes": None})
+            assert len((await client.send(request)).content) == 2048
+        tg.cancel_scope.cancel()
+
+
+async def test_pool_cap_holds_requests_until_a_connection_is_free_then_times_out() -> None:
+    open_now, most = 0, 0
+    release = anyio.Event()
+    arrived = anyio.Event()
+
+    async def held(stream: anyio.abc.SocketStream) -> None:
+        nonlocal open_now, most
+        open_now += 1
+        most = max(most, open_now)
+        try:
+            async with stream:
+                with contextlib.suppress(anyio.EndOfStream):  # the client closed its pool
+                    while True:
+                        await read_request(stream)
+                        if open_now == 2:
+                            arrived.set()
+                        await release.wait()
+                        await stream.send(REPLY)
+        finally:
+            open_now -= 1
+
+    listener, port = await serve()
+    url = f"http://127.0.0.1:{port}/"
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, held)
+        transport = H11Transport(max_connections=2)
+        async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(5, pool=0.05)) as c:
+            results: list[str] = []
+
+            async def get() -> None:
+                results.append((await c.get(url)).text)
+
+            async with anyio.create_task_group() as calls:
+                calls.start_soon(get)
+                calls.start_soon(get)
+                await arrived.wait()  # both connections busy: a third waits, then gives up
+                with pytest.raises(httpx.PoolTimeout):
+                    await c.get(url)
+                for _ in range(3):
+                    calls.start_soon(get)
+                release.set()
+            assert results == ["ok"] * 5 and most == 2
+        tg.cancel_scope.cancel()
+
+
+async def test_write_timeout_when_the_upstream_stops_reading() -> None:
+    async def deaf(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            await anyio.sleep_forever()
+
+    listener, port = await serve()
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, deaf)
+        timeout = httpx.Timeout(5, write=0.2)
+        async with httpx.AsyncClient(transport=H11Transport(), timeout=timeout) as client:
+            with pytest.raises(httpx.WriteTimeout):
+                await client.post(f"http://127.0.0.1:{port}/", content=b"x" * (64 << 20))
+        tg.cancel_scope.cancel()
+
+
+async def test_a_post_on_a_connection_the_server_closed_goes_on_a_fresh_one() -> None:
+    requests: list[bytes] = []
+    closed = anyio.Event()
+
+    async def one_reply_then_close(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            requests.append(await read_request(stream))
+            await stream.send(REPLY)
+        closed.set()
+
+    listener, port = await serve()
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, one_reply_then_close)
+        async with httpx.AsyncClient(transport=H11Transport()) as client:
+            assert (await client.post(f"http://127.0.0.1:{port}/", content=b"1")).text == "ok"
+            await closed.wait()  # the kept-alive connection is now dead: seen before the write
+            assert (await client.post(f"http://127.0.0.1:{port}/", content=b"2")).text == "ok"
+        assert len(requests) == 2
+        tg.cancel_scope.cancel()
+
+
+async def test_a_post_the_server_read_then_dropped_is_not_sent_again() -> None:
+    requests: list[bytes] = []
+
+    async def reads_then_drops(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            requests.append(await read_request(stream))
+            if len(requests) == 1:
+                await stream.send(REPLY)
+                requests.append(await read_request(stream))  # read the POST, then vanish
+
+    listener, port = await serve()
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, reads_then_drops)
+        async with httpx.AsyncClient(transport=H11Transport()) as client:
+            assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
+            with pytest.raises(httpx.ReadError):  # it may have run: the caller decides
+                await client.post(f"http://127.0.0.1:{port}/", content=b"charge")
+        assert len(requests) == 2  # one GET and the POST once, never resent
         tg.cancel_scope.cancel()

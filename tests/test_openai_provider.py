@@ -337,3 +337,37 @@ async def test_usage_corrects_the_token_estimate(tmp_path):
             p.ctx.limiter.consume(1, it.tokens)  # what the lane charged
             await p.execute("chat", [it])
     assert p.ctx.limiter.tokens.level == pytest.approx(10_000 - 500)
+
+
+# -- transport and defaults ----------------------------------------------------
+
+async def test_a_respx_router_handed_in_as_the_transport_gets_every_request(tmp_path):
+    router = respx.MockRouter(base_url=BASE)
+    route = router.post("/chat/completions").mock(
+        return_value=httpx.Response(200, json=chat_reply("hi")))
+    p = provider(tmp_path, transport=httpx.MockTransport(router.async_handler))
+    async with started(p):
+        out = await p.execute("chat", [chat(p, "hello")])
+    assert out[0].result == chat_reply("hi")
+    sent = route.calls[0].request
+    assert sent.headers["authorization"] == "Bearer sk-secret-key"
+    assert sent.headers["content-type"] == "application/json"
+    assert body(sent)["messages"] == [{"role": "user", "content": "hello"}]
+
+
+def test_default_concurrency_does_not_cap_a_64_client_run(tmp_path):
+    from multiplexer.core.limiter import RateLimiter
+    from multiplexer.core.metrics import Metrics
+    from multiplexer.core.provider import ProviderContext
+    from multiplexer.gateway.config import ProviderConfig
+    from providers.llm_base import DEFAULT_CONCURRENCY
+
+    def built(limits):
+        conf = ProviderConfig.model_validate({"kind": "openai", "limits": limits, **SETTINGS})
+        ctx = ProviderContext(name="p", config=conf, settings=OpenAIProvider.Settings.model_validate(
+            conf.extra), clock=InstantClock(), limiter=RateLimiter(InstantClock(), None, None),
+            metrics=Metrics(), store_path=tmp_path / "jobs.db")
+        return OpenAIProvider(ctx).ctx.config.limits.concurrency
+
+    assert built({}) == DEFAULT_CONCURRENCY >= 64
+    assert built({"concurrency": 8}) == 8  # what the config says wins

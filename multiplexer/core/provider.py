@@ -48,6 +48,9 @@ class ProviderContext:
     metrics: Metrics
     store_path: Path
     notify: Callable[[str, dict[str, Any]], None] = lambda event, data: None
+    # An httpx transport for an HTTP provider to send through instead of its own lean one:
+    # tests hand in respx (``httpx.MockTransport(router.async_handler)``).
+    transport: Any = None
 
 
 class Provider:
