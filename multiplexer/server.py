@@ -16,6 +16,7 @@ import uvicorn
 from multiplexer.faces.auth import Authenticator, is_loopback
 from multiplexer.faces.http import create_app
 from multiplexer.faces.jobs import attach_jobs
+from multiplexer.faces.v1 import v1_routes
 from multiplexer.gateway.config import Config, ConfigError
 from multiplexer.gateway.gateway import Gateway
 
@@ -114,6 +115,7 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
         async with gw:
             attach_jobs(gw)
             routes, lifespan = _faces(gw)
+            routes = v1_routes(gw, Authenticator(config.server.api_keys)) + routes
             app = create_app(gw, routes, lifespan)
             async with serve_asgi(app, sock, lifespan=lifespan is not None) as url:
                 yield gw, url

@@ -8,6 +8,7 @@ from ``anthropic-ratelimit-*`` headers (RFC 3339 resets) and a 429 or a 529
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from pydantic import Field, SecretStr
 
@@ -16,7 +17,7 @@ from multiplexer.core.errors import invalid_params
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import ProviderContext
 
-from .api_client import ApiClient
+from .api_client import ApiClient, item_error
 from .batch.anthropic_batch import AnthropicBatchBackend
 from .batch.backend import BatchApiSettings
 from .llm_base import LlmProvider
@@ -76,3 +77,16 @@ class AnthropicProvider(LlmProvider):
         self.require_messages(params)
         item.group = ("messages", model)
         self.charge(route, item, chat_tokens(params))
+
+    def stream_event(self, item: Item, event: str, data: dict[str, Any],
+                     usage: dict[str, Any]) -> bool:
+        """Named events pass through; usage is in ``message_start`` and ``message_delta``."""
+        if event == "error" or data.get("type") == "error":
+            raise item_error(self.name, data, None)
+        if event == "message_start" and isinstance(data.get("message"), dict):
+            found = data["message"].get("usage")
+        else:
+            found = data.get("usage") if event == "message_delta" else None
+        if isinstance(found, dict):
+            usage.update({k: v for k, v in found.items() if isinstance(v, int)})
+        return True

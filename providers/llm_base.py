@@ -6,11 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+import anyio
+import httpx
+from anyio.streams.memory import MemoryObjectSendStream
+from httpx_sse import EventSource, SSEError
+
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Item, Outcome
-from multiplexer.core.errors import RpcError, invalid_params
+from multiplexer.core.errors import RpcError, cancelled, invalid_params, upstream_error
 from multiplexer.core.policy import BatchPolicy, RouteConfig
-from multiplexer.core.provider import Provider, ProviderContext
+from multiplexer.core.provider import Provider, ProviderContext, stream_sink
 
 from .api_client import ApiClient, run_each
 from .batch.backend import BatchBackend
@@ -18,6 +23,7 @@ from .batch.jobs import JobManager
 from .batch.sync_fallback import SyncFallback
 from .dedup_rules import deterministic_chat
 from .formations import PackOrSingle
+from .http_util import classify
 
 # In-flight requests when the config says none: a hosted API takes hundreds at once and
 # says what it allows in its rate-limit headers, which the lane's limiter learns; a
@@ -69,9 +75,9 @@ class LlmProvider(Provider):
         if not isinstance(model, str) or not model:
             raise invalid_params("'model' is required (in params or the route's params)",
                                  param="model")
-        if params.get("stream"):
-            raise invalid_params("streaming responses are not supported through the gateway",
-                                 param="stream")
+        if params.get("stream") and stream_sink(item) is None:
+            raise invalid_params("stream: true needs a streaming face (/v1/chat/completions, "
+                                 "/v1/messages); /rpc answers whole", param="stream")
         return params, model
 
     @staticmethod
@@ -121,3 +127,49 @@ class LlmProvider(Provider):
         actual = self.usage_total(body)
         if actual is not None and estimated:
             self.ctx.limiter.correct_tokens(estimated, actual)
+
+    # -- streaming (the ``Streamer`` capability) ----------------------------------------
+    def stream_request(self, item: Item) -> dict[str, Any]:
+        """The upstream body of a streamed call."""
+        return {**item.params, "stream": True}
+
+    def stream_event(self, item: Item, event: str, data: dict[str, Any],
+                     usage: dict[str, Any]) -> bool:
+        """Note what an upstream event says about usage; whether to pass it on. An event
+        that reports a failure raises its ``RpcError``."""
+        return True
+
+    async def stream(self, item: Item, sink: MemoryObjectSendStream[Any]) -> Outcome:
+        """One streamed request; each upstream event goes to ``sink`` as it arrives. Closing
+        the response (a cancelled call, a reader gone) ends the upstream stream."""
+        try:
+            response = await self.api.request("POST", self.paths[item.operation],
+                                              json=self.stream_request(item), idempotent=False,
+                                              deadline=item.deadline, stream=True)
+        except RpcError as e:
+            return Outcome.fail(e)
+        usage: dict[str, Any] = {}
+        try:
+            async for sse in EventSource(response).aiter_sse():
+                if sse.data == "[DONE]":
+                    break
+                try:
+                    data = sse.json()
+                except ValueError:
+                    return Outcome.fail(upstream_error(self.name, "malformed stream event (not JSON)"))
+                if not isinstance(data, dict):
+                    continue
+                if self.stream_event(item, sse.event, data, usage):
+                    await sink.send(data)
+        except RpcError as e:
+            return Outcome.fail(e)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return Outcome.fail(cancelled("the client stopped reading the stream"))
+        except SSEError as e:
+            return Outcome.fail(upstream_error(self.name, f"malformed stream: {e}"))
+        except httpx.HTTPError as e:
+            return Outcome.fail(classify(self.name, e, None, False))
+        finally:
+            await response.aclose()
+        self.correct(item.tokens, {"usage": usage})
+        return Outcome(result={"usage": usage})

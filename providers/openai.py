@@ -21,7 +21,7 @@ from multiplexer.core.errors import Code, RpcError, upstream_error
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import ProviderContext
 
-from .api_client import ApiClient, admit
+from .api_client import ApiClient, admit, item_error
 from .batch.backend import BatchApiSettings
 from .batch.openai_batch import OpenAIBatchBackend
 from .http_util import batch_deadline
@@ -98,6 +98,25 @@ class OpenAIProvider(LlmProvider):
 
     def dedup_safe(self, item: Item) -> bool:
         return item.operation == "embeddings" or super().dedup_safe(item)
+
+    # -- streaming ---------------------------------------------------------------
+    def stream_request(self, item: Item) -> dict[str, Any]:
+        """Usage is always asked for (it corrects the token charge); the caller sees the usage
+        chunk only when it asked too."""
+        options = item.params.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        return {**item.params, "stream": True, "stream_options": {**options, "include_usage": True}}
+
+    def stream_event(self, item: Item, event: str, data: dict[str, Any],
+                     usage: dict[str, Any]) -> bool:
+        if data.get("error") is not None:
+            raise item_error(self.name, data, None)
+        if isinstance(data.get("usage"), dict):
+            usage.update(data["usage"])
+            if not data.get("choices"):
+                options = item.params.get("stream_options")
+                return isinstance(options, dict) and bool(options.get("include_usage"))
+        return True
 
     # -- execution -------------------------------------------------------------
     async def execute_now(self, operation: str, items: Sequence[Item]) -> list[Outcome]:

@@ -44,6 +44,8 @@ class Call:
     # Where progress notifications for this call go (the MCP face's sink for a progressToken).
     # Set by a face, never from the wire: client ``_meta`` keys never reach the providers' options.
     progress: Callable[..., Any] | None = None
+    # Where a streamed call's chunks go (an anyio memory stream the face reads); None: not streamed.
+    sink: Any = None
 
 
 @dataclass(slots=True, eq=False)

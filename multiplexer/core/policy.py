@@ -77,6 +77,8 @@ class RouteConfig(BaseModel):
     batch: BatchPolicy | None = None
     description: str | None = None
     input_schema: dict[str, Any] | None = None
+    # Model names a ``/v1`` request may ask for to reach this route (OpenAI/Anthropic faces).
+    models: list[str] = Field(default_factory=list)
 
     @property
     def extra(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from anyio.streams.memory import MemoryObjectSendStream
 from pydantic import BaseModel, ConfigDict
 
 from multiplexer.core.batching import Formation
@@ -134,3 +135,22 @@ class BatchCapable(Protocol):
     """Runs calls through an asynchronous batch API: the ``jobs.*`` face hands it jobs."""
 
     jobs: BatchJobs
+
+
+STREAM = "_stream"  # item.options key: the sink of a streamed call (set by the gateway only)
+
+
+def stream_sink(item: Item) -> MemoryObjectSendStream[Any] | None:
+    """The sink a streamed item's chunks go to; type-checked, so nothing a client sends passes."""
+    sink = item.options.get(STREAM)
+    return sink if isinstance(sink, MemoryObjectSendStream) else None
+
+
+@runtime_checkable
+class Streamer(Protocol):
+    """Answers one call as a stream of chunks in its upstream's wire shape (OpenAI chunks,
+    Anthropic events). The lane runs ``stream`` where it would run ``execute``: the call holds
+    its concurrency slot until the stream ends. The returned outcome carries the final
+    ``usage`` (the provider corrects its token charge from it) or the error that ended it."""
+
+    async def stream(self, item: Item, sink: MemoryObjectSendStream[Any]) -> Outcome: ...

@@ -21,13 +21,14 @@ from multiplexer.core.batching import CountFormation, Pending
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import Clock, MonotonicClock, remaining
 from multiplexer.core.dedup import InFlight, ProgressFanout, TtlCache, canonical
-from multiplexer.core.errors import RpcError, cancelled, internal_error, timeout_error
+from multiplexer.core.errors import RpcError, cancelled, internal_error, invalid_params, timeout_error
 from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import Metrics, code_label
-from multiplexer.core.provider import Provider, ProviderContext, ToolSource, ToolSpec
+from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSource, ToolSpec
 from multiplexer.core.quota import Quotas
 from multiplexer.core.router import Resolved, Router
+from multiplexer.core.streaming import with_streams
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class Gateway:
             )
             lane = Lane(
                 f"{route.provider}" if not own else f"{route.provider}:{rname}",
-                provider.execute, formation, self.clock, self.limiters[route.provider],
+                with_streams(provider), formation, self.clock, self.limiters[route.provider],
                 max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
                 # batch mode gathers until size or age; eager only if the route says so
                 eager=policy.eager and (route.mode != "batch" or "eager" in policy.model_fields_set),
@@ -255,7 +256,16 @@ class Gateway:
             if call.progress is not None:
                 item.options["progress"] = call.progress
             provider = self.providers[route.provider]
+            if call.sink is not None:
+                self._streamable(resolved.name, route, provider)
+                item.options[STREAM] = call.sink
             provider.prepare(route, item)
+            if call.sink is not None:  # a stream rides alone and is never shared
+                item.group = (*item.group, "stream") if isinstance(item.group, tuple) else (
+                    item.group, "stream")
+                ticket.lane = lane = self._lane_for(resolved.name, route)
+                ticket.pending = lane.submit(item)
+                return ticket
             if route.mode == "batch":
                 self.quotas.charge_batch(call.identity, 1)
             if route.mode == "batch" and call.identity is not None:
@@ -290,6 +300,14 @@ class Gateway:
             log.exception("call %s failed inside the gateway", call.method)
             self._finish(ticket, Outcome.fail(internal_error(type(e).__name__)))
         return ticket
+
+    @staticmethod
+    def _streamable(name: str, route: RouteConfig, provider: Provider) -> None:
+        if not isinstance(provider, Streamer):
+            raise invalid_params(f"route {name} cannot stream (its provider has no streaming)",
+                                 param="stream")
+        if route.mode == "batch":
+            raise invalid_params(f"route {name} runs as batch jobs and cannot stream", param="stream")
 
     async def _run_handler(self, t: Ticket) -> None:
         assert t.handler is not None and t.call is not None

@@ -28,12 +28,13 @@ from tests.fakes.common import (
     text_of,
     word_count,
 )
+from tests.fakes.streaming import StreamKnobs, sse, words
 
 __all__ = ["DIALECT", "FakeAnthropicState", "create_app", "create_message"]
 
 
 @dataclass
-class FakeAnthropicState(FakeState):
+class FakeAnthropicState(FakeState, StreamKnobs):
     """Knobs and observations for the Anthropic fake (see `FakeState` for faults and counters).
 
     `force_status` ends the next polled batch early: "expired" expires the items after
@@ -73,6 +74,31 @@ def create_message(state: FakeAnthropicState, params: dict[str, Any]) -> dict[st
         "stop_sequence": None,
         "usage": {"input_tokens": input_tokens, "output_tokens": word_count(reply)},
     }
+
+
+def stream_message(fake: FakeAnthropicState, message: dict[str, Any]) -> Response:
+    """The message as Anthropic's named events, a `text_delta` per word."""
+    text = message["content"][0]["text"]
+    usage = message["usage"]
+
+    async def events() -> Any:
+        start = {**message, "content": [], "stop_reason": None,
+                 "usage": {"input_tokens": usage["input_tokens"], "output_tokens": 1}}
+        yield "message_start", {"type": "message_start", "message": start}
+        yield "content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}}
+        yield "ping", {"type": "ping"}
+        for word in words(text):
+            yield "content_block_delta", {"type": "content_block_delta", "index": 0,
+                                          "delta": {"type": "text_delta", "text": word}}
+        yield "content_block_stop", {"type": "content_block_stop", "index": 0}
+        yield "message_delta", {"type": "message_delta",
+                                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                "usage": {"output_tokens": usage["output_tokens"]}}
+        yield "message_stop", {"type": "message_stop"}
+
+    error = {"type": "error", "error": {"type": "overloaded_error", "message": "fake overload mid-stream"}}
+    return sse(events, fake, lambda: ("error", error))
 
 
 _ERROR_TYPES = {
@@ -135,8 +161,11 @@ def create_app(state: FakeAnthropicState | None = None) -> Starlette:
     fake = FakeAnthropicState() if state is None else state
 
     async def messages_endpoint(request: Request) -> Response:
-        message = create_message(fake, await json_body(request))
+        params = await json_body(request)
+        message = create_message(fake, params)
         fake.limiter.add_tokens(message["usage"]["input_tokens"], message["usage"]["output_tokens"])
+        if params.get("stream"):
+            return stream_message(fake, message)
         return JSONResponse(message)
 
     routes = [

@@ -34,12 +34,13 @@ from tests.fakes.common import (
     word_count,
 )
 from tests.fakes.openai_batch import BatchJob, StoredFile, batch_routes
+from tests.fakes.streaming import StreamKnobs, sse, words
 
 __all__ = ["DIALECT", "FakeOpenAIState", "chat_completion", "create_app", "embed_text", "embeddings"]
 
 
 @dataclass
-class FakeOpenAIState(FakeState):
+class FakeOpenAIState(FakeState, StreamKnobs):
     """Knobs and observations for the OpenAI fake (see `FakeState` for faults and counters).
 
     `embedding_batch_sizes` logs the input count of every accepted `/v1/embeddings` call.
@@ -139,6 +140,32 @@ def chat_completion(state: FakeOpenAIState, body: dict[str, Any]) -> dict[str, A
     }
 
 
+def stream_chat(fake: FakeOpenAIState, body: dict[str, Any], result: dict[str, Any]) -> Response:
+    """The completion as `chat.completion.chunk` events: a role, a word each, the finish reason,
+    the usage chunk when `stream_options.include_usage`, then `[DONE]`."""
+    head = {k: result[k] for k in ("id", "created", "model", "system_fingerprint")}
+    head["object"] = "chat.completion.chunk"
+    text = result["choices"][0]["message"]["content"]
+    options = body.get("stream_options") or {}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                     "finish_reason": finish}]}
+
+    async def events() -> Any:
+        yield None, chunk({"role": "assistant", "content": ""})
+        for word in words(text):
+            yield None, chunk({"content": word})
+        yield None, chunk({}, "stop")
+        if options.get("include_usage"):
+            yield None, {**head, "choices": [], "usage": result["usage"]}
+        yield None, "[DONE]"
+
+    error = {"error": {"message": "fake failure mid-stream", "type": "server_error",
+                       "param": None, "code": None}}
+    return sse(events, fake, lambda: (None, error))
+
+
 _ERROR_DEFAULTS: dict[int, tuple[str, str | None]] = {
     401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
@@ -193,9 +220,12 @@ def create_app(state: FakeOpenAIState | None = None) -> Starlette:
         return JSONResponse(result)
 
     async def chat_endpoint(request: Request) -> Response:
-        result = chat_completion(fake, await json_body(request))
+        body = await json_body(request)
+        result = chat_completion(fake, body)
         usage = result["usage"]
         fake.limiter.add_tokens(usage["prompt_tokens"], usage["completion_tokens"])
+        if body.get("stream"):
+            return stream_chat(fake, body, result)
         return JSONResponse(result)
 
     operations: dict[str, Callable[[FakeOpenAIState, dict[str, Any]], dict[str, Any]]] = {

@@ -1,0 +1,48 @@
+"""Anthropic's ``POST /v1/messages``, whole or streamed as named events, for routes on
+``anthropic`` providers. ``anthropic-version`` is accepted (the provider sends its own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from multiplexer.core.call import Call
+from multiplexer.core.errors import RpcError, invalid_params
+from multiplexer.faces.v1.common import HttpError, Surface, message_of
+from multiplexer.faces.v1.endpoint import Endpoint, named_event
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+          529: "overloaded_error"}
+
+
+def anthropic_error(status: int, error: RpcError, param: str | None,
+                    code: str | None) -> dict[str, Any]:
+    """``{"type": "error", "error": {type, message}}``, the body and the ``error`` event alike."""
+    kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message_of(error)}}
+
+
+ANTHROPIC = Surface(b"request-id", anthropic_error, overloaded_status=529)
+
+
+class Messages(Endpoint):
+    surface = ANTHROPIC
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        body = await self.v1.read_json(scope, receive)
+        name, route = self.v1.route_for(body.get("model"))
+        if route.operation != "messages":
+            raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
+                                                f"({route.operation}), not messages"), param="model")
+        stream = body.get("stream")
+        if stream not in (None, True, False):
+            raise HttpError(400, invalid_params("'stream' must be a boolean"), param="stream")
+        call = Call(name, self.v1.params_for(body, name, route), identity=identity)
+        if not stream:
+            await self.answer(call, send, headers)
+            return
+        await self.stream(call, receive, send, headers, named_event,
+                          lambda e: anthropic_error(e.status, e.error, e.param, e.code))

@@ -1,0 +1,193 @@
+"""What the OpenAI- and Anthropic-compatible faces share: keys from either header, model to
+route, the body, request ids, the caller's quota headers, and gateway errors as HTTP statuses.
+
+Each surface supplies a ``Surface``: how its error body looks and which header carries the
+request id, so the official SDKs raise their own exception classes for our errors.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from multiplexer.core.call import Call, Outcome
+from multiplexer.core.errors import Code, RpcError, invalid_request
+from multiplexer.core.jsonrpc import dumps, loads
+from multiplexer.core.policy import RouteConfig
+from multiplexer.faces.auth import Authenticator
+from multiplexer.gateway.gateway import Gateway
+
+JSON = b"application/json"
+
+
+class HttpError(Exception):
+    """An answer already decided (status, error): raised inside a handler, rendered by the surface."""
+
+    def __init__(self, status: int, error: RpcError, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(error.message)
+        self.status, self.error, self.param, self.code = status, error, param, code
+
+
+def status_of(error: RpcError, overloaded: int = 503) -> int:
+    """The HTTP status the SDKs map to the right exception (and retry policy) for an error."""
+    data = error.data or {}
+    if error.code == Code.UPSTREAM_ERROR:
+        status = data.get("upstream_status")
+        if isinstance(status, int) and 400 <= status <= 599 and status not in (401, 403):
+            return status  # the upstream's own verdict on this call's body
+        return 502  # a bad gateway key upstream, or no status at all, is the gateway's fault
+    return {
+        Code.PARSE_ERROR: 400, Code.INVALID_REQUEST: 400, Code.INVALID_PARAMS: 400,
+        Code.METHOD_NOT_FOUND: 404, Code.NOT_FOUND: 404, Code.UNAUTHORIZED: 401,
+        Code.RATE_LIMITED: 429, Code.OVERLOADED: overloaded, Code.TIMEOUT: 504,
+        Code.TOO_LARGE: 413, Code.UPSTREAM_UNAVAILABLE: 503, Code.SHUTTING_DOWN: 503,
+        Code.CANCELLED: 499,
+    }.get(error.code, 500)  # type: ignore[call-overload]
+
+
+def message_of(error: RpcError) -> str:
+    """``Invalid params: 'messages' must be ...``: the code's name and the precise detail."""
+    detail = (error.data or {}).get("detail")
+    return f"{error.message}: {detail}" if isinstance(detail, str) and detail else error.message
+
+
+def retry_headers(error: RpcError) -> list[tuple[bytes, bytes]]:
+    after = (error.data or {}).get("retry_after")
+    if not isinstance(after, int | float) or not math.isfinite(after):
+        return []
+    return [(b"retry-after", str(max(1, math.ceil(after))).encode()),
+            (b"retry-after-ms", str(max(1, math.ceil(after * 1000))).encode())]
+
+
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """One wire dialect: its error body and its request-id header."""
+
+    request_id_header: bytes
+    error_body: Callable[[int, RpcError, str | None, str | None], dict[str, Any]]
+    overloaded_status: int = 503
+
+
+class V1:
+    """Per-app state: the gateway, the key check, and the model names the routes list."""
+
+    def __init__(self, gateway: Gateway, auth: Authenticator) -> None:
+        self.gateway = gateway
+        self.auth = auth
+        self.limit = gateway.config.server.max_body_bytes
+        self.models: dict[str, str] = {}  # model name -> route name
+        for name, route in gateway.config.routes.items():
+            if not name.endswith("*"):
+                for model in route.models:
+                    self.models.setdefault(model, name)
+
+    def route_for(self, model: Any) -> tuple[str, RouteConfig]:
+        """The route a request's ``model`` selects: one that lists it, or the route of that name."""
+        if not isinstance(model, str) or not model:
+            raise HttpError(400, invalid_request("'model' is required"), param="model")
+        routes = self.gateway.config.routes
+        name = self.models.get(model) or (model if model in routes and not model.endswith("*")
+                                          else None)
+        if name is None:
+            error = RpcError(Code.NOT_FOUND, f"The model '{model}' does not exist",
+                             {"model": model, "known": sorted(self.models)})
+            raise HttpError(404, error, param="model", code="model_not_found")
+        return name, routes[name]
+
+    def params_for(self, body: dict[str, Any], name: str, route: RouteConfig) -> dict[str, Any]:
+        """The body as the call's params; a route chosen by its own name sends its configured model."""
+        if body["model"] != name or name in route.models:
+            return body
+        params = {k: v for k, v in body.items() if k != "model"}
+        if "model" not in route.params and route.models:
+            params["model"] = route.models[0]
+        return params
+
+    def identify(self, headers: dict[bytes, bytes]) -> str | None:
+        """``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (what the Anthropic SDK sends)."""
+        auth = headers.get(b"authorization")
+        if auth is None and (key := headers.get(b"x-api-key")) is not None:
+            auth = b"Bearer " + key
+        try:
+            return self.auth.identify(auth.decode("latin-1") if auth else None)
+        except RpcError as e:
+            detail = (e.data or {}).get("detail", "invalid key")
+            raise HttpError(401, RpcError(e.code, f"Invalid API key ({detail})", e.data),
+                            code="invalid_api_key") from None
+
+    async def read_json(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+        """The request body as a JSON object, within ``server.max_body_bytes``."""
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            raise HttpError(413, RpcError(Code.TOO_LARGE, "Request body too large",
+                                          {"max_body_bytes": self.limit}))
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise HttpError(499, RpcError(Code.CANCELLED, "Client closed the request"))
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                raise HttpError(413, RpcError(Code.TOO_LARGE, "Request body too large",
+                                              {"max_body_bytes": self.limit}))
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return self.json_object(b"".join(chunks))
+
+    @staticmethod
+    def json_object(raw: bytes) -> dict[str, Any]:
+        try:
+            body = loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise HttpError(400, invalid_request(f"the body is not valid JSON ({e})")) from None
+        if not isinstance(body, dict):
+            raise HttpError(400, invalid_request("the body must be a JSON object"))
+        return body
+
+    def quota_headers(self, identity: str | None) -> list[tuple[bytes, bytes]]:
+        """The caller's own rpm quota as ``x-ratelimit-*`` (OpenAI's names and formats)."""
+        state = self.gateway.quotas.state(identity)
+        if state is None:
+            return []
+        limit, left, reset = state
+        return [(b"x-ratelimit-limit-requests", str(int(limit)).encode()),
+                (b"x-ratelimit-remaining-requests", str(int(left)).encode()),
+                (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode())]
+
+    async def submit(self, call: Call) -> Outcome:
+        return await self.gateway.submit(call)
+
+
+def request_id() -> bytes:
+    return b"req_" + uuid.uuid4().hex.encode()
+
+
+async def send_json(send: Send, status: int, body: Any, headers: list[tuple[bytes, bytes]]) -> None:
+    raw = dumps(body)
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", JSON), (b"content-length", str(len(raw)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": raw})
+
+
+async def send_error(send: Send, surface: Surface, e: HttpError,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+    extra = list(headers) + retry_headers(e.error)
+    if e.status == 401:
+        extra.append((b"www-authenticate", b'Bearer realm="multiplexer"'))
+    await send_json(send, e.status, surface.error_body(e.status, e.error, e.param, e.code), extra)
+
+
+def http_error(error: RpcError, surface: Surface) -> HttpError:
+    """A gateway outcome's error as this surface's status, with the param it names."""
+    param = (error.data or {}).get("param")
+    code = (error.data or {}).get("upstream_code")
+    return HttpError(status_of(error, surface.overloaded_status), error,
+                     param=param if isinstance(param, str) else None,
+                     code=code if isinstance(code, str) else None)

@@ -1,0 +1,71 @@
+"""One ``/v1`` endpoint as a bare ASGI app: key, request id, quota headers and errors are
+handled here, the subclass only turns a body into a call and an outcome into a reply."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from starlette.types import Receive, Scope, Send
+
+from multiplexer.core.call import Call
+from multiplexer.core.jsonrpc import dumps
+from multiplexer.faces.v1.common import (
+    V1,
+    HttpError,
+    Surface,
+    http_error,
+    request_id,
+    send_error,
+    send_json,
+)
+from multiplexer.faces.v1.sse import Encode, stream_call
+
+
+class Endpoint:
+    surface: ClassVar[Surface]
+
+    def __init__(self, v1: V1) -> None:
+        self.v1 = v1
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        base = [(self.surface.request_id_header, request_id())]
+        identity: str | None = None
+        try:
+            identity = self.v1.identify(dict(scope["headers"]))
+            await self.handle(scope, receive, send, identity, base)
+        except HttpError as e:
+            await send_error(send, self.surface, e, base + self.v1.quota_headers(identity))
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        raise NotImplementedError
+
+    # -- helpers for subclasses ------------------------------------------------------
+    async def answer(self, call: Call, send: Send, headers: list[tuple[bytes, bytes]],
+                     shape: Any = None) -> None:
+        """Run a call and send its result (through ``shape`` when given) or its error."""
+        outcome = await self.v1.submit(call)
+        if outcome.error is not None:
+            raise http_error(outcome.error, self.surface)
+        result = outcome.result if shape is None else shape(outcome.result)
+        await send_json(send, 200, result, headers + self.v1.quota_headers(call.identity))
+
+    async def stream(self, call: Call, receive: Receive, send: Send,
+                     headers: list[tuple[bytes, bytes]], encode: Encode,
+                     error_body: Any, tail: bytes = b"") -> None:
+        def error_event(e: HttpError) -> bytes:
+            return encode(error_body(e))
+
+        await stream_call(self.v1.submit, call, receive, send,
+                          lambda: headers + self.v1.quota_headers(call.identity), self.surface,
+                          encode=encode, error_event=error_event, tail=tail)
+
+
+def data_event(chunk: dict[str, Any]) -> bytes:
+    """OpenAI's format: ``data: <json>`` and a blank line."""
+    return b"data: " + dumps(chunk) + b"\n\n"
+
+
+def named_event(chunk: dict[str, Any]) -> bytes:
+    """Anthropic's format: the event name is the chunk's ``type``, which the SDK dispatches on."""
+    return b"event: " + str(chunk.get("type", "message")).encode() + b"\ndata: " + dumps(chunk) + b"\n\n"

@@ -1,0 +1,77 @@
+"""A streamed call as server-sent events.
+
+The call goes through the gateway like any other (quota, lane slot, limits), with a memory
+stream as its sink. The response starts only with the first chunk, so a call refused or failed
+before any output still gets its proper status; a failure after that is an error event. A
+client that disconnects cancels the call, and with it the upstream stream.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from starlette.types import Receive, Send
+
+from multiplexer.core.call import Call, Outcome
+from multiplexer.faces.v1.common import HttpError, Surface, http_error
+
+Encode = Callable[[dict[str, Any]], bytes]
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+               (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+async def stream_call(submit: Callable[[Call], Any], call: Call, receive: Receive, send: Send,
+                      headers: Callable[[], list[tuple[bytes, bytes]]], surface: Surface, *,
+                      encode: Encode, error_event: Callable[[HttpError], bytes],
+                      tail: bytes = b"") -> None:
+    """Run ``call`` and write its chunks as events; raises ``HttpError`` if it fails unstarted."""
+    sink, chunks = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+    call.sink = sink
+    outcome: list[Outcome] = []
+    finished = anyio.Event()
+    started = False
+
+    async def run() -> None:
+        try:
+            outcome.append(await submit(call))
+        finally:
+            sink.close()  # refused calls never reach the provider, which closes it otherwise
+            finished.set()
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()  # cancels the call: the gateway withdraws it, the lane stops the stream
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        tg.start_soon(run)
+        async with chunks:
+            async for chunk in chunks:
+                if not started:
+                    started = True
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": [*SSE_HEADERS, *headers()]})
+                await send({"type": "http.response.body", "body": encode(chunk), "more_body": True})
+        await finished.wait()
+        tg.cancel_scope.cancel()  # done: stop watching for a disconnect
+    if not outcome:
+        return  # the client went away; the call was cancelled with it
+    result = outcome[0]
+    if result.error is not None and not started:
+        raise http_error(result.error, surface)
+    await _finish(send, result, started, headers, surface, error_event, tail)
+
+
+async def _finish(send: Send, result: Outcome, started: bool,
+                  headers: Callable[[], list[tuple[bytes, bytes]]], surface: Surface,
+                  error_event: Callable[[HttpError], bytes], tail: bytes) -> None:
+    if not started:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*SSE_HEADERS, *headers()]})
+    body = tail if result.error is None else error_event(http_error(result.error, surface))
+    await send({"type": "http.response.body", "body": body})

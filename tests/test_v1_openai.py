@@ -1,0 +1,264 @@
+"""The OpenAI-compatible surface driven by the official ``openai`` SDK against the fake upstreams:
+chat (whole and streamed), embeddings (float and base64), models, keys, errors and headers."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from multiplexer.core.limiter import TokenBucket
+from multiplexer.gateway.config import parse_config
+from multiplexer.server import running
+from tests.fakes.openai_fake import embed_text
+from tests.remote_helpers import fakes
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.anyio
+
+KEY = "sk-gateway-test"
+
+
+def v1_config(f: Any, tmp_path: Path, **server: Any) -> dict[str, Any]:
+    """The issue's contract routes, pointed at the fakes."""
+    fast = {"retry": {"attempts": 2, "base_wait_ms": 1, "max_wait_ms": 5}}
+    return {
+        "server": {"api_keys": {"alice": KEY}, **server},
+        "store": {"path": str(tmp_path / "jobs.db")},
+        "providers": {
+            "oai": {"kind": "openai", "base_url": f.openai_url + "/v1", "api_key": "sk-up",
+                    "batch": {"max_items": 256, "max_wait_ms": 5}, "batch_poll_interval_s": 0.01,
+                    **fast},
+            "claude": {"kind": "anthropic", "base_url": f.anthropic_url, "api_key": "up",
+                       "batch_poll_interval_s": 0.01, **fast},
+        },
+        "routes": {
+            "chat": {"provider": "oai", "operation": "chat", "models": ["gpt-4o-mini"]},
+            "embed": {"provider": "oai", "operation": "embeddings",
+                      "models": ["text-embedding-3-small"]},
+            "claude": {"provider": "claude", "operation": "messages",
+                       "models": ["claude-sonnet-4-5"]},
+        },
+    }
+
+
+@asynccontextmanager
+async def gateway(tmp_path: Path, **server: Any):
+    async with (
+        fakes() as f,
+        running(parse_config(v1_config(f, tmp_path, **server)), port=0) as (gw, url),
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as client,
+    ):
+        yield f, gw, url, client
+
+
+def ask(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_chat_completion_whole(tmp_path):
+    async with gateway(tmp_path) as (f, _, _, client):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=ask("hello there"))
+        reply = raw.parse()
+        assert reply.choices[0].message.content == "echo: hello there"
+        assert reply.model == "gpt-4o-mini" and reply.usage.total_tokens == 5
+        assert raw.headers["x-request-id"].startswith("req_")
+        assert f.openai.requests["/v1/chat/completions"] == 1
+
+
+async def test_chat_stream_with_usage_and_done(tmp_path):
+    async with gateway(tmp_path) as (_, _, _, client):
+        stream = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=ask("one two three"), stream=True,
+            stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "echo: one two three"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+        stream = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=ask("no usage"), stream=True)
+        chunks = [c async for c in stream]
+        assert all(c.usage is None for c in chunks)  # usage was asked upstream, not passed on
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "echo: no usage"
+
+
+async def test_stream_raw_format_ends_with_done(tmp_path):
+    async with gateway(tmp_path) as (_, _, url, _), httpx.AsyncClient() as http, http.stream(
+            "POST", url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+            json={"model": "gpt-4o-mini", "messages": ask("hi"), "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"].startswith("req_")
+        lines = [line async for line in r.aiter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+
+
+async def test_failure_after_the_200_is_an_error_event(tmp_path):
+    async with gateway(tmp_path) as (f, _, _, client):
+        f.openai.stream_error_after = 2
+        stream = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=ask("will break"), stream=True)
+        got = []
+        with pytest.raises(openai.APIError, match="fake failure mid-stream"):
+            async for chunk in stream:
+                got.append(chunk)
+        assert len(got) == 2
+
+
+async def test_failure_before_the_first_chunk_keeps_its_status(tmp_path):
+    async with gateway(tmp_path) as (f, _, _, client):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(
+                model="gpt-4o-mini", messages=ask("please FAIL"), stream=True)
+        assert "FAIL" in e.value.message
+        f.openai.fail_next = [503, 503]  # both attempts
+        with pytest.raises(openai.InternalServerError):
+            await client.chat.completions.create(model="gpt-4o-mini", messages=ask("x"), stream=True)
+
+
+async def test_client_disconnect_cancels_the_upstream_stream(tmp_path):
+    async with gateway(tmp_path) as (f, gw, url, _), httpx.AsyncClient() as http:
+        f.openai.stream_gate = anyio.Event()  # upstream holds after its first event
+        f.openai.stream_cut = anyio.Event()
+        lane = gw.lanes[("oai", None)]
+        async with http.stream("POST", url + "/v1/chat/completions",
+                               headers={"authorization": f"Bearer {KEY}"},
+                               json={"model": "gpt-4o-mini", "messages": ask("long story"),
+                                     "stream": True}) as r:
+            first = await r.aiter_lines().__anext__()
+            assert first.startswith("data: ")
+            assert lane.in_flight == 1  # the stream holds its slot while it runs
+        # leaving the block closed the connection: the gateway must drop the upstream stream
+        with anyio.fail_after(5):
+            await f.openai.stream_cut.wait()
+        assert f.openai.streams_cut == 1
+        with anyio.fail_after(5):
+            while lane.in_flight:
+                await anyio.sleep(0.01)
+
+
+async def test_streams_are_never_shared_by_dedup(tmp_path):
+    async with gateway(tmp_path) as (f, _, _, client):
+        async def one() -> str:
+            stream = await client.chat.completions.create(
+                model="gpt-4o-mini", messages=ask("same"), stream=True, temperature=0, seed=1)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        results: list[str] = []
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(lambda: _append(results, one()))
+        assert results == ["echo: same"] * 3
+        assert f.openai.requests["/v1/chat/completions"] == 3
+
+
+async def _append(out: list[str], coro: Any) -> None:
+    out.append(await coro)
+
+
+async def test_stream_is_charged_and_corrected_from_usage(tmp_path):
+    async with gateway(tmp_path) as (_, gw, _, client):
+        limiter = gw.limiters["oai"]
+        limiter.tokens = TokenBucket(rate=0.0, capacity=10_000, level=10_000, stamp=gw.clock.now())
+        stream = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=ask("count me " * 50), stream=True)
+        _ = [c async for c in stream]
+        # the fake's usage: 100 prompt words + 101 reply words; the estimate was replaced by it
+        assert 10_000 - limiter.tokens.level == 100 + 101
+
+
+async def test_embeddings_float_and_base64(tmp_path):
+    async with gateway(tmp_path) as (f, _, _, client):
+        reply = await client.embeddings.create(model="text-embedding-3-small", input="some text")
+        assert reply.data[0].embedding == pytest.approx(embed_text("some text"), abs=1e-6)  # base64
+        reply = await client.embeddings.create(model="text-embedding-3-small", input=["a b", "c"],
+                                               encoding_format="float")
+        assert [d.embedding for d in reply.data] == [pytest.approx(embed_text(t)) for t in ["a b", "c"]]
+        assert reply.usage.prompt_tokens == 3
+
+        texts = [f"text {i}" for i in range(64)]
+        results: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            results[i] = await client.embeddings.create(model="text-embedding-3-small",
+                                                        input=texts[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(one, i)
+        for i, text in enumerate(texts):
+            assert results[i].data[0].embedding == pytest.approx(embed_text(text), abs=1e-6)
+        assert sum(f.openai.embedding_batch_sizes) == 2 + 64 + 1
+        assert len(f.openai.embedding_batch_sizes) < 2 + 64  # packed upstream
+
+
+async def test_models_lists_what_routes_list(tmp_path):
+    async with gateway(tmp_path) as (_, _, _, client):
+        models = await client.models.list()
+        assert sorted(m.id for m in models.data) == [
+            "claude-sonnet-4-5", "gpt-4o-mini", "text-embedding-3-small"]
+        assert {m.owned_by for m in models.data} == {"oai", "claude"}
+
+
+async def test_unknown_model_is_404_model_not_found(tmp_path):
+    async with gateway(tmp_path) as (_, _, _, client):
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.chat.completions.create(model="gpt-nope", messages=ask("x"))
+        assert e.value.code == "model_not_found" and e.value.param == "model"
+        assert e.value.body["type"] == "invalid_request_error"
+        assert e.value.request_id.startswith("req_")
+
+
+async def test_keys_bearer_and_x_api_key(tmp_path):
+    async with gateway(tmp_path) as (_, _, url, _):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError) as e:
+                await bad.models.list()
+        assert e.value.code == "invalid_api_key"
+        async with httpx.AsyncClient() as http:
+            r = await http.get(url + "/v1/models", headers={"x-api-key": KEY})
+            assert r.status_code == 200
+            r = await http.get(url + "/v1/models")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_bad_bodies_get_400_in_openai_shape(tmp_path):
+    async with gateway(tmp_path) as (_, _, url, client):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="gpt-4o-mini", messages=[])
+        assert e.value.param == "messages"
+        with pytest.raises(openai.BadRequestError) as e:  # an embeddings model on chat
+            await client.chat.completions.create(model="text-embedding-3-small", messages=ask("x"))
+        assert e.value.param == "model"
+        async with httpx.AsyncClient() as http:
+            r = await http.post(url + "/v1/chat/completions", content=b"{not json",
+                                headers={"authorization": f"Bearer {KEY}"})
+            assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+async def test_quota_headers_and_429_with_retry_after(tmp_path):
+    async with gateway(tmp_path, quotas={"alice": {"rpm": 2}}) as (_, _, _, client):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=ask("a"))
+        assert raw.headers["x-ratelimit-limit-requests"] == "2"
+        assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+        await client.chat.completions.create(model="gpt-4o-mini", messages=ask("b"))
+        with pytest.raises(openai.RateLimitError) as e:
+            await client.chat.completions.create(model="gpt-4o-mini", messages=ask("c"))
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        assert e.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_route_name_as_model(tmp_path):
+    async with gateway(tmp_path) as (_, _, _, client):
+        reply = await client.chat.completions.create(model="chat", messages=ask("by name"))
+        assert reply.choices[0].message.content == "echo: by name"
+        assert reply.model == "gpt-4o-mini"  # the route's own model went upstream
