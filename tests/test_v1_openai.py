@@ -11,7 +11,6 @@ import anyio
 import httpx
 import pytest
 
-from multiplexer.core.limiter import TokenBucket
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 from tests.fakes.openai_fake import embed_text
@@ -167,12 +166,17 @@ async def _append(out: list[str], coro: Any) -> None:
 async def test_stream_is_charged_and_corrected_from_usage(tmp_path):
     async with gateway(tmp_path) as (_, gw, _, client):
         limiter = gw.limiters["oai"]
-        limiter.tokens = TokenBucket(rate=0.0, capacity=10_000, level=10_000, stamp=gw.clock.now())
+        charged: list[tuple[int, int]] = []
+        corrections: list[tuple[int, int]] = []
+        consume, correct = limiter.consume, limiter.correct_tokens
+        limiter.consume = lambda r, t: (charged.append((r, t)), consume(r, t))[1]
+        limiter.correct_tokens = lambda e, a: (corrections.append((e, a)), correct(e, a))[1]
         stream = await client.chat.completions.create(
             model="gpt-4o-mini", messages=ask("count me " * 50), stream=True)
         _ = [c async for c in stream]
-        # the fake's usage: 100 prompt words + 101 reply words; the estimate was replaced by it
-        assert 10_000 - limiter.tokens.level == 100 + 101
+        assert len(charged) == 1 and charged[0][0] == 1 and charged[0][1] > 0  # the lane's charge
+        # then the estimate is replaced by the fake's usage: 100 prompt + 101 reply words
+        assert corrections == [(charged[0][1], 100 + 101)]
 
 
 async def test_embeddings_float_and_base64(tmp_path):
