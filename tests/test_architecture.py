@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("multiplexer", "providers", "local_models")
+PACKAGES = ("multiplexer", "providers", "local_models", "backends")
 
 # layer -> the layers it may import (its own included)
 ALLOWED = {
     "core": {"core"},
     "local_models": {"local_models", "core"},
     "providers": {"providers", "local_models", "core"},
+    "backends": {"backends", "core"},  # shared-state engines (Redis), chosen by URL in the registry
     "gateway": {"gateway", "core"},  # provider classes come from the registry's strings, by kind
     "faces": {"faces", "gateway", "core"},
     "sdk": {"sdk", "core"},

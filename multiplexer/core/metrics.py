@@ -71,6 +71,10 @@ class Metrics:
         self.mcp_sessions = Gauge(
             "multiplexer_mcp_sessions", "Open handshake-era MCP sessions over HTTP", registry=r
         )
+        self.state_degraded = Counter(
+            "multiplexer_state_degraded", "Decisions made locally: the shared state was unreachable",
+            ["part"], registry=r,
+        )
         self.events = Counter(
             "multiplexer_events", "Notable events (device fallback, restarts, ...)",
             ["component", "event"], registry=r,

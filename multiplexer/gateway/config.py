@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
@@ -68,6 +68,23 @@ class StoreConfig(Strict):
     )
 
 
+class StateConfig(Strict):
+    """Where replicas share limits, quotas and the cache; unset: in-process (one gateway)."""
+
+    url: str | None = Field(default=None, description="redis://host:port/db (rediss:// for TLS)")
+    prefix: str = Field(default="mx", min_length=1, description="key prefix: one per deployment")
+    lease_s: float = Field(default=30.0, gt=0, description="a dead replica's slots free after this")
+    timeout_ms: float = Field(default=500.0, gt=0, description="a slower answer counts as unreachable")
+    on_failure: Literal["closed", "open"] = Field(
+        default="closed", description="per-key quotas while the state is unreachable: refuse, or local")
+
+    @model_validator(mode="after")
+    def _known_scheme(self) -> StateConfig:
+        if self.url is not None and self.url.partition("://")[0] not in ("redis", "rediss", "unix"):
+            raise ValueError(f"state.url: expected redis://, rediss:// or unix://, got {self.url!r}")
+        return self
+
+
 class CacheConfig(Strict):
     max_entries: int = Field(default=10_000, ge=0)
 
@@ -78,6 +95,7 @@ class Config(Strict):
     routes: dict[str, RouteConfig] = Field(default_factory=dict)
     store: StoreConfig = Field(default_factory=StoreConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
 
     @model_validator(mode="after")
     def _routes_name_providers(self) -> Config:

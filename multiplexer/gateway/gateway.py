@@ -28,8 +28,10 @@ from multiplexer.core.metrics import Metrics, code_label
 from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSource, ToolSpec
 from multiplexer.core.quota import Quotas
 from multiplexer.core.router import Resolved, Router
+from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.streaming import with_streams
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
+from multiplexer.gateway.replicas import gated, limiter_for, open_state
 
 log = logging.getLogger(__name__)
 UNROUTED = "(no route)"
@@ -90,6 +92,7 @@ class Gateway:
         self.inflight = InFlight()
         self.cache = TtlCache(self.clock, config.cache.max_entries)
         self.quotas = Quotas(self.clock, config.server.quotas)
+        self.state = open_state(config.state)  # None: in-process state, one gateway
         self.listeners: list[Any] = []
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
@@ -104,8 +107,11 @@ class Gateway:
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
+            if self.state is not None:
+                await self.state.start()
+                stack.push_async_callback(self.state.aclose)
             for name, pconf in self.config.providers.items():
-                limiter = RateLimiter(self.clock, pconf.limits.rpm, pconf.limits.tpm)
+                limiter = limiter_for(name, pconf, self.clock, self.state, self.metrics)
                 self.limiters[name] = limiter
                 if name not in self.providers:
                     cls = provider_class(pconf.kind)
@@ -121,6 +127,11 @@ class Gateway:
                 stack.push_async_callback(provider.aclose)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
+            if self.state is not None:
+                self._tg.start_soon(self.state.heartbeat_forever)
+                for limiter in self.limiters.values():
+                    if isinstance(limiter, SharedLimiter):
+                        self._tg.start_soon(limiter.renew_forever)
             for rname, route in self.config.routes.items():
                 self._lane_for(rname, route)
         except BaseException:
@@ -179,7 +190,8 @@ class Gateway:
             )
             lane = Lane(
                 f"{route.provider}" if not own else f"{route.provider}:{rname}",
-                with_streams(provider), formation, self.clock, self.limiters[route.provider],
+                gated(self.limiters[route.provider], with_streams(provider)), formation, self.clock,
+                self.limiters[route.provider],
                 max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
                 # batch mode gathers until size or age; eager only if the route says so
                 eager=policy.eager and (route.mode != "batch" or "eager" in policy.model_fields_set),

@@ -31,5 +31,22 @@ def provider_class(kind: str) -> type[Provider]:
     return cls
 
 
+STATES: dict[str, str] = {
+    "redis": "backends.redis_state:RedisState",
+    "rediss": "backends.redis_state:RedisState",
+    "unix": "backends.redis_state:RedisState",
+}
+
+
+def state_class(url: str) -> type:
+    """The shared-state engine for ``state.url`` (imported lazily: ``redis`` is optional)."""
+    module, _, attr = STATES[url.partition("://")[0]].partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as e:
+        raise KeyError(f"state.url needs the 'replicas' extra (pip install multiplexer[replicas]): {e}") \
+            from None
+
+
 def settings_model(kind: str) -> type[BaseModel]:
     return provider_class(kind).Settings

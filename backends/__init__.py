@@ -1,0 +1,1 @@
+"""Shared-state engines for several replicas: Redis (limits, quotas, dedup, cache)."""

@@ -1,0 +1,148 @@
+"""The Lua scripts: each decision is one atomic script on Redis's own clock (``TIME``).
+
+Buckets follow ``core/limiter.TokenBucket`` exactly (refill ``r``/s up to ``c``; until
+``u`` a learned rate ``g`` so the bucket is full when the upstream said it resets),
+so one gateway and N replicas admit the same. Numbers are written with ``%.17g``.
+"""
+
+COMMON = r"""
+local function now_s()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local function load(key, cfg, now)
+  local h = redis.call('HMGET', key, 'l', 's', 'r', 'c', 'g', 'u')
+  local b
+  if h[1] then
+    b = {l = tonumber(h[1]), s = tonumber(h[2]), r = tonumber(h[3]), c = tonumber(h[4]),
+         g = tonumber(h[5]), u = tonumber(h[6])}
+  elseif cfg > 0 then
+    b = {l = cfg, s = now, r = cfg / 60, c = cfg, g = 0, u = 0}
+  else
+    return nil
+  end
+  if cfg > 0 and b.c > cfg then
+    b.c = cfg; b.r = cfg / 60; b.l = math.min(b.l, cfg)
+  end
+  if now > b.s then
+    local gain, t = 0, b.s
+    if b.u > t then
+      local seg = math.min(now, b.u) - t
+      gain = seg * b.g; t = t + seg
+    end
+    gain = gain + (now - t) * b.r
+    b.l = math.min(b.c, b.l + gain); b.s = now
+  end
+  return b
+end
+
+local function delay(b, amount, now)
+  local need = math.min(amount, b.c) - b.l
+  if need <= 0 then return 0 end
+  local wait = 0
+  if b.u > now then
+    local span = b.u - now
+    if need <= span * b.g then return need / b.g end
+    need = need - span * b.g; wait = span
+  end
+  if b.r <= 0 then return 3600 end
+  return wait + need / b.r
+end
+
+local function f(x) return string.format('%.17g', x) end
+
+local function save(key, b)
+  redis.call('HSET', key, 'l', f(b.l), 's', f(b.s), 'r', f(b.r), 'c', f(b.c), 'g', f(b.g), 'u', f(b.u))
+  redis.call('EXPIRE', key, 86400)
+end
+"""
+
+# KEYS: rpm bucket, tpm bucket, in-flight ZSET.  ARGV: rpm, tpm, concurrency, lease_s, lease id, tokens
+ACQUIRE = COMMON + r"""
+local now = now_s()
+local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local lease, id, tokens = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local wait, which = 0, ''
+local rb = load(KEYS[1], rpm, now)
+if rb then
+  local w = delay(rb, 1, now)
+  if w > wait then wait, which = w, 'rpm' end
+end
+local tb = load(KEYS[2], tpm, now)
+if tb and tokens > 0 then
+  local w = delay(tb, tokens, now)
+  if w > wait then wait, which = w, 'tpm' end
+end
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - lease)
+  if wait == 0 and redis.call('ZCARD', KEYS[3]) >= conc then wait, which = 0.001, 'concurrency' end
+end
+if wait > 0 then return {string.format('%.6f', wait), which} end
+if rb then rb.l = rb.l - 1; save(KEYS[1], rb) end
+if tb and tokens > 0 then tb.l = tb.l - tokens; save(KEYS[2], tb) end
+if conc > 0 then
+  redis.call('ZADD', KEYS[3], now, id)
+  redis.call('EXPIRE', KEYS[3], 86400)
+end
+return {'0', ''}
+"""
+
+# KEYS: rpm, tpm, in-flight.  ARGV: rpm, tpm, lease id ('' none), token delta, then per reading:
+# kind, limit (-1 unknown), remaining, reset_in
+SETTLE = COMMON + r"""
+local now = now_s()
+local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+if ARGV[3] ~= '' then redis.call('ZREM', KEYS[3], ARGV[3]) end
+local delta = tonumber(ARGV[4])
+if delta ~= 0 then
+  local tb = load(KEYS[2], tpm, now)
+  if tb then tb.l = math.min(tb.c, tb.l - delta); save(KEYS[2], tb) end
+end
+for i = 5, #ARGV, 4 do
+  local key, cfg = KEYS[1], rpm
+  if ARGV[i] == 'tokens' then key, cfg = KEYS[2], tpm end
+  local limit, remaining, reset = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  local b = load(key, cfg, now)
+  if not b and limit > 0 then b = {l = limit, s = now, r = limit / 60, c = limit, g = 0, u = 0} end
+  if b then
+    if limit > 0 then
+      local cap = limit
+      if cfg > 0 then cap = math.min(limit, cfg) end
+      if cap ~= b.c then b.c = cap; b.r = cap / 60; b.l = math.min(b.l, cap) end
+    end
+    if remaining < b.l then b.l = remaining end
+    if reset > 0 and b.l < b.c then b.g = (b.c - b.l) / reset; b.u = now + reset else b.u = 0 end
+    save(key, b)
+  end
+end
+return 1
+"""
+
+# KEYS: in-flight ZSET.  ARGV: lease ids still running
+RENEW = r"""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+for i = 1, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i]) end
+return 1
+"""
+
+# KEYS: replicas ZSET.  ARGV: replica id, lease_s.  Returns the replicas alive within the lease.
+HEARTBEAT = r"""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+redis.call('EXPIRE', KEYS[1], 86400)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+# KEYS: the key's counter for one UTC day.  ARGV: calls, allowed.  -1 when charged, else what is left.
+BATCH_CHARGE = r"""
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+local calls, allowed = tonumber(ARGV[1]), tonumber(ARGV[2])
+if used + calls > allowed then return allowed - used end
+redis.call('INCRBY', KEYS[1], calls)
+redis.call('EXPIRE', KEYS[1], 172800)
+return -1
+"""

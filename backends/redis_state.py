@@ -1,0 +1,139 @@
+"""Shared state in Redis: limits, quotas, batch allowances, the result cache, replica liveness.
+
+One round trip per decision (``EVALSHA`` of a script in ``redis_lua``). Keys of one
+provider or key share a hash tag (``mx:{p:<name>}:rpm``) so they land in one slot of
+a Redis Cluster. Any Redis error or a reply slower than ``timeout_s`` becomes
+``StateUnavailable``: the caller decides locally and counts it. Why the ``redis``
+client: it is the maintained official client, asyncio-native, with script caching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from multiplexer.core.state import Learned, LimitSpec, StateUnavailable
+
+from . import redis_lua
+
+
+def _tag(name: str) -> str:
+    """A hash-tag-safe name: braces or odd characters in a provider or key name cannot split it."""
+    return hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+class RedisState:
+    def __init__(self, url: str, prefix: str = "mx", lease_s: float = 30.0,
+                 timeout_s: float = 0.5) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.lease_s = lease_s
+        self.replica_id = secrets.token_hex(6)
+        self._live = 1
+        self.r = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._acquire = self.r.register_script(redis_lua.ACQUIRE)
+        self._settle = self.r.register_script(redis_lua.SETTLE)
+        self._renew = self.r.register_script(redis_lua.RENEW)
+        self._heartbeat = self.r.register_script(redis_lua.HEARTBEAT)
+        self._batch = self.r.register_script(redis_lua.BATCH_CHARGE)
+
+    def _keys(self, scope: str, name: str) -> list[str]:
+        base = f"{self.prefix}:{{{scope}:{_tag(name)}}}"
+        return [f"{base}:rpm", f"{base}:tpm", f"{base}:inflight"]
+
+    async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await script(keys=keys, args=args)
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(f"{type(e).__name__}: {e}") from e
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        with contextlib.suppress(StateUnavailable):  # degraded from the start; the loop keeps trying
+            await self.heartbeat()
+
+    async def aclose(self) -> None:
+        await self.r.aclose()
+
+    async def heartbeat(self) -> int:
+        live = await self._call(self._heartbeat, [f"{self.prefix}:replicas"],
+                                [self.replica_id, self.lease_s])
+        self._live = max(1, int(live))
+        return self._live
+
+    async def heartbeat_forever(self) -> None:
+        while True:
+            with contextlib.suppress(StateUnavailable):
+                await self.heartbeat()
+            await anyio.sleep(self.lease_s / 3)
+
+    def live_replicas(self) -> int:
+        return self._live
+
+    # -- provider limits -------------------------------------------------------------
+    async def acquire(self, provider: str, lease_id: str, tokens: int,
+                      spec: LimitSpec) -> tuple[float, str]:
+        wait, which = await self._call(
+            self._acquire, self._keys("p", provider),
+            [spec.rpm, spec.tpm, spec.concurrency, self.lease_s, lease_id, tokens])
+        return float(wait), which.decode() if isinstance(which, bytes) else which
+
+    async def settle(self, provider: str, lease_id: str, token_delta: float,
+                     learned: Sequence[Learned], spec: LimitSpec) -> None:
+        if not lease_id and not token_delta and not learned:
+            return
+        args: list[Any] = [spec.rpm, spec.tpm, lease_id, token_delta]
+        for obs in learned:
+            args += [obs.kind, obs.limit if obs.limit else -1, obs.remaining, obs.reset_in]
+        await self._call(self._settle, self._keys("p", provider), args)
+
+    async def renew(self, provider: str, lease_ids: Sequence[str]) -> None:
+        await self._call(self._renew, self._keys("p", provider)[2:], list(lease_ids))
+
+    # -- per-key quotas ----------------------------------------------------------------
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> float:
+        wait, _ = await self._call(self._acquire, self._keys("q", identity),
+                                   [rpm, 0, concurrency, self.lease_s, lease_id, 0])
+        return float(wait)
+
+    async def quota_release(self, identity: str, lease_id: str) -> None:
+        try:
+            await self.r.zrem(self._keys("q", identity)[2], lease_id)
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+
+    async def quota_renew(self, identity: str, lease_ids: Sequence[str]) -> None:
+        await self._call(self._renew, self._keys("q", identity)[2:], list(lease_ids))
+
+    async def batch_charge(self, identity: str, day: int, calls: int, allowed: int) -> int:
+        key = f"{self.prefix}:{{q:{_tag(identity)}}}:batch:{day}"
+        return int(await self._call(self._batch, [key], [calls, allowed]))
+
+    # -- result cache ------------------------------------------------------------------
+    def _cache_key(self, key: str) -> str:
+        return f"{self.prefix}:cache:{key}"
+
+    async def cache_get(self, key: str) -> Any | None:
+        try:
+            raw = await self.r.get(self._cache_key(key))
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+        return None if raw is None else json.loads(raw)
+
+    async def cache_put(self, key: str, value: Any, ttl_s: float) -> None:
+        try:
+            await self.r.set(self._cache_key(key), json.dumps(value), px=max(1, int(ttl_s * 1000)))
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e

@@ -1,0 +1,164 @@
+"""A provider's limits shared by every replica: reserve before a batch, settle after it.
+
+The lane still asks ``delay``/``consume`` (only a local 429 pause holds it here);
+the real decision is ``acquire``, one atomic round trip to the shared state that
+takes a request, the estimated tokens and a concurrency slot, all or none. After
+the batch, ``release`` frees the slot, settles the token estimate against the real
+usage the provider reported (``correct_tokens``) and shares what the upstream's
+headers taught (``observe``). Slots are leases a live replica renews.
+
+When the shared state is unreachable nothing stops: this replica enforces its
+share of each limit (limit / live replicas last seen), never the whole limit, and
+counts every such decision; the next call tries the shared state again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+
+from multiplexer.core.clock import Clock
+from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.state import Learned, LimitSpec, SharedState, StateUnavailable
+
+log = logging.getLogger(__name__)
+RETRY_SHARED_S = 1.0  # after a failure, decide locally this long before trying the shared state again
+MAX_POLL_S = 0.05  # a caller waiting for a concurrency slot looks again at least this often
+
+
+@dataclass(slots=True)
+class Lease:
+    id: str
+    shared: bool
+    tokens: int
+
+
+class SharedLimiter(RateLimiter):
+    def __init__(self, clock: Clock, name: str, spec: LimitSpec, state: SharedState,
+                 on_degraded: Callable[[str], None] | None = None) -> None:
+        super().__init__(clock)
+        self.name = name
+        self.spec = spec
+        self.state = state
+        self.shared = True
+        self._on_degraded = on_degraded
+        self._ids = itertools.count()
+        self._prefix = f"{state.replica_id}:{name}:"
+        self._held: set[str] = set()
+        self._delta = 0.0
+        self._learned: list[Learned] = []
+        self._down_until = -math.inf
+        self._share = 0
+        self._local: RateLimiter = RateLimiter(clock)
+        self._slots = 0  # degraded: this replica's concurrency share
+        self._slot_freed = anyio.Event()
+        self._local_in_flight = 0
+
+    # -- what the lane and providers call (sync) ------------------------------------
+    def delay(self, requests: int, tokens: int) -> tuple[float, str]:
+        wait = self.paused_until - self.clock.now()
+        return (max(0.0, wait), "retry_after")
+
+    def consume(self, requests: int, tokens: int) -> None:
+        """Charged in ``acquire``, where all replicas see it."""
+
+    def correct_tokens(self, estimated: int, actual: int) -> None:
+        self._delta += actual - estimated
+        self._local.correct_tokens(estimated, actual)
+
+    def observe(self, kind: str, limit: float | None, remaining: float, reset_in: float) -> None:
+        self._learned.append(Learned(kind, limit, remaining, reset_in))
+        del self._learned[:-8]  # the freshest readings are all that count
+        self._local.observe(kind, limit, remaining, reset_in)
+
+    # -- around each batch (async) -------------------------------------------------
+    async def acquire(self, tokens: int) -> Lease:
+        lease_id = self._prefix + str(next(self._ids))
+        poll = 0.001
+        while True:
+            if self.clock.now() >= self._down_until:
+                try:
+                    wait, which = await self.state.acquire(self.name, lease_id, tokens, self.spec)
+                except StateUnavailable as e:
+                    self._degrade(e)
+                else:
+                    if wait <= 0:
+                        self._held.add(lease_id)
+                        return Lease(lease_id, True, tokens)
+                    if which == "concurrency":  # no telling when a slot frees: look again soon
+                        poll = wait = min(poll * 2, MAX_POLL_S)
+                    await self.clock.sleep_until(self.clock.now() + wait)
+                    continue
+            if await self._acquire_local(tokens):
+                return Lease(lease_id, False, tokens)
+
+    async def release(self, lease: Lease) -> None:
+        delta, self._delta = self._delta, 0.0
+        learned, self._learned = self._learned, []
+        if not lease.shared:
+            self._local_in_flight -= 1
+            self._slot_freed.set()
+        else:
+            self._held.discard(lease.id)
+        if not lease.shared and self.clock.now() < self._down_until:
+            return
+        try:
+            await self.state.settle(self.name, lease.id if lease.shared else "", delta, learned,
+                                    self.spec)
+        except StateUnavailable as e:
+            self._degrade(e)  # the slot expires with its lease; the correction is lost
+
+    async def renew_forever(self) -> None:
+        """Keep this replica's slots alive while their calls run."""
+        while True:
+            await anyio.sleep(self.state.lease_s / 3)
+            if self._held:
+                try:
+                    await self.state.renew(self.name, list(self._held))
+                except StateUnavailable as e:
+                    self._degrade(e)
+
+    # -- degraded: this replica's share ---------------------------------------------
+    def _degrade(self, error: BaseException) -> None:
+        if self.clock.now() >= self._down_until:
+            log.warning("%s: shared limits unreachable (%s); enforcing this replica's share",
+                        self.name, error)
+        self._down_until = self.clock.now() + RETRY_SHARED_S
+
+    def _reshare(self) -> None:
+        n = self.state.live_replicas()
+        if n == self._share:
+            return
+        self._share = n
+        spec = self.spec
+        local = RateLimiter(self.clock, spec.rpm / n if spec.rpm else None,
+                            spec.tpm / n if spec.tpm else None)
+        for bucket in (local.requests, local.tokens):  # empty: the shared one may have been spent
+            if bucket is not None:
+                bucket.level = 0.0
+        self._local = local
+        self._slots = max(1, spec.concurrency // n) if spec.concurrency else 1 << 30
+
+    async def _acquire_local(self, tokens: int) -> bool:
+        """One degraded decision: wait for this replica's share, then go (True)."""
+        self._reshare()
+        if self._on_degraded is not None:
+            self._on_degraded("limits")
+        while True:
+            wait, _ = self._local.delay(1, tokens)
+            if wait <= 0:
+                break
+            await self.clock.sleep_until(self.clock.now() + min(wait, RETRY_SHARED_S))
+            if self.clock.now() >= self._down_until:
+                return False  # the shared state may be back: ask it
+        self._local.consume(1, tokens)
+        while self._local_in_flight >= self._slots:
+            self._slot_freed = anyio.Event()
+            await self._slot_freed.wait()
+        self._local_in_flight += 1
+        return True

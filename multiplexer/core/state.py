@@ -1,0 +1,88 @@
+"""The contract of state shared by several gateway replicas (limits, quotas, dedup, cache).
+
+In-process state is the default and needs none of this. With ``state.url`` set, the
+composition root builds a ``SharedState`` (Redis, in ``backends/``) and the gateway
+wraps each provider's limiter in a ``SharedLimiter`` (``core/shared_limiter.py``).
+Every method may raise ``StateUnavailable``; callers then fall back to a degraded
+local decision and count it, and try the shared state again on the next call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class StateUnavailable(Exception):
+    """The shared state could not be reached or answered in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSpec:
+    """A provider's configured limits; 0 means none. Learned limits live in the shared state."""
+
+    rpm: float = 0.0
+    tpm: float = 0.0
+    concurrency: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """One rate-limit header reading, as ``RateLimiter.observe`` takes it."""
+
+    kind: str  # "requests" or "tokens"
+    limit: float | None
+    remaining: float
+    reset_in: float
+
+
+class SharedState(Protocol):
+    """Atomic decisions on the shared state's own clock; one round trip each."""
+
+    replica_id: str
+    lease_s: float
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    async def heartbeat_forever(self) -> None:
+        """Say this replica is alive every ``lease_s / 3``, and learn how many are."""
+        ...
+
+    def live_replicas(self) -> int:
+        """Replicas seen alive at the last heartbeat (at least 1): a degraded replica's share."""
+        ...
+
+    async def acquire(self, provider: str, lease_id: str, tokens: int,
+                      spec: LimitSpec) -> tuple[float, str]:
+        """Take one request, ``tokens`` and a concurrency slot, all or none: (0, "") when taken,
+        else (seconds to wait, the limit that holds it: rpm, tpm or concurrency)."""
+        ...
+
+    async def settle(self, provider: str, lease_id: str, token_delta: float,
+                     learned: Sequence[Learned], spec: LimitSpec) -> None:
+        """Free the slot, charge (or refund) ``token_delta``, apply learned limits."""
+        ...
+
+    async def renew(self, provider: str, lease_ids: Sequence[str]) -> None:
+        """Keep the slots of calls still running (a dead replica's expire after ``lease_s``)."""
+        ...
+
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> float:
+        """Admit one call for a key under its rpm and concurrency; seconds to wait if not."""
+        ...
+
+    async def quota_release(self, identity: str, lease_id: str) -> None: ...
+
+    async def quota_renew(self, identity: str, lease_ids: Sequence[str]) -> None: ...
+
+    async def batch_charge(self, identity: str, day: int, calls: int, allowed: int) -> int:
+        """Charge ``calls`` to the key's batch allowance for UTC ``day``, all or none; -1 when
+        charged, else what is left."""
+        ...
+
+    async def cache_get(self, key: str) -> Any | None: ...
+
+    async def cache_put(self, key: str, value: Any, ttl_s: float) -> None: ...

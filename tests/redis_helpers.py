@@ -1,0 +1,91 @@
+"""Real Redis for the replica tests: the machine's server, or one of our own we may stop."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+REDIS_URL = os.environ.get("MX_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+def _reachable(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def redis_url() -> str:
+    """The shared test server's URL, or skip (with the reason printed) where there is none."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        pytest.skip("the 'redis' client is not installed (pip install -e '.[dev]')")
+    hostport = REDIS_URL.split("://", 1)[1].split("/", 1)[0]
+    host, _, port = hostport.partition(":")
+    if not _reachable(host, int(port or 6379)):
+        print(f"SKIP: no Redis at {REDIS_URL}")
+        pytest.skip(f"no Redis at {REDIS_URL}: replica tests need one")
+    return REDIS_URL
+
+
+def prefix() -> str:
+    """A key prefix of its own, so parallel runs never share buckets."""
+    return "mxtest-" + secrets.token_hex(4)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OwnRedis:
+    """A ``redis-server`` of our own on a free port, which a test may stop and start again."""
+
+    def __init__(self) -> None:
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not on PATH: the Redis-outage tests need it")
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="mx-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not _reachable("127.0.0.1", self.port):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@contextlib.contextmanager
+def own_redis() -> Iterator[OwnRedis]:
+    server = OwnRedis()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)

@@ -1,0 +1,137 @@
+"""Several replicas share provider limits through real Redis: exact, leased, and degraded."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from backends.redis_state import RedisState
+from multiplexer.core.call import Call
+from multiplexer.core.clock import MonotonicClock
+from multiplexer.core.shared_limiter import SharedLimiter
+from multiplexer.core.state import Learned, LimitSpec
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
+from tests.redis_helpers import own_redis, prefix, redis_url
+
+pytestmark = pytest.mark.anyio
+
+
+async def replicas(n: int, url: str | None = None, lease_s: float = 30.0) -> list[RedisState]:
+    url, pre = url or redis_url(), prefix()
+    states = [RedisState(url, prefix=pre, lease_s=lease_s) for _ in range(n)]
+    for s in states:
+        await s.start()
+    return states
+
+
+async def close(states: list[RedisState]) -> None:
+    for s in states:
+        await s.aclose()
+
+
+async def test_rpm_and_tpm_hold_for_all_replicas_together():
+    a, b = states = await replicas(2)
+    spec = LimitSpec(rpm=6, tpm=1000)
+    try:
+        waits = [await (a if i % 2 else b).acquire("p", f"l{i}", 10, spec) for i in range(6)]
+        assert waits == [(0.0, "")] * 6
+        wait, which = await a.acquire("p", "l6", 10, spec)
+        assert which == "rpm" and 9.0 < wait <= 10.0  # 6 per minute: the next in 10 s, for both
+        assert (await b.acquire("p", "l7", 10, spec))[1] == "rpm"
+        assert (await b.acquire("q", "l8", 1000, spec)) == (0.0, "")  # another provider: its own
+        assert (await a.acquire("q", "l9", 1, spec))[1] == "tpm"
+        await b.settle("q", "l8", -600, [], spec)  # reserved 1000, used 400: 600 back for everyone
+        assert await a.acquire("q", "l10", 600, spec) == (0.0, "")
+    finally:
+        await close(states)
+
+
+async def test_learned_limits_reach_every_replica():
+    a, b = states = await replicas(2)
+    spec = LimitSpec()  # nothing configured: all from the headers
+    try:
+        assert await b.acquire("p", "x", 1, spec) == (0.0, "")
+        await a.settle("p", "", 0, [Learned("requests", 100, 0, 30.0)], spec)
+        wait, which = await b.acquire("p", "y", 1, spec)
+        assert which == "rpm" and 0.2 < wait <= 0.31  # full again in 30 s: 100/30 per second
+    finally:
+        await close(states)
+
+
+async def test_concurrency_slots_are_leases_a_dead_replica_loses():
+    a, b = states = await replicas(2, lease_s=0.6)
+    spec = LimitSpec(concurrency=2)
+    try:
+        assert await a.acquire("p", "a1", 0, spec) == (0.0, "")
+        assert await a.acquire("p", "a2", 0, spec) == (0.0, "")
+        assert (await b.acquire("p", "b1", 0, spec))[1] == "concurrency"
+        await a.settle("p", "a1", 0, [], spec)
+        assert await b.acquire("p", "b1", 0, spec) == (0.0, "")
+        # a2's replica "dies" (no release, no renewal); b renews b1 and keeps it
+        start = time.monotonic()
+        while (await b.acquire("p", "b2", 0, spec))[1] == "concurrency":
+            await b.renew("p", ["b1"])
+            assert time.monotonic() - start < 5, "a dead replica's slot never came back"
+            await anyio.sleep(0.05)
+        assert time.monotonic() - start >= 0.4  # not before its lease ran out
+        assert (await a.acquire("p", "a3", 0, spec))[1] == "concurrency"  # b1 was renewed: still held
+    finally:
+        await close(states)
+
+
+async def test_redis_down_each_replica_enforces_its_share_and_shared_mode_comes_back():
+    with own_redis() as server:
+        a, _ = states = await replicas(2, url=server.url)
+        assert a.live_replicas() == 2 or await a.heartbeat() == 2
+        spec = LimitSpec(rpm=6000, concurrency=4)
+        counted: list[str] = []
+        limiter = SharedLimiter(MonotonicClock(), "p", spec, a, on_degraded=counted.append)
+        try:
+            lease = await limiter.acquire(1)
+            assert lease.shared
+            await limiter.release(lease)
+            server.stop()
+            leases = [await limiter.acquire(1) for _ in range(2)]
+            assert not any(x.shared for x in leases) and counted == ["limits", "limits"]
+            assert limiter._local.requests.capacity == 3000  # half of 6000: two replicas were alive
+            assert limiter._slots == 2  # and half the slots
+            with anyio.move_on_after(0.2):
+                await limiter.acquire(1)  # a third slot: this replica's share is 2
+                raise AssertionError("took more than its share of slots")
+            for x in leases:
+                await limiter.release(x)
+            server.start()
+            start = time.monotonic()
+            while not (lease := await limiter.acquire(1)).shared:
+                await limiter.release(lease)
+                assert time.monotonic() - start < 5, "shared mode did not come back"
+            await limiter.release(lease)
+        finally:
+            await close(states)
+
+
+def gateway_config(url: str, pre: str, **limits: object) -> object:
+    return parse_config({
+        "state": {"url": url, "prefix": pre},
+        "providers": {"echo": {"kind": "echo", "limits": limits,
+                               "batch": {"max_items": 1, "max_wait_ms": 0}}},
+        "routes": {"echo": {"provider": "echo", "dedup": False}},
+    })
+
+
+async def test_two_gateways_share_one_rpm():
+    config = gateway_config(redis_url(), prefix(), rpm=5)
+    async with Gateway(config) as g1, Gateway(config) as g2:
+        out: list[bool] = []
+
+        async def call(gw: Gateway, i: int) -> None:
+            out.append((await gw.submit(Call("echo", {"i": i}, timeout_ms=800))).ok)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(10):
+                tg.start_soon(call, g1 if i % 2 else g2, i)
+        upstream = [g.metrics.upstream_requests.labels("echo")._value.get() for g in (g1, g2)]
+    assert sum(out) == 5 and sum(upstream) == 5  # one minute's 5 for both gateways, not 5 each
