@@ -62,7 +62,7 @@ async def test_error_event_after_the_200(tmp_path):
 
 
 async def test_client_disconnect_cancels_the_upstream_stream(tmp_path):
-    async with gateway(tmp_path) as (f, gw, url, _), httpx.AsyncClient() as http:
+    async with gateway(tmp_path) as (f, _, url, _), httpx.AsyncClient() as http:
         f.anthropic.stream_gate = anyio.Event()
         f.anthropic.stream_cut = anyio.Event()
         async with http.stream("POST", url + "/v1/messages", headers={"x-api-key": KEY},
