@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import select
 import socket
+import time
 from dataclasses import dataclass
 
 import anyio
@@ -22,6 +23,7 @@ class Reply:
     status: int
     headers: dict[str, str]
     body: bytes
+    first_data_at: float = 0.0  # perf_counter when the first body bytes arrived (streams)
 
     @property
     def content_type(self) -> str:
@@ -96,7 +98,7 @@ class Conn:
         except (anyio.BrokenResourceError, OSError):
             if not body:
                 raise  # otherwise the server may have answered (413) and closed mid-body
-        status, reply_headers, chunks = 0, {}, []
+        status, reply_headers, chunks, first = 0, {}, [], 0.0
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
@@ -109,6 +111,7 @@ class Conn:
                 status = event.status_code
                 reply_headers = {k.decode().lower(): v.decode("latin-1") for k, v in event.headers}
             elif isinstance(event, h11.Data):
+                first = first or time.perf_counter()
                 chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                 break
@@ -116,4 +119,4 @@ class Conn:
             conn.start_next_cycle()
         else:
             await self.aclose()
-        return Reply(status, reply_headers, b"".join(chunks))
+        return Reply(status, reply_headers, b"".join(chunks), first)

@@ -38,10 +38,12 @@ def wait_http(url: str, timeout: float = 60.0) -> None:
 
 @contextlib.contextmanager
 def logged_child(args: list[str], ready_url: str, log_path: Path,
-                 env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """A Python child whose output goes to ``log_path``; terminated (then killed) on exit."""
+                 env: dict[str, str] | None = None, program: str | None = None,
+                 ) -> Iterator[subprocess.Popen]:
+    """A Python child (or ``program``) whose output goes to ``log_path``; terminated (then
+    killed) on exit."""
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
+        proc = subprocess.Popen([program or sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
                                 stdout=log, stderr=log)
         try:
             wait_http(ready_url)
@@ -58,10 +60,11 @@ def logged_child(args: list[str], ready_url: str, log_path: Path,
 
 
 @contextlib.contextmanager
-def child(args: list[str], ready_url: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+def child(args: list[str], ready_url: str, env: dict[str, str] | None = None,
+          program: str | None = None) -> Iterator[subprocess.Popen]:
     """A Python child logging to a temporary file (never an unread pipe, which can fill and freeze it)."""
     with tempfile.TemporaryDirectory() as tmp, \
-            logged_child(args, ready_url, Path(tmp) / "child.log", env) as proc:
+            logged_child(args, ready_url, Path(tmp) / "child.log", env, program) as proc:
         yield proc
 
 

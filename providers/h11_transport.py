@@ -20,6 +20,7 @@ the memory.
 from __future__ import annotations
 
 import contextlib
+import math
 import select
 import socket
 import ssl
@@ -241,16 +242,15 @@ async def _send_and_read_head(conn: _Conn, request: httpx.Request, body: bytes,
     if body:
         out += c.send(h11.Data(data=body))
     out += c.send(h11.EndOfMessage())
-    try:
-        with anyio.fail_after(timeouts.get("write")):
+    got_bytes, writing = False, True
+    # one cancel scope for the exchange, its deadline moved from the write to the read
+    with anyio.CancelScope(deadline=_deadline(timeouts.get("write"))) as scope:
+        try:
             await conn.stream.send(out)  # one write per request
-    except TimeoutError:
-        raise httpx.WriteTimeout("upstream did not take the request in time",
-                                 request=request) from None
-    except _BROKEN:
-        raise _Stale from None
-    got_bytes = False
-    with anyio.fail_after(timeouts.get("read")):
+        except _BROKEN:
+            raise _Stale from None
+        writing = False
+        scope.deadline = _deadline(timeouts.get("read"))
         while True:
             event = c.next_event()
             if event is h11.NEED_DATA:
@@ -269,6 +269,13 @@ async def _send_and_read_head(conn: _Conn, request: httpx.Request, body: bytes,
             elif isinstance(event, h11.ConnectionClosed):
                 raise anyio.EndOfStream
             # an InformationalResponse (100 Continue): keep reading
+    if writing:
+        raise httpx.WriteTimeout("upstream did not take the request in time", request=request)
+    raise httpx.ReadTimeout("upstream did not answer in time", request=request)
+
+
+def _deadline(timeout: float | None) -> float:
+    return math.inf if timeout is None else anyio.current_time() + timeout
 
 
 def _buffered(conn: _Conn) -> tuple[list[bytes], bool]:

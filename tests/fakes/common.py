@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import anyio
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -132,6 +133,7 @@ class FakeState:
     fail_custom_ids: set[str] = field(default_factory=set)
     expire_after_items: int | None = None
     cancel_after_items: int = 0
+    latency_s: float = 0.0  # model time added to every answer (benchmarks)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)
 
     def next_id(self, prefix: str) -> str:
@@ -167,6 +169,8 @@ def guarded_route(
 
     async def endpoint(request: Request) -> Response:
         state.requests[path] += 1
+        if state.latency_s:
+            await anyio.sleep(state.latency_s)
         now = state.clock()
         try:
             response = await _answer(request, handler, state, dialect, now)

@@ -55,15 +55,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("provider", choices=["openai", "anthropic"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="model time per answer")
+    parser.add_argument("--requests-per-window", type=int, default=None,
+                        help="the request limit the headers report (per 60 s window)")
     args = parser.parse_args(argv)
     if args.provider == "openai":
         from tests.fakes.openai_fake import create_app
     else:
         from tests.fakes.anthropic_fake import create_app  # type: ignore[assignment]
+    app = create_app()
+    fake = app.state.fake
+    fake.latency_s = args.latency_ms / 1000
+    if args.requests_per_window is not None:
+        fake.limiter.requests_per_window = args.requests_per_window
     sock = bind(args.host, args.port)
     bound_host, bound_port = sock.getsockname()[:2]
     banner = f"fake {args.provider} API on http://{bound_host}:{bound_port}"
-    _AnnouncingServer(_config(create_app()), banner).run(sockets=[sock])
+    _AnnouncingServer(_config(app), banner).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,284 @@
+"""The LLM hot path: chat calls through the gateway vs straight to the same fake OpenAI upstream.
+
+Measures, in one run, against the fake OpenAI API (tests/fakes) in its own process and
+the gateway (shipped defaults: no limits or batching set) in its own:
+- added p50 of one non-streamed chat call, sequential, through ``/rpc`` and through
+  ``/v1/chat/completions`` (that row once the ``/v1`` face answers);
+- throughput of 64 concurrent clients, as a ratio of calling the upstream directly;
+- added time to the first streamed chunk (once the fake and the gateway stream);
+- the same for a LiteLLM proxy on the same upstream, when ``litellm`` (``litellm[proxy]``)
+  is on PATH or in $LITELLM_BIN and $LITELLM_MASTER_KEY is set;
+- ``--transport``: the lean h11 transport alone against httpx's own pool, in this process.
+Clients are lean h11 connections (benchmarks/_h11.py), one per concurrent worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from benchmarks._h11 import Conn, Reply
+from benchmarks._procs import child, free_port, percentile, save, table
+from providers.h11_transport import H11Transport
+
+MODEL = "gpt-bench"
+CONFIG = """
+server: {{host: 127.0.0.1, port: {port}}}
+store: {{path: {store}}}
+providers:
+  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench}}
+routes:
+  chat: {{provider: oai, operation: chat, models: [{model}]}}
+"""
+LITELLM_CONFIG = """
+model_list:
+  - model_name: {model}
+    litellm_params: {{model: openai/{model}, api_base: "http://127.0.0.1:{fake}/v1", api_key: sk-bench}}
+"""
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}
+JSON = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+
+Call = Callable[[Conn], Awaitable[Reply]]
+
+
+def openai_call(path: str, stream: bool = False, headers: dict[str, str] = JSON) -> Call:
+    body = json.dumps({**CHAT, "stream": True} if stream else CHAT).encode()
+
+    async def call(conn: Conn) -> Reply:
+        reply = await conn.request("POST", path, headers, body)
+        if reply.status != 200 or (not stream and b"echo: hello there" not in reply.body):
+            raise RuntimeError(f"{path}: {reply.status} {reply.body[:200]!r}")
+        return reply
+
+    return call
+
+
+def rpc_call() -> Call:
+    body = json.dumps({"jsonrpc": "2.0", "method": "chat", "params": CHAT, "id": 1}).encode()
+
+    async def call(conn: Conn) -> Reply:
+        reply = await conn.request("POST", "/rpc", JSON, body)
+        if reply.status != 200 or b"echo: hello there" not in reply.body:
+            raise RuntimeError(f"/rpc: {reply.status} {reply.body[:200]!r}")
+        return reply
+
+    return call
+
+
+async def latencies(url: str, call: Call, n: int, first_chunk: bool = False) -> list[float]:
+    """Sequential calls on one kept-alive connection; seconds to the whole reply (or first chunk)."""
+    conn = Conn.to(url)
+    out = []
+    try:
+        for _ in range(max(20, n // 10)):
+            await call(conn)
+        for _ in range(n):
+            t = time.perf_counter()
+            reply = await call(conn)
+            out.append((reply.first_data_at if first_chunk else time.perf_counter()) - t)
+    finally:
+        await conn.aclose()
+    return out
+
+
+async def throughput(url: str, call: Call, clients: int, n: int) -> float:
+    """Calls per second with ``clients`` workers, each on its own connection, ``n`` calls in all."""
+    left = n
+    conns = [Conn.to(url) for _ in range(clients)]
+
+    async def worker(conn: Conn) -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await call(conn)
+
+    try:
+        async with anyio.create_task_group() as tg:  # warm every connection first
+            for conn in conns:
+                tg.start_soon(call, conn)
+        t = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for conn in conns:
+                tg.start_soon(worker, conn)
+        return n / (time.perf_counter() - t)
+    finally:
+        for conn in conns:
+            await conn.aclose()
+
+
+async def answers(url: str, call: Call) -> bool:
+    conn = Conn.to(url)
+    try:
+        await call(conn)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        await conn.aclose()
+
+
+async def streams(url: str, path: str) -> bool:
+    conn = Conn.to(url)
+    try:
+        reply = await conn.request("POST", path, JSON, json.dumps({**CHAT, "stream": True}).encode())
+        return reply.status == 200 and reply.content_type.startswith("text/event-stream")
+    finally:
+        await conn.aclose()
+
+
+def litellm_program() -> str | None:
+    if not os.environ.get("LITELLM_MASTER_KEY"):
+        return None
+    return os.environ.get("LITELLM_BIN") or shutil.which("litellm")
+
+
+async def measure(name: str, url: str, call: Call, args: argparse.Namespace,
+                  stream_call: Call | None) -> dict[str, Any]:
+    seq = await latencies(url, call, args.sequential)
+    out = {"name": name, "p50_ms": percentile(seq, 0.5) * 1e3, "p99_ms": percentile(seq, 0.99) * 1e3,
+           "calls_per_s": await throughput(url, call, args.clients, args.calls)}
+    if stream_call is not None:
+        first = await latencies(url, stream_call, args.sequential, first_chunk=True)
+        out["first_chunk_p50_ms"] = percentile(first, 0.5) * 1e3
+    return out
+
+
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    fake_port, gw_port = free_port(), free_port()
+    fake, gw = f"http://127.0.0.1:{fake_port}", f"http://127.0.0.1:{gw_port}"
+    fake_args = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
+                 "--latency-ms", str(args.upstream_ms), "--requests-per-window", "1000000000"]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = Path(tmp) / "gateway.yaml"
+        conf.write_text(CONFIG.format(port=gw_port, fake=fake_port, store=Path(tmp) / "jobs.db", model=MODEL))
+        with child(fake_args, f"{fake}/"), \
+                child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{gw}/healthz"):
+            streaming = await streams(fake, "/v1/chat/completions")
+            v1 = openai_call("/v1/chat/completions")
+            direct = await measure("direct", fake, v1, args, openai_call(
+                "/v1/chat/completions", stream=True) if streaming else None)
+            results.append(direct)
+            results.append(await measure("gateway /rpc", gw, rpc_call(), args, None))
+            if await answers(gw, v1):
+                gw_streams = streaming and await streams(gw, "/v1/chat/completions")
+                results.append(await measure("gateway /v1", gw, v1, args, openai_call(
+                    "/v1/chat/completions", stream=True) if gw_streams else None))
+            else:
+                print("(no /v1 row: the gateway does not serve /v1/chat/completions yet)")
+            program = litellm_program()
+            if program is None:
+                print("(no LiteLLM row: needs litellm on PATH or $LITELLM_BIN, and $LITELLM_MASTER_KEY)")
+            else:
+                results.append(await litellm(program, fake_port, tmp, args, streaming))
+    for r in results[1:]:
+        r["added_p50_ms"] = r["p50_ms"] - direct["p50_ms"]
+        r["ratio"] = r["calls_per_s"] / direct["calls_per_s"]
+        if "first_chunk_p50_ms" in r and "first_chunk_p50_ms" in direct:
+            r["added_first_chunk_ms"] = r["first_chunk_p50_ms"] - direct["first_chunk_p50_ms"]
+    return results
+
+
+async def litellm(program: str, fake_port: int, tmp: str, args: argparse.Namespace,
+                  streaming: bool) -> dict[str, Any]:
+    port = free_port()
+    conf = Path(tmp) / "litellm.yaml"
+    conf.write_text(LITELLM_CONFIG.format(fake=fake_port, model=MODEL))
+    headers = {**JSON, "authorization": f"Bearer {os.environ['LITELLM_MASTER_KEY']}"}
+    url = f"http://127.0.0.1:{port}"
+    with child(["--config", str(conf), "--port", str(port), "--num_workers", "1"],
+               f"{url}/health/liveliness", program=program):
+        return await measure("LiteLLM proxy", url, openai_call("/v1/chat/completions",
+                                                               headers=headers), args,
+                             openai_call("/v1/chat/completions", True, headers) if streaming else None)
+
+
+async def run_transports(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The transport alone: one process, the same client code, H11Transport vs httpx's pool."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    out = []
+    with child(["-m", "tests.fakes.serve", "openai", "--port", str(port),
+                "--latency-ms", str(args.upstream_ms), "--requests-per-window", "1000000000"],
+               f"http://127.0.0.1:{port}/"):
+        for name, transport in (("httpx pool", None), ("h11 transport", H11Transport(256))):
+            limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+            async with httpx.AsyncClient(transport=transport, limits=limits, headers=JSON) as http:
+                async def call(_: Any = None, http: httpx.AsyncClient = http) -> None:
+                    r = await http.post(url, json=CHAT)
+                    assert r.status_code == 200, r.text
+
+                for _ in range(50):
+                    await call()
+                seq = []
+                for _ in range(args.sequential):
+                    t = time.perf_counter()
+                    await call()
+                    seq.append(time.perf_counter() - t)
+                left = args.calls
+
+                async def worker() -> None:
+                    nonlocal left
+                    while left > 0:
+                        left -= 1
+                        await call()
+
+                t = time.perf_counter()
+                async with anyio.create_task_group() as tg:
+                    for _ in range(args.clients):
+                        tg.start_soon(worker)
+                out.append({"name": name, "p50_ms": percentile(seq, 0.5) * 1e3,
+                            "calls_per_s": args.calls / (time.perf_counter() - t)})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sequential", type=int, default=300)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--upstream-ms", type=float, default=0.0,
+                        help="model time the fake adds to every answer")
+    parser.add_argument("--transport", action="store_true",
+                        help="also the h11 transport alone vs httpx's pool")
+    args = parser.parse_args()
+    results = anyio.run(run, args)
+    rows = []
+    for r in results:
+        first = r.get("first_chunk_p50_ms")
+        rows.append([
+            r["name"], f"{r['p50_ms']:.3f}",
+            "" if r["name"] == "direct" else f"{r['added_p50_ms']:+.3f}",
+            f"{r['calls_per_s']:,.0f}", "1.00x" if r["name"] == "direct" else f"{r['ratio']:.2f}x",
+            "" if first is None else f"{first:.3f}",
+            f"{r['added_first_chunk_ms']:+.3f}" if "added_first_chunk_ms" in r else "",
+        ])
+    print(f"chat calls, fake upstream +{args.upstream_ms:g} ms; {args.sequential} sequential, "
+          f"{args.calls:,} by {args.clients} concurrent clients")
+    print(table(["path", "p50 (ms)", "added p50 (ms)", f"{args.clients} clients calls/s",
+                 "vs direct", "first chunk p50 (ms)", "added first chunk (ms)"], rows))
+    print("floors: added p50 < 1 ms (/rpc, /v1); throughput >= 0.9x direct; added first chunk < 2 ms")
+    saved: dict[str, Any] = {"args": vars(args), "results": results}
+    if args.transport:
+        transports = anyio.run(run_transports, args)
+        base = transports[0]
+        print(table(["transport (in-process client)", "p50 (ms)", f"{args.clients} concurrent calls/s",
+                     "vs httpx"],
+                    [[t["name"], f"{t['p50_ms']:.3f}", f"{t['calls_per_s']:,.0f}",
+                      f"{t['calls_per_s'] / base['calls_per_s']:.2f}x"] for t in transports]))
+        saved["transports"] = transports
+    save("bench_llm", saved)
+
+
+if __name__ == "__main__":
+    main()
