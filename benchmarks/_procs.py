@@ -43,8 +43,8 @@ def logged_child(args: list[str], ready_url: str, log_path: Path,
     """A Python child (or ``program``) whose output goes to ``log_path``; terminated (then
     killed) on exit."""
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([program or sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                                stdout=log, stderr=log)
+        proc = subprocess.Popen([program or sys.executable, *args], cwd=ROOT,
+                                env={**os.environ, **(env or {})}, stdout=log, stderr=log)
         try:
             wait_http(ready_url)
             if proc.poll() is not None:  # something else answered on our port (it was taken)
