@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+from anyio.streams.memory import MemoryObjectSendStream
 from pydantic import BaseModel, ConfigDict, Field
 
 from local_models.formation import GatedFormation
@@ -31,6 +32,7 @@ from local_models.wire import options_of, texts_of, too_long
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import (
     RpcError,
+    cancelled,
     internal_error,
     invalid_params,
     upstream_error,
@@ -253,6 +255,55 @@ class LocalProvider(Provider):
 
         self.ctx.metrics.upstream_requests.labels(self.name).inc()
         return await self.pool.run_rows(name, rows, finish)
+
+    # -- streaming (generate models: token by token from the continuous batcher) -------------
+    async def stream(self, item: Item, sink: MemoryObjectSendStream[Any]) -> Outcome:
+        """One prompt, its text sent as ``text_completion`` chunks while the engine decodes it,
+        then a usage chunk. Cancelling the call takes the request out of the batch."""
+        from local_models.tasks.generate import GenRequest
+        from local_models.tasks.text_stream import TextStream
+        from local_models.wire import usage
+
+        p = prepared_of(item)
+        if p is None or p.rows != 1:
+            return Outcome.fail(invalid_params("a streamed call takes exactly one prompt"))
+        if self.pool is None:
+            return Outcome.fail(upstream_unavailable(f"{self.name}:{p.model}", self._missing))
+        try:
+            handle = await self.pool.ready(p.model)
+        except RpcError as e:
+            return Outcome.fail(e)
+        if handle.task != "generate" or handle.engine is None:
+            return Outcome.fail(invalid_params(f"model {p.model} ({handle.task}) does not stream"))
+        if p.ids is None and (error := await anyio.to_thread.run_sync(self._tokenize, handle, p)):
+            return Outcome.fail(error)
+        assert p.ids is not None
+        text = TextStream(handle.engine.tokenizer, p.extra["stop"])
+
+        def chunk(delta: str, finish: str | None = None) -> dict[str, Any]:
+            return {"object": "text_completion", "model": p.model,
+                    "choices": [{"index": 0, "text": delta, "finish_reason": finish}]}
+
+        def on_step(r: GenRequest) -> None:
+            if delta := text.step(r.tokens):
+                sink.send_nowait(chunk(delta))  # unbounded: the face drains it
+
+        x = p.extra
+        request = GenRequest(p.ids[0], x["max_new_tokens"], x["temperature"], x["top_p"], x["seed"],
+                             x["stop"], x["priority"], on_step=on_step)
+        self.ctx.metrics.upstream_requests.labels(self.name).inc()
+        await self.pool.generate(p.model, [request])
+        if request.finish_reason in ("error", "cancelled"):
+            detail = request.error or "the generation was cancelled"
+            return Outcome.fail(upstream_error(f"{self.name}:{p.model}", detail))
+        spent = usage(p, len(request.tokens))
+        try:
+            sink.send_nowait(chunk(text.finish(request.text), request.finish_reason))
+            sink.send_nowait({"object": "text_completion", "model": p.model, "choices": [],
+                              "usage": spent})
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return Outcome.fail(cancelled("the client stopped reading the stream"))
+        return Outcome(result={"usage": spent})
 
     async def _generate(self, name: str, preps: list[Prepared]) -> list[Outcome]:
         from local_models.tasks.generate import GenRequest

@@ -44,6 +44,7 @@ class GenRequest:
     cancelled: bool = False
     generator: torch.Generator | None = None
     done: anyio.Event | None = None
+    on_step: Callable[[GenRequest], None] | None = None  # called on the loop after each step it ran
     seq: int = field(default_factory=lambda: next(_seq))
 
 
@@ -110,6 +111,13 @@ class GenerateEngine:
             for r in dropped + finished:
                 assert r.done is not None
                 r.done.set()
+            for r in self.running:
+                if r.on_step is not None:
+                    try:
+                        r.on_step(r)
+                    except Exception:
+                        log.exception("a generation's step listener failed")
+                        r.cancelled = True
             self.steps += 1
             for listener in list(self.listeners):
                 listener(self)

@@ -1,0 +1,102 @@
+"""The OpenAI surface on local models: chat on a generate model (whole, and streamed token by
+token from the continuous batcher) and embeddings on the packaged MiniLM, via the openai SDK."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from multiplexer.gateway.config import parse_config
+from multiplexer.server import running
+from tests.local_helpers import MINILM, tiny_causal_lm
+
+openai = pytest.importorskip("openai")
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory) -> Path:
+    return tiny_causal_lm(tmp_path_factory.mktemp("llama"))
+
+
+@asynccontextmanager
+async def gateway(lm_dir: Path, tmp_path: Path):
+    config = parse_config({
+        "store": {"path": str(tmp_path / "jobs.db")},
+        "providers": {"local": {"kind": "local", "models": {
+            "lm": {"source": str(lm_dir), "task": "generate", "device": "cpu", "dtype": "float32",
+                   "max_new_tokens": 12},
+            "minilm": {"source": MINILM, "task": "embed", "device": "cpu", "compile": False},
+        }}},
+        "routes": {
+            "writer": {"provider": "local", "model": "lm", "models": ["tiny-llama"]},
+            "embed_local": {"provider": "local", "model": "minilm", "models": ["all-MiniLM-L6-v2"]},
+        },
+    })
+    async with (
+        running(config, port=0) as (gw, url),
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client,
+    ):
+        yield gw, client
+
+
+def ask(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_local_chat_whole_and_streamed_agree(lm_dir, tmp_path):
+    async with gateway(lm_dir, tmp_path) as (_, client):
+        whole = await client.chat.completions.create(model="tiny-llama", messages=ask("the cat runs"),
+                                                     max_tokens=10)
+        assert whole.object == "chat.completion" and whole.model == "tiny-llama"
+        text = whole.choices[0].message.content
+        assert text and 1 <= whole.usage.completion_tokens <= 10
+        finish = whole.choices[0].finish_reason
+        assert finish in ("stop", "length")
+
+        stream = await client.chat.completions.create(
+            model="tiny-llama", messages=ask("the cat runs"), max_tokens=10, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        pieces = [c.choices[0].delta.content for c in chunks if c.choices]
+        assert "".join(pieces) == text  # greedy: the same words, now token by token
+        assert len([p for p in pieces if p]) >= min(3, whole.usage.completion_tokens)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+        assert chunks[-1].usage == whole.usage
+
+
+async def test_local_streams_share_the_batcher(lm_dir, tmp_path):
+    async with gateway(lm_dir, tmp_path) as (gw, client):
+        engine = gw.providers["local"].pool.handles["lm"].engine  # type: ignore[attr-defined]
+        rows: list[int] = []
+        engine.listeners.append(lambda e: rows.append(len(e.running)))
+        texts: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            stream = await client.chat.completions.create(
+                model="tiny-llama", messages=ask(f"dog {i}"), max_tokens=8, stream=True)
+            texts[i] = "".join([c.choices[0].delta.content or "" async for c in stream])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(one, i)
+        assert len(texts) == 4 and all(texts.values())
+        assert max(rows) > 1  # decoded side by side in one continuous batch
+
+
+async def test_local_embeddings_float_and_base64(lm_dir, tmp_path):
+    async with gateway(lm_dir, tmp_path) as (_, client):
+        floats = await client.embeddings.create(model="all-MiniLM-L6-v2", input=["a cat", "a dog"],
+                                                encoding_format="float")
+        decoded = await client.embeddings.create(model="all-MiniLM-L6-v2", input=["a cat", "a dog"])
+        assert len(floats.data) == 2 and len(floats.data[0].embedding) == 384
+        for f, d in zip(floats.data, decoded.data, strict=True):
+            assert d.embedding == pytest.approx(f.embedding, abs=1e-6)
+        with pytest.raises(openai.BadRequestError):  # an embedding model does not chat
+            await client.chat.completions.create(model="all-MiniLM-L6-v2", messages=ask("x"),
+                                                 stream=True)
