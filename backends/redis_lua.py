@@ -146,3 +146,34 @@ redis.call('INCRBY', KEYS[1], calls)
 redis.call('EXPIRE', KEYS[1], 172800)
 return -1
 """
+
+# KEYS: lock, cache.  ARGV: token, lease_ms
+CLAIM = r"""
+local c = redis.call('GET', KEYS[2])
+if c then return {'cached', c} end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'won', ARGV[1]} end
+return {'held', redis.call('GET', KEYS[1]) or ''}
+"""
+
+# KEYS: lock, result, cache.  ARGV: token, result JSON, result ttl ms, cache ttl ms (0: none)
+PUBLISH = r"""
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+if tonumber(ARGV[4]) > 0 then redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[4]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+# KEYS: lock.  ARGV: token, lease_ms (0: delete).  1 if the lock was still ours.
+KEEP = r"""
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if tonumber(ARGV[2]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) else redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+# KEYS: lock, result.  ARGV: token.  {1, result} | {0} while held | {-1} ended without a result
+RESULT = r"""
+local r = redis.call('GET', KEYS[2])
+if r then return {1, r} end
+if redis.call('GET', KEYS[1]) == ARGV[1] then return {0} end
+return {-1}
+"""

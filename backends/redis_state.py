@@ -48,6 +48,10 @@ class RedisState:
         self._renew = self.r.register_script(redis_lua.RENEW)
         self._heartbeat = self.r.register_script(redis_lua.HEARTBEAT)
         self._batch = self.r.register_script(redis_lua.BATCH_CHARGE)
+        self._claim = self.r.register_script(redis_lua.CLAIM)
+        self._publish = self.r.register_script(redis_lua.PUBLISH)
+        self._keep = self.r.register_script(redis_lua.KEEP)
+        self._result = self.r.register_script(redis_lua.RESULT)
 
     def _keys(self, scope: str, name: str) -> list[str]:
         base = f"{self.prefix}:{{{scope}:{_tag(name)}}}"
@@ -121,19 +125,36 @@ class RedisState:
         key = f"{self.prefix}:{{q:{_tag(identity)}}}:batch:{day}"
         return int(await self._call(self._batch, [key], [calls, allowed]))
 
-    # -- result cache ------------------------------------------------------------------
-    def _cache_key(self, key: str) -> str:
-        return f"{self.prefix}:cache:{key}"
+    # -- single flight and the result cache ----------------------------------------------
+    def _flight(self, key: str, token: str = "") -> list[str]:
+        base = f"{self.prefix}:{{f:{key}}}"
+        return [f"{base}:lock", f"{base}:res:{token}", f"{base}:cache"]
 
-    async def cache_get(self, key: str) -> Any | None:
-        try:
-            raw = await self.r.get(self._cache_key(key))
-        except (RedisError, OSError) as e:
-            raise StateUnavailable(str(e)) from e
-        return None if raw is None else json.loads(raw)
+    async def claim(self, key: str, token: str) -> tuple[str, Any]:
+        keys = self._flight(key)
+        state, value = await self._call(self._claim, [keys[0], keys[2]],
+                                        [token, int(self.lease_s * 1000)])
+        state = state.decode() if isinstance(state, bytes) else state
+        if state == "cached":
+            return state, json.loads(value)
+        return state, value.decode() if isinstance(value, bytes) else value
 
-    async def cache_put(self, key: str, value: Any, ttl_s: float) -> None:
-        try:
-            await self.r.set(self._cache_key(key), json.dumps(value), px=max(1, int(ttl_s * 1000)))
-        except (RedisError, OSError) as e:
-            raise StateUnavailable(str(e)) from e
+    async def publish(self, key: str, token: str, result: Any, cache_ttl_s: float) -> None:
+        await self._call(self._publish, self._flight(key, token),
+                         [token, json.dumps(result), int(self.lease_s * 1000),
+                          int(cache_ttl_s * 1000)])
+
+    async def abandon(self, key: str, token: str) -> None:
+        await self._call(self._keep, self._flight(key)[:1], [token, 0])
+
+    async def keep(self, key: str, token: str) -> bool:
+        return bool(await self._call(self._keep, self._flight(key)[:1],
+                                     [token, int(self.lease_s * 1000)]))
+
+    async def result(self, key: str, token: str) -> tuple[bool, Any]:
+        reply = await self._call(self._result, self._flight(key, token)[:2], [token])
+        if reply[0] == 1:
+            return True, json.loads(reply[1])
+        if reply[0] == 0:
+            return False, None
+        raise LookupError(key)

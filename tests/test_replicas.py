@@ -15,6 +15,7 @@ from multiplexer.core.state import Learned, LimitSpec
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from tests.redis_helpers import own_redis, prefix, redis_url
+from tests.test_gateway import Gate
 
 pytestmark = pytest.mark.anyio
 
@@ -135,3 +136,74 @@ async def test_two_gateways_share_one_rpm():
                 tg.start_soon(call, g1 if i % 2 else g2, i)
         upstream = [g.metrics.upstream_requests.labels("echo")._value.get() for g in (g1, g2)]
     assert sum(out) == 5 and sum(upstream) == 5  # one minute's 5 for both gateways, not 5 each
+
+
+class Counting(Gate):
+    """The test_gateway Gate, one per replica; all replicas' runs are counted together."""
+
+    def __init__(self, runs: list[str], gate: anyio.Event) -> None:
+        super().__init__()
+        self.runs, self.gate = runs, gate
+
+
+def dedup_config(url: str, pre: str, lease_s: float = 30.0, **route: object) -> object:
+    return parse_config({
+        "state": {"url": url, "prefix": pre, "lease_s": lease_s},
+        "providers": {"p": {"kind": "echo", "batch": {"max_items": 1}}},
+        "routes": {"r": {"provider": "p", "dedup": True, "dedup_scope": "global", **route}},
+    })
+
+
+async def test_identical_calls_on_two_replicas_run_once_and_each_caller_gets_its_answer():
+    config = dedup_config(redis_url(), prefix())
+    runs: list[str] = []
+    gate = anyio.Event()
+    async with Gateway(config, providers={"p": Counting(runs, gate)}) as g1, \
+            Gateway(config, providers={"p": Counting(runs, gate)}) as g2:
+        out: list[object] = []
+
+        async def call(gw: Gateway) -> None:
+            out.append((await gw.submit(Call("r", {"x": 1}))).result)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(10):
+                tg.start_soon(call, g1 if i % 2 else g2)
+            hits = [g.metrics.dedup_hits.labels("r", "replica") for g in (g1, g2)]
+            while sum(h._value.get() for h in hits) < 1:  # until one replica waits on the other's
+                await anyio.sleep(0.01)
+            gate.set()
+    assert out == [{"x": 1}] * 10 and runs == ["r"]
+    assert sum(h._value.get() for h in hits) == 1
+
+
+async def test_a_dead_replicas_flight_is_taken_over_within_the_lease():
+    from multiplexer.core.dedup import canonical
+    from multiplexer.gateway.replicas import flight_key
+
+    url, pre = redis_url(), prefix()
+    dead = RedisState(url, prefix=pre, lease_s=0.5)
+    key = flight_key(("r", "r", None, canonical({"x": 2})))
+    assert (await dead.claim(key, "dead-replica"))[0] == "won"  # then it "dies": never publishes
+    await dead.aclose()
+    runs: list[str] = []
+    gate = anyio.Event()
+    gate.set()
+    async with Gateway(dedup_config(url, pre, lease_s=0.5),
+                       providers={"p": Counting(runs, gate)}) as gw:
+        start = time.monotonic()
+        outcome = await gw.submit(Call("r", {"x": 2}))
+        took = time.monotonic() - start
+    assert outcome.result == {"x": 2} and runs == ["r"]
+    assert 0.3 <= took < 3.0  # it waited for the dead replica's lease, then ran the call itself
+
+
+async def test_the_ttl_cache_is_shared():
+    config = dedup_config(redis_url(), prefix(), cache_ttl_s=30)
+    runs: list[str] = []
+    gate = anyio.Event()
+    gate.set()
+    async with Gateway(config, providers={"p": Counting(runs, gate)}) as g1, \
+            Gateway(config, providers={"p": Counting(runs, gate)}) as g2:
+        first = await g1.submit(Call("r", {"x": 3}))
+        second = await g2.submit(Call("r", {"x": 3}))
+    assert first.result == second.result == {"x": 3} and runs == ["r"]

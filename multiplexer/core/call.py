@@ -68,6 +68,7 @@ class Item:
     notification: bool = False
     options: dict[str, Any] = field(default_factory=dict)
     seq: int = field(default_factory=lambda: next(_seq))
+    flight: tuple[str, float] | None = None  # (dedup key, cache TTL s) shared with other replicas
 
 
 class Future:

@@ -80,5 +80,8 @@ class Metrics:
             ["component", "event"], registry=r,
         )
 
+    def state_degraded_count(self, part: str) -> None:
+        self.state_degraded.labels(part).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -58,6 +58,7 @@ class SharedLimiter(RateLimiter):
         self._slots = 0  # degraded: this replica's concurrency share
         self._slot_freed = anyio.Event()
         self._local_in_flight = 0
+        self._settle_send, self._settle_recv = anyio.create_memory_object_stream[Lease](math.inf)
 
     # -- what the lane and providers call (sync) ------------------------------------
     def delay(self, requests: int, tokens: int) -> tuple[float, str]:
@@ -97,14 +98,23 @@ class SharedLimiter(RateLimiter):
             if await self._acquire_local(tokens):
                 return Lease(lease_id, False, tokens)
 
-    async def release(self, lease: Lease) -> None:
-        delta, self._delta = self._delta, 0.0
-        learned, self._learned = self._learned, []
+    def release_soon(self, lease: Lease) -> None:
+        """Free the slot now; settle with the shared state off the caller's path (``run``)."""
         if not lease.shared:
             self._local_in_flight -= 1
             self._slot_freed.set()
         else:
             self._held.discard(lease.id)
+        self._settle_send.send_nowait(lease)
+
+    async def release(self, lease: Lease) -> None:
+        """``release_soon`` and wait for the settlement."""
+        self.release_soon(lease)
+        await self._settle(await self._settle_recv.receive())
+
+    async def _settle(self, lease: Lease) -> None:
+        delta, self._delta = self._delta, 0.0
+        learned, self._learned = self._learned, []
         if not lease.shared and self.clock.now() < self._down_until:
             return
         try:
@@ -113,8 +123,15 @@ class SharedLimiter(RateLimiter):
         except StateUnavailable as e:
             self._degrade(e)  # the slot expires with its lease; the correction is lost
 
-    async def renew_forever(self) -> None:
-        """Keep this replica's slots alive while their calls run."""
+    async def run(self) -> None:
+        """Settle released leases in order, and keep this replica's slots alive while their
+        calls run (a dead replica's expire after ``lease_s``)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._renew_forever)
+            async for lease in self._settle_recv:
+                await self._settle(lease)
+
+    async def _renew_forever(self) -> None:
         while True:
             await anyio.sleep(self.state.lease_s / 3)
             if self._held:

@@ -31,7 +31,7 @@ from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.streaming import with_streams
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
-from multiplexer.gateway.replicas import gated, limiter_for, open_state
+from multiplexer.gateway.replicas import flight_key, flown, gated, limiter_for, open_state
 
 log = logging.getLogger(__name__)
 UNROUTED = "(no route)"
@@ -131,7 +131,7 @@ class Gateway:
                 self._tg.start_soon(self.state.heartbeat_forever)
                 for limiter in self.limiters.values():
                     if isinstance(limiter, SharedLimiter):
-                        self._tg.start_soon(limiter.renew_forever)
+                        self._tg.start_soon(limiter.run)
             for rname, route in self.config.routes.items():
                 self._lane_for(rname, route)
         except BaseException:
@@ -190,7 +190,9 @@ class Gateway:
             )
             lane = Lane(
                 f"{route.provider}" if not own else f"{route.provider}:{rname}",
-                gated(self.limiters[route.provider], with_streams(provider)), formation, self.clock,
+                flown(self.state, gated(self.limiters[route.provider], with_streams(provider)),
+                      self.metrics),
+                formation, self.clock,
                 self.limiters[route.provider],
                 max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
                 # batch mode gathers until size or age; eager only if the route says so
@@ -300,6 +302,8 @@ class Gateway:
                 fan = pending.item.options.get("progress")
             else:
                 fan = item.options["progress"] = ProgressFanout()  # later sharers may ask for progress
+                if self.state is not None:  # other replicas may run the same call: share it
+                    item.flight = (flight_key(key), route.cache_ttl_s or 0.0)
                 pending = lane.submit(item)
                 self.inflight.register(key, pending)
             if callable(sink) and isinstance(fan, ProgressFanout):
