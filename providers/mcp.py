@@ -116,6 +116,9 @@ class McpProvider(Provider):
         """Share identical concurrent calls only for tools declared read-only or idempotent."""
         return self._declared_safe(item.method)
 
+    def tools_ttl_ms(self) -> int | None:
+        return self.session.tool_list.ttl_left_ms()
+
     async def list_tools(self) -> list[ToolSpec]:
         await self.session.ensure_fresh()
         return [tool_spec(t) for t in self.session.tools.values()]

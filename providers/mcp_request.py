@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import mcp_types as types
 from mcp import Client, MCPError
+from mcp_types.methods import parse_server_result
 from pydantic import TypeAdapter, ValidationError
 
 from multiplexer.core.clock import Clock
@@ -21,6 +22,7 @@ from multiplexer.core.errors import RpcError, timeout_error, upstream_error, ups
 
 from .mcp_transport import McpSettings
 
+UNSUPPORTED_PROTOCOL_VERSION = -32022  # 2026-07-28: the request's revision is not served (never ran)
 Progress = Callable[[float, float | None, str | None], Awaitable[None]]
 R = TypeVar("R")
 
@@ -68,6 +70,10 @@ class Link(Protocol):
         """A request saw that connection ``generation`` is gone."""
         ...
 
+    def forget_era(self, reason: str) -> None:
+        """Probe the upstream's protocol era again on the next connection."""
+        ...
+
 
 class Requester:
     """Sends requests on the supervisor's live connection, with deadlines from the gateway's clock."""
@@ -89,6 +95,12 @@ class Requester:
                       timeout_s: float | None = None, progress: Progress | None = None,
                       retry_safe: bool = True) -> R:
         """One request on the live session, as an ``RpcError`` on failure."""
+        return (await self._send(request, result_type, timeout_s=timeout_s, progress=progress,
+                                 retry_safe=retry_safe))[0]
+
+    async def _send(self, request: types.Request[Any, Any], result_type: type[R] | TypeAdapter[R], *,
+                    timeout_s: float | None, progress: Progress | None, retry_safe: bool) -> tuple[R, str]:
+        """The result, and the protocol revision of the connection that answered it."""
         session = self.session
         name, clock = session.name, session.clock
         timeout = session.call_timeout_s if timeout_s is None else min(timeout_s, session.call_timeout_s)
@@ -98,15 +110,19 @@ class Requester:
             wait = min(deadline - clock.now(), session.settings.connect_timeout_ms / 1000)
             client, generation, ended = await session.acquire(wait)
             try:
-                return await client.session.send_request(
+                result = await client.session.send_request(
                     request, result_type,
                     request_read_timeout_seconds=max(deadline - clock.now(), 0.001),
                     progress_callback=progress,
                 )
+                return result, client.protocol_version
             except ValidationError as e:
                 raise upstream_error(name, f"invalid {request.method} result: {describe(e)}") from None
             except MCPError as e:
                 refused = session.settings.transport == "http" and is_session_lost(e)
+                if e.code == UNSUPPORTED_PROTOCOL_VERSION:  # it changed under us (restarted as another build)
+                    session.forget_era(f"it refused {e.message!r}")
+                    refused = True
                 if refused or await self._ended_under(e, ended):
                     session.lost(generation, f"connection lost: {e.message}")
                     if attempt + 1 < attempts and (retry_safe or refused):
@@ -121,30 +137,49 @@ class Requester:
                 raise protocol_error(name, e) from None
         raise AssertionError("unreachable")
 
+    async def typed(self, request: types.Request[Any, Any], *, timeout_s: float | None = None,
+                    progress: Progress | None = None, retry_safe: bool = True) -> dict[str, Any]:
+        """A ``tools/call``, ``resources/read`` or ``prompts/get`` result, era-free, as a wire dict.
+
+        The reply is checked against the revision the upstream spoke and parsed into the
+        SDK's era-free model (``parse_server_result``), so the MCP face can hand the SDK a
+        typed result that it writes in the client's revision, whichever that is.
+        """
+        raw, version = await self._send(request, _RAW_RESULT, timeout_s=timeout_s, progress=progress,
+                                        retry_safe=retry_safe)
+        try:
+            parsed = parse_server_result(request.method, version, raw)
+        except (ValidationError, KeyError, ValueError) as e:
+            raise upstream_error(self.session.name,
+                                 f"invalid {request.method} result for {version}: {describe(e)}") from None
+        if isinstance(parsed, types.InputRequiredResult):
+            raise upstream_error(self.session.name, f"the upstream asked for client input during "
+                                 f"{request.method} (input_required), which the gateway does not relay")
+        return wire_result(parsed.model_dump(by_alias=True, mode="json", exclude_none=True,
+                                             exclude={"result_type"}))
+
     async def call(self, tool: str, arguments: dict[str, Any] | None, *, timeout_s: float | None,
                    progress: Progress | None, retry_safe: bool) -> dict[str, Any]:
-        """The upstream's ``CallToolResult`` as a wire dict, or an ``RpcError``."""
+        """The upstream's ``CallToolResult`` as an era-free wire dict, or an ``RpcError``."""
         request = types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
-        return wire_result(await self.request(request, _RAW_RESULT, timeout_s=timeout_s, progress=progress,
-                                              retry_safe=retry_safe))
+        return await self.typed(request, timeout_s=timeout_s, progress=progress, retry_safe=retry_safe)
 
     async def read_resource(self, uri: str) -> dict[str, Any]:
-        """The upstream's ``ReadResourceResult`` as a wire dict (a read is safe to repeat)."""
-        request = types.ReadResourceRequest(params=types.ReadResourceRequestParams(uri=uri))
-        return wire_result(await self.request(request, _RAW_RESULT))
+        """The upstream's ``ReadResourceResult`` (a read is safe to repeat)."""
+        return await self.typed(types.ReadResourceRequest(params=types.ReadResourceRequestParams(uri=uri)))
 
     async def get_prompt(self, name: str, arguments: dict[str, str] | None) -> dict[str, Any]:
-        """The upstream's ``GetPromptResult`` as a wire dict (rendering a prompt is safe to repeat)."""
-        request = types.GetPromptRequest(params=types.GetPromptRequestParams(name=name, arguments=arguments))
-        return wire_result(await self.request(request, _RAW_RESULT))
+        """The upstream's ``GetPromptResult`` (rendering a prompt is safe to repeat)."""
+        params = types.GetPromptRequestParams(name=name, arguments=arguments)
+        return await self.typed(types.GetPromptRequest(params=params))
 
 
-# The SDK checks the result against the negotiated revision; we keep its wire form as is.
+# The raw reply; ``typed`` checks it against the revision the upstream spoke.
 _RAW_RESULT: TypeAdapter[dict[str, Any]] = TypeAdapter(dict[str, Any])
 
 
 def wire_result(dumped: dict[str, Any]) -> dict[str, Any]:
-    """A result as the upstream sent it, less its per-response identity stamp (not ours to pass on)."""
+    """A result less the upstream's per-response identity stamp (not ours to pass on)."""
     meta = dumped.get("_meta")
     if isinstance(meta, dict) and types.SERVER_INFO_META_KEY in meta:
         meta = {k: v for k, v in meta.items() if k != types.SERVER_INFO_META_KEY}

@@ -54,6 +54,9 @@ class UpstreamSession:
         self.failures = 0  # connection attempts that failed since the session was last up
         self.last_error: str | None = None
         self.protocol_version: str | None = None
+        self.era: str | None = None  # the revision last negotiated: the next connection's guess
+        self._discovered: types.DiscoverResult | None = None  # its server/discover answer, if modern
+        self.probes = 0  # connections opened by probing the era (not from the cached one)
         self.capabilities: types.ServerCapabilities | None = None  # of the last connection
         self.attempted = anyio.Event()  # the first connection attempt has finished, either way
         self._client: Client | None = None
@@ -106,35 +109,67 @@ class UpstreamSession:
         ended, self._attempt_end = self._attempt_end, anyio.Event()
         ended.set()
 
+    # -- the era --------------------------------------------------------------------
+    def _mode(self) -> tuple[str, types.DiscoverResult | None]:
+        """How to open the next connection: the cached era where it still holds, else a probe.
+
+        A stdio upstream is a new process on every connection (it may be a different
+        build), so it is probed each time; an HTTP upstream keeps its era until a
+        handshake or a request says otherwise (``forget_era``).
+        """
+        if self.settings.protocol != "auto" or self.era is None or self.settings.transport == "stdio":
+            return self.settings.protocol, None
+        if self.era in MODERN_PROTOCOL_VERSIONS:
+            return self.era, self._discovered
+        return "legacy", None
+
+    def forget_era(self, reason: str) -> None:
+        """Probe again on the next connection."""
+        if self.era is not None:
+            log.info("mcp upstream %s: probing its protocol era again (%s)", self.name, reason)
+        self.era, self._discovered = None, None
+
     async def _serve_connection(self) -> None:
         ended = self._ended = anyio.Event()
+        mode, prior = self._mode()
         client = Client(
             watched(open_transport(self.settings, self.call_timeout_s), self._end_hook(ended)),
-            mode=self.settings.protocol,
+            mode=mode,
+            prior_discover=prior,
             cache=None,
             read_timeout_seconds=self.settings.connect_timeout_ms / 1000,
             message_handler=self._on_message,
             client_info=types.Implementation(name="multiplexer", version=__version__),
         )
-        async with client:
-            self.protocol_version = client.protocol_version
-            self.capabilities = client.server_capabilities
-            await self.tool_list.refresh(client)
-            self.generation += 1
-            self.connects += 1
-            self.failures = 0
-            self.last_error = None
-            self._client = client
-            self._attempt_ended()
-            self.on_event("connected")
-            log.info("mcp upstream %s connected (%s, %d tools)", self.name, self.protocol_version,
-                     len(self.tools))
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._refresher, client)
-                if client.protocol_version in MODERN_PROTOCOL_VERSIONS:
-                    tg.start_soon(self._listen, client)
-                await ended.wait()
-                tg.cancel_scope.cancel()
+        if mode == "auto":
+            self.probes += 1
+        established = False  # a pinned era that fails before this was a wrong guess
+        try:
+            async with client:
+                self.era = self.protocol_version = client.protocol_version
+                self._discovered = client.session.discover_result
+                self.capabilities = client.server_capabilities
+                await self.tool_list.refresh(client)
+                self.generation += 1
+                self.connects += 1
+                self.failures = 0
+                self.last_error = None
+                self._client = client
+                established = True
+                self._attempt_ended()
+                self.on_event("connected")
+                log.info("mcp upstream %s connected (%s, %d tools)", self.name, self.protocol_version,
+                         len(self.tools))
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._refresher, client)
+                    if client.protocol_version in MODERN_PROTOCOL_VERSIONS:
+                        tg.start_soon(self._listen, client)
+                    await ended.wait()
+                    tg.cancel_scope.cancel()
+        except BaseException:
+            if not established and mode != self.settings.protocol:
+                self.forget_era(f"the {mode} handshake or first listing failed")
+            raise
         raise ConnectionError(self.last_error or "the upstream closed the connection")
 
     def _end_hook(self, ended: anyio.Event) -> Callable[[], None]:

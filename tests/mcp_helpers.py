@@ -15,6 +15,7 @@ import httpx2
 import psutil
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp_types import TextContent
 
 from multiplexer.core.call import Call
 from multiplexer.gateway.gateway import Gateway
@@ -101,19 +102,22 @@ async def mcp_http_client(url: str, mode: str = "auto", key: str | None = None,
         yield client
 
 
-async def grow_and_hear_it(client: Client, changed: anyio.Event) -> None:
-    """Call ``tools_grow`` and wait until the client hears the tool list changed: on a listen stream
-    at 2026-07-28, in band (``changed``, set by its message handler) on handshake-era revisions."""
+async def grow_and_hear_it(client: Client, changed: anyio.Event, tool: str = "tools_grow") -> str:
+    """Call ``tool`` (a ``grow``) and wait until the client hears the tool list changed: on a listen
+    stream at 2026-07-28, in band (``changed``, set by its message handler) on handshake-era revisions.
+    Returns the tool's text."""
     if client.protocol_version == "2026-07-28":
         async with client.listen(tools_list_changed=True) as subscription:
-            await client.call_tool("tools_grow", {})
+            result = await client.call_tool(tool, {})
             with anyio.fail_after(10):
                 async for _event in subscription:
                     break
     else:
-        await client.call_tool("tools_grow", {})
+        result = await client.call_tool(tool, {})
         with anyio.fail_after(10):
             await changed.wait()
+    text = result.content[0]
+    return text.text if isinstance(text, TextContent) else ""
 
 
 def live_children() -> set[int]:

@@ -162,7 +162,8 @@ async def test_unknown_resources_and_prompts_are_mcp_errors(gateway: tuple[Gatew
     async with mcp_http_client(url, mode) as client:
         with pytest.raises(MCPError) as unknown_uri:
             await client.read_resource("example://nope")
-        assert unknown_uri.value.code == types.INVALID_PARAMS
+        # "Not found" in the client's revision: -32602 since 2026-07-28, -32002 before.
+        assert unknown_uri.value.code == (types.INVALID_PARAMS if mode == "auto" else -32002)
         assert unknown_uri.value.message == "Unknown resource: example://nope"
         assert unknown_uri.value.data == {"uri": "example://nope"}
 
@@ -294,7 +295,8 @@ async def test_stdio_gateway_lists_reads_and_gets(tmp_path: Path, mode: str) -> 
         await assert_greets(client, "tools_greet")
         with pytest.raises(MCPError) as unknown:
             await client.read_resource("example://nope")
-        assert unknown.value.code == types.INVALID_PARAMS and "example://nope" in unknown.value.message
+        assert unknown.value.code == (types.INVALID_PARAMS if mode == "auto" else -32002)
+        assert "example://nope" in unknown.value.message
 
 
 async def test_reads_and_prompt_gets_count_against_the_callers_quota() -> None:

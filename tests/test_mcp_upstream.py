@@ -63,9 +63,9 @@ async def test_tool_lists_are_aggregated_and_namespaced(two_upstreams: Gateway) 
 async def test_calls_reach_both_upstreams_and_return_their_call_tool_result(two_upstreams: Gateway) -> None:
     stdio = await call(two_upstreams, "tools_add", {"a": 2, "b": 40})
     http = await call(two_upstreams, "demo_echo", {"text": "over http"})
+    # Era-free (no resultType): /rpc sees one shape whichever revision the upstream speaks.
     assert stdio.result == {"content": [{"type": "text", "text": "42"}],
-                            "structuredContent": {"result": 42}, "isError": False,
-                            "resultType": "complete"}
+                            "structuredContent": {"result": 42}, "isError": False}
     assert structured(http) == {"result": "over http"}
     failed = await call(two_upstreams, "demo_fail", {"message": "nope"})
     assert failed.ok and failed.result["isError"] is True

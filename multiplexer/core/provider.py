@@ -107,6 +107,10 @@ class McpUpstream(ToolSource, Protocol):
 
     mcp_upstream: bool
 
+    def tools_ttl_ms(self) -> int | None:
+        """How long its tool list stays fresh, by the upstream's own hint (None: until it says)."""
+        ...
+
 
 @runtime_checkable
 class ResourceSource(Protocol):

@@ -34,6 +34,9 @@ class McpServerConfig(Strict):
     max_sessions_per_key: int | None = Field(
         default=1000, ge=1, description="open HTTP sessions per API key (or for all keyless callers)")
     session_idle_s: float = Field(default=1800.0, gt=0, description="an idle session is closed after this")
+    list_ttl_ms: int = Field(
+        default=60_000, ge=0, description="ttlMs on tool, resource and prompt lists for 2026-07-28 clients "
+        "where no upstream asked for less (the gateway also announces list changes)")
     allowed_origins: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1", "http://localhost", "https://127.0.0.1",
                                  "https://localhost"]

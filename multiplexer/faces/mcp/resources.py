@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import mcp_types as types
 from mcp import MCPError
 from mcp.server import ServerRequestContext
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.gather import gather
@@ -36,8 +37,9 @@ MAX_WARNED = 1000  # duplicate URIs remembered for warn-once; bounded whatever u
 class UpstreamCatalog:
     """The MCP face's resources/* and prompts/* handlers."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, hint: Callable[[], dict[str, Any]] = dict) -> None:
         self.gateway = gateway
+        self.hint = hint  # cache hints for listings (ttlMs, cacheScope)
         self._owners: dict[str, str] = {}  # resource URI -> provider, from the last resources/list
         self._duplicates: set[str] = set()  # URIs already warned about
 
@@ -91,7 +93,7 @@ class UpstreamCatalog:
                 if self._claim(owners, item["uri"], _name(provider)):
                     resources.append(types.Resource.model_validate(item))
         self._owners = owners
-        return types.ListResourcesResult(resources=resources)
+        return types.ListResourcesResult(resources=resources, **self.hint())
 
     async def list_resource_templates(self, ctx: ServerRequestContext[Any, Any],
                                       params: types.PaginatedRequestParams | None
@@ -103,11 +105,15 @@ class UpstreamCatalog:
             for item in listed:
                 if self._claim(owners, item["uriTemplate"], _name(provider)):
                     templates.append(types.ResourceTemplate.model_validate(item))
-        return types.ListResourceTemplatesResult(resource_templates=templates)
+        return types.ListResourceTemplatesResult(resource_templates=templates, **self.hint())
 
     async def read_resource(self, ctx: ServerRequestContext[Any, Any], params: types.ReadResourceRequestParams
-                            ) -> types.ReadResourceResult | dict[str, Any]:
-        """A listed URI goes to its owner; any other to each upstream in turn, until one has it."""
+                            ) -> types.ReadResourceResult:
+        """A listed URI goes to its owner; any other to each upstream in turn, until one has it.
+
+        "Not found" is answered in the client's revision (-32002 before 2026-07-28,
+        -32602 since), whatever revision the upstream that said so speaks.
+        """
         uri = str(params.uri)
         owner = self._owners.get(uri)
         failure: RpcError | None = None
@@ -115,13 +121,15 @@ class UpstreamCatalog:
             if owner is not None and _name(provider) != owner:
                 continue
             try:
-                return await provider.read_resource(uri)
+                return types.ReadResourceResult.model_validate(await provider.read_resource(uri))
             except RpcError as e:
-                if owner is not None or not is_not_found(e):
+                if not is_not_found(e):
                     failure = failure or e
         if failure is not None:
             raise mcp_error(failure)
-        raise MCPError(types.INVALID_PARAMS, f"Unknown resource: {uri}", {"uri": uri})
+        modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+        code = types.INVALID_PARAMS if modern else RESOURCE_NOT_FOUND
+        raise MCPError(code, f"Unknown resource: {uri}", {"uri": uri})
 
     async def list_prompts(self, ctx: ServerRequestContext[Any, Any],
                            params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
@@ -132,16 +140,17 @@ class UpstreamCatalog:
             for item in listed[_name(provider)]:
                 name = prefix + item["name"]
                 prompts.setdefault(name, types.Prompt.model_validate({**item, "name": name}))
-        return types.ListPromptsResult(prompts=list(prompts.values()))
+        return types.ListPromptsResult(prompts=list(prompts.values()), **self.hint())
 
     async def get_prompt(self, ctx: ServerRequestContext[Any, Any], params: types.GetPromptRequestParams
-                         ) -> types.GetPromptResult | dict[str, Any]:
+                         ) -> types.GetPromptResult:
         """The longest matching prefix picks the upstream, as the router does for tools."""
         name = params.name
         for prefix, provider in sorted(self.mcp_routes(PromptSource), key=lambda route: -len(route[0])):
             if name.startswith(prefix) and len(name) > len(prefix):
                 try:
-                    return await provider.get_prompt(name[len(prefix):], params.arguments)
+                    return types.GetPromptResult.model_validate(
+                        await provider.get_prompt(name[len(prefix):], params.arguments))
                 except RpcError as e:
                     raise mcp_error(e) from None
         raise MCPError(types.INVALID_PARAMS, f"Unknown prompt: {name}", {"prompt": name})
@@ -152,6 +161,8 @@ def is_not_found(error: RpcError) -> bool:
     if error.code == Code.INVALID_PARAMS:
         return True
     upstream = bool(error.data and error.data.get("mcp_protocol_error"))
+    if upstream and error.code == 0 and error.message.startswith("Unknown resource"):
+        return True  # FastMCP on mcp 1.x answers a missing resource with code 0
     return upstream and error.code in (RESOURCE_NOT_FOUND, Code.METHOD_NOT_FOUND)
 
 

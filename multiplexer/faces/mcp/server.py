@@ -96,7 +96,7 @@ class McpFace:
         self._counted: set[int] = set()  # connections counted in ``_open``
         self._changed: set[str] = set()  # list-change events waiting for the broadcaster
         self._wake: anyio.Event | None = None  # made in ``running``, inside the event loop
-        self.upstream = UpstreamCatalog(gateway)
+        self.upstream = UpstreamCatalog(gateway, self.cache_hint)
         self.server = _GatewayServer(
             "multiplexer", version=__version__,
             instructions="Every route of this gateway is a tool; calls are batched, limited and shared.",
@@ -232,10 +232,27 @@ class McpFace:
 
     async def list_tools(self, ctx: ServerRequestContext[Any, Any],
                          params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=self.catalog.build(await self.specs()))
+        tools = self.catalog.build(await self.specs())
+        return types.ListToolsResult(tools=tools, **self.cache_hint(self._tools_ttl_ms()))
+
+    def cache_hint(self, ttl_ms: int | None = None) -> dict[str, Any]:
+        """``ttlMs``/``cacheScope`` for a listing (2026-07-28 clients; the SDK drops them for older ones).
+
+        The lists are the same for every caller, but behind API keys they are not for strangers.
+        """
+        limit = self.gateway.config.server.mcp.list_ttl_ms
+        scope = "private" if self.gateway.config.server.api_keys else "public"
+        return {"ttl_ms": limit if ttl_ms is None else min(ttl_ms, limit), "cache_scope": scope}
+
+    def _tools_ttl_ms(self) -> int | None:
+        """The soonest an upstream said its tool list goes stale; otherwise the gateway's own policy:
+        it refetches on an upstream's list-changed notice and passes the notice on."""
+        ttls = [ttl for p in self.gateway.providers.values() if isinstance(p, McpUpstream)
+                if (ttl := p.tools_ttl_ms()) is not None]
+        return min(ttls, default=None)
 
     async def call_tool(self, ctx: ServerRequestContext[Any, Any],
-                        params: types.CallToolRequestParams) -> types.CallToolResult | dict[str, Any]:
+                        params: types.CallToolRequestParams) -> types.CallToolResult:
         if len(params.name) == MAX_NAME and params.name not in self.catalog.aliases:
             self.catalog.build(await self.specs())  # a client calling a short alias it never listed
         method = self.catalog.resolve(params.name)
@@ -250,15 +267,15 @@ class McpFace:
         outcome = await self.gateway.submit(call)
         return self._result(call, params.name, outcome.result, outcome.error)
 
-    def _result(self, call: Call, tool: str, result: Any, error: RpcError | None
-                ) -> types.CallToolResult | dict[str, Any]:
+    def _result(self, call: Call, tool: str, result: Any, error: RpcError | None) -> types.CallToolResult:
         if error is not None:
             raised = protocol_error(error, tool)
             if raised is not None:
                 raise raised
             return error_result(error)
         if self._is_mcp_route(call.method) and isinstance(result, dict) and "content" in result:
-            return result  # the upstream's CallToolResult, as it sent it
+            # The upstream's result, era-free: the SDK writes it in this client's revision.
+            return types.CallToolResult.model_validate(result)
         return wrap_result(result)
 
     def _is_mcp_route(self, method: str) -> bool:

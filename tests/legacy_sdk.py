@@ -1,0 +1,46 @@
+"""A Python with the ``mcp`` 1.x SDK, in its own venv in a cache dir, for handshake-era-only servers.
+
+The gateway's own SDK (2.x) serves both eras, so an upstream built on it always
+agrees with the gateway; the era matrix needs a server that speaks only the
+older protocol, as every server built on an SDK before 2026-07-28 does. The
+venv is made once (``pip install "mcp<2"``) and reused; where it cannot be made,
+the tests that need it skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+SPEC = "mcp>=1.20,<2"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("MULTIPLEXER_TEST_CACHE") or os.environ.get("XDG_CACHE_HOME")
+    return Path(base or Path.home() / ".cache") / "multiplexer-tests"
+
+
+def legacy_python() -> str:
+    """The venv's interpreter, made on first use; ``pytest.skip`` when it cannot be had."""
+    home = cache_dir() / "mcp1-venv"
+    python = home / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
+    marker = home / ".installed"
+    if marker.exists() and marker.read_text() == SPEC and python.exists():
+        return str(python)
+    try:
+        home.parent.mkdir(parents=True, exist_ok=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(home)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", SPEC],
+                       check=True, capture_output=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        reason = f"no venv with {SPEC} for the handshake-era upstream: {e} {detail.decode()[-300:]}"
+        print(reason)
+        pytest.skip(reason)
+    marker.write_text(SPEC)
+    return str(python)
