@@ -84,9 +84,13 @@ class ApiClient:
             url = self._urls.get(path)
             if url is None:
                 url = self._urls[path] = httpx.URL(self.url(path))
-            return httpx.Request(method, url, headers=self._json_headers, content=dumps(kwargs["json"]),
-                                 extensions=self._extensions)
-        return self._client.build_request(method, self.url(path), **kwargs)
+            request = httpx.Request(method, url, headers=self._json_headers,
+                                    content=dumps(kwargs["json"]), extensions=self._extensions)
+        else:
+            request = self._client.build_request(method, self.url(path), **kwargs)
+        if self.ctx.tracer.enabled:
+            self.ctx.tracer.inject(request.headers)  # the upstream batch's traceparent
+        return request
 
     async def _attempt(self, request: httpx.Request, idempotent: bool,
                        stream: bool) -> httpx.Response:

@@ -125,6 +125,8 @@ class JsonRpcProvider(Provider):
         async def attempt() -> httpx.Response:
             request = httpx.Request("POST", self._url, headers=self._headers, content=body,
                                     extensions=self._extensions)
+            if self.ctx.tracer.enabled:
+                self.ctx.tracer.inject(request.headers)
             self._requests.inc()
             return await send(self._sender, request, self.name, idempotent, self.ctx.clock.wall)
 

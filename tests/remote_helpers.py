@@ -15,6 +15,7 @@ from multiplexer.core.call import Item
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.provider import Provider, ProviderContext
+from multiplexer.core.tracing import NOOP
 from multiplexer.gateway.config import ProviderConfig, RouteConfig
 
 
@@ -44,7 +45,8 @@ class InstantClock:
 def make_provider(cls: type[Provider], settings: dict[str, Any], tmp_path: Path,
                   clock: Any = None, *, name: str = "p", rpm: float | None = None,
                   tpm: float | None = None, attempts: int = 3, concurrency: int = 4,
-                  transport: httpx.AsyncBaseTransport | None = None) -> Provider:
+                  transport: httpx.AsyncBaseTransport | None = None, tracer: Any = NOOP,
+                  ) -> Provider:
     """``transport``: httpx's own by default, which ``respx.mock`` patches; or a respx router
     handed in (``httpx.MockTransport(router.async_handler)``)."""
     clock = clock or InstantClock()
@@ -57,6 +59,7 @@ def make_provider(cls: type[Provider], settings: dict[str, Any], tmp_path: Path,
         name=name, config=conf, settings=cls.Settings.model_validate(conf.extra), clock=clock,
         limiter=RateLimiter(clock, rpm, tpm), metrics=Metrics(),
         store_path=tmp_path / "jobs.db", transport=transport or httpx.AsyncHTTPTransport(),
+        tracer=tracer,
     )
     return cls(ctx)
 

@@ -46,6 +46,10 @@ class Call:
     progress: Callable[..., Any] | None = None
     # Where a streamed call's chunks go (an anyio memory stream the face reads); None: not streamed.
     sink: Any = None
+    # The caller's trace context (``traceparent``, ``tracestate``) from an HTTP header or MCP
+    # ``_meta``, and the face it came by (``rpc``, ``mcp``, ``v1``): for traces only.
+    trace: dict[str, str] | None = None
+    face: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +73,7 @@ class Item:
     options: dict[str, Any] = field(default_factory=dict)
     seq: int = field(default_factory=lambda: next(_seq))
     flight: tuple[str, float] | None = None  # (dedup key, cache TTL s) shared with other replicas
+    trace: Any = None  # a core.tracing.TraceSlot when calls are traced
 
 
 class Future:

@@ -13,11 +13,12 @@ from typing import Any
 
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import RpcError, invalid_params, invalid_request, parse_error
+from multiplexer.core.tracing import TRACE_KEYS, trace_carrier
 
 _NO_ID = object()
 # The only ``_meta`` keys that steer the gateway; any other key is dropped, never interpreted
 # (a client must not switch on, say, retries of a call that is not safe to repeat).
-META_KEYS = {"priority", "timeout_ms", "idempotency_key"}
+META_KEYS = {"priority", "timeout_ms", "idempotency_key", *TRACE_KEYS}
 
 
 @dataclass(slots=True)
@@ -97,7 +98,10 @@ def call_from(method: str, params: Any, meta: dict[str, Any], identity: str | No
     key = meta.get("idempotency_key")
     if key is not None and not isinstance(key, str):
         raise invalid_params("_meta.idempotency_key must be a string")
-    return Call(method, params, priority, timeout_ms, key, identity)
+    call = Call(method, params, priority, timeout_ms, key, identity)
+    if "traceparent" in meta:
+        call.trace = trace_carrier(meta)
+    return call
 
 
 def decode_entry(obj: Any, identity: str | None = None) -> Entry:

@@ -19,6 +19,7 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, internal_error, overloaded, shutting_down
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import Metrics
+from multiplexer.core.tracing import NOOP, Tracer
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,10 @@ class Lane:
         max_in_flight: int = 16,
         eager: bool = False,
         metrics: Metrics | None = None,
+        tracer: Tracer = NOOP,
     ) -> None:
         self.name = name
+        self._tracer = tracer
         self._execute = execute
         self.formation = formation
         self.clock = clock
@@ -163,7 +166,8 @@ class Lane:
         with anyio.CancelScope() as scope:
             self._scopes[bid] = (scope, batch)
             try:
-                outcomes = await self._execute(items[0].operation, items)
+                with self._tracer.batch(self.name, batch, started):
+                    outcomes = await self._execute(items[0].operation, items)
                 if len(outcomes) != len(items):
                     raise RuntimeError(f"provider returned {len(outcomes)} for {len(items)} items")
             except RpcError as e:

@@ -22,6 +22,7 @@ from multiplexer.core.jobs import BatchJobs
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.policy import ProviderConfig, RouteConfig
+from multiplexer.core.tracing import NOOP, Tracer
 
 
 class NoSettings(BaseModel):
@@ -52,6 +53,7 @@ class ProviderContext:
     # An httpx transport for an HTTP provider to send through instead of its own lean one:
     # tests hand in respx (``httpx.MockTransport(router.async_handler)``).
     transport: Any = None
+    tracer: Tracer = NOOP  # puts the upstream batch's trace context into upstream requests
 
 
 class Provider:

@@ -15,6 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.jsonrpc import dumps, error_response
+from multiplexer.core.tracing import http_trace
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.rpc import handle_body
 from multiplexer.gateway.gateway import Gateway
@@ -69,7 +70,8 @@ class RpcEndpoint:
         if size > self.limit:
             await too_large(self.limit)(scope, receive, send)
             return
-        reply = await self._run(receive, b"".join(chunks), identity)
+        trace = http_trace(headers) if self.gateway.tracer.enabled else None
+        reply = await self._run(receive, b"".join(chunks), identity, trace)
         if reply is None:
             await send({"type": "http.response.start", "status": 204, "headers": []})
             await send({"type": "http.response.body", "body": b""})
@@ -80,7 +82,8 @@ class RpcEndpoint:
         ]})
         await send({"type": "http.response.body", "body": reply})
 
-    async def _run(self, receive: Receive, body: bytes, identity: str | None) -> bytes | None:
+    async def _run(self, receive: Receive, body: bytes, identity: str | None,
+                   trace: dict[str, str] | None) -> bytes | None:
         """Run the calls; if the client goes away first, cancel them (and so their upstream work)."""
         reply: bytes | None = None
 
@@ -91,7 +94,7 @@ class RpcEndpoint:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch, tg.cancel_scope)
-            reply = await handle_body(self.gateway, body, identity)
+            reply = await handle_body(self.gateway, body, identity, trace)
             tg.cancel_scope.cancel()
         return reply
 

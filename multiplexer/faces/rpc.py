@@ -19,9 +19,16 @@ def _reply(entry: Entry, outcome: Outcome | None) -> dict[str, Any] | None:
     return response(entry.id, outcome)
 
 
-async def run_decoded(gateway: Gateway, decoded: Decoded) -> Any:
-    """The response object (dict or list), or None when nothing is owed."""
+async def run_decoded(gateway: Gateway, decoded: Decoded,
+                      trace: dict[str, str] | None = None) -> Any:
+    """The response object (dict or list), or None when nothing is owed.
+
+    ``trace``: the request's trace context, for calls that bring none in ``_meta``."""
     calls = [e.call for e in decoded.entries if e.call is not None and e.error is None]
+    if gateway.tracer.enabled:
+        for call in calls:
+            call.face = "rpc"
+            call.trace = call.trace or trace
     outcomes = iter(await gateway.submit_many(calls) if calls else [])
     replies = [
         _reply(e, next(outcomes) if e.call is not None and e.error is None else None)
@@ -33,11 +40,12 @@ async def run_decoded(gateway: Gateway, decoded: Decoded) -> Any:
     return kept or None
 
 
-async def handle_body(gateway: Gateway, body: bytes, identity: str | None = None) -> bytes | None:
+async def handle_body(gateway: Gateway, body: bytes, identity: str | None = None,
+                      trace: dict[str, str] | None = None) -> bytes | None:
     server = gateway.config.server
     decoded = decode(body, max_items=server.max_batch_items, max_depth=server.max_json_depth,
                      identity=identity)
-    reply = await run_decoded(gateway, decoded)
+    reply = await run_decoded(gateway, decoded, trace)
     if reply is None:
         return None
     try:

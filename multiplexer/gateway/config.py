@@ -92,6 +92,18 @@ class CacheConfig(Strict):
     max_entries: int = Field(default=10_000, ge=0)
 
 
+class TelemetryConfig(Strict):
+    """OpenTelemetry traces (the ``otel`` extra); off unless an endpoint is named here or in
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``."""
+
+    otlp_endpoint: str | None = Field(
+        default=None, description="OTLP over HTTP, e.g. http://127.0.0.1:4318 (/v1/traces is added)")
+    service_name: str | None = Field(default=None, description="default: $OTEL_SERVICE_NAME, "
+                                                               "else multiplexer")
+    enabled: bool | None = Field(default=None, description="false: off even when OTEL_* name "
+                                                           "an endpoint")
+
+
 class Config(Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     providers: dict[str, ProviderConfig] = Field(default_factory=dict)
@@ -99,6 +111,7 @@ class Config(Strict):
     store: StoreConfig = Field(default_factory=StoreConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     state: StateConfig = Field(default_factory=StateConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @model_validator(mode="after")
     def _routes_name_providers(self) -> Config:

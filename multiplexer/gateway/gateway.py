@@ -30,8 +30,10 @@ from multiplexer.core.quota import Quotas
 from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.streaming import with_streams
+from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.replicas import flight_key, flown, gated, limiter_for, open_state
+from multiplexer.gateway.telemetry import tracer_for
 
 log = logging.getLogger(__name__)
 UNROUTED = "(no route)"
@@ -54,6 +56,7 @@ class Ticket:
     call: Call | None = None
     waiter: _Waiter | None = None
     progress: tuple[ProgressFanout, Any] | None = None  # this caller's sink on a shared execution
+    span: Any = None  # the call's trace span, when calls are traced
 
     def __call__(self) -> None:
         """Done-callback of the pending it waits on (a bound object, not a closure per call)."""
@@ -81,8 +84,11 @@ class Gateway:
         clock: Clock | None = None,
         metrics: Metrics | None = None,
         providers: dict[str, Provider] | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.config = config
+        # OpenTelemetry only when the config or OTEL_* ask for it (then imported, never before)
+        self.tracer = tracer if tracer is not None else tracer_for(config.telemetry)
         self.clock = clock or MonotonicClock()
         self.metrics = metrics or Metrics()
         self.router = Router(config.routes)
@@ -120,6 +126,7 @@ class Gateway:
                         name=name, config=pconf, settings=settings, clock=self.clock,
                         limiter=limiter, metrics=self.metrics,
                         store_path=Path(self.config.store.path), notify=self.notify,
+                        tracer=self.tracer,
                     )
                     self.providers[name] = cls(ctx)
                 provider = self.providers[name]
@@ -156,6 +163,7 @@ class Gateway:
                 await anyio.sleep(0.01)
         stack, self._stack = self._stack, None
         await stack.aclose()
+        await anyio.to_thread.run_sync(self.tracer.close)  # send the last spans
 
     def _abort_lanes(self) -> None:
         for lane in self.lanes.values():
@@ -197,7 +205,7 @@ class Gateway:
                 max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
                 # batch mode gathers until size or age; eager only if the route says so
                 eager=policy.eager and (route.mode != "batch" or "eager" in policy.model_fields_set),
-                metrics=self.metrics,
+                metrics=self.metrics, tracer=self.tracer,
             )
             self.lanes[key] = lane
             assert self._tg is not None
@@ -243,6 +251,7 @@ class Gateway:
         # Metrics label by route, never by the client's method string: unknown names would
         # grow the registry without bound (and a lone surrogate would break /metrics).
         ticket = Ticket(UNROUTED, call.identity, math.inf)
+        span = ticket.span = self.tracer.start_call(call) if self.tracer.enabled else None
         try:
             builtin = self.methods.get(call.method)
             if builtin is not None:
@@ -270,6 +279,10 @@ class Gateway:
             if call.progress is not None:
                 item.options["progress"] = call.progress
             provider = self.providers[route.provider]
+            if span is not None:
+                item.trace = TraceSlot(span)
+                self.tracer.routed(span, item, route.provider,
+                                   self.config.providers[route.provider].kind)
             if call.sink is not None:
                 self._streamable(resolved.name, route, provider)
                 item.options[STREAM] = call.sink
@@ -294,11 +307,15 @@ class Gateway:
             cached = self.cache.get(key)
             if cached is not None:
                 self.metrics.dedup_hits.labels(resolved.name, "cache").inc()
+                if span is not None:
+                    self.tracer.shared(span, "cache")
                 self._finish(ticket, cached)
                 return ticket
             pending = self.inflight.join(key)
             if pending is not None:
                 self.metrics.dedup_hits.labels(resolved.name, "inflight").inc()
+                if span is not None:
+                    self.tracer.shared(span, "inflight")
                 fan = pending.item.options.get("progress")
             else:
                 fan = item.options["progress"] = ProgressFanout()  # later sharers may ask for progress
@@ -379,6 +396,10 @@ class Gateway:
         if t.outcome is not None:
             return
         t.outcome = outcome
+        if t.span is not None:
+            self.tracer.end_call(t.span, t.pending.item.trace if t.pending is not None else None,
+                                 outcome)
+            t.span = None
         if t.progress is not None:
             t.progress[0].remove(t.progress[1])
             t.progress = None

@@ -262,6 +262,7 @@ class McpFace:
             call = call_from(method, params.arguments, meta, identity_of(ctx))
         except RpcError as e:
             return error_result(e)
+        call.face = "mcp"
         if isinstance(raw_meta, dict) and raw_meta.get("progressToken") is not None:
             call.progress = ctx.session.report_progress
         outcome = await self.gateway.submit(call)

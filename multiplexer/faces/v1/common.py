@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from multiplexer.faces.auth import Authenticator
 from multiplexer.gateway.gateway import Gateway
 
 JSON = b"application/json"
+# The trace context of the HTTP request being served (set by the endpoint when tracing).
+REQUEST_TRACE: ContextVar[dict[str, str] | None] = ContextVar("v1_request_trace", default=None)
 
 
 class HttpError(Exception):
@@ -162,6 +165,8 @@ class V1:
                 (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode())]
 
     async def submit(self, call: Call) -> Outcome:
+        if self.gateway.tracer.enabled:
+            call.face, call.trace = "v1", REQUEST_TRACE.get()
         return await self.gateway.submit(call)
 
 

@@ -9,7 +9,9 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call
 from multiplexer.core.jsonrpc import dumps
+from multiplexer.core.tracing import http_trace
 from multiplexer.faces.v1.common import (
+    REQUEST_TRACE,
     V1,
     HttpError,
     Surface,
@@ -30,6 +32,8 @@ class Endpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         base = [(self.surface.request_id_header, request_id())]
         identity: str | None = None
+        if self.v1.gateway.tracer.enabled:
+            REQUEST_TRACE.set(http_trace(dict(scope["headers"])))
         try:
             identity = self.v1.identify(dict(scope["headers"]))
             await self.handle(scope, receive, send, identity, base)

@@ -1,0 +1,90 @@
+"""Traces of the call path: the few hooks the gateway, lanes and providers call, no-op by default.
+
+Why an interface here: the core must not import OpenTelemetry, so tracing costs
+nothing when it is off (the default). The composition root installs the OTel
+implementation (``multiplexer/gateway/otel.py``) when the config or the standard
+``OTEL_*`` variables ask for traces. What it records:
+
+- a span per call, from admission to its one outcome (``start_call`` .. ``end_call``),
+  continuing the caller's ``traceparent`` (HTTP header or MCP ``_meta``);
+- a span per upstream batch (``batch``), linked to every call that rode in it; the
+  providers' upstream requests carry its ``traceparent`` (``inject``);
+- on each call, which batch it rode in (a link), the batch size, its wait in the
+  queue and whether it shared another call's execution (dedup).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from multiplexer.core.call import Call, Item, Outcome
+
+if TYPE_CHECKING:
+    from multiplexer.core.batching import Pending
+
+
+@dataclass(slots=True)
+class TraceSlot:
+    """A traced call's span and the batch it rode in, on its ``Item`` (None when off)."""
+
+    span: Any
+    batch: Any = None  # the upstream batch span, once the lane sends it
+    batch_size: int = 0
+    wait_s: float = 0.0
+
+
+class Tracer:
+    """Does nothing; ``enabled`` lets hot paths skip even the calls."""
+
+    enabled = False
+
+    def start_call(self, call: Call) -> Any:
+        """A span for one call as it arrives; None when not tracing."""
+        return None
+
+    def routed(self, span: Any, item: Item, provider: str, provider_kind: str) -> None:
+        """The call found its route: name the span for what it does (model, tool)."""
+
+    def shared(self, span: Any, how: str) -> None:
+        """The call shares another's execution: ``inflight`` or ``cache``."""
+
+    def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
+        """The call's one outcome; ``slot`` is the item it waited on (its own or a shared one)."""
+
+    def batch(self, lane: str, pending: Sequence[Pending], now: float
+              ) -> contextlib.AbstractContextManager[None]:
+        """Around one upstream execution of a batch; current while it runs, so ``inject``
+        puts its context into the upstream request."""
+        return _NULL
+
+    def inject(self, carrier: MutableMapping[str, str]) -> None:
+        """Put the current span's ``traceparent`` (and ``tracestate``) into ``carrier``."""
+
+    def close(self) -> None:
+        """Send what is buffered; the gateway is stopping."""
+
+
+_NULL = contextlib.nullcontext()
+NOOP = Tracer()
+
+
+TRACE_KEYS = ("traceparent", "tracestate")
+
+
+def trace_carrier(source: Any) -> dict[str, str] | None:
+    """The W3C trace context in HTTP headers or an MCP ``_meta`` object; None when absent."""
+    parent = source.get("traceparent") if source else None
+    if not isinstance(parent, str):
+        return None
+    state = source.get("tracestate")
+    return {"traceparent": parent, "tracestate": state} if isinstance(state, str) else {
+        "traceparent": parent}
+
+
+def http_trace(headers: Mapping[bytes, bytes]) -> dict[str, str] | None:
+    """The W3C trace context in raw (ASGI) request headers."""
+    return trace_carrier({k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()
+                          if k in (b"traceparent", b"tracestate")})

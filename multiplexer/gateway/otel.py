@@ -1,0 +1,211 @@
+"""The call path's traces as OpenTelemetry spans (the ``otel`` extra).
+
+Follows the GenAI and MCP semantic conventions (Development status, names as of
+semantic-conventions-genai v0.1.0), plus ``multiplexer.*`` attributes where no
+convention covers batching or dedup:
+
+- **call span** (SERVER), one per accepted call, from admission to its one outcome.
+  Named ``{gen_ai.operation.name} {model}`` for model calls, ``tools/call {tool}`` for
+  MCP tool calls, else the method. Its parent is the caller's ``traceparent`` (HTTP
+  header, or ``_meta`` in JSON-RPC and MCP), or the MCP SDK's own server span.
+  ``multiplexer.batch.size``, ``multiplexer.wait_ms`` (queued before the batch left),
+  ``multiplexer.dedup`` (``inflight`` or ``cache`` when it shared another call's
+  execution), token usage and response ids from the result, and a link to the batch
+  span it rode in.
+- **batch span** (CLIENT), one per upstream execution, linked to every call in it;
+  the parent is the caller's span when the batch carries one call, else none (a batch
+  belongs to many traces). It is current while the provider runs, so the upstream
+  requests carry its ``traceparent`` (HTTP headers here, MCP ``_meta`` by the MCP SDK).
+  ``multiplexer.batch.size``, ``multiplexer.dedup.callers`` (callers served) and
+  ``multiplexer.dedup.share`` (the share of those that rode on another's item).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from multiplexer.core.call import Call, Item, Outcome
+from multiplexer.core.tracing import Tracer, TraceSlot
+from multiplexer.core.version import VERSION
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from multiplexer.core.batching import Pending
+
+# our operations as GenAI operation names
+GEN_AI_OPERATIONS = {"chat": "chat", "messages": "chat", "generate": "chat",
+                     "embeddings": "embeddings", "embed": "embeddings"}
+# provider kinds as gen_ai.provider.name (well-known values where there is one)
+PROVIDER_NAMES = {"openai": "openai", "anthropic": "anthropic"}
+_REQUEST_PARAMS = {"max_tokens": "gen_ai.request.max_tokens",
+                   "temperature": "gen_ai.request.temperature", "top_p": "gen_ai.request.top_p"}
+
+
+class OtelTracer(Tracer):
+    enabled = True
+
+    def __init__(self, provider: TracerProvider | None = None) -> None:
+        self._provider = provider
+        self._tracer = trace.get_tracer("multiplexer", VERSION, tracer_provider=provider)
+
+    # -- calls -----------------------------------------------------------------
+    def start_call(self, call: Call) -> Any:
+        parent = None
+        if call.trace and not trace.get_current_span().get_span_context().is_valid:
+            parent = propagate.extract(call.trace)
+        attributes: dict[str, Any] = {"multiplexer.face": call.face or "api"}
+        name = call.method
+        if call.face == "mcp":
+            name = f"tools/call {call.method}"
+            attributes.update({"mcp.method.name": "tools/call", "gen_ai.tool.name": call.method,
+                               "gen_ai.operation.name": "execute_tool"})
+        elif call.face == "rpc":
+            attributes.update({"rpc.system": "jsonrpc", "rpc.method": call.method})
+        if call.identity is not None:
+            attributes["multiplexer.key"] = call.identity
+        return self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
+                                       attributes=attributes)
+
+    def routed(self, span: Any, item: Item, provider: str, provider_kind: str) -> None:
+        span.set_attribute("multiplexer.route", item.route)
+        span.set_attribute("multiplexer.provider", provider)
+        for key, value in _gen_ai_request(item, provider_kind).items():
+            span.set_attribute(key, value)
+        op, model = GEN_AI_OPERATIONS.get(item.operation), _model(item)
+        if op is not None and model is not None and not span.name.startswith("tools/call"):
+            span.update_name(f"{op} {model}")
+
+    def shared(self, span: Any, how: str) -> None:
+        span.set_attribute("multiplexer.dedup", how)
+
+    def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
+        if slot is not None and slot.batch is not None:
+            span.add_link(slot.batch.get_span_context(), {"multiplexer.link": "batch"})
+            span.set_attribute("multiplexer.batch.size", slot.batch_size)
+            span.set_attribute("multiplexer.wait_ms", round(slot.wait_s * 1000, 3))
+        if outcome.error is not None:
+            span.set_attribute("error.type", str(outcome.error.code))
+            span.set_status(Status(StatusCode.ERROR, outcome.error.message))
+        elif isinstance(outcome.result, dict):
+            for key, value in _gen_ai_response(outcome.result).items():
+                span.set_attribute(key, value)
+        span.end()
+
+    # -- batches ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def batch(self, lane: str, pending: Sequence[Pending], now: float) -> Iterator[None]:
+        traced = [p for p in pending if p.item.trace is not None]
+        first = pending[0].item
+        callers = sum(p.waiters for p in pending)
+        attributes: dict[str, Any] = {
+            "multiplexer.lane": lane, "multiplexer.batch.size": len(pending),
+            "multiplexer.dedup.callers": callers,
+            "multiplexer.dedup.share": round(1 - len(pending) / callers, 4) if callers else 0.0,
+        }
+        op, model = GEN_AI_OPERATIONS.get(first.operation), _model(first)
+        if op is not None:
+            attributes["gen_ai.operation.name"] = op
+            if model is not None:
+                attributes["gen_ai.request.model"] = model
+        name = f"{op} {model}" if op is not None and model is not None else first.method
+        # one caller: its trace holds the upstream request; several: a trace of its own
+        parent = (trace.set_span_in_context(traced[0].item.trace.span)
+                  if len(pending) == 1 and callers == 1 and traced else otel_context.Context())
+        span = self._tracer.start_span(
+            name, context=parent, kind=SpanKind.CLIENT, attributes=attributes,
+            links=[Link(p.item.trace.span.get_span_context()) for p in traced])
+        for p in traced:
+            slot = p.item.trace
+            slot.batch, slot.batch_size, slot.wait_s = span, len(pending), max(0.0, now - p.enqueued)
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            yield
+        except BaseException as e:
+            span.set_status(Status(StatusCode.ERROR, type(e).__name__))
+            raise
+        finally:
+            otel_context.detach(token)
+            span.end()
+
+    def inject(self, carrier: MutableMapping[str, str]) -> None:
+        propagate.inject(carrier)
+
+    def close(self) -> None:
+        if self._provider is not None:
+            self._provider.shutdown()
+
+
+def _model(item: Item) -> str | None:
+    model = item.params.get("model") if isinstance(item.params, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def _gen_ai_request(item: Item, provider_kind: str) -> dict[str, Any]:
+    op = GEN_AI_OPERATIONS.get(item.operation)
+    if op is None:
+        return {}
+    out: dict[str, Any] = {"gen_ai.operation.name": op,
+                           "gen_ai.provider.name": PROVIDER_NAMES.get(provider_kind, provider_kind)}
+    model = _model(item)
+    if model is not None:
+        out["gen_ai.request.model"] = model
+    params = item.params if isinstance(item.params, dict) else {}
+    if params.get("stream"):
+        out["gen_ai.request.stream"] = True
+    for key, attribute in _REQUEST_PARAMS.items():
+        value = params.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[attribute] = value
+    return out
+
+
+def _gen_ai_response(result: dict[str, Any]) -> dict[str, Any]:
+    """Usage, id, model and finish reasons from an OpenAI- or Anthropic-shaped result."""
+    out: dict[str, Any] = {}
+    usage = result.get("usage")
+    if isinstance(usage, dict):
+        for attribute, keys in (("gen_ai.usage.input_tokens", ("prompt_tokens", "input_tokens")),
+                                ("gen_ai.usage.output_tokens",
+                                 ("completion_tokens", "output_tokens"))):
+            for key in keys:
+                if isinstance(usage.get(key), int):
+                    out[attribute] = usage[key]
+                    break
+    for attribute, key in (("gen_ai.response.id", "id"), ("gen_ai.response.model", "model")):
+        if isinstance(result.get(key), str):
+            out[attribute] = result[key]
+    choices = result.get("choices")
+    reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)] if isinstance(
+        choices, list) else [result.get("stop_reason")]
+    reasons = [r for r in reasons if isinstance(r, str)]
+    if reasons:
+        out["gen_ai.response.finish_reasons"] = reasons
+    return out
+
+
+def exporting_tracer(endpoint: str | None, service_name: str | None) -> OtelTracer:
+    """A tracer that batches spans to an OTLP/HTTP collector; also the process's global
+    provider, so the MCP SDK's own spans go to the same place."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource = Resource.create({"service.version": VERSION})  # with OTEL_RESOURCE_ATTRIBUTES, ...
+    if service_name:
+        resource = resource.merge(Resource.create({"service.name": service_name}))
+    elif resource.attributes.get("service.name", "").startswith("unknown_service"):
+        resource = resource.merge(Resource.create({"service.name": "multiplexer"}))
+    if endpoint is not None and not endpoint.rstrip("/").endswith("/v1/traces"):
+        endpoint = endpoint.rstrip("/") + "/v1/traces"
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    trace.set_tracer_provider(provider)
+    return OtelTracer(provider)
