@@ -107,16 +107,17 @@ class RedisState:
         await self._call(self._renew, self._keys("p", provider)[2:], list(lease_ids))
 
     # -- per-key quotas ----------------------------------------------------------------
-    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> float:
-        wait, _ = await self._call(self._acquire, self._keys("q", identity),
-                                   [rpm, 0, concurrency, self.lease_s, lease_id, 0])
-        return float(wait)
+    async def quota(self, identity: str, rpm: float, concurrency: int,
+                    lease_id: str) -> tuple[float, str]:
+        wait, which = await self._call(self._acquire, self._keys("q", identity),
+                                       [rpm, 0, concurrency, self.lease_s, lease_id, 0])
+        return float(wait), which.decode() if isinstance(which, bytes) else which
 
     async def quota_release(self, identity: str, lease_id: str) -> None:
-        try:
-            await self.r.zrem(self._keys("q", identity)[2], lease_id)
-        except (RedisError, OSError) as e:
-            raise StateUnavailable(str(e)) from e
+        await self.settle_keys(self._keys("q", identity), lease_id)
+
+    async def settle_keys(self, keys: list[str], lease_id: str) -> None:
+        await self._call(self._settle, keys, [0, 0, lease_id, 0])
 
     async def quota_renew(self, identity: str, lease_ids: Sequence[str]) -> None:
         await self._call(self._renew, self._keys("q", identity)[2:], list(lease_ids))

@@ -207,3 +207,59 @@ async def test_the_ttl_cache_is_shared():
         first = await g1.submit(Call("r", {"x": 3}))
         second = await g2.submit(Call("r", {"x": 3}))
     assert first.result == second.result == {"x": 3} and runs == ["r"]
+
+
+def quota_config(url: str, pre: str, on_failure: str = "closed", **quota: object) -> object:
+    return parse_config({
+        "state": {"url": url, "prefix": pre, "on_failure": on_failure},
+        "server": {"quotas": {"alice": quota}},
+        "providers": {"p": {"kind": "echo", "batch": {"max_items": 1}}},
+        "routes": {"r": {"provider": "p"}},
+    })
+
+
+async def test_a_keys_quotas_are_shared_by_the_replicas():
+    from multiplexer.core.errors import Code, RpcError
+
+    config = quota_config(redis_url(), prefix(), rpm=3, concurrency=1, batch_calls_per_day=5)
+    runs: list[str] = []
+    gate = anyio.Event()
+    async with Gateway(config, providers={"p": Counting(runs, gate)}) as g1, \
+            Gateway(config, providers={"p": Counting(runs, gate)}) as g2:
+        held: list[object] = []
+        async with anyio.create_task_group() as tg:
+            async def hold() -> None:
+                held.append(await g1.submit(Call("r", {"i": 0}, identity="alice")))
+
+            tg.start_soon(hold)
+            while not runs:
+                await anyio.sleep(0.01)
+            busy = await g2.submit(Call("r", {"i": 1}, identity="alice"))  # g1 holds alice's 1 slot
+            gate.set()
+        second = await g2.submit(Call("r", {"i": 2}, identity="alice"))
+        third = await g1.submit(Call("r", {"i": 3}, identity="alice"))
+        fourth = await g2.submit(Call("r", {"i": 4}, identity="alice"))  # 3 per minute, both together
+        await g1.quotas.charge("alice", 3)
+        with pytest.raises(RpcError) as batch:
+            await g2.quotas.charge("alice", 3)  # 3 more > the 2 left of 5 today
+    assert held[0].ok and busy.error.data["limit"] == "concurrency"
+    assert second.ok and third.ok and fourth.error.code == Code.RATE_LIMITED
+    assert fourth.error.data["limit"] == "rpm" and fourth.error.data["retry_after"] > 10
+    assert batch.value.data["limit"] == "batch_calls_per_day" and batch.value.data["remaining"] == 2
+
+
+@pytest.mark.parametrize("on_failure", ["closed", "open"])
+async def test_quotas_when_redis_is_down(on_failure):
+    with own_redis() as server:
+        config = quota_config(server.url, prefix(), on_failure, rpm=100)
+        async with Gateway(config) as gw:
+            assert (await gw.submit(Call("r", {}, identity="alice"))).ok
+            server.stop()
+            down = await gw.submit(Call("r", {}, identity="alice"))
+            free = await gw.submit(Call("r", {}, identity=None))  # no quota: unaffected
+            counted = gw.metrics.state_degraded.labels("quota")._value.get()
+    if on_failure == "closed":
+        assert down.error.data["limit"] == "quota_unavailable"
+    else:
+        assert down.ok
+    assert free.ok and counted >= 1

@@ -66,6 +66,21 @@ class Quotas:
         left = max(bucket.level, 0.0)
         return quota.rpm, left, (quota.rpm - left) / bucket.rate if bucket.rate else 0.0
 
+    async def reserve(self, claims: list[tuple[str, int]]) -> None:
+        """Shared quotas decide ahead, per (identity, batch calls); in-process ones need not."""
+
+    async def admit(self, identity: str | None) -> bool:
+        """``acquire`` for callers outside the gateway's call path (MCP resources and prompts)."""
+        if identity is not None:
+            await self.reserve([(identity, 0)])
+        return self.acquire(identity)
+
+    async def charge(self, identity: str | None, calls: int) -> None:
+        """``charge_batch`` for callers that may wait (the jobs.* face)."""
+        if identity is not None and calls > 0:
+            await self.reserve([(identity, calls)])
+        self.charge_batch(identity, calls)
+
     def release(self, identity: str | None) -> None:
         if identity is not None and self._active.get(identity, 0) > 0:
             self._active[identity] -= 1

@@ -70,8 +70,9 @@ class SharedState(Protocol):
         """Keep the slots of calls still running (a dead replica's expire after ``lease_s``)."""
         ...
 
-    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> float:
-        """Admit one call for a key under its rpm and concurrency; seconds to wait if not."""
+    async def quota(self, identity: str, rpm: float, concurrency: int,
+                    lease_id: str) -> tuple[float, str]:
+        """Admit one call for a key under its rpm and concurrency: (0, "") or (wait, limit)."""
         ...
 
     async def quota_release(self, identity: str, lease_id: str) -> None: ...

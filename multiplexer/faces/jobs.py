@@ -158,7 +158,7 @@ class JobFace:
             raise invalid_params(f"at most {MAX_CALLS_PER_SUBMIT} calls per jobs.submit; "
                                  "send the rest with job_id and more")
         more = bool(params.get("more", False))
-        self.gateway.quotas.charge_batch(call.identity, len(calls))  # -32003 before anything is stored
+        await self.gateway.quotas.charge(call.identity, len(calls))  # -32003 before anything is stored
         st = self.store()
         async with self._lock:
             if params.get("job_id") is not None:

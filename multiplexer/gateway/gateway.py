@@ -26,13 +26,13 @@ from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import Metrics, code_label
 from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSource, ToolSpec
-from multiplexer.core.quota import Quotas
 from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
+from multiplexer.core.shared_quota import SharedQuotas
 from multiplexer.core.streaming import with_streams
 from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
-from multiplexer.gateway.replicas import flight_key, flown, gated, limiter_for, open_state
+from multiplexer.gateway.replicas import flight_key, flown, gated, limiter_for, open_state, quotas_for
 from multiplexer.gateway.telemetry import tracer_for
 
 log = logging.getLogger(__name__)
@@ -97,8 +97,8 @@ class Gateway:
         self.lanes: dict[tuple[str, str | None], Lane] = {}
         self.inflight = InFlight()
         self.cache = TtlCache(self.clock, config.cache.max_entries)
-        self.quotas = Quotas(self.clock, config.server.quotas)
         self.state = open_state(config.state)  # None: in-process state, one gateway
+        self.quotas = quotas_for(config, self.clock, self.state, self.metrics)
         self.listeners: list[Any] = []
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
@@ -139,6 +139,8 @@ class Gateway:
                 for limiter in self.limiters.values():
                     if isinstance(limiter, SharedLimiter):
                         self._tg.start_soon(limiter.run)
+                if isinstance(self.quotas, SharedQuotas):
+                    self._tg.start_soon(self.quotas.run)
             for rname, route in self.config.routes.items():
                 self._lane_for(rname, route)
         except BaseException:
@@ -229,6 +231,8 @@ class Gateway:
         Outcomes come back in input order, one per call. A batch of a thousand
         calls parks a thousand small tickets, not a thousand tasks.
         """
+        if isinstance(self.quotas, SharedQuotas):  # decide shared quotas ahead, in one pass
+            await self.quotas.reserve(self._quota_claims(calls))
         tickets = [self._admit(call) for call in calls]
         try:
             handlers = [t for t in tickets if t.handler is not None and t.outcome is None]
@@ -239,12 +243,31 @@ class Gateway:
                     for t in handlers:
                         tg.start_soon(self._run_handler, t)
             await self._settle(tickets)
+            if isinstance(self.quotas, SharedQuotas):
+                await self.quotas.flush()
         except BaseException:
             gone = Outcome.fail(cancelled("caller went away"))
             for t in tickets:
                 self._finish(t, gone, withdraw=True)
             raise
         return [t.outcome for t in tickets]  # type: ignore[misc]
+
+    def _quota_claims(self, calls: Sequence[Call]) -> list[tuple[str, int]]:
+        """(identity, 0) per call that will ask its key's quota, plus (identity, 1) per call
+        that a batch-mode route will charge to the key's batch allowance."""
+        claims: list[tuple[str, int]] = []
+        for call in calls:
+            if call.identity is None or call.identity not in self.quotas.quotas:
+                continue
+            if call.method not in self.methods:
+                try:
+                    route = self.router.resolve(call.method).route
+                except RpcError:
+                    continue
+                if route.mode == "batch":
+                    claims.append((call.identity, 1))
+            claims.append((call.identity, 0))
+        return claims
 
     def _admit(self, call: Call) -> Ticket:
         """Route, check and queue one call without waiting; errors end the ticket at once."""

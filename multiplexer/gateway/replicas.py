@@ -18,9 +18,11 @@ from multiplexer.core.dedup import canonical
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.policy import ProviderConfig
+from multiplexer.core.quota import Quotas
 from multiplexer.core.shared_limiter import SharedLimiter
+from multiplexer.core.shared_quota import SharedQuotas
 from multiplexer.core.state import LimitSpec, SharedState, StateUnavailable
-from multiplexer.gateway.config import StateConfig
+from multiplexer.gateway.config import Config, StateConfig
 
 Execute = Callable[[str, Sequence[Item]], Awaitable[list[Outcome]]]
 
@@ -42,6 +44,14 @@ def limiter_for(name: str, pconf: ProviderConfig, clock: Clock, state: SharedSta
         return RateLimiter(clock, limits.rpm, limits.tpm)
     spec = LimitSpec(limits.rpm or 0.0, limits.tpm or 0.0, limits.concurrency)
     return SharedLimiter(clock, name, spec, state, on_degraded=metrics.state_degraded_count)
+
+
+def quotas_for(config: Config, clock: Clock, state: SharedState | None, metrics: Metrics) -> Quotas:
+    quotas = config.server.quotas
+    if state is None or not quotas:
+        return Quotas(clock, quotas)
+    return SharedQuotas(clock, quotas, state, fail_open=config.state.on_failure == "open",
+                        degraded=metrics.state_degraded_count)
 
 
 def gated(limiter: RateLimiter, execute: Execute) -> Execute:

@@ -200,7 +200,7 @@ class McpFace:
         async def run(ctx: ServerRequestContext[Any, Any], params: Any) -> R:
             identity = identity_of(ctx)
             try:
-                held = quotas.acquire(identity)
+                held = await quotas.admit(identity)
             except RpcError as e:
                 raise mcp_error(e) from None
             try:

@@ -1,0 +1,145 @@
+"""Per-key quotas shared by every replica: decided in the shared state, ahead of admission.
+
+The gateway admits a whole array of calls synchronously, so the shared decisions
+are taken just before (``reserve``: one round trip per call, on the shared
+state's clock) and ``acquire`` / ``charge_batch`` then take them in order.
+Concurrency slots are leases, renewed while their calls run and freed in the
+background when they end. When the shared state is unreachable the decision is
+closed (``-32003`` limit ``quota_unavailable``) unless ``state.on_failure: open``,
+which decides on this replica's own counters; both are counted as degraded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict, deque
+from collections.abc import Callable
+
+import anyio
+
+from multiplexer.core.clock import Clock
+from multiplexer.core.errors import RpcError, rate_limited
+from multiplexer.core.policy import Quota
+from multiplexer.core.quota import Quotas
+from multiplexer.core.state import SharedState, StateUnavailable
+
+Decision = str | RpcError | None  # a lease id, a refusal, or None: decide locally (state down, open)
+
+
+class SharedQuotas(Quotas):
+    def __init__(self, clock: Clock, quotas: dict[str, Quota], state: SharedState, *,
+                 fail_open: bool, degraded: Callable[[str], None]) -> None:
+        super().__init__(clock, quotas)
+        self.state = state
+        self.fail_open = fail_open
+        self.degraded = degraded
+        self._ids = itertools.count()
+        self._calls: dict[str, deque[Decision]] = defaultdict(deque)
+        self._batches: dict[str, deque[Decision]] = defaultdict(deque)
+        self._leases: dict[str, list[str]] = defaultdict(list)
+        self._local: dict[str, int] = defaultdict(int)  # slots taken locally (state down, open)
+        self._ended: list[tuple[str, str]] = []  # (identity, lease) of calls that ended
+        self._wake = anyio.Event()
+
+    def _refusal(self, e: StateUnavailable) -> Decision:
+        self.degraded("quota")
+        if self.fail_open:
+            return None
+        return rate_limited("quota_unavailable", 1.0, detail="the shared quota state is unreachable")
+
+    async def reserve(self, claims: list[tuple[str, int]]) -> None:
+        for identity, batch_calls in claims:
+            quota = self.quotas.get(identity)
+            if quota is None:
+                continue
+            if batch_calls:
+                if quota.batch_calls_per_day is not None:
+                    self._batches[identity].append(await self._charge(identity, quota, batch_calls))
+            elif quota.rpm is not None or quota.concurrency is not None:
+                self._calls[identity].append(await self._admit(identity, quota))
+
+    async def _admit(self, identity: str, quota: Quota) -> Decision:
+        lease = f"{self.state.replica_id}:{next(self._ids)}"
+        try:
+            wait, which = await self.state.quota(identity, quota.rpm or 0.0, quota.concurrency or 0,
+                                                 lease)
+        except StateUnavailable as e:
+            return self._refusal(e)
+        if wait > 0:
+            return rate_limited(which, wait if which == "rpm" else 0.05, identity=identity)
+        return lease
+
+    async def _charge(self, identity: str, quota: Quota, calls: int) -> Decision:
+        allowed = quota.batch_calls_per_day or 0
+        wall = self.clock.wall()
+        day = int(wall // 86_400)
+        try:
+            left = await self.state.batch_charge(identity, day, calls, allowed)
+        except StateUnavailable as e:
+            return self._refusal(e)
+        if left >= 0:
+            return rate_limited("batch_calls_per_day", (day + 1) * 86_400 - wall, identity=identity,
+                                allowed=allowed, remaining=left)
+        return ""
+
+    def acquire(self, identity: str | None) -> bool:
+        queue = self._calls.get(identity) if identity else None
+        if not queue:  # nothing decided ahead, or the state was down and quotas fail open
+            held = super().acquire(identity)
+            if held and identity is not None:
+                self._local[identity] += 1
+            return held
+        decision = queue.popleft()
+        if isinstance(decision, RpcError):
+            raise decision
+        if decision is None:
+            return self.acquire(identity)
+        self._leases[identity].append(decision)  # type: ignore[index]
+        return True
+
+    def charge_batch(self, identity: str | None, calls: int) -> None:
+        queue = self._batches.get(identity) if identity else None
+        decision = queue.popleft() if queue else None
+        if isinstance(decision, RpcError):
+            raise decision
+        if decision is None:
+            super().charge_batch(identity, calls)
+
+    def release(self, identity: str | None) -> None:
+        if identity is None:
+            return
+        if self._local.get(identity):
+            self._local[identity] -= 1
+            super().release(identity)
+        elif self._leases.get(identity):
+            self._ended.append((identity, self._leases[identity].pop()))
+            self._wake.set()
+
+    async def flush(self) -> None:
+        """Free the slots of the calls that ended (the gateway awaits this before it answers,
+        so a caller's next call finds its slot free)."""
+        ended, self._ended = self._ended, []
+        for identity, lease in ended:
+            try:
+                await self.state.quota_release(identity, lease)
+            except StateUnavailable:
+                self.degraded("quota")  # the slot expires with its lease
+
+    async def run(self) -> None:
+        """Free slots released outside a gateway call (MCP resources), renew running ones."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._renew_forever)
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                await self.flush()
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await anyio.sleep(self.state.lease_s / 3)
+            for identity, leases in list(self._leases.items()):
+                if leases:
+                    try:
+                        await self.state.quota_renew(identity, list(leases))
+                    except StateUnavailable:
+                        self.degraded("quota")
