@@ -70,7 +70,18 @@ def upstream() -> Iterator[tuple[int, str]]:
 def replicas(n: int, yaml: str) -> Iterator[list[GatewayProc]]:
     """``n`` gateways with one config, sharing its ``state.prefix`` (one deployment)."""
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(gateway(yaml)) for _ in range(n)]
+        yield [start(stack, yaml) for _ in range(n)]
+
+
+def start(stack: contextlib.ExitStack, yaml: str, tries: int = 3) -> GatewayProc:
+    """A gateway child; on a busy machine its free port can be taken first: try another."""
+    for attempt in range(tries):
+        try:
+            return stack.enter_context(gateway(yaml))
+        except RuntimeError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def stats(up: str) -> dict[str, Any]:
