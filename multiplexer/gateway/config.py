@@ -50,6 +50,8 @@ class ServerConfig(Strict):
     max_batch_items: int = Field(default=1000, ge=1)
     max_json_depth: int = Field(default=64, ge=2)
     max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024,
+                                description="an upload to /v1/files (batch input files)")
     default_timeout_ms: float = Field(default=60_000, gt=0)
     grace_period_s: float = Field(default=10.0, ge=0)
     api_keys: dict[str, SecretStr] = Field(default_factory=dict)

@@ -2,20 +2,46 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from starlette.routing import BaseRoute, Route
 
 from multiplexer.faces.auth import Authenticator
-from multiplexer.faces.v1.anthropic import Messages
+from multiplexer.faces.v1.anthropic import ANTHROPIC, Messages
+from multiplexer.faces.v1.batch_run import Batches, surfaces_for
 from multiplexer.faces.v1.common import V1
-from multiplexer.faces.v1.openai import ChatCompletions, Embeddings, Models
+from multiplexer.faces.v1.files import (
+    CancelBatch,
+    CreateBatch,
+    FileContent,
+    FileInfo,
+    GetBatch,
+    ListBatches,
+    Upload,
+)
+from multiplexer.faces.v1.openai import OPENAI, ChatCompletions, Embeddings, Models
+from multiplexer.faces.v1.store import V1Store
 from multiplexer.gateway.gateway import Gateway
 
 
 def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
+    """The routes; batches a stopped gateway left running resume in the background."""
     v1 = V1(gateway, auth)
+    store = V1Store(Path(gateway.config.store.path + ".v1"))
+    batches = Batches(v1, store, surfaces_for(OPENAI, ANTHROPIC))
+    gateway.start_background(batches.resume)
+    limit = gateway.config.server.max_file_bytes
+    files = (v1, store, batches, limit)
     return [
         Route("/v1/chat/completions", ChatCompletions(v1), methods=["POST"]),
         Route("/v1/embeddings", Embeddings(v1), methods=["POST"]),
         Route("/v1/models", Models(v1), methods=["GET"]),
         Route("/v1/messages", Messages(v1), methods=["POST"]),
+        Route("/v1/files", Upload(*files), methods=["POST"]),
+        Route("/v1/files/{file_id}", FileInfo(*files), methods=["GET"]),
+        Route("/v1/files/{file_id}/content", FileContent(*files), methods=["GET"]),
+        Route("/v1/batches", CreateBatch(*files), methods=["POST"]),
+        Route("/v1/batches", ListBatches(*files), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", GetBatch(*files), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", CancelBatch(*files), methods=["POST"]),
     ]

@@ -8,9 +8,10 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call
-from multiplexer.core.errors import RpcError, invalid_params
-from multiplexer.faces.v1.common import HttpError, Surface, message_of
+from multiplexer.core.errors import RpcError
+from multiplexer.faces.v1.common import Surface, message_of
 from multiplexer.faces.v1.endpoint import Endpoint, named_event
+from multiplexer.faces.v1.requests import MESSAGES, plan, stream_flag
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -33,15 +34,9 @@ class Messages(Endpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, route = self.v1.route_for(body.get("model"))
-        if route.operation != "messages":
-            raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
-                                                f"({route.operation}), not messages"), param="model")
-        stream = body.get("stream")
-        if stream not in (None, True, False):
-            raise HttpError(400, invalid_params("'stream' must be a boolean"), param="stream")
-        call = Call(name, self.v1.params_for(body, name, route), identity=identity)
-        if not stream:
+        name, params, _ = plan(self.v1, MESSAGES, body)
+        call = Call(name, params, identity=identity)
+        if not stream_flag(body):
             await self.answer(call, send, headers)
             return
         await self.stream(call, receive, send, headers, named_event,

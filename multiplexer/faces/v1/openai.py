@@ -10,10 +10,11 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call
-from multiplexer.core.errors import RpcError, invalid_params
-from multiplexer.faces.v1.common import HttpError, Surface, message_of, send_json
+from multiplexer.core.errors import RpcError
+from multiplexer.faces.v1.common import Surface, message_of, send_json
 from multiplexer.faces.v1.endpoint import Endpoint, data_event
-from multiplexer.faces.v1.local_chat import chat_params, chat_result, chunk_encoder, is_local_chat
+from multiplexer.faces.v1.local_chat import chunk_encoder
+from multiplexer.faces.v1.requests import CHAT, EMBEDDINGS, plan, stream_flag
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -37,24 +38,12 @@ class ChatCompletions(Endpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, route = self.v1.route_for(body.get("model"))
-        if route.operation not in ("chat", "call"):
-            raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
-                                                f"({route.operation}), not chat completions"),
-                            param="model")
-        params = self.v1.params_for(body, name, route)
-        local = is_local_chat(route)
-        if local:
-            params = chat_params(params)
-        stream = body.get("stream")
-        if stream not in (None, True, False):
-            raise HttpError(400, invalid_params("'stream' must be a boolean"), param="stream")
+        name, params, shape = plan(self.v1, CHAT, body)
         call = Call(name, params, identity=identity)
-        if not stream:
-            shape = (lambda r: chat_result(r, body["model"])) if local else None
+        if not stream_flag(body):
             await self.answer(call, send, headers, shape)
             return
-        encode = chunk_encoder(body) if local else data_event
+        encode = chunk_encoder(body) if shape is not None else data_event
         await self.stream(call, receive, send, headers, encode, lambda e: openai_error(
             e.status, e.error, e.param, e.code), tail=DONE)
 
@@ -65,13 +54,8 @@ class Embeddings(Endpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, route = self.v1.route_for(body.get("model"))
-        if route.operation not in ("embeddings", "call"):
-            raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
-                                                f"({route.operation}), not embeddings"),
-                            param="model")
-        await self.answer(Call(name, self.v1.params_for(body, name, route), identity=identity),
-                          send, headers)
+        name, params, _ = plan(self.v1, EMBEDDINGS, body)
+        await self.answer(Call(name, params, identity=identity), send, headers)
 
 
 class Models(Endpoint):

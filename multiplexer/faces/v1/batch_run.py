@@ -1,0 +1,307 @@
+"""OpenAI's Batch API on the gateway's job system.
+
+A batch's input file holds one request per line. Lines whose route is on a provider with a
+batch API become one job (``jobs.submit``, the provider's own batch API underneath); the other
+lines (local models, providers without one) run through their lanes in the background, a page
+at a time, their results saved as they finish (a restarted gateway runs the rest). Output and
+error files are built on request, one line per ``custom_id``, in OpenAI's format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+import anyio
+
+from multiplexer.core.call import Call, Outcome
+from multiplexer.core.errors import Code, RpcError, internal_error, invalid_params
+from multiplexer.core.provider import BatchCapable
+from multiplexer.faces.v1.common import V1, HttpError, Surface, http_error
+from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, plan
+from multiplexer.faces.v1.store import BatchRecord, V1Store, new_id, now
+
+log = logging.getLogger(__name__)
+PAGE = 256  # lane lines admitted at once: a 50,000-line file must not flood the queues
+MAX_LINES = 50_000
+
+
+def parse_lines(content: bytes, endpoint: str) -> tuple[list[tuple[str, dict[str, Any]]],
+                                                        list[dict[str, Any]]]:
+    """(custom_id, body) per line, or the validation errors that fail the whole batch."""
+    lines: list[tuple[str, dict[str, Any]]] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+
+    def bad(n: int, code: str, message: str) -> None:
+        errors.append({"code": code, "message": message, "param": None, "line": n})
+
+    try:
+        text = content.decode()
+    except UnicodeDecodeError:
+        return [], [{"code": "invalid_file", "message": "the file is not UTF-8 text", "param": None,
+                     "line": None}]
+    for n, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except ValueError:
+            bad(n, "invalid_json_line", "this line is not valid JSON")
+            continue
+        if not isinstance(row, dict):
+            bad(n, "invalid_request", "each line must be a JSON object")
+            continue
+        cid, body = row.get("custom_id"), row.get("body")
+        if not isinstance(cid, str) or not cid:
+            bad(n, "missing_required_parameter", "custom_id must be a non-empty string")
+        elif cid in seen:
+            bad(n, "duplicate_custom_id", f"custom_id {cid!r} appears more than once")
+        elif row.get("url") != endpoint:
+            bad(n, "mismatched_url", f"url must be the batch's endpoint {endpoint}")
+        elif row.get("method", "POST") != "POST":
+            bad(n, "invalid_method", "method must be POST")
+        elif not isinstance(body, dict):
+            bad(n, "invalid_request", "body must be a JSON object")
+        else:
+            seen.add(cid)
+            lines.append((cid, body))
+    if not lines and not errors:
+        errors.append({"code": "empty_file", "message": "the file has no requests", "param": None,
+                       "line": None})
+    if len(lines) > MAX_LINES:
+        errors.append({"code": "too_many_requests", "message": f"at most {MAX_LINES} requests",
+                       "param": None, "line": None})
+    return lines, errors
+
+
+def error_entry(surface: Surface, error: RpcError) -> dict[str, Any]:
+    e = http_error(error, surface)
+    return {"status": e.status, "body": surface.error_body(e.status, e.error, e.param, e.code)}
+
+
+class Batches:
+    def __init__(self, v1: V1, store: V1Store, surfaces: dict[str, Surface]) -> None:
+        self.v1 = v1
+        self.gateway = v1.gateway
+        self.store = store
+        self.surfaces = surfaces  # endpoint -> error dialect for its lines
+        self.live: dict[str, tuple[BatchRecord, anyio.CancelScope]] = {}
+
+    # -- creation ----------------------------------------------------------------------------
+    async def create(self, identity: str | None, body: dict[str, Any]) -> BatchRecord:
+        endpoint, window = body.get("endpoint"), body.get("completion_window", "24h")
+        if endpoint not in OPERATIONS:
+            raise HttpError(400, invalid_params(f"endpoint must be one of {sorted(OPERATIONS)}"),
+                            param="endpoint")
+        if window != "24h":
+            raise HttpError(400, invalid_params("completion_window must be '24h'"),
+                            param="completion_window")
+        metadata = body.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise HttpError(400, invalid_params("metadata must be an object"), param="metadata")
+        file_id = body.get("input_file_id")
+        record_file = await self.store.file(file_id, identity) if isinstance(file_id, str) else None
+        if record_file is None:
+            raise HttpError(404, RpcError(Code.NOT_FOUND, f"No such file: {file_id!r}"),
+                            param="input_file_id")
+        lines, errors = parse_lines(await self.store.content(record_file), endpoint)
+        record = BatchRecord(new_id("batch_"), identity, endpoint, file_id, window, now(), metadata,
+                             [cid for cid, _ in lines])
+        if errors:
+            record.errors = errors[:100]
+            await self.store.save_batch(record)
+            return record
+        job_calls = []
+        for n, (_, line) in enumerate(lines):
+            try:
+                name, params, _ = plan(self.v1, endpoint, line)
+            except HttpError as e:
+                record.early[str(n)] = {"status": e.status, "body": self.surfaces[endpoint].error_body(
+                    e.status, e.error, e.param, e.code)}
+                continue
+            provider = self.gateway.providers[self.gateway.config.routes[name].provider]
+            if isinstance(provider, BatchCapable):
+                job_calls.append({"method": name, "params": params})
+                record.job_lines.append(n)
+            else:
+                record.lane_lines.append(n)
+        if job_calls:
+            outcome = await self.gateway.submit(Call("jobs.submit", {"calls": job_calls},
+                                                     identity=identity))
+            if outcome.error is not None:
+                raise http_error(outcome.error, self.surfaces[endpoint])
+            record.job_id = outcome.result["job_id"]
+        await self.store.save_batch(record)
+        if record.lane_lines:
+            self.start(record, [body for _, body in lines])
+        return record
+
+    # -- lane lines ---------------------------------------------------------------------------
+    def start(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> None:
+        scope = anyio.CancelScope()
+        self.live[record.id] = (record, scope)
+        self.gateway.start_background(self._run_lanes, record, bodies, scope)
+
+    async def _run_lanes(self, record: BatchRecord, bodies: list[dict[str, Any]],
+                         scope: anyio.CancelScope) -> None:
+        surface = self.surfaces[record.endpoint]
+        todo = [n for n in record.lane_lines if str(n) not in record.lane_results]
+        try:
+            with scope:
+                for start in range(0, len(todo), PAGE):
+                    page, calls, shapes = [], [], []
+                    for n in todo[start:start + PAGE]:
+                        try:
+                            name, params, shape = plan(self.v1, record.endpoint, bodies[n])
+                        except HttpError as e:  # the config changed under a resumed batch
+                            record.lane_results[str(n)] = error_entry(surface, e.error)
+                            continue
+                        page.append(n)
+                        calls.append(Call(name, params, identity=record.owner))
+                        shapes.append(shape)
+                    outcomes = await self.gateway.submit_many(calls) if calls else []
+                    for n, shape, o in zip(page, shapes, outcomes, strict=True):
+                        record.lane_results[str(n)] = self._entry(o, shape, surface)
+                    await self.store.save_batch(record)
+        except Exception as e:  # every line still ends: as failed
+            log.exception("batch %s: running its lane lines failed", record.id)
+            for n in todo:
+                record.lane_results.setdefault(str(n), error_entry(surface, internal_error(
+                    type(e).__name__)))
+            await self.store.save_batch(record)
+        finally:
+            self.live.pop(record.id, None)
+
+    @staticmethod
+    def _entry(outcome: Outcome, shape: Any, surface: Surface) -> dict[str, Any]:
+        if outcome.error is not None:
+            return error_entry(surface, outcome.error)
+        return {"status": 200, "body": shape(outcome.result) if shape else outcome.result}
+
+    async def resume(self) -> None:
+        """Run the lane lines a stopped gateway left unfinished (the job part resumes by itself)."""
+        for record in await self.store.batches(everyone=True):
+            unfinished = [n for n in record.lane_lines if str(n) not in record.lane_results]
+            if unfinished and record.cancelled_at is None and not record.errors:
+                found = await self.store.file(record.input_file_id, record.owner)
+                if found is None:
+                    continue
+                lines, _ = parse_lines(await self.store.content(found), record.endpoint)
+                self.start(record, [body for _, body in lines])
+
+    # -- reading -------------------------------------------------------------------------------
+    async def get(self, batch_id: str, identity: str | None) -> BatchRecord | None:
+        live = self.live.get(batch_id)
+        if live is not None:
+            return live[0] if live[0].owner == identity else None
+        return await self.store.batch(batch_id, identity)
+
+    async def cancel(self, record: BatchRecord) -> None:
+        if record.cancelled_at is not None:
+            return
+        record.cancelled_at = now()
+        if record.job_id is not None:
+            await self.gateway.submit(Call("jobs.cancel", {"job_id": record.job_id},
+                                           identity=record.owner))
+        live = self.live.get(record.id)
+        if live is not None:
+            live[1].cancel()
+        await self.store.save_batch(record)
+
+    async def _job(self, record: BatchRecord, method: str, **params: Any) -> Any:
+        outcome = await self.gateway.submit(Call(method, {"job_id": record.job_id, **params},
+                                                 identity=record.owner))
+        if outcome.error is not None:
+            raise http_error(outcome.error, self.surfaces[record.endpoint])
+        return outcome.result
+
+    async def entries(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
+        """Line -> {status, body} for every finished line (lines still running are absent)."""
+        out: dict[int, dict[str, Any]] = {int(k): v for k, v in record.early.items()}
+        out.update({int(k): v for k, v in record.lane_results.items()})
+        if record.job_id is None:
+            return out
+        surface = self.surfaces[record.endpoint]
+        cursor: int | None = 0
+        while cursor is not None:
+            page = await self._job(record, "jobs.results", cursor=cursor, limit=10_000)
+            for row in page["results"]:
+                n = record.job_lines[row["index"]]
+                if row["status"] == "succeeded":
+                    out[n] = {"status": 200, "body": row["result"]}
+                elif row["status"] == "failed":
+                    error = RpcError.from_dict(row["error"])
+                    if error.code == Code.CANCELLED and record.cancelled_at is not None:
+                        continue  # never ran: the error file says the batch was cancelled
+                    out[n] = error_entry(surface, error)
+            cursor = page["next_cursor"]
+        return out
+
+    async def wire(self, record: BatchRecord) -> dict[str, Any]:
+        """The batch as OpenAI's ``batch`` object."""
+        total = len(record.custom_ids)
+        if record.errors:
+            status, completed, failed, ended = "failed", 0, 0, True
+        else:
+            entries = await self.entries(record)
+            completed = sum(1 for e in entries.values() if e["status"] == 200)
+            failed = len(entries) - completed
+            job_done = record.job_id is None or (await self._job(record, "jobs.status"))["done"]
+            lanes_done = record.id not in self.live and (
+                record.cancelled_at is not None or len(record.lane_results) == len(record.lane_lines))
+            ended = job_done and lanes_done
+            if record.cancelled_at is not None:
+                status = "cancelled" if ended else "cancelling"
+            else:
+                status = "completed" if ended else "in_progress"
+        stamp = record.ended.get(status)
+        if stamp is None:
+            stamp = record.ended[status] = now()
+            if status in ("completed", "failed", "cancelled") and record.id not in self.live:
+                await self.store.save_batch(record)  # the end time stays what it first was
+        out: dict[str, Any] = {
+            "id": record.id, "object": "batch", "endpoint": record.endpoint,
+            "errors": {"object": "list", "data": record.errors} if record.errors else None,
+            "input_file_id": record.input_file_id, "completion_window": record.completion_window,
+            "status": status, "created_at": record.created_at,
+            "in_progress_at": None if record.errors else record.created_at,
+            "expires_at": record.created_at + 86_400, "finalizing_at": None,
+            "completed_at": stamp if status == "completed" else None,
+            "failed_at": stamp if status == "failed" else None, "expired_at": None,
+            "cancelling_at": record.cancelled_at, "cancelled_at": stamp if status == "cancelled" else None,
+            "output_file_id": None, "error_file_id": None,
+            "request_counts": {"total": total, "completed": completed, "failed": failed},
+            "metadata": record.metadata,
+        }
+        if ended and not record.errors:
+            out["output_file_id"] = f"file-{record.id}-output" if completed else None
+            out["error_file_id"] = f"file-{record.id}-error" if failed or status == "cancelled" else None
+        return out
+
+    async def output(self, record: BatchRecord, errors: bool) -> bytes:
+        """The output file (``errors`` False) or the error file, one JSON line per custom_id."""
+        entries = await self.entries(record)
+        rows = []
+        for n, cid in enumerate(record.custom_ids):
+            entry = entries.get(n)
+            if entry is None:
+                if errors and record.cancelled_at is not None:
+                    rows.append({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": cid,
+                                 "response": None, "error": {"code": "batch_cancelled",
+                                                             "message": "the batch was cancelled "
+                                                                        "before this request ran"}})
+                continue
+            if (entry["status"] == 200) == errors:
+                continue
+            rows.append({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": cid,
+                         "response": {"status_code": entry["status"],
+                                      "request_id": "req_" + uuid.uuid4().hex,
+                                      "body": entry["body"]}, "error": None})
+        return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
+
+
+def surfaces_for(openai: Surface, anthropic: Surface) -> dict[str, Surface]:
+    return {endpoint: anthropic if endpoint == MESSAGES else openai for endpoint in OPERATIONS}

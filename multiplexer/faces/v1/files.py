@@ -1,0 +1,167 @@
+"""OpenAI's Files and Batches endpoints: ``/v1/files`` (upload, get, content) and
+``/v1/batches`` (create, get, cancel, list), so ``client.files.create(..., purpose="batch")``,
+``client.batches.create(...)``, ``client.batches.retrieve(...)`` and ``client.files.content(...)``
+work unchanged against the gateway."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from multiplexer.core.errors import Code, RpcError, invalid_params
+from multiplexer.faces.v1.batch_run import Batches
+from multiplexer.faces.v1.common import V1, HttpError, send_json
+from multiplexer.faces.v1.endpoint import Endpoint
+from multiplexer.faces.v1.openai import OPENAI
+from multiplexer.faces.v1.store import BatchRecord, V1Store
+
+PURPOSES = ("batch", "batch_output", "fine-tune", "assistants", "user_data", "evals", "vision")
+
+
+def not_found(what: str, ident: Any) -> HttpError:
+    return HttpError(404, RpcError(Code.NOT_FOUND, f"No such {what}: {ident!r}"))
+
+
+class FilesEndpoint(Endpoint):
+    surface = OPENAI
+
+    def __init__(self, v1: V1, store: V1Store, batches: Batches, max_bytes: int) -> None:
+        super().__init__(v1)
+        self.files, self.batches, self.max_bytes = store, batches, max_bytes
+
+
+class Upload(FilesEndpoint):
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes + 65536:
+            raise HttpError(413, RpcError(Code.TOO_LARGE, "File too large",
+                                          {"max_file_bytes": self.max_bytes}))
+        request = Request(scope, receive)
+        try:
+            form = await request.form(max_files=1, max_fields=8, max_part_size=self.max_bytes)
+        except Exception as e:  # starlette's multipart errors: a malformed or oversized upload
+            raise HttpError(400, invalid_params(f"a multipart form with 'file' and 'purpose' is "
+                                                f"required ({e})")) from None
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise HttpError(400, invalid_params("'file' is required"), param="file")
+            if purpose not in PURPOSES:
+                raise HttpError(400, invalid_params(f"'purpose' must be one of {list(PURPOSES)}"),
+                                param="purpose")
+            content = await upload.read(self.max_bytes + 1)
+            if len(content) > self.max_bytes:
+                raise HttpError(413, RpcError(Code.TOO_LARGE, "File too large",
+                                              {"max_file_bytes": self.max_bytes}))
+            record = await self.files.put_file(identity, upload.filename or "upload.jsonl",
+                                               str(purpose), content)
+        finally:
+            await form.close()
+        await send_json(send, 200, record.wire(), headers)
+
+
+class FileInfo(FilesEndpoint):
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        info, _ = await self.file(scope["path_params"]["file_id"], identity, content=False)
+        await send_json(send, 200, info, headers)
+
+    async def file(self, file_id: str, identity: str | None, *,
+                   content: bool) -> tuple[dict[str, Any], bytes]:
+        """(file object, content): an uploaded file, or a batch's output or error file, which
+        is built from the batch's results when asked for."""
+        derived = await self._derived(file_id, identity)
+        if derived is not None:
+            record, errors = derived
+            body = await self.batches.output(record, errors)
+            return {"id": file_id, "object": "file", "bytes": len(body),
+                    "created_at": record.created_at, "filename": file_id + ".jsonl",
+                    "purpose": "batch_output", "status": "processed", "expires_at": None,
+                    "status_details": None}, body
+        found = await self.files.file(file_id, identity)
+        if found is None:
+            raise not_found("file", file_id)
+        return found.wire(), await self.files.content(found) if content else b""
+
+    async def _derived(self, file_id: str, identity: str | None) -> tuple[BatchRecord, bool] | None:
+        for suffix, errors in (("-output", False), ("-error", True)):
+            if file_id.startswith("file-batch_") and file_id.endswith(suffix):
+                record = await self.batches.get(file_id[len("file-"):-len(suffix)], identity)
+                if record is None:
+                    raise not_found("file", file_id)
+                view = await self.batches.wire(record)
+                if view["output_file_id" if not errors else "error_file_id"] != file_id:
+                    raise not_found("file", file_id)  # not ended, or nothing in it
+                return record, errors
+        return None
+
+
+class FileContent(FileInfo):
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        _, body = await self.file(scope["path_params"]["file_id"], identity, content=True)
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/jsonl"), (b"content-length", str(len(body)).encode()),
+            *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class CreateBatch(FilesEndpoint):
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        body = await self.v1.read_json(scope, receive)
+        record = await self.batches.create(identity, body)
+        await send_json(send, 200, await self.batches.wire(record), headers)
+
+
+class GetBatch(FilesEndpoint):
+    async def record(self, scope: Scope, identity: str | None) -> BatchRecord:
+        batch_id = scope["path_params"]["batch_id"]
+        record = await self.batches.get(batch_id, identity)
+        if record is None:
+            raise not_found("batch", batch_id)
+        return record
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        record = await self.record(scope, identity)
+        await send_json(send, 200, await self.batches.wire(record), headers)
+
+
+class CancelBatch(GetBatch):
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        record = await self.record(scope, identity)
+        view = await self.batches.wire(record)
+        if view["status"] in ("completed", "failed", "expired"):
+            raise HttpError(409, invalid_params(f"batch {record.id} is {view['status']}; only a "
+                                                "running batch can be cancelled"))
+        await self.batches.cancel(record)
+        await send_json(send, 200, await self.batches.wire(record), headers)
+
+
+class ListBatches(FilesEndpoint):
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        query = Request(scope).query_params
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise HttpError(400, invalid_params("limit must be an integer from 1 to 100"),
+                            param="limit")
+        records = await self.batches.store.batches(identity)
+        after = query.get("after")
+        if after is not None:
+            ids = [r.id for r in records]
+            records = records[ids.index(after) + 1:] if after in ids else []
+        page = records[:limit]
+        data = [await self.batches.wire(await self.batches.get(r.id, identity) or r) for r in page]
+        await send_json(send, 200, {
+            "object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}, headers)

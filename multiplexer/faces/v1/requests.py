@@ -1,0 +1,38 @@
+"""A ``/v1`` request body as a gateway call: which route its model picks, the params it sends,
+and how the result is shaped back; shared by the live endpoints and batch input lines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from multiplexer.core.errors import invalid_params
+from multiplexer.faces.v1.common import V1, HttpError
+from multiplexer.faces.v1.local_chat import chat_params, chat_result, is_local_chat
+
+CHAT, EMBEDDINGS, MESSAGES = "/v1/chat/completions", "/v1/embeddings", "/v1/messages"
+# endpoint -> the route operations that serve it ("call": a local model's task decides)
+OPERATIONS = {CHAT: ("chat", "call"), EMBEDDINGS: ("embeddings", "call"), MESSAGES: ("messages",)}
+
+Shape = Callable[[Any], Any]
+
+
+def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any], Shape | None]:
+    """(route name, params, result shaper or None) for a body sent to ``endpoint``."""
+    name, route = v1.route_for(body.get("model"))
+    if route.operation not in OPERATIONS[endpoint]:
+        what = endpoint.removeprefix("/v1/").replace("/", " ")
+        raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
+                                            f"({route.operation}), not {what}"), param="model")
+    params = v1.params_for(body, name, route)
+    if endpoint == CHAT and is_local_chat(route):
+        model = body["model"]
+        return name, chat_params(params), lambda result: chat_result(result, model)
+    return name, params, None
+
+
+def stream_flag(body: dict[str, Any]) -> bool:
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise HttpError(400, invalid_params("'stream' must be a boolean"), param="stream")
+    return bool(stream)

@@ -1,0 +1,150 @@
+"""OpenAI's Files and Batch API on the gateway, driven by the ``openai`` SDK: lines for a
+provider with a batch API ride its batch API (the fake's), other lines run through their lanes;
+output and error files in OpenAI's format, one line per custom_id."""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from multiplexer.gateway.config import parse_config
+from multiplexer.server import running
+from tests.remote_helpers import fakes
+from tests.test_v1_openai import KEY, ask, v1_config
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.anyio
+
+
+def config(f: Any, tmp_path: Path) -> dict[str, Any]:
+    data = v1_config(f, tmp_path)
+    data["providers"]["builtin"] = {"kind": "echo"}  # no batch API: its lines use the lanes
+    data["routes"]["echo"] = {"provider": "builtin", "models": ["echo-embed"]}
+    return data
+
+
+@asynccontextmanager
+async def gateway(tmp_path: Path):
+    async with (
+        fakes() as f,
+        running(parse_config(config(f, tmp_path)), port=0) as (gw, url),
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as client,
+    ):
+        yield f, gw, client
+
+
+def jsonl(rows: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+def line(cid: str, body: dict[str, Any], url: str = "/v1/chat/completions") -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+
+async def until_ended(client: Any, batch_id: str) -> Any:
+    with anyio.fail_after(20):
+        while True:
+            batch = await client.batches.retrieve(batch_id)
+            if batch.status in ("completed", "failed", "cancelled", "expired"):
+                return batch
+            await anyio.sleep(0.02)  # polling, as an SDK user does; the end is asserted, not timed
+
+
+def parse(content: bytes) -> dict[str, dict[str, Any]]:
+    rows = [json.loads(x) for x in content.splitlines()]
+    return {r["custom_id"]: r for r in rows}
+
+
+async def test_chat_batch_through_the_providers_batch_api(tmp_path):
+    async with gateway(tmp_path) as (f, _, client):
+        rows = [line(f"q{i}", {"model": "gpt-4o-mini", "messages": ask(f"question {i}")})
+                for i in range(6)]
+        rows.append(line("bad", {"model": "gpt-4o-mini", "messages": ask("please FAIL")}))
+        rows.append(line("nomodel", {"model": "gpt-unknown", "messages": ask("x")}))
+        upload = await client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+        assert upload.purpose == "batch" and upload.bytes == len(jsonl(rows))
+        assert (await client.files.retrieve(upload.id)).id == upload.id
+        batch = await client.batches.create(input_file_id=upload.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h", metadata={"run": "1"})
+        assert batch.status in ("in_progress", "completed") and batch.metadata == {"run": "1"}
+        done = await until_ended(client, batch.id)
+        assert done.status == "completed"
+        assert (done.request_counts.total, done.request_counts.completed,
+                done.request_counts.failed) == (8, 6, 2)
+        assert len(f.openai.batches) == 1  # the 7 routable lines went up as one remote batch
+
+        out = parse((await client.files.content(done.output_file_id)).content)
+        assert sorted(out) == [f"q{i}" for i in range(6)]
+        for i in range(6):
+            response = out[f"q{i}"]["response"]
+            assert response["status_code"] == 200
+            assert response["body"]["choices"][0]["message"]["content"] == f"echo: question {i}"
+        errors = parse((await client.files.content(done.error_file_id)).content)
+        assert errors["bad"]["response"]["status_code"] == 400
+        assert "FAIL" in errors["bad"]["response"]["body"]["error"]["message"]
+        assert errors["nomodel"]["response"]["status_code"] == 404
+        assert errors["nomodel"]["response"]["body"]["error"]["code"] == "model_not_found"
+
+
+async def test_lines_without_a_batch_api_run_through_the_lanes(tmp_path):
+    async with gateway(tmp_path) as (_, _, client):
+        rows = [line(f"e{i}", {"model": "echo-embed", "input": f"text {i}"}, "/v1/embeddings")
+                for i in range(5)]
+        rows.append(line("up", {"model": "text-embedding-3-small", "input": "remote"},
+                         "/v1/embeddings"))
+        upload = await client.files.create(file=("e.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                            completion_window="24h")
+        done = await until_ended(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 6
+        assert done.error_file_id is None
+        out = parse((await client.files.content(done.output_file_id)).content)
+        assert out["e3"]["response"]["body"] == {"model": "echo-embed", "input": "text 3"}
+        assert len(out["up"]["response"]["body"]["data"]) == 1
+        listed = await client.batches.list()
+        assert [b.id for b in listed.data] == [batch.id]
+
+
+async def test_invalid_file_fails_the_batch_and_others_see_nothing(tmp_path):
+    async with gateway(tmp_path) as (_, _, client):
+        bad = b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\nnot json\n'
+        upload = await client.files.create(file=("bad.jsonl", bad), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        assert batch.status == "failed" and batch.errors.data[0].line == 2
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.retrieve("batch_doesnotexist")
+        with pytest.raises(openai.NotFoundError):
+            await client.files.content("file-nope")
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.create(input_file_id="file-nope",
+                                        endpoint="/v1/chat/completions", completion_window="24h")
+        with pytest.raises(openai.BadRequestError):
+            await client.batches.create(input_file_id=upload.id, endpoint="/v1/nope",
+                                        completion_window="24h")  # type: ignore[arg-type]
+        with pytest.raises(openai.ConflictError):
+            await client.batches.cancel(batch.id)
+
+
+async def test_cancel_a_running_batch(tmp_path):
+    async with gateway(tmp_path) as (f, _, client):
+        f.openai.polls_to_complete = 10_000  # the remote batch never finishes on its own
+        rows = [line(f"q{i}", {"model": "gpt-4o-mini", "messages": ask(f"q {i}")}) for i in range(3)]
+        upload = await client.files.create(file=("c.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        cancelled = await client.batches.cancel(batch.id)
+        assert cancelled.status in ("cancelling", "cancelled")
+        done = await until_ended(client, batch.id)
+        assert done.status == "cancelled" and done.cancelling_at is not None
+        errors = parse((await client.files.content(done.error_file_id)).content)
+        assert {r["error"]["code"] for r in errors.values()} == {"batch_cancelled"}
+        assert sorted(errors) == ["q0", "q1", "q2"]
