@@ -15,6 +15,10 @@ from multiplexer.gateway.config import ConfigError, load_config
 DEFAULT_CONFIG = "config/default.yaml"
 
 
+class CliError(Exception):
+    """A failure the user can act on: printed as one line, exit status 1."""
+
+
 def _run(fn: Any, *args: Any) -> Any:
     """anyio.run on uvloop when it is installed: a faster event loop for the server."""
     try:
@@ -27,7 +31,11 @@ def _run(fn: Any, *args: Any) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from multiplexer.server import serve_forever
+    try:
+        from multiplexer.server import ServeError, serve_forever  # uvicorn and the faces: only here
+    except ImportError as e:  # a broken install must not start a gateway that lacks a face
+        raise CliError(f"cannot load the server and its faces ({type(e).__name__}: {e}); "
+                       "reinstall the package (pip install -e .)") from None
 
     config = load_config(args.config)
     if args.stdio:
@@ -35,20 +43,31 @@ def _serve(args: argparse.Namespace) -> int:
 
         anyio.run(serve_stdio, config)
         return 0
-    _run(lambda: serve_forever(config, host=args.host, port=args.port))
+    try:
+        _run(lambda: serve_forever(config, host=args.host, port=args.port))
+    except ServeError as e:
+        raise CliError(str(e)) from None
     return 0
 
 
 def _call(args: argparse.Namespace) -> int:
+    import httpx
+
     from multiplexer.core.errors import RpcError
     from multiplexer.sdk.client import SyncClient
 
-    params: Any = json.loads(args.params) if args.params else None
+    try:
+        params: Any = json.loads(args.params) if args.params else None
+    except json.JSONDecodeError as e:
+        raise CliError(f"PARAMS_JSON is not valid JSON: {e}") from None
     try:
         result = SyncClient(args.url, api_key=args.api_key).call(args.method, params)
     except RpcError as e:
         print(json.dumps(e.to_dict(), indent=2), file=sys.stderr)
         return 1
+    except httpx.TransportError as e:
+        raise CliError(f"cannot reach the gateway at {args.url} ({type(e).__name__}: {e}); "
+                       "is `multiplexer serve` running there? (--url picks another)") from None
     print(json.dumps(result, indent=2))
     return 0
 
@@ -103,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    except CliError as e:
+        print(f"multiplexer {args.command}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
 

@@ -16,6 +16,7 @@ import uvicorn
 from multiplexer.faces.auth import Authenticator, is_loopback
 from multiplexer.faces.http import create_app
 from multiplexer.faces.jobs import attach_jobs
+from multiplexer.faces.mcp.http import mount_mcp
 from multiplexer.faces.v1 import v1_routes
 from multiplexer.gateway.config import Config, ConfigError
 from multiplexer.gateway.gateway import Gateway
@@ -70,16 +71,22 @@ async def serve_asgi(app: Any, sock: socket.socket, *, lifespan: bool = False) -
                 await server.stopped.wait()
 
 
-def check_bind(config: Config, allow_public: bool = False) -> None:
+class ServeError(RuntimeError):
+    """The server cannot start (the address is taken, not ours to bind, ...): one line for the CLI."""
+
+
+def check_bind(config: Config, host: str) -> None:
+    """The one check of the address actually bound (from config or ``--host``): without API keys
+    only loopback, unless the config says otherwise."""
     server = config.server
-    if server.api_keys or is_loopback(server.host):
+    if server.api_keys or is_loopback(host):
         return
-    if allow_public or server.allow_public_without_keys:
-        log.warning("serving %s without API keys", server.host)
+    if server.allow_public_without_keys:
+        log.warning("serving %s without API keys", host)
         return
     raise ConfigError(
-        f"server.host: refusing to bind non-loopback address {server.host!r} without "
-        "server.api_keys (set server.allow_public_without_keys: true to override)"
+        f"refusing to serve on non-loopback address {host!r} without server.api_keys "
+        "(set server.allow_public_without_keys: true to override)"
     )
 
 
@@ -88,18 +95,19 @@ def bind(host: str, port: int) -> socket.socket:
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
     # and without it Nagle + delayed ACK add ~40 ms to every small response.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (is another gateway running? choose another with --port)" if port else ""
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
     sock.set_inheritable(True)
     return sock
 
 
 def _faces(gateway: Gateway) -> tuple[list[Any], Any]:
-    """Extra routes and a lifespan from optional faces (MCP)."""
-    try:
-        from multiplexer.faces.mcp.http import mount_mcp
-    except ImportError:
-        return [], None
+    """Extra routes and a lifespan from the faces beyond /rpc (MCP)."""
     return mount_mcp(gateway, Authenticator(gateway.config.server.api_keys))
 
 
@@ -109,6 +117,7 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
     """Gateway + HTTP server in this event loop; yields (gateway, base_url). Port 0 = ephemeral."""
     host = host or config.server.host
     port = config.server.port if port is None else port
+    check_bind(config, host)
     sock = bind(host, port)
     gw = gateway or Gateway(config)
     try:
@@ -126,7 +135,6 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
 async def serve_forever(config: Config, *, host: str | None = None, port: int | None = None,
                         on_ready: Any = None) -> None:
     """Serve until SIGTERM or SIGINT, then drain within the grace period and return."""
-    check_bind(config)
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with running(config, host=host, port=port) as (gw, url):
             log.info("multiplexer listening on %s", url)

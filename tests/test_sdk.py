@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -52,6 +53,40 @@ async def test_sync_client_and_cli_call() -> None:
         proc = await anyio.run_process(
             [sys.executable, "-m", "multiplexer", "call", "nope", "--url", url], check=False)
         assert proc.returncode == 1 and b"-32601" in proc.stderr
+
+
+async def test_cli_failures_are_one_clear_line_and_a_nonzero_exit(tmp_path) -> None:
+    """A taken port and a gateway that is not running: what failed and what to do, no traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        conf = tmp_path / "c.yaml"
+        conf.write_text("providers: {b: {kind: echo}}\nroutes: {echo: {provider: b}}\n")
+        proc = await anyio.run_process([sys.executable, "-m", "multiplexer", "serve", "--config",
+                                        str(conf), "--port", str(port)], check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.decode().strip().splitlines() == [
+        f"multiplexer serve: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(is another gateway running? choose another with --port)"]
+    proc = await anyio.run_process([sys.executable, "-m", "multiplexer", "call", "echo",
+                                    "--url", f"http://127.0.0.1:{port}"], check=False)
+    lines = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"multiplexer call: cannot reach the gateway at http://127.0.0.1:{port}")
+    assert "is `multiplexer serve` running there?" in lines[0]
+
+
+async def test_a_face_that_cannot_be_imported_fails_startup_with_a_clear_line() -> None:
+    """A broken MCP install used to start the gateway without /mcp, silently."""
+    script = ("import sys; sys.modules['mcp.server.streamable_http_manager'] = None; "
+              "from multiplexer.cli import main; sys.exit(main(['serve', '--port', '0']))")
+    with anyio.fail_after(60):
+        proc = await anyio.run_process([sys.executable, "-c", script], check=False)
+    lines = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("multiplexer serve: cannot load the server and its faces (ModuleNotFoundError")
+    assert "mcp.server.streamable_http_manager" in lines[0]
 
 
 def test_demo_command_runs_offline() -> None:

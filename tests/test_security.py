@@ -15,7 +15,7 @@ import pytest
 from examples.jsonrpc_upstream import UpstreamState
 from multiplexer import Client, RpcError
 from multiplexer.gateway.config import ConfigError, parse_config
-from multiplexer.server import check_bind
+from multiplexer.server import check_bind, running
 from tests.jsonrpc_helpers import gateway_with_upstream, post
 
 pytestmark = pytest.mark.anyio
@@ -67,11 +67,31 @@ async def test_private_cached_results_never_cross_identities() -> None:
 
 
 def test_refuses_public_bind_without_keys() -> None:
-    with pytest.raises(ConfigError, match="refusing to bind"):
-        check_bind(parse_config({"server": {"host": "0.0.0.0"}}))
-    check_bind(parse_config({"server": {"host": "0.0.0.0", "api_keys": {"a": "k"}}}))
-    check_bind(parse_config({"server": {"host": "0.0.0.0", "allow_public_without_keys": True}}))
-    check_bind(parse_config({"server": {"host": "::1"}}))
+    keyless = parse_config({})
+    for host in ("0.0.0.0", "::", "192.0.2.7", "example.org"):
+        with pytest.raises(ConfigError, match="refusing to serve"):
+            check_bind(keyless, host)
+    check_bind(parse_config({"server": {"api_keys": {"a": "k"}}}), "0.0.0.0")
+    check_bind(parse_config({"server": {"allow_public_without_keys": True}}), "0.0.0.0")
+    for host in ("127.0.0.1", "::1", "localhost"):
+        check_bind(keyless, host)
+
+
+async def test_every_way_of_choosing_the_address_is_checked() -> None:
+    """The host override (``--host``) goes through the same check as ``server.host``: it was
+    the config's host that was checked while the socket bound the override."""
+    with pytest.raises(ConfigError, match=r"'0\.0\.0\.0'"):
+        async with running(parse_config({"server": {"port": 0}}), host="0.0.0.0"):
+            pass
+    with pytest.raises(ConfigError, match=r"'0\.0\.0\.0'"):
+        async with running(parse_config({"server": {"host": "0.0.0.0", "port": 0}})):
+            pass
+    proc = await anyio.run_process([sys.executable, "-m", "multiplexer", "serve", "--host", "0.0.0.0",
+                                    "--port", "0"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.decode().strip().splitlines() == [
+        "refusing to serve on non-loopback address '0.0.0.0' without server.api_keys "
+        "(set server.allow_public_without_keys: true to override)"]
 
 
 async def test_oversized_body_gets_413_with_a_json_rpc_error() -> None:
