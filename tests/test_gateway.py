@@ -120,6 +120,42 @@ async def test_shutdown_fails_what_cannot_finish_and_refuses_new_calls() -> None
     assert late.error.code == Code.SHUTTING_DOWN
 
 
+@pytest.mark.parametrize("finish_in_time", [True, False])
+async def test_shutdown_waits_the_grace_period_on_the_clock_for_in_flight_calls(finish_in_time: bool) -> None:
+    """aclose waits for each lane to say it drained, against the injected clock (no polling)."""
+    clock, prov = ManualClock(), Gate()
+    gw = Gateway(config(), clock=clock, providers={"p": prov})
+    out: list[Outcome] = []
+    closed = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        await gw.__aenter__()
+
+        async def call() -> None:
+            out.append(await gw.submit(Call("r", {"n": 1})))
+
+        async def drive() -> None:
+            await clock.advance(4.9)
+            assert not closed.is_set() and out == []  # still within the grace period
+            if finish_in_time:
+                prov.gate.set()
+            else:
+                await clock.advance(0.2)
+
+        tg.start_soon(call)
+        await clock.advance(0)
+        tg.start_soon(drive)
+        started = anyio.current_time()
+        await gw.aclose(grace=5)
+        # the grace period is 5 s of the manual clock: no real time passes waiting for it
+        assert anyio.current_time() - started < 3
+        closed.set()
+    assert len(out) == 1
+    if finish_in_time:
+        assert out[0].result == {"n": 1}
+    else:
+        assert out[0].error.code == Code.SHUTTING_DOWN
+
+
 async def test_wildcard_route_and_unknown_method() -> None:
     prov = Gate()
     prov.gate.set()
@@ -128,3 +164,34 @@ async def test_wildcard_route_and_unknown_method() -> None:
         assert prov.runs == ["anything"]
         tools = {t.name for t in await gw.list_tools()}
         assert {"r", "bad"} <= tools
+
+
+async def test_the_jobs_face_housekeeping_runs_on_the_gateways_clock() -> None:
+    """The idle-job closer and the retention purge wake on the injected clock (no wall sleeps)."""
+    from multiplexer.faces.jobs import JobFace
+
+    clock = ManualClock(start=0.0, wall=1_700_000_000.0)
+    prov = Gate()
+    async with Gateway(config(), clock=clock, providers={"p": prov}) as gw:
+        face = JobFace(gw, {})
+        seen: list[tuple[str, float, float]] = []
+
+        async def closing(idle_s: float, now: float | None = None) -> list[str]:
+            seen.append(("close", idle_s, clock.wall()))
+            return []
+
+        async def purging(retention_s: float, now: float | None = None) -> list[str]:
+            seen.append(("purge", retention_s, clock.wall()))
+            return []
+
+        face.close_idle, face.purge = closing, purging  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(face.close_idle_forever, 100.0)  # every 25 s
+            tg.start_soon(face.purge_forever, 4 * 86_400.0)  # every hour
+            await clock.advance(0)
+            for _ in range(4):
+                await clock.advance(25)
+            tg.cancel_scope.cancel()
+    wall = 1_700_000_000.0
+    assert [s for s in seen if s[0] == "close"] == [("close", 100.0, wall + t) for t in (0, 25, 50, 75, 100)]
+    assert [s for s in seen if s[0] == "purge"] == [("purge", 4 * 86_400.0, wall)]

@@ -57,6 +57,7 @@ class Lane:
             self._sizes = metrics.batch_size.labels(name)
             self._batches = metrics.upstream_batches.labels(name)
         self._wake = anyio.Event()
+        self.drained = anyio.Event()  # set when the loop has ended: closed and empty, or cancelled
         self._closing = False
         self._scopes: dict[int, tuple[anyio.CancelScope, list[Pending]]] = {}
         self._batch_ids = 0
@@ -119,17 +120,20 @@ class Lane:
 
     # -- the loop ----------------------------------------------------------
     async def run(self) -> None:
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            while True:
-                self._wake = anyio.Event()
-                deadline = self._step(tg)
-                if self._closing and not len(self.queue) and not self.in_flight:
-                    return
-                if deadline != 0.0:
-                    await self.clock.wait_event(
-                        self._wake, None if deadline == math.inf else deadline
-                    )
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                while True:
+                    self._wake = anyio.Event()
+                    deadline = self._step(tg)
+                    if self._closing and not len(self.queue) and not self.in_flight:
+                        return
+                    if deadline != 0.0:
+                        await self.clock.wait_event(
+                            self._wake, None if deadline == math.inf else deadline
+                        )
+        finally:
+            self.drained.set()
 
     def _step(self, tg: anyio.abc.TaskGroup) -> float:
         """Start every batch that may leave now; return when to look again (inf: on wake)."""

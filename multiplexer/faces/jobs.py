@@ -13,7 +13,6 @@ results, ``store.retention_s`` after they ended, or at once on ``jobs.delete``.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -208,7 +207,8 @@ class JobFace:
         st = self.store()
         closed = []
         async with self._lock:
-            for job_id in await st.run(st.idle_open_jobs, (now or time.time()) - idle_s):
+            now = self.gateway.clock.wall() if now is None else now
+            for job_id in await st.run(st.idle_open_jobs, now - idle_s):
                 if await self._close(job_id):
                     closed.append(job_id)
                     log.warning("batch job %s was left open %.0f s without calls: closed and run",
@@ -217,15 +217,21 @@ class JobFace:
         return closed
 
     async def close_idle_forever(self, idle_s: float) -> None:
+        await self._every(min(60.0, idle_s / 4), self.close_idle, idle_s)
+
+    async def _every(self, interval: float, fn: Callable[[float], Awaitable[Any]], arg: float) -> None:
+        """``fn(arg)`` now and then every ``interval`` seconds of the gateway's clock."""
+        clock = self.gateway.clock
         while True:
-            await self.close_idle(idle_s)
-            await anyio.sleep(min(60.0, idle_s / 4))
+            await fn(arg)
+            await clock.sleep_until(clock.now() + interval)
 
     async def purge(self, retention_s: float, now: float | None = None) -> list[str]:
         """Delete the jobs that ended more than ``retention_s`` ago (as of wall time ``now``)."""
         st = self.store()
         gone: list[str] = []
-        while batch := await st.run(st.purge, (now or time.time()) - retention_s):
+        now = self.gateway.clock.wall() if now is None else now
+        while batch := await st.run(st.purge, now - retention_s):
             gone += batch
         for job_id in gone:
             for manager in self.managers.values():
@@ -233,9 +239,7 @@ class JobFace:
         return gone
 
     async def purge_forever(self, retention_s: float) -> None:
-        while True:
-            await self.purge(retention_s)
-            await anyio.sleep(min(3600.0, retention_s / 4))
+        await self._every(min(3600.0, retention_s / 4), self.purge, retention_s)
 
     async def delete(self, call: Call) -> dict[str, Any]:
         job = await self._job(call)
