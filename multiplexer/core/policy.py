@@ -74,6 +74,9 @@ class RouteConfig(BaseModel):
     timeout_ms: float | None = Field(default=None, gt=0)
     priority: int = 0
     mode: Literal["sync", "batch"] = "sync"
+    # MCP clients that opt into the tasks extension get a task handle instead of a held request
+    # (always so for mode: batch; this asks for it on a sync route of a provider with a batch API).
+    task: bool = False
     batch: BatchPolicy | None = None
     description: str | None = None
     input_schema: dict[str, Any] | None = None

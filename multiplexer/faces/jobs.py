@@ -120,11 +120,15 @@ class JobFace:
         job_id = _params(call).get("job_id")
         if not isinstance(job_id, str):
             raise invalid_params("'job_id' must be a string")
+        return await self.owned(job_id, call.identity)
+
+    async def owned(self, job_id: str, identity: str | None) -> JobRow:
+        """The job, if ``identity`` owns it; another's is as unknown as one that never was."""
         if not storable(job_id):
             raise not_found(job_id)  # no job id holds a lone surrogate
         st = self.store()
         job = await st.run(st.job, job_id)
-        if job is None or job.identity != call.identity:
+        if job is None or job.identity != identity:
             raise not_found(job_id)
         return job
 

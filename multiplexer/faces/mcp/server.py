@@ -34,7 +34,10 @@ from multiplexer.core.errors import RpcError
 from multiplexer.core.jsonrpc import META_KEYS, call_from
 from multiplexer.core.provider import McpUpstream, ToolSpec
 from multiplexer.core.version import VERSION as __version__
+from multiplexer.faces.jobs import JobFace
 from multiplexer.faces.mcp.resources import UpstreamCatalog
+from multiplexer.faces.mcp.tasks import EXTENSION as TASKS
+from multiplexer.faces.mcp.tasks import TaskFace, TaskParams, opted_in
 from multiplexer.faces.mcp.tools import (
     MAX_NAME,
     ToolCatalog,
@@ -111,6 +114,12 @@ class McpFace:
             on_subscriptions_listen=self.listen,
         )
         self.server.middleware.append(self._track_connection)
+        jobs = gateway.faces.get("jobs")
+        self.tasks = TaskFace(gateway, jobs, identity_of) if isinstance(jobs, JobFace) else None
+        if self.tasks is not None:  # batch jobs exist: long calls may become tasks
+            self.server.extensions[TASKS] = {}
+            self.server.add_request_handler("tasks/get", TaskParams, self.tasks.get)
+            self.server.add_request_handler("tasks/cancel", TaskParams, self.tasks.cancel)
 
     # -- lifetime --------------------------------------------------------------
     @asynccontextmanager
@@ -252,7 +261,8 @@ class McpFace:
         return min(ttls, default=None)
 
     async def call_tool(self, ctx: ServerRequestContext[Any, Any],
-                        params: types.CallToolRequestParams) -> types.CallToolResult:
+                        params: types.CallToolRequestParams) -> types.CallToolResult | dict[str, Any]:
+        """A call through the gateway; a ``CreateTaskResult`` instead where the client takes tasks."""
         if len(params.name) == MAX_NAME and params.name not in self.catalog.aliases:
             self.catalog.build(await self.specs())  # a client calling a short alias it never listed
         method = self.catalog.resolve(params.name)
@@ -263,6 +273,11 @@ class McpFace:
         except RpcError as e:
             return error_result(e)
         call.face = "mcp"
+        if self.tasks is not None and opted_in(ctx) and self.tasks.runs_as_task(method):
+            try:
+                return await self.tasks.create(method, params.arguments, call.identity)
+            except RpcError as e:
+                return self._result(call, params.name, None, e)
         if isinstance(raw_meta, dict) and raw_meta.get("progressToken") is not None:
             call.progress = ctx.session.report_progress
         outcome = await self.gateway.submit(call)

@@ -1,0 +1,151 @@
+"""Long calls as MCP tasks (io.modelcontextprotocol/tasks) against the fake OpenAI batch API.
+
+The client is plain HTTP speaking 2026-07-28, so every header and field the
+extension names is visible here; the SDK's own client has no tasks runtime.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
+from multiplexer.server import running
+from tests.mcp_helpers import mcp_http_client, wait_until
+from tests.remote_helpers import Fakes, fakes, remote_config_data, reply_text, user
+
+pytestmark = pytest.mark.anyio
+
+TASKS = "io.modelcontextprotocol/tasks"
+VERSION = "2026-07-28"
+KEYS = {"alice": "key-alice", "bob": "key-bob"}
+
+
+class McpHttp:
+    """One 2026-07-28 client key over plain HTTP: the envelope, the routing headers, SSE or JSON."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, key: str, *, tasks: bool = True) -> None:
+        self.http, self.url, self.key, self.tasks = http, url, key, tasks
+
+    async def send(self, method: str, params: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+        caps: dict[str, Any] = {"extensions": {TASKS: {}}} if self.tasks else {}
+        meta = {"io.modelcontextprotocol/protocolVersion": VERSION,
+                "io.modelcontextprotocol/clientCapabilities": caps}
+        headers = {"Authorization": f"Bearer {self.key}", "MCP-Protocol-Version": VERSION,
+                   "Mcp-Method": method, "Accept": "application/json, text/event-stream"}
+        if name is not None:
+            headers["Mcp-Name"] = name
+        body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {**params, "_meta": meta}}
+        r = await self.http.post(self.url, json=body, headers=headers)
+        if r.headers.get("content-type", "").startswith("text/event-stream"):
+            data = [line[5:] for line in r.text.splitlines() if line.startswith("data:")]
+            return json.loads(data[-1])
+        return r.json()
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        return await self.send("tools/call", {"name": tool, "arguments": arguments}, name=tool)
+
+    async def task(self, method: str, task_id: str, name: str | None = "same") -> dict[str, Any]:
+        return await self.send(method, {"taskId": task_id}, name=task_id if name == "same" else name)
+
+
+def config(f: Fakes, tmp_path: Path) -> dict[str, Any]:
+    data = remote_config_data(f, tmp_path)
+    data["server"] = {"host": "127.0.0.1", "port": 0, "api_keys": KEYS}
+    data["routes"]["chat_task"] = {"provider": "oai", "operation": "chat", "task": True,
+                                   "params": {"model": "gpt-test"}}
+    return data
+
+
+async def finished(client: McpHttp, task_id: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    async def ended() -> bool:
+        seen.update((await client.task("tasks/get", task_id))["result"])
+        return seen["status"] != "working"
+
+    await wait_until(ended, timeout=30)
+    return seen
+
+
+def text_of(result: dict[str, Any]) -> str:
+    return str(reply_text(result["structuredContent"]))
+
+
+async def test_batch_calls_become_tasks_for_clients_that_opt_in(tmp_path: Path) -> None:
+    async with fakes(polls_to_complete=10**9) as f, running(parse_config(config(f, tmp_path))) as (gw, base):
+        url = base + "/mcp"
+        async with httpx.AsyncClient(timeout=30) as http:
+            alice, bob = McpHttp(http, url, KEYS["alice"]), McpHttp(http, url, KEYS["bob"])
+            discovered = await alice.send("server/discover", {})
+            assert TASKS in discovered["result"]["capabilities"]["extensions"]
+
+            created = (await alice.call("chat_batch", user("hello")))["result"]
+            assert created["resultType"] == "task" and created["status"] == "working"
+            assert created["pollIntervalMs"] >= 1000 and created["ttlMs"] == 7 * 24 * 3600 * 1000
+            task_id = created["taskId"]
+            store = gw.faces["jobs"].store()
+            assert store.job(task_id) is not None  # stored before the answer
+            assert (await alice.task("tasks/get", task_id))["result"]["status"] == "working"
+
+            # Bearer handles bound to the key: another key, a made-up id, a missing Mcp-Name.
+            theirs = (await bob.task("tasks/get", task_id))["error"]
+            unknown = (await alice.task("tasks/get", "job_0000000000000000"))["error"]
+            assert (theirs["code"], theirs["message"]) == (unknown["code"], unknown["message"]) == (
+                -32602, "Unknown task")
+            assert (await alice.task("tasks/get", task_id, name=None))["error"]["code"] == -32020
+
+            f.openai.polls_to_complete = 1  # the remote batch ends
+            done = await finished(alice, task_id)
+            assert done["status"] == "completed" and done["resultType"] == "complete"
+            assert not done["result"]["isError"] and text_of(done["result"]) == "echo: hello"
+
+            failing = (await alice.call("chat_task", user("this should FAIL")))["result"]
+            assert failing["resultType"] == "task"  # task: true on a sync route
+            failed = await finished(alice, failing["taskId"])
+            assert failed["status"] == "completed" and failed["result"]["isError"] is True
+            assert "FAIL" in failed["result"]["content"][0]["text"]
+
+            # Without the opt-in: the blocking call, as before.
+            plain = (await McpHttp(http, url, KEYS["alice"], tasks=False).call("chat_batch", user("plain")))
+            assert plain["result"]["resultType"] == "complete" and text_of(plain["result"]) == "echo: plain"
+            assert (await alice.call("chat_task", user("x")))["result"]["resultType"] == "task"
+            assert (await McpHttp(http, url, KEYS["bob"], tasks=False).call("chat_task", user("sync")))[
+                "result"]["resultType"] == "complete"
+
+        # A handshake-era client cannot opt in: the SDK client gets the call's result.
+        async with mcp_http_client(url, "legacy", key=KEYS["alice"]) as legacy:
+            result = await legacy.call_tool("chat_batch", user("old"))
+            assert reply_text(result.structured_content) == "echo: old"
+
+
+async def test_a_task_is_cancelled_and_survives_a_restart(tmp_path: Path) -> None:
+    async with fakes(polls_to_complete=10**9) as f:
+        cfg = parse_config(config(f, tmp_path))
+        async with running(cfg) as (_, base), httpx.AsyncClient(timeout=30) as http:
+            alice = McpHttp(http, base + "/mcp", KEYS["alice"])
+            stopped = (await alice.call("chat_batch", user("stop me")))["result"]["taskId"]
+            kept = (await alice.call("chat_batch", user("keep me")))["result"]["taskId"]
+            assert (await McpHttp(http, base + "/mcp", KEYS["bob"]).task("tasks/cancel", stopped))[
+                "error"]["message"] == "Unknown task"
+            ack = (await alice.task("tasks/cancel", stopped))["result"]
+            assert ack["resultType"] == "complete" and set(ack) <= {"resultType", "_meta"}  # empty
+            assert (await finished(alice, stopped))["status"] == "cancelled"
+            assert (await alice.task("tasks/get", kept))["result"]["status"] == "working"
+
+        f.openai.polls_to_complete = 1
+        async with running(cfg) as (_, base), httpx.AsyncClient(timeout=30) as http:
+            alice = McpHttp(http, base + "/mcp", KEYS["alice"])
+            done = await finished(alice, kept)  # the new gateway picked the stored job up again
+            assert done["status"] == "completed" and text_of(done["result"]) == "echo: keep me"
+
+
+def test_task_is_a_route_key() -> None:
+    routes = parse_config({"providers": {"e": {"kind": "echo"}},
+                           "routes": {"a": {"provider": "e", "task": True}}}).routes
+    assert routes["a"].task is True and Gateway  # config accepts it; only batch providers act on it
