@@ -164,6 +164,11 @@ async def test_wildcard_route_and_unknown_method() -> None:
         assert prov.runs == ["anything"]
         tools = {t.name for t in await gw.list_tools()}
         assert {"r", "bad"} <= tools
+    exact_only = parse_config({"providers": {"p": {"kind": "echo"}}, "routes": {"r": {"provider": "p"}}})
+    async with Gateway(exact_only, providers={"p": prov}) as gw:
+        unknown = await gw.submit(Call("anything", [1]))
+    assert unknown.error.code == Code.METHOD_NOT_FOUND
+    assert prov.runs == ["anything"]  # never reached the provider
 
 
 async def test_the_jobs_face_housekeeping_runs_on_the_gateways_clock() -> None:

@@ -18,10 +18,15 @@ def test_package_source_is_the_shipped_model_directory() -> None:
     assert (path / "model.safetensors").is_file() and (path / "modules.json").is_file()
 
 
-@pytest.mark.parametrize("name", ["no_such_package_xyz", "os.path; rm", "json"])
-def test_bad_packages_say_why(name: str) -> None:
-    with pytest.raises(SourceError):
+@pytest.mark.parametrize(("name", "why"), [
+    ("no_such_package_xyz", "'no_such_package_xyz' is not installed"),
+    ("os.path; rm", "'os.path; rm' is not a module name"),
+    ("json", "'json' ships no model directory"),
+])
+def test_bad_packages_say_why(name: str, why: str) -> None:
+    with pytest.raises(SourceError) as e:
         package_dir(name)
+    assert why in str(e.value)
 
 
 def test_directory_sources(tmp_path: Path) -> None:
