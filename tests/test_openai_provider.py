@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio
 import httpx
 import pytest
 import respx
@@ -147,12 +148,22 @@ async def test_differently_shaped_embedding_calls_do_not_share_a_group(tmp_path)
 
 async def test_chat_calls_go_one_request_each_concurrently(tmp_path):
     p = provider(tmp_path)
+    arrived, all_in = 0, anyio.Event()
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        nonlocal arrived
+        arrived += 1
+        if arrived == 3:
+            all_in.set()
+        with anyio.fail_after(10):  # one after another, the first would wait here for good
+            await all_in.wait()
+        return httpx.Response(200, json=chat_reply("echo " + body(request)["messages"][0]["content"]))
+
     with respx.mock(base_url=BASE) as mock:
-        route = mock.post("/chat/completions").mock(side_effect=lambda r: httpx.Response(
-            200, json=chat_reply("echo " + body(r)["messages"][0]["content"])))
+        route = mock.post("/chat/completions").mock(side_effect=answer)
         async with started(p):
             out = await p.execute("chat", [chat(p, "a"), chat(p, "b"), chat(p, "c")])
-    assert route.call_count == 3
+    assert route.call_count == 3 and all_in.is_set()
     assert [o.result["choices"][0]["message"]["content"] for o in out] == ["echo a", "echo b", "echo c"]
     request = route.calls[0].request
     assert request.headers["authorization"] == "Bearer sk-secret-key"
