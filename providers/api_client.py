@@ -24,6 +24,7 @@ from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
 
+from .endpoints import Endpoints
 from .h11_transport import H11Transport
 from .http_util import classify, make_client
 from .ratelimit_headers import Parser, apply, wait_hint
@@ -31,6 +32,9 @@ from .ratelimit_headers import Parser, apply, wait_hint
 log = logging.getLogger(__name__)
 
 PAUSE_STATUSES = {429, 529}
+CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
+# Batch jobs and their files live on one endpoint: with several base_urls they use the first.
+PINNED = ("/files", "/batches", "/messages/batches")
 
 
 class ApiClient:
@@ -47,8 +51,15 @@ class ApiClient:
         self._parse_limits = parse_limits
         self._client: httpx.AsyncClient | None = None
         self._transport: httpx.AsyncBaseTransport | None = None
-        self._urls: dict[str, httpx.URL] = {}
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
         self._requests = ctx.metrics.upstream_requests.labels(self.name)
+        bases = getattr(ctx.settings, "base_urls", None)  # several endpoints: spread over them
+        self.endpoints = Endpoints(bases, ctx.clock, ctx.settings, self._endpoint_event) if bases else None
+        if bases:
+            self.base_url = bases[0].rstrip("/")
+
+    def _endpoint_event(self, event: str) -> None:
+        self.ctx.metrics.events.labels(self.name, event).inc()
 
     async def start(self) -> None:
         conf = self.ctx.config
@@ -65,8 +76,8 @@ class ApiClient:
             await self._client.aclose()  # closes the transport too
             self._client = self._transport = None
 
-    def url(self, path: str) -> str:
-        return path if path.startswith(("http://", "https://")) else self.base_url + path
+    def url(self, path: str, base: str | None = None) -> str:
+        return path if path.startswith(("http://", "https://")) else (base or self.base_url) + path
 
     def learn(self, response: httpx.Response) -> None:
         """Feed the limiter from one response's headers (also used by callers that stream)."""
@@ -77,17 +88,17 @@ class ApiClient:
             if wait is not None:
                 self.ctx.limiter.pause(wait)
 
-    def build(self, method: str, path: str, **kwargs: Any) -> httpx.Request:
+    def build(self, method: str, path: str, base: str | None = None, **kwargs: Any) -> httpx.Request:
         """A request for ``path``; a JSON body (the hot path) skips the client's merging."""
         assert self._client is not None, "ApiClient used before start()"
         if kwargs.keys() == {"json"}:
-            url = self._urls.get(path)
+            url = self._urls.get((base or "", path))
             if url is None:
-                url = self._urls[path] = httpx.URL(self.url(path))
+                url = self._urls[(base or "", path)] = httpx.URL(self.url(path, base))
             request = httpx.Request(method, url, headers=self._json_headers,
                                     content=dumps(kwargs["json"]), extensions=self._extensions)
         else:
-            request = self._client.build_request(method, self.url(path), **kwargs)
+            request = self._client.build_request(method, self.url(path, base), **kwargs)
         if self.ctx.tracer.enabled:
             self.ctx.tracer.inject(request.headers)  # the upstream batch's traceparent
         return request
@@ -127,11 +138,25 @@ class ApiClient:
         """
         retry = self.ctx.config.retry
 
+        endpoints = None if path.startswith(PINNED) else self.endpoints
+
         async def attempt() -> httpx.Response:
-            request = self.build(method, path, **kwargs)
+            endpoint = await endpoints.take() if endpoints is not None else None
+            request = self.build(method, path, endpoint.base if endpoint else None, **kwargs)
             if stream:
                 request.extensions = {**request.extensions, "max_response_bytes": None}
-            return await self._attempt(request, idempotent, stream)
+            if endpoints is None or endpoint is None:
+                return await self._attempt(request, idempotent, stream)
+            connected = False
+            try:
+                response = await self._attempt(request, idempotent, stream)
+                connected = True
+                return response
+            except Exception as e:
+                connected = not isinstance(e.__context__, CONNECT_FAILURES)
+                raise
+            finally:
+                endpoints.done(endpoint, connected)
 
         return await with_retries(
             attempt, clock=self.ctx.clock, deadline=deadline, attempts=retry.attempts,

@@ -24,6 +24,7 @@ from multiplexer.core.provider import ProviderContext
 from .api_client import ApiClient, admit, item_error
 from .batch.backend import BatchApiSettings
 from .batch.openai_batch import OpenAIBatchBackend
+from .endpoints import EndpointSettings
 from .http_util import batch_deadline
 from .llm_base import LlmProvider
 from .packing import Chunk, Scatter, chat_tokens, embedding_inputs, ordered_data, pack
@@ -32,7 +33,7 @@ from .ratelimit_headers import openai_limits
 PATHS = {"chat": "/chat/completions", "embeddings": "/embeddings"}
 
 
-class OpenAISettings(BatchApiSettings):
+class OpenAISettings(BatchApiSettings, EndpointSettings):
     base_url: str = "https://api.openai.com/v1"
     api_key: SecretStr | None = None  # falls back to $OPENAI_API_KEY; never logged
     organization: str | None = None
