@@ -35,6 +35,8 @@ class LlmProvider(Provider):
     """Subclasses name their ``paths`` (operation -> endpoint), which operations pack
     several calls into one request, and how a response body reports token usage."""
 
+    default_concurrency = DEFAULT_CONCURRENCY
+
     paths: ClassVar[dict[str, str]]
     packable: ClassVar[frozenset[str]] = frozenset()
 
@@ -46,9 +48,6 @@ class LlmProvider(Provider):
     def __init__(self, ctx: ProviderContext, api: ApiClient,
                  backend: Callable[[ApiClient], BatchBackend]) -> None:
         super().__init__(ctx)
-        limits = ctx.config.limits
-        if "concurrency" not in limits.model_fields_set:
-            limits.concurrency = DEFAULT_CONCURRENCY
         self.api = api
         sync = SyncFallback(self.run_one, ctx.limiter, ctx.clock, ctx.config.limits.concurrency)
         self.jobs = JobManager(ctx, ctx.settings, backend(api), sync)

@@ -59,14 +59,11 @@ class LocalSettings(BaseModel):
 
 class LocalProvider(Provider):
     Settings = LocalSettings
+    default_concurrency = 4096  # each generation holds a lane slot until it ends; the pool gates batches
 
     def __init__(self, ctx: ProviderContext) -> None:
         super().__init__(ctx)
         self.settings: LocalSettings = ctx.settings
-        limits = ctx.config.limits
-        if "concurrency" not in limits.model_fields_set:
-            # Each generation holds a lane slot until it ends; the pool gates batches itself.
-            limits.concurrency = 4096
         self.pool: LocalPool | None = None
         self._missing = "not started"
         self._loop_thread: int | None = None
@@ -224,7 +221,9 @@ class LocalProvider(Provider):
             results = [Outcome.fail(e)] * len(ok)
         except Exception as e:
             log.exception("local model %s failed a batch", name)
-            error = upstream_error(f"{self.name}:{name}", f"{type(e).__name__}: {e}")
+            # the exception's text may hold paths or tensor shapes: the log has it, callers get the kind
+            error = upstream_error(f"{self.name}:{name}",
+                                   f"{type(e).__name__} in the model's batch (details in the gateway log)")
             results = [Outcome.fail(error)] * len(ok)
         outcomes = [Outcome.fail(errors[i]) if i in errors else None for i in range(len(preps))]
         for i, o in zip(ok, results, strict=True):

@@ -366,19 +366,16 @@ async def test_a_respx_router_handed_in_as_the_transport_gets_every_request(tmp_
     assert body(sent)["messages"] == [{"role": "user", "content": "hello"}]
 
 
-def test_default_concurrency_does_not_cap_a_64_client_run(tmp_path):
-    from multiplexer.core.limiter import RateLimiter
-    from multiplexer.core.metrics import Metrics
-    from multiplexer.core.provider import ProviderContext
+def test_default_concurrency_does_not_cap_a_64_client_run():
     from multiplexer.gateway.config import ProviderConfig
+    from multiplexer.gateway.gateway import with_kind_defaults
     from providers.llm_base import DEFAULT_CONCURRENCY
 
-    def built(limits):
+    def effective(limits):
         conf = ProviderConfig.model_validate({"kind": "openai", "limits": limits, **SETTINGS})
-        ctx = ProviderContext(name="p", config=conf, settings=OpenAIProvider.Settings.model_validate(
-            conf.extra), clock=InstantClock(), limiter=RateLimiter(InstantClock(), None, None),
-            metrics=Metrics(), store_path=tmp_path / "jobs.db")
-        return OpenAIProvider(ctx).ctx.config.limits.concurrency
+        out = with_kind_defaults(conf, OpenAIProvider)
+        assert conf.limits.concurrency == limits.get("concurrency", 16)  # the config is not changed
+        return out.limits.concurrency
 
-    assert built({}) == DEFAULT_CONCURRENCY >= 64
-    assert built({"concurrency": 8}) == 8  # what the config says wins
+    assert effective({}) == DEFAULT_CONCURRENCY >= 64
+    assert effective({"concurrency": 8}) == 8  # what the config says wins

@@ -65,6 +65,9 @@ class Provider:
     """
 
     Settings: ClassVar[type[BaseModel]] = NoSettings
+    # Lane slots when the config sets no ``limits.concurrency``: a kind whose calls hold a slot
+    # long (streams, generation) or that learns its limits from the upstream sets its own.
+    default_concurrency: ClassVar[int | None] = None
 
     def __init__(self, ctx: ProviderContext) -> None:
         self.ctx = ctx

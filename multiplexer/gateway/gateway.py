@@ -76,6 +76,15 @@ class _Waiter:
 Handler = Callable[[Call], Awaitable[Any]]
 
 
+def with_kind_defaults(pconf: ProviderConfig, cls: type[Provider]) -> ProviderConfig:
+    """The provider's config with its kind's defaults where the file is silent, decided here once
+    (before limiters and lanes are built from it), never by the provider changing its config."""
+    default = cls.default_concurrency
+    if default is None or "concurrency" in pconf.limits.model_fields_set:
+        return pconf
+    return pconf.model_copy(update={"limits": pconf.limits.model_copy(update={"concurrency": default})})
+
+
 class Gateway:
     def __init__(
         self,
@@ -116,11 +125,12 @@ class Gateway:
             if self.state is not None:
                 await self.state.start()
                 stack.push_async_callback(self.state.aclose)
-            for name, pconf in self.config.providers.items():
+            for name, pconf in list(self.config.providers.items()):
+                cls = type(self.providers[name]) if name in self.providers else provider_class(pconf.kind)
+                pconf = self.config.providers[name] = with_kind_defaults(pconf, cls)
                 limiter = limiter_for(name, pconf, self.clock, self.state, self.metrics)
                 self.limiters[name] = limiter
                 if name not in self.providers:
-                    cls = provider_class(pconf.kind)
                     settings = cls.Settings.model_validate(pconf.extra)
                     ctx = ProviderContext(
                         name=name, config=pconf, settings=settings, clock=self.clock,
