@@ -17,6 +17,7 @@ from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.jsonrpc import dumps, error_response
 from multiplexer.core.tracing import http_trace
 from multiplexer.faces.auth import Authenticator
+from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
 from multiplexer.faces.rpc import handle_body
 from multiplexer.gateway.gateway import Gateway
 
@@ -52,26 +53,15 @@ class RpcEndpoint:
         except RpcError as e:
             await unauthorized(e)(scope, receive, send)
             return
-        declared = headers.get(b"content-length", b"")
-        chunks, size, more = [], 0, True
-        if declared.isdigit() and int(declared) > self.limit:
-            more = False
-            size = self.limit + 1
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                break
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        if size > self.limit:
+        try:
+            body = await read_body(headers.get(b"content-length"), receive, self.limit)
+        except BodyTooLarge:
             await too_large(self.limit)(scope, receive, send)
             return
+        except ClientGone:
+            return
         trace = http_trace(headers) if self.gateway.tracer.enabled else None
-        reply = await self._run(receive, b"".join(chunks), identity, trace)
+        reply = await self._run(receive, body, identity, trace)
         if reply is None:
             await send({"type": "http.response.start", "status": 204, "headers": []})
             await send({"type": "http.response.body", "body": b""})

@@ -24,6 +24,7 @@ from starlette.types import Message, Receive, Scope, Send
 from multiplexer.core.errors import Code, RpcError, invalid_request, parse_error
 from multiplexer.core.jsonrpc import loads
 from multiplexer.faces.auth import Authenticator
+from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
 from multiplexer.faces.http import rpc_error, too_large, unauthorized
 from multiplexer.faces.mcp.batch import BATCH_REVISIONS, serve_batch
 from multiplexer.faces.mcp.server import IDENTITY_SCOPE_KEY, McpFace
@@ -81,9 +82,12 @@ class McpEndpoint:
             # The session manager binds each session to the credential that opened it.
             scope["user"] = AuthenticatedUser(AccessToken(token="", client_id=identity, scopes=[]))
         if scope.get("method") == "POST":
-            body = await self._read_body(headers, receive)
-            if body is None:
+            try:
+                body = await read_body(headers.get("content-length"), receive, self.max_body)
+            except BodyTooLarge:
                 await too_large(self.max_body)(scope, receive, send)
+                return
+            except ClientGone:
                 return
             if body.lstrip()[:1] == b"[":
                 await self._array(scope, headers, body, receive, send)
@@ -133,25 +137,6 @@ class McpEndpoint:
             await rpc_error(400, invalid_request(detail))(scope, receive, send)
             return
         await serve_batch(self.manager.handle_request, scope, items, receive, send)
-
-    async def _read_body(self, headers: Headers, receive: Receive) -> bytes | None:
-        declared = headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_body:
-            return None
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return b"".join(chunks)
 
 
 def _is_initialize(headers: Headers, body: bytes) -> bool:

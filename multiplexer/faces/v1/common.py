@@ -21,6 +21,7 @@ from multiplexer.core.errors import Code, RpcError, invalid_request
 from multiplexer.core.jsonrpc import dumps, loads
 from multiplexer.core.policy import RouteConfig
 from multiplexer.faces.auth import Authenticator
+from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
 from multiplexer.gateway.gateway import Gateway
 
 JSON = b"application/json"
@@ -126,23 +127,14 @@ class V1:
 
     async def read_json(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         """The request body as a JSON object, within ``server.max_body_bytes``."""
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
+        try:
+            raw = await read_body(dict(scope["headers"]).get(b"content-length"), receive, self.limit)
+        except BodyTooLarge:
             raise HttpError(413, RpcError(Code.TOO_LARGE, "Request body too large",
-                                          {"max_body_bytes": self.limit}))
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise HttpError(499, RpcError(Code.CANCELLED, "Client closed the request"))
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                raise HttpError(413, RpcError(Code.TOO_LARGE, "Request body too large",
-                                              {"max_body_bytes": self.limit}))
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return self.json_object(b"".join(chunks))
+                                          {"max_body_bytes": self.limit})) from None
+        except ClientGone:
+            raise HttpError(499, RpcError(Code.CANCELLED, "Client closed the request")) from None
+        return self.json_object(raw)
 
     @staticmethod
     def json_object(raw: bytes) -> dict[str, Any]:

@@ -1,0 +1,36 @@
+"""Reading a request body within ``server.max_body_bytes``, for every HTTP face.
+
+A declared ``content-length`` over the cap is refused before a byte is read; an
+undeclared or lying one is cut off as soon as the running total passes it.
+"""
+
+from __future__ import annotations
+
+from starlette.types import Receive
+
+
+class BodyTooLarge(Exception):
+    """The body is over the cap: the face answers 413 in its own error shape."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before the body was complete: nothing is owed."""
+
+
+async def read_body(content_length: bytes | str | None, receive: Receive, limit: int) -> bytes:
+    """The whole body, or BodyTooLarge / ClientGone."""
+    if content_length and content_length.isdigit() and int(content_length) > limit:
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(chunks)
