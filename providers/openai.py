@@ -27,7 +27,7 @@ from .batch.openai_batch import OpenAIBatchBackend
 from .endpoints import EndpointSettings
 from .http_util import batch_deadline
 from .llm_base import LlmProvider
-from .packing import Chunk, Scatter, chat_tokens, embedding_inputs, ordered_data, pack
+from .packing import Chunk, Scatter, chat_tokens, embedding_inputs, ordered_data, pack, text_tokens
 from .ratelimit_headers import openai_limits
 
 PATHS = {"chat": "/chat/completions", "embeddings": "/embeddings"}
@@ -87,7 +87,7 @@ class OpenAIProvider(LlmProvider):
             tokens = chat_tokens(params)
             item.group = ("chat", model)
         else:
-            tokens = sum(len(v) if isinstance(v, list) else max(1, (len(v) + 3) // 4)
+            tokens = sum(len(v) if isinstance(v, list) else text_tokens(v)
                          for v in embedding_inputs(params))
             rest = {k: v for k, v in params.items() if k not in ("input", "model")}
             item.group = ("embeddings", model) if not rest else (

@@ -16,10 +16,6 @@ pytestmark = pytest.mark.anyio
 BASE = "http://claude.test"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def provider(tmp_path, **kw):
     settings = {"base_url": BASE, "api_key": "ant-secret", **kw.pop("settings", {})}

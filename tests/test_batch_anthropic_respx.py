@@ -27,10 +27,6 @@ BASE = "http://claude.test"
 PATH = "/v1/messages/batches"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def message(text: str) -> dict[str, Any]:
     return {"id": "msg", "type": "message", "role": "assistant",

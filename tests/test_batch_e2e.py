@@ -15,10 +15,6 @@ from tests.remote_helpers import Events, fakes, remote_config_data, reply_text, 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def batch_calls(route: str, prompts: list[str]) -> list[tuple[str, Any]]:
     return [(route, user(p)) for p in prompts]

@@ -26,10 +26,6 @@ pytestmark = pytest.mark.anyio
 BASE = "http://oai.test/v1"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def jsonl(rows: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(r) + "\n" for r in rows).encode()

@@ -13,10 +13,6 @@ pytestmark = pytest.mark.anyio
 A, B = "http://vllm-a.test/v1", "http://vllm-b.test/v1"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def provider(tmp_path, **settings):
     return make_provider(OpenAIProvider, {"base_urls": [A, B], "api_key": "k", **settings}, tmp_path)

@@ -25,10 +25,6 @@ OPENAI_HEADERS = {"authorization": "Bearer sk-test"}
 ANTHROPIC_HEADERS = {"x-api-key": "sk-ant-test", "anthropic-version": "2023-06-01"}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 class FakeClock:
     def __init__(self, now: float = 1_700_000_000.0) -> None:

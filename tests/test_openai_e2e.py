@@ -18,10 +18,6 @@ pytestmark = pytest.mark.anyio
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "remote.example.yaml"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 async def test_the_example_config_works_as_written(tmp_path):
     """Packed embeddings come back one object per caller; chat and claude answer; batch mode too."""

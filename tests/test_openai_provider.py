@@ -24,10 +24,6 @@ BASE = "http://oai.test/v1"
 SETTINGS = {"base_url": BASE, "api_key": "sk-secret-key", "organization": "org-1"}
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def provider(tmp_path, **kw):
     settings = {**SETTINGS, **kw.pop("settings", {})}
