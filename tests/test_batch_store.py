@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from multiplexer.core.jobrows import NewItem
 from providers.batch.backend import Planned, plan_parts
-from providers.batch.store import JobStore, acquire, release
+from providers.batch.store import JobStore
+from providers.batch.stores import acquire, release
+from tests.pg_helpers import throwaway_db
 
 
 def new(idx, provider="p", state="queued", error=None):
@@ -21,8 +25,21 @@ def test_plan_parts_splits_by_key_count_and_bytes():
     assert plan_parts([Planned(0, None, 5000)], 10, 100) == [[0]]  # an oversize line still goes
 
 
-def test_job_life_cycle(tmp_path):
-    st = JobStore(tmp_path / "j.db")
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_store(request, tmp_path):
+    if request.param == "sqlite":
+        yield JobStore(tmp_path / "j.db")
+        return
+    from providers.batch.pg_store import PgJobStore
+
+    with throwaway_db() as url:
+        st = PgJobStore(url)
+        yield st
+        st.close()
+
+
+def test_job_life_cycle(any_store):
+    st = any_store
     st.create_job("job", "alice", "client", "open")
     assert st.add_items("job", [new(i) for i in range(4)] + [new(4, None, "failed", {"code": 1})]) == 5
     assert st.job("job").total == 5
@@ -52,7 +69,8 @@ def test_job_life_cycle(tmp_path):
     assert st.job("job").state == "done"
     assert [s for s, _, _ in st.outcomes("job", 5)] == ["succeeded", "failed", "failed", "failed",
                                                          "failed"]
-    st.close()
+    assert st.list_jobs("alice", 10)[0].id == "job" and st.list_jobs(None, 10) == []
+    assert st.purge(st.wall() + 1) == ["job"] and st.job("job") is None
 
 
 def test_state_survives_reopening(tmp_path):
@@ -134,3 +152,40 @@ def test_delete_and_purge_take_items_and_parts_along(tmp_path):
     assert st.delete_job("c") and not st.delete_job("c")
     assert [st._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("jobs", "items", "parts")] \
         == [0, 0, 0]
+
+
+class Wall:
+    def __init__(self) -> None:
+        self.t = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_one_replica_drives_each_part_and_a_stale_one_is_fenced_off():
+    from providers.batch.pg_store import PgJobStore
+    from providers.batch.store import LeaseLost
+
+    wall = Wall()
+    with throwaway_db() as url:
+        a = PgJobStore(url, lease_s=30, wall=wall, owner="a")
+        b = PgJobStore(url, lease_s=30, wall=wall, owner="b")
+        a.create_job("job", None, "client", "running")
+        a.add_items("job", [new(0)])
+        a.create_parts("job", "p", 0, [("part", [0])])
+        assert a.claim_part("part") and not b.claim_part("part")  # a drives it; b keeps off
+        assert b.unclaimed_parts("p") == []
+        a.mark_submitting("part", 1.0)
+        wall.t += 20
+        assert a.renew_claims() == []  # a is alive: lease extended to +30 from now
+        wall.t += 25
+        assert not b.claim_part("part")
+        wall.t += 10  # a paused past its lease: b takes the part over
+        assert b.unclaimed_parts("p") == ["part"] and b.claim_part("part")
+        b.mark_submitted("part", "batch_b")
+        with pytest.raises(LeaseLost):
+            a.mark_submitted("part", "batch_a")  # a wakes up: its stale write cannot land
+        assert not a.claim_part("part")  # b holds it, alive
+        assert b.part("part").remote_id == "batch_b"
+        a.close()
+        b.close()

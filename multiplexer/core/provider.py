@@ -54,6 +54,7 @@ class ProviderContext:
     # tests hand in respx (``httpx.MockTransport(router.async_handler)``).
     transport: Any = None
     tracer: Tracer = NOOP  # puts the upstream batch's trace context into upstream requests
+    store_url: str | None = None  # batch jobs in PostgreSQL (shared by replicas) instead of store_path
 
 
 class Provider:

@@ -62,6 +62,9 @@ class ServerConfig(Strict):
 
 class StoreConfig(Strict):
     path: str = "multiplexer.db"
+    url: str | None = Field(
+        default=None,
+        description="postgresql://...: batch jobs shared by every replica (unset: SQLite at path)")
     open_job_idle_s: float | None = Field(
         default=3600.0, gt=0,
         description="a job left open (more: true) this long without calls is closed and run; null: never",
@@ -71,6 +74,17 @@ class StoreConfig(Strict):
         description="ended jobs, their items and results are deleted this long after they ended; "
                     "null: kept until jobs.delete",
     )
+
+    @model_validator(mode="after")
+    def _known_url(self) -> StoreConfig:
+        _postgres_url(self.url)
+        return self
+
+
+def _postgres_url(url: str | None) -> str | None:
+    if url is not None and not url.startswith(("postgresql://", "postgres://")):
+        raise ValueError(f"store.url: expected postgresql://..., got {url!r}")
+    return url
 
 
 class StateConfig(Strict):

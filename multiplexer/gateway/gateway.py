@@ -136,6 +136,7 @@ class Gateway:
                         name=name, config=pconf, settings=settings, clock=self.clock,
                         limiter=limiter, metrics=self.metrics,
                         store_path=Path(self.config.store.path), notify=self.notify,
+                        store_url=self.config.store.url,
                         tracer=self.tracer,
                     )
                     self.providers[name] = cls(ctx)

@@ -10,6 +10,7 @@ it stopped and submits nothing twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -32,7 +33,8 @@ from .backend import (
     plan_parts,
 )
 from .parts import PartDriver
-from .store import JobStore, acquire, release
+from .store import JobStore, LeaseLost
+from .stores import acquire, release
 from .sync_fallback import SyncFallback
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ class JobManager(PartDriver):
     def store(self) -> JobStore:
         """Opened on first use, or at start when the file exists (jobs may be pending)."""
         if self._store is None:
-            self._store = acquire(self.ctx.store_path)
+            self._store = acquire(self.ctx.store_path, self.ctx.store_url)
         return self._store
 
     async def start(self) -> None:
@@ -76,8 +78,10 @@ class JobManager(PartDriver):
         await stack.__aenter__()
         self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._stack = stack
-        if self.ctx.store_path.exists():
+        if self.ctx.store_url is not None or self.ctx.store_path.exists():
             await self.resume()
+        if self.ctx.store_url is not None and self.store().shared:
+            self._tg.start_soon(self._adopt_forever)
 
     async def aclose(self) -> None:
         if self._tg is not None:
@@ -164,7 +168,8 @@ class JobManager(PartDriver):
                 self._scopes[part.id].cancel()
             elif part.state == "pending":
                 await st.run(st.fail_open, job_id, err, part.id)
-                await st.run(st.finish_part, part.id, "cancelled", None)
+                with contextlib.suppress(LeaseLost):  # its replica ends it: it sees the cancel
+                    await st.run(st.finish_part, part.id, "cancelled", None)
             elif part.state == "submitted" and part.remote_id and self.backend is not None:
                 await self._cancel_remote(part.remote_id, job_id)
         await self._finish_job(job_id)
@@ -188,6 +193,23 @@ class JobManager(PartDriver):
             if event is not None:
                 event.set()
             self.ctx.notify("batch_job_ended", {"job_id": job_id, "state": final})
+
+    async def _adopt_forever(self) -> None:
+        """Several replicas: renew the parts this one drives, stop those it lost, and take
+        over the parts whose replica died (their lease ran out)."""
+        st = self.store()
+        lease_s = getattr(st, "lease_s", 30.0)
+        while True:
+            await anyio.sleep(lease_s / 3)
+            try:
+                for part_id in await st.run(st.renew_claims):
+                    scope = self._scopes.get(part_id)
+                    if scope is not None:
+                        scope.cancel()
+                for part_id in await st.run(st.unclaimed_parts, self.name):
+                    self._spawn(part_id)
+            except Exception:  # the database is away: drive what we hold, try again later
+                log.exception("%s: could not renew or adopt batch parts", self.name)
 
     def forget(self, job_id: str) -> None:
         """Drop the job's entries in memory: on its end, and on delete (it may never end)."""

@@ -19,6 +19,7 @@ from multiplexer.core.errors import RpcError, cancelled, internal_error, upstrea
 from multiplexer.core.jobrows import PartRow
 
 from .backend import JobItem, RemoteStatus, SubmissionUnknown
+from .store import LeaseLost
 
 if TYPE_CHECKING:
     from multiplexer.core.provider import ProviderContext
@@ -69,7 +70,11 @@ class PartDriver:
     async def _drive(self, part_id: str) -> None:
         st = self.store()
         try:
+            if not await st.run(st.claim_part, part_id):
+                return  # another replica drives it
             await self._drive_part(part_id)
+        except LeaseLost:  # paused past the lease: the part's new owner goes on from the store
+            log.warning("%s: batch part %s is driven by another replica now", self.name, part_id)
         except Exception as e:  # a bug must neither lose the items nor stop the gateway
             log.exception("%s: batch part %s failed", self.name, part_id)
             try:
@@ -80,6 +85,7 @@ class PartDriver:
                 log.exception("%s: could not record the failure of %s", self.name, part_id)
         finally:
             self._driving.discard(part_id)
+            st.release_claim(part_id)
 
     async def _drive_part(self, part_id: str) -> None:
         st = self.store()

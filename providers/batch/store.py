@@ -9,11 +9,12 @@ batch up, or to submit; never to submit twice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,8 +54,14 @@ def _locked(fn: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+class LeaseLost(Exception):
+    """This replica no longer owns the part (its lease ran out and another replica took it)."""
+
+
 class JobStore:
     """Blocking methods guarded by a lock; call them through ``run`` from async code."""
+
+    shared = False  # one gateway owns this file: every part is its own to drive
 
     def __init__(self, path: str | Path, wall: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
@@ -63,8 +70,8 @@ class JobStore:
         self._lock = threading.RLock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
                                    timeout=30.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._x("PRAGMA journal_mode=WAL")
+        self._x("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -74,25 +81,38 @@ class JobStore:
         with self._lock:
             self._db.close()
 
-    def _tx(self) -> sqlite3.Connection:
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[None]:
+        """One transaction: committed when the block ends, rolled back if it raises."""
         self._db.execute("BEGIN IMMEDIATE")
-        return self._db
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _x(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        return self._db.execute(sql, args)
+
+    def _xm(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any:
+        return self._db.executemany(sql, rows)
 
     # -- jobs ------------------------------------------------------------------
     @_locked
     def create_job(self, job_id: str, identity: str | None, source: str, state: str) -> None:
         now = self.wall()
-        self._db.execute("INSERT INTO jobs VALUES (?,?,?,?,0,?,?)",
+        self._x("INSERT INTO jobs VALUES (?,?,?,?,0,?,?)",
                          (job_id, identity, source, state, now, now))
 
     @_locked
     def job(self, job_id: str) -> JobRow | None:
-        row = self._db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        row = self._x("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
         return JobRow(*row) if row else None
 
     @_locked
     def list_jobs(self, identity: str | None, limit: int) -> list[JobRow]:
-        rows = self._db.execute(
+        rows = self._x(
             "SELECT * FROM jobs WHERE identity IS ? ORDER BY created DESC LIMIT ?",
             (identity, limit)).fetchall()
         return [JobRow(*r) for r in rows]
@@ -100,7 +120,7 @@ class JobStore:
     @_locked
     def idle_open_jobs(self, before: float) -> list[str]:
         """Jobs still open whose last change is older than ``before`` (wall time)."""
-        rows = self._db.execute("SELECT id FROM jobs WHERE state='open' AND updated < ?", (before,))
+        rows = self._x("SELECT id FROM jobs WHERE state='open' AND updated < ?", (before,))
         return [r[0] for r in rows.fetchall()]
 
     @_locked
@@ -110,25 +130,20 @@ class JobStore:
         if only_from:
             sql += f" AND state IN ({','.join('?' * len(only_from))})"
             args += list(only_from)
-        return self._db.execute(sql, args).rowcount > 0
+        return self._x(sql, args).rowcount > 0
 
     @_locked
     def delete_job(self, job_id: str) -> bool:
         """Drop a job, its items and parts; True if it existed."""
-        db = self._tx()
-        try:
+        with self._tx():
             for table, col in (("items", "job_id"), ("parts", "job_id"), ("jobs", "id")):
-                n = db.execute(f"DELETE FROM {table} WHERE {col}=?", (job_id,)).rowcount
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+                n = self._x(f"DELETE FROM {table} WHERE {col}=?", (job_id,)).rowcount
         return n > 0
 
     @_locked
     def purge(self, before: float, limit: int = 500) -> list[str]:
         """Delete up to ``limit`` ended jobs last changed before ``before`` (wall time)."""
-        ids = [r[0] for r in self._db.execute(
+        ids = [r[0] for r in self._x(
             "SELECT id FROM jobs WHERE state IN ('done','cancelled') AND updated < ? LIMIT ?",
             (before, limit))]
         for job_id in ids:
@@ -141,7 +156,7 @@ class JobStore:
         job = self.job(job_id)
         if job is None or job.state not in ("running", "cancelling"):
             return None
-        left = self._db.execute(
+        left = self._x(
             "SELECT COUNT(*) FROM items WHERE job_id=? AND state NOT IN ('succeeded','failed')",
             (job_id,)).fetchone()[0]
         if left:
@@ -153,40 +168,35 @@ class JobStore:
     @_locked
     def counts(self, job_id: str) -> dict[str, int]:
         counts = dict.fromkeys(("queued", "submitted", "succeeded", "failed"), 0)
-        for state, n in self._db.execute(
+        for state, n in self._x(
                 "SELECT state, COUNT(*) FROM items WHERE job_id=? GROUP BY state", (job_id,)):
             counts[state] = n
         return counts
 
     @_locked
     def job_parts(self, job_id: str) -> list[PartRow]:
-        rows = self._db.execute("SELECT * FROM parts WHERE job_id=? ORDER BY created",
+        rows = self._x("SELECT * FROM parts WHERE job_id=? ORDER BY created",
                                 (job_id,)).fetchall()
         return [_part(r) for r in rows]
 
     # -- items -----------------------------------------------------------------
     @_locked
     def add_items(self, job_id: str, items: Iterable[NewItem]) -> int:
-        db = self._tx()
-        try:
-            cur = db.executemany(
+        with self._tx():
+            cur = self._xm(
                 "INSERT INTO items VALUES (?,?,?,?,?,?,?,?,?,?,NULL,?,NULL,?,?)",
                 ((job_id, n.idx, n.provider, n.route, n.operation, n.method, dumps(n.params),
                   dumps(n.options), n.tokens, n.custom_id, n.state,
                   dumps(n.error) if n.error is not None else None, n.split) for n in items))
             added = cur.rowcount
-            db.execute("UPDATE jobs SET total=total+?, updated=? WHERE id=?",
+            self._x("UPDATE jobs SET total=total+?, updated=? WHERE id=?",
                        (added, self.wall(), job_id))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
         return added
 
     @_locked
     def jobs_with_unplanned(self, provider: str) -> list[str]:
         """Sealed jobs whose items for ``provider`` were never split into parts (crash window)."""
-        return [j for (j,) in self._db.execute(
+        return [j for (j,) in self._x(
             "SELECT DISTINCT i.job_id FROM items i JOIN jobs j ON j.id=i.job_id WHERE "
             "i.provider=? AND i.part_id IS NULL AND i.state='queued' AND j.state!='open'",
             (provider,))]
@@ -194,7 +204,7 @@ class JobStore:
     @_locked
     def unplanned(self, job_id: str, provider: str) -> list[tuple[int, str | None, int]]:
         """(idx, split key, request size in bytes) of items not yet in a part."""
-        return self._db.execute(
+        return self._x(
             "SELECT idx, split, LENGTH(CAST(params AS BLOB)) FROM items WHERE job_id=? AND "
             "provider=? AND part_id IS NULL AND state='queued' ORDER BY idx",
             (job_id, provider)).fetchall()
@@ -202,14 +212,14 @@ class JobStore:
     @_locked
     def part_open(self, part_id: str) -> list[tuple[int, str]]:
         """(idx, custom_id) of the part's unfinished items: all that matching results needs."""
-        return self._db.execute(
+        return self._x(
             "SELECT idx, custom_id FROM items WHERE part_id=? AND state NOT IN ('succeeded','failed') "
             "ORDER BY idx", (part_id,)).fetchall()
 
     @_locked
     def part_requests(self, part_id: str) -> list[tuple[str, str, str]]:
         """(custom_id, operation, params JSON) of the part's unfinished items, for an upload."""
-        return self._db.execute(
+        return self._x(
             "SELECT custom_id, operation, params FROM items WHERE part_id=? "
             "AND state NOT IN ('succeeded','failed') ORDER BY idx", (part_id,)).fetchall()
 
@@ -219,23 +229,18 @@ class JobStore:
                "FROM items WHERE part_id=?")
         if pending_only:
             sql += " AND state NOT IN ('succeeded','failed')"
-        return [ItemRow(*r) for r in self._db.execute(sql + " ORDER BY idx", (part_id,))]
+        return [ItemRow(*r) for r in self._x(sql + " ORDER BY idx", (part_id,))]
 
     @_locked
     def record(self, job_id: str, rows: Sequence[tuple[int, str, Any, Any]]) -> int:
         """Store (idx, state, result, error) for items not already finished; returns how many."""
-        db = self._tx()
-        try:
-            cur = db.executemany(
+        with self._tx():
+            cur = self._xm(
                 "UPDATE items SET state=?, result=?, error=? WHERE job_id=? AND idx=? "
                 "AND state NOT IN ('succeeded','failed')",
                 ((state, dumps(result) if state == "succeeded" else None,
                   dumps(error) if error is not None else None, job_id, idx)
                  for idx, state, result, error in rows))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
         return cur.rowcount
 
     @_locked
@@ -253,11 +258,11 @@ class JobStore:
             args.append(provider)
         if unplanned_only:
             sql += " AND part_id IS NULL"
-        return self._db.execute(sql, args).rowcount
+        return self._x(sql, args).rowcount
 
     @_locked
     def page(self, job_id: str, cursor: int, limit: int) -> list[tuple[int, str, Any, Any]]:
-        rows = self._db.execute(
+        rows = self._x(
             "SELECT idx, state, result, error FROM items WHERE job_id=? AND idx>=? "
             "ORDER BY idx LIMIT ?", (job_id, cursor, limit)).fetchall()
         results = loads_many([r for _, _, r, _ in rows])
@@ -269,7 +274,7 @@ class JobStore:
         """(state, result, error) of items 0..count-1, in order."""
         out: list[tuple[str, Any, Any]] = []
         for start in range(0, count, 5000):
-            rows = self._db.execute(
+            rows = self._x(
                 "SELECT state, result, error FROM items WHERE job_id=? AND idx>=? AND idx<? "
                 "ORDER BY idx", (job_id, start, min(start + 5000, count))).fetchall()
             results = loads_many([r for _, r, _ in rows])
@@ -282,90 +287,69 @@ class JobStore:
     def create_parts(self, job_id: str, provider: str, attempt: int,
                      parts: Sequence[tuple[str, Sequence[int]]]) -> None:
         now = self.wall()
-        db = self._tx()
-        try:
+        with self._tx():
             for part_id, idxs in parts:
-                db.execute("INSERT INTO parts VALUES (?,?,?,?,'pending',NULL,NULL,NULL,NULL,?,?)",
+                self._x("INSERT INTO parts VALUES (?,?,?,?,'pending',NULL,NULL,NULL,NULL,?,?)",
                            (part_id, job_id, provider, attempt, now, now))
-                db.executemany("UPDATE items SET part_id=?, state='queued' WHERE job_id=? AND idx=?",
+                self._xm("UPDATE items SET part_id=?, state='queued' WHERE job_id=? AND idx=?",
                                ((part_id, job_id, i) for i in idxs))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     @_locked
     def part(self, part_id: str) -> PartRow | None:
-        row = self._db.execute("SELECT * FROM parts WHERE id=?", (part_id,)).fetchone()
+        row = self._x("SELECT * FROM parts WHERE id=?", (part_id,)).fetchone()
         return _part(row) if row else None
 
     @_locked
     def open_parts(self, provider: str) -> list[PartRow]:
-        rows = self._db.execute(
+        rows = self._x(
             "SELECT * FROM parts WHERE provider=? AND state!='done' ORDER BY created",
             (provider,)).fetchall()
         return [_part(r) for r in rows]
 
     @_locked
     def claimed_remote_ids(self, provider: str) -> set[str]:
-        return {r for (r,) in self._db.execute(
+        return {r for (r,) in self._x(
             "SELECT remote_id FROM parts WHERE provider=? AND remote_id IS NOT NULL", (provider,))}
 
     @_locked
     def mark_submitting(self, part_id: str, intent_wall: float) -> None:
-        self._db.execute(
+        self._x(
             "UPDATE parts SET state='submitting', intent_wall=?, updated=? WHERE id=?",
             (intent_wall, self.wall(), part_id))
 
     @_locked
     def mark_submitted(self, part_id: str, remote_id: str) -> None:
-        db = self._tx()
-        try:
-            db.execute("UPDATE parts SET state='submitted', remote_id=?, updated=? WHERE id=?",
+        with self._tx():
+            self._x("UPDATE parts SET state='submitted', remote_id=?, updated=? WHERE id=?",
                        (remote_id, self.wall(), part_id))
-            db.execute("UPDATE items SET state='submitted' WHERE part_id=? AND state='queued'",
+            self._x("UPDATE items SET state='submitted' WHERE part_id=? AND state='queued'",
                        (part_id,))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
 
     @_locked
     def set_remote_status(self, part_id: str, status: str) -> None:
-        self._db.execute("UPDATE parts SET remote_status=?, updated=? WHERE id=?",
+        self._x("UPDATE parts SET remote_status=?, updated=? WHERE id=?",
                          (status, self.wall(), part_id))
 
     @_locked
     def finish_part(self, part_id: str, remote_status: str | None, detail: str | None) -> None:
-        self._db.execute(
+        self._x(
             "UPDATE parts SET state='done', remote_status=COALESCE(?, remote_status), detail=?, "
             "updated=? WHERE id=?", (remote_status, detail, self.wall(), part_id))
 
 
+    # -- who drives each part (one gateway: always this one; see pg_store for replicas) ----
+    def claim_part(self, part_id: str) -> bool:
+        return True
+
+    def renew_claims(self) -> list[str]:
+        return []
+
+    def unclaimed_parts(self, provider: str) -> list[str]:
+        return []
+
+    def release_claim(self, part_id: str) -> None:
+        pass
+
+
 def _part(row: Sequence[Any]) -> PartRow:
     return PartRow(*row[:9])
-
-
-_shared: dict[Path, tuple[JobStore, int]] = {}
-
-
-def acquire(path: str | Path) -> JobStore:
-    """One connection per database file and process, shared by its providers and the job face."""
-    key = Path(path).resolve()
-    store, refs = _shared.get(key, (None, 0))
-    if store is None:
-        store = JobStore(key)
-    _shared[key] = (store, refs + 1)
-    return store
-
-
-def release(store: JobStore) -> None:
-    key = store.path.resolve()
-    held, refs = _shared.get(key, (None, 0))
-    if held is not store:
-        return
-    if refs <= 1:
-        del _shared[key]
-        store.close()
-    else:
-        _shared[key] = (store, refs - 1)

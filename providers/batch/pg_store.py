@@ -1,0 +1,171 @@
+"""Batch jobs in PostgreSQL (``store.url``), shared by every replica.
+
+The same queries as the SQLite store (``store.py``), in Postgres's dialect. What
+several replicas add: each part (one remote batch) is driven by exactly one
+replica at a time. A replica claims a part with a lease (``owner``,
+``lease_until``) and a fencing counter (``epoch``, raised by every claim); it
+renews its claims while it runs, and every write about a part's remote batch
+carries the epoch it claimed, so a replica that was paused past its lease and
+wakes up cannot overwrite the new owner's state (``LeaseLost``). A replica that
+dies loses its parts after the lease, and another one adopts them where they
+stopped. Why psycopg 3: the maintained PostgreSQL driver, with transactions as
+context managers; it runs on the store's worker thread like sqlite3 does.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from .store import JobStore, LeaseLost, _locked
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  id TEXT PRIMARY KEY, identity TEXT, source TEXT NOT NULL, state TEXT NOT NULL,
+  total INTEGER NOT NULL DEFAULT 0, created DOUBLE PRECISION NOT NULL,
+  updated DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS parts (
+  id TEXT PRIMARY KEY, job_id TEXT NOT NULL, provider TEXT NOT NULL, attempt INTEGER NOT NULL,
+  state TEXT NOT NULL, remote_id TEXT, remote_status TEXT, detail TEXT, intent_wall DOUBLE PRECISION,
+  created DOUBLE PRECISION NOT NULL, updated DOUBLE PRECISION NOT NULL,
+  owner TEXT, lease_until DOUBLE PRECISION, epoch BIGINT NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS parts_open ON parts(provider, state);
+CREATE INDEX IF NOT EXISTS parts_job ON parts(job_id);
+CREATE TABLE IF NOT EXISTS items (
+  job_id TEXT NOT NULL, idx INTEGER NOT NULL, provider TEXT, route TEXT, operation TEXT,
+  method TEXT, params TEXT, options TEXT, tokens INTEGER NOT NULL DEFAULT 1,
+  custom_id TEXT NOT NULL, part_id TEXT, state TEXT NOT NULL, result TEXT, error TEXT,
+  split TEXT, PRIMARY KEY (job_id, idx));
+CREATE INDEX IF NOT EXISTS items_part ON items(part_id);
+CREATE INDEX IF NOT EXISTS jobs_ended ON jobs(state, updated);
+"""
+
+_DIALECT = [(re.compile(r"\bIS \?"), "IS NOT DISTINCT FROM ?"),
+            (re.compile(r"LENGTH\(CAST\(params AS BLOB\)\)"), "OCTET_LENGTH(params)")]
+# Writes about a part's remote batch: only the replica holding the part's current epoch may make them.
+_FENCED = {"mark_submitting", "mark_submitted", "set_remote_status", "finish_part"}
+
+
+def _pg(sql: str) -> str:
+    for pattern, replacement in _DIALECT:
+        sql = pattern.sub(replacement, sql)
+    return sql.replace("?", "%s")
+
+
+class PgJobStore(JobStore):
+    shared = True
+    def __init__(self, url: str, lease_s: float = 30.0, wall: Callable[[], float] = time.time,
+                 owner: str | None = None) -> None:
+        import psycopg
+
+        self.url = url
+        self.path = None  # type: ignore[assignment]
+        self.wall = wall
+        self.lease_s = lease_s
+        self.owner = owner or secrets.token_hex(6)
+        self._lock = threading.RLock()
+        self._db = psycopg.connect(url, autocommit=True)
+        self._claims: dict[str, int] = {}  # part id -> the epoch this replica holds
+        self._sql: dict[str, str] = {}
+        with self._db.transaction():
+            self._db.execute("SELECT pg_advisory_xact_lock(7331)")  # one replica creates the schema
+            self._db.execute(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[None]:
+        with self._db.transaction():
+            yield
+
+    def _q(self, sql: str) -> str:
+        out = self._sql.get(sql)
+        if out is None:
+            out = self._sql[sql] = _pg(sql)
+        return out
+
+    def _x(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        return self._db.execute(self._q(sql), args)  # type: ignore[arg-type]
+
+    def _xm(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any:
+        cur = self._db.cursor()
+        cur.executemany(self._q(sql), list(rows))  # type: ignore[arg-type]
+        return cur
+
+    # -- who drives each part ----------------------------------------------------------
+    @_locked
+    def claim_part(self, part_id: str) -> bool:
+        """Take the part if no live replica holds it (raising its epoch); True if it is ours."""
+        now = self.wall()
+        row = self._x(
+            "UPDATE parts SET owner=?, lease_until=?, epoch=epoch+1 WHERE id=? AND state!='done' "
+            "AND (owner IS NULL OR owner=? OR lease_until < ?) RETURNING epoch",
+            (self.owner, now + self.lease_s, part_id, self.owner, now)).fetchone()
+        if row is None:
+            self._claims.pop(part_id, None)
+            return False
+        self._claims[part_id] = row[0]
+        return True
+
+    @_locked
+    def renew_claims(self) -> list[str]:
+        """Extend every claim this replica holds; the parts it lost (to stop driving them)."""
+        lost = []
+        until = self.wall() + self.lease_s
+        for part_id, epoch in list(self._claims.items()):
+            kept = self._x("UPDATE parts SET lease_until=? WHERE id=? AND owner=? AND epoch=?",
+                           (until, part_id, self.owner, epoch)).rowcount
+            if not kept:
+                del self._claims[part_id]
+                lost.append(part_id)
+        return lost
+
+    @_locked
+    def unclaimed_parts(self, provider: str) -> list[str]:
+        """Open parts no live replica drives (their owner died or never took them)."""
+        return [r[0] for r in self._x(
+            "SELECT id FROM parts WHERE provider=? AND state!='done' "
+            "AND (owner IS NULL OR lease_until < ?) ORDER BY created", (provider, self.wall()))]
+
+    def release_claim(self, part_id: str) -> None:
+        self._claims.pop(part_id, None)
+
+    def _fence(self, part_id: str) -> None:
+        """Let the write through if this replica holds the part's current epoch, or if no live
+        replica drives it (a cancel from any replica); else ``LeaseLost``."""
+        row = self._x("SELECT owner, epoch, lease_until FROM parts WHERE id=? FOR UPDATE",
+                      (part_id,)).fetchone()
+        if row is None:
+            return
+        owner, epoch, until = row
+        if owner == self.owner and epoch == self._claims.get(part_id):
+            return
+        if owner is None or until is None or until < self.wall():
+            return
+        self._claims.pop(part_id, None)
+        raise LeaseLost(part_id)
+
+
+def _fenced(name: str) -> Callable[..., Any]:
+    plain = getattr(JobStore, name)
+
+    @_locked
+    def method(self: PgJobStore, part_id: str, *args: Any) -> Any:
+        with self._tx():
+            self._fence(part_id)
+            return plain(self, part_id, *args)
+
+    method.__name__ = name
+    method.__doc__ = f"{plain.__doc__ or name}; only while this replica holds the part's epoch."
+    return method
+
+
+for _name in _FENCED:
+    setattr(PgJobStore, _name, _fenced(_name))

@@ -1,0 +1,33 @@
+"""A throwaway PostgreSQL database per test, on the machine's server (skipped where there is none)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+PG_ADMIN = os.environ.get("MX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@contextlib.contextmanager
+def throwaway_db() -> Iterator[str]:
+    """The URL of a new, empty database, dropped afterwards."""
+    try:
+        import psycopg
+    except ImportError:
+        pytest.skip("psycopg is not installed (pip install -e '.[dev]')")
+    try:
+        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
+    except psycopg.OperationalError as e:
+        print(f"SKIP: no PostgreSQL at {PG_ADMIN}: {e}")
+        pytest.skip(f"no PostgreSQL at {PG_ADMIN}")
+    name = "mxtest_" + secrets.token_hex(6)
+    admin.execute(f"CREATE DATABASE {name}")
+    try:
+        yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+    finally:
+        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.close()
