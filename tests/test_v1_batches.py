@@ -148,3 +148,23 @@ async def test_cancel_a_running_batch(tmp_path):
         errors = parse((await client.files.content(done.error_file_id)).content)
         assert {r["error"]["code"] for r in errors.values()} == {"batch_cancelled"}
         assert sorted(errors) == ["q0", "q1", "q2"]
+
+
+async def test_lane_lines_left_unfinished_run_after_a_restart(tmp_path):
+    """A gateway stopped mid-batch left lines 1 and 2 without results: the next one runs them."""
+    from multiplexer.faces.v1.store import BatchRecord, V1Store
+
+    store = V1Store(Path(str(tmp_path / "jobs.db") + ".v1"))
+    rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
+            for i in range(3)]
+    upload = await store.put_file("alice", "in.jsonl", "batch", jsonl(rows))
+    record = BatchRecord("batch_" + "a" * 24, "alice", "/v1/embeddings", upload.id, "24h", 1,
+                         custom_ids=["e0", "e1", "e2"], lane_lines=[0, 1, 2],
+                         lane_results={"0": {"status": 200, "body": {"saved": True}}})
+    await store.save_batch(record)
+    async with gateway(tmp_path) as (_, _, client):
+        done = await until_ended(client, record.id)
+        assert done.status == "completed" and done.request_counts.completed == 3
+        out = parse((await client.files.content(done.output_file_id)).content)
+        assert out["e0"]["response"]["body"] == {"saved": True}  # not run twice
+        assert out["e2"]["response"]["body"] == {"model": "echo-embed", "input": "t2"}

@@ -266,3 +266,20 @@ async def test_route_name_as_model(tmp_path):
         reply = await client.chat.completions.create(model="chat", messages=ask("by name"))
         assert reply.choices[0].message.content == "echo: by name"
         assert reply.model == "gpt-4o-mini"  # the route's own model went upstream
+
+
+async def test_a_stream_holds_its_callers_concurrency_until_it_ends(tmp_path):
+    async with gateway(tmp_path, quotas={"alice": {"concurrency": 1}}) as (f, _, _, client):
+        f.openai.stream_gate = anyio.Event()
+        stream = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=ask("slow one"), stream=True)
+        first = await stream.__anext__()
+        assert first.choices[0].delta.role == "assistant"
+        with pytest.raises(openai.RateLimitError) as e:  # the open stream holds the one slot
+            await client.chat.completions.create(model="gpt-4o-mini", messages=ask("x"))
+        assert e.value.body["message"].startswith("Rate limited")
+        f.openai.stream_gate.set()
+        rest = [c async for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in rest) == "echo: slow one"
+        reply = await client.chat.completions.create(model="gpt-4o-mini", messages=ask("now"))
+        assert reply.choices[0].message.content == "echo: now"
