@@ -290,7 +290,8 @@ async def main(args: argparse.Namespace) -> None:
     rows = [[f"rpm {args.rpm:g}, 5x offered, {args.duration:g} s: most upstream in a 60-s window",
              f"{r['3 replicas, shared']['window_max']} ({r['3 replicas, shared']['ratio']:.3f}x one gateway)",
              f"{r['3 replicas, in-process']['window_max']} ({r['3 replicas, in-process']['ratio']:.2f}x)",
-             f"one gateway: {r['one gateway']['window_max']}; floor 0.95-1.01x"],
+             f"one gateway: {r['one gateway']['window_max']}; the bucket's bound (2 x rpm): "
+             f"{2 * args.rpm:g}; floor 0.95-1.01x"],
             ["concurrency 4, 60 callers: most in flight upstream", c["shared"]["max_in_flight"],
              c["in-process"]["max_in_flight"], "<= 4"],
             ["300 identical calls: upstream executions", d["shared"]["executions"],

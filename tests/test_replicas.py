@@ -263,3 +263,32 @@ async def test_quotas_when_redis_is_down(on_failure):
     else:
         assert down.ok
     assert free.ok and counted >= 1
+
+
+async def test_batch_jobs_in_postgres_any_replica_answers_and_one_drives_each_batch(tmp_path):
+    from multiplexer.sdk.client import Client
+    from multiplexer.server import running
+    from tests.pg_helpers import throwaway_db
+    from tests.remote_helpers import Events, fakes, remote_config_data, reply_text, user
+
+    with throwaway_db() as db:
+        async with fakes() as f:
+            data = remote_config_data(f, tmp_path)
+            data["store"] = {"url": db}
+            config = parse_config(data)
+            events = Events()
+            async with running(config, port=0) as (g1, url1), running(config, port=0) as (g2, url2):
+                g1.listeners.append(events)
+                g2.listeners.append(events)
+                async with Client(url1) as c1, Client(url2) as c2:
+                    job = await c1.call("jobs.submit", {"calls": [
+                        {"method": "chat", "params": {"model": "gpt-test", **user(f"q{i}")}}
+                        for i in range(3)]})
+                    seen = await c2.call("jobs.status", {"job_id": job["job_id"]})  # the other replica
+                    await events.wait("batch_job_ended")
+                    page = await c2.call("jobs.results", {"job_id": job["job_id"]})
+                    listed = await c2.call("jobs.list", {})
+    assert seen["total"] == 3
+    assert [reply_text(r["result"]) for r in page["results"]] == ["echo: q0", "echo: q1", "echo: q2"]
+    assert [j["job_id"] for j in listed["jobs"]] == [job["job_id"]]
+    assert len(f.openai.batches) == 1  # driven by one replica, submitted once
