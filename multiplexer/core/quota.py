@@ -53,16 +53,16 @@ class Quotas:
                                allowed=quota.batch_calls_per_day, remaining=quota.batch_calls_per_day - used)
         self._batch[identity] = (day, used + calls)
 
-    def state(self, identity: str | None) -> tuple[float, float, float] | None:
-        """(limit, remaining, seconds until full) of the caller's rpm quota; None without one."""
+    def state(self, identity: str | None) -> tuple[float, float | None, float | None] | None:
+        """(limit, remaining, seconds until full) of the caller's rpm quota; None without one.
+        Remaining and reset are None where this process does not hold the bucket (shared quotas)."""
         quota = self.quotas.get(identity) if identity else None
         if quota is None or quota.rpm is None:
             return None
-        now = self.clock.now()
         bucket = self._buckets.get(identity)  # type: ignore[arg-type]
         if bucket is None:
-            return quota.rpm, quota.rpm, 0.0
-        bucket.delay(0, now)  # refill to now
+            return quota.rpm, None, None
+        bucket.delay(0, self.clock.now())  # refill to now
         left = max(bucket.level, 0.0)
         return quota.rpm, left, (quota.rpm - left) / bucket.rate if bucket.rate else 0.0
 

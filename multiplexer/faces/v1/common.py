@@ -152,9 +152,11 @@ class V1:
         if state is None:
             return []
         limit, left, reset = state
-        return [(b"x-ratelimit-limit-requests", str(int(limit)).encode()),
-                (b"x-ratelimit-remaining-requests", str(int(left)).encode()),
-                (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode())]
+        out = [(b"x-ratelimit-limit-requests", str(int(limit)).encode())]
+        if left is not None and reset is not None:
+            out += [(b"x-ratelimit-remaining-requests", str(int(left)).encode()),
+                    (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode())]
+        return out
 
     async def submit(self, call: Call) -> Outcome:
         if self.gateway.tracer.enabled:
