@@ -22,6 +22,10 @@ from multiplexer.faces.v1.common import (
 )
 from multiplexer.faces.v1.sse import Encode, stream_call
 
+# A stream may run long: without a route timeout it gets the SDKs' own 10 minutes, not the
+# server's default for whole calls.
+STREAM_TIMEOUT_MS = 600_000
+
 
 class Endpoint:
     surface: ClassVar[Surface]
@@ -59,6 +63,10 @@ class Endpoint:
                      error_body: Any, tail: bytes = b"") -> None:
         def error_event(e: HttpError) -> bytes:
             return encode(error_body(e))
+
+        route = self.v1.gateway.config.routes[call.method]
+        if route.timeout_ms is None and call.timeout_ms is None:
+            call.timeout_ms = STREAM_TIMEOUT_MS
 
         await stream_call(self.v1.submit, call, receive, send,
                           lambda: headers + self.v1.quota_headers(call.identity), self.surface,
