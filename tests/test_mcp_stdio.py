@@ -109,3 +109,17 @@ async def test_stdio_gateway_exits_cleanly_and_reaps_its_upstream(config_file: P
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_stdin_lines_drop_a_message_over_the_cap_and_go_on() -> None:
+    """An endless line must not grow the buffer without bound; the next message still arrives."""
+    from multiplexer.faces.mcp.stdio import Lines
+
+    send, receive = anyio.create_memory_object_stream[bytes](16)
+    lines = Lines(receive, max_line=100)
+    async with send:
+        for chunk in (b'{"a":1}\n{"b"', b":2}\n", b"x" * 80, b"x" * 80, b"y" * 500, b"y\n", b'{"c":3}'):
+            await send.send(chunk)
+    got = [line async for line in lines]
+    assert got == ['{"a":1}', '{"b":2}', '{"c":3}']
+    assert len(lines._buffer) == 0

@@ -31,31 +31,54 @@ from multiplexer.gateway.gateway import Gateway
 log = logging.getLogger(__name__)
 
 
-class _Lines:
-    """Async iteration over the lines of a byte stream fed by the reader thread."""
+class Lines:
+    """Async iteration over the lines of a byte stream fed by the reader thread.
 
-    def __init__(self, chunks: MemoryObjectReceiveStream[bytes]) -> None:
+    A line longer than ``max_line`` bytes (``server.max_body_bytes``) is dropped with a
+    warning, as /rpc and /mcp refuse such a body, instead of growing the buffer without bound.
+    """
+
+    def __init__(self, chunks: MemoryObjectReceiveStream[bytes], max_line: int) -> None:
         self._chunks = chunks
-        self._buffer = b""
+        self._max = max_line
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer already known to hold no newline
+        self._dropping = False  # inside an oversized line: skip to its end
 
-    def __aiter__(self) -> _Lines:
+    def __aiter__(self) -> Lines:
         return self
 
     async def __anext__(self) -> str:
-        while b"\n" not in self._buffer:
+        while True:
+            end = self._buffer.find(b"\n", self._scanned)
+            if end >= 0:
+                line = bytes(self._buffer[:end])
+                del self._buffer[:end + 1]
+                self._scanned = 0
+                if self._dropping:
+                    self._dropping = False
+                    continue
+                return line.decode("utf-8", errors="replace")
+            self._scanned = len(self._buffer)
+            if self._scanned > self._max:
+                if not self._dropping:
+                    log.warning("stdin: a message over %d bytes was dropped (server.max_body_bytes)",
+                                self._max)
+                self._dropping = True
+                self._buffer.clear()
+                self._scanned = 0
             try:
                 self._buffer += await self._chunks.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
-                if not self._buffer:
+                if not self._buffer or self._dropping:
                     raise StopAsyncIteration from None
-                line, self._buffer = self._buffer, b""
+                line = bytes(self._buffer)
+                self._buffer.clear()
                 return line.decode("utf-8", errors="replace")
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line.decode("utf-8", errors="replace")
 
 
 @asynccontextmanager
-async def stdin_lines(fd: int = 0) -> AsyncIterator[_Lines]:
+async def stdin_lines(fd: int = 0, max_line: int = 8 * 1024 * 1024) -> AsyncIterator[Lines]:
     send, receive = anyio.create_memory_object_stream[bytes](16)
     token = anyio.lowlevel.current_token()
 
@@ -68,7 +91,7 @@ async def stdin_lines(fd: int = 0) -> AsyncIterator[_Lines]:
 
     threading.Thread(target=pump, name="multiplexer-stdin", daemon=True).start()
     with receive:
-        yield _Lines(receive)
+        yield Lines(receive, max_line)
 
 
 async def serve_stdio(config: Config) -> None:
@@ -86,9 +109,9 @@ async def serve_stdio(config: Config) -> None:
                         return
 
             tg.start_soon(stop_on_signal)
-            async with stdin_lines(sys.stdin.fileno()) as lines, stdio_server(stdin=lines) as (  # type: ignore[arg-type]
-                read_stream, write_stream
-            ):
+            max_line = config.server.max_body_bytes
+            async with stdin_lines(sys.stdin.fileno(), max_line) as lines, \
+                    stdio_server(stdin=lines) as (read_stream, write_stream):  # type: ignore[arg-type]
                 log.info("multiplexer serving MCP on stdio")
                 await server.run(read_stream, write_stream, server.create_initialization_options())
             tg.cancel_scope.cancel()
