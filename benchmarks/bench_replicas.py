@@ -275,37 +275,60 @@ async def redis_down_scenario(up_port: int, up: str, rpm: float) -> dict[str, An
             "degraded_decisions": degraded_mid, "degraded_after_return": degraded_end - degraded_mid}
 
 
+SCENARIOS = ("latency", "concurrency", "dedup", "kill", "redis_down", "rpm")
+
+
 async def main(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {}
+    wanted = args.only.split(",") if args.only else SCENARIOS
     with upstream() as (up_port, up):
-        results["latency"] = await latency_scenario(up_port, up, args.calls)
-        results["concurrency"] = await concurrency_scenario(up_port, up)
-        results["dedup"] = await dedup_scenario(up_port, up)
-        results["kill"] = await kill_scenario(up_port, up, args.lease_s)
-        results["redis_down"] = await redis_down_scenario(up_port, up, args.rpm)
-        results["rpm"] = await rpm_scenario(up_port, up, args.rpm, args.duration)
-    save("bench_replicas", results)
-    r, c, d, lat, k, rd = (results[x] for x in ("rpm", "concurrency", "dedup", "latency", "kill",
-                                                   "redis_down"))
-    rows = [[f"rpm {args.rpm:g}, 5x offered, {args.duration:g} s: most upstream in a 60-s window",
-             f"{r['3 replicas, shared']['window_max']} ({r['3 replicas, shared']['ratio']:.3f}x one gateway)",
-             f"{r['3 replicas, in-process']['window_max']} ({r['3 replicas, in-process']['ratio']:.2f}x)",
-             f"one gateway: {r['one gateway']['window_max']}; the bucket's bound (2 x rpm): "
-             f"{2 * args.rpm:g}; floor 0.95-1.01x"],
-            ["concurrency 4, 60 callers: most in flight upstream", c["shared"]["max_in_flight"],
-             c["in-process"]["max_in_flight"], "<= 4"],
-            ["300 identical calls: upstream executions", d["shared"]["executions"],
-             d["in-process"]["executions"], "1"],
-            ["p50 of one call (ms)", f"{lat['p50_ms']['redis']:.2f}", f"{lat['p50_ms']['in-process']:.2f}",
-             f"added {lat['added_p50_ms']:.2f} ms (goal < 0.5)"],
-            ["replica SIGKILLed: its slots back after (s)", f"{k['slots_back_s']}", "-",
-             f"lease {k['lease_s']} s; max in flight {k['max_in_flight']}; "
-             f"max executions per call {k['max_executions_per_call']}"],
-            ["Redis down 10 s: upstream requests meanwhile", rd["upstream_during_outage"], "-",
-             f"one gateway's rate: {rd['one_gateway_rate_10s']:.0f}; answered {rd['answered']} of "
-             f"{rd['offered']} (lost {rd['lost']}); degraded decisions {rd['degraded_decisions']:.0f}, "
-             f"after return {rd['degraded_after_return']:.0f}"]]
-    print(table(["scenario", "3 replicas + Redis", "3 replicas, in-process", "floor / notes"], rows))
+        runs = {
+            "latency": lambda: latency_scenario(up_port, up, args.calls),
+            "concurrency": lambda: concurrency_scenario(up_port, up),
+            "dedup": lambda: dedup_scenario(up_port, up),
+            "kill": lambda: kill_scenario(up_port, up, args.lease_s),
+            "redis_down": lambda: redis_down_scenario(up_port, up, args.rpm),
+            "rpm": lambda: rpm_scenario(up_port, up, args.rpm, args.duration),
+        }
+        for name in SCENARIOS:
+            if name in wanted:
+                results[name] = await runs[name]()
+    save("bench_replicas" + ("_" + "_".join(wanted) if args.only else ""), results)
+    print(table(["scenario", "3 replicas + Redis", "3 replicas, in-process", "floor / notes"],
+                rows(results, args)))
+
+
+def rows(results: dict[str, Any], args: argparse.Namespace) -> list[list[Any]]:
+    out: list[list[Any]] = []
+    if (r := results.get("rpm")) is not None:
+        out.append([f"rpm {args.rpm:g}, 5x offered, {args.duration:g} s: most upstream in a 60-s window",
+                    f"{r['3 replicas, shared']['window_max']} ({r['3 replicas, shared']['ratio']:.3f}x "
+                    "one gateway)",
+                    f"{r['3 replicas, in-process']['window_max']} "
+                    f"({r['3 replicas, in-process']['ratio']:.2f}x)",
+                    f"one gateway: {r['one gateway']['window_max']}; the bucket's bound (2 x rpm): "
+                    f"{2 * args.rpm:g}; floor 0.95-1.01x"])
+    if (c := results.get("concurrency")) is not None:
+        out.append(["concurrency 4, 60 callers: most in flight upstream", c["shared"]["max_in_flight"],
+                    c["in-process"]["max_in_flight"], "<= 4"])
+    if (d := results.get("dedup")) is not None:
+        out.append(["300 identical calls: upstream executions", d["shared"]["executions"],
+                    d["in-process"]["executions"], "1"])
+    if (lat := results.get("latency")) is not None:
+        out.append(["p50 of one call (ms)", f"{lat['p50_ms']['redis']:.2f}",
+                    f"{lat['p50_ms']['in-process']:.2f}",
+                    f"added {lat['added_p50_ms']:.2f} ms (goal < 0.5)"])
+    if (k := results.get("kill")) is not None:
+        back = f"{k['slots_back_s']:.2f}" if k["slots_back_s"] is not None else "not within 3 leases"
+        out.append(["replica SIGKILLed: its slots back after (s)", back, "-",
+                    f"lease {k['lease_s']} s; max in flight {k['max_in_flight']}; "
+                    f"max executions per call {k['max_executions_per_call']}"])
+    if (rd := results.get("redis_down")) is not None:
+        out.append(["Redis down 10 s: upstream requests meanwhile", rd["upstream_during_outage"], "-",
+                    f"one gateway's rate: {rd['one_gateway_rate_10s']:.0f}; answered {rd['answered']} "
+                    f"of {rd['offered']} (lost {rd['lost']}); degraded decisions "
+                    f"{rd['degraded_decisions']:.0f}, after return {rd['degraded_after_return']:.0f}"])
+    return out
 
 
 if __name__ == "__main__":
@@ -314,4 +337,5 @@ if __name__ == "__main__":
     ap.add_argument("--duration", type=float, default=60)
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--lease-s", type=float, default=3.0)
+    ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}")
     anyio.run(main, ap.parse_args())
