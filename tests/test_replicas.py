@@ -292,3 +292,34 @@ async def test_batch_jobs_in_postgres_any_replica_answers_and_one_drives_each_ba
     assert [reply_text(r["result"]) for r in page["results"]] == ["echo: q0", "echo: q1", "echo: q2"]
     assert [j["job_id"] for j in listed["jobs"]] == [job["job_id"]]
     assert len(f.openai.batches) == 1  # driven by one replica, submitted once
+
+
+async def test_a_replica_that_dies_with_a_batch_running_has_it_taken_over(tmp_path):
+    from multiplexer.sdk.client import Client
+    from multiplexer.server import running
+    from tests.pg_helpers import throwaway_db
+    from tests.remote_helpers import Events, fakes, remote_config_data, reply_text, user
+
+    with throwaway_db() as db:
+        async with fakes(polls_to_complete=10**9) as f:  # never done while the first replica lives
+            data = remote_config_data(f, tmp_path)
+            data["store"] = {"url": db, "lease_s": 0.6}
+            config = parse_config(data)
+            first, second = Events(), Events()
+            async with running(config, port=0) as (g2, url2):
+                g2.listeners.append(second)
+                async with running(config, port=0) as (g1, url1):
+                    g1.listeners.append(first)
+                    async with Client(url1) as c1:
+                        job = await c1.call("jobs.submit", {"calls": [
+                            {"method": "chat", "params": {"model": "gpt-test", **user(f"d{i}")}}
+                            for i in range(2)]})
+                        await first.wait("batch_submitted")
+                # the first replica is gone without a word to the database (as if killed)
+                f.openai.polls_to_complete = 1
+                await second.wait("batch_job_ended")  # the second took the batch over
+                async with Client(url2) as c2:
+                    page = await c2.call("jobs.results", {"job_id": job["job_id"]})
+    assert [reply_text(r["result"]) for r in page["results"]] == ["echo: d0", "echo: d1"]
+    assert len(f.openai.batches) == 1  # taken over where it stopped: polled, never resubmitted
+    assert not any(e == "batch_submitted" for e, _ in second.seen)

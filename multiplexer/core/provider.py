@@ -55,6 +55,7 @@ class ProviderContext:
     transport: Any = None
     tracer: Tracer = NOOP  # puts the upstream batch's trace context into upstream requests
     store_url: str | None = None  # batch jobs in PostgreSQL (shared by replicas) instead of store_path
+    store_lease_s: float = 30.0  # with store_url: how long a replica's claim on a batch lasts
 
 
 class Provider:

@@ -65,6 +65,8 @@ class StoreConfig(Strict):
     url: str | None = Field(
         default=None,
         description="postgresql://...: batch jobs shared by every replica (unset: SQLite at path)")
+    lease_s: float = Field(
+        default=30.0, gt=0, description="with url: a dead replica's batches are taken over after this")
     open_job_idle_s: float | None = Field(
         default=3600.0, gt=0,
         description="a job left open (more: true) this long without calls is closed and run; null: never",

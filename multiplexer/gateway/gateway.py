@@ -136,7 +136,7 @@ class Gateway:
                         name=name, config=pconf, settings=settings, clock=self.clock,
                         limiter=limiter, metrics=self.metrics,
                         store_path=Path(self.config.store.path), notify=self.notify,
-                        store_url=self.config.store.url,
+                        store_url=self.config.store.url, store_lease_s=self.config.store.lease_s,
                         tracer=self.tracer,
                     )
                     self.providers[name] = cls(ctx)

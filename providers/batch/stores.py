@@ -10,7 +10,7 @@ from .store import JobStore
 _shared: dict[Any, tuple[JobStore, int]] = {}
 
 
-def acquire(path: str | Path, url: str | None = None) -> JobStore:
+def acquire(path: str | Path, url: str | None = None, lease_s: float = 30.0) -> JobStore:
     """One connection per database and process, shared by its providers and the job face:
     PostgreSQL at ``url`` (several replicas) or the SQLite file at ``path``."""
     key: Any = url or Path(path).resolve()
@@ -19,7 +19,7 @@ def acquire(path: str | Path, url: str | None = None) -> JobStore:
         if url is not None:
             from .pg_store import PgJobStore  # psycopg only where store.url asks for it
 
-            store = PgJobStore(url)
+            store = PgJobStore(url, lease_s)
         else:
             store = JobStore(key)
     _shared[key] = (store, refs + 1)
