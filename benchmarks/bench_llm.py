@@ -15,12 +15,14 @@ Clients are lean h11 connections (benchmarks/_h11.py), one per concurrent worker
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ model_list:
     litellm_params: {{model: openai/{model}, api_base: "http://127.0.0.1:{fake}/v1", api_key: sk-bench}}
 """
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}
+ROUNDS = 4
 JSON = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
 
 Call = Callable[[Conn], Awaitable[Reply]]
@@ -75,24 +78,40 @@ def rpc_call() -> Call:
     return call
 
 
-async def latencies(url: str, call: Call, n: int, first_chunk: bool = False) -> list[float]:
-    """Sequential calls on one kept-alive connection; seconds to the whole reply (or first chunk)."""
-    conn = Conn.to(url)
-    out = []
+@dataclass
+class Target:
+    """One way to the same upstream: its name, base URL, call, and streamed call (if any)."""
+
+    name: str
+    url: str
+    call: Call
+    stream: Call | None = None
+
+
+async def latencies(paths: list[Target], n: int, first_chunk: bool = False) -> list[list[float]]:
+    """Sequential calls, one path after the other in every round, each on its own kept-alive
+    connection, so a busy moment on a shared machine hits every path alike; seconds to the
+    whole reply (or to the first chunk of a stream)."""
+    calls = [p.stream if first_chunk else p.call for p in paths]
+    conns = [Conn.to(p.url) for p in paths]
+    out: list[list[float]] = [[] for _ in paths]
     try:
         for _ in range(max(20, n // 10)):
-            await call(conn)
+            for conn, call in zip(conns, calls, strict=True):
+                await call(conn)  # type: ignore[misc]
         for _ in range(n):
-            t = time.perf_counter()
-            reply = await call(conn)
-            out.append((reply.first_data_at if first_chunk else time.perf_counter()) - t)
+            for i, (conn, call) in enumerate(zip(conns, calls, strict=True)):
+                t = time.perf_counter()
+                reply = await call(conn)  # type: ignore[misc]
+                out[i].append((reply.first_data_at if first_chunk else time.perf_counter()) - t)
     finally:
-        await conn.aclose()
+        for conn in conns:
+            await conn.aclose()
     return out
 
 
 async def throughput(url: str, call: Call, clients: int, n: int) -> float:
-    """Calls per second with ``clients`` workers, each on its own connection, ``n`` calls in all."""
+    """Seconds for ``n`` calls by ``clients`` workers, each on its own (warmed) connection."""
     left = n
     conns = [Conn.to(url) for _ in range(clients)]
 
@@ -110,7 +129,7 @@ async def throughput(url: str, call: Call, clients: int, n: int) -> float:
         async with anyio.create_task_group() as tg:
             for conn in conns:
                 tg.start_soon(worker, conn)
-        return n / (time.perf_counter() - t)
+        return time.perf_counter() - t
     finally:
         for conn in conns:
             await conn.aclose()
@@ -127,10 +146,10 @@ async def answers(url: str, call: Call) -> bool:
         await conn.aclose()
 
 
-async def streams(url: str, path: str) -> bool:
+async def streams(url: str, path: str, headers: dict[str, str] = JSON) -> bool:
     conn = Conn.to(url)
     try:
-        reply = await conn.request("POST", path, JSON, json.dumps({**CHAT, "stream": True}).encode())
+        reply = await conn.request("POST", path, headers, json.dumps({**CHAT, "stream": True}).encode())
         return reply.status == 200 and reply.content_type.startswith("text/event-stream")
     finally:
         await conn.aclose()
@@ -142,14 +161,20 @@ def litellm_program() -> str | None:
     return os.environ.get("LITELLM_BIN") or shutil.which("litellm")
 
 
-async def measure(name: str, url: str, call: Call, args: argparse.Namespace,
-                  stream_call: Call | None) -> dict[str, Any]:
-    seq = await latencies(url, call, args.sequential)
-    out = {"name": name, "p50_ms": percentile(seq, 0.5) * 1e3, "p99_ms": percentile(seq, 0.99) * 1e3,
-           "calls_per_s": await throughput(url, call, args.clients, args.calls)}
-    if stream_call is not None:
-        first = await latencies(url, stream_call, args.sequential, first_chunk=True)
-        out["first_chunk_p50_ms"] = percentile(first, 0.5) * 1e3
+async def measure(paths: list[Target], args: argparse.Namespace) -> list[dict[str, Any]]:
+    seq = await latencies(paths, args.sequential)
+    elapsed = [0.0] * len(paths)
+    for _ in range(ROUNDS):  # alternate the paths in rounds, for the same reason
+        for i, p in enumerate(paths):
+            elapsed[i] += await throughput(p.url, p.call, args.clients, args.calls // ROUNDS)
+    out = [{"name": p.name, "p50_ms": percentile(s, 0.5) * 1e3, "p99_ms": percentile(s, 0.99) * 1e3,
+            "calls_per_s": args.calls // ROUNDS * ROUNDS / e} for p, s, e in zip(paths, seq, elapsed,
+                                                                            strict=True)]
+    streamed = [i for i, p in enumerate(paths) if p.stream is not None]
+    if paths[0].stream is not None:
+        firsts = await latencies([paths[i] for i in streamed], args.sequential, first_chunk=True)
+        for i, first in zip(streamed, firsts, strict=True):
+            out[i]["first_chunk_p50_ms"] = percentile(first, 0.5) * 1e3
     return out
 
 
@@ -158,29 +183,29 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     fake, gw = f"http://127.0.0.1:{fake_port}", f"http://127.0.0.1:{gw_port}"
     fake_args = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
                  "--latency-ms", str(args.upstream_ms), "--requests-per-window", "1000000000"]
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
+    chat = "/v1/chat/completions"
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         conf = Path(tmp) / "gateway.yaml"
-        conf.write_text(CONFIG.format(port=gw_port, fake=fake_port, store=Path(tmp) / "jobs.db", model=MODEL))
-        with child(fake_args, f"{fake}/"), \
-                child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{gw}/healthz"):
-            streaming = await streams(fake, "/v1/chat/completions")
-            v1 = openai_call("/v1/chat/completions")
-            direct = await measure("direct", fake, v1, args, openai_call(
-                "/v1/chat/completions", stream=True) if streaming else None)
-            results.append(direct)
-            results.append(await measure("gateway /rpc", gw, rpc_call(), args, None))
-            if await answers(gw, v1):
-                gw_streams = streaming and await streams(gw, "/v1/chat/completions")
-                results.append(await measure("gateway /v1", gw, v1, args, openai_call(
-                    "/v1/chat/completions", stream=True) if gw_streams else None))
-            else:
-                print("(no /v1 row: the gateway does not serve /v1/chat/completions yet)")
-            program = litellm_program()
-            if program is None:
-                print("(no LiteLLM row: needs litellm on PATH or $LITELLM_BIN, and $LITELLM_MASTER_KEY)")
-            else:
-                results.append(await litellm(program, fake_port, tmp, args, streaming))
+        conf.write_text(CONFIG.format(port=gw_port, fake=fake_port, store=Path(tmp) / "jobs.db",
+                                      model=MODEL))
+        stack.enter_context(child(fake_args, f"{fake}/"))
+        stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
+                                  f"{gw}/healthz"))
+        streaming = await streams(fake, chat)
+        paths = [Target("direct", fake, openai_call(chat), openai_call(chat, True) if streaming else None),
+                 Target("gateway /rpc", gw, rpc_call())]
+        if await answers(gw, openai_call(chat)):
+            paths.append(Target("gateway /v1", gw, openai_call(chat), openai_call(chat, True)
+                               if streaming and await streams(gw, chat) else None))
+        else:
+            print("(no /v1 row: the gateway does not serve /v1/chat/completions yet)")
+        program = litellm_program()
+        if program is None:
+            print("(no LiteLLM row: needs litellm on PATH or $LITELLM_BIN, and $LITELLM_MASTER_KEY)")
+        else:
+            paths.append(litellm(stack, program, fake_port, tmp, streaming))
+        results = await measure(paths, args)
+    direct = results[0]
     for r in results[1:]:
         r["added_p50_ms"] = r["p50_ms"] - direct["p50_ms"]
         r["ratio"] = r["calls_per_s"] / direct["calls_per_s"]
@@ -189,18 +214,19 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-async def litellm(program: str, fake_port: int, tmp: str, args: argparse.Namespace,
-                  streaming: bool) -> dict[str, Any]:
+def litellm(stack: contextlib.ExitStack, program: str, fake_port: int, tmp: str,
+            streaming: bool) -> Target:
+    """A LiteLLM proxy (one worker) on the same upstream, up until ``stack`` closes."""
     port = free_port()
     conf = Path(tmp) / "litellm.yaml"
     conf.write_text(LITELLM_CONFIG.format(fake=fake_port, model=MODEL))
     headers = {**JSON, "authorization": f"Bearer {os.environ['LITELLM_MASTER_KEY']}"}
     url = f"http://127.0.0.1:{port}"
-    with child(["--config", str(conf), "--port", str(port), "--num_workers", "1"],
-               f"{url}/health/liveliness", program=program):
-        return await measure("LiteLLM proxy", url, openai_call("/v1/chat/completions",
-                                                               headers=headers), args,
-                             openai_call("/v1/chat/completions", True, headers) if streaming else None)
+    stack.enter_context(child(["--config", str(conf), "--port", str(port), "--num_workers", "1"],
+                              f"{url}/health/liveliness", program=program))
+    chat = "/v1/chat/completions"
+    return Target("LiteLLM proxy", url, openai_call(chat, headers=headers),
+                 openai_call(chat, True, headers) if streaming else None)
 
 
 async def run_transports(args: argparse.Namespace) -> list[dict[str, Any]]:

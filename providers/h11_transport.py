@@ -9,10 +9,10 @@ timeouts, exception types) and h11 for the protocol; it only replaces the
 connection layer: one write per request, an idle-connection stack per origin, at
 most ``max_connections`` open per origin (waiting up to the pool timeout for one).
 
-A reply already whole in the first read comes back with its content and frees its
-connection at once (the hot path); a longer one (a large file, a stream of
-server-sent events) comes back as a stream that holds the connection until it is
-read to the end or closed. A reply larger than ``max_response_bytes`` (per request:
+A reply already whole in the first read, or small (64 KiB) with its length
+declared, comes back with its content and frees its connection at once (the hot
+path); a longer one (a large file, a stream of server-sent events) comes back as
+a stream that holds the connection until it is read to the end or closed. A reply larger than ``max_response_bytes`` (per request:
 the ``max_response_bytes`` extension, ``None`` for no cap) fails instead of filling
 the memory.
 """
@@ -125,7 +125,10 @@ class H11Transport(httpx.AsyncBaseTransport):
         try:
             head = await _send_and_read_head(conn, request, body, timeouts)
             chunks, done = _buffered(conn)
-            length = _content_length(head.headers) or sum(len(c) for c in chunks)
+            declared = _content_length(head.headers)
+            if not done and declared is not None and declared <= _READ:
+                chunks, done = await _read_rest(conn, chunks, timeouts.get("read")), True
+            length = declared or sum(len(c) for c in chunks)
             if cap is not None and length > cap:
                 raise ResponseTooLarge(f"upstream reply of {length} bytes is over the "
                                        f"{cap}-byte cap", request=request)
@@ -291,6 +294,17 @@ def _buffered(conn: _Conn) -> tuple[list[bytes], bool]:
             raise anyio.EndOfStream
         else:  # NEED_DATA
             return chunks, False
+
+
+async def _read_rest(conn: _Conn, chunks: list[bytes], timeout: float | None) -> list[bytes]:
+    """The rest of a small reply whose head came alone (servers often write them apart)."""
+    with anyio.fail_after(timeout):
+        while True:
+            conn.h11.receive_data(await conn.stream.receive(_READ))
+            more, done = _buffered(conn)
+            chunks += more
+            if done:
+                return chunks
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
