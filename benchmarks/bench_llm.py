@@ -8,7 +8,7 @@ the gateway (shipped defaults: no limits or batching set) in its own:
 - added time to the first streamed chunk (once the fake and the gateway stream);
 - the same for a LiteLLM proxy on the same upstream, when ``litellm`` (``litellm[proxy]``)
   is on PATH or in $LITELLM_BIN and $LITELLM_MASTER_KEY is set;
-- ``--transport``: the lean h11 transport alone against httpx's own pool, in this process.
+- ``--transport``: the lean transport alone against httpx's own pool, in this process.
 Clients are lean h11 connections (benchmarks/_h11.py), one per concurrent worker.
 """
 
@@ -31,7 +31,7 @@ import httpx
 
 from benchmarks._h11 import Conn, Reply
 from benchmarks._procs import child, free_port, percentile, save, table
-from providers.h11_transport import H11Transport
+from providers.http1_transport import Http1Transport
 
 MODEL = "gpt-bench"
 CONFIG = """
@@ -230,14 +230,14 @@ def litellm(stack: contextlib.ExitStack, program: str, fake_port: int, tmp: str,
 
 
 async def run_transports(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The transport alone: one process, the same client code, H11Transport vs httpx's pool."""
+    """The transport alone: one process, the same client code, Http1Transport vs httpx's pool."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     out = []
     with child(["-m", "tests.fakes.serve", "openai", "--port", str(port),
                 "--latency-ms", str(args.upstream_ms), "--requests-per-window", "1000000000"],
                f"http://127.0.0.1:{port}/"):
-        for name, transport in (("httpx pool", None), ("h11 transport", H11Transport(256))):
+        for name, transport in (("httpx pool", None), ("lean transport (httptools)", Http1Transport(256))):
             limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
             async with httpx.AsyncClient(transport=transport, limits=limits, headers=JSON) as http:
                 async def call(_: Any = None, http: httpx.AsyncClient = http) -> None:
@@ -276,7 +276,7 @@ def main() -> None:
     parser.add_argument("--upstream-ms", type=float, default=0.0,
                         help="model time the fake adds to every answer")
     parser.add_argument("--transport", action="store_true",
-                        help="also the h11 transport alone vs httpx's pool")
+                        help="also the lean transport alone vs httpx's pool")
     args = parser.parse_args()
     results = anyio.run(run, args)
     rows = []

@@ -25,7 +25,7 @@ from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
 
 from .endpoints import Endpoints
-from .h11_transport import H11Transport
+from .http1_transport import Http1Transport
 from .http_util import classify, make_client
 from .ratelimit_headers import Parser, apply, wait_hint
 
@@ -38,7 +38,7 @@ PINNED = ("/files", "/batches", "/messages/batches")
 
 
 class ApiClient:
-    """Requests go straight to the transport (the lean h11 one unless the context hands in
+    """Requests go straight to the transport (the lean HTTP/1.1 one unless the context hands in
     another): the httpx client only builds the cold-path requests (multipart uploads, query
     params), and its per-request flows (auth, redirects, cookies) are not needed."""
 
@@ -64,7 +64,7 @@ class ApiClient:
     async def start(self) -> None:
         conf = self.ctx.config
         connections = max(conf.limits.concurrency * 2, 8)
-        self._transport = self.ctx.transport or H11Transport(connections)
+        self._transport = self.ctx.transport or Http1Transport(connections)
         self._client = make_client(conf.timeout_ms / 1000, connections, headers=self._headers,
                                    transport=self._transport)
         self._json_headers = httpx.Headers({**self._client.headers,

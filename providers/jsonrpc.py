@@ -17,7 +17,7 @@ from multiplexer.core.gather import gather
 from multiplexer.core.provider import Provider, ProviderContext
 from multiplexer.core.retry import with_retries
 
-from .h11_transport import H11Transport
+from .http1_transport import Http1Transport
 from .http_util import all_idempotent, batch_deadline, make_client, send
 
 _MALFORMED = object()
@@ -33,8 +33,9 @@ class JsonRpcSettings(BaseModel):
     # After an upstream refuses an array, singles for this long, then one array again (a refusal
     # may be transient); each refusal in a row doubles the pause, up to an hour.
     batch_arrays_reprobe_s: float = Field(default=300.0, gt=0)
-    # h11: the lean connection layer (providers/h11_transport.py); httpx: httpx's own pool.
-    transport: Literal["h11", "httpx"] = "h11"
+    # lean: the lean connection layer (providers/http1_transport.py; "h11" is its former
+    # name); httpx: httpx's own pool.
+    transport: Literal["lean", "h11", "httpx"] = "lean"
 
 
 class JsonRpcProvider(Provider):
@@ -52,10 +53,10 @@ class JsonRpcProvider(Provider):
     async def start(self) -> None:
         conf = self.ctx.config
         connections = conf.limits.concurrency * 2
-        if self.settings.transport == "h11":
+        if self.settings.transport != "httpx":
             # The hot path hands prepared requests straight to the transport: the client's
             # per-request work (URL merging, cookies, auth and redirect flows) is not needed.
-            transport = H11Transport(connections)
+            transport = Http1Transport(connections)
             self._client = make_client(conf.timeout_ms / 1000, connections, transport=transport,
                                        headers=self.settings.headers)
 

@@ -9,7 +9,7 @@ import anyio.abc
 import httpx
 import pytest
 
-from providers.h11_transport import H11Transport, ResponseTooLarge
+from providers.http1_transport import Http1Transport, ResponseTooLarge
 
 pytestmark = pytest.mark.anyio
 REPLY = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"
@@ -43,7 +43,7 @@ async def test_reuses_one_connection_and_recovers_from_a_stale_one() -> None:
     listener, port = await serve()
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, handler)
-        async with httpx.AsyncClient(transport=H11Transport()) as client:
+        async with httpx.AsyncClient(transport=Http1Transport()) as client:
             for _ in range(2):
                 assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
             assert len(connections) == 1  # kept alive
@@ -62,11 +62,11 @@ async def test_read_timeout_and_connect_error_map_to_httpx_exceptions() -> None:
     listener, port = await serve()
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, silent)
-        async with httpx.AsyncClient(transport=H11Transport(), timeout=0.2) as client:
+        async with httpx.AsyncClient(transport=Http1Transport(), timeout=0.2) as client:
             with pytest.raises(httpx.ReadTimeout):
                 await client.post(f"http://127.0.0.1:{port}/", content=b"x")
         tg.cancel_scope.cancel()
-    async with httpx.AsyncClient(transport=H11Transport()) as client:
+    async with httpx.AsyncClient(transport=Http1Transport()) as client:
         with pytest.raises(httpx.ConnectError):
             await client.get("http://127.0.0.1:9/")
 
@@ -85,7 +85,7 @@ async def test_body_headers_and_status_round_trip() -> None:
     listener, port = await serve()
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, echo)
-        async with httpx.AsyncClient(transport=H11Transport()) as client:
+        async with httpx.AsyncClient(transport=Http1Transport()) as client:
             r = await client.post(f"http://127.0.0.1:{port}/rpc?x=1", json={"q": 2},
                                   headers={"authorization": "Bearer k"})
         assert r.status_code == 418 and r.headers["x-test"] == "yes" and r.json() == {"a": 1}
@@ -119,7 +119,7 @@ async def test_a_long_reply_streams_and_its_connection_is_reused_after_the_end()
     listener, port = await serve()
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, stream_events)
-        async with httpx.AsyncClient(transport=H11Transport()) as client:
+        async with httpx.AsyncClient(transport=Http1Transport()) as client:
             request = client.build_request("POST", f"http://127.0.0.1:{port}/", json={})
             response = await client.send(request, stream=True)
             lines = response.aiter_lines()
@@ -147,7 +147,7 @@ async def test_a_reply_over_the_size_cap_fails_and_the_cap_can_be_lifted_per_req
     listener, port = await serve()
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, big)
-        transport = H11Transport(max_response_bytes=1024)
+        transport = Http1Transport(max_response_bytes=1024)
         async with httpx.AsyncClient(transport=transport) as client:
             for path in ("/declared", "/chunked"):
                 with pytest.raises(ResponseTooLarge, match="1024-byte cap"):
@@ -183,7 +183,7 @@ async def test_pool_cap_holds_requests_until_a_connection_is_free_then_times_out
     url = f"http://127.0.0.1:{port}/"
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, held)
-        transport = H11Transport(max_connections=2)
+        transport = Http1Transport(max_connections=2)
         async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(5, pool=0.05)) as c:
             results: list[str] = []
 
@@ -212,7 +212,7 @@ async def test_write_timeout_when_the_upstream_stops_reading() -> None:
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, deaf)
         timeout = httpx.Timeout(5, write=0.2)
-        async with httpx.AsyncClient(transport=H11Transport(), timeout=timeout) as client:
+        async with httpx.AsyncClient(transport=Http1Transport(), timeout=timeout) as client:
             with pytest.raises(httpx.WriteTimeout):
                 await client.post(f"http://127.0.0.1:{port}/", content=b"x" * (64 << 20))
         tg.cancel_scope.cancel()
@@ -231,7 +231,7 @@ async def test_a_post_on_a_connection_the_server_closed_goes_on_a_fresh_one() ->
     listener, port = await serve()
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, one_reply_then_close)
-        async with httpx.AsyncClient(transport=H11Transport()) as client:
+        async with httpx.AsyncClient(transport=Http1Transport()) as client:
             assert (await client.post(f"http://127.0.0.1:{port}/", content=b"1")).text == "ok"
             await closed.wait()  # the kept-alive connection is now dead: seen before the write
             assert (await client.post(f"http://127.0.0.1:{port}/", content=b"2")).text == "ok"
@@ -252,9 +252,50 @@ async def test_a_post_the_server_read_then_dropped_is_not_sent_again() -> None:
     listener, port = await serve()
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, reads_then_drops)
-        async with httpx.AsyncClient(transport=H11Transport()) as client:
+        async with httpx.AsyncClient(transport=Http1Transport()) as client:
             assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
             with pytest.raises(httpx.ReadError):  # it may have run: the caller decides
                 await client.post(f"http://127.0.0.1:{port}/", content=b"charge")
         assert len(requests) == 2  # one GET and the POST once, never resent
+        tg.cancel_scope.cancel()
+
+
+async def test_replies_httptools_frames_and_what_it_refuses() -> None:
+    """100 Continue before the reply, a body that ends at close, Connection: close, HEAD,
+    a malformed reply; a header with a line break is never sent."""
+    connections: list[bytes] = []
+    replies = {
+        b"/continue": b"HTTP/1.1 100 Continue\r\n\r\n" + REPLY,
+        b"/until-close": b"HTTP/1.1 200 OK\r\n\r\nall of it",
+        b"/close": b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
+        b"/head": b"HTTP/1.1 200 OK\r\ncontent-length: 99\r\n\r\n",
+        b"/garbage": b"HTTP/1.1 two hundred\r\n\r\n",
+    }
+
+    async def answer(stream: anyio.abc.SocketStream) -> None:
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            async with stream:
+                while True:
+                    request = await read_request(stream)
+                    connections.append(request)
+                    path = request.split(b" ")[1]
+                    await stream.send(replies[path])
+                    if path in (b"/until-close", b"/close", b"/garbage"):
+                        return
+
+    listener, port = await serve()
+    url = f"http://127.0.0.1:{port}"
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, answer)
+        async with httpx.AsyncClient(transport=Http1Transport()) as client:
+            assert (await client.get(f"{url}/continue")).text == "ok"
+            assert (await client.get(f"{url}/until-close")).text == "all of it"
+            assert (await client.get(f"{url}/close")).text == "ok"
+            head = await client.head(f"{url}/head")
+            assert head.status_code == 200 and head.content == b""
+            with pytest.raises(httpx.RemoteProtocolError, match="malformed"):
+                await client.get(f"{url}/garbage")
+            with pytest.raises(httpx.LocalProtocolError):
+                await client.get(f"{url}/continue", headers={"x-evil": "a\r\nx-injected: 1"})
+        assert not any(b"x-injected" in r for r in connections)
         tg.cancel_scope.cancel()

@@ -1,26 +1,29 @@
-"""An httpx transport for hot upstream paths: HTTP/1.1 keep-alive on h11, no pool lock.
+"""An httpx transport for hot upstream paths: HTTP/1.1 keep-alive, httptools' parser, no pool lock.
 
 Why: on this project's 2-core reference machine httpx's default transport costs
 ~0.5 ms per request (two socket writes per request, anyio stream wrappers, and a
 pool that scans every connection on each request), more than the gateway's whole
-latency budget (``benchmarks/bench_llm.py --transport`` measures the two side by
-side). This transport keeps the httpx API (``Client``, ``Request``, ``Response``,
-timeouts, exception types) and h11 for the protocol; it only replaces the
-connection layer: one write per request, an idle-connection stack per origin, at
-most ``max_connections`` open per origin (waiting up to the pool timeout for one).
+latency budget; ``benchmarks/bench_llm.py --transport`` measures the two side by
+side. The reply is parsed by httptools (llhttp, the C parser uvicorn uses, already
+a dependency): h11, pure Python, was a third of the provider path's CPU. This
+transport keeps the httpx API (``Client``, ``Request``, ``Response``, timeouts,
+exception types); it replaces the connection layer: one write per request, an
+idle-connection stack per origin, at most ``max_connections`` open per origin
+(waiting up to the pool timeout for one).
 
 A reply already whole in the first read, or small (64 KiB) with its length
 declared, comes back with its content and frees its connection at once (the hot
 path); a longer one (a large file, a stream of server-sent events) comes back as
-a stream that holds the connection until it is read to the end or closed. A reply larger than ``max_response_bytes`` (per request:
-the ``max_response_bytes`` extension, ``None`` for no cap) fails instead of filling
-the memory.
+a stream that holds the connection until it is read to the end or closed. A
+reply larger than ``max_response_bytes`` (per request: the ``max_response_bytes``
+extension, ``None`` for no cap) fails instead of filling the memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import re
 import select
 import socket
 import ssl
@@ -29,12 +32,13 @@ from typing import NoReturn
 
 import anyio
 import anyio.abc
-import h11
+import httptools
 import httpx
 
 _BROKEN = (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceError,
-           h11.RemoteProtocolError, ConnectionError)
+           ConnectionError)
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+_UNSAFE = re.compile(rb"[\r\n\0]")  # would split or end a header line
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _READ = 65536
 
@@ -50,14 +54,61 @@ class _Stale(Exception):
 
 
 class _Conn:
-    __slots__ = ("h11", "stream")
+    """One connection and the reply being read on it (httptools calls the ``on_*`` methods)."""
+
+    __slots__ = ("chunks", "done", "headers", "keep", "parser", "status", "stray", "stream")
 
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT)
+        self.parser = httptools.HttpResponseParser(self)
+        self.stray = False  # bytes past the end of a reply: not reusable
+        self.reset()
+
+    def reset(self) -> None:
+        self.status, self.headers, self.chunks = 0, [], []
+        self.done = self.keep = False
+
+    def feed(self, data: bytes, request: httpx.Request) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            raise httpx.RemoteProtocolError(f"malformed reply from upstream: {e}",
+                                            request=request) from None
+
+    def take(self) -> list[bytes]:
+        chunks, self.chunks = self.chunks, []
+        return chunks
+
+    # -- httptools callbacks ---------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self.done:
+            self.stray = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.done:
+            self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        if not self.done:
+            self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if not self.done:
+            self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.done:
+            return
+        if 100 <= self.status < 200:  # 100 Continue and the like: the real reply follows
+            self.status, self.headers = 0, []
+            return
+        self.done, self.keep = True, self.parser.should_keep_alive()  # not known after this
+
+    def reusable(self) -> bool:
+        return self.done and self.keep and not self.stray
 
 
-class H11Transport(httpx.AsyncBaseTransport):
+class Http1Transport(httpx.AsyncBaseTransport):
     def __init__(self, max_connections: int = 100, verify: ssl.SSLContext | bool = True,
                  max_response_bytes: int | None = DEFAULT_MAX_RESPONSE_BYTES) -> None:
         self._idle: dict[Origin, list[_Conn]] = {}
@@ -75,10 +126,7 @@ class H11Transport(httpx.AsyncBaseTransport):
         slots = self._slots.get(origin)
         if slots is None:
             slots = self._slots[origin] = anyio.Semaphore(self._max)
-        try:
-            body = request.content
-        except httpx.RequestNotRead:  # a multipart upload: read it whole, it goes in one write
-            body = await request.aread()
+        out = await _serialize(request)
         await _acquire(slots, timeouts.get("pool"), request)
         try:
             idle = self._idle.setdefault(origin, [])
@@ -88,11 +136,11 @@ class H11Transport(httpx.AsyncBaseTransport):
                     await _close(conn)
                     continue
                 try:
-                    return await self._exchange(conn, origin, slots, request, body, timeouts)
+                    return await self._exchange(conn, origin, slots, request, out, timeouts)
                 except _Stale:
                     continue  # the server closed a kept-alive connection: try the next one
             conn = await self._connect(origin, request, timeouts.get("connect"))
-            return await self._exchange(conn, origin, slots, request, body, timeouts, fresh=True)
+            return await self._exchange(conn, origin, slots, request, out, timeouts, fresh=True)
         except BaseException:
             slots.release()
             raise
@@ -118,16 +166,18 @@ class H11Transport(httpx.AsyncBaseTransport):
         return _Conn(stream)
 
     async def _exchange(self, conn: _Conn, origin: Origin, slots: anyio.Semaphore,
-                        request: httpx.Request, body: bytes, timeouts: dict[str, float | None],
+                        request: httpx.Request, out: bytes, timeouts: dict[str, float | None],
                         fresh: bool = False) -> httpx.Response:
         """Send the request and read the head; a slot is released here only for a whole reply."""
         cap = request.extensions.get("max_response_bytes", self._cap)
         try:
-            head = await _send_and_read_head(conn, request, body, timeouts)
-            chunks, done = _buffered(conn)
-            declared = _content_length(head.headers)
-            if not done and declared is not None and declared <= _READ:
-                chunks, done = await _read_rest(conn, chunks, timeouts.get("read")), True
+            await _send_and_read_head(conn, request, out, timeouts)
+            if request.method == "HEAD":  # no body follows, whatever the length says
+                conn.done, conn.stray = True, True
+            declared = _content_length(conn.headers)
+            if not conn.done and declared is not None and declared <= _READ:
+                await _read_rest(conn, request, timeouts.get("read"))
+            chunks = conn.take()
             length = declared or sum(len(c) for c in chunks)
             if cap is not None and length > cap:
                 raise ResponseTooLarge(f"upstream reply of {length} bytes is over the "
@@ -142,23 +192,25 @@ class H11Transport(httpx.AsyncBaseTransport):
             await _close(conn)
             _reraise(e, request)
         extensions = {"http_version": b"HTTP/1.1"}
-        if done:
-            self._release(conn, origin, slots)
-            return httpx.Response(head.status_code, headers=head.headers, content=b"".join(chunks),
+        if conn.done:
+            status, headers = conn.status, conn.headers
+            await self._release(conn, origin, slots)
+            return httpx.Response(status, headers=headers, content=b"".join(chunks),
                                   request=request, extensions=extensions)
         stream = _Body(self, conn, origin, slots, chunks, request, timeouts.get("read"), cap)
-        return httpx.Response(head.status_code, headers=head.headers, stream=stream,
+        return httpx.Response(conn.status, headers=conn.headers, stream=stream,
                               request=request, extensions=extensions)
 
-    def _release(self, conn: _Conn | None, origin: Origin, slots: anyio.Semaphore) -> None:
-        """Hand the slot back; a connection that finished its exchange cleanly is kept alive."""
+    async def _release(self, conn: _Conn | None, origin: Origin, slots: anyio.Semaphore) -> None:
+        """Hand the slot back; a connection that ended its reply cleanly is kept alive."""
         slots.release()
         if conn is None:
             return
-        c = conn.h11
-        if c.our_state is h11.DONE and c.their_state is h11.DONE and not self._closed:
-            c.start_next_cycle()
+        if conn.reusable() and not self._closed:
+            conn.reset()
             self._idle.setdefault(origin, []).append(conn)
+        else:
+            await _close(conn)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -171,56 +223,73 @@ class H11Transport(httpx.AsyncBaseTransport):
 class _Body(httpx.AsyncByteStream):
     """The rest of a reply, read as the caller asks for it; owns the connection until done."""
 
-    def __init__(self, transport: H11Transport, conn: _Conn, origin: Origin,
+    def __init__(self, transport: Http1Transport, conn: _Conn, origin: Origin,
                  slots: anyio.Semaphore, first: list[bytes], request: httpx.Request,
                  read_timeout: float | None, cap: int | None) -> None:
         self._transport, self._conn, self._origin, self._slots = transport, conn, origin, slots
         self._first, self._request = first, request
         self._timeout, self._cap = read_timeout, cap
         self._seen = sum(len(c) for c in first)
-        self._ended = False
+        self._delimited = _content_length(conn.headers) is None and not any(
+            name == b"transfer-encoding" for name, _ in conn.headers)  # ends when it closes
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         first, self._first = self._first, []
         for chunk in first:
             yield chunk
-        conn = self._conn
-        while conn is not None and not self._ended:
+        while (conn := self._conn) is not None:
+            if conn.done:
+                await self._end(keep=True)
+                return
             try:
-                event = conn.h11.next_event()
-                if event is h11.NEED_DATA:
-                    with anyio.fail_after(self._timeout):
-                        data = await conn.stream.receive(_READ)
-                    conn.h11.receive_data(data)
-                    continue
+                with anyio.fail_after(self._timeout):
+                    data = await conn.stream.receive(_READ)
+                conn.feed(data, self._request)
+            except anyio.EndOfStream:
+                if not self._delimited:
+                    await self._end(keep=False)
+                    raise httpx.ReadError("upstream closed the connection mid-reply",
+                                          request=self._request) from None
+                conn.done, conn.stray = True, True  # the close was the end of this reply
             except BaseException as e:
-                await self.aclose()
+                await self._end(keep=False)
                 _reraise(e, self._request)
-            if isinstance(event, h11.Data):
-                self._seen += len(event.data)
+            for chunk in conn.take():
+                self._seen += len(chunk)
                 if self._cap is not None and self._seen > self._cap:
-                    await self.aclose()
+                    await self._end(keep=False)
                     raise ResponseTooLarge(f"upstream reply is over the {self._cap}-byte cap",
                                            request=self._request)
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                self._finish(keep=True)
-            elif isinstance(event, h11.ConnectionClosed):
-                await self.aclose()
-                raise httpx.ReadError("upstream closed the connection mid-reply",
-                                      request=self._request)
+                yield chunk
 
-    def _finish(self, keep: bool) -> _Conn | None:
+    async def _end(self, keep: bool) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            self._ended = True
-            self._transport._release(conn if keep else None, self._origin, self._slots)
-        return None if keep else conn
+            if not keep:
+                conn.stray = True  # never reused
+            await self._transport._release(conn, self._origin, self._slots)
 
     async def aclose(self) -> None:
-        conn = self._finish(keep=False)
-        if conn is not None:
-            await _close(conn)
+        await self._end(keep=False)
+
+
+async def _serialize(request: httpx.Request) -> bytes:
+    """The request as it goes on the wire, in one piece (one write)."""
+    try:
+        body = request.content
+    except httpx.RequestNotRead:  # a multipart upload: read it whole, it goes in one write
+        body = await request.aread()
+        if "transfer-encoding" in request.headers:
+            del request.headers["transfer-encoding"]
+            request.headers["content-length"] = str(len(body))
+    lines = [request.method.encode("ascii"), b" ", request.url.raw_path, b" HTTP/1.1\r\n"]
+    for name, value in request.headers.raw:
+        if _UNSAFE.search(name) or _UNSAFE.search(value):
+            raise httpx.LocalProtocolError(f"header {name!r} holds a line break or NUL",
+                                           request=request)
+        lines += (name, b": ", value, b"\r\n")
+    lines += (b"\r\n", body)
+    return b"".join(lines)
 
 
 async def _acquire(slots: anyio.Semaphore, timeout: float | None, request: httpx.Request) -> None:
@@ -237,14 +306,8 @@ async def _acquire(slots: anyio.Semaphore, timeout: float | None, request: httpx
                                 request=request) from None
 
 
-async def _send_and_read_head(conn: _Conn, request: httpx.Request, body: bytes,
-                              timeouts: dict[str, float | None]) -> h11.Response:
-    c = conn.h11
-    out = c.send(h11.Request(method=request.method, target=request.url.raw_path,
-                             headers=list(request.headers.raw)))
-    if body:
-        out += c.send(h11.Data(data=body))
-    out += c.send(h11.EndOfMessage())
+async def _send_and_read_head(conn: _Conn, request: httpx.Request, out: bytes,
+                              timeouts: dict[str, float | None]) -> None:
     got_bytes, writing = False, True
     # one cancel scope for the exchange, its deadline moved from the write to the read
     with anyio.CancelScope(deadline=_deadline(timeouts.get("write"))) as scope:
@@ -254,24 +317,18 @@ async def _send_and_read_head(conn: _Conn, request: httpx.Request, body: bytes,
             raise _Stale from None
         writing = False
         scope.deadline = _deadline(timeouts.get("read"))
-        while True:
-            event = c.next_event()
-            if event is h11.NEED_DATA:
-                try:
-                    data = await conn.stream.receive(_READ)
-                except _BROKEN:
-                    # Closed after our request went out: it may have run (a crash or reset
-                    # mid-call), so resend only what HTTP calls idempotent; a POST is not.
-                    if not got_bytes and request.method in _IDEMPOTENT:
-                        raise _Stale from None
-                    raise
-                got_bytes = True
-                c.receive_data(data)
-            elif isinstance(event, h11.Response):
-                return event
-            elif isinstance(event, h11.ConnectionClosed):
-                raise anyio.EndOfStream
-            # an InformationalResponse (100 Continue): keep reading
+        while not conn.status:
+            try:
+                data = await conn.stream.receive(_READ)
+            except _BROKEN:
+                # Closed after our request went out: it may have run (a crash or reset
+                # mid-call), so resend only what HTTP calls idempotent; a POST is not.
+                if not got_bytes and request.method in _IDEMPOTENT:
+                    raise _Stale from None
+                raise
+            got_bytes = True
+            conn.feed(data, request)
+        return
     if writing:
         raise httpx.WriteTimeout("upstream did not take the request in time", request=request)
     raise httpx.ReadTimeout("upstream did not answer in time", request=request)
@@ -281,30 +338,11 @@ def _deadline(timeout: float | None) -> float:
     return math.inf if timeout is None else anyio.current_time() + timeout
 
 
-def _buffered(conn: _Conn) -> tuple[list[bytes], bool]:
-    """The body bytes already received, and whether they are the whole reply."""
-    chunks = []
-    while True:
-        event = conn.h11.next_event()
-        if isinstance(event, h11.Data):
-            chunks.append(bytes(event.data))
-        elif isinstance(event, h11.EndOfMessage):
-            return chunks, True
-        elif isinstance(event, h11.ConnectionClosed):
-            raise anyio.EndOfStream
-        else:  # NEED_DATA
-            return chunks, False
-
-
-async def _read_rest(conn: _Conn, chunks: list[bytes], timeout: float | None) -> list[bytes]:
+async def _read_rest(conn: _Conn, request: httpx.Request, timeout: float | None) -> None:
     """The rest of a small reply whose head came alone (servers often write them apart)."""
     with anyio.fail_after(timeout):
-        while True:
-            conn.h11.receive_data(await conn.stream.receive(_READ))
-            more, done = _buffered(conn)
-            chunks += more
-            if done:
-                return chunks
+        while not conn.done:
+            conn.feed(await conn.stream.receive(_READ), request)
 
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
