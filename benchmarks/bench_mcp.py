@@ -10,13 +10,17 @@ Compares, in one run and against the same upstream server (``examples/upstream_s
   and over /mcp with the SDK's MCP client (Streamable HTTP, 50 in flight);
 - the gateway in this process (``Gateway.submit``): its own cost without a client hop.
 
+Also a 2026-07-28 client over /mcp against ``tests/era_upstream.py`` on mcp 2.x (same era) and on
+mcp 1.x (handshake era only: the gateway translates), and a batch-mode call as an MCP task.
+
 Floors (from the issue): gateway >= 0.8x direct, and >= 10x per-call, checked on every gateway
-row. The floor row is ``call_many`` over /rpc (50 calls in flight, 10 per array): the SDK's way to
+row; /mcp one request per call >= 0.6x direct; the cross-era row within 10% of the same-era row.
+The floor row is ``call_many`` over /rpc (50 calls in flight, 10 per array): the SDK's way to
 send many calls, batching into the gateway. Rows with one HTTP request per call mostly measure
 HTTP client and server cost, which the stdio baseline does not pay. Every route has dedup off,
 so nothing is shared; each call has its own arguments and its result is checked.
 
-    python -m benchmarks.bench_mcp [--calls 1000] [--per-call-calls 50] [--rounds 3]
+    python -m benchmarks.bench_mcp [--calls 1000] [--per-call-calls 50] [--rounds 3] [--tasks 200]
 """
 
 from __future__ import annotations
@@ -36,20 +40,27 @@ import psutil
 from mcp import Client as McpClient
 from mcp import StdioServerParameters
 
+from benchmarks._mcp_tasks import task_rows
 from benchmarks._procs import ROOT, child, free_port, save, table
 from multiplexer import Client
 from multiplexer.core.call import Call
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
+from tests.legacy_sdk import legacy_python
 
 UPSTREAM = str(ROOT / "examples" / "upstream_server.py")
 CONCURRENCY = 50
+ERA_UPSTREAM = str(ROOT / "tests" / "era_upstream.py")  # one file, on mcp 2.x and on mcp 1.x
 CONFIG = """
 server: {{host: 127.0.0.1, port: {port}}}
 providers:
   tools: {{kind: mcp, command: python, args: ["{upstream}"], limits: {{concurrency: 64}}}}
+  new: {{kind: mcp, command: python, args: ["{era}"], limits: {{concurrency: 64}}}}
+  old: {{kind: mcp, command: "{legacy}", args: ["{era}"], limits: {{concurrency: 64}}}}
 routes:
   tools_*: {{provider: tools, dedup: false}}
+  new_*: {{provider: new, dedup: false}}
+  old_*: {{provider: old, dedup: false}}
 """
 
 
@@ -142,13 +153,14 @@ async def gateway_rpc(url: str, n: int, batch_size: int, meter: Meter) -> None:
     assert [r["structuredContent"]["result"] for r in results] == [str(i) for i in range(n)]
 
 
-async def gateway_mcp(url: str, n: int, meter: Meter) -> None:
+async def gateway_mcp(url: str, n: int, meter: Meter, tool: str = "tools_echo") -> None:
     async with McpClient(url + "/mcp") as client:
+        assert client.protocol_version == "2026-07-28"
         await client.list_tools()
-        await client.call_tool("tools_echo", {"text": "warm"})
+        await client.call_tool(tool, {"text": "warm"})
 
         async def one(i: int) -> None:
-            check(await client.call_tool("tools_echo", {"text": str(i)}), i)
+            check(await client.call_tool(tool, {"text": str(i)}), i)
 
         await concurrently(n, one, meter)
 
@@ -183,7 +195,8 @@ async def run(calls: int, per_call_calls: int, rounds: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         conf = Path(tmp) / "bench.yaml"
-        conf.write_text(CONFIG.format(port=port, upstream=UPSTREAM))
+        conf.write_text(CONFIG.format(port=port, upstream=UPSTREAM, era=ERA_UPSTREAM,
+                                      legacy=legacy_python(skip=False)))
         with child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{url}/healthz") as gw:
             # Rounds interleave the scenarios so drift in machine load hits all of them alike.
             for _ in range(rounds):
@@ -191,6 +204,8 @@ async def run(calls: int, per_call_calls: int, rounds: int) -> dict[str, Any]:
                 await measure("gateway_rpc_batch", lambda m: gateway_rpc(url, calls, 10, m), gw.pid)
                 await measure("gateway_rpc", lambda m: gateway_rpc(url, calls, 1, m), gw.pid)
                 await measure("gateway_mcp", lambda m: gateway_mcp(url, calls, m), gw.pid)
+                await measure("era_same", lambda m: gateway_mcp(url, calls, m, "new_echo"), gw.pid)
+                await measure("era_cross", lambda m: gateway_mcp(url, calls, m, "old_echo"), gw.pid)
                 await measure("gateway_inprocess", lambda m: gateway_inprocess(calls, m))
             await measure("per_call", lambda m: per_call(per_call_calls, m))
     leaked = {p.pid for p in psutil.Process().children(recursive=True)} - before
@@ -208,6 +223,8 @@ LABELS = {
     "gateway_rpc_batch": "gateway /rpc, call_many arrays of 10, 5 in flight (floor row)",
     "gateway_mcp": "gateway /mcp, SDK MCP client over HTTP",
     "gateway_inprocess": "gateway in-process Gateway.submit",
+    "era_same": "gateway /mcp, 2026 client, 2026 upstream (era_upstream on mcp 2.x)",
+    "era_cross": "gateway /mcp, 2026 client, handshake-era upstream (era_upstream on mcp 1.x)",
 }
 
 
@@ -216,13 +233,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--per-call-calls", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tasks", type=int, default=200, help="batch calls for the task rows (0: none)")
     args = parser.parse_args()
     data = anyio.run(run, args.calls, args.per_call_calls, args.rounds)
     med = data["median"]
     base, slow = med["direct"]["calls_per_s"], med["per_call"]["calls_per_s"]
     rows = []
     for name in ("direct", "gateway_rpc_batch", "gateway_rpc", "gateway_mcp", "gateway_inprocess",
-                 "per_call"):
+                 "era_same", "era_cross", "per_call"):
         rate = med[name]["calls_per_s"]
         n = data["per_call_calls"] if name == "per_call" else data["calls"]
         cpu = "" if name == "per_call" else " / ".join(
@@ -236,12 +254,23 @@ def main() -> None:
     print(table(["path", "calls", "calls/s", "vs direct", "vs per-call",
                  "CPU ms/call client / gateway / upstream", "floors 0.8x / 10x"], rows))
     floor = med["gateway_rpc_batch"]["calls_per_s"]
-    floors = {"gateway >= 0.8x direct": floor >= 0.8 * base, "gateway >= 10x per-call": floor >= 10 * slow}
+    same, cross = med["era_same"]["calls_per_s"], med["era_cross"]["calls_per_s"]
+    floors = {"gateway >= 0.8x direct": floor >= 0.8 * base, "gateway >= 10x per-call": floor >= 10 * slow,
+              "/mcp per request >= 0.6x direct": med["gateway_mcp"]["calls_per_s"] >= 0.6 * base,
+              "handshake-era upstream within 10% of same-era": cross >= 0.9 * same}
     print()
     for name, ok in floors.items():
-        print(f"- floor row, {name}: {'PASS' if ok else 'FAIL'}")
+        print(f"- {name}: {'PASS' if ok else 'FAIL'}")
+    print(f"- /mcp gateway CPU per call: {med['gateway_mcp']['gateway_cpu_ms']:.2f} ms "
+          f"(/rpc one request per call: {med['gateway_rpc']['gateway_cpu_ms']:.2f} ms); "
+          f"cross-era / same-era: {cross / same:.2f}x")
     print(f"- leaked child processes: {len(data['leaked_processes'])}")
     print("- in-process rows count the gateway's CPU as the client's (one process)")
+    if args.tasks:
+        task_table, data["tasks"] = task_rows(args.tasks)
+        print(f"\nA mode: batch route over /mcp, {args.tasks} calls, 20 concurrent, fake OpenAI batch API "
+              f"(the client polls tasks/get every {data['tasks']['poll_s'] * 1e3:.0f} ms)\n")
+        print(table(["what", "calls", "p50 ms", "p90 ms"], task_table))
     data["floors"] = floors
     save("bench_mcp", data)
 

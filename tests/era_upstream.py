@@ -42,6 +42,11 @@ def result(data: dict[str, Any]) -> types.CallToolResult:
     return types.CallToolResult.model_validate(data)
 
 
+@server.tool(description="Returns the text it was given")
+def echo(text: str) -> str:
+    return text
+
+
 @server.tool(description="Which SDK major runs this server")
 def sdk() -> str:
     return MAJOR

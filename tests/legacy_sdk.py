@@ -25,8 +25,9 @@ def cache_dir() -> Path:
     return Path(base or Path.home() / ".cache") / "multiplexer-tests"
 
 
-def legacy_python() -> str:
-    """The venv's interpreter, made on first use; ``pytest.skip`` when it cannot be had."""
+def legacy_python(*, skip: bool = True) -> str:
+    """The venv's interpreter, made on first use; when it cannot be had, ``pytest.skip``
+    (or ``RuntimeError`` with ``skip=False``, for benchmarks)."""
     home = cache_dir() / "mcp1-venv"
     python = home / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
     marker = home / ".installed"
@@ -41,6 +42,8 @@ def legacy_python() -> str:
         detail = getattr(e, "stderr", b"") or b""
         reason = f"no venv with {SPEC} for the handshake-era upstream: {e} {detail.decode()[-300:]}"
         print(reason)
+        if not skip:
+            raise RuntimeError(reason) from e
         pytest.skip(reason)
     marker.write_text(SPEC)
     return str(python)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import httpx2
 import psutil
 from mcp import Client
@@ -20,6 +22,7 @@ from mcp_types import TextContent
 from multiplexer.core.call import Call
 from multiplexer.gateway.gateway import Gateway
 
+MODERN = "2026-07-28"
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = str(ROOT / "examples" / "upstream_server.py")
 
@@ -118,6 +121,40 @@ async def grow_and_hear_it(client: Client, changed: anyio.Event, tool: str = "to
             await changed.wait()
     text = result.content[0]
     return text.text if isinstance(text, TextContent) else ""
+
+
+TASKS = "io.modelcontextprotocol/tasks"
+
+
+class McpHttp:
+    """One 2026-07-28 client key over plain HTTP: the envelope, the routing headers, SSE or JSON."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, key: str | None, *, tasks: bool = True) -> None:
+        self.http, self.url, self.key, self.tasks = http, url, key, tasks
+
+    async def send(self, method: str, params: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+        caps: dict[str, Any] = {"extensions": {TASKS: {}}} if self.tasks else {}
+        meta = {"io.modelcontextprotocol/protocolVersion": MODERN,
+                "io.modelcontextprotocol/clientCapabilities": caps}
+        headers = {"MCP-Protocol-Version": MODERN, "Mcp-Method": method,
+                   "Accept": "application/json, text/event-stream"}
+        if self.key is not None:
+            headers["Authorization"] = f"Bearer {self.key}"
+        if name is not None:
+            headers["Mcp-Name"] = name
+        body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {**params, "_meta": meta}}
+        r = await self.http.post(self.url, json=body, headers=headers)
+        if r.headers.get("content-type", "").startswith("text/event-stream"):
+            data = [line[5:] for line in r.text.splitlines() if line.startswith("data:")]
+            return json.loads(data[-1])
+        return r.json()
+
+    async def call(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        return await self.send("tools/call", {"name": tool, "arguments": arguments}, name=tool)
+
+    async def task(self, method: str, task_id: str, name: str | None = "same") -> dict[str, Any]:
+        return await self.send(method, {"taskId": task_id}, name=task_id if name == "same" else name)
+
 
 
 def live_children() -> set[int]:

@@ -6,7 +6,6 @@ extension names is visible here; the SDK's own client has no tasks runtime.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,42 +15,12 @@ import pytest
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
-from tests.mcp_helpers import mcp_http_client, wait_until
+from tests.mcp_helpers import TASKS, McpHttp, mcp_http_client, wait_until
 from tests.remote_helpers import Fakes, fakes, remote_config_data, reply_text, user
 
 pytestmark = pytest.mark.anyio
 
-TASKS = "io.modelcontextprotocol/tasks"
-VERSION = "2026-07-28"
 KEYS = {"alice": "key-alice", "bob": "key-bob"}
-
-
-class McpHttp:
-    """One 2026-07-28 client key over plain HTTP: the envelope, the routing headers, SSE or JSON."""
-
-    def __init__(self, http: httpx.AsyncClient, url: str, key: str, *, tasks: bool = True) -> None:
-        self.http, self.url, self.key, self.tasks = http, url, key, tasks
-
-    async def send(self, method: str, params: dict[str, Any], name: str | None = None) -> dict[str, Any]:
-        caps: dict[str, Any] = {"extensions": {TASKS: {}}} if self.tasks else {}
-        meta = {"io.modelcontextprotocol/protocolVersion": VERSION,
-                "io.modelcontextprotocol/clientCapabilities": caps}
-        headers = {"Authorization": f"Bearer {self.key}", "MCP-Protocol-Version": VERSION,
-                   "Mcp-Method": method, "Accept": "application/json, text/event-stream"}
-        if name is not None:
-            headers["Mcp-Name"] = name
-        body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": {**params, "_meta": meta}}
-        r = await self.http.post(self.url, json=body, headers=headers)
-        if r.headers.get("content-type", "").startswith("text/event-stream"):
-            data = [line[5:] for line in r.text.splitlines() if line.startswith("data:")]
-            return json.loads(data[-1])
-        return r.json()
-
-    async def call(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        return await self.send("tools/call", {"name": tool, "arguments": arguments}, name=tool)
-
-    async def task(self, method: str, task_id: str, name: str | None = "same") -> dict[str, Any]:
-        return await self.send(method, {"taskId": task_id}, name=task_id if name == "same" else name)
 
 
 def config(f: Fakes, tmp_path: Path) -> dict[str, Any]:
