@@ -81,10 +81,11 @@ class ApiClient:
 
     def learn(self, response: httpx.Response) -> None:
         """Feed the limiter from one response's headers (also used by callers that stream)."""
-        observations = self._parse_limits(response.headers, self.ctx.clock.wall)
+        headers = dict(response.headers.multi_items())  # one pass; httpx's lookups scan them all
+        observations = self._parse_limits(headers, self.ctx.clock.wall)
         apply(self.ctx.limiter, observations)
         if response.status_code in PAUSE_STATUSES:
-            wait = wait_hint(response.headers, observations, self.ctx.clock.wall)
+            wait = wait_hint(headers, observations, self.ctx.clock.wall)
             if wait is not None:
                 self.ctx.limiter.pause(wait)
 

@@ -56,10 +56,11 @@ class _Stale(Exception):
 class _Conn:
     """One connection and the reply being read on it (httptools calls the ``on_*`` methods)."""
 
-    __slots__ = ("chunks", "done", "headers", "keep", "parser", "status", "stray", "stream")
+    __slots__ = ("chunks", "done", "headers", "keep", "parser", "raw", "status", "stray", "stream")
 
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
+        self.raw: socket.socket | None = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
         self.parser = httptools.HttpResponseParser(self)
         self.stray = False  # bytes past the end of a reply: not reusable
         self.reset()
@@ -160,10 +161,10 @@ class Http1Transport(httpx.AsyncBaseTransport):
                                        request=request) from None
         except (OSError, anyio.BrokenResourceError, ssl.SSLError) as e:
             raise httpx.ConnectError(f"{type(e).__name__}: {e}", request=request) from None
-        raw = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
-        if raw is not None:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _Conn(stream)
+        conn = _Conn(stream)
+        if conn.raw is not None:
+            conn.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
 
     async def _exchange(self, conn: _Conn, origin: Origin, slots: anyio.Semaphore,
                         request: httpx.Request, out: bytes, timeouts: dict[str, float | None],
@@ -364,7 +365,7 @@ def _reraise(e: BaseException, request: httpx.Request) -> NoReturn:
 
 def _closed_by_peer(conn: _Conn) -> bool:
     """An idle connection with something to read (the server's FIN, or stray bytes) is done."""
-    raw = conn.stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+    raw = conn.raw
     if raw is None:
         return False
     try:
