@@ -94,3 +94,5 @@ def test_cli_check_config(tmp_path: Path) -> None:
 def test_default_config_is_valid() -> None:
     config = load_config(Path(__file__).parent.parent / "config" / "default.yaml")
     assert "echo" in config.routes
+    # OpenAI(base_url=.../v1).embeddings.create(model="all-MiniLM-L6-v2") works out of the box
+    assert config.routes["embed_local"].models == ["all-MiniLM-L6-v2"]
