@@ -210,6 +210,9 @@ async def test_models_lists_what_routes_list(tmp_path):
         assert sorted(m.id for m in models.data) == [
             "claude-sonnet-4-5", "gpt-4o-mini", "text-embedding-3-small"]
         assert {m.owned_by for m in models.data} == {"oai", "claude"}
+        assert (await client.models.retrieve("gpt-4o-mini")).owned_by == "oai"
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("gpt-nope")
 
 
 async def test_unknown_model_is_404_model_not_found(tmp_path):

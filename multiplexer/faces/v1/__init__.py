@@ -36,6 +36,7 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
         Route("/v1/chat/completions", ChatCompletions(v1), methods=["POST"]),
         Route("/v1/embeddings", Embeddings(v1), methods=["POST"]),
         Route("/v1/models", Models(v1), methods=["GET"]),
+        Route("/v1/models/{model:path}", Models(v1), methods=["GET"]),
         Route("/v1/messages", Messages(v1), methods=["POST"]),
         Route("/v1/files", Upload(*files), methods=["POST"]),
         Route("/v1/files/{file_id}", FileInfo(*files), methods=["GET"]),

@@ -99,10 +99,13 @@ class V1:
         name = self.models.get(model) or (model if model in routes and not model.endswith("*")
                                           else None)
         if name is None:
-            error = RpcError(Code.NOT_FOUND, f"The model '{model}' does not exist",
-                             {"model": model, "known": sorted(self.models)})
-            raise HttpError(404, error, param="model", code="model_not_found")
+            raise self.unknown_model(model)
         return name, routes[name]
+
+    def unknown_model(self, model: str) -> HttpError:
+        error = RpcError(Code.NOT_FOUND, f"The model '{model}' does not exist",
+                         {"model": model, "known": sorted(self.models)})
+        return HttpError(404, error, param="model", code="model_not_found")
 
     def params_for(self, body: dict[str, Any], name: str, route: RouteConfig) -> dict[str, Any]:
         """The body as the call's params; a route chosen by its own name sends its configured model."""

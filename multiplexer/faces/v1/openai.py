@@ -59,6 +59,8 @@ class Embeddings(Endpoint):
 
 
 class Models(Endpoint):
+    """``GET /v1/models`` (the models the routes list) and ``GET /v1/models/{model}``."""
+
     surface = OPENAI
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
@@ -67,4 +69,11 @@ class Models(Endpoint):
         created = int(time.time())
         data = [{"id": model, "object": "model", "created": created,
                  "owned_by": routes[route].provider} for model, route in self.v1.models.items()]
-        await send_json(send, 200, {"object": "list", "data": data}, headers)
+        wanted = scope.get("path_params", {}).get("model")
+        if wanted is None:
+            await send_json(send, 200, {"object": "list", "data": data}, headers)
+            return
+        found = next((m for m in data if m["id"] == wanted), None)
+        if found is None:
+            raise self.v1.unknown_model(wanted)
+        await send_json(send, 200, found, headers)
