@@ -21,18 +21,18 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.anyio
 
 
-def config(f: Any, tmp_path: Path) -> dict[str, Any]:
-    data = v1_config(f, tmp_path)
+def config(f: Any, tmp_path: Path, **server: Any) -> dict[str, Any]:
+    data = v1_config(f, tmp_path, **server)
     data["providers"]["builtin"] = {"kind": "echo"}  # no batch API: its lines use the lanes
     data["routes"]["echo"] = {"provider": "builtin", "models": ["echo-embed"]}
     return data
 
 
 @asynccontextmanager
-async def gateway(tmp_path: Path):
+async def gateway(tmp_path: Path, **server: Any):
     async with (
         fakes() as f,
-        running(parse_config(config(f, tmp_path)), port=0) as (gw, url),
+        running(parse_config(config(f, tmp_path, **server)), port=0) as (gw, url),
         openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as client,
     ):
         yield f, gw, client
@@ -168,3 +168,14 @@ async def test_lane_lines_left_unfinished_run_after_a_restart(tmp_path):
         out = parse((await client.files.content(done.output_file_id)).content)
         assert out["e0"]["response"]["body"] == {"saved": True}  # not run twice
         assert out["e2"]["response"]["body"] == {"model": "echo-embed", "input": "t2"}
+
+
+async def test_lane_lines_wait_for_the_owners_quota_instead_of_failing(tmp_path):
+    async with gateway(tmp_path, quotas={"alice": {"concurrency": 2}}) as (_, _, client):
+        rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
+                for i in range(7)]
+        upload = await client.files.create(file=("q.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                            completion_window="24h")
+        done = await until_ended(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 7

@@ -162,7 +162,7 @@ class Batches:
                         page.append(n)
                         calls.append(Call(name, params, identity=record.owner))
                         shapes.append(shape)
-                    outcomes = await self.gateway.submit_many(calls) if calls else []
+                    outcomes = await self._patiently(calls)
                     for n, shape, o in zip(page, shapes, outcomes, strict=True):
                         record.lane_results[str(n)] = self._entry(o, shape, surface)
                     await self.store.save_batch(record)
@@ -174,6 +174,26 @@ class Batches:
             await self.store.save_batch(record)
         finally:
             self.live.pop(record.id, None)
+
+    async def _patiently(self, calls: list[Call]) -> list[Outcome]:
+        """Run a page of calls; those refused for the moment (the owner's quota, a full queue)
+        wait their ``retry_after`` and go again: a batch has 24 hours, not a live caller."""
+        outcomes: list[Outcome] = [Outcome()] * len(calls)
+        todo = list(range(len(calls)))
+        while todo:
+            done = await self.gateway.submit_many([calls[i] for i in todo])
+            waits = []
+            for i, o in zip(todo, done, strict=True):
+                outcomes[i] = o
+                if o.error is not None and o.error.code in (Code.RATE_LIMITED, Code.OVERLOADED):
+                    after = (o.error.data or {}).get("retry_after")
+                    if isinstance(after, int | float) and 0 <= after <= 3600:
+                        waits.append((i, after))
+            todo = [i for i, _ in waits]
+            if todo:
+                await self.gateway.clock.sleep_until(
+                    self.gateway.clock.now() + max(a for _, a in waits))
+        return outcomes
 
     @staticmethod
     def _entry(outcome: Outcome, shape: Any, surface: Surface) -> dict[str, Any]:
