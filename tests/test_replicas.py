@@ -323,3 +323,26 @@ async def test_a_replica_that_dies_with_a_batch_running_has_it_taken_over(tmp_pa
     assert [reply_text(r["result"]) for r in page["results"]] == ["echo: d0", "echo: d1"]
     assert len(f.openai.batches) == 1  # taken over where it stopped: polled, never resubmitted
     assert not any(e == "batch_submitted" for e, _ in second.seen)
+
+
+async def test_a_closing_gateway_hands_its_slots_back_at_once():
+    a, b = states = await replicas(2)
+    spec = LimitSpec(concurrency=1)
+    limiter = SharedLimiter(MonotonicClock(), "p", spec, a)
+    try:
+        lease = await limiter.acquire(0)
+        limiter.release_soon(lease)  # settled later by run(), which a closing gateway stops
+        assert (await b.acquire("p", "b1", 0, spec))[1] == "concurrency"
+        await limiter.drain()  # what Gateway.aclose does before it stops the tasks
+        assert await b.acquire("p", "b1", 0, spec) == (0.0, "")
+    finally:
+        await close(states)
+
+
+async def test_an_array_of_calls_asks_the_shared_quota_once_per_call_in_parallel():
+    config = quota_config(redis_url(), prefix(), rpm=5)
+    async with Gateway(config) as g1, Gateway(config) as g2:
+        first = await g1.submit_many([Call("r", {"i": i}, identity="alice") for i in range(3)])
+        second = await g2.submit_many([Call("r", {"i": i}, identity="alice") for i in range(3)])
+    assert [o.ok for o in first] == [True] * 3
+    assert sorted(o.ok for o in second) == [False, True, True]  # 5 a minute for both replicas

@@ -123,6 +123,15 @@ class SharedLimiter(RateLimiter):
         except StateUnavailable as e:
             self._degrade(e)  # the slot expires with its lease; the correction is lost
 
+    async def drain(self) -> None:
+        """Settle what ended and is not settled yet (the gateway is closing)."""
+        while True:
+            try:
+                lease = self._settle_recv.receive_nowait()
+            except anyio.WouldBlock:
+                return
+            await self._settle(lease)
+
     async def run(self) -> None:
         """Settle released leases in order, and keep this replica's slots alive while their
         calls run (a dead replica's expire after ``lease_s``)."""

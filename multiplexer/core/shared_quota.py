@@ -40,6 +40,7 @@ class SharedQuotas(Quotas):
         self._local: dict[str, int] = defaultdict(int)  # slots taken locally (state down, open)
         self._ended: list[tuple[str, str]] = []  # (identity, lease) of calls that ended
         self._wake = anyio.Event()
+        self._parallel = anyio.CapacityLimiter(16)  # round trips of one array at once
 
     def _refusal(self, e: StateUnavailable) -> Decision:
         self.degraded("quota")
@@ -48,15 +49,27 @@ class SharedQuotas(Quotas):
         return rate_limited("quota_unavailable", 1.0, detail="the shared quota state is unreachable")
 
     async def reserve(self, claims: list[tuple[str, int]]) -> None:
-        for identity, batch_calls in claims:
-            quota = self.quotas.get(identity)
-            if quota is None:
-                continue
-            if batch_calls:
-                if quota.batch_calls_per_day is not None:
-                    self._batches[identity].append(await self._charge(identity, quota, batch_calls))
-            elif quota.rpm is not None or quota.concurrency is not None:
-                self._calls[identity].append(await self._admit(identity, quota))
+        """Decide every claim (a few at a time), then queue the decisions in claim order."""
+        decided: list[tuple[deque[Decision], Decision] | None] = [None] * len(claims)
+
+        async def decide(i: int, identity: str, batch_calls: int, quota: Quota) -> None:
+            async with self._parallel:
+                if batch_calls:
+                    decided[i] = (self._batches[identity], await self._charge(identity, quota, batch_calls))
+                else:
+                    decided[i] = (self._calls[identity], await self._admit(identity, quota))
+
+        async with anyio.create_task_group() as tg:
+            for i, (identity, batch_calls) in enumerate(claims):
+                quota = self.quotas.get(identity)
+                if quota is None:
+                    continue
+                if (quota.batch_calls_per_day is not None if batch_calls
+                        else quota.rpm is not None or quota.concurrency is not None):
+                    tg.start_soon(decide, i, identity, batch_calls, quota)
+        for entry in decided:
+            if entry is not None:
+                entry[0].append(entry[1])
 
     async def _admit(self, identity: str, quota: Quota) -> Decision:
         lease = f"{self.state.replica_id}:{next(self._ids)}"

@@ -175,6 +175,10 @@ class Gateway:
         for lane in list(self.lanes.values()):  # each lane says when it has drained: no polling
             if not await self.clock.wait_event(lane.drained, until):
                 break
+        with anyio.move_on_after(2.0):  # hand the shared slots back now, not at lease expiry
+            for limiter in self.limiters.values():
+                if isinstance(limiter, SharedLimiter):
+                    await limiter.drain()
         stack, self._stack = self._stack, None
         await stack.aclose()
         await anyio.to_thread.run_sync(self.tracer.close)  # send the last spans
