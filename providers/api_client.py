@@ -209,14 +209,10 @@ async def admit(limiter: RateLimiter, clock: Clock, requests: int = 1, tokens: i
     """Wait until the lane's limiter lets a request of this cost go, then charge it.
 
     For requests the lane did not charge itself: the extra chunks of a packed
-    batch, and jobs run through the synchronous endpoint.
+    batch, and jobs run through the synchronous endpoint. (With shared limits the
+    charge is the replicas' shared one.)
     """
-    while True:
-        wait, _ = limiter.delay(requests, tokens)
-        if wait <= 0:
-            limiter.consume(requests, tokens)
-            return
-        await clock.sleep_until(clock.now() + wait)
+    await limiter.admit(requests, tokens)
 
 
 async def run_each(items: Sequence[Item], run_one: Callable[[Item], Awaitable[Outcome]],

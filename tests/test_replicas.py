@@ -346,3 +346,17 @@ async def test_an_array_of_calls_asks_the_shared_quota_once_per_call_in_parallel
         second = await g2.submit_many([Call("r", {"i": i}, identity="alice") for i in range(3)])
     assert [o.ok for o in first] == [True] * 3
     assert sorted(o.ok for o in second) == [False, True, True]  # 5 a minute for both replicas
+
+
+async def test_requests_a_provider_sends_beyond_its_batch_count_against_the_shared_rpm():
+    a, b = states = await replicas(2)
+    spec = LimitSpec(rpm=3, concurrency=1)
+    limiter = SharedLimiter(MonotonicClock(), "p", spec, a)
+    try:
+        lease = await limiter.acquire(0)  # the batch: a request and the one slot
+        await limiter.admit()  # two extra chunks of it: requests, no slot
+        await limiter.admit()
+        assert (await b.acquire("p", "b1", 0, LimitSpec(rpm=3)))[1] == "rpm"  # 3 of 3 used
+        await limiter.release(lease)
+    finally:
+        await close(states)

@@ -111,6 +111,16 @@ class RateLimiter:
         if self.tokens is not None:
             self.tokens.consume(tokens, now)
 
+    async def admit(self, requests: int = 1, tokens: int = 0) -> None:
+        """Wait until a request of this cost may go, then charge it: for requests a provider
+        sends beyond the batch the lane charged (extra chunks, jobs run synchronously)."""
+        while True:
+            wait, _ = self.delay(requests, tokens)
+            if wait <= 0:
+                self.consume(requests, tokens)
+                return
+            await self.clock.sleep_until(self.clock.now() + wait)
+
     def correct_tokens(self, estimated: int, actual: int) -> None:
         """Charge (or refund) the difference once the upstream reports real usage."""
         if self.tokens is not None and actual != estimated:

@@ -44,6 +44,7 @@ class SharedLimiter(RateLimiter):
         super().__init__(clock)
         self.name = name
         self.spec = spec
+        self._no_slot = LimitSpec(spec.rpm, spec.tpm, 0)
         self.state = state
         self.shared = True
         self._on_degraded = on_degraded
@@ -78,24 +79,32 @@ class SharedLimiter(RateLimiter):
         self._local.observe(kind, limit, remaining, reset_in)
 
     # -- around each batch (async) -------------------------------------------------
-    async def acquire(self, tokens: int) -> Lease:
+    async def admit(self, requests: int = 1, tokens: int = 0) -> None:
+        """Extra requests are charged to the shared rpm and tpm too (they take no slot: the
+        batch they belong to holds one)."""
+        for k in range(requests):
+            await self.acquire(tokens if k == 0 else 0, slot=False)
+
+    async def acquire(self, tokens: int, *, slot: bool = True) -> Lease:
         lease_id = self._prefix + str(next(self._ids))
+        spec = self.spec if slot else self._no_slot
         poll = 0.001
         while True:
             if self.clock.now() >= self._down_until:
                 try:
-                    wait, which = await self.state.acquire(self.name, lease_id, tokens, self.spec)
+                    wait, which = await self.state.acquire(self.name, lease_id, tokens, spec)
                 except StateUnavailable as e:
                     self._degrade(e)
                 else:
                     if wait <= 0:
-                        self._held.add(lease_id)
+                        if slot:
+                            self._held.add(lease_id)
                         return Lease(lease_id, True, tokens)
                     if which == "concurrency":  # no telling when a slot frees: look again soon
                         poll = wait = min(poll * 2, MAX_POLL_S)
                     await self.clock.sleep_until(self.clock.now() + wait)
                     continue
-            if await self._acquire_local(tokens):
+            if await self._acquire_local(tokens, slot):
                 return Lease(lease_id, False, tokens)
 
     def release_soon(self, lease: Lease) -> None:
@@ -170,7 +179,7 @@ class SharedLimiter(RateLimiter):
         self._local = local
         self._slots = max(1, spec.concurrency // n) if spec.concurrency else 1 << 30
 
-    async def _acquire_local(self, tokens: int) -> bool:
+    async def _acquire_local(self, tokens: int, slot: bool = True) -> bool:
         """One degraded decision: wait for this replica's share, then go (True)."""
         self._reshare()
         if self._on_degraded is not None:
@@ -183,6 +192,8 @@ class SharedLimiter(RateLimiter):
             if self.clock.now() >= self._down_until:
                 return False  # the shared state may be back: ask it
         self._local.consume(1, tokens)
+        if not slot:
+            return True
         while self._local_in_flight >= self._slots:
             self._slot_freed = anyio.Event()
             await self._slot_freed.wait()
