@@ -360,3 +360,14 @@ async def test_requests_a_provider_sends_beyond_its_batch_count_against_the_shar
         await limiter.release(lease)
     finally:
         await close(states)
+
+
+def test_state_and_store_urls_are_checked_at_load():
+    from multiplexer.gateway.config import ConfigError
+
+    for data, where in (({"state": {"url": "http://127.0.0.1:6379"}}, "state.url"),
+                        ({"store": {"url": "mysql://db/x"}}, "store.url"),
+                        ({"state": {"url": "redis://x", "lease_s": 0}}, "lease_s")):
+        with pytest.raises(ConfigError) as e:
+            parse_config(data)
+        assert where in str(e.value)
