@@ -14,6 +14,7 @@ from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.state import Learned, LimitSpec
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
+from tests.redis_helpers import REDIS_URL as REDIS
 from tests.redis_helpers import own_redis, prefix, redis_url
 from tests.test_gateway import Gate
 
@@ -371,3 +372,23 @@ def test_state_and_store_urls_are_checked_at_load():
         with pytest.raises(ConfigError) as e:
             parse_config(data)
         assert where in str(e.value)
+
+
+async def test_three_gateway_processes_share_concurrency_and_dedup():
+    """A CI-sized bench_replicas: real `multiplexer serve` processes on one Redis."""
+    from benchmarks import bench_replicas as bench
+
+    redis_url()
+    with bench.upstream() as (port, up), \
+            bench.replicas(3, bench.config(port, REDIS, concurrency=4)) as gateways:
+        load = bench.Load([g.url for g in gateways])
+        async with anyio.create_task_group() as tg:
+            for c in range(30):
+                tg.start_soon(bench.calls, load, c, 1)
+            for _ in range(60):
+                tg.start_soon(load.call, "same", {"key": "d", "ms": 200})
+        await load.aclose()
+        stats = bench.stats(up)
+    assert load.ok == 90 and load.errors == load.lost == 0
+    assert stats["max_in_flight"] <= 4
+    assert stats["executions"]["d"] == 1
