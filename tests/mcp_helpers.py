@@ -14,9 +14,11 @@ from typing import Any
 import anyio
 import httpx
 import httpx2
+import mcp_types as types
 import psutil
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.server import Server
 from mcp_types import TextContent
 
 from multiplexer.core.call import Call
@@ -155,6 +157,25 @@ class McpHttp:
     async def task(self, method: str, task_id: str, name: str | None = "same") -> dict[str, Any]:
         return await self.send(method, {"taskId": task_id}, name=task_id if name == "same" else name)
 
+
+
+def paginated_server(pages: int, per_page: int) -> Server[Any]:
+    calls: dict[str, Any] = {"list": 0, "x-team": set()}
+
+    async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
+        calls["list"] += 1
+        calls["x-team"].add(ctx.request.headers.get("x-team"))
+        page = int(params.cursor) if params and params.cursor else 0
+        tools = [types.Tool(name=f"t{page}_{i}", input_schema={"type": "object"}) for i in range(per_page)]
+        cursor = str(page + 1) if page + 1 < pages else None
+        return types.ListToolsResult(tools=tools, next_cursor=cursor, ttl_ms=60_000)
+
+    async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        return types.CallToolResult(content=[types.TextContent(type="text", text=params.name)])
+
+    server: Server[Any] = Server("paged", on_list_tools=list_tools, on_call_tool=call_tool)
+    server.calls = calls  # type: ignore[attr-defined]
+    return server
 
 
 def live_children() -> set[int]:

@@ -25,7 +25,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
-from multiplexer.server import running
+from multiplexer.server import bind, running, serve_asgi
 from tests.era_upstream import media_result
 from tests.legacy_sdk import legacy_python
 from tests.mcp_helpers import (
@@ -34,6 +34,7 @@ from tests.mcp_helpers import (
     free_port,
     grow_and_hear_it,
     mcp_http_client,
+    paginated_server,
     structured,
     wait_listening,
     wait_until,
@@ -261,3 +262,21 @@ async def test_a_restarted_stdio_upstream_is_probed_again() -> None:
         await wait_until(restarted, timeout=30)
         assert (session.era, session.probes) == ("2025-11-25", 2)  # a new process may be a new build
         assert structured(await call(gw, "old_sdk", {})) == {"result": "1"}
+
+
+async def test_the_tool_list_hint_is_the_soonest_upstream_expiry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upstream said its tools keep 60 s: a 2026 client hears no more than that (config says 120 s)."""
+    sock = bind("127.0.0.1", 0)
+    try:
+        app = paginated_server(pages=1, per_page=2).streamable_http_app(streamable_http_path="/mcp")
+        async with serve_asgi(app, sock, lifespan=True) as upstream_url:
+            config = {"server": {"host": "127.0.0.1", "port": 0, "mcp": {"list_ttl_ms": 120_000}},
+                      "providers": {"paged": {"kind": "mcp", "url": upstream_url + "/mcp"}},
+                      "routes": {"paged_*": {"provider": "paged"}}}
+            async with running(parse_config(config)) as (_, url), \
+                    client_at(url + "/mcp", "2026-07-28", monkeypatch) as client:
+                listed = await client.list_tools()
+                assert listed.ttl_ms is not None and 50_000 < listed.ttl_ms <= 60_000
+                assert [t.name for t in listed.tools] == ["paged_t0_0", "paged_t0_1"]
+    finally:
+        sock.close()

@@ -9,10 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-import mcp_types as types
 import psutil
 import pytest
-from mcp.server import Server
 
 from multiplexer.core.call import Call
 from multiplexer.core.clock import ManualClock
@@ -26,6 +24,7 @@ from tests.mcp_helpers import (
     http_upstream,
     http_upstream_process,
     live_children,
+    paginated_server,
     stdio_upstream,
     structured,
     upstream_pid,
@@ -281,25 +280,6 @@ async def test_list_changed_refreshes_the_list_and_is_announced(protocol: str) -
         assert events[-1]["provider"] == "tools" and "shout" in events[-1]["tools"]
         assert "tools_shout" in {t.name for t in await gateway.list_tools()}
         assert structured(await call(gateway, "tools_shout", {"text": "hi"})) == {"result": "HI"}
-
-
-def paginated_server(pages: int, per_page: int) -> Server[Any]:
-    calls: dict[str, Any] = {"list": 0, "x-team": set()}
-
-    async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
-        calls["list"] += 1
-        calls["x-team"].add(ctx.request.headers.get("x-team"))
-        page = int(params.cursor) if params and params.cursor else 0
-        tools = [types.Tool(name=f"t{page}_{i}", input_schema={"type": "object"}) for i in range(per_page)]
-        cursor = str(page + 1) if page + 1 < pages else None
-        return types.ListToolsResult(tools=tools, next_cursor=cursor, ttl_ms=60_000)
-
-    async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
-        return types.CallToolResult(content=[types.TextContent(type="text", text=params.name)])
-
-    server: Server[Any] = Server("paged", on_list_tools=list_tools, on_call_tool=call_tool)
-    server.calls = calls  # type: ignore[attr-defined]
-    return server
 
 
 async def test_pagination_is_followed_up_to_the_page_cap() -> None:
