@@ -11,6 +11,7 @@ gateway in the same process does not compile again.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,17 @@ import torch
 
 _compiled: dict[tuple[int, str], tuple[object, Callable[..., Any]]] = {}  # the owner pins its id
 _lock = threading.Lock()
+
+
+@functools.cache
+def compiler_available() -> bool:
+    """Whether inductor finds a C++ compiler (``compile: auto`` compiles only then)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return bool(get_cpp_compiler())
+    except Exception:
+        return False
 
 
 def warm_batches(tokenizer: Any) -> list[list[list[int]]]:

@@ -8,7 +8,8 @@ the next batches are formed smaller; every step is reported through ``on_event``
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 import torch
@@ -57,6 +58,32 @@ def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
     if device.type == "mps" and dtype in (torch.bfloat16, torch.float64):
         raise ValueError(f"dtype {spec} is not supported on MPS")
     return dtype
+
+
+MAX_AUTO_CONCURRENCY = 4
+
+
+def cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def auto_concurrency(device: str) -> int:
+    """Batches at once on a model: one per core on CPU (each on its own thread; a small batch
+    does not keep two threads busy), up to 4; 1 on a GPU, whose kernels queue anyway."""
+    try:
+        on_cpu = pick_device(device).type == "cpu"
+    except ValueError:
+        on_cpu = True  # the load reports the bad device
+    return max(1, min(cores(), MAX_AUTO_CONCURRENCY)) if on_cpu else 1
+
+
+def auto_threads(concurrencies: Iterable[int]) -> int:
+    """torch intra-op threads so that the concurrent batches together fill the cores."""
+    return max(1, cores() // max(concurrencies, default=1))
 
 
 def is_oom(exc: BaseException) -> bool:

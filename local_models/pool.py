@@ -26,9 +26,9 @@ from multiplexer.core.batching import Formation
 from multiplexer.core.errors import RpcError, upstream_unavailable
 
 from .budget import BudgetControl
-from .compiling import compiled_forward, warm_batches
+from .compiling import compiled_forward, compiler_available, warm_batches
 from .daemon import run_daemon
-from .devices import pick_device, pick_dtype, run_resilient
+from .devices import auto_concurrency, auto_threads, pick_device, pick_dtype, run_resilient
 from .formation import PassThrough, TokenBudget, plan_chunks
 from .loading import Loaded, load
 from .sources import resolve_source
@@ -51,6 +51,7 @@ class Stats:
     real_tokens: int = 0
     padded_tokens: int = 0
     busy_s: float = 0.0  # summed forward-pass time (can exceed wall time with concurrency > 1)
+    cpu_s: float = 0.0  # CPU time of the threads running the passes (all of it with one torch thread)
 
     @property
     def padding_waste(self) -> float:
@@ -75,6 +76,8 @@ class ModelHandle:
         self.engine: GenerateEngine | None = None
         self.packed: PackedEncoder | None = None
         self.compiled_model: Callable[..., Any] | None = None  # the padded path's compiled model
+        self.onnx_model: Callable[..., Any] | None = None  # backend: onnx
+        self.concurrency = spec.concurrency or auto_concurrency(spec.device)
         self.fallback_device: torch.device | None = None
         self.budget = TokenBudget(
             spec.max_batch_size, spec.max_tokens, spec.max_wait_ms / 1000.0, spec.max_padding,
@@ -94,7 +97,14 @@ class ModelHandle:
             self.embed_cfg = read_embed_config(path, pooling=self.spec.pooling, normalize=self.spec.normalize)
             limits.append(self.embed_cfg.max_length)
         loaded = load(path, self.task, device, dtype)
-        if self.task == "embed" and self.spec.unpadded and packable(loaded.model):
+        if self.spec.backend == "onnx":
+            from .onnx_backend import session_for
+
+            on_cpu = loaded if device.type == "cpu" and dtype == torch.float32 else \
+                load(path, self.task, torch.device("cpu"), torch.float32)
+            self.onnx_model = session_for(on_cpu, on_cpu.model, quantize=self.spec.quantize,
+                                          threads=torch.get_num_threads(), device=device)
+        elif self.task == "embed" and self.spec.unpadded and packable(loaded.model):
             self.packed = PackedEncoder(loaded.model)
         limits.append(loaded.max_positions())
         known = [n for n in limits if n]
@@ -141,9 +151,9 @@ class ModelHandle:
         """One padded pass on the primary device or the CPU fallback; a vector per row."""
         assert self.loaded is not None
         loaded = self.loaded if on == "primary" else self._cpu()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         primary = on == "primary"
-        model = self.compiled_model if primary and self.compiled_model is not None else loaded.model
+        model = (self.onnx_model or self.compiled_model or loaded.model) if primary else loaded.model
         out = self._task(model, self.packed if primary else None, rows, loaded)
         cost = padded_cost(rows)
         with self._lock:
@@ -152,6 +162,7 @@ class ModelHandle:
             self.stats.real_tokens += sum(len(r) for r in rows)
             self.stats.padded_tokens += cost
             self.stats.busy_s += time.perf_counter() - start
+            self.stats.cpu_s += time.thread_time() - cpu
             raised = self.control.passed(cost) if primary else None
             if raised is not None:
                 self.budget = dataclasses.replace(self.budget, max_tokens=raised)
@@ -189,6 +200,12 @@ class ModelHandle:
 
             self.compiled_model = compiled_forward(loaded, self.task, loaded.model, warm_model)
         log.info("local model %s: compiled forward in place", self.name)
+
+    def compiles(self) -> bool:
+        """``compile: true``, or ``auto`` where inductor finds a C++ compiler (torch, not generate)."""
+        if self.task == "generate" or self.onnx_model is not None or not self.spec.compile:
+            return False
+        return self.spec.compile is True or compiler_available()
 
     def _cpu(self) -> Loaded:
         assert self.loaded is not None
@@ -240,8 +257,7 @@ class LocalPool:
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> LocalPool:
-        if self.threads:
-            torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.threads or auto_threads(h.concurrency for h in self.handles.values()))
         stack = AsyncExitStack()
         self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._stack = stack
@@ -278,7 +294,7 @@ class LocalPool:
             assert self._tg is not None
             if handle.engine is not None:
                 self._tg.start_soon(handle.engine.run)
-            if handle.spec.compile and handle.task != "generate":
+            if handle.compiles():
                 self._tg.start_soon(self._compile, handle)
                 compiling = True
         finally:
@@ -290,8 +306,9 @@ class LocalPool:
         try:
             await run_daemon(handle.compile_sync, f"compile {handle.name}")
         except Exception as e:
-            log.warning("local model %s: compile failed, the eager forward stays: %s: %s",
-                        handle.name, type(e).__name__, e)
+            level = logging.WARNING if handle.spec.compile is True else logging.INFO  # auto: quietly
+            log.log(level, "local model %s: compile failed, the eager forward stays: %s: %s",
+                    handle.name, type(e).__name__, e)
             self.on_event(handle.name, "compile_failed")
         else:
             self.on_event(handle.name, "compiled")
@@ -318,7 +335,7 @@ class LocalPool:
         handle = self.handles.get(name)  # type: ignore[arg-type]
         if handle is None or handle.task == "generate":
             return PassThrough(), None
-        return handle.budget, handle.spec.concurrency
+        return handle.budget, handle.concurrency
 
     async def run_rows(
         self, name: str, rows: Sequence[Sequence[int]], finish: Callable[[torch.Tensor], T]

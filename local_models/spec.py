@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Task = Literal["embed", "classify", "generate"]
 DType = Literal["auto", "float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16", "float64"]
+Backend = Literal["torch", "onnx"]
 Pooling = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
 
 
@@ -26,14 +27,35 @@ class ModelSpec(BaseModel):
     padding_slack: int = Field(default=16, ge=0, description="padding tokens a batch may always carry")
     length_grouping: bool = True
     aging_s: float = Field(default=1.0, ge=0, description="waiting time worth one priority level")
-    concurrency: int = Field(default=1, ge=1, description="batches running at once on this model")
+    concurrency: int | None = Field(
+        default=None, ge=1,
+        description="batches running at once on this model; unset: one per core on CPU (up to 4), 1 on GPU",
+    )
     truncate: bool = False
     unpadded: bool = Field(default=True, description="BERT encoders: linear layers skip padding tokens")
-    compile: bool = Field(
-        default=False,
-        description="torch.compile the forward (embed, classify) in the background; eager until it is warm",
+    compile: bool | Literal["auto"] = Field(
+        default="auto",
+        description="torch.compile the forward (embed, classify) in the background; eager until it is warm;"
+                    " auto: where a C++ compiler exists, and a failure is logged quietly",
+    )
+    backend: Backend = Field(
+        default="torch", description="onnx: exported at load time and run by ONNX Runtime (the onnx extra)",
+    )
+    quantize: Literal["int8"] | None = Field(
+        default=None, description="backend onnx: dynamic int8 quantisation of the attention projections",
     )
     pooling: Pooling | list[Pooling] | None = None
     normalize: bool | None = None
     max_new_tokens: int = Field(default=64, ge=1)
     max_new_tokens_limit: int = Field(default=2048, ge=1)
+
+    @model_validator(mode="after")
+    def _backend_fits(self) -> ModelSpec:
+        if self.backend == "onnx":
+            if self.task == "generate":
+                raise ValueError("backend: onnx serves embed and classify models, not generate")
+            if self.dtype not in ("auto", "float32", "fp32"):
+                raise ValueError("backend: onnx runs in float32 (use quantize: int8 for a smaller model)")
+        elif self.quantize is not None:
+            raise ValueError("quantize needs backend: onnx")
+        return self

@@ -52,7 +52,10 @@ class LocalSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     models: dict[str, ModelSpec] = Field(min_length=1)
-    threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
+    threads: int | None = Field(
+        default=None, ge=1,
+        description="torch intra-op threads (process-wide); unset: the cores over the models' concurrency",
+    )
     preload: bool = True
     cache_dir: str | None = Field(default=None, description="Hugging Face cache to resolve ids from")
 
@@ -84,6 +87,9 @@ class LocalProvider(Provider):
             preload=self.settings.preload, cache_dir=self.settings.cache_dir,
         )
         await self.pool.__aenter__()
+        for name, handle in self.pool.handles.items():
+            stats = handle.stats
+            self.ctx.metrics.compute_cpu.labels(self.name, name).set_function(lambda s=stats: s.cpu_s)
 
     async def aclose(self) -> None:
         pool, self.pool = self.pool, None

@@ -75,6 +75,11 @@ class Metrics:
             "multiplexer_state_degraded", "Decisions made locally: the shared state was unreachable",
             ["part"], registry=r,
         )
+        self.compute_cpu = Gauge(
+            "multiplexer_compute_cpu_seconds",
+            "CPU seconds in-process providers spent in model forward passes (the thread running each pass)",
+            ["provider", "model"], registry=r,
+        )
         self.events = Counter(
             "multiplexer_events", "Notable events (device fallback, restarts, ...)",
             ["component", "event"], registry=r,

@@ -1,0 +1,92 @@
+"""``backend: onnx``: the same weights exported at load time and run by ONNX Runtime, fp32 and int8."""
+
+from __future__ import annotations
+
+import pytest
+
+from multiplexer.core.call import Call
+from multiplexer.gateway.config import ConfigError
+from multiplexer.gateway.gateway import Gateway
+from tests.local_helpers import MINILM, local_config, sentence, tiny_classifier
+
+pytestmark = pytest.mark.anyio
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
+
+TEXTS = ["hi", "a cat sat on the mat", sentence(1, 40), "Ünïcödé and emoji 🚀", sentence(3, 120), "",
+         "The gateway batches calls from many clients into few upstream requests."]
+
+
+def config(source: str = MINILM, task: str = "embed", route: str = "embed_local", **model: object):
+    return local_config({"m": {"source": source, "task": task, "device": "cpu", "backend": "onnx", **model}},
+                        {route: {"provider": "local", "model": "m"}})
+
+
+async def vectors(gw: Gateway, value: object) -> torch.Tensor:
+    outcome = await gw.submit(Call("embed_local", {"input": value}))
+    assert outcome.ok, outcome.error
+    return torch.tensor([d["embedding"] for d in outcome.result["data"]])
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    from local_models.sources import resolve_source
+
+    st = SentenceTransformer(str(resolve_source(MINILM)), device="cpu")
+    return torch.tensor(st.encode(TEXTS, batch_size=32))
+
+
+@pytest.mark.parametrize(("quantize", "floor"), [(None, 0.9999), ("int8", 0.99)])
+async def test_onnx_embeddings_agree_with_sentence_transformers_batched_or_single(
+        reference, quantize, floor) -> None:
+    async with Gateway(config(quantize=quantize)) as gw:
+        handle = await gw.providers["local"].pool.ready("m")
+        assert handle.onnx_model is not None and handle.packed is None and not handle.compiles()
+        batched = await vectors(gw, TEXTS)
+        singles = torch.cat([await vectors(gw, t) for t in TEXTS])
+    cosine = torch.nn.functional.cosine_similarity(batched, reference, dim=1)
+    assert cosine.min().item() >= floor
+    if quantize is None:
+        assert cosine.min().item() < 1.0 + 1e-6
+    assert (batched - singles).abs().max().item() < (1e-5 if quantize is None else 2e-2)
+
+
+async def test_onnx_classifier_gives_the_torch_scores(tmp_path) -> None:
+    source = str(tiny_classifier(tmp_path))
+    texts = [sentence(i, n) for i, n in enumerate((2, 9, 4, 15))]
+    scores = []
+    for backend in ("torch", "onnx"):
+        async with Gateway(config(source, "classify", "classify", backend=backend)) as gw:
+            outcome = await gw.submit(Call("classify", {"input": texts}))
+        assert outcome.ok, outcome.error
+        scores.append([[s["score"] for s in row["scores"]] for row in outcome.result["data"]])
+    assert torch.tensor(scores[0]).sub(torch.tensor(scores[1])).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ({"task": "generate"}, "not generate"),
+    ({"dtype": "bfloat16"}, "runs in float32"),
+    ({"backend": "torch", "quantize": "int8"}, "quantize needs backend: onnx"),
+])
+def test_settings_onnx_cannot_honour_are_refused_at_load(model, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config(**model)
+
+
+async def test_without_onnxruntime_the_model_fails_its_calls_with_the_reason(monkeypatch) -> None:
+    import builtins
+
+    real = builtins.__import__
+
+    def no_ort(name, *args, **kwargs):
+        if name == "onnxruntime":
+            raise ImportError("No module named 'onnxruntime'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ort)
+    async with Gateway(config(quantize="int8", max_batch_size=7)) as gw:
+        outcome = await gw.submit(Call("embed_local", {"input": "x"}))
+    assert outcome.error is not None and outcome.error.code == -32007
+    assert "pip install 'multiplexer[onnx]'" in outcome.error.data["detail"]
