@@ -153,7 +153,8 @@ class ModelHandle:
         loaded = self.loaded if on == "primary" else self._cpu()
         start, cpu = time.perf_counter(), time.thread_time()
         primary = on == "primary"
-        model = (self.onnx_model or self.compiled_model or loaded.model) if primary else loaded.model
+        model = next((m for m in (self.onnx_model, self.compiled_model) if m is not None), loaded.model) \
+            if primary else loaded.model
         out = self._task(model, self.packed if primary else None, rows, loaded)
         cost = padded_cost(rows)
         with self._lock:
