@@ -14,6 +14,11 @@ from multiplexer.core.errors import RpcError, invalid_params
 
 from .prepared import Prepared
 
+try:
+    import orjson
+except ImportError:  # the local extra brings it; without it replies are encoded by the face
+    orjson = None  # type: ignore[assignment]
+
 MAX_STOPS = 8
 
 
@@ -93,18 +98,36 @@ def usage(p: Prepared, completion: int | None = None) -> dict[str, int]:
     return out
 
 
-def embeddings_response(p: Prepared, vectors: Any) -> dict[str, Any]:
-    """``vectors`` is a float32 tensor [rows, dim] for this call's inputs."""
-    if p.extra.get("encoding_format") == "base64":
-        data = [base64.b64encode(v.contiguous().numpy().astype("<f4").tobytes()).decode() for v in vectors]
+def embeddings_response(p: Prepared, vectors: Any) -> tuple[dict[str, Any], bytes | None]:
+    """The response for ``vectors`` (a float32 tensor [rows, dim]), and the same already as JSON.
+
+    The JSON is built here, in the forward's worker thread, by orjson: each float
+    written as the shortest text that reads back as the same float32, about 30x
+    faster than ``json`` on the event loop writing 17 digits of a widened double,
+    and half the bytes for the client to read. None without orjson, or when a
+    value is not finite (the face then reports the result as invalid JSON).
+    """
+    import numpy as np  # with torch, in the worker thread; parsing stays free of both
+
+    rows = vectors.contiguous().numpy()
+    base64_format = p.extra.get("encoding_format") == "base64"
+    if base64_format:
+        data: list[Any] = [base64.b64encode(r.astype("<f4").tobytes()).decode() for r in rows]
     else:
-        data = vectors.tolist()
-    return {
+        data = list(rows)
+    response = {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
         "model": p.model,
         "usage": usage(p),
     }
+    encoded = None
+    if orjson is not None and (base64_format or np.isfinite(rows).all()):
+        encoded = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not base64_format:
+        for entry, row in zip(response["data"], rows, strict=True):
+            entry["embedding"] = row.tolist()
+    return response, encoded
 
 
 def classification_response(p: Prepared, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -252,7 +252,8 @@ class LocalProvider(Provider):
                 part = out[start:start + p.rows]
                 start += p.rows
                 if handle.task == "embed":
-                    results.append(Outcome(result=embeddings_response(p, part)))
+                    result, encoded = embeddings_response(p, part)
+                    results.append(Outcome(result=result, result_json=encoded))
                 else:
                     rows = labelled(part, id2label, p.extra.get("top_k"))
                     results.append(Outcome(result=classification_response(p, rows)))

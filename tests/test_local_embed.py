@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 import struct
 from pathlib import Path
 
@@ -192,6 +193,36 @@ async def test_embed_local_over_http_json_rpc(minilm_path) -> None:
         replies = sorted((await client.post(f"{url}/rpc", json=body)).json(), key=lambda r: r["id"])
     assert [len(r["result"]["data"]) for r in replies] == [1, 2]
     assert replies[1]["result"]["data"][1]["index"] == 1
+
+
+async def test_http_replies_carry_the_float32_values_in_their_shortest_text(minilm_path) -> None:
+    """The reply JSON is built in the worker thread: the same float32 values as in-process, each
+    written as the shortest decimal that reads back as that float32; base64 and usage unchanged."""
+    import json
+
+    import httpx
+    import numpy as np
+
+    from multiplexer.server import running
+
+    async with running(embed_config(), port=0) as (gw, url), httpx.AsyncClient() as client:
+        local = await embed(gw, ["one", "two words"])
+        single = await embed(gw, "one")
+        texts = []
+        for params in ({"input": ["one", "two words"]}, {"input": "one", "encoding_format": "base64"}):
+            body = {"jsonrpc": "2.0", "id": "x", "method": "embed_local", "params": params}
+            texts.append((await client.post(f"{url}/rpc", json=body)).text)
+    floats, packed = (json.loads(t) for t in texts)
+    assert floats["id"] == "x" and floats["result"]["usage"] == local["usage"]
+    for got, want in zip(floats["result"]["data"], local["data"], strict=True):
+        assert got["index"] == want["index"]
+        assert np.array_equal(np.array(got["embedding"], np.float32), np.array(want["embedding"], np.float32))
+    first = np.array(single["data"][0]["embedding"], np.float32)
+    written = texts[0].split('"embedding":[')[1].split("]")[0].split(",")
+    digits = [len(re.sub(r"e.*|[-.]", "", t).lstrip("0")) for t in written]
+    assert len(written) == 384 and max(digits) <= 9  # a float32 needs at most 9 significant digits
+    raw = base64.b64decode(packed["result"]["data"][0]["embedding"])
+    assert np.array_equal(np.frombuffer(raw, "<f4"), first)
 
 
 async def test_unpadded_bert_forward_equals_the_padded_model_forward(minilm_path) -> None:

@@ -16,10 +16,16 @@ _seq = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """Exactly one of ``result`` / ``error`` is meaningful: an error when ``error`` is set."""
+    """Exactly one of ``result`` / ``error`` is meaningful: an error when ``error`` is set.
+
+    ``result_json`` optionally carries ``result`` already encoded as JSON, built by
+    the provider off the event loop (an embedding's floats); faces that write JSON
+    send it as it is instead of encoding ``result`` again.
+    """
 
     result: Any = None
     error: RpcError | None = None
+    result_json: bytes | None = None
 
     @property
     def ok(self) -> bool:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from multiplexer.core.call import Outcome
 from multiplexer.core.errors import internal_error
 from multiplexer.core.jsonrpc import Decoded, Entry, decode, dumps, error_response, response
 from multiplexer.gateway.gateway import Gateway
 
 
-def _reply(entry: Entry, outcome: Outcome | None) -> dict[str, Any] | None:
+def _reply(entry: Entry, outcome: Outcome | None) -> dict | None:
     if entry.is_notification:
         return None
     if entry.error is not None:
@@ -19,9 +17,9 @@ def _reply(entry: Entry, outcome: Outcome | None) -> dict[str, Any] | None:
     return response(entry.id, outcome)
 
 
-async def run_decoded(gateway: Gateway, decoded: Decoded,
-                      trace: dict[str, str] | None = None) -> Any:
-    """The response object (dict or list), or None when nothing is owed.
+async def _outcomes(gateway: Gateway, decoded: Decoded,
+                    trace: dict[str, str] | None = None) -> list[Outcome | None]:
+    """One outcome per entry in order; None where the entry was refused at decoding.
 
     ``trace``: the request's trace context, for calls that bring none in ``_meta``."""
     calls = [e.call for e in decoded.entries if e.call is not None and e.error is None]
@@ -30,14 +28,7 @@ async def run_decoded(gateway: Gateway, decoded: Decoded,
             call.face = "rpc"
             call.trace = call.trace or trace
     outcomes = iter(await gateway.submit_many(calls) if calls else [])
-    replies = [
-        _reply(e, next(outcomes) if e.call is not None and e.error is None else None)
-        for e in decoded.entries
-    ]
-    if not decoded.batch:
-        return replies[0]
-    kept = [r for r in replies if r is not None]
-    return kept or None
+    return [next(outcomes) if e.call is not None and e.error is None else None for e in decoded.entries]
 
 
 async def handle_body(gateway: Gateway, body: bytes, identity: str | None = None,
@@ -45,19 +36,20 @@ async def handle_body(gateway: Gateway, body: bytes, identity: str | None = None
     server = gateway.config.server
     decoded = decode(body, max_items=server.max_batch_items, max_depth=server.max_json_depth,
                      identity=identity)
-    reply = await run_decoded(gateway, decoded, trace)
-    if reply is None:
+    outcomes = await _outcomes(gateway, decoded, trace)
+    parts = [_encoded(e, o) for e, o in zip(decoded.entries, outcomes, strict=True) if not e.is_notification]
+    if not parts:
         return None
+    return b"[" + b",".join(parts) + b"]" if decoded.batch else parts[0]
+
+
+def _encoded(entry: Entry, outcome: Outcome | None) -> bytes:
+    """One reply's JSON; a result the provider encoded already is spliced in, not encoded again."""
+    if entry.error is None and outcome is not None and outcome.ok and outcome.result_json is not None:
+        return b'{"jsonrpc":"2.0","result":' + outcome.result_json + b',"id":' + dumps(entry.id) + b"}"
+    reply = _reply(entry, outcome)
+    assert reply is not None
     try:
         return dumps(reply)
-    except (TypeError, ValueError):
-        return dumps([_safe(r) for r in reply] if isinstance(reply, list) else _safe(reply))
-
-
-def _safe(reply: dict[str, Any]) -> dict[str, Any]:
-    """Replace a result that is not valid JSON (NaN, bytes, ...) by an error for that call only."""
-    try:
-        dumps(reply)
-        return reply
-    except (TypeError, ValueError):
-        return error_response(reply.get("id"), internal_error("result is not valid JSON"))
+    except (TypeError, ValueError):  # a result that is not valid JSON (NaN, bytes, ...): this call only
+        return dumps(error_response(reply.get("id"), internal_error("result is not valid JSON")))
