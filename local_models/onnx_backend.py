@@ -94,9 +94,12 @@ def export(model: torch.nn.Module, out: Path) -> None:
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
             "output": {0: "batch"}}
+    # The exporter restores the wrapper's training flag on the whole tree afterwards, and the loaded
+    # model is shared: the wrapper must be in eval mode too, or the model leaves in training mode.
+    wrapper = _First(model).train(model.training)
     with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
         warnings.simplefilter("ignore")
-        torch.onnx.export(_First(model), (ids, mask), str(out), input_names=["input_ids", "attention_mask"],
+        torch.onnx.export(wrapper, (ids, mask), str(out), input_names=["input_ids", "attention_mask"],
                           output_names=["output"], dynamic_axes=axes, opset_version=17, dynamo=False)
 
 

@@ -44,6 +44,7 @@ async def test_onnx_embeddings_agree_with_sentence_transformers_batched_or_singl
     async with Gateway(config(quantize=quantize)) as gw:
         handle = await gw.providers["local"].pool.ready("m")
         assert handle.onnx_model is not None and handle.packed is None and not handle.compiles()
+        assert not handle.loaded.model.training  # the shared torch model is left as it was
         batched = await vectors(gw, TEXTS)
         singles = torch.cat([await vectors(gw, t) for t in TEXTS])
     cosine = torch.nn.functional.cosine_similarity(batched, reference, dim=1)
