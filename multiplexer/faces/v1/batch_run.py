@@ -93,7 +93,7 @@ class Batches:
     # -- creation ----------------------------------------------------------------------------
     async def create(self, identity: str | None, body: dict[str, Any]) -> BatchRecord:
         endpoint, window = body.get("endpoint"), body.get("completion_window", "24h")
-        if endpoint not in OPERATIONS:
+        if not isinstance(endpoint, str) or endpoint not in OPERATIONS:
             raise HttpError(400, invalid_params(f"endpoint must be one of {sorted(OPERATIONS)}"),
                             param="endpoint")
         if window != "24h":
