@@ -72,7 +72,7 @@ async def test_local_chat_whole_and_streamed_agree(lm_dir, tmp_path):
 
 async def test_local_streams_share_the_batcher(lm_dir, tmp_path):
     async with gateway(lm_dir, tmp_path) as (gw, client):
-        engine = gw.providers["local"].pool.handles["lm"].engine  # type: ignore[attr-defined]
+        engine = (await gw.providers["local"].pool.ready("lm")).engine  # type: ignore[attr-defined]
         rows: list[int] = []
         engine.listeners.append(lambda e: rows.append(len(e.running)))
         texts: dict[int, str] = {}
@@ -100,3 +100,47 @@ async def test_local_embeddings_float_and_base64(lm_dir, tmp_path):
         with pytest.raises(openai.BadRequestError):  # an embedding model does not chat
             await client.chat.completions.create(model="all-MiniLM-L6-v2", messages=ask("x"),
                                                  stream=True)
+
+
+async def test_a_client_gone_mid_stream_leaves_the_batch(lm_dir, tmp_path):
+    """The engine is held after its first step while the client hangs up; the request must be
+    marked cancelled, and the next step drops it instead of decoding on."""
+    import threading
+
+    import httpx
+
+    async with gateway(lm_dir, tmp_path) as (gw, client):
+        provider = gw.providers["local"]
+        engine = (await provider.pool.ready("lm")).engine  # type: ignore[attr-defined]
+        engine.eos = set()  # no early end: only a cancel stops it before max_tokens
+        release, steps, seen = threading.Event(), [0], []
+        step = engine._step
+
+        def held_step(joiners):
+            steps[0] += 1
+            if steps[0] == 2:
+                release.wait(10)
+            return step(joiners)
+
+        engine._step = held_step
+        generate = provider.pool.generate
+
+        async def recording(name, requests):
+            seen.extend(requests)
+            return await generate(name, requests)
+
+        provider.pool.generate = recording
+        url = str(client.base_url)
+        async with httpx.AsyncClient() as http, http.stream(
+                "POST", url + "chat/completions",
+                json={"model": "tiny-llama", "messages": ask("the cat"), "max_tokens": 60,
+                      "stream": True}) as r:
+            first = await r.aiter_lines().__anext__()
+            assert first.startswith("data: ")
+        with anyio.fail_after(5):
+            while not seen or not seen[0].cancelled:
+                await anyio.sleep(0.01)
+        release.set()
+        with anyio.fail_after(10):
+            await seen[0].done.wait()
+        assert seen[0].finish_reason == "cancelled" and len(seen[0].tokens) < 5
