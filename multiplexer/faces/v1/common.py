@@ -172,7 +172,11 @@ def request_id() -> bytes:
 
 
 async def send_json(send: Send, status: int, body: Any, headers: list[tuple[bytes, bytes]]) -> None:
-    raw = dumps(body)
+    await send_encoded(send, status, dumps(body), headers)
+
+
+async def send_encoded(send: Send, status: int, raw: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    """A body that is JSON already."""
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", JSON), (b"content-length", str(len(raw)).encode()), *headers]})
     await send({"type": "http.response.body", "body": raw})

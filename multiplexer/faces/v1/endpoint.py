@@ -17,6 +17,7 @@ from multiplexer.faces.v1.common import (
     Surface,
     http_error,
     request_id,
+    send_encoded,
     send_error,
     send_json,
 )
@@ -55,8 +56,12 @@ class Endpoint:
         outcome = await self.v1.submit(call)
         if outcome.error is not None:
             raise http_error(outcome.error, self.surface)
+        headers = headers + self.v1.quota_headers(call.identity)
+        if shape is None and outcome.result_json is not None:  # encoded off the event loop already
+            await send_encoded(send, 200, outcome.result_json, headers)
+            return
         result = outcome.result if shape is None else shape(outcome.result)
-        await send_json(send, 200, result, headers + self.v1.quota_headers(call.identity))
+        await send_json(send, 200, result, headers)
 
     async def stream(self, call: Call, receive: Receive, send: Send,
                      headers: list[tuple[bytes, bytes]], encode: Encode,
