@@ -5,19 +5,22 @@ settings of ``config/default.yaml`` plus, per row, the one setting the row is
 about; 64 concurrent callers in this process each send one text per call over
 a kept-alive HTTP/1.1 connection and parse the reply. Rows: the default,
 eager (``compile: false``), bf16, ONNX Runtime fp32 and int8, fixed batches of
-32 in arrival order, one call at a time, the default in-process
+32 in arrival order, one call at a time, the default gateway's
+``/v1/embeddings`` (float and base64), the default in-process
 (``Gateway.submit``), and sentence-transformers ``encode(batch_size=32)``
 offline on the same texts. Texts are 3 to 120 words (evenly 3, 5, 8, 12, 20,
 40, 80 and 120). Rounds are interleaved (who goes first rotates) and the
 median round is reported, with ratios taken within each round, since the host
 is shared. Gateway CPU per call is the gateway process's CPU time over the
 round; "outside the forward" subtracts the CPU of the threads running the
-forward passes (``multiplexer_compute_cpu_seconds``).
+forward passes (``multiplexer_compute_cpu_seconds``), and "event loop" is the
+main thread's share (HTTP, JSON-RPC, tokenising, batching).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -29,6 +32,7 @@ from typing import Any
 
 import anyio
 import httpx
+import numpy as np
 import psutil
 import torch
 import yaml
@@ -51,6 +55,8 @@ ROWS: dict[str, dict[str, Any]] = {  # what each row changes in the default mode
     "fixed_32": {"max_batch_size": 32, "max_tokens": 10**9, "length_grouping": False},
     "one_at_a_time": {"max_batch_size": 1, "max_wait_ms": 0},
 }
+FACES = {"v1_float": "default", "v1_base64": "default"}  # rows on another face of a row's gateway
+V1_MODEL = "all-MiniLM-L6-v2"
 
 
 def vocabulary() -> list[str]:
@@ -76,18 +82,20 @@ def make_texts(n: int, seed: int) -> list[str]:
     return [" ".join(word() for _ in range(k)).capitalize() + "." for k in lengths]
 
 
-def default_model(device: str | None) -> dict[str, Any]:
-    """The shipped default config's model settings for ``embed_local`` (device overridable)."""
+def default_config(device: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The shipped default config's model settings and route for ``embed_local`` (device overridable)."""
     data = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())
-    model = dict(data["providers"]["local"]["models"][data["routes"]["embed_local"]["model"]])
-    return {**model, "device": device} if device else model
+    route = dict(data["routes"]["embed_local"])
+    model = dict(data["providers"]["local"]["models"][route["model"]])
+    route.update(provider="local", model="minilm")
+    return ({**model, "device": device} if device else model), route
 
 
-def config_yaml(model: dict[str, Any]) -> str:
+def config_yaml(model: dict[str, Any], route: dict[str, Any]) -> str:
     return yaml.safe_dump({
         "server": {"host": "127.0.0.1", "port": "{port}"},
         "providers": {"local": {"kind": "local", "models": {"minilm": model}}},
-        "routes": {"embed_local": {"provider": "local", "model": "minilm"}},
+        "routes": {"embed_local": route},
     }).replace("'{port}'", "{port}")
 
 
@@ -115,34 +123,47 @@ async def warm(proc: GatewayProc, model: dict[str, Any]) -> None:
             await anyio.sleep(0.5)
 
 
-def rpc_body(value: str | list[str]) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", "method": "embed_local", "params": {"input": value},
-                       "id": 1}).encode()
+def request(face: str, value: str | list[str]) -> tuple[str, bytes]:
+    """Path and body of one call: JSON-RPC on ``/rpc``, or ``/v1/embeddings`` (float or base64)."""
+    if face == "rpc":
+        return "/rpc", json.dumps({"jsonrpc": "2.0", "method": "embed_local", "params": {"input": value},
+                                   "id": 1}).encode()
+    return "/v1/embeddings", json.dumps({"model": V1_MODEL, "input": value,
+                                         "encoding_format": face.removeprefix("v1_")}).encode()
 
 
-def embeddings(body: bytes) -> list[list[float]]:
+def embeddings(face: str, body: bytes) -> list[list[float]]:
+    """The vectors of a reply, decoded as a client would."""
     reply = json.loads(body)
-    assert "result" in reply, reply
-    return [d["embedding"] for d in reply["result"]["data"]]
+    if face == "rpc":
+        assert "result" in reply, reply
+        reply = reply["result"]
+    data = [d["embedding"] for d in reply["data"]]
+    if face == "v1_base64":
+        return [np.frombuffer(base64.b64decode(e), "<f4").tolist() for e in data]
+    return data
 
 
 class HttpRow:
-    """One gateway process; ``round`` runs ``callers`` closed-loop callers over the texts."""
+    """One gateway process and face; ``round`` runs ``callers`` closed-loop callers over the texts."""
 
-    def __init__(self, proc: GatewayProc, callers: int) -> None:
-        self.proc, self.callers = proc, callers
+    def __init__(self, proc: GatewayProc, callers: int, face: str = "rpc") -> None:
+        self.proc, self.callers, self.face = proc, callers, face
         self.conns = [Conn.to(proc.url, timeout=120) for _ in range(callers)]
         self.ps = psutil.Process(proc.pid)
 
     async def call(self, conn: Conn, value: str | list[str]) -> list[list[float]]:
-        reply = await conn.request("POST", "/rpc", {"content-type": "application/json"}, rpc_body(value))
-        return embeddings(reply.body)
+        path, body = request(self.face, value)
+        reply = await conn.request("POST", path, {"content-type": "application/json"}, body)
+        assert reply.status == 200, reply.body[:500]
+        return embeddings(self.face, reply.body)
 
-    def counters(self) -> tuple[float, float, float]:
+    def counters(self) -> tuple[float, float, float, float]:
         cpu = self.ps.cpu_times()
+        loop = next((t.user_time + t.system_time for t in self.ps.threads() if t.id == self.ps.pid), 0.0)
         text = httpx.get(f"{self.proc.url}/metrics", timeout=30).text
         return (cpu.user + cpu.system, metric_sum(text, "multiplexer_compute_cpu_seconds"),
-                metric_sum(text, "multiplexer_batch_size_count", provider="local"))
+                metric_sum(text, "multiplexer_batch_size_count", provider="local"), loop)
 
     async def round(self, texts: list[str]) -> dict[str, Any]:
         for text in texts[:32]:
@@ -150,9 +171,9 @@ class HttpRow:
         before = self.counters()
         result = await closed_loop(texts, self.callers, lambda i, t: self.call(self.conns[i], t))
         after = self.counters()
-        cpu, forward, batches = (a - b for a, b in zip(after, before, strict=True))
+        cpu, forward, batches, loop = (a - b for a, b in zip(after, before, strict=True))
         return {**result, "cpu_ms": cpu / len(texts) * 1e3, "outside_ms": (cpu - forward) / len(texts) * 1e3,
-                "batches": int(batches)}
+                "loop_ms": loop / len(texts) * 1e3, "batches": int(batches)}
 
     async def vectors(self, texts: list[str]) -> torch.Tensor:
         return torch.tensor(await self.call(self.conns[0], texts))
@@ -227,16 +248,19 @@ async def run(args: argparse.Namespace) -> dict:
     from local_models.sources import resolve_source
 
     device = str(pick_device(args.device))
-    base = default_model(None if args.device == "default" else device)
+    base, route = default_config(None if args.device == "default" else device)
     st_model = SentenceTransformer(str(resolve_source(MINILM)), device=device)
     wanted = [name for name in ROWS if name not in args.skip.split(",")]
     with contextlib.ExitStack() as stack:
-        procs = {name: stack.enter_context(gateway(config_yaml({**base, **ROWS[name]})))
+        procs = {name: stack.enter_context(gateway(config_yaml({**base, **ROWS[name]}, route)))
                  for name in wanted}
         for name in wanted:
             await warm(procs[name], {**base, **ROWS[name]})
         rows: dict[str, Any] = {
             name: HttpRow(procs[name], 1 if name == "one_at_a_time" else args.callers) for name in wanted}
+        for name, host in FACES.items():
+            if host in procs and name not in args.skip.split(","):
+                rows[name] = HttpRow(procs[host], args.callers, face=name)
         async with Gateway(parse_config({
             "providers": {"local": {"kind": "local", "models": {"minilm": base}}},
             "routes": {"embed_local": {"provider": "local", "model": "minilm"}},
@@ -298,11 +322,13 @@ def main() -> None:
     rows = [
         [name, f"{v['calls_per_s']:.1f}", f"{st[name]:.2f}x", f"{d[name]:.2f}x", num(v.get("p50_ms")),
          num(v.get("p99_ms")), num(v.get("cpu_ms"), "{:.2f}"), num(v.get("outside_ms"), "{:.2f}"),
+         num(v.get("loop_ms"), "{:.2f}"),
          v.get("batches", ""), num(cos.get(name), "{:.6f}")]
         for name, v in m.items()
     ]
     print(table(["run", "calls/s", "vs st_encode", "default vs this", "p50 ms", "p99 ms",
-                 "gateway CPU ms/call", "outside forward ms/call", "batches", "min cosine vs st"], rows))
+                 "gateway CPU ms/call", "outside forward ms/call", "of which event loop", "batches",
+                 "min cosine vs st"], rows))
     print(f"floors (default row): >= 1.0x st_encode ({st['default']:.2f}x), >= 2.5x one_at_a_time "
           f"({d.get('one_at_a_time', float('nan')):.2f}x); gateway CPU outside the forward "
           f"{m['default']['outside_ms']:.2f} ms/call (goal 0.3); int8 worst cosine "
