@@ -22,8 +22,45 @@ except ImportError:  # the local extra brings it; without it replies are encoded
 MAX_STOPS = 8
 
 
+def chat_messages(params: dict[str, Any]) -> list[dict[str, str]] | None:
+    """A generation call's ``messages`` (chat), checked, with text parts joined; None without."""
+    messages = params.get("messages")
+    if messages is None:
+        return None
+    if not isinstance(messages, list) or not messages:
+        raise invalid_params("messages must be a non-empty array", param="messages")
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict)]
+            content = " ".join(p for p in parts if isinstance(p, str))
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise invalid_params("each message needs a string role and text content", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def transcript(messages: list[dict[str, str]]) -> str:
+    """The prompt for a model without a chat template: one ``role: content`` line per turn."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The model's own chat template when its tokenizer has one, else the plain transcript."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return transcript(messages)
+
+
 def texts_of(params: dict[str, Any], task: str) -> list[str]:
-    """``input`` (or ``prompt`` for generation): one string or a non-empty list of strings."""
+    """``input`` (or ``prompt`` for generation): one string or a non-empty list of strings.
+    A generation call may send chat ``messages`` instead (rendered again, with the model's chat
+    template, once its tokenizer is loaded)."""
+    if task == "generate" and "prompt" not in params and "input" not in params:
+        messages = chat_messages(params)
+        if messages is not None:
+            return [transcript(messages)]
     key = "input" if "input" in params or task != "generate" else "prompt"
     value = params.get(key)
     if isinstance(value, str):
@@ -74,6 +111,7 @@ def options_of(params: dict[str, Any], task: str, *, max_new_tokens: int, limit:
     else:
         raise invalid_params(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them")
     return {
+        "messages": chat_messages(params),
         "max_new_tokens": new,
         "temperature": _number(params, "temperature", 0.0, 0.0, 100.0),
         "top_p": _number(params, "top_p", 1.0, 1e-6, 1.0),

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from local_models.formation import GatedFormation
 from local_models.prepared import KEY, Prepared, prepared_of
 from local_models.spec import ModelSpec
-from local_models.wire import options_of, texts_of, too_long
+from local_models.wire import chat_prompt, options_of, texts_of, too_long
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import (
     RpcError,
@@ -162,6 +162,13 @@ class LocalProvider(Provider):
 
     @staticmethod
     def _tokenize(handle: Any, p: Prepared) -> RpcError | None:
+        messages = p.extra.get("messages")
+        if messages and handle.task == "generate" and handle.loaded is not None:
+            try:
+                p.texts = [chat_prompt(handle.loaded.tokenizer, messages)]
+            except Exception as e:  # a template may refuse a conversation (roles out of order)
+                return invalid_params(f"the model's chat template refused the messages ({e})",
+                                      param="messages")
         ids, over = handle.tokenize(p.texts, p.truncate)
         if over and not p.truncate:
             index, tokens = over[0]

@@ -144,3 +144,31 @@ async def test_a_client_gone_mid_stream_leaves_the_batch(lm_dir, tmp_path):
         with anyio.fail_after(10):
             await seen[0].done.wait()
         assert seen[0].finish_reason == "cancelled" and len(seen[0].tokens) < 5
+
+
+async def test_chat_uses_the_models_chat_template(lm_dir, tmp_path):
+    """With a template, the conversation is rendered by it: the reply equals the completion of
+    the rendered text; without one, the plain transcript is the prompt."""
+    from multiplexer.core.call import Call
+
+    async with gateway(lm_dir, tmp_path) as (gw, client):
+        handle = await gw.providers["local"].pool.ready("lm")  # type: ignore[attr-defined]
+
+        async def completion(prompt: str) -> str:
+            outcome = await gw.submit(Call("writer", {"prompt": prompt, "max_new_tokens": 6}))
+            return outcome.result["choices"][0]["text"]
+
+        messages = [{"role": "system", "content": "the moon"}, *ask("a red bird sings")]
+        plain = await client.chat.completions.create(model="tiny-llama", messages=messages,
+                                                     max_tokens=6)
+        assert plain.choices[0].message.content == await completion(
+            "system: the moon\nuser: a red bird sings\nassistant:")
+
+        handle.loaded.tokenizer.chat_template = (
+            "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}answer{% endif %}")
+        templated = await client.chat.completions.create(model="tiny-llama", messages=messages,
+                                                         max_tokens=6)
+        assert templated.choices[0].message.content == await completion(
+            "the moon a red bird sings answer")
+        assert templated.choices[0].message.content != plain.choices[0].message.content

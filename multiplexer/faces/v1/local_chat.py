@@ -1,5 +1,6 @@
-"""Chat completions on routes that take a prompt (local ``generate`` models): messages become
-one prompt, and the completion (or its streamed chunks) comes back in chat's shape."""
+"""Chat completions on routes that take a prompt (local ``generate`` models): the messages go to
+the model (which renders them with its chat template), and the completion (or its streamed
+chunks) comes back in chat's shape."""
 
 from __future__ import annotations
 
@@ -20,28 +21,13 @@ def is_local_chat(route: RouteConfig) -> bool:
     return route.operation != "chat"
 
 
-def render(messages: Any) -> str:
-    """A plain transcript ending with the assistant's turn (for models without a chat template)."""
-    if not isinstance(messages, list) or not messages:
-        raise HttpError(400, invalid_params("'messages' must be a non-empty array"), param="messages")
-    lines = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HttpError(400, invalid_params("each message needs a role and content"),
-                            param="messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise HttpError(400, invalid_params("message content must be text"), param="messages")
-        lines.append(f"{m['role']}: {content}")
-    return "\n".join(lines) + "\nassistant:"
-
-
 def chat_params(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("n", 1) != 1:
         raise HttpError(400, invalid_params("only n: 1 is supported by this model"), param="n")
-    params: dict[str, Any] = {"prompt": render(body.get("messages"))}
+    if not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise HttpError(400, invalid_params("'messages' must be a non-empty array"), param="messages")
+    # the local provider renders them with the model's chat template (or a plain transcript)
+    params: dict[str, Any] = {"messages": body["messages"]}
     new = body.get("max_completion_tokens", body.get("max_tokens"))
     if new is not None:
         params["max_new_tokens"] = new
