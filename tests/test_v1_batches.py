@@ -109,6 +109,11 @@ async def test_lines_without_a_batch_api_run_through_the_lanes(tmp_path):
         assert len(out["up"]["response"]["body"]["data"]) == 1
         listed = await client.batches.list()
         assert [b.id for b in listed.data] == [batch.id]
+        assert [x.id async for x in client.files.list(purpose="batch")] == [upload.id]
+        assert (await client.files.delete(upload.id)).deleted
+        assert [x.id async for x in client.files.list()] == []
+        with pytest.raises(openai.NotFoundError):
+            await client.files.content(upload.id)
 
 
 async def test_invalid_file_fails_the_batch_and_others_see_nothing(tmp_path):

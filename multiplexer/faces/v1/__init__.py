@@ -13,10 +13,12 @@ from multiplexer.faces.v1.common import V1
 from multiplexer.faces.v1.files import (
     CancelBatch,
     CreateBatch,
+    DeleteFile,
     FileContent,
     FileInfo,
     GetBatch,
     ListBatches,
+    ListFiles,
     Upload,
 )
 from multiplexer.faces.v1.openai import OPENAI, ChatCompletions, Embeddings, Models
@@ -39,7 +41,9 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
         Route("/v1/models/{model:path}", Models(v1), methods=["GET"]),
         Route("/v1/messages", Messages(v1), methods=["POST"]),
         Route("/v1/files", Upload(*files), methods=["POST"]),
+        Route("/v1/files", ListFiles(*files), methods=["GET"]),
         Route("/v1/files/{file_id}", FileInfo(*files), methods=["GET"]),
+        Route("/v1/files/{file_id}", DeleteFile(*files), methods=["DELETE"]),
         Route("/v1/files/{file_id}/content", FileContent(*files), methods=["GET"]),
         Route("/v1/batches", CreateBatch(*files), methods=["POST"]),
         Route("/v1/batches", ListBatches(*files), methods=["GET"]),

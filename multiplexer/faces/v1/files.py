@@ -100,6 +100,27 @@ class FileInfo(FilesEndpoint):
         return None
 
 
+class DeleteFile(FileInfo):
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        file_id = scope["path_params"]["file_id"]
+        found = await self.files.file(file_id, identity)
+        if found is None:  # output files are views of a batch: nothing to delete
+            raise not_found("file", file_id)
+        await self.files.delete_file(found)
+        await send_json(send, 200, {"id": file_id, "object": "file", "deleted": True}, headers)
+
+
+class ListFiles(FilesEndpoint):
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        purpose = Request(scope).query_params.get("purpose")
+        records = [r for r in await self.files.list_files(identity)
+                   if purpose is None or r.purpose == purpose]
+        await send_json(send, 200, {"object": "list", "data": [r.wire() for r in records],
+                                    "has_more": False}, headers)
+
+
 class FileContent(FileInfo):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:

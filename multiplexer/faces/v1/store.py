@@ -89,6 +89,23 @@ class V1Store:
         record = FileRecord(**data) if data else None
         return record if record is not None and record.owner == owner else None
 
+    async def delete_file(self, record: FileRecord) -> None:
+        def remove() -> None:
+            (self.root / f"{record.id}.json").unlink(missing_ok=True)
+            (self.files / record.id).unlink(missing_ok=True)
+
+        await anyio.to_thread.run_sync(remove)
+
+    async def list_files(self, owner: str | None) -> list[FileRecord]:
+        def scan() -> list[FileRecord]:
+            if not self.root.is_dir():
+                return []
+            found = [FileRecord(**json.loads(p.read_text())) for p in self.root.glob("file-*.json")]
+            return sorted((r for r in found if r.owner == owner), key=lambda r: (r.created_at, r.id),
+                          reverse=True)
+
+        return await anyio.to_thread.run_sync(scan)
+
     async def content(self, record: FileRecord) -> bytes:
         return await anyio.to_thread.run_sync((self.files / record.id).read_bytes)
 
