@@ -32,15 +32,19 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, receive: Receiv
     sink, chunks = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
     call.sink = sink
     outcome: list[Outcome] = []
-    finished = anyio.Event()
+    forwarded = anyio.Event()
     started = False
 
-    async def run() -> None:
-        try:
-            outcome.append(await submit(call))
-        finally:
-            sink.close()  # refused calls never reach the provider, which closes it otherwise
-            finished.set()
+    async def forward() -> None:
+        nonlocal started
+        async with chunks:
+            async for chunk in chunks:
+                if not started:
+                    started = True
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": [*SSE_HEADERS, *headers()]})
+                await send({"type": "http.response.body", "body": encode(chunk), "more_body": True})
+        forwarded.set()
 
     async def watch(scope: anyio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -49,15 +53,12 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, receive: Receiv
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch, tg.cancel_scope)
-        tg.start_soon(run)
-        async with chunks:
-            async for chunk in chunks:
-                if not started:
-                    started = True
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": [*SSE_HEADERS, *headers()]})
-                await send({"type": "http.response.body", "body": encode(chunk), "more_body": True})
-        await finished.wait()
+        tg.start_soon(forward)
+        try:  # the call runs in this task: it reaches the lane without waiting for a task start
+            outcome.append(await submit(call))
+        finally:
+            sink.close()  # refused calls never reach the provider, which closes it otherwise
+        await forwarded.wait()
         tg.cancel_scope.cancel()  # done: stop watching for a disconnect
     if not outcome:
         return  # the client went away; the call was cancelled with it
