@@ -118,3 +118,14 @@ def test_task_is_a_route_key() -> None:
     routes = parse_config({"providers": {"e": {"kind": "echo"}},
                            "routes": {"a": {"provider": "e", "task": True}}}).routes
     assert routes["a"].task is True and Gateway  # config accepts it; only batch providers act on it
+
+
+async def test_a_task_whose_batch_expires_failed(tmp_path: Path) -> None:
+    """Expired twice (the gateway resubmits once): the call never ran, so the task failed with the error."""
+    async with fakes(force_status="expired", expire_after_items=0) as f, \
+            running(parse_config(config(f, tmp_path))) as (_, base), httpx.AsyncClient(timeout=30) as http:
+        alice = McpHttp(http, base + "/mcp", KEYS["alice"])
+        task_id = (await alice.call("chat_batch", user("late")))["result"]["taskId"]
+        failed = await finished(alice, task_id)
+        assert failed["status"] == "failed" and "result" not in failed
+        assert failed["error"]["data"]["expired"] is True and isinstance(failed["error"]["code"], int)
