@@ -9,6 +9,7 @@ the tests that need it skip with the reason.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -31,13 +32,15 @@ def legacy_python(*, skip: bool = True) -> str:
     home = cache_dir() / "mcp1-venv"
     python = home / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
     marker = home / ".installed"
-    if marker.exists() and marker.read_text() == SPEC and python.exists():
-        return str(python)
     try:
         home.parent.mkdir(parents=True, exist_ok=True)
-        venv.EnvBuilder(with_pip=True, clear=True).create(home)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", SPEC],
-                       check=True, capture_output=True, timeout=600)
+        with (home.parent / "mcp1-venv.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # test runs sharing the cache make it once, not at once
+            if not (marker.exists() and marker.read_text() == SPEC and python.exists()):
+                venv.EnvBuilder(with_pip=True, clear=True).create(home)
+                subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                SPEC], check=True, capture_output=True, timeout=600)
+                marker.write_text(SPEC)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         reason = f"no venv with {SPEC} for the handshake-era upstream: {e} {detail.decode()[-300:]}"
@@ -45,5 +48,4 @@ def legacy_python(*, skip: bool = True) -> str:
         if not skip:
             raise RuntimeError(reason) from e
         pytest.skip(reason)
-    marker.write_text(SPEC)
     return str(python)
