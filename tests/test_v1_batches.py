@@ -184,3 +184,21 @@ async def test_lane_lines_wait_for_the_owners_quota_instead_of_failing(tmp_path)
                                             completion_window="24h")
         done = await until_ended(client, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 7
+
+
+async def test_ended_batches_are_forgotten_after_the_retention_period(tmp_path):
+    import time
+
+    async with gateway(tmp_path) as (_, gw, client):
+        rows = [line("e0", {"model": "echo-embed", "input": "t"}, "/v1/embeddings")]
+        upload = await client.files.create(file=("r.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                            completion_window="24h")
+        await until_ended(client, batch.id)
+        batches = gw.faces["v1_batches"]
+        retention = gw.config.store.retention_s
+        assert await batches.purge(retention) == []  # ended just now: kept
+        assert await batches.purge(retention, at=time.time() + retention + 5) == [batch.id]
+        with pytest.raises(openai.NotFoundError):
+            await client.batches.retrieve(batch.id)
+        assert (await client.files.retrieve(upload.id)).id == upload.id  # the upload stays

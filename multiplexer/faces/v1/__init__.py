@@ -32,6 +32,9 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     store = V1Store(Path(gateway.config.store.path + ".v1"))
     batches = Batches(v1, store, surfaces_for(OPENAI, ANTHROPIC))
     gateway.start_background(batches.resume)
+    if gateway.config.store.retention_s is not None:
+        gateway.start_background(batches.purge_forever, gateway.config.store.retention_s)
+    gateway.faces["v1_batches"] = batches
     limit = gateway.config.server.max_file_bytes
     files = (v1, store, batches, limit)
     return [

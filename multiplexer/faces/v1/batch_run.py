@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -24,6 +25,7 @@ from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, plan
 from multiplexer.faces.v1.store import BatchRecord, V1Store, new_id, now
 
 log = logging.getLogger(__name__)
+ENDED = ("completed", "failed", "cancelled")
 PAGE = 256  # lane lines admitted at once: a 50,000-line file must not flood the queues
 MAX_LINES = 50_000
 
@@ -219,6 +221,29 @@ class Batches:
             return live[0] if live[0].owner == identity else None
         return await self.store.batch(batch_id, identity)
 
+    async def purge(self, retention_s: float, at: float | None = None) -> list[str]:
+        """Forget the batches that ended more than ``retention_s`` before ``at`` (default now),
+        as their jobs are; their input files stay until their owner deletes them."""
+        cutoff = (time.time() if at is None else at) - retention_s
+        gone = []
+        for record in await self.store.batches(everyone=True):
+            if record.id in self.live:
+                continue
+            try:
+                status = (await self.wire(record))["status"]
+            except HttpError:
+                continue  # asked again on the next sweep
+            stamp = record.ended.get(status)
+            if status in ENDED and stamp is not None and stamp < cutoff:
+                await self.store.delete_batch(record.id)
+                gone.append(record.id)
+        return gone
+
+    async def purge_forever(self, retention_s: float) -> None:
+        while True:
+            await self.purge(retention_s)
+            await anyio.sleep(min(3600.0, retention_s / 4))
+
     async def cancel(self, record: BatchRecord) -> None:
         if record.cancelled_at is not None:
             return
@@ -232,9 +257,13 @@ class Batches:
         await self.store.save_batch(record)
 
     async def _job(self, record: BatchRecord, method: str, **params: Any) -> Any:
+        """A ``jobs.*`` answer for the batch's job; None once the job is gone (deleted after
+        ``store.retention_s``): its lines then count as ended without results."""
         outcome = await self.gateway.submit(Call(method, {"job_id": record.job_id, **params},
                                                  identity=record.owner))
         if outcome.error is not None:
+            if outcome.error.code == Code.NOT_FOUND:
+                return None
             raise http_error(outcome.error, self.surfaces[record.endpoint])
         return outcome.result
 
@@ -248,6 +277,8 @@ class Batches:
         cursor: int | None = 0
         while cursor is not None:
             page = await self._job(record, "jobs.results", cursor=cursor, limit=10_000)
+            if page is None:
+                break
             for row in page["results"]:
                 n = record.job_lines[row["index"]]
                 if row["status"] == "succeeded":
@@ -266,10 +297,17 @@ class Batches:
         if record.errors:
             status, completed, failed, ended = "failed", 0, 0, True
         else:
-            entries = await self.entries(record)
-            completed = sum(1 for e in entries.values() if e["status"] == 200)
-            failed = len(entries) - completed
-            job_done = record.job_id is None or (await self._job(record, "jobs.status"))["done"]
+            # counts, not results: a poll must not page through 50,000 answers
+            own = [*record.early.values(), *record.lane_results.values()]
+            completed = sum(1 for e in own if e["status"] == 200)
+            failed = len(own) - completed
+            job_done = True
+            if record.job_id is not None:
+                job = await self._job(record, "jobs.status")
+                if job is not None:
+                    completed += job["counts"]["succeeded"]
+                    failed += job["counts"]["failed"]
+                    job_done = job["done"]
             lanes_done = record.id not in self.live and (
                 record.cancelled_at is not None or len(record.lane_results) == len(record.lane_lines))
             ended = job_done and lanes_done
@@ -280,7 +318,7 @@ class Batches:
         stamp = record.ended.get(status)
         if stamp is None:
             stamp = record.ended[status] = now()
-            if status in ("completed", "failed", "cancelled") and record.id not in self.live:
+            if status in ENDED and record.id not in self.live:
                 await self.store.save_batch(record)  # the end time stays what it first was
         out: dict[str, Any] = {
             "id": record.id, "object": "batch", "endpoint": record.endpoint,

@@ -112,6 +112,9 @@ class V1Store:
     async def save_batch(self, record: BatchRecord) -> None:
         await anyio.to_thread.run_sync(self._write, record.id, asdict(record))
 
+    async def delete_batch(self, batch_id: str) -> None:
+        await anyio.to_thread.run_sync((self.root / f"{batch_id}.json").unlink, True)
+
     async def batch(self, batch_id: str, owner: str | None) -> BatchRecord | None:
         data = await anyio.to_thread.run_sync(self._read, batch_id, "batch_")
         record = BatchRecord(**data) if data else None
