@@ -119,6 +119,9 @@ class McpProvider(Provider):
     def tools_ttl_ms(self) -> int | None:
         return self.session.tool_list.ttl_left_ms()
 
+    def listing_ttl_ms(self, method: str) -> int | None:
+        return self.catalog.ttl_ms.get(method)
+
     async def list_tools(self) -> list[ToolSpec]:
         await self.session.ensure_fresh()
         return [tool_spec(t) for t in self.session.tools.values()]

@@ -110,13 +110,16 @@ class Catalog:
         self.max_pages = max_pages
         self.requests = requests
         self.offers = offers
+        self.ttl_ms: dict[str, int | None] = {}  # method -> the upstream's hint on its last listing
 
     async def _listing(self, request: type[types.PaginatedRequest[Any]], result: type[Page]) -> list[Page]:
         async def page(cursor: str | None) -> Page:
             params = types.PaginatedRequestParams(cursor=cursor) if cursor is not None else None
             return await self.requests.request(request(params=params), result)
 
-        return (await pages(self.name, request().method, self.max_pages, page))[0]
+        method = request().method
+        listed, self.ttl_ms[method] = await pages(self.name, method, self.max_pages, page)
+        return listed
 
     async def list_resources(self) -> list[types.Resource]:
         if not self.offers("resources"):

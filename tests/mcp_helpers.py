@@ -173,7 +173,13 @@ def paginated_server(pages: int, per_page: int) -> Server[Any]:
     async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         return types.CallToolResult(content=[types.TextContent(type="text", text=params.name)])
 
-    server: Server[Any] = Server("paged", on_list_tools=list_tools, on_call_tool=call_tool)
+    async def list_resources(ctx: Any, params: types.PaginatedRequestParams | None
+                             ) -> types.ListResourcesResult:
+        notes = types.Resource(uri="paged://notes", name="notes")
+        return types.ListResourcesResult(resources=[notes], ttl_ms=30_000)
+
+    server: Server[Any] = Server("paged", on_list_tools=list_tools, on_call_tool=call_tool,
+                                 on_list_resources=list_resources)
     server.calls = calls  # type: ignore[attr-defined]
     return server
 

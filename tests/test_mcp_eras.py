@@ -264,8 +264,9 @@ async def test_a_restarted_stdio_upstream_is_probed_again() -> None:
         assert structured(await call(gw, "old_sdk", {})) == {"result": "1"}
 
 
-async def test_the_tool_list_hint_is_the_soonest_upstream_expiry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An upstream said its tools keep 60 s: a 2026 client hears no more than that (config says 120 s)."""
+async def test_list_hints_are_the_upstreams_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upstream said its tools keep 60 s and its resources 30 s: a 2026 client hears no more than
+    that (config says 120 s)."""
     sock = bind("127.0.0.1", 0)
     try:
         app = paginated_server(pages=1, per_page=2).streamable_http_app(streamable_http_path="/mcp")
@@ -278,5 +279,7 @@ async def test_the_tool_list_hint_is_the_soonest_upstream_expiry(monkeypatch: py
                 listed = await client.list_tools()
                 assert listed.ttl_ms is not None and 50_000 < listed.ttl_ms <= 60_000
                 assert [t.name for t in listed.tools] == ["paged_t0_0", "paged_t0_1"]
+                resources = await client.list_resources()  # relayed live: the upstream's own hint
+                assert (resources.ttl_ms, [str(r.uri) for r in resources.resources]) == (30_000, ["paged://notes"])
     finally:
         sock.close()

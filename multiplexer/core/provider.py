@@ -118,6 +118,10 @@ class McpUpstream(ToolSource, Protocol):
         """How long its tool list stays fresh, by the upstream's own hint (None: until it says)."""
         ...
 
+    def listing_ttl_ms(self, method: str) -> int | None:
+        """The upstream's ``ttlMs`` on its last ``resources/list``, ``prompts/list``, ... (None: none)."""
+        ...
+
 
 @runtime_checkable
 class ResourceSource(Protocol):

@@ -22,7 +22,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.gather import gather
-from multiplexer.core.provider import PromptSource, ResourceSource
+from multiplexer.core.provider import McpUpstream, PromptSource, ResourceSource
 from multiplexer.faces.mcp.tools import mcp_error
 from multiplexer.gateway.gateway import Gateway
 
@@ -37,9 +37,10 @@ MAX_WARNED = 1000  # duplicate URIs remembered for warn-once; bounded whatever u
 class UpstreamCatalog:
     """The MCP face's resources/* and prompts/* handlers."""
 
-    def __init__(self, gateway: Gateway, hint: Callable[[], dict[str, Any]] = dict) -> None:
+    def __init__(self, gateway: Gateway,
+                 hint: Callable[[int | None], dict[str, Any]] = lambda ttl_ms: {}) -> None:
         self.gateway = gateway
-        self.hint = hint  # cache hints for listings (ttlMs, cacheScope)
+        self._hint = hint  # cache hints for listings (ttlMs, cacheScope), given the upstreams' own
         self._owners: dict[str, str] = {}  # resource URI -> provider, from the last resources/list
         self._duplicates: set[str] = set()  # URIs already warned about
 
@@ -71,6 +72,12 @@ class UpstreamCatalog:
 
         return list(zip(providers, await gather(one, providers), strict=True))
 
+    def hint(self, method: str, gathered: list[tuple[S, Listing]]) -> dict[str, Any]:
+        """The soonest any upstream in this listing said it goes stale (the face adds its own bound)."""
+        ttls = [ttl for provider, _ in gathered if isinstance(provider, McpUpstream)
+                if (ttl := provider.listing_ttl_ms(method)) is not None]
+        return self._hint(min(ttls, default=None))
+
     def _claim(self, owners: dict[str, str], uri: str, provider: str) -> bool:
         """Whether the entry is new: the first upstream to list a URI owns it; others are warned of once."""
         owner = owners.get(uri)
@@ -93,19 +100,21 @@ class UpstreamCatalog:
                 if self._claim(owners, item["uri"], _name(provider)):
                     resources.append(types.Resource.model_validate(item))
         self._owners = owners
-        return types.ListResourcesResult(resources=resources, **self.hint())
+        return types.ListResourcesResult(resources=resources, **self.hint("resources/list", gathered))
 
     async def list_resource_templates(self, ctx: ServerRequestContext[Any, Any],
                                       params: types.PaginatedRequestParams | None
                                       ) -> types.ListResourceTemplatesResult:
         owners: dict[str, str] = {}
         templates: list[types.ResourceTemplate] = []
-        for provider, listed in await self._gather("resources/templates/list", ResourceSource,
-                                                   lambda p: p.list_resource_templates()):
+        gathered = await self._gather("resources/templates/list", ResourceSource,
+                                      lambda p: p.list_resource_templates())
+        for provider, listed in gathered:
             for item in listed:
                 if self._claim(owners, item["uriTemplate"], _name(provider)):
                     templates.append(types.ResourceTemplate.model_validate(item))
-        return types.ListResourceTemplatesResult(resource_templates=templates, **self.hint())
+        return types.ListResourceTemplatesResult(resource_templates=templates,
+                                                 **self.hint("resources/templates/list", gathered))
 
     async def read_resource(self, ctx: ServerRequestContext[Any, Any], params: types.ReadResourceRequestParams
                             ) -> types.ReadResourceResult:
@@ -140,7 +149,7 @@ class UpstreamCatalog:
             for item in listed[_name(provider)]:
                 name = prefix + item["name"]
                 prompts.setdefault(name, types.Prompt.model_validate({**item, "name": name}))
-        return types.ListPromptsResult(prompts=list(prompts.values()), **self.hint())
+        return types.ListPromptsResult(prompts=list(prompts.values()), **self.hint("prompts/list", gathered))
 
     async def get_prompt(self, ctx: ServerRequestContext[Any, Any], params: types.GetPromptRequestParams
                          ) -> types.GetPromptResult:
