@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 import httpx
+import psutil
 
 from benchmarks._h11 import Conn, Reply
 from benchmarks._procs import child, free_port, percentile, save, table
@@ -86,6 +87,7 @@ class Target:
     url: str
     call: Call
     stream: Call | None = None
+    pid: int | None = None  # the proxy in the way (gateway, LiteLLM): its CPU is measured
 
 
 async def latencies(paths: list[Target], n: int, first_chunk: bool = False) -> list[list[float]]:
@@ -155,6 +157,14 @@ async def streams(url: str, path: str, headers: dict[str, str] = JSON) -> bool:
         await conn.aclose()
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU of a process and its children (0 for none)."""
+    if pid is None:
+        return 0.0
+    proc = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+
+
 def litellm_program() -> str | None:
     if not os.environ.get("LITELLM_MASTER_KEY"):
         return None
@@ -163,13 +173,16 @@ def litellm_program() -> str | None:
 
 async def measure(paths: list[Target], args: argparse.Namespace) -> list[dict[str, Any]]:
     seq = await latencies(paths, args.sequential)
-    elapsed = [0.0] * len(paths)
+    elapsed, cpu = [0.0] * len(paths), [0.0] * len(paths)
+    n = args.calls // ROUNDS * ROUNDS
     for _ in range(ROUNDS):  # alternate the paths in rounds, for the same reason
         for i, p in enumerate(paths):
+            before = cpu_seconds(p.pid)
             elapsed[i] += await throughput(p.url, p.call, args.clients, args.calls // ROUNDS)
+            cpu[i] += cpu_seconds(p.pid) - before
     out = [{"name": p.name, "p50_ms": percentile(s, 0.5) * 1e3, "p99_ms": percentile(s, 0.99) * 1e3,
-            "calls_per_s": args.calls // ROUNDS * ROUNDS / e} for p, s, e in zip(paths, seq, elapsed,
-                                                                            strict=True)]
+            "calls_per_s": n / e, "proxy_cpu_ms_per_call": c / n * 1e3 if p.pid else None}
+           for p, s, e, c in zip(paths, seq, elapsed, cpu, strict=True)]
     streamed = [i for i, p in enumerate(paths) if p.stream is not None]
     if paths[0].stream is not None:
         firsts = await latencies([paths[i] for i in streamed], args.sequential, first_chunk=True)
@@ -189,14 +202,14 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         conf.write_text(CONFIG.format(port=gw_port, fake=fake_port, store=Path(tmp) / "jobs.db",
                                       model=MODEL))
         stack.enter_context(child(fake_args, f"{fake}/"))
-        stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
-                                  f"{gw}/healthz"))
+        gateway = stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
+                                            f"{gw}/healthz"))
         streaming = await streams(fake, chat)
         paths = [Target("direct", fake, openai_call(chat), openai_call(chat, True) if streaming else None),
-                 Target("gateway /rpc", gw, rpc_call())]
+                 Target("gateway /rpc", gw, rpc_call(), pid=gateway.pid)]
         if await answers(gw, openai_call(chat)):
             paths.append(Target("gateway /v1", gw, openai_call(chat), openai_call(chat, True)
-                               if streaming and await streams(gw, chat) else None))
+                                if streaming and await streams(gw, chat) else None, gateway.pid))
         else:
             print("(no /v1 row: the gateway does not serve /v1/chat/completions yet)")
         program = litellm_program()
@@ -222,11 +235,12 @@ def litellm(stack: contextlib.ExitStack, program: str, fake_port: int, tmp: str,
     conf.write_text(LITELLM_CONFIG.format(fake=fake_port, model=MODEL))
     headers = {**JSON, "authorization": f"Bearer {os.environ['LITELLM_MASTER_KEY']}"}
     url = f"http://127.0.0.1:{port}"
-    stack.enter_context(child(["--config", str(conf), "--port", str(port), "--num_workers", "1"],
-                              f"{url}/health/liveliness", program=program))
+    proxy = stack.enter_context(child(["--config", str(conf), "--port", str(port),
+                                       "--num_workers", "1"], f"{url}/health/liveliness",
+                                      program=program))
     chat = "/v1/chat/completions"
     return Target("LiteLLM proxy", url, openai_call(chat, headers=headers),
-                 openai_call(chat, True, headers) if streaming else None)
+                 openai_call(chat, True, headers) if streaming else None, proxy.pid)
 
 
 async def run_transports(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -288,11 +302,13 @@ def main() -> None:
             f"{r['calls_per_s']:,.0f}", "1.00x" if r["name"] == "direct" else f"{r['ratio']:.2f}x",
             "" if first is None else f"{first:.3f}",
             f"{r['added_first_chunk_ms']:+.3f}" if "added_first_chunk_ms" in r else "",
+            "" if r["proxy_cpu_ms_per_call"] is None else f"{r['proxy_cpu_ms_per_call']:.3f}",
         ])
     print(f"chat calls, fake upstream +{args.upstream_ms:g} ms; {args.sequential} sequential, "
           f"{args.calls:,} by {args.clients} concurrent clients")
     print(table(["path", "p50 (ms)", "added p50 (ms)", f"{args.clients} clients calls/s",
-                 "vs direct", "first chunk p50 (ms)", "added first chunk (ms)"], rows))
+                 "vs direct", "first chunk p50 (ms)", "added first chunk (ms)",
+                 "proxy CPU ms/call"], rows))
     print("floors: added p50 < 1 ms (/rpc, /v1); throughput >= 0.9x direct; added first chunk < 2 ms")
     saved: dict[str, Any] = {"args": vars(args), "results": results}
     if args.transport:
