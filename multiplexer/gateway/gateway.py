@@ -181,7 +181,8 @@ class Gateway:
                     await limiter.drain()
         stack, self._stack = self._stack, None
         await stack.aclose()
-        await anyio.to_thread.run_sync(self.tracer.close)  # send the last spans
+        if self.tracer.enabled:
+            await anyio.to_thread.run_sync(self.tracer.close)  # send the last spans
 
     def _abort_lanes(self) -> None:
         for lane in self.lanes.values():
