@@ -28,6 +28,10 @@ def config(f: Fakes, tmp_path: Path) -> dict[str, Any]:
     data["server"] = {"host": "127.0.0.1", "port": 0, "api_keys": KEYS}
     data["routes"]["chat_task"] = {"provider": "oai", "operation": "chat", "task": True,
                                    "params": {"model": "gpt-test"}}
+    for name, cap in (("chat_pair", 2), ("chat_slow", 10)):  # tasks share a job until cap or 60 s
+        data["routes"][name] = {"provider": "oai", "operation": "chat", "mode": "batch",
+                                "params": {"model": "gpt-test"},
+                                "batch": {"max_items": cap, "max_wait_ms": 60_000}}
     return data
 
 
@@ -59,12 +63,13 @@ async def test_batch_calls_become_tasks_for_clients_that_opt_in(tmp_path: Path) 
             assert created["pollIntervalMs"] >= 1000 and created["ttlMs"] == 7 * 24 * 3600 * 1000
             task_id = created["taskId"]
             store = gw.faces["jobs"].store()
-            assert store.job(task_id) is not None  # stored before the answer
+            job_id, _, idx = task_id.rpartition(".")
+            assert store.page(job_id, int(idx), 1)[0][:2] == (int(idx), "queued")  # stored before the answer
             assert (await alice.task("tasks/get", task_id))["result"]["status"] == "working"
 
             # Bearer handles bound to the key: another key, a made-up id, a missing Mcp-Name.
             theirs = (await bob.task("tasks/get", task_id))["error"]
-            unknown = (await alice.task("tasks/get", "job_0000000000000000"))["error"]
+            unknown = (await alice.task("tasks/get", "job_0000000000000000.0"))["error"]
             assert (theirs["code"], theirs["message"]) == (unknown["code"], unknown["message"]) == (
                 -32602, "Unknown task")
             assert (await alice.task("tasks/get", task_id, name=None))["error"]["code"] == -32020
@@ -93,25 +98,47 @@ async def test_batch_calls_become_tasks_for_clients_that_opt_in(tmp_path: Path) 
             assert reply_text(result.structured_content) == "echo: old"
 
 
-async def test_a_task_is_cancelled_and_survives_a_restart(tmp_path: Path) -> None:
+async def test_tasks_share_batches_cancel_alone_and_survive_a_restart(tmp_path: Path) -> None:
     async with fakes(polls_to_complete=10**9) as f:
         cfg = parse_config(config(f, tmp_path))
         async with running(cfg) as (_, base), httpx.AsyncClient(timeout=30) as http:
             alice = McpHttp(http, base + "/mcp", KEYS["alice"])
-            stopped = (await alice.call("chat_batch", user("stop me")))["result"]["taskId"]
-            kept = (await alice.call("chat_batch", user("keep me")))["result"]["taskId"]
+            stopped = (await alice.call("chat_pair", user("stop me")))["result"]["taskId"]
+            kept = (await alice.call("chat_pair", user("keep me")))["result"]["taskId"]
+            assert stopped.rpartition(".")[0] == kept.rpartition(".")[0]  # one job: the cap sealed it
+
+            async def one_batch() -> bool:
+                return len(f.openai.batches) == 1
+
+            await wait_until(one_batch)
             assert (await McpHttp(http, base + "/mcp", KEYS["bob"]).task("tasks/cancel", stopped))[
                 "error"]["message"] == "Unknown task"
             ack = (await alice.task("tasks/cancel", stopped))["result"]
             assert ack["resultType"] == "complete" and set(ack) <= {"resultType", "_meta"}  # empty
-            assert (await finished(alice, stopped))["status"] == "cancelled"
+            assert (await alice.task("tasks/get", stopped))["result"]["status"] == "cancelled"
             assert (await alice.task("tasks/get", kept))["result"]["status"] == "working"
+            (shared,) = f.openai.batches.values()
+            assert shared.status not in ("cancelling", "cancelled")  # the other task still needs it
+
+            alone = (await alice.call("chat_batch", user("alone")))["result"]["taskId"]
+
+            async def two_batches() -> bool:  # its window (50 ms) sealed it: it has a batch of its own
+                return len(f.openai.batches) == 2
+
+            await wait_until(two_batches)
+            await alice.task("tasks/cancel", alone)  # so that batch is cancelled upstream
+            assert (await finished(alice, alone))["status"] == "cancelled"
+            assert any(b.status in ("cancelling", "cancelled") for b in f.openai.batches.values())
+
+            left_open = (await alice.call("chat_slow", user("in the window")))["result"]["taskId"]
 
         f.openai.polls_to_complete = 1
         async with running(cfg) as (_, base), httpx.AsyncClient(timeout=30) as http:
             alice = McpHttp(http, base + "/mcp", KEYS["alice"])
             done = await finished(alice, kept)  # the new gateway picked the stored job up again
             assert done["status"] == "completed" and text_of(done["result"]) == "echo: keep me"
+            sealed = await finished(alice, left_open)  # its window died with the old gateway
+            assert sealed["status"] == "completed" and text_of(sealed["result"]) == "echo: in the window"
 
 
 def test_task_is_a_route_key() -> None:

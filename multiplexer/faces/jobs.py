@@ -151,7 +151,8 @@ class JobFace:
         self.gateway.providers[route.provider].prepare(route, item)
         return manager, item
 
-    async def submit(self, call: Call) -> dict[str, Any]:
+    async def submit(self, call: Call, source: str = "client") -> dict[str, Any]:
+        """``jobs.submit``; the MCP task face stores its jobs through here too (``source: task``)."""
         params = _params(call)
         appending = params.get("job_id") is not None
         calls = params.get("calls", [] if appending else None)
@@ -170,7 +171,7 @@ class JobFace:
                     raise invalid_params(f"job {job.id} is {job.state}; only open jobs take more calls")
             else:
                 job_id = new_job_id()
-                await st.run(st.create_job, job_id, call.identity, "client", "open")
+                await st.run(st.create_job, job_id, call.identity, source, "open")
                 job = await st.run(st.job, job_id)
                 assert job is not None
             rows = []

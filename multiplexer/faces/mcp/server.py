@@ -130,6 +130,9 @@ class McpFace:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._broadcast)
+                if self.tasks is not None:
+                    self.tasks.spawn = tg.start_soon
+                    tg.start_soon(self.tasks.seal_orphans)
                 try:
                     yield self
                 finally:

@@ -2,21 +2,29 @@
 
 A ``tools/call`` to a route that runs as batch jobs (``mode: batch``, or
 ``task: true`` on a route of a provider with a batch API), from a client that
-listed the extension in the request's client capabilities, is stored as a
-one-call job in the same durable store ``jobs.*`` uses, and answered with a
-``CreateTaskResult`` only after that. ``tasks/get`` reads the job back,
-``tasks/cancel`` cancels it. The task id is the job id: an unguessable bearer
-handle bound to the caller's key (another key gets the unknown-id error), and
-it survives a gateway restart with the store. Other clients get the blocking
-call; handshake-era clients cannot opt in at all.
+listed the extension in the request's client capabilities, is stored in a job
+of the same durable store ``jobs.*`` uses, and answered with a
+``CreateTaskResult`` only after that. A key's tasks made within the route's
+batch window share one job (one remote batch), as blocking calls share a lane's;
+the window's end or ``max_items`` seals it. The task id is ``<job id>.<index>``:
+the job id is an unguessable bearer handle bound to the caller's key (another
+key gets the unknown-id error), and it survives a gateway restart with the
+store (a job a restart left inside its window is sealed at start). ``tasks/get``
+reads the call's row back; ``tasks/cancel`` cancels the job when the task has
+it alone, and otherwise drops only this task's result. Other clients get the
+blocking call; handshake-era clients cannot opt in at all.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import anyio
 import mcp_types as types
 from mcp import MCPError
 from mcp.server import ServerRequestContext
@@ -26,15 +34,19 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from multiplexer.core.call import Call
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.jobrows import JobRow
+from multiplexer.core.policy import BatchPolicy
 from multiplexer.core.provider import BatchCapable
 from multiplexer.faces.jobs import JobFace
 from multiplexer.faces.mcp.tools import error_result, wrap_result
 from multiplexer.gateway.gateway import Gateway
 
+log = logging.getLogger(__name__)
+
 EXTENSION = "io.modelcontextprotocol/tasks"
 CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 HEADER_MISMATCH = -32020
 MIN_POLL_MS = 1000
+SOURCE = "task"  # the job store's source for task jobs (jobs.submit's are "client")
 # Errors that end a call without the tool having answered: the task failed, it did not complete.
 _FAILED = {Code.UPSTREAM_UNAVAILABLE, Code.INTERNAL_ERROR, Code.TIMEOUT}
 
@@ -59,12 +71,25 @@ def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
+@dataclass
+class _Pool:
+    """A key's open task job: tasks made within the route's batch window share it (one remote batch)."""
+
+    job_id: str
+    size: int
+    cap: int
+
+
 class TaskFace:
     def __init__(self, gateway: Gateway, jobs: JobFace,
                  identity_of: Callable[[ServerRequestContext[Any, Any]], str | None]) -> None:
         self.gateway = gateway
         self.jobs = jobs
         self.identity_of = identity_of
+        self._pools: dict[str | None, _Pool] = {}
+        self._lock = anyio.Lock()
+        self._dropped: set[str] = set()  # cancelled tasks whose job others still share (best effort)
+        self.spawn: Callable[..., Any] = gateway.start_background  # the MCP face's task group, once running
 
     # -- creation -----------------------------------------------------------------
     def runs_as_task(self, method: str) -> bool:
@@ -76,41 +101,103 @@ class TaskFace:
         provider = self.gateway.providers[route.provider]
         return isinstance(provider, BatchCapable) and (route.mode == "batch" or route.task)
 
+    def _policy(self, method: str) -> BatchPolicy:
+        route = self.gateway.resolve(method).route
+        return route.batch or self.gateway.config.providers[route.provider].batch
+
     async def create(self, method: str, arguments: Any, identity: str | None) -> dict[str, Any]:
-        """Store the call as a one-call job (durably), then describe the new task."""
+        """Store the call (durably) in the key's open task job, then describe the new task.
+
+        Tasks of one key made within the route's batch window (``max_wait_ms``, up to
+        ``max_items``) share a job, hence a remote batch, as blocking calls share a lane's.
+        """
+        policy = self._policy(method)
         calls = [{"method": method, "params": arguments}]
-        submitted = await self.jobs.submit(Call("jobs.submit", {"calls": calls}, identity=identity))
+        async with self._lock:
+            pool = self._pools.get(identity)
+            params: dict[str, Any] = {"calls": calls, "more": policy.max_items > 1 and policy.max_wait_ms > 0}
+            if pool is not None:
+                params["job_id"] = pool.job_id
+            submitted = await self.jobs.submit(Call("jobs.submit", params, identity=identity), source=SOURCE)
+            if pool is None and params["more"]:
+                pool = self._pools[identity] = _Pool(submitted["job_id"], 0, policy.max_items)
+                self.spawn(self._seal_after, identity, pool, policy.max_wait_ms / 1000)
+            if pool is not None:
+                pool.size += 1
+                if pool.size >= pool.cap:
+                    await self._seal(identity, pool)
         job = await self._job(submitted["job_id"], identity)
-        return {"resultType": "task", **self._task(job, "working")}
+        return {"resultType": "task", **self._task(job, submitted["total"] - 1, "working")}
+
+    async def _seal_after(self, identity: str | None, pool: _Pool, window_s: float) -> None:
+        clock = self.gateway.clock
+        await clock.sleep_until(clock.now() + window_s)
+        async with self._lock:
+            await self._seal(identity, pool)
+
+    async def _seal(self, identity: str | None, pool: _Pool) -> None:
+        """Close the pool's job (the managers plan it into remote batches); under the lock."""
+        if self._pools.get(identity) is pool:
+            del self._pools[identity]
+            try:
+                await self.jobs.submit(Call("jobs.submit", {"job_id": pool.job_id, "calls": []},
+                                            identity=identity))
+            except RpcError as e:  # it ended meanwhile (cancelled, deleted): nothing left to run
+                log.info("task job %s was not sealed: %s %s", pool.job_id, e.message, e.data or "")
+
+    async def seal_orphans(self) -> None:
+        """Task jobs a previous run left open (it stopped inside a window) run now, not after
+        ``store.open_job_idle_s``."""
+        st = self.jobs.store()
+        for job_id in await st.run(st.idle_open_jobs, time.time()):
+            job = await st.run(st.job, job_id)
+            if job is not None and job.source == SOURCE:
+                await self.jobs.submit(Call("jobs.submit", {"job_id": job_id, "calls": []},
+                                            identity=job.identity))
 
     # -- tasks/get, tasks/cancel ------------------------------------------------------
     async def get(self, ctx: ServerRequestContext[Any, Any], params: TaskParams) -> dict[str, Any]:
-        job = await self._owned(ctx, params.task_id)
-        status, outcome = await self._status(job, ctx.protocol_version)
-        return {"resultType": "complete", **self._task(job, status), **outcome}
+        job, idx = await self._owned(ctx, params.task_id)
+        status, outcome = await self._status(job, idx, params.task_id, ctx.protocol_version)
+        return {"resultType": "complete", **self._task(job, idx, status), **outcome}
 
     async def cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskParams) -> dict[str, Any]:
-        """Cooperative: the remote batch is asked to stop; what already finished stays finished."""
-        job = await self._owned(ctx, params.task_id)
-        await self.jobs.cancel(Call("jobs.cancel", {"job_id": job.id}, identity=job.identity))
+        """Cooperative. A job of this task alone is cancelled upstream; in a shared one, only this
+        task's result is dropped (until a restart: cancellation may always lose to completion)."""
+        job, _ = await self._owned(ctx, params.task_id)
+        siblings = {task_id(job.id, i) for i in range(job.total)}
+        if siblings - self._dropped - {params.task_id}:
+            self._dropped.add(params.task_id)
+        else:
+            self._dropped -= siblings
+            async with self._lock:  # no more tasks join it, and its window does not seal it
+                if (pool := self._pools.get(job.identity)) is not None and pool.job_id == job.id:
+                    del self._pools[job.identity]
+            await self.jobs.cancel(Call("jobs.cancel", {"job_id": job.id}, identity=job.identity))
         return {}
 
-    async def _owned(self, ctx: ServerRequestContext[Any, Any], task_id: str) -> JobRow:
-        check_name_header(ctx, task_id)
-        return await self._job(task_id, self.identity_of(ctx))
+    async def _owned(self, ctx: ServerRequestContext[Any, Any], tid: str) -> tuple[JobRow, int]:
+        check_name_header(ctx, tid)
+        job_id, _, idx = tid.rpartition(".")
+        if not idx.isdigit() or not job_id:
+            raise unknown_task(tid)
+        job = await self._job(job_id, self.identity_of(ctx))
+        if int(idx) >= job.total:
+            raise unknown_task(tid)
+        return job, int(idx)
 
-    async def _job(self, task_id: str, identity: str | None) -> JobRow:
+    async def _job(self, job_id: str, identity: str | None) -> JobRow:
         try:
-            return await self.jobs.owned(task_id, identity)
+            return await self.jobs.owned(job_id, identity)
         except RpcError as e:
             if e.code == Code.NOT_FOUND:  # unknown, or another key's: the same answer
-                raise MCPError(types.INVALID_PARAMS, "Unknown task", {"taskId": task_id}) from None
+                raise unknown_task(job_id) from None
             raise MCPError(e.code, e.message, e.data) from None
 
-    def _task(self, job: JobRow, status: str) -> dict[str, Any]:
+    def _task(self, job: JobRow, idx: int, status: str) -> dict[str, Any]:
         retention = self.gateway.config.store.retention_s
         task: dict[str, Any] = {
-            "taskId": job.id, "status": status, "createdAt": iso(job.created),
+            "taskId": task_id(job.id, idx), "status": status, "createdAt": iso(job.created),
             "lastUpdatedAt": iso(job.updated),
             "ttlMs": None if retention is None else int(retention * 1000),
         }
@@ -125,22 +212,30 @@ class TaskFace:
         seconds = min((s for s in intervals if isinstance(s, int | float)), default=10.0)
         return max(MIN_POLL_MS, int(seconds * 1000))
 
-    async def _status(self, job: JobRow, version: str) -> tuple[str, dict[str, Any]]:
-        if job.state == "cancelled":
-            return "cancelled", {}
-        if job.state != "done":
-            return "working", {}
+    async def _status(self, job: JobRow, idx: int, tid: str, version: str) -> tuple[str, dict[str, Any]]:
         st = self.jobs.store()
-        rows = await st.run(st.page, job.id, 0, 1)
-        _, state, result, error = rows[0]
+        _, state, result, error = (await st.run(st.page, job.id, idx, 1))[0]
+        if tid in self._dropped:
+            return "cancelled", {}
         if state == "succeeded":
             return "completed", {"result": tool_result(wrap_result(result), version)}
+        if state != "failed":
+            return ("cancelled" if job.state == "cancelled" else "working"), {}
         err = RpcError.from_dict(error)
         if err.code == Code.CANCELLED:
             return "cancelled", {}
         if err.code in _FAILED or (err.data or {}).get("expired"):
             return "failed", {"error": err.to_dict()}
         return "completed", {"result": tool_result(error_result(err), version)}  # the provider's own error
+
+
+def task_id(job_id: str, idx: int) -> str:
+    """A task is one call of a task job: the job id is the unguessable part, bound to the key."""
+    return f"{job_id}.{idx}"
+
+
+def unknown_task(tid: str) -> MCPError:
+    return MCPError(types.INVALID_PARAMS, "Unknown task", {"taskId": tid})
 
 
 def tool_result(result: types.CallToolResult, version: str) -> dict[str, Any]:
