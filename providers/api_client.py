@@ -7,9 +7,10 @@ upstream omits it, until the exhausted bucket resets) before the retry.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -32,6 +33,7 @@ from .ratelimit_headers import Parser, apply, wait_hint
 log = logging.getLogger(__name__)
 
 PAUSE_STATUSES = {429, 529}
+T = TypeVar("T")
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
 # Batch jobs and their files live on one endpoint: with several base_urls they use the first.
 PINNED = ("/files", "/batches", "/messages/batches")
@@ -52,6 +54,7 @@ class ApiClient:
         self._client: httpx.AsyncClient | None = None
         self._transport: httpx.AsyncBaseTransport | None = None
         self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self._targets: dict[tuple[str, str], tuple[httpx.URL, list[tuple[bytes, bytes]]]] = {}
         self._requests = ctx.metrics.upstream_requests.labels(self.name)
         bases = getattr(ctx.settings, "base_urls", None)  # several endpoints: spread over them
         self.endpoints = Endpoints(bases, ctx.clock, ctx.settings, self._endpoint_event) if bases else None
@@ -69,7 +72,8 @@ class ApiClient:
                                    transport=self._transport)
         self._json_headers = httpx.Headers({**self._client.headers,
                                             "content-type": "application/json"})
-        self._extensions = {"timeout": self._client.timeout.as_dict()}
+        self._timeouts = self._client.timeout.as_dict()
+        self._extensions = {"timeout": self._timeouts}
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -81,10 +85,13 @@ class ApiClient:
 
     def learn(self, response: httpx.Response) -> None:
         """Feed the limiter from one response's headers (also used by callers that stream)."""
-        headers = dict(response.headers.multi_items())  # one pass; httpx's lookups scan them all
+        # one dict: each httpx header lookup scans them all
+        self._learn(response.status_code, dict(response.headers.multi_items()))
+
+    def _learn(self, status: int, headers: dict[str, str]) -> None:
         observations = self._parse_limits(headers, self.ctx.clock.wall)
         apply(self.ctx.limiter, observations)
-        if response.status_code in PAUSE_STATUSES:
+        if status in PAUSE_STATUSES:
             wait = wait_hint(headers, observations, self.ctx.clock.wall)
             if wait is not None:
                 self.ctx.limiter.pause(wait)
@@ -113,22 +120,60 @@ class ApiClient:
             if not stream:
                 await response.aread()
         except httpx.HTTPError as e:
-            self.ctx.metrics.upstream_errors.labels(self.name, type(e).__name__).inc()
-            raise classify(self.name, e, None, idempotent, self.ctx.clock.wall) from None
+            raise self._unreachable(e, idempotent) from None
         response.request = request
-        self.learn(response)
+        self._learn(response.status_code, dict(response.headers.multi_items()))
         if response.status_code < 400:
             return response
         if stream:
             await response.aread()
             await response.aclose()
+        raise self._refused(response, idempotent)
+
+    async def _fetch_json(self, method: str, path: str, base: str | None, body: Any,
+                          idempotent: bool) -> dict[str, Any]:
+        """The hot path: a JSON request through the lean transport without httpx's Request and
+        Response objects (built only for an error)."""
+        assert isinstance(self._transport, Http1Transport), "ApiClient used before start()"
+        key = (base or "", path)
+        target = self._targets.get(key)
+        if target is None:
+            url = httpx.URL(self.url(path, base))
+            head = [(b"host", url.netloc), *self._json_headers.raw]
+            target = self._targets[key] = (url, head)
+        url, head = target
+        content = dumps(body)
+        headers = [*head, (b"content-length", str(len(content)).encode())]
+        if self.ctx.tracer.enabled:
+            carrier: dict[str, str] = {}
+            self.ctx.tracer.inject(carrier)  # the upstream batch's traceparent
+            headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items()]
+        self._requests.inc()
+        try:
+            reply = await self._transport.fetch(method, url, headers, content, self._timeouts)
+        except httpx.HTTPError as e:
+            raise self._unreachable(e, idempotent) from None
+        self._learn(reply.status, {k.decode("latin-1"): v.decode("latin-1")
+                                   for k, v in reply.headers})
+        if reply.status >= 400:
+            response = httpx.Response(reply.status, headers=reply.headers, content=reply.content,
+                                      request=httpx.Request(method, url))
+            raise self._refused(response, idempotent)
+        return decode_body(self.name, reply.status, reply.content)
+
+    def _unreachable(self, e: httpx.HTTPError, idempotent: bool) -> Exception:
+        self.ctx.metrics.upstream_errors.labels(self.name, type(e).__name__).inc()
+        return classify(self.name, e, None, idempotent, self.ctx.clock.wall)
+
+    def _refused(self, response: httpx.Response, idempotent: bool) -> Exception:
+        """An error status as Retryable (with the wait the upstream asks for) or final."""
         self.ctx.metrics.upstream_errors.labels(self.name, status_label(response.status_code)).inc()
         error = classify(self.name, None, response, idempotent, self.ctx.clock.wall)
         if (isinstance(error, Retryable) and error.retry_after is None
                 and response.status_code in PAUSE_STATUSES):
             wall = self.ctx.clock.wall
             error.retry_after = wait_hint(response.headers, self._parse_limits(response.headers, wall), wall)
-        raise error
+        return error
 
     async def request(self, method: str, path: str, *, idempotent: bool, deadline: float | None,
                       stream: bool = False, **kwargs: Any) -> httpx.Response:
@@ -137,22 +182,30 @@ class ApiClient:
         With ``stream=True`` the caller reads and closes the body (large result files,
         server-sent events); such a body has no size cap.
         """
-        retry = self.ctx.config.retry
-
-        endpoints = None if path.startswith(PINNED) else self.endpoints
-
-        async def attempt() -> httpx.Response:
-            endpoint = await endpoints.take() if endpoints is not None else None
-            request = self.build(method, path, endpoint.base if endpoint else None, **kwargs)
+        async def send(base: str | None) -> httpx.Response:
+            request = self.build(method, path, base, **kwargs)
             if stream:
                 request.extensions = {**request.extensions, "max_response_bytes": None}
+            return await self._attempt(request, idempotent, stream)
+
+        return await self._retrying(path, deadline, send)
+
+    async def _retrying(self, path: str, deadline: float | None,
+                        send: Callable[[str | None], Awaitable[T]]) -> T:
+        """``send`` (given the endpoint's base URL) under the retry policy, spread over the
+        endpoints when there are several."""
+        retry = self.ctx.config.retry
+        endpoints = None if path.startswith(PINNED) else self.endpoints
+
+        async def attempt() -> T:
+            endpoint = await endpoints.take() if endpoints is not None else None
             if endpoints is None or endpoint is None:
-                return await self._attempt(request, idempotent, stream)
+                return await send(None)
             connected = False
             try:
-                response = await self._attempt(request, idempotent, stream)
+                result = await send(endpoint.base)
                 connected = True
-                return response
+                return result
             except Exception as e:
                 connected = not isinstance(e.__context__, CONNECT_FAILURES)
                 raise
@@ -168,20 +221,27 @@ class ApiClient:
     async def json(self, method: str, path: str, *, idempotent: bool, deadline: float | None,
                    **kwargs: Any) -> Any:
         """A decoded JSON object; a malformed body is an ``RpcError`` naming the provider."""
+        if kwargs.keys() == {"json"} and isinstance(self._transport, Http1Transport):
+            body = kwargs["json"]
+            return await self._retrying(path, deadline, lambda base: self._fetch_json(
+                method, path, base, body, idempotent))
         response = await self.request(method, path, idempotent=idempotent, deadline=deadline,
                                       **kwargs)
         return decode_json(self.name, response)
 
 
 def decode_json(provider: str, response: httpx.Response) -> dict[str, Any]:
+    return decode_body(provider, response.status_code, response.content)
+
+
+def decode_body(provider: str, status: int, content: bytes) -> dict[str, Any]:
     try:
-        body = response.json()
+        body = json.loads(content)
     except ValueError:
-        raise upstream_error(provider, "upstream sent a malformed (non-JSON) body",
-                             response.status_code) from None
+        raise upstream_error(provider, "upstream sent a malformed (non-JSON) body", status) from None
     if not isinstance(body, dict):
         raise upstream_error(provider, "upstream sent a malformed body (JSON, but not an object)",
-                             response.status_code)
+                             status)
     return body
 
 

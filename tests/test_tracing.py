@@ -202,3 +202,41 @@ def test_off_by_default_and_opentelemetry_not_imported() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                          timeout=60)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+async def test_the_lean_transports_hot_path_carries_the_traceparent_too(tmp_path, spans):
+    import anyio
+    import anyio.abc
+
+    from providers.http1_transport import Http1Transport
+
+    tracer, exporter = spans
+    heads: list[bytes] = []
+    reply = json.dumps(chat_reply("hi")).encode()
+
+    async def upstream(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await stream.receive()
+            heads.append(head)
+            await stream.send(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                              b"content-length: %d\r\n\r\n%s" % (len(reply), reply))
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    base = f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}/v1"
+    config = parse_config({"providers": {"oai": {"kind": "openai", "base_url": base}},
+                           "routes": {"chat": {"provider": "oai", "operation": "chat"}}})
+    provider = make_provider(OpenAIProvider, {"base_url": base, "api_key": "k"}, tmp_path,
+                             clock=MonotonicClock(), name="oai", tracer=tracer,
+                             transport=Http1Transport())
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, upstream)
+        async with Gateway(config, providers={"oai": provider}, tracer=tracer) as gw:
+            outcome = await gw.submit(Call("chat", {"model": "m", "messages": [
+                {"role": "user", "content": "q"}]}, trace={"traceparent": TRACEPARENT}))
+        tg.cancel_scope.cancel()
+    assert outcome.ok
+    [batch] = by_kind(exporter, SpanKind.CLIENT)
+    assert f"traceparent: 00-{TRACE_ID}-{hex_id(batch.context.span_id, 16)}-01".encode() in heads[0]
+    assert b"authorization: Bearer k" in heads[0] and b"content-length: " in heads[0]
