@@ -48,7 +48,7 @@ def gateway(tmp_path, tracer, router, **batch):
     config = parse_config({
         "providers": {"oai": {"kind": "openai", "base_url": BASE,
                               "batch": batch or {"max_items": 1}}},
-        "routes": {"chat": {"provider": "oai", "operation": "chat"},
+        "routes": {"chat": {"provider": "oai", "operation": "chat", "models": ["gpt-x"]},
                    "embed": {"provider": "oai", "operation": "embeddings"}},
     })
     provider = make_provider(OpenAIProvider, {"base_url": BASE, "api_key": "k"}, tmp_path,
@@ -101,6 +101,25 @@ async def test_a_call_continues_the_callers_trace_and_the_upstream_request_carri
     assert [link.context.span_id for link in call.links] == [batch.context.span_id]
     sent = upstream.calls[0].request.headers["traceparent"]
     assert sent == f"00-{TRACE_ID}-{hex_id(batch.context.span_id, 16)}-01"
+
+
+async def test_the_v1_face_continues_the_traceparent_header(tmp_path, spans):
+    from multiplexer.faces.auth import Authenticator
+    from multiplexer.faces.v1 import v1_routes
+
+    tracer, exporter = spans
+    router = respx.MockRouter(base_url=BASE)
+    router.post("/chat/completions").mock(return_value=httpx.Response(200, json=chat_reply("hi")))
+    async with gateway(tmp_path, tracer, router) as gw:
+        app = create_app(gw, v1_routes(gw, Authenticator({})))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+            reply = await c.post("/v1/chat/completions", headers={"traceparent": TRACEPARENT},
+                                 json={"model": "gpt-x", "messages": [{"role": "user", "content": "q"}]})
+    assert reply.status_code == 200, reply.text
+    [call] = by_kind(exporter, SpanKind.SERVER)
+    assert call.attributes["multiplexer.face"] == "v1" and call.name == "chat gpt-x"
+    assert hex_id(call.context.trace_id, 32) == TRACE_ID
+    assert hex_id(call.parent.span_id, 16) == PARENT_ID
 
 
 async def test_packed_calls_share_one_batch_span_linked_to_each_caller(tmp_path, spans):
