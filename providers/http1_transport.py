@@ -40,7 +40,9 @@ _BROKEN = (anyio.BrokenResourceError, anyio.EndOfStream, anyio.ClosedResourceErr
            ConnectionError)
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 _UNSAFE = re.compile(rb"[\r\n\0]")  # would split or end a header line
-DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+# A packed embeddings reply is the largest whole reply: 2,048 inputs of 3,072 floats as JSON
+# text come to ~130 MB. Result files are read as streams, without a cap.
+DEFAULT_MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 _READ = 65536
 
 Origin = tuple[str, str, int]
