@@ -18,6 +18,7 @@ import httpx
 
 from benchmarks._procs import child, free_port, percentile
 from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
 from tests.mcp_helpers import McpHttp
 
@@ -64,11 +65,20 @@ async def _task(client: McpHttp, i: int, lat: dict[str, list[float]]) -> None:
     assert got["result"]["structuredContent"]["choices"][0]["message"]["content"] == f"echo: task {i}"
 
 
-async def _run(url: str, n: int, concurrency: int) -> dict[str, list[float]]:
+def batches_created(gw: Gateway) -> int:
+    value = gw.metrics.registry.get_sample_value(
+        "multiplexer_events_total", {"component": "oai", "event": "batch_submitted"})
+    return int(value or 0)
+
+
+async def _run(gw: Gateway, url: str, n: int, concurrency: int
+               ) -> tuple[dict[str, list[float]], dict[str, int]]:
     lat: dict[str, list[float]] = {"blocking": [], "create": [], "get": [], "round_trip": []}
+    batches: dict[str, int] = {}
     async with httpx.AsyncClient(timeout=300) as http:
         plain, opted = McpHttp(http, url, None, tasks=False), McpHttp(http, url, None)
         for client, one in ((plain, _blocking), (opted, _task)):
+            before = batches_created(gw)
             sem = anyio.Semaphore(concurrency)
 
             async def guarded(i: int, client: McpHttp = client, one: Any = one,
@@ -79,26 +89,28 @@ async def _run(url: str, n: int, concurrency: int) -> dict[str, list[float]]:
             async with anyio.create_task_group() as tg:
                 for i in range(n):
                     tg.start_soon(guarded, i)
-    return lat
+            batches["blocking" if one is _blocking else "round_trip"] = batches_created(gw) - before
+    return lat, batches
 
 
 def task_rows(n: int, concurrency: int = 20) -> tuple[list[list[object]], dict[str, Any]]:
-    """Rows (what, p50 ms, p90 ms) and the raw data."""
+    """Rows (what, p50 ms, p90 ms, remote batches created) and the raw data."""
     fake_port = free_port()
     with tempfile.TemporaryDirectory() as tmp, child(
             ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port)],
             f"http://127.0.0.1:{fake_port}/v1/models"):
 
-        async def main() -> dict[str, list[float]]:
-            async with running(parse_config(config(fake_port, Path(tmp) / "jobs.db"))) as (_, base):
-                return await _run(base + "/mcp", n, concurrency)
+        async def main() -> tuple[dict[str, list[float]], dict[str, int]]:
+            async with running(parse_config(config(fake_port, Path(tmp) / "jobs.db"))) as (gw, base):
+                return await _run(gw, base + "/mcp", n, concurrency)
 
-        lat = anyio.run(main)
+        lat, batches = anyio.run(main)
     labels = {"blocking": "blocking tools/call, held open until the batch ends",
               "round_trip": "task: tools/call, then tasks/get until completed",
               "create": "task: tools/call until the CreateTaskResult (stored)",
               "get": "task: one tasks/get"}
     rows: list[list[object]] = [[labels[k], len(v), f"{percentile(v, 0.5) * 1e3:.0f}",
-                                 f"{percentile(v, 0.9) * 1e3:.0f}"] for k, v in lat.items()]
-    return rows, {"calls": n, "concurrency": concurrency, "poll_s": POLL_S,
+                                 f"{percentile(v, 0.9) * 1e3:.0f}", batches.get(k, "")]
+                                for k, v in lat.items()]
+    return rows, {"calls": n, "concurrency": concurrency, "poll_s": POLL_S, "batches": batches,
                   "p50_ms": {k: percentile(v, 0.5) * 1e3 for k, v in lat.items()}}

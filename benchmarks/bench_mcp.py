@@ -275,7 +275,7 @@ def main() -> None:
         task_table, data["tasks"] = task_rows(args.tasks)
         print(f"\nA mode: batch route over /mcp, {args.tasks} calls, 20 concurrent, fake OpenAI batch API "
               f"(the client polls tasks/get every {data['tasks']['poll_s'] * 1e3:.0f} ms)\n")
-        print(table(["what", "calls", "p50 ms", "p90 ms"], task_table))
+        print(table(["what", "calls", "p50 ms", "p90 ms", "OpenAI batches created"], task_table))
     data["floors"] = floors
     save("bench_mcp", data)
 
