@@ -6,18 +6,16 @@ it returns exactly one ``Outcome`` per call, whatever happens upstream.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from multiplexer.core.batching import CountFormation, Pending
+from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import Clock, MonotonicClock, remaining
 from multiplexer.core.dedup import InFlight, ProgressFanout, TtlCache, canonical
@@ -25,55 +23,20 @@ from multiplexer.core.errors import RpcError, cancelled, internal_error, invalid
 from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import Metrics, code_label
-from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSource, ToolSpec
+from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSpec
 from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.shared_quota import SharedQuotas
 from multiplexer.core.streaming import with_streams
 from multiplexer.core.tracing import Tracer, TraceSlot
+from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.replicas import flight_key, flown, gated, limiter_for, open_state, quotas_for
 from multiplexer.gateway.telemetry import tracer_for
+from multiplexer.gateway.tickets import Handler, Ticket, settle
 
 log = logging.getLogger(__name__)
 UNROUTED = "(no route)"
-
-
-@dataclass(slots=True, eq=False)
-class Ticket:
-    """One caller's claim on a call: what it waits for, what it holds, and its outcome."""
-
-    label: str
-    identity: str | None
-    deadline: float
-    outcome: Outcome | None = None
-    pending: Pending | None = None
-    lane: Lane | None = None
-    key: Hashable | None = None
-    cache_ttl: float | None = None
-    quota: bool = False
-    handler: Handler | None = None
-    call: Call | None = None
-    waiter: _Waiter | None = None
-    progress: tuple[ProgressFanout, Any] | None = None  # this caller's sink on a shared execution
-    span: Any = None  # the call's trace span, when calls are traced
-
-    def __call__(self) -> None:
-        """Done-callback of the pending it waits on (a bound object, not a closure per call)."""
-        if self.waiter is not None:
-            self.waiter.ready.append(self)
-            self.waiter.wake.set()
-
-
-class _Waiter:
-    __slots__ = ("ready", "wake")
-
-    def __init__(self) -> None:
-        self.ready: list[Ticket] = []
-        self.wake = anyio.Event()
-
-
-Handler = Callable[[Call], Awaitable[Any]]
 
 
 def with_kind_defaults(pconf: ProviderConfig, cls: type[Provider]) -> ProviderConfig:
@@ -397,39 +360,7 @@ class Gateway:
         self._finish(t, outcome)
 
     async def _settle(self, tickets: Sequence[Ticket]) -> None:
-        """Wait until every ticket has its outcome: a result, or its deadline's timeout."""
-        waiting = [t for t in tickets if t.outcome is None]
-        if not waiting:
-            return
-        waiter = _Waiter()
-        ready = waiter.ready
-        for t in waiting:
-            assert t.pending is not None
-            t.waiter = waiter
-            t.pending.future.add_done_callback(t)
-        deadlines = [(t.deadline, i) for i, t in enumerate(waiting)]
-        heapq.heapify(deadlines)
-        left = len(waiting)
-        while True:
-            for t in ready:
-                if t.outcome is None:
-                    self._finish(t, t.pending.future.outcome())  # type: ignore[union-attr]
-                    left -= 1
-            ready.clear()
-            now = self.clock.now()
-            while deadlines and deadlines[0][0] <= now:
-                t = waiting[heapq.heappop(deadlines)[1]]
-                if t.outcome is None:
-                    stage = t.pending.state if t.pending is not None else "queued"
-                    self._finish(t, Outcome.fail(timeout_error(stage)), withdraw=True)
-                    left -= 1
-            if left <= 0:
-                return
-            while deadlines and waiting[deadlines[0][1]].outcome is not None:
-                heapq.heappop(deadlines)
-            waiter.wake = anyio.Event()
-            until = deadlines[0][0] if deadlines else None
-            await self.clock.wait_event(waiter.wake, None if until == math.inf else until)
+        await settle(tickets, self.clock, self._finish)
 
     def _finish(self, t: Ticket, outcome: Outcome, *, withdraw: bool = False) -> None:
         """Give a ticket its one outcome and release what it held."""
@@ -471,19 +402,5 @@ class Gateway:
     # -- discovery -------------------------------------------------------------
     async def list_tools(self) -> list[ToolSpec]:
         """Every route as a tool: exact routes from config, wildcard routes from their provider."""
-        tools: list[ToolSpec] = [spec for _, spec in self.methods.values()]
-        for name, route in self.config.routes.items():
-            if name.endswith("*"):
-                prefix = name[:-1]
-                provider = self.providers[route.provider]
-                listed = await provider.list_tools() if isinstance(provider, ToolSource) else []
-                for spec in listed:
-                    tools.append(ToolSpec(prefix + spec.name, spec.description,
-                                          spec.input_schema, spec.annotations, spec.meta))
-            else:
-                tools.append(ToolSpec(
-                    name,
-                    route.description or f"{route.operation} via {route.provider}",
-                    route.input_schema or {"type": "object", "additionalProperties": True},
-                ))
-        return tools
+        builtins = [spec for _, spec in self.methods.values()]
+        return await route_tools(self.config.routes, self.providers, builtins)

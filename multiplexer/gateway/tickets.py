@@ -1,0 +1,98 @@
+"""A caller's ticket on a call, and the one wait that settles a whole array of them.
+
+``submit_many`` parks one small ticket per call (not a task per call) and waits for all
+of them on a single event: a result wakes it, and so does the earliest deadline.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+from multiplexer.core.batching import Pending
+from multiplexer.core.call import Call, Outcome
+from multiplexer.core.clock import Clock
+from multiplexer.core.dedup import ProgressFanout
+from multiplexer.core.errors import timeout_error
+from multiplexer.core.lane import Lane
+
+Handler = Callable[[Call], Awaitable[Any]]  # a gateway-level method (jobs.*, ...)
+
+
+class Finish(Protocol):
+    def __call__(self, t: Ticket, outcome: Outcome, *, withdraw: bool = False) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One caller's claim on a call: what it waits for, what it holds, and its outcome."""
+
+    label: str
+    identity: str | None
+    deadline: float
+    outcome: Outcome | None = None
+    pending: Pending | None = None
+    lane: Lane | None = None
+    key: Hashable | None = None
+    cache_ttl: float | None = None
+    quota: bool = False
+    handler: Handler | None = None
+    call: Call | None = None
+    waiter: Waiter | None = None
+    progress: tuple[ProgressFanout, Any] | None = None  # this caller's sink on a shared execution
+    span: Any = None  # the call's trace span, when calls are traced
+
+    def __call__(self) -> None:
+        """Done-callback of the pending it waits on (a bound object, not a closure per call)."""
+        if self.waiter is not None:
+            self.waiter.ready.append(self)
+            self.waiter.wake.set()
+
+
+class Waiter:
+    __slots__ = ("ready", "wake")
+
+    def __init__(self) -> None:
+        self.ready: list[Ticket] = []
+        self.wake = anyio.Event()
+
+
+async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> None:
+    """Wait until every ticket has its outcome: a result, or its deadline's timeout."""
+    waiting = [t for t in tickets if t.outcome is None]
+    if not waiting:
+        return
+    waiter = Waiter()
+    ready = waiter.ready
+    for t in waiting:
+        assert t.pending is not None
+        t.waiter = waiter
+        t.pending.future.add_done_callback(t)
+    deadlines = [(t.deadline, i) for i, t in enumerate(waiting)]
+    heapq.heapify(deadlines)
+    left = len(waiting)
+    while True:
+        for t in ready:
+            if t.outcome is None:
+                finish(t, t.pending.future.outcome())  # type: ignore[union-attr]
+                left -= 1
+        ready.clear()
+        now = clock.now()
+        while deadlines and deadlines[0][0] <= now:
+            t = waiting[heapq.heappop(deadlines)[1]]
+            if t.outcome is None:
+                stage = t.pending.state if t.pending is not None else "queued"
+                finish(t, Outcome.fail(timeout_error(stage)), withdraw=True)
+                left -= 1
+        if left <= 0:
+            return
+        while deadlines and waiting[deadlines[0][1]].outcome is not None:
+            heapq.heappop(deadlines)
+        waiter.wake = anyio.Event()
+        until = deadlines[0][0] if deadlines else None
+        await clock.wait_event(waiter.wake, None if until == math.inf else until)
