@@ -385,8 +385,8 @@ async def test_three_gateway_processes_share_concurrency_and_dedup():
         async with anyio.create_task_group() as tg:
             for c in range(30):
                 tg.start_soon(bench.calls, load, c, 1)
-            for _ in range(60):
-                tg.start_soon(load.call, "same", {"key": "d", "ms": 200})
+            for _ in range(60):  # 1.5 s upstream: long enough that all 60 overlap on a busy host
+                tg.start_soon(load.call, "same", {"key": "d", "ms": 1500})
         await load.aclose()
         stats = bench.stats(up)
     assert load.ok == 90 and load.errors == load.lost == 0
