@@ -200,3 +200,29 @@ async def test_the_jobs_face_housekeeping_runs_on_the_gateways_clock() -> None:
     wall = 1_700_000_000.0
     assert [s for s in seen if s[0] == "close"] == [("close", 100.0, wall + t) for t in (0, 25, 50, 75, 100)]
     assert [s for s in seen if s[0] == "purge"] == [("purge", 4 * 86_400.0, wall)]
+
+
+async def test_one_gateway_admits_exactly_its_rpm_bucket_under_five_times_the_load() -> None:
+    """rpm 600 offered 50 calls/s for 60 s of the manual clock: the upstream sees the bucket's
+    bound in any 60-s window (600 at once, then 10/s: 1,199 after the first), never more, and
+    the lane's waits lose no capacity (the bench's replicas are compared with this)."""
+    clock, prov = ManualClock(start=0.0), Gate()
+    prov.gate.set()
+    seen: list[float] = []
+    run = prov.execute
+
+    async def execute(operation: str, items: Sequence[Item]) -> list[Outcome]:
+        seen.extend(clock.now() for _ in items)
+        return await run(operation, items)
+
+    prov.execute = execute  # type: ignore[method-assign]
+    conf = parse_config({"providers": {"p": {"kind": "echo", "limits": {"rpm": 600, "concurrency": 64}}},
+                         "routes": {"r": {"provider": "p", "timeout_ms": 3000}}})
+    async with Gateway(conf, clock=clock, providers={"p": prov}) as gw, anyio.create_task_group() as tg:
+        for _ in range(3000):
+            tg.start_soon(gw.submit, Call("r", {}))
+            await clock.advance(0.02)
+        await clock.advance(5)
+    seen.sort()
+    window = max(sum(1 for t in seen if start <= t < start + 60) for start in seen[:50])
+    assert window == 1199 and len(seen) == 1199
