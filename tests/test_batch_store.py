@@ -189,3 +189,39 @@ def test_one_replica_drives_each_part_and_a_stale_one_is_fenced_off():
         assert b.part("part").remote_id == "batch_b"
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_two_stores_appending_to_one_open_job_get_disjoint_numbers(kind, tmp_path):
+    """Two replicas appending to one open job at once: every item lands, numbered 0..n-1 once;
+    a job sealed meanwhile takes no more."""
+    import threading
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        if kind == "sqlite":
+            a, b = JobStore(tmp_path / "j.db"), JobStore(tmp_path / "j.db")
+        else:
+            from providers.batch.pg_store import PgJobStore
+
+            url = stack.enter_context(throwaway_db())
+            a, b = PgJobStore(url), PgJobStore(url)
+        stack.callback(a.close)
+        stack.callback(b.close)
+        a.create_job("job", "alice", "client", "open")
+        bases: list[int | None] = []
+
+        def append(st: JobStore) -> None:
+            for _ in range(10):
+                bases.append(st.append_items("job", [new(i) for i in range(7)]))
+
+        threads = [threading.Thread(target=append, args=(st,)) for st in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(bases) == list(range(0, 140, 7))
+        assert a.job("job").total == 140
+        assert [idx for idx, *_ in a.page("job", 0, 1000)] == list(range(140))
+        assert b.set_job_state("job", "running", ("open",))
+        assert a.append_items("job", [new(0)]) is None and a.job("job").total == 140

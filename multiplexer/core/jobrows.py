@@ -15,6 +15,11 @@ def dumps(value: Any) -> str:
     return out if storable(out) else json.dumps(value, separators=(",", ":"), default=str)
 
 
+def custom_id(job_id: str, idx: int) -> str:
+    """The id an item carries in a remote batch (and in the store): its job's id and position."""
+    return f"{job_id}-{idx}"
+
+
 def storable(text: str) -> bool:
     """Whether SQLite can hold ``text`` (a lone surrogate cannot be encoded as UTF-8)."""
     try:

@@ -48,6 +48,10 @@ class JobStore(Protocol):
 
     def add_items(self, job_id: str, items: Any) -> int: ...
 
+    def append_items(self, job_id: str, items: Sequence[NewItem]) -> int | None:
+        """Items numbered from 0, placed after the job's total at once; None: the job is not open."""
+        ...
+
     def page(self, job_id: str, cursor: int, limit: int) -> list[tuple[int, str, Any, Any]]: ...
 
 

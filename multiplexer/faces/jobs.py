@@ -20,7 +20,7 @@ import anyio
 
 from multiplexer.core.call import Call, Item
 from multiplexer.core.errors import Code, RpcError, invalid_params
-from multiplexer.core.jobrows import JobRow, NewItem, storable
+from multiplexer.core.jobrows import JobRow, NewItem, custom_id, storable
 from multiplexer.core.jobs import BatchJobs, JobStore, new_job_id
 from multiplexer.core.provider import BatchCapable, ToolSpec
 from multiplexer.gateway.gateway import Gateway
@@ -174,9 +174,8 @@ class JobFace:
                 await st.run(st.create_job, job_id, call.identity, source, "open")
                 job = await st.run(st.job, job_id)
                 assert job is not None
-            rows = []
-            for k, spec in enumerate(calls):
-                idx = job.total + k
+            rows = []  # numbered from 0: the store places them after the job's total, atomically
+            for idx, spec in enumerate(calls):
                 try:
                     manager, item = self._item(spec, call.identity)
                     rows.append(manager.new_item(job.id, idx, item))
@@ -187,9 +186,10 @@ class JobFace:
                     rows.append(NewItem(idx=idx, provider=None, route=None, operation=None,
                                         method=method,
                                         params=None, options={}, tokens=0,
-                                        custom_id=f"{job.id}-{idx}", state="failed",
+                                        custom_id=custom_id(job.id, idx), state="failed",
                                         error=e.to_dict()))
-            await st.run(st.add_items, job.id, rows)
+            if await st.run(st.append_items, job.id, rows) is None:  # sealed by another replica
+                raise invalid_params(f"job {job.id} is no longer open; only open jobs take more calls")
             if not more:
                 await self._close(job.id)
         current = await st.run(st.job, job.id)

@@ -22,7 +22,7 @@ import anyio
 
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, cancelled, internal_error
-from multiplexer.core.jobrows import NewItem
+from multiplexer.core.jobrows import NewItem, custom_id
 from multiplexer.core.jobs import new_job_id
 from multiplexer.core.provider import ProviderContext
 
@@ -113,7 +113,7 @@ class JobManager(PartDriver):
         return NewItem(idx=idx, provider=self.name, route=item.route, operation=item.operation,
                        method=item.method, params=item.params, options=item.options,
                        tokens=int(item.options.get("tokens", item.tokens)),
-                       custom_id=f"{job_id}-{idx}", split=split)
+                       custom_id=custom_id(job_id, idx), split=split)
 
     async def run_items(self, items: Sequence[Item]) -> list[Outcome]:
         """A lane's batch from a ``mode: batch`` route: one job; outcomes when it ends."""

@@ -59,6 +59,7 @@ def _pg(sql: str) -> str:
 
 class PgJobStore(JobStore):
     shared = True
+    _HOLD_JOB = "SELECT state, total FROM jobs WHERE id=? FOR UPDATE"  # replicas append one at a time
     def __init__(self, url: str, lease_s: float = 30.0, wall: Callable[[], float] = time.time,
                  owner: str | None = None) -> None:
         import psycopg

@@ -10,6 +10,7 @@ batch up, or to submit; never to submit twice.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sqlite3
 import threading
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from multiplexer.core.jobrows import ItemRow, JobRow, NewItem, PartRow, dumps, loads_many
+from multiplexer.core.jobrows import ItemRow, JobRow, NewItem, PartRow, custom_id, dumps, loads_many
 
 T = TypeVar("T")
 
@@ -180,17 +181,36 @@ class JobStore:
         return [_part(r) for r in rows]
 
     # -- items -----------------------------------------------------------------
+    _HOLD_JOB = "SELECT state, total FROM jobs WHERE id=?"  # BEGIN IMMEDIATE already holds SQLite
+
     @_locked
     def add_items(self, job_id: str, items: Iterable[NewItem]) -> int:
         with self._tx():
-            cur = self._xm(
-                "INSERT INTO items VALUES (?,?,?,?,?,?,?,?,?,?,NULL,?,NULL,?,?)",
-                ((job_id, n.idx, n.provider, n.route, n.operation, n.method, dumps(n.params),
-                  dumps(n.options), n.tokens, n.custom_id, n.state,
-                  dumps(n.error) if n.error is not None else None, n.split) for n in items))
-            added = cur.rowcount
-            self._x("UPDATE jobs SET total=total+?, updated=? WHERE id=?",
-                       (added, self.wall(), job_id))
+            return self._insert_items(job_id, items)
+
+    @_locked
+    def append_items(self, job_id: str, items: Sequence[NewItem]) -> int | None:
+        """Add ``items`` (numbered from 0) after the job's current total, in one transaction that
+        holds the job: two replicas appending to one open job get disjoint numbers, and a job
+        sealed meanwhile takes none. The first new number, or None when the job is not open."""
+        with self._tx():
+            row = self._x(self._HOLD_JOB, (job_id,)).fetchone()
+            if row is None or row[0] != "open":
+                return None
+            base = int(row[1])
+            self._insert_items(job_id, [
+                dataclasses.replace(n, idx=base + n.idx, custom_id=custom_id(job_id, base + n.idx))
+                for n in items])
+        return base
+
+    def _insert_items(self, job_id: str, items: Iterable[NewItem]) -> int:
+        cur = self._xm(
+            "INSERT INTO items VALUES (?,?,?,?,?,?,?,?,?,?,NULL,?,NULL,?,?)",
+            ((job_id, n.idx, n.provider, n.route, n.operation, n.method, dumps(n.params),
+              dumps(n.options), n.tokens, n.custom_id, n.state,
+              dumps(n.error) if n.error is not None else None, n.split) for n in items))
+        added = int(cur.rowcount)
+        self._x("UPDATE jobs SET total=total+?, updated=? WHERE id=?", (added, self.wall(), job_id))
         return added
 
     @_locked
