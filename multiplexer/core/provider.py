@@ -127,6 +127,7 @@ class McpUpstream(ToolSource, Protocol):
 class ResourceSource(Protocol):
     """MCP resources in wire form (camelCase dicts). Reads bypass lanes: they are not routes."""
 
+    name: str  # the provider's configured name: which upstream owns a URI
     async def list_resources(self) -> list[dict[str, Any]]: ...
 
     async def list_resource_templates(self) -> list[dict[str, Any]]: ...
@@ -138,8 +139,9 @@ class ResourceSource(Protocol):
 
 @runtime_checkable
 class PromptSource(Protocol):
-    """MCP prompts in wire form; ``name`` is the provider's own, without the route's prefix."""
+    """MCP prompts in wire form; a prompt's name is the provider's own, without the route's prefix."""
 
+    name: str
     async def list_prompts(self) -> list[dict[str, Any]]: ...
 
     async def get_prompt(self, name: str, arguments: dict[str, str] | None) -> dict[str, Any]: ...

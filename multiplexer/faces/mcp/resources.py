@@ -55,7 +55,7 @@ class UpstreamCatalog:
 
     def mcp_providers(self, capability: type[S]) -> list[S]:
         """Each of those upstreams once, in route order: the order that settles duplicate URIs."""
-        return list({_name(p): p for _, p in self.mcp_routes(capability)}.values())
+        return list({p.name: p for _, p in self.mcp_routes(capability)}.values())
 
     async def _gather(self, method: str, capability: type[S], fetch: Callable[[S], Awaitable[Listing]]
                       ) -> list[tuple[S, Listing]]:
@@ -66,7 +66,7 @@ class UpstreamCatalog:
             try:
                 return await fetch(provider)
             except RpcError as e:
-                log.warning("%s from %s failed (left out): %s %s", method, _name(provider), e.message,
+                log.warning("%s from %s failed (left out): %s %s", method, provider.name, e.message,
                             e.data or "")
                 return []
 
@@ -97,7 +97,7 @@ class UpstreamCatalog:
         gathered = await self._gather("resources/list", ResourceSource, lambda p: p.list_resources())
         for provider, listed in gathered:
             for item in listed:
-                if self._claim(owners, item["uri"], _name(provider)):
+                if self._claim(owners, item["uri"], provider.name):
                     resources.append(types.Resource.model_validate(item))
         self._owners = owners
         return types.ListResourcesResult(resources=resources, **self.hint("resources/list", gathered))
@@ -111,7 +111,7 @@ class UpstreamCatalog:
                                       lambda p: p.list_resource_templates())
         for provider, listed in gathered:
             for item in listed:
-                if self._claim(owners, item["uriTemplate"], _name(provider)):
+                if self._claim(owners, item["uriTemplate"], provider.name):
                     templates.append(types.ResourceTemplate.model_validate(item))
         return types.ListResourceTemplatesResult(resource_templates=templates,
                                                  **self.hint("resources/templates/list", gathered))
@@ -127,7 +127,7 @@ class UpstreamCatalog:
         owner = self._owners.get(uri)
         failure: RpcError | None = None
         for provider in self.mcp_providers(ResourceSource):
-            if owner is not None and _name(provider) != owner:
+            if owner is not None and provider.name != owner:
                 continue
             try:
                 return types.ReadResourceResult.model_validate(await provider.read_resource(uri))
@@ -143,10 +143,10 @@ class UpstreamCatalog:
     async def list_prompts(self, ctx: ServerRequestContext[Any, Any],
                            params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
         gathered = await self._gather("prompts/list", PromptSource, lambda p: p.list_prompts())
-        listed = {_name(provider): items for provider, items in gathered}
+        listed = {provider.name: items for provider, items in gathered}
         prompts: dict[str, types.Prompt] = {}
         for prefix, provider in self.mcp_routes(PromptSource):
-            for item in listed[_name(provider)]:
+            for item in listed[provider.name]:
                 name = prefix + item["name"]
                 prompts.setdefault(name, types.Prompt.model_validate({**item, "name": name}))
         return types.ListPromptsResult(prompts=list(prompts.values()), **self.hint("prompts/list", gathered))
@@ -173,8 +173,3 @@ def is_not_found(error: RpcError) -> bool:
     if upstream and error.code == 0 and error.message.startswith("Unknown resource"):
         return True  # FastMCP on mcp 1.x answers a missing resource with code 0
     return upstream and error.code in (RESOURCE_NOT_FOUND, Code.METHOD_NOT_FOUND)
-
-
-def _name(provider: object) -> str:
-    """A provider's configured name (every capability is implemented by a ``Provider``)."""
-    return str(getattr(provider, "name", provider))
