@@ -222,7 +222,7 @@ class Gateway:
                 async with anyio.create_task_group() as tg:
                     for t in handlers:
                         tg.start_soon(self._run_handler, t)
-            await self._settle(tickets)
+            await settle(tickets, self.clock, self._finish)
             if isinstance(self.quotas, SharedQuotas):
                 await self.quotas.flush()
         except BaseException:
@@ -298,8 +298,8 @@ class Gateway:
                 return ticket
             if route.mode == "batch":
                 self.quotas.charge_batch(call.identity, 1)
-            if route.mode == "batch" and call.identity is not None:
-                item.group = (*item.group, call.identity)  # one job per owner, who sees it in jobs.*
+                if call.identity is not None:  # one job per owner, who sees it in jobs.*
+                    item.group = (*item.group, call.identity)
             ticket.lane = lane = self._lane_for(resolved.name, route)
             key = self._dedup_key(call, route, item, provider)
             if key is None:
@@ -358,9 +358,6 @@ class Gateway:
             log.exception("method %s failed inside the gateway", t.label)
             outcome = Outcome.fail(internal_error(type(e).__name__))
         self._finish(t, outcome)
-
-    async def _settle(self, tickets: Sequence[Ticket]) -> None:
-        await settle(tickets, self.clock, self._finish)
 
     def _finish(self, t: Ticket, outcome: Outcome, *, withdraw: bool = False) -> None:
         """Give a ticket its one outcome and release what it held."""
