@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
 from multiplexer.sdk.client import Client
 from multiplexer.server import running
 from tests.remote_helpers import Events, fakes, remote_config_data, reply_text, user
@@ -18,6 +22,28 @@ pytestmark = pytest.mark.anyio
 
 def batch_calls(route: str, prompts: list[str]) -> list[tuple[str, Any]]:
     return [(route, user(p)) for p in prompts]
+
+
+@dataclass
+class TwoKeys:
+    fakes: Any
+    gateway: Gateway
+    events: Events
+    alice: Client
+    bob: Client
+
+
+@asynccontextmanager
+async def alice_and_bob(tmp_path: Any, **server: Any) -> AsyncIterator[TwoKeys]:
+    """The fake batch APIs behind a gateway with two keys, a client on each, events recorded."""
+    async with fakes() as f:
+        data = remote_config_data(f, tmp_path)
+        data["server"] = {"api_keys": {"alice": "key-a", "bob": "key-b"}, **server}
+        events = Events()
+        async with running(parse_config(data), port=0) as (gateway, url):
+            gateway.listeners.append(events)
+            async with Client(url, api_key="key-a") as alice, Client(url, api_key="key-b") as bob:
+                yield TwoKeys(f, gateway, events, alice, bob)
 
 
 async def test_route_mode_gathers_calls_into_one_job_and_routes_error_lines(tmp_path):
@@ -183,47 +209,38 @@ async def test_sync_fallback_without_a_batch_api(tmp_path):
 
 
 async def test_jobs_belong_to_their_identity(tmp_path):
-    async with fakes() as f:
-        data = remote_config_data(f, tmp_path)
-        data["server"] = {"api_keys": {"alice": "key-a", "bob": "key-b"}}
-        events = Events()
-        async with running(parse_config(data), port=0) as (gateway, url):
-            gateway.listeners.append(events)
-            async with Client(url, api_key="key-a") as alice, Client(url, api_key="key-b") as bob:
-                job = await alice.call("jobs.submit", {"calls": [
-                    {"method": "claude", "params": user("mine")}]})
-                with pytest.raises(RpcError) as e:
-                    await bob.call("jobs.results", {"job_id": job["job_id"]})
-                assert e.value.code == Code.NOT_FOUND
-                assert (await bob.call("jobs.list", {}))["jobs"] == []
-                await events.wait("batch_job_ended")
-                page = await alice.call("jobs.results", {"job_id": job["job_id"]})
+    async with alice_and_bob(tmp_path) as k:
+        job = await k.alice.call("jobs.submit", {"calls": [
+            {"method": "claude", "params": user("mine")}]})
+        with pytest.raises(RpcError) as e:
+            await k.bob.call("jobs.results", {"job_id": job["job_id"]})
+        assert e.value.code == Code.NOT_FOUND
+        assert (await k.bob.call("jobs.list", {}))["jobs"] == []
+        await k.events.wait("batch_job_ended")
+        page = await k.alice.call("jobs.results", {"job_id": job["job_id"]})
     assert reply_text(page["results"][0]["result"]) == "echo: mine"
 
 
 async def test_a_batch_route_makes_one_job_per_key_each_owner_can_see(tmp_path):
     import anyio
 
-    async with fakes() as f:
-        data = remote_config_data(f, tmp_path)
-        data["server"] = {"api_keys": {"alice": "key-a", "bob": "key-b"}}
-        async with running(parse_config(data), port=0) as (_, url), \
-                Client(url, api_key="key-a") as alice, Client(url, api_key="key-b") as bob:
-            results: dict[str, list[Any]] = {}
+    async with alice_and_bob(tmp_path) as k:
+        alice, bob = k.alice, k.bob
+        results: dict[str, list[Any]] = {}
 
-            async def send(name: str, client: Client) -> None:
-                prompts = [f"{name}{i}" for i in range(3)]
-                results[name] = await client.call_many(batch_calls("chat_batch", prompts))
+        async def send(name: str, client: Client) -> None:
+            prompts = [f"{name}{i}" for i in range(3)]
+            results[name] = await client.call_many(batch_calls("chat_batch", prompts))
 
-            async with anyio.create_task_group() as tg:  # inside one batch window
-                tg.start_soon(send, "a", alice)
-                tg.start_soon(send, "b", bob)
-            jobs = {name: (await c.call("jobs.list", {}))["jobs"] for name, c in (("a", alice), ("b", bob))}
+        async with anyio.create_task_group() as tg:  # inside one batch window
+            tg.start_soon(send, "a", alice)
+            tg.start_soon(send, "b", bob)
+        jobs = {name: (await c.call("jobs.list", {}))["jobs"] for name, c in (("a", alice), ("b", bob))}
     assert {n: [reply_text(r) for r in rs] for n, rs in results.items()} == {
         n: [f"echo: {n}{i}" for i in range(3)] for n in "ab"}
     assert [(j["source"], j["total"]) for j in jobs["a"]] == [("route", 3)]
     assert [(j["source"], j["total"]) for j in jobs["b"]] == [("route", 3)]
-    assert jobs["a"][0]["job_id"] != jobs["b"][0]["job_id"] and len(f.openai.batches) == 2
+    assert jobs["a"][0]["job_id"] != jobs["b"][0]["job_id"] and len(k.fakes.openai.batches) == 2
 
 
 async def test_job_methods_are_mcp_tools(tmp_path):
@@ -326,62 +343,53 @@ async def test_fuzzed_job_method_params_get_precise_errors_never_internal_ones(t
 async def test_jobs_methods_count_against_the_keys_quotas(tmp_path):
     """jobs.* are calls like any other (rpm, concurrency), and the calls a job carries count
     against batch_calls_per_day, all or none, for jobs.submit and for mode: batch routes alike."""
-    async with fakes() as f:
-        data = remote_config_data(f, tmp_path)
-        data["server"] = {"api_keys": {"alice": "key-a", "bob": "key-b"},
-                          "quotas": {"alice": {"rpm": 3, "batch_calls_per_day": 5}}}
-        async with running(parse_config(data), port=0) as (_, url), \
-                Client(url, api_key="key-a") as alice, Client(url, api_key="key-b") as bob:
-            calls = [{"method": "claude", "params": user(f"c{i}")} for i in range(4)]
-            job = await alice.call("jobs.submit", {"calls": calls})  # 4 of 5 used, 1 of 3 requests
-            with pytest.raises(RpcError) as over:
-                await alice.call("jobs.submit", {"calls": calls[:2]})  # 2 > 1 left: nothing stored
-            assert over.value.code == Code.RATE_LIMITED
-            assert over.value.data["limit"] == "batch_calls_per_day"
-            assert over.value.data["remaining"] == 1 and over.value.data["retry_after"] > 0
-            assert [r.code for r in await alice.call_many(batch_calls("chat_batch", ["x"]))
-                    if isinstance(r, RpcError)] == []  # the fifth call, through a batch route
-            with pytest.raises(RpcError) as rpm:
-                await alice.call("jobs.status", {"job_id": job["job_id"]})  # request 4 of 3
-            assert rpm.value.code == Code.RATE_LIMITED and rpm.value.data["limit"] == "rpm"
-            assert len((await bob.call("jobs.list", {}))["jobs"]) == 0  # bob has no quota set
-    assert f.openai.requests["/v1/files"] == 1
+    async with alice_and_bob(tmp_path, quotas={"alice": {"rpm": 3, "batch_calls_per_day": 5}}) as k:
+        alice, bob = k.alice, k.bob
+        calls = [{"method": "claude", "params": user(f"c{i}")} for i in range(4)]
+        job = await alice.call("jobs.submit", {"calls": calls})  # 4 of 5 used, 1 of 3 requests
+        with pytest.raises(RpcError) as over:
+            await alice.call("jobs.submit", {"calls": calls[:2]})  # 2 > 1 left: nothing stored
+        assert over.value.code == Code.RATE_LIMITED
+        assert over.value.data["limit"] == "batch_calls_per_day"
+        assert over.value.data["remaining"] == 1 and over.value.data["retry_after"] > 0
+        assert [r.code for r in await alice.call_many(batch_calls("chat_batch", ["x"]))
+                if isinstance(r, RpcError)] == []  # the fifth call, through a batch route
+        with pytest.raises(RpcError) as rpm:
+            await alice.call("jobs.status", {"job_id": job["job_id"]})  # request 4 of 3
+        assert rpm.value.code == Code.RATE_LIMITED and rpm.value.data["limit"] == "rpm"
+        assert len((await bob.call("jobs.list", {}))["jobs"]) == 0  # bob has no quota set
+    assert k.fakes.openai.requests["/v1/files"] == 1
 
 
 async def test_jobs_delete_owner_only_and_retention_purges_ended_jobs(tmp_path):
     import time
 
-    async with fakes() as f:
-        data = remote_config_data(f, tmp_path)
-        data["server"] = {"api_keys": {"alice": "key-a", "bob": "key-b"}}
-        events = Events()
-        async with running(parse_config(data), port=0) as (gateway, url):
-            gateway.listeners.append(events)
-            async with Client(url, api_key="key-a") as alice, Client(url, api_key="key-b") as bob:
-                kept = await alice.call("jobs.submit", {"calls": [{"method": "claude", "params": user("a")}]})
-                gone = await alice.call("jobs.submit", {"calls": [{"method": "claude", "params": user("b")}]})
-                opened = await alice.call("jobs.submit", {"calls": [{"method": "claude",
-                                                                     "params": user("c")}], "more": True})
-                await events.wait("batch_job_ended", count=2)
-                with pytest.raises(RpcError) as other:
-                    await bob.call("jobs.delete", {"job_id": gone["job_id"]})
-                with pytest.raises(RpcError) as running_job:
-                    await alice.call("jobs.delete", {"job_id": opened["job_id"]})
-                assert await alice.call("jobs.delete", {"job_id": gone["job_id"]}) == {
-                    "job_id": gone["job_id"], "deleted": True}
-                with pytest.raises(RpcError) as again:
-                    await alice.call("jobs.results", {"job_id": gone["job_id"]})
-                face = gateway.faces["jobs"]
-                retention = gateway.config.store.retention_s
-                managers = list(face.managers.values())
-                for m in managers:
-                    m.watch(kept["job_id"])  # a watch on an ended job: its event would never fire
-                assert await face.purge(retention, now=time.time()) == []  # ended just now
-                assert await face.purge(retention, now=time.time() + retention + 1) == [kept["job_id"]]
-                listed = (await alice.call("jobs.list", {}))["jobs"]
-                st = face.store()
-                leftover = st._db.execute("SELECT COUNT(*) FROM items WHERE job_id IN (?,?)",
-                                          (kept["job_id"], gone["job_id"])).fetchone()[0]
+    async with alice_and_bob(tmp_path) as k:
+        gateway, events, alice, bob = k.gateway, k.events, k.alice, k.bob
+        kept = await alice.call("jobs.submit", {"calls": [{"method": "claude", "params": user("a")}]})
+        gone = await alice.call("jobs.submit", {"calls": [{"method": "claude", "params": user("b")}]})
+        opened = await alice.call("jobs.submit", {"calls": [{"method": "claude",
+                                                             "params": user("c")}], "more": True})
+        await events.wait("batch_job_ended", count=2)
+        with pytest.raises(RpcError) as other:
+            await bob.call("jobs.delete", {"job_id": gone["job_id"]})
+        with pytest.raises(RpcError) as running_job:
+            await alice.call("jobs.delete", {"job_id": opened["job_id"]})
+        assert await alice.call("jobs.delete", {"job_id": gone["job_id"]}) == {
+            "job_id": gone["job_id"], "deleted": True}
+        with pytest.raises(RpcError) as again:
+            await alice.call("jobs.results", {"job_id": gone["job_id"]})
+        face = gateway.faces["jobs"]
+        retention = gateway.config.store.retention_s
+        managers = list(face.managers.values())
+        for m in managers:
+            m.watch(kept["job_id"])  # a watch on an ended job: its event would never fire
+        assert await face.purge(retention, now=time.time()) == []  # ended just now
+        assert await face.purge(retention, now=time.time() + retention + 1) == [kept["job_id"]]
+        listed = (await alice.call("jobs.list", {}))["jobs"]
+        st = face.store()
+        leftover = st._db.execute("SELECT COUNT(*) FROM items WHERE job_id IN (?,?)",
+                                  (kept["job_id"], gone["job_id"])).fetchone()[0]
     assert other.value.code == Code.NOT_FOUND and again.value.code == Code.NOT_FOUND
     assert running_job.value.code == Code.INVALID_PARAMS
     assert running_job.value.data["state"] == "open"
