@@ -106,11 +106,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _faces(gateway: Gateway) -> tuple[list[Any], Any]:
-    """Extra routes and a lifespan from the faces beyond /rpc (MCP)."""
-    return mount_mcp(gateway, Authenticator(gateway.config.server.api_keys))
-
-
 @asynccontextmanager
 async def running(config: Config, *, host: str | None = None, port: int | None = None,
                   gateway: Gateway | None = None) -> AsyncIterator[tuple[Gateway, str]]:
@@ -123,8 +118,9 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
     try:
         async with gw:
             attach_jobs(gw)
-            routes, lifespan = _faces(gw)
-            routes = v1_routes(gw, Authenticator(config.server.api_keys)) + routes
+            auth = Authenticator(config.server.api_keys)  # the faces beyond /rpc: /v1 and /mcp
+            mcp_routes, lifespan = mount_mcp(gw, auth)
+            routes = v1_routes(gw, auth) + mcp_routes
             app = create_app(gw, routes, lifespan)
             async with serve_asgi(app, sock, lifespan=lifespan is not None) as url:
                 yield gw, url
