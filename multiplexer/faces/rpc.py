@@ -8,9 +8,7 @@ from multiplexer.core.jsonrpc import Decoded, Entry, decode, dumps, error_respon
 from multiplexer.gateway.gateway import Gateway
 
 
-def _reply(entry: Entry, outcome: Outcome | None) -> dict | None:
-    if entry.is_notification:
-        return None
+def _reply(entry: Entry, outcome: Outcome | None) -> dict:
     if entry.error is not None:
         return error_response(entry.id, entry.error)
     assert outcome is not None
@@ -48,7 +46,6 @@ def _encoded(entry: Entry, outcome: Outcome | None) -> bytes:
     if entry.error is None and outcome is not None and outcome.ok and outcome.result_json is not None:
         return b'{"jsonrpc":"2.0","result":' + outcome.result_json + b',"id":' + dumps(entry.id) + b"}"
     reply = _reply(entry, outcome)
-    assert reply is not None
     try:
         return dumps(reply)
     except (TypeError, ValueError):  # a result that is not valid JSON (NaN, bytes, ...): this call only
