@@ -61,18 +61,12 @@ def batch_managers(gateway: Gateway) -> dict[str, BatchJobs]:
 
 
 def attach_jobs(gateway: Gateway) -> JobFace | None:
-    """Serve ``jobs.*`` on a running gateway (the composer calls this: the gateway knows no face)."""
-    face = register_job_methods(gateway)
-    if face is not None:
-        gateway.faces["jobs"] = face
-    return face
-
-
-def register_job_methods(gateway: Gateway) -> JobFace | None:
+    """Serve ``jobs.*`` on a running gateway where some provider has a batch API (the composer
+    calls this: the gateway knows no face)."""
     managers = batch_managers(gateway)
     if not managers:
         return None
-    face = JobFace(gateway, managers)
+    face = gateway.faces["jobs"] = JobFace(gateway, managers)
     handlers: dict[str, Callable[[Call], Awaitable[Any]]] = {
         "jobs.submit": face.submit, "jobs.status": face.status, "jobs.results": face.results,
         "jobs.cancel": face.cancel, "jobs.list": face.list, "jobs.delete": face.delete,
