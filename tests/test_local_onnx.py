@@ -51,7 +51,12 @@ async def test_onnx_embeddings_agree_with_sentence_transformers_batched_or_singl
     assert cosine.min().item() >= floor
     if quantize is None:
         assert cosine.min().item() < 1.0 + 1e-6
-    assert (batched - singles).abs().max().item() < (1e-5 if quantize is None else 2e-2)
+    if quantize is None:
+        assert (batched - singles).abs().max().item() < 1e-5
+    else:  # dynamic int8 scales activations per batch: a text's vector moves with its batchmates,
+        # so alone or batched, each must still meet the floor against sentence-transformers
+        alone = torch.nn.functional.cosine_similarity(singles, reference, dim=1)
+        assert alone.min().item() >= floor
 
 
 async def test_onnx_classifier_gives_the_torch_scores(tmp_path) -> None:
