@@ -59,6 +59,7 @@ end
 """
 
 # KEYS: rpm bucket, tpm bucket, in-flight ZSET.  ARGV: rpm, tpm, concurrency, lease_s, lease id, tokens
+# Returns {wait, limit that holds it, rpm bucket level after ('' without one), Redis time}
 ACQUIRE = COMMON + r"""
 local now = now_s()
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -78,14 +79,21 @@ if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - lease)
   if wait == 0 and redis.call('ZCARD', KEYS[3]) >= conc then wait, which = 0.001, 'concurrency' end
 end
-if wait > 0 then return {string.format('%.6f', wait), which} end
+-- the rpm bucket's level after this decision and the time it was taken: a key's quota
+-- headers come from this reply, with no round trip of their own
+local function reply(w, why)
+  local level = ''
+  if rb then level = f(rb.l) end
+  return {w, why, level, f(now)}
+end
+if wait > 0 then return reply(string.format('%.6f', wait), which) end
 if rb then rb.l = rb.l - 1; save(KEYS[1], rb) end
 if tb and tokens > 0 then tb.l = tb.l - tokens; save(KEYS[2], tb) end
 if conc > 0 then
   redis.call('ZADD', KEYS[3], now, id)
   redis.call('EXPIRE', KEYS[3], 86400)
 end
-return {'0', ''}
+return reply('0', '')
 """
 
 # KEYS: rpm, tpm, in-flight.  ARGV: rpm, tpm, lease id ('' none), token delta, then per reading:

@@ -22,9 +22,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from multiplexer.core.state import Learned, LimitSpec, StateUnavailable
+from multiplexer.core.state import Learned, LimitSpec, QuotaDecision, StateUnavailable
 
 from . import redis_lua
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _tag(name: str) -> str:
@@ -89,10 +93,10 @@ class RedisState:
     # -- provider limits -------------------------------------------------------------
     async def acquire(self, provider: str, lease_id: str, tokens: int,
                       spec: LimitSpec) -> tuple[float, str]:
-        wait, which = await self._call(
+        reply = await self._call(
             self._acquire, self._keys("p", provider),
             [spec.rpm, spec.tpm, spec.concurrency, self.lease_s, lease_id, tokens])
-        return float(wait), which.decode() if isinstance(which, bytes) else which
+        return float(reply[0]), _text(reply[1])
 
     async def settle(self, provider: str, lease_id: str, token_delta: float,
                      learned: Sequence[Learned], spec: LimitSpec) -> None:
@@ -108,10 +112,13 @@ class RedisState:
 
     # -- per-key quotas ----------------------------------------------------------------
     async def quota(self, identity: str, rpm: float, concurrency: int,
-                    lease_id: str) -> tuple[float, str]:
-        wait, which = await self._call(self._acquire, self._keys("q", identity),
-                                       [rpm, 0, concurrency, self.lease_s, lease_id, 0])
-        return float(wait), which.decode() if isinstance(which, bytes) else which
+                    lease_id: str) -> QuotaDecision:
+        wait, which, level, at = await self._call(
+            self._acquire, self._keys("q", identity),
+            [rpm, 0, concurrency, self.lease_s, lease_id, 0])
+        level = _text(level)
+        return QuotaDecision(float(wait), _text(which), float(level) if level else None,
+                             float(at))
 
     async def quota_release(self, identity: str, lease_id: str) -> None:
         await self.settle_keys(self._keys("q", identity), lease_id)

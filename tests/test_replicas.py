@@ -392,3 +392,43 @@ async def test_three_gateway_processes_share_concurrency_and_dedup():
     assert load.ok == 90 and load.errors == load.lost == 0
     assert stats["max_in_flight"] <= 4
     assert stats["executions"]["d"] == 1
+
+
+async def test_v1_quota_headers_come_from_the_shared_quota(tmp_path):
+    """Two replicas share alice's 3 rpm: each answer's ``x-ratelimit-*`` counts the calls made
+    through both, from the reply of the quota decision itself."""
+    import openai
+
+    from multiplexer.server import running
+    from tests.remote_helpers import fakes
+    from tests.test_v1_openai import KEY, ask, v1_config
+
+    url, pre = redis_url(), prefix()
+
+    def replica(f: object, n: int) -> object:
+        data = v1_config(f, tmp_path / str(n), quotas={"alice": {"rpm": 3}})
+        data["state"] = {"url": url, "prefix": pre}
+        return parse_config(data)
+
+    async def chat(client: openai.AsyncOpenAI, text: str) -> dict[str, str]:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=ask(text))
+        assert raw.parse().choices[0].message.content == "echo: " + text
+        return dict(raw.headers)
+
+    async with (
+        fakes() as f,
+        running(replica(f, 1), port=0) as (_, url1),
+        running(replica(f, 2), port=0) as (_, url2),
+        openai.AsyncOpenAI(base_url=url1 + "/v1", api_key=KEY, max_retries=0) as one,
+        openai.AsyncOpenAI(base_url=url2 + "/v1", api_key=KEY, max_retries=0) as two,
+    ):
+        first, second, third = await chat(one, "a"), await chat(two, "b"), await chat(one, "c")
+        with pytest.raises(openai.RateLimitError) as refused:
+            await chat(two, "d")
+    assert [h["x-ratelimit-limit-requests"] for h in (first, second, third)] == ["3"] * 3
+    assert [h["x-ratelimit-remaining-requests"] for h in (first, second, third)] == ["2", "1", "0"]
+    reset = float(first["x-ratelimit-reset-requests"].removesuffix("s"))
+    assert 0 < reset <= 20  # one request used of 3 per minute: full again within 20 s
+    assert refused.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(refused.value.response.headers["retry-after"]) >= 1

@@ -53,7 +53,7 @@ class Quotas:
                                allowed=quota.batch_calls_per_day, remaining=quota.batch_calls_per_day - used)
         self._batch[identity] = (day, used + calls)
 
-    def state(self, identity: str | None) -> tuple[float, float | None, float | None] | None:
+    def rpm_state(self, identity: str | None) -> tuple[float, float | None, float | None] | None:
         """(limit, remaining, seconds until full) of the caller's rpm quota; None without one.
         Remaining and reset are None where this process does not hold the bucket (shared quotas)."""
         quota = self.quotas.get(identity) if identity else None

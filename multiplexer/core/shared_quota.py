@@ -7,6 +7,8 @@ Concurrency slots are leases, renewed while their calls run and freed in the
 background when they end. When the shared state is unreachable the decision is
 closed (``-32003`` limit ``quota_unavailable``) unless ``state.on_failure: open``,
 which decides on this replica's own counters; both are counted as degraded.
+Each decision also brings back the key's rpm bucket as it left it, which is what
+the ``/v1`` faces' ``x-ratelimit-*`` headers show (``rpm_state``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class SharedQuotas(Quotas):
         self._leases: dict[str, list[str]] = defaultdict(list)
         self._local: dict[str, int] = defaultdict(int)  # slots taken locally (state down, open)
         self._ended: list[tuple[str, str]] = []  # (identity, lease) of calls that ended
+        # identity -> (rpm level, shared-state time, local time) of its latest shared decision
+        self._seen: dict[str, tuple[float, float, float]] = {}
         self._wake = anyio.Event()
         self._parallel = anyio.CapacityLimiter(16)  # round trips of one array at once
 
@@ -74,13 +78,32 @@ class SharedQuotas(Quotas):
     async def _admit(self, identity: str, quota: Quota) -> Decision:
         lease = f"{self.state.replica_id}:{next(self._ids)}"
         try:
-            wait, which = await self.state.quota(identity, quota.rpm or 0.0, quota.concurrency or 0,
-                                                 lease)
+            decision = await self.state.quota(identity, quota.rpm or 0.0, quota.concurrency or 0,
+                                              lease)
         except StateUnavailable as e:
+            self._seen.pop(identity, None)  # this replica's own bucket decides meanwhile
             return self._refusal(e)
-        if wait > 0:
-            return rate_limited(which, wait if which == "rpm" else 0.05, identity=identity)
+        if decision.level is not None:
+            seen = self._seen.get(identity)
+            if seen is None or seen[1] <= decision.at:  # the latest of an array decided at once
+                self._seen[identity] = (decision.level, decision.at, self.clock.now())
+        if decision.wait > 0:
+            which = decision.limit
+            return rate_limited(which, decision.wait if which == "rpm" else 0.05, identity=identity)
         return lease
+
+    def rpm_state(self, identity: str | None) -> tuple[float, float | None, float | None] | None:
+        """The rpm bucket as the last shared decision for this key left it, refilled to now on
+        this replica's clock: the headers cost no round trip of their own. Calls made through
+        other replicas since then show from this replica's next decision on."""
+        quota = self.quotas.get(identity) if identity else None
+        seen = self._seen.get(identity) if identity else None
+        if quota is None or quota.rpm is None or seen is None:
+            return super().rpm_state(identity)
+        level, _, taken = seen
+        rate = quota.rpm / 60.0
+        left = min(quota.rpm, max(level, 0.0) + max(0.0, self.clock.now() - taken) * rate)
+        return quota.rpm, left, (quota.rpm - left) / rate
 
     async def _charge(self, identity: str, quota: Quota, calls: int) -> Decision:
         allowed = quota.batch_calls_per_day or 0

@@ -37,6 +37,16 @@ class Learned:
     reset_in: float
 
 
+@dataclass(frozen=True, slots=True)
+class QuotaDecision:
+    """A key's admission in the shared state, and its rpm bucket as the decision left it."""
+
+    wait: float  # 0: admitted; else seconds until it would be
+    limit: str  # the limit that holds it (rpm or concurrency); "" when admitted
+    level: float | None  # requests left in the rpm bucket after the decision; None without rpm
+    at: float  # when it was taken, on the shared state's clock (orders concurrent decisions)
+
+
 class SharedState(Protocol):
     """Atomic decisions on the shared state's own clock; one round trip each."""
 
@@ -71,8 +81,8 @@ class SharedState(Protocol):
         ...
 
     async def quota(self, identity: str, rpm: float, concurrency: int,
-                    lease_id: str) -> tuple[float, str]:
-        """Admit one call for a key under its rpm and concurrency: (0, "") or (wait, limit)."""
+                    lease_id: str) -> QuotaDecision:
+        """Admit one call for a key under its rpm and concurrency, all in one round trip."""
         ...
 
     async def quota_release(self, identity: str, lease_id: str) -> None: ...

@@ -150,8 +150,9 @@ class V1:
         return body
 
     def quota_headers(self, identity: str | None) -> list[tuple[bytes, bytes]]:
-        """The caller's own rpm quota as ``x-ratelimit-*`` (OpenAI's names and formats)."""
-        state = self.gateway.quotas.state(identity)
+        """The caller's own rpm quota as ``x-ratelimit-*`` (OpenAI's names and formats); a
+        quota shared by replicas shows as its last shared decision left it (no round trip)."""
+        state = self.gateway.quotas.rpm_state(identity)
         if state is None:
             return []
         limit, left, reset = state
