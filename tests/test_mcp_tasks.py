@@ -133,12 +133,64 @@ async def test_tasks_share_batches_cancel_alone_and_survive_a_restart(tmp_path: 
             left_open = (await alice.call("chat_slow", user("in the window")))["result"]["taskId"]
 
         f.openai.polls_to_complete = 1
-        async with running(cfg) as (_, base), httpx.AsyncClient(timeout=30) as http:
+        async with running(cfg) as (gw, base), httpx.AsyncClient(timeout=30) as http:
             alice = McpHttp(http, base + "/mcp", KEYS["alice"])
             done = await finished(alice, kept)  # the new gateway picked the stored job up again
             assert done["status"] == "completed" and text_of(done["result"]) == "echo: keep me"
+            await cancel_survived(alice, gw, stopped)
             sealed = await finished(alice, left_open)  # its window died with the old gateway
             assert sealed["status"] == "completed" and text_of(sealed["result"]) == "echo: in the window"
+
+
+async def cancel_survived(client: McpHttp, gw: Gateway, task_id: str) -> None:
+    """The task is still cancelled, and its line of the finished shared batch was never stored."""
+    got = (await client.task("tasks/get", task_id))["result"]
+    assert (got["status"], "result" in got) == ("cancelled", False)
+    store = gw.faces["jobs"].store()
+    job_id, _, idx = task_id.rpartition(".")
+
+    async def ended() -> bool:  # the batch ran on for the task that shares it, and ended
+        job = store.job(job_id)
+        return job is not None and job.state == "done"
+
+    await wait_until(ended)
+    ((_, state, result, error),) = store.page(job_id, int(idx), 1)
+    assert (state, result, error["code"], error["data"]) == (
+        "failed", None, -32004, {"detail": "task cancelled"})
+
+
+async def test_a_cancel_is_seen_by_every_replica_and_after_a_restart_on_postgres(tmp_path: Path) -> None:
+    """Two replicas on one PostgreSQL store: a cancel on one is what the other reports, and
+    what a gateway started after both stopped reports; the shared batch still serves the other task."""
+    from tests.pg_helpers import throwaway_db
+
+    with throwaway_db() as db:
+        async with fakes(polls_to_complete=10**9) as f:
+            data = config(f, tmp_path)
+            data["store"] = {"url": db}
+            cfg = parse_config(data)
+            async with running(cfg) as (_, one), running(cfg) as (_, two), \
+                    httpx.AsyncClient(timeout=30) as http:
+                first, second = (McpHttp(http, base + "/mcp", KEYS["alice"]) for base in (one, two))
+                stopped = (await first.call("chat_pair", user("stop me")))["result"]["taskId"]
+                kept = (await first.call("chat_pair", user("keep me")))["result"]["taskId"]
+
+                async def one_batch() -> bool:
+                    return len(f.openai.batches) == 1
+
+                await wait_until(one_batch)
+                await first.task("tasks/cancel", stopped)
+                assert (await second.task("tasks/get", stopped))["result"]["status"] == "cancelled"
+                assert (await second.task("tasks/get", kept))["result"]["status"] == "working"
+                (shared,) = f.openai.batches.values()
+                assert shared.status not in ("cancelling", "cancelled")
+
+            f.openai.polls_to_complete = 1
+            async with running(cfg) as (gw, base), httpx.AsyncClient(timeout=30) as http:
+                alice = McpHttp(http, base + "/mcp", KEYS["alice"])
+                done = await finished(alice, kept)
+                assert done["status"] == "completed" and text_of(done["result"]) == "echo: keep me"
+                await cancel_survived(alice, gw, stopped)
 
 
 def test_task_is_a_route_key() -> None:

@@ -54,6 +54,10 @@ class JobStore(Protocol):
 
     def page(self, job_id: str, cursor: int, limit: int) -> list[tuple[int, str, Any, Any]]: ...
 
+    def record(self, job_id: str, rows: Sequence[tuple[int, str, Any, Any]]) -> int:
+        """Store (idx, state, result, error) for items not already finished; how many it stored."""
+        ...
+
 
 class BatchJobs(Protocol):
     """A provider's share of jobs: it stores its items, plans them into remote batches, cancels."""

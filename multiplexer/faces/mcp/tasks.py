@@ -10,8 +10,9 @@ the window's end or ``max_items`` seals it. The task id is ``<job id>.<index>``:
 the job id is an unguessable bearer handle bound to the caller's key (another
 key gets the unknown-id error), and it survives a gateway restart with the
 store (a job a restart left inside its window is sealed at start). ``tasks/get``
-reads the call's row back; ``tasks/cancel`` cancels the job when the task has
-it alone, and otherwise drops only this task's result. Other clients get the
+reads the call's row back; ``tasks/cancel`` marks the call cancelled in that
+row (so every replica and a restarted gateway see it, and its result is dropped
+when its batch ends), and cancels the job once no call in it is left waiting. Other clients get the
 blocking call; handshake-era clients cannot opt in at all.
 """
 
@@ -32,7 +33,7 @@ from mcp_types.methods import serialize_server_result
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from multiplexer.core.call import Call
-from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError, cancelled
 from multiplexer.core.jobrows import JobRow
 from multiplexer.core.policy import BatchPolicy
 from multiplexer.core.provider import BatchCapable
@@ -88,7 +89,6 @@ class TaskFace:
         self.identity_of = identity_of
         self._pools: dict[str | None, _Pool] = {}
         self._lock = anyio.Lock()
-        self._dropped: set[str] = set()  # cancelled tasks whose job others still share (best effort)
         self.spawn: Callable[..., Any] = gateway.start_background  # the MCP face's task group, once running
 
     # -- creation -----------------------------------------------------------------
@@ -158,21 +158,24 @@ class TaskFace:
     # -- tasks/get, tasks/cancel ------------------------------------------------------
     async def get(self, ctx: ServerRequestContext[Any, Any], params: TaskParams) -> dict[str, Any]:
         job, idx = await self._owned(ctx, params.task_id)
-        status, outcome = await self._status(job, idx, params.task_id, ctx.protocol_version)
+        status, outcome = await self._status(job, idx, ctx.protocol_version)
         return {"resultType": "complete", **self._task(job, idx, status), **outcome}
 
     async def cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskParams) -> dict[str, Any]:
-        """Cooperative. A job of this task alone is cancelled upstream; in a shared one, only this
-        task's result is dropped (until a restart: cancellation may always lose to completion)."""
-        job, _ = await self._owned(ctx, params.task_id)
-        siblings = {task_id(job.id, i) for i in range(job.total)}
-        if siblings - self._dropped - {params.task_id}:
-            self._dropped.add(params.task_id)
-        else:
-            self._dropped -= siblings
-            async with self._lock:  # no more tasks join it, and its window does not seal it
-                if (pool := self._pools.get(job.identity)) is not None and pool.job_id == job.id:
-                    del self._pools[job.identity]
+        """Cooperative and durable: the task's call is marked cancelled in the job store unless it
+        already ended, so every replica, and the gateway after a restart, reports it cancelled, and
+        its result is dropped when the remote batch brings it (other tasks of the job keep theirs).
+        Once no call of the job is left waiting, the job is cancelled upstream too."""
+        job, idx = await self._owned(ctx, params.task_id)
+        st = self.jobs.store()
+        stop = cancelled("task cancelled").to_dict()
+        async with self._lock:  # no task joins the job between the count and the cancel
+            await st.run(st.record, job.id, [(idx, "failed", None, stop)])
+            counts = await st.run(st.counts, job.id)
+            idle = counts["queued"] + counts["submitted"] == 0
+            if idle and (pool := self._pools.get(job.identity)) is not None and pool.job_id == job.id:
+                del self._pools[job.identity]  # its window does not seal it: it is cancelled
+        if idle:  # a remote batch that serves no one
             await self.jobs.cancel(Call("jobs.cancel", {"job_id": job.id}, identity=job.identity))
         return {}
 
@@ -212,11 +215,9 @@ class TaskFace:
         seconds = min((s for s in intervals if isinstance(s, int | float)), default=10.0)
         return max(MIN_POLL_MS, int(seconds * 1000))
 
-    async def _status(self, job: JobRow, idx: int, tid: str, version: str) -> tuple[str, dict[str, Any]]:
+    async def _status(self, job: JobRow, idx: int, version: str) -> tuple[str, dict[str, Any]]:
         st = self.jobs.store()
         _, state, result, error = (await st.run(st.page, job.id, idx, 1))[0]
-        if tid in self._dropped:
-            return "cancelled", {}
         if state == "succeeded":
             return "completed", {"result": tool_result(wrap_result(result), version)}
         if state != "failed":
