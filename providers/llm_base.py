@@ -8,7 +8,6 @@ from typing import Any, ClassVar
 
 import anyio
 import httpx
-from anyio.streams.memory import MemoryObjectSendStream
 from httpx_sse import EventSource, SSEError
 
 from multiplexer.core.batching import CountFormation
@@ -16,6 +15,7 @@ from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, cancelled, invalid_params, upstream_error
 from multiplexer.core.policy import BatchPolicy, RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, stream_sink
+from multiplexer.core.sink import ChunkSink
 
 from .api_client import ApiClient, run_each
 from .batch.backend import BatchBackend
@@ -138,7 +138,7 @@ class LlmProvider(Provider):
         that reports a failure raises its ``RpcError``."""
         return True
 
-    async def stream(self, item: Item, sink: MemoryObjectSendStream[Any]) -> Outcome:
+    async def stream(self, item: Item, sink: ChunkSink) -> Outcome:
         """One streamed request; each upstream event goes to ``sink`` as it arrives. Closing
         the response (a cancelled call, a reader gone) ends the upstream stream."""
         try:

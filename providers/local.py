@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
-from anyio.streams.memory import MemoryObjectSendStream
 from pydantic import BaseModel, ConfigDict, Field
 
 from local_models.formation import GatedFormation
@@ -40,6 +39,7 @@ from multiplexer.core.errors import (
 )
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
+from multiplexer.core.sink import ChunkSink
 
 if TYPE_CHECKING:
     from local_models.pool import LocalPool
@@ -270,7 +270,7 @@ class LocalProvider(Provider):
         return await self.pool.run_rows(name, rows, finish)
 
     # -- streaming (generate models: token by token from the continuous batcher) -------------
-    async def stream(self, item: Item, sink: MemoryObjectSendStream[Any]) -> Outcome:
+    async def stream(self, item: Item, sink: ChunkSink) -> Outcome:
         """One prompt, its text sent as ``text_completion`` chunks while the engine decodes it,
         then a usage chunk. Cancelling the call takes the request out of the batch."""
         from local_models.tasks.generate import GenRequest

@@ -7,16 +7,19 @@ import os
 import subprocess
 import sys
 
+import anyio
 import httpx
 import pytest
 import respx
 
-from multiplexer.core.call import Call
-from multiplexer.core.clock import MonotonicClock
+from multiplexer.core.call import Call, Outcome
+from multiplexer.core.clock import ManualClock, MonotonicClock
 from multiplexer.core.jsonrpc import call_from
+from multiplexer.core.provider import Provider
 from multiplexer.faces.http import create_app
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
+from multiplexer.server import running
 from providers.openai import OpenAIProvider
 from tests.remote_helpers import chat_reply, embedding_reply, make_provider
 
@@ -259,3 +262,109 @@ async def test_the_lean_transports_hot_path_carries_the_traceparent_too(tmp_path
     [batch] = by_kind(exporter, SpanKind.CLIENT)
     assert f"traceparent: 00-{TRACE_ID}-{hex_id(batch.context.span_id, 16)}-01".encode() in heads[0]
     assert b"authorization: Bearer k" in heads[0] and b"content-length: " in heads[0]
+
+
+class GatedStream(Provider):
+    """A chat provider that streams two OpenAI chunks once the test opens ``gate``."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.name, self.clock = "p", clock
+        self.started, self.gate = anyio.Event(), anyio.Event()
+
+    async def execute(self, operation, items):
+        raise AssertionError("only streamed calls here")
+
+    async def stream(self, item, sink):
+        self.started.set()
+        await self.gate.wait()
+        for n, text in enumerate(("hello", " world")):
+            await sink.send({"id": "c1", "object": "chat.completion.chunk", "created": 1,
+                             "model": "gpt-x", "choices": [{"index": 0, "finish_reason": None,
+                                                            "delta": {"content": text}}]})
+            if n == 0:
+                await self.clock.advance(1.0)  # later chunks do not move the first one
+        return Outcome(result={"usage": {}})
+
+
+def ttfc(metrics_text: str, route: str) -> tuple[float, float]:
+    """(count, sum) of a route's time-to-first-chunk histogram in a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {s.name: s.value for f in text_string_to_metric_families(metrics_text)
+             for s in f.samples if s.labels.get("route") == route
+             and s.name.startswith("multiplexer_time_to_first_chunk_seconds_")}
+    return (found.get("multiplexer_time_to_first_chunk_seconds_count", 0.0),
+            found.get("multiplexer_time_to_first_chunk_seconds_sum", 0.0))
+
+
+async def test_a_streams_time_to_first_chunk_on_its_span_and_in_metrics(tmp_path, spans):
+    """Measured on the gateway's clock from admission to the first chunk: the manual clock
+    moves 0.25 s while the upstream holds its first chunk, then 1 s more before the second."""
+    import openai
+
+    tracer, exporter = spans
+    config = parse_config({
+        "store": {"path": str(tmp_path / "jobs.db")},
+        "providers": {"p": {"kind": "echo"}},
+        "routes": {"chat": {"provider": "p", "operation": "chat", "models": ["gpt-x"]}},
+    })
+    clock = ManualClock()
+    provider = GatedStream(clock)
+    gw = Gateway(config, clock=clock, providers={"p": provider}, tracer=tracer)
+    ask = [{"role": "user", "content": "q"}]
+    async with (running(config, port=0, gateway=gw) as (_, url),
+                openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as client):
+        pieces: list[str] = []
+
+        async def read() -> None:
+            stream = await client.chat.completions.create(model="gpt-x", messages=ask, stream=True)
+            pieces.extend([c.choices[0].delta.content async for c in stream])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await provider.started.wait()
+            await clock.advance(0.25)
+            provider.gate.set()
+        async with httpx.AsyncClient() as http:
+            page = (await http.get(url + "/metrics")).text
+    assert pieces == ["hello", " world"]
+    [call] = by_kind(exporter, SpanKind.SERVER)
+    assert call.name == "chat gpt-x" and call.attributes["gen_ai.request.stream"] is True
+    assert call.attributes["gen_ai.response.time_to_first_chunk"] == 0.25
+    assert ttfc(page, "chat") == (1.0, 0.25)
+
+
+async def test_every_v1_stream_records_its_first_chunk_and_whole_calls_do_not(tmp_path, spans):
+    """Chat and messages streams through the fakes (the lanes, the real providers): each span
+    has a time to first chunk within its own duration; a whole call has none."""
+    import anthropic
+    import openai
+
+    from tests.remote_helpers import fakes
+    from tests.test_v1_openai import KEY, v1_config
+
+    tracer, exporter = spans
+    ask = [{"role": "user", "content": "one two"}]
+    async with fakes() as f:
+        config = parse_config(v1_config(f, tmp_path))
+        async with (running(config, port=0, gateway=Gateway(config, tracer=tracer)) as (gw, url),
+                    openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as oai,
+                    anthropic.AsyncAnthropic(base_url=url, api_key=KEY, max_retries=0) as claude):
+            await oai.chat.completions.create(model="gpt-4o-mini", messages=ask)
+            chunks = [c async for c in await oai.chat.completions.create(
+                model="gpt-4o-mini", messages=ask, stream=True)]
+            async with claude.messages.stream(model="claude-sonnet-4-5", max_tokens=9,
+                                              messages=ask) as stream:
+                text = await stream.get_final_text()
+            page = gw.metrics.render().decode()
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text == "echo: one two"
+    calls = by_kind(exporter, SpanKind.SERVER)
+    streamed = {s.attributes["multiplexer.route"]: s for s in calls
+                if s.attributes.get("gen_ai.request.stream")}
+    [whole] = [s for s in calls if not s.attributes.get("gen_ai.request.stream")]
+    assert "gen_ai.response.time_to_first_chunk" not in whole.attributes
+    assert sorted(streamed) == ["chat", "claude"]
+    for route, span in streamed.items():
+        first = span.attributes["gen_ai.response.time_to_first_chunk"]
+        assert 0 <= first <= (span.end_time - span.start_time) / 1e9
+        assert ttfc(page, route)[0] == 1.0

@@ -49,7 +49,7 @@ def ask(text: str) -> list[dict[str, str]]:
 
 
 async def test_local_chat_whole_and_streamed_agree(lm_dir, tmp_path):
-    async with gateway(lm_dir, tmp_path) as (_, client):
+    async with gateway(lm_dir, tmp_path) as (gw, client):
         whole = await client.chat.completions.create(model="tiny-llama", messages=ask("the cat runs"),
                                                      max_tokens=10)
         assert whole.object == "chat.completion" and whole.model == "tiny-llama"
@@ -68,6 +68,9 @@ async def test_local_chat_whole_and_streamed_agree(lm_dir, tmp_path):
         assert chunks[0].choices[0].delta.role == "assistant"
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
         assert chunks[-1].usage == whole.usage
+        first_chunks = gw.metrics.registry.get_sample_value(
+            "multiplexer_time_to_first_chunk_seconds_count", {"route": "writer"})
+        assert first_chunks == 1.0  # the stream's time to first chunk; the whole call has none
 
 
 async def test_local_streams_share_the_batcher(lm_dir, tmp_path):

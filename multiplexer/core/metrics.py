@@ -29,6 +29,7 @@ def status_label(status: int) -> str:
     return str(status) if 100 <= status <= 599 else "other"
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
+_FIRST_CHUNK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
@@ -56,6 +57,11 @@ class Metrics:
         self.batch_size = Histogram(
             "multiplexer_batch_size", "Items per upstream batch", ["provider"],
             buckets=_BATCH_BUCKETS, registry=r,
+        )
+        self.time_to_first_chunk = Histogram(
+            "multiplexer_time_to_first_chunk_seconds",
+            "Streamed calls: seconds from admission to the first chunk sent back", ["route"],
+            buckets=_FIRST_CHUNK_BUCKETS, registry=r,
         )
         self.queue_depth = Gauge(
             "multiplexer_queue_depth", "Items waiting in a lane", ["provider"], registry=r

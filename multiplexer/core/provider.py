@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from anyio.streams.memory import MemoryObjectSendStream
 from pydantic import BaseModel, ConfigDict
 
 from multiplexer.core.batching import Formation
@@ -22,6 +21,7 @@ from multiplexer.core.jobs import BatchJobs
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.policy import ProviderConfig, RouteConfig
+from multiplexer.core.sink import ChunkSink
 from multiplexer.core.tracing import NOOP, Tracer
 
 
@@ -157,10 +157,10 @@ class BatchCapable(Protocol):
 STREAM = "_stream"  # item.options key: the sink of a streamed call (set by the gateway only)
 
 
-def stream_sink(item: Item) -> MemoryObjectSendStream[Any] | None:
+def stream_sink(item: Item) -> ChunkSink | None:
     """The sink a streamed item's chunks go to; type-checked, so nothing a client sends passes."""
     sink = item.options.get(STREAM)
-    return sink if isinstance(sink, MemoryObjectSendStream) else None
+    return sink if isinstance(sink, ChunkSink) else None
 
 
 @runtime_checkable
@@ -170,4 +170,4 @@ class Streamer(Protocol):
     its concurrency slot until the stream ends. The returned outcome carries the final
     ``usage`` (the provider corrects its token charge from it) or the error that ended it."""
 
-    async def stream(self, item: Item, sink: MemoryObjectSendStream[Any]) -> Outcome: ...
+    async def stream(self, item: Item, sink: ChunkSink) -> Outcome: ...

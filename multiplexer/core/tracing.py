@@ -10,7 +10,8 @@ implementation (``multiplexer/gateway/otel.py``) when the config or the standard
 - a span per upstream batch (``batch``), linked to every call that rode in it; the
   providers' upstream requests carry its ``traceparent`` (``inject``);
 - on each call, which batch it rode in (a link), the batch size, its wait in the
-  queue and whether it shared another call's execution (dedup).
+  queue and whether it shared another call's execution (dedup);
+- on a streamed call, the time from its admission to its first chunk (``first_chunk``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Tracer:
 
     def shared(self, span: Any, how: str) -> None:
         """The call shares another's execution: ``inflight`` or ``cache``."""
+
+    def first_chunk(self, span: Any, seconds: float) -> None:
+        """A streamed call's first chunk left ``seconds`` after the call was admitted."""
 
     def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
         """The call's one outcome; ``slot`` is the item it waited on (its own or a shared one)."""

@@ -27,6 +27,7 @@ from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streame
 from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.shared_quota import SharedQuotas
+from multiplexer.core.sink import ChunkSink
 from multiplexer.core.streaming import with_streams
 from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.gateway.catalog import route_tools
@@ -288,7 +289,7 @@ class Gateway:
                                    self.config.providers[route.provider].kind)
             if call.sink is not None:
                 self._streamable(resolved.name, route, provider)
-                item.options[STREAM] = call.sink
+                item.options[STREAM] = ChunkSink(call.sink, self._first_chunk(resolved.name, span))
             provider.prepare(route, item)
             if call.sink is not None:  # a stream rides alone and is never shared
                 item.group = (*item.group, "stream") if isinstance(item.group, tuple) else (
@@ -336,6 +337,19 @@ class Gateway:
             log.exception("call %s failed inside the gateway", call.method)
             self._finish(ticket, Outcome.fail(internal_error(type(e).__name__)))
         return ticket
+
+    def _first_chunk(self, route: str, span: Any) -> Callable[[], None]:
+        """What a stream admitted now does when its first chunk leaves: its time to first chunk
+        in ``/metrics`` and on its span."""
+        start = self.clock.now()
+
+        def first() -> None:
+            seconds = self.clock.now() - start
+            self.metrics.time_to_first_chunk.labels(route).observe(seconds)
+            if span is not None:
+                self.tracer.first_chunk(span, seconds)
+
+        return first
 
     @staticmethod
     def _streamable(name: str, route: RouteConfig, provider: Provider) -> None:

@@ -11,7 +11,8 @@ convention covers batching or dedup:
   ``multiplexer.batch.size``, ``multiplexer.wait_ms`` (queued before the batch left),
   ``multiplexer.dedup`` (``inflight`` or ``cache`` when it shared another call's
   execution), token usage and response ids from the result, and a link to the batch
-  span it rode in.
+  span it rode in. A streamed call adds ``gen_ai.response.time_to_first_chunk``
+  (seconds from admission to the first chunk it sent back).
 - **batch span** (CLIENT), one per upstream execution, linked to every call in it;
   the parent is the caller's span when the batch carries one call, else none (a batch
   belongs to many traces). It is current while the provider runs, so the upstream
@@ -84,6 +85,10 @@ class OtelTracer(Tracer):
 
     def shared(self, span: Any, how: str) -> None:
         span.set_attribute("multiplexer.dedup", how)
+
+    def first_chunk(self, span: Any, seconds: float) -> None:
+        if span.is_recording():  # a caller gone before the first chunk ended its span already
+            span.set_attribute("gen_ai.response.time_to_first_chunk", seconds)
 
     def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
         if slot is not None and slot.batch is not None:

@@ -1,0 +1,49 @@
+"""Where a streamed call's chunks go: the face's memory stream, behind a thin wrapper that
+notes when the first chunk leaves (its time to first chunk, on the call's span and in
+``/metrics``), so no provider has to measure it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from anyio.streams.memory import MemoryObjectSendStream
+
+
+class ChunkSink:
+    """``send`` / ``send_nowait`` / ``close`` of the face's stream; ``first`` runs once, as the
+    first chunk is handed over (before it is sent, so a reader gone still counts it)."""
+
+    __slots__ = ("_first", "_stream")
+
+    def __init__(self, stream: MemoryObjectSendStream[Any],
+                 first: Callable[[], None] | None = None) -> None:
+        self._stream = stream
+        self._first = first
+
+    def _started(self) -> None:
+        first, self._first = self._first, None
+        if first is not None:
+            first()
+
+    async def send(self, chunk: Any) -> None:
+        if self._first is not None:
+            self._started()
+        await self._stream.send(chunk)
+
+    def send_nowait(self, chunk: Any) -> None:
+        if self._first is not None:
+            self._started()
+        self._stream.send_nowait(chunk)
+
+    def close(self) -> None:
+        """The reader sees the end of the stream."""
+        self._stream.close()
+
+    def __enter__(self) -> ChunkSink:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
