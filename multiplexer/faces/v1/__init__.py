@@ -21,6 +21,15 @@ from multiplexer.faces.v1.files import (
     ListFiles,
     Upload,
 )
+from multiplexer.faces.v1.message_batches import (
+    CancelMessageBatch,
+    CreateMessageBatch,
+    DeleteMessageBatch,
+    GetMessageBatch,
+    ListMessageBatches,
+    MessageBatches,
+    MessageBatchResults,
+)
 from multiplexer.faces.v1.openai import OPENAI, ChatCompletions, Embeddings, Models
 from multiplexer.faces.v1.store import V1Store
 from multiplexer.gateway.gateway import Gateway
@@ -37,6 +46,7 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     gateway.faces["v1_batches"] = batches
     limit = gateway.config.server.max_file_bytes
     files = (v1, store, batches, limit)
+    messages = (v1, MessageBatches(batches))
     return [
         Route("/v1/chat/completions", ChatCompletions(v1), methods=["POST"]),
         Route("/v1/embeddings", Embeddings(v1), methods=["POST"]),
@@ -52,4 +62,13 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
         Route("/v1/batches", ListBatches(*files), methods=["GET"]),
         Route("/v1/batches/{batch_id}", GetBatch(*files), methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", CancelBatch(*files), methods=["POST"]),
+        Route("/v1/messages/batches", CreateMessageBatch(*messages), methods=["POST"]),
+        Route("/v1/messages/batches", ListMessageBatches(*messages), methods=["GET"]),
+        Route("/v1/messages/batches/{batch_id}", GetMessageBatch(*messages), methods=["GET"]),
+        Route("/v1/messages/batches/{batch_id}", DeleteMessageBatch(*messages),
+              methods=["DELETE"]),
+        Route("/v1/messages/batches/{batch_id}/cancel", CancelMessageBatch(*messages),
+              methods=["POST"]),
+        Route("/v1/messages/batches/{batch_id}/results", MessageBatchResults(*messages),
+              methods=["GET"]),
     ]

@@ -18,10 +18,16 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           529: "overloaded_error"}
 
 
+_KINDS = {*_TYPES.values(), "api_error", "billing_error", "timeout_error"}
+
+
 def anthropic_error(status: int, error: RpcError, param: str | None,
                     code: str | None) -> dict[str, Any]:
-    """``{"type": "error", "error": {type, message}}``, the body and the ``error`` event alike."""
-    kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    """``{"type": "error", "error": {type, message}}``, the body and the ``error`` event alike;
+    an upstream Anthropic error keeps its own type (a message batch's errored result has no
+    status to tell it)."""
+    kind = code if code in _KINDS else _TYPES.get(
+        status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message_of(error)}}
 
 

@@ -1,4 +1,5 @@
-"""OpenAI's Batch API on the gateway's job system.
+"""OpenAI's Batch API (and, through ``open``, Anthropic's Message Batches) on the gateway's
+job system.
 
 A batch's input file holds one request per line. Lines whose route is on a provider with a
 batch API become one job (``jobs.submit``, the provider's own batch API underneath); the other
@@ -13,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -22,7 +24,7 @@ from multiplexer.core.errors import Code, RpcError, internal_error, invalid_para
 from multiplexer.core.provider import BatchCapable
 from multiplexer.faces.v1.common import V1, HttpError, Surface, http_error
 from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, plan
-from multiplexer.faces.v1.store import BatchRecord, V1Store, new_id, now
+from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
 
 log = logging.getLogger(__name__)
 ENDED = ("completed", "failed", "cancelled")
@@ -84,6 +86,18 @@ def error_entry(surface: Surface, error: RpcError) -> dict[str, Any]:
     return {"status": e.status, "body": surface.error_body(e.status, e.error, e.param, e.code)}
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a batch stands, whatever API shows it: counts, not results (a poll must not page
+    through 50,000 answers)."""
+
+    status: str  # in_progress, cancelling, completed, cancelled, failed (its input was invalid)
+    succeeded: int
+    failed: int
+    ended: bool
+    stamp: int  # when ``status`` was first seen
+
+
 class Batches:
     def __init__(self, v1: V1, store: V1Store, surfaces: dict[str, Surface]) -> None:
         self.v1 = v1
@@ -110,14 +124,20 @@ class Batches:
             raise HttpError(404, RpcError(Code.NOT_FOUND, f"No such file: {file_id!r}"),
                             param="input_file_id")
         lines, errors = parse_lines(await self.store.content(record_file), endpoint)
-        record = BatchRecord(new_id("batch_"), identity, endpoint, file_id, window, now(), metadata,
+        record = BatchRecord(new_batch_id("batch_"), identity, endpoint, file_id, window, now(), metadata,
                              [cid for cid, _ in lines])
         if errors:
             record.errors = errors[:100]
             await self.store.save_batch(record)
             return record
+        return await self.open(record, [body for _, body in lines])
+
+    async def open(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> BatchRecord:
+        """Send a new batch's lines on their way (``bodies`` in ``record.custom_ids`` order):
+        those for a provider with a batch API as one job, the rest through the lanes."""
+        endpoint, identity = record.endpoint, record.owner
         job_calls = []
-        for n, (_, line) in enumerate(lines):
+        for n, line in enumerate(bodies):
             try:
                 name, params, _ = plan(self.v1, endpoint, line)
             except HttpError as e:
@@ -138,7 +158,7 @@ class Batches:
             record.job_id = outcome.result["job_id"]
         await self.store.save_batch(record)
         if record.lane_lines:
-            self.start(record, [body for _, body in lines])
+            self.start(record, bodies)
         return record
 
     # -- lane lines ---------------------------------------------------------------------------
@@ -208,18 +228,35 @@ class Batches:
         for record in await self.store.batches(everyone=True):
             unfinished = [n for n in record.lane_lines if str(n) not in record.lane_results]
             if unfinished and record.cancelled_at is None and not record.errors:
-                found = await self.store.file(record.input_file_id, record.owner)
-                if found is None:
-                    continue
-                lines, _ = parse_lines(await self.store.content(found), record.endpoint)
-                self.start(record, [body for _, body in lines])
+                bodies = await self._bodies(record)
+                if bodies is not None:
+                    self.start(record, bodies)
+
+    async def _bodies(self, record: BatchRecord) -> list[dict[str, Any]] | None:
+        """A batch's request bodies, in line order: its input file's, or a message batch's
+        kept requests; None when they are gone (the owner deleted the file)."""
+        if record.kind == "anthropic":
+            raw = await self.store.requests(record.id)
+            return None if raw is None else json.loads(raw)
+        found = await self.store.file(record.input_file_id, record.owner)
+        if found is None:
+            return None
+        lines, _ = parse_lines(await self.store.content(found), record.endpoint)
+        return [body for _, body in lines]
 
     # -- reading -------------------------------------------------------------------------------
-    async def get(self, batch_id: str, identity: str | None) -> BatchRecord | None:
+    async def get(self, batch_id: str, identity: str | None,
+                  kind: str = "openai") -> BatchRecord | None:
+        """The batch, if ``identity`` owns it and it is of the API asking (``kind``)."""
         live = self.live.get(batch_id)
-        if live is not None:
-            return live[0] if live[0].owner == identity else None
-        return await self.store.batch(batch_id, identity)
+        record = live[0] if live is not None else await self.store.batch(batch_id, identity)
+        return record if record is not None and record.owner == identity and (
+            record.kind == kind) else None
+
+    async def mine(self, identity: str | None, kind: str) -> list[BatchRecord]:
+        """The key's batches of one API, newest first (a running one as it is in memory)."""
+        return [self.live[r.id][0] if r.id in self.live else r
+                for r in await self.store.batches(identity) if r.kind == kind]
 
     async def purge(self, retention_s: float, at: float | None = None) -> list[str]:
         """Forget the batches that ended more than ``retention_s`` before ``at`` (default now),
@@ -230,7 +267,7 @@ class Batches:
             if record.id in self.live:
                 continue
             try:
-                status = (await self.wire(record))["status"]
+                status = (await self.progress(record)).status
             except HttpError:
                 continue  # asked again on the next sweep
             stamp = record.ended.get(status)
@@ -256,6 +293,16 @@ class Batches:
             live[1].cancel()
         await self.store.save_batch(record)
 
+    async def delete(self, record: BatchRecord) -> None:
+        """Forget an ended batch now, and its job with its results (``jobs.delete``)."""
+        if record.job_id is not None:
+            outcome = await self.gateway.submit(Call("jobs.delete", {"job_id": record.job_id},
+                                                     identity=record.owner))
+            if outcome.error is not None and outcome.error.code != Code.NOT_FOUND:
+                log.warning("batch %s: its job %s stays until store.retention_s (%s)", record.id,
+                            record.job_id, outcome.error.message)
+        await self.store.delete_batch(record.id)
+
     async def _job(self, record: BatchRecord, method: str, **params: Any) -> Any:
         """A ``jobs.*`` answer for the batch's job; None once the job is gone (deleted after
         ``store.retention_s``): its lines then count as ended without results."""
@@ -268,7 +315,9 @@ class Batches:
         return outcome.result
 
     async def entries(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
-        """Line -> {status, body} for every finished line (lines still running are absent)."""
+        """Line -> {status, body} for every finished line (lines still running are absent, and
+        so are those a cancel stopped); a line whose remote batch expired, or was cancelled
+        upstream, says so (``expired`` / ``canceled``: true)."""
         out: dict[int, dict[str, Any]] = {int(k): v for k, v in record.early.items()}
         out.update({int(k): v for k, v in record.lane_results.items()})
         if record.job_id is None:
@@ -288,12 +337,16 @@ class Batches:
                     if error.code == Code.CANCELLED and record.cancelled_at is not None:
                         continue  # never ran: the error file says the batch was cancelled
                     out[n] = error_entry(surface, error)
+                    if error.code == Code.CANCELLED:
+                        out[n]["canceled"] = True
+                    elif (error.data or {}).get("expired"):
+                        out[n]["expired"] = True
             cursor = page["next_cursor"]
         return out
 
-    async def wire(self, record: BatchRecord) -> dict[str, Any]:
-        """The batch as OpenAI's ``batch`` object."""
-        total = len(record.custom_ids)
+    async def progress(self, record: BatchRecord) -> Progress:
+        """Counts and status from the record and its job's status; an end, when first seen,
+        is stamped and saved."""
         if record.errors:
             status, completed, failed, ended = "failed", 0, 0, True
         else:
@@ -320,6 +373,13 @@ class Batches:
             stamp = record.ended[status] = now()
             if status in ENDED and record.id not in self.live:
                 await self.store.save_batch(record)  # the end time stays what it first was
+        return Progress(status, completed, failed, ended, stamp)
+
+    async def wire(self, record: BatchRecord) -> dict[str, Any]:
+        """The batch as OpenAI's ``batch`` object."""
+        total = len(record.custom_ids)
+        p = await self.progress(record)
+        status, completed, failed, ended, stamp = p.status, p.succeeded, p.failed, p.ended, p.stamp
         out: dict[str, Any] = {
             "id": record.id, "object": "batch", "endpoint": record.endpoint,
             "errors": {"object": "list", "data": record.errors} if record.errors else None,

@@ -176,13 +176,13 @@ class ListBatches(FilesEndpoint):
         if not 1 <= limit <= 100:
             raise HttpError(400, invalid_params("limit must be an integer from 1 to 100"),
                             param="limit")
-        records = await self.batches.store.batches(identity)
+        records = await self.batches.mine(identity, "openai")
         after = query.get("after")
         if after is not None:
             ids = [r.id for r in records]
             records = records[ids.index(after) + 1:] if after in ids else []
         page = records[:limit]
-        data = [await self.batches.wire(await self.batches.get(r.id, identity) or r) for r in page]
+        data = [await self.batches.wire(r) for r in page]
         await send_json(send, 200, {
             "object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}, headers)

@@ -1,8 +1,10 @@
-"""Durable files and batch records for OpenAI's Files and Batch API, next to the job store.
+"""Durable files and batch records for OpenAI's Files and Batch API and Anthropic's Message
+Batches, next to the job store.
 
 Uploaded files are kept as they came, with a small JSON record each; a batch's record says
 where each input line went (a job on a provider's batch API, or the lanes) and holds the
-lane lines' results as they finish, so a restarted gateway still answers for both.
+lane lines' results as they finish, so a restarted gateway still answers for both. A message
+batch's requests come inline: they are kept as ``files/<batch id>``, seen by no files listing.
 Everything belongs to the key that created it: another key gets "not found".
 """
 
@@ -52,10 +54,26 @@ class BatchRecord:
     errors: list[dict[str, Any]] | None = None  # validation errors: the batch failed
     cancelled_at: int | None = None
     ended: dict[str, int] = field(default_factory=dict)  # status -> when it was first seen
+    kind: str = "openai"  # or "anthropic": a Message Batch (id msgbatch_..., requests inline)
+    counts: dict[str, int] | None = None  # a message batch's final request counts, once ended
+
+
+BATCH_PREFIXES = ("batch_", "msgbatch_")
 
 
 def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
+
+
+_last_ns = 0
+
+
+def new_batch_id(prefix: str) -> str:
+    """Unguessable, and in creation order (as Anthropic's are): listings sort by (created_at,
+    id), and batches made within one second must still come newest first."""
+    global _last_ns
+    _last_ns = max(time.time_ns(), _last_ns + 1)
+    return f"{prefix}{_last_ns:016x}{secrets.token_hex(8)}"
 
 
 def now() -> int:
@@ -113,10 +131,28 @@ class V1Store:
         await anyio.to_thread.run_sync(self._write, record.id, asdict(record))
 
     async def delete_batch(self, batch_id: str) -> None:
-        await anyio.to_thread.run_sync((self.root / f"{batch_id}.json").unlink, True)
+        def remove() -> None:
+            (self.root / f"{batch_id}.json").unlink(missing_ok=True)
+            (self.files / batch_id).unlink(missing_ok=True)  # a message batch's requests
+
+        await anyio.to_thread.run_sync(remove)
+
+    async def put_requests(self, batch_id: str, content: bytes) -> None:
+        """A message batch's inline requests, kept for a restarted gateway's lane lines."""
+        def write() -> None:
+            self._open()
+            (self.files / batch_id).write_bytes(content)
+
+        await anyio.to_thread.run_sync(write)
+
+    async def requests(self, batch_id: str) -> bytes | None:
+        try:
+            return await anyio.to_thread.run_sync((self.files / batch_id).read_bytes)
+        except FileNotFoundError:
+            return None
 
     async def batch(self, batch_id: str, owner: str | None) -> BatchRecord | None:
-        data = await anyio.to_thread.run_sync(self._read, batch_id, "batch_")
+        data = await anyio.to_thread.run_sync(self._read, batch_id, BATCH_PREFIXES)
         record = BatchRecord(**data) if data else None
         return record if record is not None and record.owner == owner else None
 
@@ -125,7 +161,7 @@ class V1Store:
             if not self.root.is_dir():
                 return []
             out = []
-            for path in self.root.glob("batch_*.json"):
+            for path in [*self.root.glob("batch_*.json"), *self.root.glob("msgbatch_*.json")]:
                 record = BatchRecord(**json.loads(path.read_text()))
                 if everyone or record.owner == owner:
                     out.append(record)
@@ -140,7 +176,7 @@ class V1Store:
         tmp.write_text(json.dumps(data, separators=(",", ":")))
         os.replace(tmp, self.root / f"{name}.json")
 
-    def _read(self, name: str, prefix: str) -> dict[str, Any] | None:
+    def _read(self, name: str, prefix: str | tuple[str, ...]) -> dict[str, Any] | None:
         bare = name.replace("-", "").replace("_", "")
         if not name.startswith(prefix) or not (bare.isascii() and bare.isalnum()):
             return None  # ids are ours: nothing else may name a path
