@@ -17,6 +17,7 @@ from multiplexer.faces.auth import Authenticator, is_loopback
 from multiplexer.faces.http import create_app
 from multiplexer.faces.jobs import attach_jobs
 from multiplexer.faces.mcp.http import mount_mcp
+from multiplexer.faces.server_protocol import GatewayHttpProtocol
 from multiplexer.faces.v1 import v1_routes
 from multiplexer.gateway.config import Config, ConfigError
 from multiplexer.gateway.gateway import Gateway
@@ -55,8 +56,11 @@ class EmbeddedServer(uvicorn.Server):
 async def serve_asgi(app: Any, sock: socket.socket, *, lifespan: bool = False) -> AsyncIterator[str]:
     """Serve an ASGI app on a bound socket until the block exits; yields the base URL."""
     host, port = sock.getsockname()[:2]
+    # Our protocol (uvicorn's, plus a disconnect hook per request); no proxy-header rewriting:
+    # the gateway never reads the client address, and the middleware cost CPU on every request.
     uconf = uvicorn.Config(app, log_level="warning", lifespan="on" if lifespan else "off",
-                           access_log=False, timeout_graceful_shutdown=5)
+                           access_log=False, timeout_graceful_shutdown=5,
+                           http=GatewayHttpProtocol, proxy_headers=False)
     server = EmbeddedServer(uconf)
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.run_until_exit, [sock])

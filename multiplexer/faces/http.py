@@ -6,7 +6,6 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,6 +17,7 @@ from multiplexer.core.jsonrpc import dumps, error_response
 from multiplexer.core.tracing import http_trace
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
+from multiplexer.faces.disconnect import cancelled_on_disconnect
 from multiplexer.faces.rpc import handle_body
 from multiplexer.gateway.gateway import Gateway
 
@@ -61,7 +61,7 @@ class RpcEndpoint:
         except ClientGone:
             return
         trace = http_trace(headers) if self.gateway.tracer.enabled else None
-        reply = await self._run(receive, body, identity, trace)
+        reply = await self._run(scope, receive, body, identity, trace)
         if reply is None:
             await send({"type": "http.response.start", "status": 204, "headers": []})
             await send({"type": "http.response.body", "body": b""})
@@ -72,20 +72,12 @@ class RpcEndpoint:
         ]})
         await send({"type": "http.response.body", "body": reply})
 
-    async def _run(self, receive: Receive, body: bytes, identity: str | None,
+    async def _run(self, scope: Scope, receive: Receive, body: bytes, identity: str | None,
                    trace: dict[str, str] | None) -> bytes | None:
         """Run the calls; if the client goes away first, cancel them (and so their upstream work)."""
         reply: bytes | None = None
-
-        async def watch(scope: anyio.CancelScope) -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch, tg.cancel_scope)
+        async with cancelled_on_disconnect(scope, receive):
             reply = await handle_body(self.gateway, body, identity, trace)
-            tg.cancel_scope.cancel()
         return reply
 
 

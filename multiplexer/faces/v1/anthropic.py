@@ -45,5 +45,5 @@ class Messages(Endpoint):
         if not stream_flag(body):
             await self.answer(call, send, headers)
             return
-        await self.stream(call, receive, send, headers, named_event,
+        await self.stream(call, scope, receive, send, headers, named_event,
                           lambda e: anthropic_error(e.status, e.error, e.param, e.code))

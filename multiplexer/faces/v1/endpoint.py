@@ -63,7 +63,7 @@ class Endpoint:
         result = outcome.result if shape is None else shape(outcome.result)
         await send_json(send, 200, result, headers)
 
-    async def stream(self, call: Call, receive: Receive, send: Send,
+    async def stream(self, call: Call, scope: Scope, receive: Receive, send: Send,
                      headers: list[tuple[bytes, bytes]], encode: Encode,
                      error_body: Any, tail: bytes = b"") -> None:
         def error_event(e: HttpError) -> bytes:
@@ -73,7 +73,7 @@ class Endpoint:
         if route.timeout_ms is None and call.timeout_ms is None:
             call.timeout_ms = STREAM_TIMEOUT_MS
 
-        await stream_call(self.v1.submit, call, receive, send,
+        await stream_call(self.v1.submit, call, scope, receive, send,
                           lambda: headers + self.v1.quota_headers(call.identity), self.surface,
                           encode=encode, error_event=error_event, tail=tail)
 

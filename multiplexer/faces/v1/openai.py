@@ -44,7 +44,7 @@ class ChatCompletions(Endpoint):
             await self.answer(call, send, headers, shape)
             return
         encode = chunk_encoder(body) if shape is not None else data_event
-        await self.stream(call, receive, send, headers, encode, lambda e: openai_error(
+        await self.stream(call, scope, receive, send, headers, encode, lambda e: openai_error(
             e.status, e.error, e.param, e.code), tail=DONE)
 
 

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from starlette.types import Receive, Send
+from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call, Outcome
+from multiplexer.faces.disconnect import cancelled_on_disconnect
 from multiplexer.faces.v1.common import HttpError, Surface, http_error
 
 Encode = Callable[[dict[str, Any]], bytes]
@@ -24,7 +25,8 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-async def stream_call(submit: Callable[[Call], Any], call: Call, receive: Receive, send: Send,
+async def stream_call(submit: Callable[[Call], Any], call: Call, scope: Scope, receive: Receive,
+                      send: Send,
                       headers: Callable[[], list[tuple[bytes, bytes]]], surface: Surface, *,
                       encode: Encode, error_event: Callable[[HttpError], bytes],
                       tail: bytes = b"") -> None:
@@ -46,20 +48,13 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, receive: Receiv
                 await send({"type": "http.response.body", "body": encode(chunk), "more_body": True})
         forwarded.set()
 
-    async def watch(scope: anyio.CancelScope) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        scope.cancel()  # cancels the call: the gateway withdraws it, the lane stops the stream
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch, tg.cancel_scope)
+    async with cancelled_on_disconnect(scope, receive), anyio.create_task_group() as tg:
         tg.start_soon(forward)
         try:  # the call runs in this task: it reaches the lane without waiting for a task start
             outcome.append(await submit(call))
         finally:
             sink.close()  # refused calls never reach the provider, which closes it otherwise
         await forwarded.wait()
-        tg.cancel_scope.cancel()  # done: stop watching for a disconnect
     if not outcome:
         return  # the client went away; the call was cancelled with it
     result = outcome[0]
