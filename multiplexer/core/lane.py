@@ -26,6 +26,24 @@ log = logging.getLogger(__name__)
 Execute = Callable[[str, Sequence[Item]], Awaitable[list[Outcome]]]
 
 
+class _Worker:
+    """A parked lane worker: the next batch is handed to it, or None to end."""
+
+    __slots__ = ("batch", "ready")
+
+    def __init__(self) -> None:
+        self.batch: list[Pending] | None = None
+        self.ready = anyio.Event()
+
+    def hand(self, batch: list[Pending] | None) -> None:
+        self.batch = batch
+        self.ready.set()
+
+    async def next(self) -> list[Pending] | None:
+        await self.ready.wait()
+        return self.batch
+
+
 class Lane:
     def __init__(
         self,
@@ -62,6 +80,7 @@ class Lane:
         self._scopes: dict[int, tuple[anyio.CancelScope, list[Pending]]] = {}
         self._batch_ids = 0
         self._tg: anyio.abc.TaskGroup | None = None
+        self._idle: list[_Worker] = []  # workers parked between batches
         self._avg_batch_s = 0.0  # moving averages of batch duration and size, for retry_after
         self._avg_size = 1.0
 
@@ -127,6 +146,7 @@ class Lane:
                     self._wake = anyio.Event()
                     deadline = self._step(tg)
                     if self._closing and not len(self.queue) and not self.in_flight:
+                        self._release_idle()
                         return
                     if deadline != 0.0:
                         await self.clock.wait_event(
@@ -153,8 +173,27 @@ class Lane:
             batch = self.queue.take(group, decision.take)
             self._gauge()
             self.in_flight += 1
-            tg.start_soon(self._dispatch, batch)
+            if self._idle:
+                self._idle.pop().hand(batch)
+            else:
+                tg.start_soon(self._work, batch)
         return math.inf
+
+    async def _work(self, batch: list[Pending] | None) -> None:
+        """Run batches until the lane ends: a worker parks between batches, since starting
+        a task costs more CPU (~40 us with anyio) than a small upstream call's whole client side."""
+        while batch is not None:
+            await self._dispatch(batch)
+            if self._closing and not len(self.queue):
+                return
+            worker = _Worker()
+            self._idle.append(worker)
+            batch = await worker.next()
+
+    def _release_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.hand(None)
 
     async def _dispatch(self, batch: list[Pending]) -> None:
         self._batch_ids += 1
