@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.gather import gather
+from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import code_label
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
@@ -132,6 +133,7 @@ class McpProvider(Provider):
 
     async def _one(self, item: Item) -> Outcome:
         progress = item.options.get("progress")
+        log = item.options.get("log")
         timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
         self._sent.inc()
         try:
@@ -139,6 +141,7 @@ class McpProvider(Provider):
                 item.method, item.params, timeout_s=timeout,
                 progress=progress if callable(progress) else None,
                 retry_safe=bool(item.options.get(_RETRY_SAFE)),
+                log=log if isinstance(log, LogFanout) and self.settings.forward_logs else None,
             )
         except RpcError as e:
             self.ctx.metrics.upstream_errors.labels(self.name, code_label(e.code)).inc()

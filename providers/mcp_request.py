@@ -15,11 +15,14 @@ import anyio
 import mcp_types as types
 from mcp import Client, MCPError
 from mcp_types.methods import parse_server_result
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import TypeAdapter, ValidationError
 
 from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, timeout_error, upstream_error, upstream_unavailable
+from multiplexer.core.logs import LogFanout
 
+from .mcp_logs import CURRENT, LogRoute
 from .mcp_transport import McpSettings
 
 UNSUPPORTED_PROTOCOL_VERSION = -32022  # 2026-07-28: the request's revision is not served (never ran)
@@ -74,6 +77,10 @@ class Link(Protocol):
         """Probe the upstream's protocol era again on the next connection."""
         ...
 
+    async def ask_logs(self, client: Client, generation: int, level: str) -> None:
+        """Have a handshake-era connection log at ``level`` or more verbosely (``logging/setLevel``)."""
+        ...
+
 
 class Requester:
     """Sends requests on the supervisor's live connection, with deadlines from the gateway's clock."""
@@ -98,8 +105,46 @@ class Requester:
         return (await self._send(request, result_type, timeout_s=timeout_s, progress=progress,
                                  retry_safe=retry_safe))[0]
 
+    async def _asking_for_logs(self, request: types.Request[Any, Any], log: LogFanout | None, client: Client,
+                               generation: int) -> tuple[types.Request[Any, Any], LogRoute | None]:
+        """The request as sent when callers want its log messages, and the route they take back.
+
+        A 2026-07-28 upstream takes the level on the request (``_meta`` logLevel); a
+        handshake-era one per connection (``logging/setLevel``), filtered per caller here.
+        """
+        level = log.level if log is not None else None
+        if log is None or level is None:
+            return request, None
+        if client.protocol_version in MODERN_PROTOCOL_VERSIONS:
+            params = request.params
+            assert isinstance(params, types.RequestParams)
+            meta = {**(params.meta or {}), types.LOG_LEVEL_META_KEY: level}
+            request = request.model_copy(update={"params": params.model_copy(update={"meta": meta})})
+        else:
+            await self.session.ask_logs(client, generation, level)
+        return request, LogRoute(log)
+
+    async def _on_wire(self, client: Client, request: types.Request[Any, Any],
+                       result_type: type[R] | TypeAdapter[R], deadline: float, progress: Progress | None,
+                       route: LogRoute | None) -> R:
+        clock = self.session.clock
+
+        async def send() -> R:
+            return await client.session.send_request(
+                request, result_type, request_read_timeout_seconds=max(deadline - clock.now(), 0.001),
+                progress_callback=progress)
+
+        if route is None:
+            return await send()
+        token = CURRENT.set(route)  # the transport tells this request's log messages by it
+        try:
+            return await route.around(send)
+        finally:
+            CURRENT.reset(token)
+
     async def _send(self, request: types.Request[Any, Any], result_type: type[R] | TypeAdapter[R], *,
-                    timeout_s: float | None, progress: Progress | None, retry_safe: bool) -> tuple[R, str]:
+                    timeout_s: float | None, progress: Progress | None, retry_safe: bool,
+                    log: LogFanout | None = None) -> tuple[R, str]:
         """The result, and the protocol revision of the connection that answered it."""
         session = self.session
         name, clock = session.name, session.clock
@@ -110,11 +155,8 @@ class Requester:
             wait = min(deadline - clock.now(), session.settings.connect_timeout_ms / 1000)
             client, generation, ended = await session.acquire(wait)
             try:
-                result = await client.session.send_request(
-                    request, result_type,
-                    request_read_timeout_seconds=max(deadline - clock.now(), 0.001),
-                    progress_callback=progress,
-                )
+                sent, route = await self._asking_for_logs(request, log, client, generation)
+                result = await self._on_wire(client, sent, result_type, deadline, progress, route)
                 return result, client.protocol_version
             except ValidationError as e:
                 raise upstream_error(name, f"invalid {request.method} result: {describe(e)}") from None
@@ -138,7 +180,8 @@ class Requester:
         raise AssertionError("unreachable")
 
     async def typed(self, request: types.Request[Any, Any], *, timeout_s: float | None = None,
-                    progress: Progress | None = None, retry_safe: bool = True) -> dict[str, Any]:
+                    progress: Progress | None = None, retry_safe: bool = True,
+                    log: LogFanout | None = None) -> dict[str, Any]:
         """A ``tools/call``, ``resources/read`` or ``prompts/get`` result, era-free, as a wire dict.
 
         The reply is checked against the revision the upstream spoke and parsed into the
@@ -146,7 +189,7 @@ class Requester:
         typed result that it writes in the client's revision, whichever that is.
         """
         raw, version = await self._send(request, _RAW_RESULT, timeout_s=timeout_s, progress=progress,
-                                        retry_safe=retry_safe)
+                                        retry_safe=retry_safe, log=log)
         try:
             parsed = parse_server_result(request.method, version, raw)
         except (ValidationError, KeyError, ValueError) as e:
@@ -159,10 +202,13 @@ class Requester:
                                              exclude={"result_type"}))
 
     async def call(self, tool: str, arguments: dict[str, Any] | None, *, timeout_s: float | None,
-                   progress: Progress | None, retry_safe: bool) -> dict[str, Any]:
-        """The upstream's ``CallToolResult`` as an era-free wire dict, or an ``RpcError``."""
+                   progress: Progress | None, retry_safe: bool,
+                   log: LogFanout | None = None) -> dict[str, Any]:
+        """The upstream's ``CallToolResult`` as an era-free wire dict, or an ``RpcError``; its log
+        messages go to ``log`` (``mcp_logs``)."""
         request = types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
-        return await self.typed(request, timeout_s=timeout_s, progress=progress, retry_safe=retry_safe)
+        return await self.typed(request, timeout_s=timeout_s, progress=progress, retry_safe=retry_safe,
+                                log=log)
 
     async def read_resource(self, uri: str) -> dict[str, Any]:
         """The upstream's ``ReadResourceResult`` (a read is safe to repeat)."""

@@ -26,9 +26,11 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from multiplexer.core.clock import Clock
 from multiplexer.core.errors import upstream_unavailable
+from multiplexer.core.logs import rank
 from multiplexer.core.version import VERSION as __version__
 
 from .mcp_listing import ToolList
+from .mcp_logs import LogRouter
 from .mcp_request import describe
 from .mcp_transport import McpSettings, open_transport, watched
 
@@ -59,6 +61,8 @@ class UpstreamSession:
         self.probes = 0  # connections opened by probing the era (not from the cached one)
         self.capabilities: types.ServerCapabilities | None = None  # of the last connection
         self.attempted = anyio.Event()  # the first connection attempt has finished, either way
+        self._log_level: tuple[int, str] | None = None  # (generation, level) a handshake connection logs at
+        self._log_lock = anyio.Lock()
         self._client: Client | None = None
         self._attempt_end = anyio.Event()  # replaced after each connection attempt ends
         self._kick = anyio.Event()  # a waiting call asks for a reconnect now, not after the backoff
@@ -132,8 +136,9 @@ class UpstreamSession:
     async def _serve_connection(self) -> None:
         ended = self._ended = anyio.Event()
         mode, prior = self._mode()
+        router = LogRouter(self.on_event) if self.settings.forward_logs else None
         client = Client(
-            watched(open_transport(self.settings, self.call_timeout_s), self._end_hook(ended)),
+            watched(open_transport(self.settings, self.call_timeout_s), self._end_hook(ended), router),
             mode=mode,
             prior_discover=prior,
             cache=None,
@@ -147,6 +152,8 @@ class UpstreamSession:
         try:
             async with client:
                 self.era = self.protocol_version = client.protocol_version
+                if router is not None:
+                    router.modern = client.protocol_version in MODERN_PROTOCOL_VERSIONS
                 self._discovered = client.session.discover_result
                 self.capabilities = client.server_capabilities
                 await self.tool_list.refresh(client)
@@ -253,6 +260,26 @@ class UpstreamSession:
                     self._kick.set()
                 await self._attempt_end.wait()
         raise upstream_unavailable(self.name, f"not connected ({self.last_error or 'connecting'})")
+
+    async def ask_logs(self, client: Client, generation: int, level: str) -> None:
+        """A handshake-era upstream logs at one level per connection: make it at least as verbose
+        as ``level`` (the gateway filters per caller). Only where it offers ``logging/setLevel``;
+        one that does not sends what it sends. Asked once per connection and level, not per call."""
+        caps = client.server_capabilities
+        if caps is None or caps.logging is None:
+            return
+        async with self._log_lock:  # two calls asking at once must not leave the less verbose level
+            held = self._log_level
+            if held is not None and held[0] == generation and rank(held[1]) <= rank(level):
+                return
+            request = types.SetLevelRequest(params=types.SetLevelRequestParams(level=level))  # type: ignore[arg-type]
+            wait_s = self.settings.connect_timeout_ms / 1000
+            try:
+                await client.session.send_request(request, types.EmptyResult,
+                                                  request_read_timeout_seconds=wait_s)
+            except MCPError as e:
+                log.info("mcp upstream %s: logging/setLevel %s refused: %s", self.name, level, e.message)
+            self._log_level = (generation, level)
 
     def offers(self, capability: Literal["resources", "prompts"]) -> bool:
         """Whether the upstream advertised it; unknown until the first connection, so ask then."""

@@ -20,6 +20,8 @@ from mcp import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .mcp_logs import LogRouter
+
 _PYTHON_ALIASES = {"python", "python3"}
 
 
@@ -41,6 +43,8 @@ class McpSettings(BaseModel):
     restart_backoff_ms: float = Field(default=100, ge=0)
     max_backoff_ms: float = Field(default=10_000, ge=0)
     connect_timeout_ms: float = Field(default=15_000, gt=0)
+    # Relay the upstream's log messages (notifications/message) to the callers that asked.
+    forward_logs: bool = True
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpSettings:
@@ -83,11 +87,13 @@ def open_transport(settings: McpSettings, read_timeout_s: float) -> AbstractAsyn
 
 
 class WatchedReadStream:
-    """A read stream that calls ``on_end`` when the transport's read side ends for any reason."""
+    """A read stream that calls ``on_end`` when the transport's read side ends for any reason,
+    and shows the ``LogRouter`` every message in wire order."""
 
-    def __init__(self, inner: Any, on_end: Callable[[], None]) -> None:
+    def __init__(self, inner: Any, on_end: Callable[[], None], router: LogRouter | None = None) -> None:
         self._inner = inner
         self._on_end = on_end
+        self._router = router
 
     @property
     def last_context(self) -> Any:
@@ -95,10 +101,13 @@ class WatchedReadStream:
 
     async def receive(self) -> Any:
         try:
-            return await self._inner.receive()
+            item = await self._inner.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._on_end()
             raise
+        if self._router is not None:
+            self._router.received(item, self.last_context)
+        return item
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -120,9 +129,33 @@ class WatchedReadStream:
         await self.aclose()
 
 
+class RoutedWriteStream:
+    """A write stream that shows the ``LogRouter`` each message, in the task that sends it."""
+
+    def __init__(self, inner: Any, router: LogRouter) -> None:
+        self._inner = inner
+        self._router = router
+
+    async def send(self, item: Any, /) -> None:
+        self._router.sent(item)
+        await self._inner.send(item)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def __aenter__(self) -> RoutedWriteStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+
 @asynccontextmanager
-async def watched(transport: AbstractAsyncContextManager[Any],
-                  on_end: Callable[[], None]) -> AsyncIterator[Any]:
-    """Wrap a transport so its end is observable; pass the result to ``mcp.Client``."""
+async def watched(transport: AbstractAsyncContextManager[Any], on_end: Callable[[], None],
+                  router: LogRouter | None = None) -> AsyncIterator[Any]:
+    """Wrap a transport so its end is observable and its log messages find their calls; pass the
+    result to ``mcp.Client``."""
     async with transport as (read_stream, write_stream):
-        yield WatchedReadStream(read_stream, on_end), write_stream
+        write = RoutedWriteStream(write_stream, router) if router is not None else write_stream
+        yield WatchedReadStream(read_stream, on_end, router), write

@@ -99,6 +99,49 @@ def counts() -> dict[str, int]:
     return dict(SLEEPS)
 
 
+LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
+SET_LEVEL: dict[str, str] = {}  # mcp 1.x: what logging/setLevel last asked for (2.x: per request)
+
+if MAJOR == "1":  # a handshake-era server that offers logging/setLevel and honours it
+    @server._mcp_server.set_logging_level()  # type: ignore[attr-defined,misc]
+    async def set_level(level: str) -> None:
+        SET_LEVEL["level"] = level
+
+
+def asked_level(ctx: Any) -> str:
+    """The level this call was asked to log at: its request's ``_meta`` (2026-07-28) or the
+    session's ``logging/setLevel`` (handshake eras); "none" when nobody asked."""
+    meta = getattr(ctx.request_context, "meta", None)
+    if isinstance(meta, dict) and meta.get("io.modelcontextprotocol/logLevel"):
+        return str(meta["io.modelcontextprotocol/logLevel"])
+    return SET_LEVEL.get("level", "none")
+
+
+async def log_at(ctx: Any, level: str, text: str) -> None:
+    """``ctx.log`` where the level is asked for; 2.x filters per request itself."""
+    floor = SET_LEVEL.get("level", "debug")
+    if LOG_LEVELS.index(level) >= LOG_LEVELS.index(floor):
+        await ctx.log(level, text, logger_name="era")
+
+
+@server.tool(description="Logs '<tag> <level>' at debug, info, warning and error; returns the level "
+                         "it was asked to log at")
+async def chatty(tag: str, ctx: Context) -> str:  # type: ignore[type-arg]
+    for level in ("debug", "info", "warning", "error"):
+        await log_at(ctx, level, f"{tag} {level}")
+    return asked_level(ctx)
+
+
+@server.tool(description="Logs '<tag> start' (info), waits until the file at path exists, logs "
+                         "'<tag> end' (warning)")
+async def held(tag: str, path: str, ctx: Context) -> str:  # type: ignore[type-arg]
+    await log_at(ctx, "info", f"{tag} start")
+    while not os.path.exists(path):
+        await anyio.sleep(0.01)
+    await log_at(ctx, "warning", f"{tag} end")
+    return tag
+
+
 @server.tool(description="Exits the process at once (a crash, for restart tests)")
 def crash() -> str:
     os._exit(1)

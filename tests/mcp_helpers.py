@@ -27,6 +27,7 @@ from multiplexer.gateway.gateway import Gateway
 MODERN = "2026-07-28"
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = str(ROOT / "examples" / "upstream_server.py")
+ERA_UPSTREAM = str(ROOT / "tests" / "era_upstream.py")
 
 
 def stdio_upstream(**extra: Any) -> dict[str, Any]:
@@ -80,6 +81,26 @@ class HttpUpstream:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class EraServer:
+    """``tests/era_upstream.py --http`` on one port, restartable on either SDK major."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self, python: str) -> None:
+        self.stop()
+        self.proc = subprocess.Popen([python, ERA_UPSTREAM, "--http", "--port", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await wait_listening(self.port, self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @asynccontextmanager

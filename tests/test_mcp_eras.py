@@ -9,7 +9,6 @@ for that revision.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,20 +28,18 @@ from multiplexer.server import bind, running, serve_asgi
 from tests.era_upstream import media_result
 from tests.legacy_sdk import legacy_python
 from tests.mcp_helpers import (
-    ROOT,
+    ERA_UPSTREAM,
+    EraServer,
     call,
-    free_port,
     grow_and_hear_it,
     mcp_http_client,
     paginated_server,
     structured,
-    wait_listening,
     wait_until,
 )
 
 pytestmark = pytest.mark.anyio
 
-ERA_UPSTREAM = str(ROOT / "tests" / "era_upstream.py")
 CLIENT_ERAS = ["2026-07-28", "2025-11-25", "2025-06-18", "2025-03-26"]
 UPSTREAMS = {"old": ("2025-11-25", "era1"), "new": ("2026-07-28", "era2")}  # route prefix -> (era, scheme)
 
@@ -192,26 +189,6 @@ async def test_list_changes_reach_the_client(gateway: tuple[Gateway, str], era: 
 
 
 # -- the era is probed, cached, and probed again ---------------------------------------
-class EraServer:
-    """``tests/era_upstream.py --http`` on one port, restartable on either SDK major."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/mcp"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    async def start(self, python: str) -> None:
-        self.stop()
-        self.proc = subprocess.Popen([python, ERA_UPSTREAM, "--http", "--port", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        await wait_listening(self.port, self.proc)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 async def test_an_http_upstream_keeps_its_era_until_a_handshake_fails() -> None:
     old_python = legacy_python()
     server = EraServer()

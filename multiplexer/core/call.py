@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 
 from multiplexer.core.errors import RpcError
+from multiplexer.core.logs import LogSink
 
 _seq = itertools.count()
 
@@ -50,6 +51,9 @@ class Call:
     # Where progress notifications for this call go (the MCP face's sink for a progressToken).
     # Set by a face, never from the wire: client ``_meta`` keys never reach the providers' options.
     progress: Callable[..., Any] | None = None
+    # Where the upstream's log messages for this call go, at or above the caller's level (the MCP
+    # face's sink); None: the caller asked for none. Set by a face, never from the wire.
+    log: LogSink | None = None
     # Where a streamed call's chunks go (an anyio memory stream the face reads); None: not streamed.
     sink: Any = None
     # The caller's trace context (``traceparent``, ``tracestate``) from an HTTP header or MCP

@@ -22,6 +22,7 @@ from multiplexer.core.dedup import InFlight, ProgressFanout, TtlCache, canonical
 from multiplexer.core.errors import RpcError, cancelled, internal_error, invalid_params, timeout_error
 from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import Metrics, code_label
 from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSpec
 from multiplexer.core.router import Resolved, Router
@@ -282,6 +283,8 @@ class Gateway:
             )
             if call.progress is not None:
                 item.options["progress"] = call.progress
+            if call.log is not None:
+                item.options["log"] = LogFanout([call.log])
             provider = self.providers[route.provider]
             if span is not None:
                 item.trace = TraceSlot(span)
@@ -321,8 +324,10 @@ class Gateway:
                 if span is not None:
                     self.tracer.shared(span, "inflight")
                 fan = pending.item.options.get("progress")
+                logs = pending.item.options.get("log")
             else:
                 fan = item.options["progress"] = ProgressFanout()  # later sharers may ask for progress
+                logs = item.options.setdefault("log", LogFanout())  # ... and for log messages
                 if self.state is not None:  # other replicas may run the same call: share it
                     item.flight = (flight_key(key), route.cache_ttl_s or 0.0)
                 pending = lane.submit(item)
@@ -330,6 +335,10 @@ class Gateway:
             if callable(sink) and isinstance(fan, ProgressFanout):
                 fan.add(sink)
                 ticket.progress = (fan, sink)
+            if isinstance(logs, LogFanout) and call.log is not None:
+                if pending.item is not item:  # joined: its own fanout was never used
+                    logs.add(call.log)
+                ticket.log = (logs, call.log)
             ticket.pending, ticket.key, ticket.cache_ttl = pending, key, route.cache_ttl_s
         except RpcError as e:
             self._finish(ticket, Outcome.fail(e))
@@ -385,6 +394,9 @@ class Gateway:
         if t.progress is not None:
             t.progress[0].remove(t.progress[1])
             t.progress = None
+        if t.log is not None:
+            t.log[0].remove(t.log[1])
+            t.log = None
         if t.pending is not None:
             if withdraw and t.lane is not None:
                 t.lane.withdraw(t.pending, outcome)

@@ -20,6 +20,7 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.dedup import ProgressFanout
 from multiplexer.core.errors import timeout_error
 from multiplexer.core.lane import Lane
+from multiplexer.core.logs import LogFanout, LogSink
 
 Handler = Callable[[Call], Awaitable[Any]]  # a gateway-level method (jobs.*, ...)
 
@@ -45,6 +46,7 @@ class Ticket:
     call: Call | None = None
     waiter: Waiter | None = None
     progress: tuple[ProgressFanout, Any] | None = None  # this caller's sink on a shared execution
+    log: tuple[LogFanout, LogSink] | None = None  # the same for the upstream's log messages
     span: Any = None  # the call's trace span, when calls are traced
 
     def __call__(self) -> None:

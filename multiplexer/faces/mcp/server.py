@@ -29,9 +29,9 @@ from mcp.server.subscriptions import (
 )
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from multiplexer.core.call import Call
 from multiplexer.core.errors import RpcError
 from multiplexer.core.jsonrpc import META_KEYS, call_from
+from multiplexer.core.logs import LEVELS, LogSink
 from multiplexer.core.provider import McpUpstream, ToolSpec
 from multiplexer.core.version import VERSION as __version__
 from multiplexer.faces.jobs import JobFace
@@ -97,6 +97,7 @@ class McpFace:
         self._sessions: dict[str, Any] = {}  # the same, by HTTP session id
         self._open: Counter[str | None] = Counter()  # open HTTP sessions per identity
         self._counted: set[int] = set()  # connections counted in ``_open``
+        self._log_levels: dict[int, str] = {}  # handshake-era connections' logging/setLevel, by id
         self._changed: set[str] = set()  # list-change events waiting for the broadcaster
         self._wake: anyio.Event | None = None  # made in ``running``, inside the event loop
         self.upstream = UpstreamCatalog(gateway, self.cache_hint)
@@ -113,6 +114,9 @@ class McpFace:
             on_get_prompt=self._metered(self.upstream.get_prompt),
             on_subscriptions_listen=self.listen,
         )
+        # Handshake-era clients set their log level (advertised as the ``logging`` capability);
+        # SEP-2577 deprecates it at 2026-07-28, so the constructor keyword warns on every start.
+        self.server.add_request_handler("logging/setLevel", types.SetLevelRequestParams, self.set_log_level)
         self.server.middleware.append(self._track_connection)
         jobs = gateway.faces.get("jobs")
         self.tasks = TaskFace(gateway, jobs, identity_of) if isinstance(jobs, JobFace) else None
@@ -280,19 +284,55 @@ class McpFace:
             try:
                 return await self.tasks.create(method, params.arguments, call.identity)
             except RpcError as e:
-                return self._result(call, params.name, None, e)
+                return self._result(params.name, None, e)
         if isinstance(raw_meta, dict) and raw_meta.get("progressToken") is not None:
             call.progress = ctx.session.report_progress
+        upstream = self._is_mcp_route(method)
+        if upstream:
+            call.log = self._log_sink(ctx, raw_meta)
         outcome = await self.gateway.submit(call)
-        return self._result(call, params.name, outcome.result, outcome.error)
+        return self._result(params.name, outcome.result, outcome.error, upstream)
 
-    def _result(self, call: Call, tool: str, result: Any, error: RpcError | None) -> types.CallToolResult:
+    # -- upstream log messages ------------------------------------------------------
+    async def set_log_level(self, ctx: ServerRequestContext[Any, Any],
+                            params: types.SetLevelRequestParams) -> types.EmptyResult:
+        """Handshake eras: the connection's level for the upstream log messages of its calls."""
+        connection = connection_of(ctx)
+        if connection is not None:
+            key = id(connection)
+            if key not in self._log_levels:
+                connection.exit_stack.callback(self._log_levels.pop, key, None)
+            self._log_levels[key] = params.level
+        return types.EmptyResult()
+
+    def _log_sink(self, ctx: ServerRequestContext[Any, Any], meta: Any) -> LogSink | None:
+        """Where this call's upstream log messages go, and from which level: a 2026-07-28 request
+        names it (``_meta`` logLevel; none named, none sent); a handshake-era connection sets it
+        with ``logging/setLevel`` (until then every level, as those eras send without one)."""
+        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+            level = meta.get(types.LOG_LEVEL_META_KEY) if isinstance(meta, dict) else None
+        else:
+            level = self._log_levels.get(id(connection_of(ctx)), LEVELS[0])
+        if level not in LEVELS:
+            return None
+        session, request_id = ctx.session, ctx.request_id
+
+        async def send(level: Any, data: Any, logger: str | None) -> None:
+            params = types.LoggingMessageNotificationParams(level=level, data=data, logger=logger)
+            # related to the call: on its own response stream, never another request's
+            await session.send_notification(types.LoggingMessageNotification(params=params),
+                                            related_request_id=request_id)
+
+        return LogSink(level, send)
+
+    def _result(self, tool: str, result: Any, error: RpcError | None,
+                upstream: bool = False) -> types.CallToolResult:
         if error is not None:
             raised = protocol_error(error, tool)
             if raised is not None:
                 raise raised
             return error_result(error)
-        if self._is_mcp_route(call.method) and isinstance(result, dict) and "content" in result:
+        if upstream and isinstance(result, dict) and "content" in result:
             # The upstream's result, era-free: the SDK writes it in this client's revision.
             return types.CallToolResult.model_validate(result)
         return wrap_result(result)
