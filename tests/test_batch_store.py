@@ -191,6 +191,38 @@ def test_one_replica_drives_each_part_and_a_stale_one_is_fenced_off():
         b.close()
 
 
+def test_a_handed_back_claim_is_taken_at_once_and_a_taken_over_one_is_left_alone():
+    from providers.batch.pg_store import PgJobStore
+
+    wall = Wall()
+    with throwaway_db() as url:
+        a = PgJobStore(url, lease_s=30, wall=wall, owner="a")
+        b = PgJobStore(url, lease_s=30, wall=wall, owner="b")
+        a.create_job("job", None, "client", "running")
+        a.add_items("job", [new(0), new(1)])
+        a.create_parts("job", "p", 0, [("one", [0]), ("two", [1])])
+        assert a.claim_part("one") and a.claim_part("two")
+        wall.t += 31  # a paused past its lease on "two": b takes it over
+        assert b.claim_part("two")
+        wall.t -= 31  # back to when a's lease on "one" still holds for another 30 s
+        assert not b.claim_part("one")
+
+        assert a.release_claims(["one", "two", "never-claimed"]) == ["one"]
+        assert b.unclaimed_parts("p") == ["one"] and b.claim_part("one")  # no wait for the lease
+        rows = {r[0]: r[1:] for r in a._x("SELECT id, owner, epoch FROM parts").fetchall()}
+        assert rows == {"one": ("b", 2), "two": ("b", 2)}  # b's claims, untouched by a's hand-back
+        assert b.renew_claims() == []
+        assert a.release_claims(["one", "two"]) == []  # a holds nothing any more
+        a.close()
+        b.close()
+
+
+def test_the_sqlite_store_has_no_claims_to_hand_back(tmp_path):
+    st = JobStore(tmp_path / "j.db")
+    assert st.claim_part("any") and st.release_claims(["any"]) == []  # one gateway drives all
+    st.close()
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 def test_two_stores_appending_to_one_open_job_get_disjoint_numbers(kind, tmp_path):
     """Two replicas appending to one open job at once: every item lands, numbered 0..n-1 once;

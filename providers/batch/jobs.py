@@ -2,10 +2,10 @@
 
 A job is split into parts (vendor size limits, one model per OpenAI file); each
 part has one driver task in the manager's task group (started by the
-provider's ``start``, cancelled by its ``aclose``): submit, poll, collect,
-and for an expired batch resubmit what did not run, once. Every state change is
-written to the store first, so a restarted gateway picks each part up where
-it stopped and submits nothing twice.
+provider's ``start``, cancelled by its ``aclose``, which then hands their
+claims back): submit, poll, collect, and for an expired batch resubmit what did
+not run, once. Every state change is written to the store first, so a
+restarted gateway picks each part up where it stopped and submits nothing twice.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class JobManager(PartDriver):
         self._done: dict[str, anyio.Event] = {}
         self._scopes: dict[str, anyio.CancelScope] = {}
         self._driving: set[str] = set()
+        self._stopped: set[str] = set()
         self._cancel_sent: dict[str, str] = {}  # remote batch id -> job id, until the job ends
 
     # -- lifecycle -------------------------------------------------------------
@@ -90,8 +91,26 @@ class JobManager(PartDriver):
             stack, self._stack = self._stack, None
             await stack.aclose()
         if self._store is not None:
+            await self._hand_back(self._store)
             release(self._store)
             self._store = None
+
+    async def _hand_back(self, st: JobStore) -> None:
+        """A clean stop, every driver ended: clear this replica's claims on the parts it was
+        driving, so a restart or another replica resumes them now rather than after the lease.
+        A crash skips this; its claims lapse with the lease."""
+        parts, self._stopped = sorted(self._stopped), set()
+        if not parts:
+            return
+        with anyio.CancelScope(shield=True):  # a cancelled shutdown still hands them back
+            try:
+                released = await st.run(st.release_claims, parts)
+            except Exception:  # the database is away: the claims lapse with the lease
+                log.exception("%s: could not hand back %d batch part(s)", self.name, len(parts))
+                return
+        if released:
+            log.info("%s: handed back %d batch part(s) for another gateway", self.name, len(released))
+            self.ctx.metrics.events.labels(self.name, "batch_handed_back").inc(len(released))
 
     async def resume(self) -> None:
         """Pick up what a previous run left: unplanned items, then every open part."""

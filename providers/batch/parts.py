@@ -51,6 +51,7 @@ class PartDriver:
     sync: SyncFallback
     _scopes: dict[str, anyio.CancelScope]
     _driving: set[str]
+    _stopped: set[str]  # parts whose driver a closing manager stopped: their claims to hand back
 
     def store(self) -> JobStore:
         raise NotImplementedError
@@ -70,6 +71,19 @@ class PartDriver:
     async def _drive(self, part_id: str) -> None:
         st = self.store()
         try:
+            await self._drive_claimed(part_id)
+        except anyio.get_cancelled_exc_class():  # the manager is closing: it hands the claim
+            self._stopped.add(part_id)            # back once every driver has stopped
+            raise
+        else:
+            st.release_claim(part_id)
+        finally:
+            self._driving.discard(part_id)
+
+    async def _drive_claimed(self, part_id: str) -> None:
+        """Claim the part and drive it to its end; a lost lease or a bug stops here."""
+        st = self.store()
+        try:
             if not await st.run(st.claim_part, part_id):
                 return  # another replica drives it
             await self._drive_part(part_id)
@@ -83,9 +97,6 @@ class PartDriver:
                     await self._end_part(part, internal_error(f"batch part failed: {type(e).__name__}"))
             except Exception:  # the store itself is failing: the part stays open for a restart
                 log.exception("%s: could not record the failure of %s", self.name, part_id)
-        finally:
-            self._driving.discard(part_id)
-            st.release_claim(part_id)
 
     async def _drive_part(self, part_id: str) -> None:
         st = self.store()

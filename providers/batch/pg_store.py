@@ -8,8 +8,10 @@ renews its claims while it runs, and every write about a part's remote batch
 carries the epoch it claimed, so a replica that was paused past its lease and
 wakes up cannot overwrite the new owner's state (``LeaseLost``). A replica that
 dies loses its parts after the lease, and another one adopts them where they
-stopped. Why psycopg 3: the maintained PostgreSQL driver, with transactions as
-context managers; it runs on the store's worker thread like sqlite3 does.
+stopped; one that stops cleanly hands its claims back (compared on owner and
+epoch), so a restart or another replica takes them at once. Why psycopg 3: the
+maintained PostgreSQL driver, with transactions as context managers; it runs on
+the store's worker thread like sqlite3 does.
 """
 
 from __future__ import annotations
@@ -136,7 +138,24 @@ class PgJobStore(JobStore):
             "AND (owner IS NULL OR lease_until < ?) ORDER BY created", (provider, self.wall()))]
 
     def release_claim(self, part_id: str) -> None:
+        """Forget the claim in memory: its driver ended (the part is done, or lost)."""
         self._claims.pop(part_id, None)
+
+    @_locked
+    def release_claims(self, part_ids: Iterable[str]) -> list[str]:
+        """Hand back the claims held on ``part_ids`` (a clean stop, once their drivers ended), so
+        a restart or another replica takes the parts at once instead of after the lease. Only
+        a claim still ours at the epoch we took is cleared: a part another replica has claimed
+        since is left to it. The parts handed back."""
+        held = [(p, self._claims.pop(p)) for p in part_ids if p in self._claims]
+        if not held:
+            return []
+        rows = self._x(
+            "UPDATE parts AS p SET owner=NULL, lease_until=NULL "
+            "FROM unnest(?::text[], ?::bigint[]) AS c(id, epoch) "
+            "WHERE p.id=c.id AND p.epoch=c.epoch AND p.owner=? RETURNING p.id",
+            ([p for p, _ in held], [e for _, e in held], self.owner)).fetchall()
+        return sorted(r[0] for r in rows)
 
     def _fence(self, part_id: str) -> None:
         """Let the write through if this replica holds the part's current epoch, or if no live

@@ -370,6 +370,9 @@ class JobStore:
     def release_claim(self, part_id: str) -> None:
         pass
 
+    def release_claims(self, part_ids: Iterable[str]) -> list[str]:
+        return []
+
 
 def _part(row: Sequence[Any]) -> PartRow:
     return PartRow(*row[:9])
