@@ -9,7 +9,11 @@ the gateway (shipped defaults: no limits or batching set) in its own:
 - the same for a LiteLLM proxy on the same upstream, when ``litellm`` (``litellm[proxy]``)
   is on PATH or in $LITELLM_BIN and $LITELLM_MASTER_KEY is set;
 - ``--transport``: the lean transport alone against httpx's own pool, in this process.
-Clients are lean h11 connections (benchmarks/_h11.py), one per concurrent worker.
+Clients are lean h11 connections (benchmarks/_h11.py), one per concurrent worker: they cost
+little CPU, so on a small machine the gateway's own CPU shows in full. Two more rows measure
+it as applications call it: 64 tasks sharing one official ``openai.AsyncOpenAI`` client,
+straight to the fake and through ``/v1`` (``--no-sdk`` skips them). ``--upstream-ms`` adds
+model time to every answer (0 by default: the gateway's cost at its most visible).
 """
 
 from __future__ import annotations
@@ -137,6 +141,51 @@ async def throughput(url: str, call: Call, clients: int, n: int) -> float:
             await conn.aclose()
 
 
+async def sdk_throughput(base_url: str, clients: int, n: int, pid: int | None) -> tuple[float, float]:
+    """Seconds and proxy CPU seconds for ``n`` chat calls by ``clients`` tasks sharing one
+    official ``openai.AsyncOpenAI`` client: how an application calls an OpenAI endpoint."""
+    from openai import AsyncOpenAI
+
+    left = n
+    async with AsyncOpenAI(base_url=base_url, api_key="sk-bench", max_retries=0) as client:
+        async def call() -> None:
+            reply = await client.chat.completions.create(model=MODEL, messages=CHAT["messages"])
+            if reply.choices[0].message.content != "echo: hello there":
+                raise RuntimeError(f"{base_url}: {reply}")
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                await call()
+
+        async with anyio.create_task_group() as tg:  # warm the pool's connections
+            for _ in range(clients):
+                tg.start_soon(call)
+        before, t = cpu_seconds(pid), time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(clients):
+                tg.start_soon(worker)
+        return time.perf_counter() - t, cpu_seconds(pid) - before
+
+
+async def measure_sdk(fake: str, gateway: str, pid: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Direct and through /v1 with the OpenAI SDK as the client, rounds alternating."""
+    paths = [("direct (OpenAI SDK client)", fake, None), ("gateway /v1 (OpenAI SDK client)", gateway, pid)]
+    elapsed, cpu = [0.0, 0.0], [0.0, 0.0]
+    per_round = args.calls // ROUNDS
+    for _ in range(ROUNDS):
+        for i, (_, url, proxy) in enumerate(paths):
+            e, c = await sdk_throughput(f"{url}/v1", args.clients, per_round, proxy)
+            elapsed[i] += e
+            cpu[i] += c
+    n = per_round * ROUNDS
+    out = [{"name": name, "calls_per_s": n / e, "proxy_cpu_ms_per_call": c / n * 1e3 if proxy else None}
+           for (name, _, proxy), e, c in zip(paths, elapsed, cpu, strict=True)]
+    out[1]["ratio"] = out[1]["calls_per_s"] / out[0]["calls_per_s"]
+    return out
+
+
 async def answers(url: str, call: Call) -> bool:
     conn = Conn.to(url)
     try:
@@ -213,6 +262,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         else:
             print("(no /v1 row: the gateway does not serve /v1/chat/completions yet)")
         results = compared(await measure(paths, args))
+        if args.sdk and len(paths) > 2:
+            results += await measure_sdk(fake, gw, gateway.pid, args)
         program = litellm_program()
         if program is None:
             print("(no LiteLLM row: needs litellm on PATH or $LITELLM_BIN, and $LITELLM_MASTER_KEY)")
@@ -298,6 +349,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--upstream-ms", type=float, default=0.0,
                         help="model time the fake adds to every answer")
+    parser.add_argument("--no-sdk", dest="sdk", action="store_false",
+                        help="skip the rows with the official OpenAI SDK as the client")
     parser.add_argument("--transport", action="store_true",
                         help="also the lean transport alone vs httpx's pool")
     args = parser.parse_args()
@@ -306,7 +359,7 @@ def main() -> None:
     for r in results:
         first = r.get("first_chunk_p50_ms")
         rows.append([
-            r["name"], f"{r['p50_ms']:.3f}",
+            r["name"], f"{r['p50_ms']:.3f}" if "p50_ms" in r else "",
             f"{r['added_p50_ms']:+.3f}" if "added_p50_ms" in r else "",
             f"{r['calls_per_s']:,.0f}", f"{r['ratio']:.2f}x" if "ratio" in r else "1.00x",
             "" if first is None else f"{first:.3f}",
