@@ -144,6 +144,29 @@ async def test_client_disconnect_cancels_the_upstream_stream(tmp_path):
                 await anyio.sleep(0.01)
 
 
+async def test_client_disconnect_cancels_a_whole_answer_call_upstream(tmp_path):
+    async with gateway(tmp_path) as (f, gw, url, _):
+        f.openai.gate = anyio.Event()  # the upstream holds every request
+        lane = gw.lanes[("oai", None)]
+        async with anyio.create_task_group() as tg:
+            async def doomed() -> None:
+                async with httpx.AsyncClient() as http:
+                    await http.post(url + "/v1/chat/completions",
+                                    headers={"authorization": f"Bearer {KEY}"},
+                                    json={"model": "gpt-4o-mini", "messages": ask("never mind")})
+
+            tg.start_soon(doomed)
+            with anyio.fail_after(10):
+                await f.openai.held.wait()
+            assert lane.in_flight == 1
+            tg.cancel_scope.cancel()  # the client hangs up
+        with anyio.fail_after(10):
+            while lane.in_flight:  # the lane frees its slot though the upstream still holds
+                await anyio.sleep(0.01)
+        assert 'outcome="-32004"' in gw.metrics.render().decode()
+        f.openai.gate.set()
+
+
 async def test_streams_are_never_shared_by_dedup(tmp_path):
     async with gateway(tmp_path) as (f, _, _, client):
         async def one() -> str:

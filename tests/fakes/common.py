@@ -134,6 +134,8 @@ class FakeState:
     expire_after_items: int | None = None
     cancel_after_items: int = 0
     latency_s: float = 0.0  # model time added to every answer (benchmarks)
+    gate: anyio.Event | None = None  # every request waits here until it is set (tests)
+    held: anyio.Event = field(default_factory=anyio.Event)  # set when a request waits at the gate
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)
 
     def next_id(self, prefix: str) -> str:
@@ -171,6 +173,9 @@ def guarded_route(
         state.requests[path] += 1
         if state.latency_s:
             await anyio.sleep(state.latency_s)
+        if state.gate is not None:
+            state.held.set()
+            await state.gate.wait()
         now = state.clock()
         try:
             response = await _answer(request, handler, state, dialect, now)

@@ -43,7 +43,7 @@ class Messages(Endpoint):
         name, params, _ = plan(self.v1, MESSAGES, body)
         call = Call(name, params, identity=identity)
         if not stream_flag(body):
-            await self.answer(call, send, headers)
+            await self.answer(call, scope, receive, send, headers)
             return
         await self.stream(call, scope, receive, send, headers, named_event,
                           lambda e: anthropic_error(e.status, e.error, e.param, e.code))

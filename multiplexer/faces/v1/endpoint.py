@@ -10,6 +10,7 @@ from starlette.types import Receive, Scope, Send
 from multiplexer.core.call import Call
 from multiplexer.core.jsonrpc import dumps
 from multiplexer.core.tracing import http_trace
+from multiplexer.faces.disconnect import cancelled_on_disconnect
 from multiplexer.faces.v1.common import (
     REQUEST_TRACE,
     V1,
@@ -50,10 +51,15 @@ class Endpoint:
         raise NotImplementedError
 
     # -- helpers for subclasses ------------------------------------------------------
-    async def answer(self, call: Call, send: Send, headers: list[tuple[bytes, bytes]],
-                     shape: Any = None) -> None:
-        """Run a call and send its result (through ``shape`` when given) or its error."""
-        outcome = await self.v1.submit(call)
+    async def answer(self, call: Call, scope: Scope, receive: Receive, send: Send,
+                     headers: list[tuple[bytes, bytes]], shape: Any = None) -> None:
+        """Run a call and send its result (through ``shape`` when given) or its error; a client
+        that hangs up first cancels the call, and with it the upstream request."""
+        outcome = None
+        async with cancelled_on_disconnect(scope, receive):
+            outcome = await self.v1.submit(call)
+        if outcome is None:
+            return  # nobody is left to answer
         if outcome.error is not None:
             raise http_error(outcome.error, self.surface)
         headers = headers + self.v1.quota_headers(call.identity)

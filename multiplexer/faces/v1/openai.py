@@ -41,7 +41,7 @@ class ChatCompletions(Endpoint):
         name, params, shape = plan(self.v1, CHAT, body)
         call = Call(name, params, identity=identity)
         if not stream_flag(body):
-            await self.answer(call, send, headers, shape)
+            await self.answer(call, scope, receive, send, headers, shape)
             return
         encode = chunk_encoder(body) if shape is not None else data_event
         await self.stream(call, scope, receive, send, headers, encode, lambda e: openai_error(
@@ -55,7 +55,7 @@ class Embeddings(Endpoint):
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
         name, params, _ = plan(self.v1, EMBEDDINGS, body)
-        await self.answer(Call(name, params, identity=identity), send, headers)
+        await self.answer(Call(name, params, identity=identity), scope, receive, send, headers)
 
 
 class Models(Endpoint):
