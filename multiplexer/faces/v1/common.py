@@ -17,7 +17,7 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call, Outcome
-from multiplexer.core.errors import Code, RpcError, invalid_request
+from multiplexer.core.errors import Code, RpcError, invalid_params, invalid_request
 from multiplexer.core.jsonrpc import dumps, loads
 from multiplexer.core.policy import RouteConfig
 from multiplexer.faces.auth import Authenticator
@@ -166,6 +166,18 @@ class V1:
         if self.gateway.tracer.enabled:
             call.face, call.trace = "v1", REQUEST_TRACE.get()
         return await self.gateway.submit(call)
+
+
+def page_limit(query: Any, maximum: int, default: int = 20) -> int:
+    """A list endpoint's ``limit`` query parameter, from 1 to ``maximum`` (400 otherwise)."""
+    try:
+        limit = int(query.get("limit", str(default)))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= maximum:
+        raise HttpError(400, invalid_params(f"limit must be an integer from 1 to {maximum}"),
+                        param="limit")
+    return limit
 
 
 def request_id() -> bytes:

@@ -13,7 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.faces.v1.batch_run import Batches
-from multiplexer.faces.v1.common import V1, HttpError, send_json
+from multiplexer.faces.v1.common import V1, HttpError, page_limit, send_json
 from multiplexer.faces.v1.endpoint import Endpoint
 from multiplexer.faces.v1.openai import OPENAI
 from multiplexer.faces.v1.store import BatchRecord, V1Store
@@ -169,13 +169,7 @@ class ListBatches(FilesEndpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         query = Request(scope).query_params
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise HttpError(400, invalid_params("limit must be an integer from 1 to 100"),
-                            param="limit")
+        limit = page_limit(query, 100)
         records = await self.batches.mine(identity, "openai")
         after = query.get("after")
         if after is not None:

@@ -17,10 +17,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from multiplexer.core.errors import Code, RpcError, invalid_params, invalid_request
+from multiplexer.core.errors import Code, RpcError, invalid_request
 from multiplexer.faces.v1.anthropic import ANTHROPIC
 from multiplexer.faces.v1.batch_run import Batches
-from multiplexer.faces.v1.common import V1, HttpError, send_json
+from multiplexer.faces.v1.common import V1, HttpError, page_limit, send_json
 from multiplexer.faces.v1.endpoint import Endpoint
 from multiplexer.faces.v1.requests import MESSAGES
 from multiplexer.faces.v1.store import BatchRecord, new_batch_id, now
@@ -182,12 +182,7 @@ class ListMessageBatches(MessageBatchEndpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         query = Request(scope).query_params
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 1000:
-            raise HttpError(400, invalid_params("limit: must be an integer from 1 to 1000"))
+        limit = page_limit(query, 1000)
         before, after = query.get("before_id"), query.get("after_id")
         if before and after:
             raise bad("give before_id or after_id, not both")
