@@ -58,6 +58,13 @@ async def test_compiled_embeddings_equal_eager_ones_and_calls_never_wait_for_the
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pool_module, "compiled_forward", held)
+    # A bound of our own: should a call ever stall here, anyio cancels it and the failure
+    # shows where (pytest-timeout's alarm did not fire in one such stall on a loaded host).
+    with anyio.fail_after(100):
+        await _compile_while_serving(release)
+
+
+async def _compile_while_serving(release: threading.Event) -> None:
     async with Gateway(config(MINILM, "embed", "embed_local", compile=True, max_wait_ms=20)) as gw:
         pool = gw.providers["local"].pool
         handle = await pool.ready("m")
