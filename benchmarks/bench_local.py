@@ -176,7 +176,12 @@ class HttpRow:
                 "loop_ms": loop / len(texts) * 1e3, "batches": int(batches)}
 
     async def vectors(self, texts: list[str]) -> torch.Tensor:
-        return torch.tensor(await self.call(self.conns[0], texts))
+        """The reference texts in calls of 32, so that a slow row (bf16 without AMX) stays
+        within the server's default deadline."""
+        out: list[list[float]] = []
+        for i in range(0, len(texts), 32):
+            out += await self.call(self.conns[0], texts[i:i + 32])
+        return torch.tensor(out)
 
     async def aclose(self) -> None:
         for conn in self.conns:
