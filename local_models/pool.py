@@ -102,8 +102,14 @@ class ModelHandle:
 
             on_cpu = loaded if device.type == "cpu" and dtype == torch.float32 else \
                 load(path, self.task, torch.device("cpu"), torch.float32)
+            lower = self.task == "embed" and self.embed_cfg.lowercase
+
+            def tokenize(text: str) -> list[int]:  # as calls are, for int8's calibration
+                return on_cpu.tokenizer(text.lower() if lower else text, truncation=True,
+                                        max_length=on_cpu.max_positions())["input_ids"]
+
             self.onnx_model = session_for(on_cpu, on_cpu.model, quantize=self.spec.quantize,
-                                          threads=torch.get_num_threads(), device=device)
+                                          threads=torch.get_num_threads(), device=device, tokenize=tokenize)
         elif self.task == "embed" and self.spec.unpadded and packable(loaded.model):
             self.packed = PackedEncoder(loaded.model)
         limits.append(loaded.max_positions())

@@ -43,7 +43,8 @@ class ModelSpec(BaseModel):
         default="torch", description="onnx: exported at load time and run by ONNX Runtime (the onnx extra)",
     )
     quantize: Literal["int8"] | None = Field(
-        default=None, description="backend onnx: dynamic int8 quantisation of the attention projections",
+        default=None, description="backend onnx: dynamic int8 quantisation (value projections stay fp32, "
+                                  "the feed-forward's outlier channels too)",
     )
     pooling: Pooling | list[Pooling] | None = None
     normalize: bool | None = None

@@ -29,13 +29,17 @@ async def vectors(gw: Gateway, value: object) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def reference() -> torch.Tensor:
+def st_model():
     from sentence_transformers import SentenceTransformer
 
     from local_models.sources import resolve_source
 
-    st = SentenceTransformer(str(resolve_source(MINILM)), device="cpu")
-    return torch.tensor(st.encode(TEXTS, batch_size=32))
+    return SentenceTransformer(str(resolve_source(MINILM)), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(st_model) -> torch.Tensor:
+    return torch.tensor(st_model.encode(TEXTS, batch_size=32))
 
 
 @pytest.mark.parametrize(("quantize", "floor"), [(None, 0.9999), ("int8", 0.99)])
@@ -57,6 +61,50 @@ async def test_onnx_embeddings_agree_with_sentence_transformers_batched_or_singl
         # so alone or batched, each must still meet the floor against sentence-transformers
         alone = torch.nn.functional.cosine_similarity(singles, reference, dim=1)
         assert alone.min().item() >= floor
+
+
+async def test_int8_worst_cosine_on_bench_texts_is_at_least_099(st_model) -> None:
+    from benchmarks.bench_local import make_texts
+
+    texts = make_texts(96, seed=11)  # 3 to 120 words, as the bench sends
+    async with Gateway(config(quantize="int8")) as gw:
+        ours = await vectors(gw, texts)
+    reference = torch.tensor(st_model.encode(texts, batch_size=32))
+    assert torch.nn.functional.cosine_similarity(ours, reference, dim=1).min().item() >= 0.99
+
+
+def test_int8_graph_splits_feed_forward_outliers_exactly_and_the_same_every_time(st_model, tmp_path) -> None:
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from local_models.onnx_backend import eager_copy, export
+    from local_models.onnx_int8 import calibration_rows, channel_peaks, plan, quantize_int8, split_outliers
+
+    fp32 = tmp_path / "model.onnx"
+    export(eager_copy(st_model[0].auto_model), fp32)
+    model = onnx.load(str(fp32))
+    quantised, split = plan(model.graph)
+    assert len(quantised) == 30 and len(split) == 12  # 6 layers: q, k, attention output, 2 feed-forward
+    assert not any("value" in n for n in quantised)
+
+    def tokenize(text: str) -> list[int]:
+        return st_model.tokenizer(text)["input_ids"]
+
+    inputs = sorted({n.input[0] for n in model.graph.node if n.name in split})
+    split_outliers(model, split, channel_peaks(fp32, inputs, calibration_rows(tokenize)))
+    ids = np.asarray([tokenize(sentence(2, 60))], dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    cpu = ["CPUExecutionProvider"]
+    before = ort.InferenceSession(str(fp32), providers=cpu).run(None, feeds)[0]
+    after = ort.InferenceSession(model.SerializeToString(), providers=cpu).run(None, feeds)[0]
+    assert np.abs(before - after).max() < 1e-4  # the split alone changes nothing but rounding
+
+    built = []
+    for i in range(2):
+        quantize_int8(fp32, tmp_path / f"int8-{i}.onnx", tokenize)
+        built.append((tmp_path / f"int8-{i}.onnx").read_bytes())
+    assert built[0] == built[1]
 
 
 async def test_onnx_classifier_gives_the_torch_scores(tmp_path) -> None:
