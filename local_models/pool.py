@@ -31,6 +31,7 @@ from .daemon import run_daemon
 from .devices import auto_concurrency, auto_threads, pick_device, pick_dtype, run_resilient
 from .formation import PassThrough, TokenBudget, plan_chunks
 from .loading import Loaded, load
+from .onednn import faster, onednn_copy, swap_linears, usable, widest
 from .sources import resolve_source
 from .spec import ModelSpec
 from .tasks.classify import classify
@@ -77,6 +78,8 @@ class ModelHandle:
         self.packed: PackedEncoder | None = None
         self.compiled_model: Callable[..., Any] | None = None  # the padded path's compiled model
         self.onnx_model: Callable[..., Any] | None = None  # backend: onnx
+        self.onednn_model: torch.nn.Module | None = None  # the padded path's model on oneDNN linears
+        self.linear = "torch"  # whose fp32 linear layers the forward runs: torch's BLAS or oneDNN
         self.concurrency = spec.concurrency or auto_concurrency(spec.device)
         self.fallback_device: torch.device | None = None
         self.budget = TokenBudget(
@@ -112,6 +115,8 @@ class ModelHandle:
                                           threads=torch.get_num_threads(), device=device, tokenize=tokenize)
         elif self.task == "embed" and self.spec.unpadded and packable(loaded.model):
             self.packed = PackedEncoder(loaded.model)
+        if self.spec.backend == "torch" and self.task != "generate":
+            self._choose_linear(loaded)
         limits.append(loaded.max_positions())
         known = [n for n in limits if n]
         self.limit = min(known) if known else None
@@ -124,6 +129,33 @@ class ModelHandle:
             )
         self.loaded = loaded
         log.info("local model %s (%s) loaded from %s on %s as %s", self.name, self.task, path, device, dtype)
+
+    def _choose_linear(self, loaded: Loaded) -> None:
+        """oneDNN linear layers where they are faster here (``auto``) or asked for, on CPU fp32 only."""
+        setting = self.spec.linear
+        if setting == "torch" or self.compiles():  # inductor packs the weights its own way
+            return
+        if not usable(loaded.device, loaded.dtype):
+            if setting == "onednn":
+                log.warning("local model %s: linear: onednn needs fp32 on a CPU with oneDNN; torch's stays",
+                            self.name)
+            return
+        target = self.packed.module if self.packed is not None else loaded.model
+        if setting == "auto":
+            layer = widest(target)
+            if layer is None:
+                return
+            wins, ratio = faster(layer)
+            log.info("local model %s: oneDNN linear takes %.2fx torch's time here: %s", self.name, ratio,
+                     "using oneDNN" if wins else "keeping torch's")
+            if not wins:
+                return
+        if self.packed is not None:
+            swap_linears(self.packed.module)  # the packed forward's own layer table, not the model's
+        else:
+            self.onednn_model = onednn_copy(loaded.model)
+        self.linear = "onednn"
+        self.on_event(self.name, "linear_onednn")
 
     # -- tokens ------------------------------------------------------------------
     def tokenize(self, texts: list[str], truncate: bool) -> tuple[list[list[int]], list[tuple[int, int]]]:
@@ -159,8 +191,8 @@ class ModelHandle:
         loaded = self.loaded if on == "primary" else self._cpu()
         start, cpu = time.perf_counter(), time.thread_time()
         primary = on == "primary"
-        model = next((m for m in (self.onnx_model, self.compiled_model) if m is not None), loaded.model) \
-            if primary else loaded.model
+        model = next((m for m in (self.onnx_model, self.compiled_model, self.onednn_model) if m is not None),
+                     loaded.model) if primary else loaded.model
         out = self._task(model, self.packed if primary else None, rows, loaded)
         cost = padded_cost(rows)
         with self._lock:

@@ -39,6 +39,12 @@ class ModelSpec(BaseModel):
                     " auto: where a C++ compiler exists, a failure logged quietly. Off by default: over HTTP"
                     " on a 2-core host it measured 0.92x to 1.03x eager (bench_local)",
     )
+    linear: Literal["auto", "torch", "onednn"] = Field(
+        default="auto",
+        description="CPU fp32 linear layers: torch's BLAS, or oneDNN with weights packed once; auto"
+                    " times both on the model's widest layer at load and keeps the faster (embed, classify;"
+                    " not with compile, whose inductor packs weights its own way)",
+    )
     backend: Backend = Field(
         default="torch", description="onnx: exported at load time and run by ONNX Runtime (the onnx extra)",
     )
