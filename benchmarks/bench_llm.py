@@ -36,7 +36,7 @@ import psutil
 
 from benchmarks._h11 import Conn, Reply
 from benchmarks._procs import child, free_port, percentile, save, table
-from providers.http1_transport import Http1Transport
+from multiplexer.transport.http1 import Http1Transport
 
 MODEL = "gpt-bench"
 CONFIG = """

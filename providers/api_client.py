@@ -24,9 +24,9 @@ from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
+from multiplexer.transport.http1 import Http1Transport
 
 from .endpoints import Endpoints
-from .http1_transport import Http1Transport
 from .http_util import classify, make_client
 from .ratelimit_headers import Parser, apply, wait_hint
 

@@ -16,8 +16,8 @@ from multiplexer.core.errors import RpcError, upstream_error
 from multiplexer.core.gather import gather
 from multiplexer.core.provider import Provider, ProviderContext
 from multiplexer.core.retry import with_retries
+from multiplexer.transport.http1 import Http1Transport
 
-from .http1_transport import Http1Transport
 from .http_util import all_idempotent, batch_deadline, make_client, send
 
 _MALFORMED = object()
@@ -33,7 +33,7 @@ class JsonRpcSettings(BaseModel):
     # After an upstream refuses an array, singles for this long, then one array again (a refusal
     # may be transient); each refusal in a row doubles the pause, up to an hour.
     batch_arrays_reprobe_s: float = Field(default=300.0, gt=0)
-    # lean: the lean connection layer (providers/http1_transport.py; "h11" is its former
+    # lean: the lean connection layer (multiplexer/transport/http1.py; "h11" is its former
     # name); httpx: httpx's own pool.
     transport: Literal["lean", "h11", "httpx"] = "lean"
 

@@ -19,12 +19,14 @@ PACKAGES = ("multiplexer", "providers", "local_models", "backends")
 ALLOWED = {
     "core": {"core"},
     "local_models": {"local_models", "core"},
-    "providers": {"providers", "local_models", "core"},
+    "transport": {"transport"},  # the lean HTTP/1.1 client transport: httpx and httptools only
+    "providers": {"providers", "local_models", "core", "transport"},
     "backends": {"backends", "core"},  # shared-state engines (Redis), chosen by URL in the registry
     "gateway": {"gateway", "core"},  # provider classes come from the registry's strings, by kind
     "faces": {"faces", "gateway", "core"},
-    "sdk": {"sdk", "core"},
-    "top": {"top", "sdk", "faces", "gateway", "core"},  # the CLI, the server and the public facade
+    "sdk": {"sdk", "core", "transport"},
+    # the CLI, the server and the public facade
+    "top": {"top", "sdk", "faces", "gateway", "core", "transport"},
 }
 CORE_THIRD_PARTY = {"anyio", "pydantic", "prometheus_client", "tenacity"}
 
@@ -33,7 +35,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] != "multiplexer":
         return parts[0]
-    if len(parts) > 1 and parts[1] in ("core", "gateway", "faces", "sdk"):
+    if len(parts) > 1 and parts[1] in ("core", "gateway", "faces", "sdk", "transport"):
         return parts[1]
     return "top"
 

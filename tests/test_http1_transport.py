@@ -10,7 +10,7 @@ import anyio.abc
 import httpx
 import pytest
 
-from providers.http1_transport import Http1Transport, ResponseTooLarge
+from multiplexer.transport.http1 import Http1Transport, ResponseTooLarge
 
 pytestmark = pytest.mark.anyio
 REPLY = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nok"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 
 import anyio
+import anyio.abc
 import pytest
 
 from multiplexer import Client, RpcError, SyncClient
@@ -53,6 +56,47 @@ async def test_sync_client_and_cli_call() -> None:
         proc = await anyio.run_process(
             [sys.executable, "-m", "multiplexer", "call", "nope", "--url", url], check=False)
         assert proc.returncode == 1 and b"-32601" in proc.stderr
+
+
+@contextlib.asynccontextmanager
+async def counting_proxy(target: str) -> AsyncIterator[tuple[str, list[int]]]:
+    """A TCP relay in front of ``target`` (http://host:port) that counts the connections it accepts."""
+    host, port = target.removeprefix("http://").split(":")
+    accepted: list[int] = []
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+
+    async def pipe(src: anyio.abc.ByteStream, dst: anyio.abc.ByteStream) -> None:
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            while True:
+                await dst.send(await src.receive())
+
+    async def relay(client: anyio.abc.SocketStream) -> None:
+        accepted.append(1)
+        async with client, await anyio.connect_tcp(host, int(port)) as up, anyio.create_task_group() as tg:
+            tg.start_soon(pipe, client, up)
+            await pipe(up, client)
+            tg.cancel_scope.cancel()
+
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, relay)
+        yield f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}", accepted
+        tg.cancel_scope.cancel()
+
+
+async def test_sync_client_in_a_with_block_reuses_one_connection() -> None:
+    async with gateway_with_upstream() as (url, _, _), counting_proxy(url) as (proxied, accepted):
+        def kept() -> list[int]:
+            with SyncClient(proxied) as client:
+                return [client.call("subtract", [i, 1]) for i in range(20)]
+
+        def loose() -> list[int]:
+            client = SyncClient(proxied)
+            return [client.call("subtract", [i, 1]) for i in range(3)]
+
+        assert await anyio.to_thread.run_sync(kept) == [i - 1 for i in range(20)]
+        assert len(accepted) == 1  # one loop and one client for the whole block
+        assert await anyio.to_thread.run_sync(loose) == [-1, 0, 1]
+        assert len(accepted) == 4  # outside a with block, each call opens its own
 
 
 async def test_cli_failures_are_one_clear_line_and_a_nonzero_exit(tmp_path) -> None:

@@ -230,7 +230,7 @@ async def test_the_lean_transports_hot_path_carries_the_traceparent_too(tmp_path
     import anyio
     import anyio.abc
 
-    from providers.http1_transport import Http1Transport
+    from multiplexer.transport.http1 import Http1Transport
 
     tracer, exporter = spans
     heads: list[bytes] = []

@@ -1,22 +1,29 @@
 """The Python SDK: ``Client.call`` and ``Client.call_many`` over JSON-RPC batch arrays.
 
-Needs only httpx and the codec. ``call_many`` chunks any number of calls under
-the server's batch limit, keeps input order, and returns a failed item as an
-``RpcError`` in its place unless asked to raise.
+Needs httpx, the codec and the lean transport. ``call_many`` chunks any number
+of calls under the server's batch limit, keeps input order, and returns a failed
+item as an ``RpcError`` in its place unless asked to raise. Requests go through
+the lean HTTP/1.1 transport the providers use (``multiplexer/transport``): httpx's
+own pool and request objects cost the client several times the gateway's CPU
+per call; an ``httpx.AsyncClient`` handed in (``http=``) is used as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import anyio
 import httpx
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.jsonrpc import dumps, loads
 from multiplexer.sdk.jobs import run_batch_job
+from multiplexer.transport.http1 import Http1Transport
 
 CallSpec = tuple[str, Any] | dict[str, Any]
 
@@ -38,10 +45,16 @@ class Client:
         headers = {"content-type": "application/json"}
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
-        self._http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
-            limits=httpx.Limits(max_connections=max(concurrency, 1) * 2),
-        )
+        self._lean: Http1Transport | None = None
+        if http is None:
+            self._lean = Http1Transport(max_connections=max(concurrency, 1) * 2)
+            http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
+                                     transport=self._lean)
+        self._http = http
+        self._rpc = httpx.URL(f"{self.base_url}/rpc")
+        self._wire = [(b"host", self._rpc.netloc), *((k.encode(), v.encode()) for k, v in headers.items())]
+        self._timeouts: dict[str, float | None] = {
+            "connect": 10.0, "read": timeout, "write": timeout, "pool": timeout}
         self.batch_size = batch_size
         self.concurrency = concurrency
         self._ids = itertools.count(1)
@@ -56,14 +69,21 @@ class Client:
         await self._http.aclose()
 
     async def _post(self, payload: Any) -> Any:
-        response = await self._http.post(f"{self.base_url}/rpc", content=dumps(payload))
-        if response.status_code == 204:
+        data = dumps(payload)
+        if self._lean is not None:
+            headers = [*self._wire, (b"content-length", str(len(data)).encode())]
+            reply = await self._lean.fetch("POST", self._rpc, headers, data, self._timeouts)
+            status, content = reply.status, reply.content
+        else:
+            response = await self._http.post(self._rpc, content=data)
+            status, content = response.status_code, response.content
+        if status == 204:
             return None
         try:
-            body = loads(response.content)
+            body = loads(content)
         except ValueError:
             raise RpcError(Code.INTERNAL_ERROR, "gateway sent a non-JSON reply",
-                           {"http_status": response.status_code}) from None
+                           {"http_status": status}) from None
         if isinstance(body, dict) and body.get("id") is None and "error" in body:
             raise RpcError.from_dict(body["error"])
         return body
@@ -149,12 +169,23 @@ def _progress(total: int) -> Any:
 
 
 class SyncClient:
-    """Blocking form of ``Client`` for scripts and notebooks."""
+    """Blocking form of ``Client`` for scripts and notebooks.
+
+    Inside ``with SyncClient(...) as client`` one event loop (in a portal thread)
+    and one ``Client`` serve every call, so calls reuse kept-alive connections;
+    outside a ``with``, each call runs its own loop and client.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._args, self._kwargs = args, kwargs
+        self._stack: contextlib.ExitStack | None = None
+        self._portal: BlockingPortal | None = None
+        self._client: Client | None = None
 
     def _run(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._portal is not None and self._client is not None:
+            return self._portal.call(functools.partial(getattr(self._client, name), *args, **kwargs))
+
         async def go() -> Any:
             async with Client(*self._args, **self._kwargs) as client:
                 return await getattr(client, name)(*args, **kwargs)
@@ -168,7 +199,17 @@ class SyncClient:
         return self._run("call_many", list(calls), **kwargs)
 
     def __enter__(self) -> SyncClient:
+        with contextlib.ExitStack() as stack:
+            portal = stack.enter_context(start_blocking_portal())
+            client = portal.call(self._open)
+            stack.callback(portal.call, client.aclose)
+            self._stack, self._portal, self._client = stack.pop_all(), portal, client
         return self
 
+    async def _open(self) -> Client:
+        return Client(*self._args, **self._kwargs)
+
     def __exit__(self, *exc: object) -> None:
-        return None
+        stack, self._stack, self._portal, self._client = self._stack, None, None, None
+        if stack is not None:
+            stack.close()

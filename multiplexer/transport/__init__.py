@@ -1,0 +1,1 @@
+"""HTTP/1.1 client transport shared by the providers and the SDK."""
