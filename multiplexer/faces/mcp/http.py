@@ -4,7 +4,9 @@ The SDK's ``StreamableHTTPSessionManager`` serves both protocol eras. In front
 of it this face checks ``Origin`` (DNS rebinding) and the bearer key (401 with a
 JSON-RPC error body), and handles JSON-RPC batch arrays by revision: current
 revisions refuse them (batching happens inside the gateway, not on the wire),
-2025-03-26 sessions get them split and answered as one array.
+2025-03-26 sessions get them split and answered as one array. A 2026-07-28 POST
+goes to ``exchange.SingleExchange``, which serves it in the request's own task
+(and hands the SDK's entry whatever it would refuse).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Route
 from starlette.types import Message, Receive, Scope, Send
@@ -27,6 +30,7 @@ from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
 from multiplexer.faces.http import rpc_error, too_large, unauthorized
 from multiplexer.faces.mcp.batch import BATCH_REVISIONS, serve_batch
+from multiplexer.faces.mcp.exchange import SingleExchange
 from multiplexer.faces.mcp.server import IDENTITY_SCOPE_KEY, McpFace
 from multiplexer.gateway.gateway import Gateway
 
@@ -55,6 +59,8 @@ class McpEndpoint:
                  allowed_origins: list[str], max_body: int, max_batch: int,
                  max_sessions_per_key: int | None = None) -> None:
         self.face = face
+        # The one read of the manager's private state: what it entered ``app.lifespan`` for.
+        self.exchange = SingleExchange(face.server, manager.handle_request, lambda: manager._lifespan_state)
         self.max_sessions_per_key = max_sessions_per_key
         self._opening: Counter[str | None] = Counter()  # initialize requests in flight, per identity
         self.manager = manager
@@ -93,6 +99,10 @@ class McpEndpoint:
                 await self._array(scope, headers, body, receive, send)
                 return
             receive = _replay(body, receive)
+            version = headers.get("mcp-protocol-version")
+            if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
+                await self.exchange(scope, receive, send, headers, body)
+                return
             if self.max_sessions_per_key is not None and _is_initialize(headers, body):
                 await self._open_session(identity, scope, receive, send)
                 return
@@ -179,7 +189,11 @@ def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[Base
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
-        async with manager.run(), face.running():
+        async with manager.run(), face.running(), endpoint.exchange.running():
             yield
 
-    return [Route(server.mcp.path, endpoint)], lifespan
+    # POST listed on its own so ``ExactPaths`` sends it straight here, past Starlette's stack; the
+    # route for every method keeps the SDK's answers to the rest (a 405 with its body).
+    routes: list[BaseRoute] = [Route(server.mcp.path, endpoint, methods=["POST"]),
+                               Route(server.mcp.path, endpoint)]
+    return routes, lifespan
