@@ -99,6 +99,7 @@ class McpFace:
         self._counted: set[int] = set()  # connections counted in ``_open``
         self._log_levels: dict[int, str] = {}  # handshake-era connections' logging/setLevel, by id
         self._changed: set[str] = set()  # list-change events waiting for the broadcaster
+        self._upstream_kinds: dict[type, bool] = {}  # provider class -> is an McpUpstream
         self._wake: anyio.Event | None = None  # made in ``running``, inside the event loop
         self.upstream = UpstreamCatalog(gateway, self.cache_hint)
         self.server = _GatewayServer(
@@ -326,23 +327,30 @@ class McpFace:
         return LogSink(level, send)
 
     def _result(self, tool: str, result: Any, error: RpcError | None,
-                upstream: bool = False) -> types.CallToolResult:
+                upstream: bool = False) -> types.CallToolResult | dict[str, Any]:
         if error is not None:
             raised = protocol_error(error, tool)
             if raised is not None:
                 raise raised
             return error_result(error)
         if upstream and isinstance(result, dict) and "content" in result:
-            # The upstream's result, era-free: the SDK writes it in this client's revision.
-            return types.CallToolResult.model_validate(result)
+            # The upstream's result, era-free (the provider's dump of the SDK's model): the SDK's
+            # per-revision check writes it in this client's revision, so it is not parsed again here.
+            return {**result, "resultType": "complete"}
         return wrap_result(result)
 
     def _is_mcp_route(self, method: str) -> bool:
+        """Whether the route's provider is an MCP upstream (the check by class: a protocol
+        ``isinstance`` walks its members on every call)."""
         try:
             route = self.gateway.resolve(method).route
         except RpcError:
             return False
-        return isinstance(self.gateway.providers[route.provider], McpUpstream)
+        provider = self.gateway.providers[route.provider]
+        known = self._upstream_kinds.get(type(provider))
+        if known is None:
+            known = self._upstream_kinds[type(provider)] = isinstance(provider, McpUpstream)
+        return known
 
 
 def connection_of(ctx: ServerRequestContext[Any, Any]) -> Any:
