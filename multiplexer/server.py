@@ -122,10 +122,10 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
     try:
         async with gw:
             attach_jobs(gw)
-            auth = Authenticator(config.server.api_keys)  # the faces beyond /rpc: /v1 and /mcp
+            auth = Authenticator(config.server.api_keys)  # one for every face: /rpc, /v1, /mcp
             mcp_routes, lifespan = mount_mcp(gw, auth)
             routes = v1_routes(gw, auth) + mcp_routes
-            app = create_app(gw, routes, lifespan)
+            app = create_app(gw, routes, lifespan, auth)
             async with serve_asgi(app, sock, lifespan=lifespan is not None) as url:
                 yield gw, url
     finally:

@@ -107,8 +107,10 @@ Mount = Callable[[Gateway, Authenticator], Awaitable[tuple[list[BaseRoute], Any]
 
 
 def create_app(gateway: Gateway, extra_routes: list[BaseRoute] | None = None,
-               lifespan: Any = None) -> ASGIApp:
-    auth = Authenticator(gateway.config.server.api_keys)
+               lifespan: Any = None, auth: Authenticator | None = None) -> ASGIApp:
+    """``/rpc``, ``/healthz``, ``/metrics`` and ``extra_routes``; ``auth`` is the one the other
+    faces were given (made from the config's keys when none is)."""
+    auth = auth or Authenticator(gateway.config.server.api_keys)
     routes = build_routes(gateway, auth) + list(extra_routes or [])
     limit = gateway.config.server.max_header_bytes
     return HeaderLimit(ExactPaths(Starlette(routes=routes, lifespan=lifespan), routes), limit)
