@@ -20,9 +20,13 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
 
+from multiplexer.core.provider import ToolSpec
+from multiplexer.core.tracing import Tracer
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.mcp.exchange import SingleExchange
 from multiplexer.faces.mcp.http import McpEndpoint, mount_mcp
+from multiplexer.faces.mcp.server import McpFace
+from multiplexer.faces.mcp.tools import ToolCatalog
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
@@ -228,8 +232,9 @@ async def test_a_silent_call_is_kept_alive_and_late_notifications_are_dropped() 
 
     async with manager.run(), entry.running():
         with anyio.fail_after(10):
-            await entry({"type": "http", "method": "POST", "path": "/mcp", "headers": []}, receive,
-                        send, Headers(headers), body)
+            scope: Scope = {"type": "http", "method": "POST", "path": "/mcp",
+                            "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+            await entry(scope, receive, send, Headers(scope=scope), body)
         await sessions[0].report_progress(1)  # after the reply: dropped, no write, no error
         note = types.LoggingMessageNotification(params=types.LoggingMessageNotificationParams(
             level="info", data="late"))
@@ -240,3 +245,25 @@ async def test_a_silent_call_is_kept_alive_and_late_notifications_are_dropped() 
     final = sent[-1]
     assert final["more_body"] is False and json.loads(final["body"].split(b"data: ")[1])["id"] == 7
     assert all(m.get("more_body") for m in sent[1:-1])
+
+
+def test_only_schemas_that_declare_headers_are_handed_to_the_header_check() -> None:
+    catalog = ToolCatalog()
+    catalog.build([ToolSpec("plain", "", {"type": "object", "properties": {"region": {"type": "string"}}}),
+                   ToolSpec("regional", "", REGION_SCHEMA)])
+    assert catalog.header_schema("regional") == REGION_SCHEMA
+    assert catalog.header_schema("plain") is None and catalog.header_schema("unknown") is None
+    assert catalog.input_schema("plain") == {"type": "object", "properties": {"region": {"type": "string"}}}
+
+
+class _Tracing(Tracer):
+    enabled = True
+
+
+@pytest.mark.parametrize("traces", [False, True])
+def test_the_sdks_span_per_message_follows_the_gateways_traces(traces: bool) -> None:
+    gateway = Gateway(parse_config(config()), tracer=_Tracing() if traces else None)
+    face = McpFace(gateway)
+    sdk_spans = [m for m in face.server.middleware if type(m).__name__ == "OpenTelemetryMiddleware"]
+    assert len(sdk_spans) == (1 if traces else 0)
+    assert face.server.middleware[-1] == face._track_connection

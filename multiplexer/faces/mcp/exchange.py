@@ -18,6 +18,7 @@ to the SDK's entry, so every status and error body stays the SDK's own.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -76,6 +77,16 @@ def sse_event(message: JSONRPCResponse | JSONRPCError | JSONRPCNotification) -> 
 def _json(message: JSONRPCResponse | JSONRPCError | JSONRPCNotification) -> bytes:
     body = message.model_dump(mode="json", by_alias=True, exclude_none=True)
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+@functools.lru_cache(maxsize=64)
+def _accepts_json_and_sse(accept: str) -> bool:
+    """The SDK's Accept check in SSE mode (wildcards per RFC 7231), for the few values clients send."""
+    types = [t.strip().split(";")[0].strip().lower() for t in accept.split(",")]
+    if "*/*" in types:
+        return True
+    return (any(t in ("application/json", "application/*") for t in types)
+            and any(t in ("text/event-stream", "text/*") for t in types))
 
 
 class Exchange:
@@ -212,7 +223,7 @@ class SingleExchange:
     async def __call__(self, scope: Scope, receive: Receive, send: Send, headers: Headers,
                        body: bytes) -> None:
         """``receive`` replays ``body``, already read; the SDK's entry gets both when it is to answer."""
-        request = self._admit(headers, body) if self._spawn is not None else None
+        request = self._admit(scope, headers, body) if self._spawn is not None else None
         if request is None:
             await self.fallback(scope, receive, send)
             return
@@ -239,13 +250,13 @@ class SingleExchange:
             self._open.discard(exchange)
             exchange.closed = True
 
-    def _admit(self, headers: Headers, body: bytes) -> tuple[JSONRPCRequest, Any] | None:
+    def _admit(self, scope: Scope, headers: Headers, body: bytes) -> tuple[JSONRPCRequest, Any] | None:
         """The request and its envelope, if the SDK's entry would serve it; None to let it answer."""
-        if not headers.get("content-type", "").lower().startswith("application/json"):
+        # Each header once, the first of a name as ``Headers`` reads it (a lookup there walks the list).
+        folded = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
+        if not folded.get("content-type", "").lower().startswith("application/json"):
             return None
-        accept = [t.strip().split(";")[0].strip().lower() for t in headers.get("accept", "").split(",")]
-        if "*/*" not in accept and not (any(t in ("application/json", "application/*") for t in accept)
-                                        and any(t in ("text/event-stream", "text/*") for t in accept)):
+        if not _accepts_json_and_sse(folded.get("accept", "")):
             return None
         try:
             decoded = json.loads(body)
@@ -258,7 +269,7 @@ class SingleExchange:
             return None
         if find_duplicated_routing_header(headers.items()) is not None:
             return None
-        verdict = classify_inbound_request(decoded, headers=dict(headers))
+        verdict = classify_inbound_request(decoded, headers=folded)
         if isinstance(verdict, InboundLadderRejection) or self._param_rejected(req, headers):
             return None
         return req, verdict

@@ -17,6 +17,7 @@ from typing import Any
 
 import mcp_types as types
 from mcp import MCPError
+from mcp.shared.inbound import X_MCP_HEADER_KEY
 
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.provider import ToolSpec
@@ -45,6 +46,7 @@ class ToolCatalog:
     def __init__(self) -> None:
         self.aliases: dict[str, str] = {}
         self.schemas: dict[str, dict[str, Any]] = {}
+        self.with_headers: set[str] = set()  # tools whose schemas declare Mcp-Param headers
 
     def build(self, specs: Iterable[ToolSpec]) -> list[types.Tool]:
         tools: list[types.Tool] = []
@@ -68,14 +70,28 @@ class ToolCatalog:
             tools.append(to_tool(public, spec))
         self.aliases = aliases
         self.schemas = {t.name: t.input_schema for t in tools}
+        self.with_headers = {t.name for t in tools if declares_headers(t.input_schema)}
         return tools
 
     def resolve(self, public: str) -> str:
         return self.aliases.get(public, public)
 
     def input_schema(self, public: str) -> dict[str, Any] | None:
-        """For the SDK's ``Mcp-Param-*`` header check, from the last listing (no listing per call)."""
+        """A tool's schema as last listed."""
         return self.schemas.get(public)
+
+    def header_schema(self, public: str) -> dict[str, Any] | None:
+        """For the SDK's ``Mcp-Param-*`` header check, from the last listing (no listing per call).
+
+        None where the schema has no ``x-mcp-header`` (the SDK's "nothing to validate"): the check
+        would walk it on every call to find no header to compare.
+        """
+        return self.schemas.get(public) if public in self.with_headers else None
+
+
+def declares_headers(schema: dict[str, Any]) -> bool:
+    """Whether ``x-mcp-header`` appears anywhere in the schema (a key there is one in its JSON)."""
+    return X_MCP_HEADER_KEY in json.dumps(schema, default=str)
 
 
 def to_tool(name: str, spec: ToolSpec) -> types.Tool:
