@@ -54,15 +54,20 @@ class PackedBert(torch.nn.Module):
         """Hidden states ``[n, longest, dim]``, zero at padding, from packed token ids."""
         x = self.ln0(self.word(ids) + self.pos(positions) + self.type0)
         h, d = self.heads, self.head_dim
+        full = ids.shape[0] == n * longest  # rows of one length: the packed layout is the grid itself
         for layer in self.layers:
             qkv = layer["qkv"](x)  # [tokens, 3 * dim]
-            grid = qkv.new_zeros(n * longest, qkv.shape[1]).index_copy(0, where, qkv)
+            grid = qkv if full else qkv.new_zeros(n * longest, qkv.shape[1]).index_copy(0, where, qkv)
             grid = grid.view(n, longest, 3, h, d)
             q, k, v = (grid[:, :, i].transpose(1, 2) for i in range(3))
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [n, h, longest, d]
-            a = a.transpose(1, 2).reshape(n * longest, h * d).index_select(0, where)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=None if full else attn_mask)
+            a = a.transpose(1, 2).reshape(n * longest, h * d)  # from [n, h, longest, d]
+            if not full:
+                a = a.index_select(0, where)
             x = layer["ln1"](layer["out"](a) + x)
             x = layer["ln2"](layer["down"](F.gelu(layer["up"](x))) + x)
+        if full:
+            return x.view(n, longest, -1)
         return x.new_zeros(n * longest, x.shape[1]).index_copy(0, where, x).view(n, longest, -1)
 
 
