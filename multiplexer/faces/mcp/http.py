@@ -99,12 +99,12 @@ class McpEndpoint:
                 await self._array(scope, headers, body, receive, send)
                 return
             receive = _replay(body, receive)
+            if self.max_sessions_per_key is not None and _is_initialize(headers, body):
+                await self._open_session(identity, scope, receive, send)
+                return
             version = headers.get("mcp-protocol-version")
             if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
                 await self.exchange(scope, receive, send, headers, body)
-                return
-            if self.max_sessions_per_key is not None and _is_initialize(headers, body):
-                await self._open_session(identity, scope, receive, send)
                 return
         await self.manager.handle_request(scope, receive, send)
 
