@@ -247,6 +247,34 @@ async def test_a_silent_call_is_kept_alive_and_late_notifications_are_dropped() 
     assert all(m.get("more_body") for m in sent[1:-1])
 
 
+async def test_the_keepalive_ticker_waits_while_no_call_is_open() -> None:
+    """An idle server is not woken every tick; the ticker starts with the first call."""
+    started, release, sessions = anyio.Event(), anyio.Event(), []
+    server = bare_server(started, release, sessions)
+    manager = StreamableHTTPSessionManager(app=server)
+    entry = SingleExchange(server, manager.handle_request, lambda: {}, keepalive_s=0.002,
+                           ticks_per_keepalive=2)
+    headers, body = post("tools/call", {"name": "x"}, body={"jsonrpc": "2.0", "id": 8, "method": "tools/call",
+                         "params": {"name": "x", "_meta": META}})
+    scope: Scope = {"type": "http", "method": "POST", "path": "/mcp",
+                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+
+    async def send(message: Message) -> None:
+        if message.get("body") == b": ping\r\n\r\n":
+            release.set()  # ticks ran while the call was open
+
+    async def receive() -> Message:
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    async with manager.run(), entry.running():
+        await anyio.sleep(0.05)  # 50 ticks' worth of idle time
+        assert entry.tick == 0
+        with anyio.fail_after(10):
+            await entry(scope, receive, send, Headers(scope=scope), body)
+        assert entry.tick > 0
+
+
 def test_only_schemas_that_declare_headers_are_handed_to_the_header_check() -> None:
     catalog = ToolCatalog()
     catalog.build([ToolSpec("plain", "", {"type": "object", "properties": {"region": {"type": "string"}}}),

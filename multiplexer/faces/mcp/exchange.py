@@ -192,6 +192,7 @@ class SingleExchange:
         self.tick = 0
         self._open: set[Exchange] = set()
         self._spawn: Callable[..., Any] | None = None
+        self._busy: anyio.Event | None = None  # set when a call opens: the ticker runs only then
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -205,8 +206,12 @@ class SingleExchange:
                 tg.cancel_scope.cancel()
 
     async def _keepalive(self) -> None:
-        """Each tick, a ping for every call silent for a keepalive interval (a task only for those)."""
+        """Each tick, a ping for every call silent for a keepalive interval (a task only for those);
+        with no call open the ticker waits for one instead of waking an idle server every tick."""
         while True:
+            if not self._open:
+                self._busy = anyio.Event()
+                await self._busy.wait()
             await anyio.sleep(self.keepalive_s / self.ticks_per_keepalive)
             self.tick += 1
             for exchange in list(self._open):
@@ -234,6 +239,8 @@ class SingleExchange:
                             TransportContext(kind="streamable-http", can_send_request=False, headers=headers),
                             ServerMessageMetadata(request_context=Request(scope, receive)))
         self._open.add(exchange)
+        if self._busy is not None and not self._busy.is_set():
+            self._busy.set()
         try:
             reply: JSONRPCResponse | JSONRPCError | None = None
             async with cancelled_on_disconnect(scope, receive):
