@@ -211,34 +211,45 @@ def bare_server(started: anyio.Event, release: anyio.Event, late: list[Any]) -> 
     return Server("bare", on_call_tool=call_tool)
 
 
-async def test_a_silent_call_is_kept_alive_and_late_notifications_are_dropped() -> None:
-    started, release, sessions = anyio.Event(), anyio.Event(), []
-    server = bare_server(started, release, sessions)
-    manager = StreamableHTTPSessionManager(app=server)
-    entry = SingleExchange(server, manager.handle_request, lambda: {}, keepalive_s=0.02,
-                           ticks_per_keepalive=2)
-    headers, body = post("tools/call", {"name": "x"}, body={"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                         "params": {"name": "x", "_meta": {**META, "progressToken": 1}}})
-    sent: list[Message] = []
+class SilentCall:
+    """A bare server whose tool call ends only once the entry has pinged its stream."""
 
-    async def send(message: Message) -> None:
-        sent.append(message)
+    def __init__(self, keepalive_s: float) -> None:
+        started, self.release, self.sessions = anyio.Event(), anyio.Event(), []
+        server = bare_server(started, self.release, self.sessions)
+        self.manager = StreamableHTTPSessionManager(app=server)
+        self.entry = SingleExchange(server, self.manager.handle_request, lambda: {},
+                                    keepalive_s=keepalive_s, ticks_per_keepalive=2)
+        self.sent: list[Message] = []
+
+    async def send(self, message: Message) -> None:
+        self.sent.append(message)
         if message.get("body") == b": ping\r\n\r\n":
-            release.set()  # the stream is open and pinged: now the call may end
+            self.release.set()  # the stream is open and pinged: now the call may end
 
-    async def receive() -> Message:
+    async def receive(self) -> Message:
         await anyio.sleep_forever()
         raise AssertionError
 
-    async with manager.run(), entry.running():
+    async def call(self, request_id: int, meta: dict[str, Any]) -> None:
+        message = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+                   "params": {"name": "x", "_meta": meta}}
+        headers, body = post("tools/call", {"name": "x"}, body=message)
+        scope: Scope = {"type": "http", "method": "POST", "path": "/mcp",
+                        "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
         with anyio.fail_after(10):
-            scope: Scope = {"type": "http", "method": "POST", "path": "/mcp",
-                            "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-            await entry(scope, receive, send, Headers(scope=scope), body)
-        await sessions[0].report_progress(1)  # after the reply: dropped, no write, no error
+            await self.entry(scope, self.receive, self.send, Headers(scope=scope), body)
+
+
+async def test_a_silent_call_is_kept_alive_and_late_notifications_are_dropped() -> None:
+    silent = SilentCall(keepalive_s=0.02)
+    async with silent.manager.run(), silent.entry.running():
+        await silent.call(7, {**META, "progressToken": 1})
+        await silent.sessions[0].report_progress(1)  # after the reply: dropped, no write, no error
         note = types.LoggingMessageNotification(params=types.LoggingMessageNotificationParams(
             level="info", data="late"))
-        await sessions[0].send_notification(note, related_request_id=7)
+        await silent.sessions[0].send_notification(note, related_request_id=7)
+    sent = silent.sent
     assert sent[0]["type"] == "http.response.start" and dict(sent[0]["headers"])[b"content-type"] == (
         b"text/event-stream")
     assert sent[1]["body"] == b": ping\r\n\r\n"
@@ -249,30 +260,12 @@ async def test_a_silent_call_is_kept_alive_and_late_notifications_are_dropped() 
 
 async def test_the_keepalive_ticker_waits_while_no_call_is_open() -> None:
     """An idle server is not woken every tick; the ticker starts with the first call."""
-    started, release, sessions = anyio.Event(), anyio.Event(), []
-    server = bare_server(started, release, sessions)
-    manager = StreamableHTTPSessionManager(app=server)
-    entry = SingleExchange(server, manager.handle_request, lambda: {}, keepalive_s=0.002,
-                           ticks_per_keepalive=2)
-    headers, body = post("tools/call", {"name": "x"}, body={"jsonrpc": "2.0", "id": 8, "method": "tools/call",
-                         "params": {"name": "x", "_meta": META}})
-    scope: Scope = {"type": "http", "method": "POST", "path": "/mcp",
-                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-
-    async def send(message: Message) -> None:
-        if message.get("body") == b": ping\r\n\r\n":
-            release.set()  # ticks ran while the call was open
-
-    async def receive() -> Message:
-        await anyio.sleep_forever()
-        raise AssertionError
-
-    async with manager.run(), entry.running():
+    silent = SilentCall(keepalive_s=0.002)
+    async with silent.manager.run(), silent.entry.running():
         await anyio.sleep(0.05)  # 50 ticks' worth of idle time
-        assert entry.tick == 0
-        with anyio.fail_after(10):
-            await entry(scope, receive, send, Headers(scope=scope), body)
-        assert entry.tick > 0
+        assert silent.entry.tick == 0
+        await silent.call(8, META)
+        assert silent.entry.tick > 0
 
 
 def test_only_schemas_that_declare_headers_are_handed_to_the_header_check() -> None:
