@@ -95,6 +95,7 @@ async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> Non
             return
         while deadlines and waiting[deadlines[0][1]].outcome is not None:
             heapq.heappop(deadlines)
-        waiter.wake = anyio.Event()
+        if waiter.wake.is_set():  # fired for tickets settled above: a fresh one for what is left
+            waiter.wake = anyio.Event()
         until = deadlines[0][0] if deadlines else None
         await clock.wait_event(waiter.wake, None if until == math.inf else until)
