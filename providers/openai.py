@@ -1,4 +1,5 @@
-"""``kind: openai``: any OpenAI-compatible API (OpenAI, vLLM, Ollama, ...): chat and embeddings.
+"""``kind: openai``: any OpenAI-compatible API (OpenAI, vLLM, Ollama, ...): chat, embeddings, and
+the Responses API for calls that come to ``/v1/responses`` on a chat route.
 
 A lane's batch of embedding calls goes up as few requests with an ``input``
 array and each caller gets its own embeddings object back; chat calls are one
@@ -27,10 +28,21 @@ from .batch.openai_batch import OpenAIBatchBackend
 from .endpoints import EndpointSettings
 from .http_util import batch_deadline
 from .llm_base import LlmProvider
-from .packing import Chunk, Scatter, chat_tokens, embedding_inputs, ordered_data, pack, text_tokens
+from .packing import (
+    Chunk,
+    Scatter,
+    chat_tokens,
+    embedding_inputs,
+    ordered_data,
+    pack,
+    responses_tokens,
+    text_tokens,
+)
 from .ratelimit_headers import openai_limits
 
-PATHS = {"chat": "/chat/completions", "embeddings": "/embeddings"}
+PATHS = {"chat": "/chat/completions", "embeddings": "/embeddings", "responses": "/responses"}
+
+RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 class OpenAISettings(BatchApiSettings, EndpointSettings):
@@ -86,6 +98,9 @@ class OpenAIProvider(LlmProvider):
             self.require_messages(params)
             tokens = chat_tokens(params)
             item.group = ("chat", model)
+        elif item.operation == "responses":
+            tokens = responses_tokens(params)
+            item.group = ("responses", model)
         else:
             tokens = sum(len(v) if isinstance(v, list) else text_tokens(v)
                          for v in embedding_inputs(params))
@@ -98,18 +113,27 @@ class OpenAIProvider(LlmProvider):
         return item.operation == "embeddings" or super().idempotent(item)
 
     def dedup_safe(self, item: Item) -> bool:
+        if item.operation == "responses":  # stored upstream and chained by id: each call its own
+            return False
         return item.operation == "embeddings" or super().dedup_safe(item)
 
     # -- streaming ---------------------------------------------------------------
     def stream_request(self, item: Item) -> dict[str, Any]:
         """Usage is always asked for (it corrects the token charge); the caller sees the usage
-        chunk only when it asked too."""
+        chunk only when it asked too. A Responses stream reports usage in its last event."""
+        if item.operation == "responses":
+            return {**item.params, "stream": True}
         options = item.params.get("stream_options")
         options = options if isinstance(options, dict) else {}
         return {**item.params, "stream": True, "stream_options": {**options, "include_usage": True}}
 
     def stream_event(self, item: Item, event: str, data: dict[str, Any],
                      usage: dict[str, Any]) -> bool:
+        if item.operation == "responses":  # every event goes on; the final one carries the usage
+            done = data.get("response") if data.get("type") in RESPONSE_ENDS else None
+            if isinstance(done, dict) and isinstance(done.get("usage"), dict):
+                usage.update(done["usage"])
+            return True
         if data.get("error") is not None:
             raise item_error(self.name, data, None)
         if isinstance(data.get("usage"), dict):

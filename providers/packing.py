@@ -175,6 +175,20 @@ def content_text(content: Any) -> str:
     return ""
 
 
+def responses_tokens(params: dict[str, Any]) -> int:
+    """A Responses API call's estimate: its input (a string or items) and instructions, plus the
+    output budget."""
+    raw = params.get("input")
+    items = [raw] if isinstance(raw, str) else raw if isinstance(raw, list) else []
+    prompt = sum(text_tokens(item) if isinstance(item, str) else
+                 text_tokens(content_text(item.get("content"))) + 4 if isinstance(item, dict) else 0
+                 for item in items)
+    if isinstance(params.get("instructions"), str):
+        prompt += text_tokens(params["instructions"])
+    budget = params.get("max_output_tokens") or 0
+    return prompt + (budget if isinstance(budget, int) and not isinstance(budget, bool) else 0)
+
+
 def chat_tokens(params: dict[str, Any]) -> int:
     """Prompt estimate plus the completion budget, which is what providers count against limits."""
     messages = params.get("messages") or []

@@ -309,3 +309,110 @@ async def test_a_stream_holds_its_callers_concurrency_until_it_ends(tmp_path):
         assert "".join(c.choices[0].delta.content or "" for c in rest) == "echo: slow one"
         reply = await client.chat.completions.create(model="gpt-4o-mini", messages=ask("now"))
         assert reply.choices[0].message.content == "echo: now"
+
+
+# -- the Responses API (/v1/responses) on the same chat route ------------------------------------
+async def test_responses_whole_through_the_chat_route(tmp_path):
+    async with gateway(tmp_path) as (f, gw, _, client):
+        raw = await client.responses.with_raw_response.create(
+            model="gpt-4o-mini", input="hello there", instructions="be brief")
+        reply = raw.parse()
+        assert reply.output_text == "echo: hello there" and reply.status == "completed"
+        assert reply.usage.input_tokens == 2 and reply.usage.total_tokens == 5
+        assert raw.headers["x-request-id"].startswith("req_")
+        # the body went up as the client sent it, to the upstream's Responses endpoint
+        assert f.openai.bodies["/v1/responses"] == [
+            {"model": "gpt-4o-mini", "input": "hello there", "instructions": "be brief"}]
+        assert f.openai.requests.get("/v1/chat/completions", 0) == 0
+        items = await client.responses.create(
+            model="gpt-4o-mini", input=[{"role": "user", "content": [
+                {"type": "input_text", "text": "as items"}]}])
+        assert items.output_text == "echo: as items"
+        assert 'route="chat"' in gw.metrics.render().decode()
+
+
+async def test_responses_stream_is_its_named_events(tmp_path):
+    async with gateway(tmp_path) as (_, _, url, client):
+        stream = await client.responses.create(model="gpt-4o-mini", input="one two three", stream=True)
+        events = [e async for e in stream]
+        assert events[0].type == "response.created" and events[-1].type == "response.completed"
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == "echo: one two three"
+        assert events[-1].response.usage.total_tokens == 7
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        async with httpx.AsyncClient() as http, http.stream(
+                "POST", url + "/v1/responses", headers={"authorization": f"Bearer {KEY}"},
+                json={"model": "gpt-4o-mini", "input": "raw", "stream": True}) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert lines[0] == "event: response.created" and lines[-2] == "event: response.completed"
+        assert not any("[DONE]" in line for line in lines)  # the Responses API sends none
+
+
+async def test_responses_stream_is_charged_and_corrected_from_the_final_usage(tmp_path):
+    async with gateway(tmp_path) as (_, gw, _, client):
+        limiter = gw.limiters["oai"]
+        corrections: list[tuple[int, int]] = []
+        correct = limiter.correct_tokens
+        limiter.correct_tokens = lambda e, a: (corrections.append((e, a)), correct(e, a))[1]
+        stream = await client.responses.create(model="gpt-4o-mini", input="count me " * 50, stream=True)
+        _ = [e async for e in stream]
+        assert len(corrections) == 1 and corrections[0][1] == 100 + 101  # the fake's usage
+
+
+async def test_responses_failures_keep_the_openai_shapes(tmp_path):
+    async with gateway(tmp_path) as (f, _, _, client):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.create(model="gpt-4o-mini", input="please FAIL")
+        assert "FAIL" in e.value.message
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.responses.create(model="no-such-model", input="x")
+        assert missing.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError, match="not responses"):
+            await client.responses.create(model="text-embedding-3-small", input="x")
+        with pytest.raises(openai.BadRequestError, match="not responses"):
+            await client.responses.create(model="claude-sonnet-4-5", input="x")
+        f.openai.stream_error_after = 3
+        stream = await client.responses.create(model="gpt-4o-mini", input="will break", stream=True)
+        events = [e async for e in stream]
+        assert [e.type for e in events][-1] == "error" and len(events) == 4
+        assert events[-1].message == "fake failure mid-stream"
+
+
+async def test_responses_are_never_shared_by_dedup(tmp_path):
+    async with gateway(tmp_path) as (f, _, _, client):
+        async def one() -> str:
+            return (await client.responses.create(model="gpt-4o-mini", input="same", temperature=0)).id
+
+        ids: list[str] = []
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(lambda: _append(ids, one()))
+        assert len(set(ids)) == 3 and f.openai.requests["/v1/responses"] == 3
+
+
+async def test_responses_on_a_batch_mode_route_ride_the_upstream_batch_api(tmp_path):
+    async with fakes() as f:
+        config = v1_config(f, tmp_path)
+        config["routes"]["chat_batch"] = {"provider": "oai", "operation": "chat", "mode": "batch",
+                                          "models": ["gpt-batch"]}
+        async with (running(parse_config(config), port=0) as (_, url),
+                    openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as client):
+            replies = await _gather([client.responses.create(model="gpt-batch", input=f"item {i}")
+                                     for i in range(3)])
+    assert sorted(r.output_text for r in replies) == ["echo: item 0", "echo: item 1", "echo: item 2"]
+    assert f.openai.requests.get("/v1/responses", 0) == 0  # not one request each
+    endpoints = {job.endpoint for job in f.openai.batches.values()}
+    assert endpoints == {"/v1/responses"}
+
+
+async def _gather(coros: list[Any]) -> list[Any]:
+    out: list[Any] = [None] * len(coros)
+
+    async def one(i: int) -> None:
+        out[i] = await coros[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(coros)):
+            tg.start_soon(one, i)
+    return out

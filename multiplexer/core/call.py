@@ -60,6 +60,9 @@ class Call:
     # ``_meta``, and the face it came by (``rpc``, ``mcp``, ``v1``): for traces only.
     trace: dict[str, str] | None = None
     face: str = ""
+    # The provider operation asked for instead of the route's (``/v1/responses`` on a chat route).
+    # Set by a face that checked the provider serves it, never from the wire.
+    operation: str | None = None
 
 
 @dataclass(slots=True, eq=False)

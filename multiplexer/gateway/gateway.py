@@ -276,7 +276,8 @@ class Gateway:
             if route.params and isinstance(params, dict | None):
                 params = {**route.params, **(params or {})}
             item = Item(
-                route=resolved.name, operation=route.operation, method=resolved.upstream_method,
+                route=resolved.name, operation=call.operation or route.operation,
+                method=resolved.upstream_method,
                 params=params, priority=call.priority or route.priority, deadline=ticket.deadline,
                 identity=call.identity, notification=call.notification,
                 options={**route.extra, "mode": route.mode},

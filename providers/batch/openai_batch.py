@@ -28,7 +28,7 @@ from .backend import (
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = {"chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
+ENDPOINTS = {"chat": "/v1/chat/completions", "embeddings": "/v1/embeddings", "responses": "/v1/responses"}
 TERMINAL: dict[str, Terminal] = {"completed": "completed", "failed": "failed", "expired": "expired",
                                  "cancelled": "cancelled"}
 META_KEY = "multiplexer_part"

@@ -59,6 +59,7 @@ class FakeOpenAIState(FakeState, StreamKnobs):
     expired_in_error_file: bool = False
     files: dict[str, StoredFile] = field(default_factory=dict)
     batches: dict[str, BatchJob] = field(default_factory=dict)
+    bodies: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # request bodies, by path
 
 
 def embed_text(text: str, dim: int = 8) -> list[float]:
@@ -166,6 +167,68 @@ def stream_chat(fake: FakeOpenAIState, body: dict[str, Any], result: dict[str, A
     return sse(events, fake, lambda: (None, error))
 
 
+def response(state: FakeOpenAIState, body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API response echoing the last user input; fails (400) on `fail_marker`."""
+    model = require(body, "model", str)
+    raw = body.get("input")
+    if isinstance(raw, str):
+        prompt, inputs = raw, [raw]
+    elif isinstance(raw, list) and raw:
+        prompt = last_user_text(raw)
+        inputs = [text_of(m.get("content")) for m in raw if isinstance(m, dict)]
+    else:
+        raise ApiError(400, "'input' must be a string or a non-empty array of items", param="input")
+    if state.marked_to_fail(prompt):
+        raise ApiError(400, f"fake failure: input contains {state.fail_marker!r}", param="input")
+    reply = "echo: " + prompt
+    input_tokens = sum(word_count(t) for t in inputs)
+    output_tokens = word_count(reply)
+    message = {"type": "message", "id": state.next_id("msg_"), "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": reply, "annotations": []}]}
+    return {
+        "id": state.next_id("resp_"), "object": "response", "created_at": int(state.clock()),
+        "status": "completed", "model": model, "output": [message], "parallel_tool_calls": True,
+        "tool_choice": "auto", "tools": [], "error": None, "incomplete_details": None,
+        "instructions": body.get("instructions"), "metadata": {}, "temperature": 1.0, "top_p": 1.0,
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                  "total_tokens": input_tokens + output_tokens,
+                  "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens_details": {"reasoning_tokens": 0}},
+    }
+
+
+def stream_response(fake: FakeOpenAIState, result: dict[str, Any]) -> Response:
+    """The Responses API's named events: created, the message and its text a word a delta, done."""
+    message = result["output"][0]
+    text = message["content"][0]["text"]
+    seq = iter(range(1_000_000))
+
+    def event(kind: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+        return kind, {"type": kind, "sequence_number": next(seq), **fields}
+
+    async def events() -> Any:
+        started = {**result, "status": "in_progress", "output": [], "usage": None}
+        yield event("response.created", response=started)
+        yield event("response.in_progress", response=started)
+        item = {**message, "status": "in_progress", "content": []}
+        yield event("response.output_item.added", output_index=0, item=item)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        yield event("response.content_part.added", item_id=message["id"], output_index=0, content_index=0,
+                    part=part)
+        for word in words(text):
+            yield event("response.output_text.delta", item_id=message["id"], output_index=0,
+                        content_index=0, delta=word, logprobs=[])
+        yield event("response.output_text.done", item_id=message["id"], output_index=0, content_index=0,
+                    text=text, logprobs=[])
+        yield event("response.content_part.done", item_id=message["id"], output_index=0, content_index=0,
+                    part=message["content"][0])
+        yield event("response.output_item.done", output_index=0, item=message)
+        yield event("response.completed", response=result)
+
+    return sse(events, fake, lambda: event("error", code="server_error", message="fake failure mid-stream",
+                                           param=None))
+
+
 _ERROR_DEFAULTS: dict[int, tuple[str, str | None]] = {
     401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
@@ -228,13 +291,25 @@ def create_app(state: FakeOpenAIState | None = None) -> Starlette:
             return stream_chat(fake, body, result)
         return JSONResponse(result)
 
+    async def responses_endpoint(request: Request) -> Response:
+        body = await json_body(request)
+        result = response(fake, body)
+        usage = result["usage"]
+        fake.limiter.add_tokens(usage["input_tokens"], usage["output_tokens"])
+        fake.bodies.setdefault("/v1/responses", []).append(body)
+        if body.get("stream"):
+            return stream_response(fake, result)
+        return JSONResponse(result)
+
     operations: dict[str, Callable[[FakeOpenAIState, dict[str, Any]], dict[str, Any]]] = {
         "/v1/embeddings": embeddings,
         "/v1/chat/completions": chat_completion,
+        "/v1/responses": response,
     }
     routes = [
         guarded_route("/v1/embeddings", ["POST"], embeddings_endpoint, fake, DIALECT),
         guarded_route("/v1/chat/completions", ["POST"], chat_endpoint, fake, DIALECT),
+        guarded_route("/v1/responses", ["POST"], responses_endpoint, fake, DIALECT),
         *batch_routes(fake, DIALECT, operations),
     ]
     app = Starlette(routes=routes, exception_handlers=not_found_handlers(DIALECT))

@@ -1,6 +1,6 @@
-"""OpenAI's HTTP API: ``/v1/chat/completions`` (whole or streamed), ``/v1/embeddings``,
-``GET /v1/models``. A request's ``model`` picks the route; its body becomes the call's params,
-so packing, limits, dedup and quotas apply as on ``/rpc``."""
+"""OpenAI's HTTP API: ``/v1/chat/completions`` and ``/v1/responses`` (whole or streamed),
+``/v1/embeddings``, ``GET /v1/models``. A request's ``model`` picks the route; its body becomes
+the call's params, so packing, limits, dedup and quotas apply as on ``/rpc``."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call
-from multiplexer.core.errors import RpcError
-from multiplexer.faces.v1.common import Surface, message_of, send_json
-from multiplexer.faces.v1.endpoint import Endpoint, data_event
+from multiplexer.core.errors import RpcError, invalid_params
+from multiplexer.faces.v1.common import HttpError, Surface, message_of, send_json
+from multiplexer.faces.v1.endpoint import Endpoint, data_event, named_event
 from multiplexer.faces.v1.local_chat import chunk_encoder
-from multiplexer.faces.v1.requests import CHAT, EMBEDDINGS, plan, stream_flag
+from multiplexer.faces.v1.requests import CHAT, EMBEDDINGS, RESPONSES, plan, stream_flag
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -46,6 +46,36 @@ class ChatCompletions(Endpoint):
         encode = chunk_encoder(body) if shape is not None else data_event
         await self.stream(call, scope, receive, send, headers, encode, lambda e: openai_error(
             e.status, e.error, e.param, e.code), tail=DONE)
+
+
+def response_error(status: int, error: RpcError, param: str | None, code: str | None) -> dict[str, Any]:
+    """A Responses stream's ``error`` event, for a failure after the stream started."""
+    body = openai_error(status, error, param, code)["error"]
+    return {"type": "error", "code": body["code"] or body["type"], "message": body["message"],
+            "param": body["param"]}
+
+
+class Responses(Endpoint):
+    """``POST /v1/responses`` on a chat route of a provider with the Responses API (``openai``):
+    passed through whole, or streamed as its named events; never shared by dedup (a response is
+    stored upstream and may be chained by ``previous_response_id``)."""
+
+    surface = OPENAI
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        body = await self.v1.read_json(scope, receive)
+        name, params, _ = plan(self.v1, RESPONSES, body)
+        provider = self.v1.gateway.providers[self.v1.gateway.config.routes[name].provider]
+        if "responses" not in getattr(provider, "paths", {}):
+            raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name}, "
+                                                "whose provider has no Responses API"), param="model")
+        call = Call(name, params, identity=identity, operation="responses")
+        if not stream_flag(body):
+            await self.answer(call, scope, receive, send, headers)
+            return
+        await self.stream(call, scope, receive, send, headers, named_event, lambda e: response_error(
+            e.status, e.error, e.param, e.code))
 
 
 class Embeddings(Endpoint):

@@ -11,8 +11,12 @@ from multiplexer.faces.v1.common import V1, HttpError
 from multiplexer.faces.v1.local_chat import chat_params, chat_result, is_local_chat
 
 CHAT, EMBEDDINGS, MESSAGES = "/v1/chat/completions", "/v1/embeddings", "/v1/messages"
-# endpoint -> the route operations that serve it ("call": a local model's task decides)
+RESPONSES = "/v1/responses"
+# endpoint -> the route operations that serve it ("call": a local model's task decides); these
+# are also the endpoints a Batch API file may name
 OPERATIONS = {CHAT: ("chat", "call"), EMBEDDINGS: ("embeddings", "call"), MESSAGES: ("messages",)}
+# Responses API calls go to the chat routes of providers that know the upstream endpoint
+_SERVED = {**OPERATIONS, RESPONSES: ("chat",)}
 
 Shape = Callable[[Any], Any]
 
@@ -20,7 +24,7 @@ Shape = Callable[[Any], Any]
 def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any], Shape | None]:
     """(route name, params, result shaper or None) for a body sent to ``endpoint``."""
     name, route = v1.route_for(body.get("model"))
-    if route.operation not in OPERATIONS[endpoint]:
+    if route.operation not in _SERVED[endpoint]:
         what = endpoint.removeprefix("/v1/").replace("/", " ")
         raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
                                             f"({route.operation}), not {what}"), param="model")
