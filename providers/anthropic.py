@@ -1,4 +1,5 @@
-"""``kind: anthropic``: the Messages API, one request per call, and Message Batches for jobs.
+"""``kind: anthropic``: the Messages API, one request per call, and Message Batches for jobs;
+token counting (``/v1/messages/count_tokens``) for calls that come to that endpoint.
 
 Authentication is ``x-api-key`` plus ``anthropic-version``; limits are learned
 from ``anthropic-ratelimit-*`` headers (RFC 3339 resets) and a 429 or a 529
@@ -8,11 +9,12 @@ from ``anthropic-ratelimit-*`` headers (RFC 3339 resets) and a 429 or a 529
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import Field, SecretStr
 
-from multiplexer.core.call import Item
+from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import invalid_params
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import ProviderContext
@@ -24,7 +26,7 @@ from .llm_base import LlmProvider
 from .packing import chat_tokens
 from .ratelimit_headers import anthropic_limits
 
-OPERATIONS = {"messages": "/v1/messages"}
+OPERATIONS = {"messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
 
 
 class AnthropicSettings(BatchApiSettings):
@@ -71,12 +73,28 @@ class AnthropicProvider(LlmProvider):
 
     def prepare(self, route: RouteConfig, item: Item) -> None:
         params, model = self.request_body(item)
+        if item.operation == "count_tokens":  # a request against rpm, no tokens spent
+            self.require_messages(params)
+            item.group = ("count_tokens", model)
+            self.charge(route, item, 0)
+            return
         max_tokens = params.get("max_tokens")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise invalid_params("'max_tokens' must be a positive integer", param="max_tokens")
         self.require_messages(params)
         item.group = ("messages", model)
         self.charge(route, item, chat_tokens(params))
+
+    def idempotent(self, item: Item) -> bool:
+        return item.operation == "count_tokens" or super().idempotent(item)
+
+    def dedup_safe(self, item: Item) -> bool:
+        return item.operation == "count_tokens" or super().dedup_safe(item)
+
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        if operation == "count_tokens":  # Message Batches do not count: always a request each
+            return await self.execute_now(operation, items)
+        return await super().execute(operation, items)
 
     def stream_event(self, item: Item, event: str, data: dict[str, Any],
                      usage: dict[str, Any]) -> bool:

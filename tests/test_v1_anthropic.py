@@ -104,3 +104,44 @@ async def test_gateway_overload_is_529(tmp_path):
             await client.messages.create(model=MODEL, max_tokens=8, messages=ask("y"))
         assert e.value.body["error"]["type"] == "rate_limit_error"
         assert int(e.value.response.headers["retry-after"]) >= 1
+
+
+async def test_count_tokens_through_the_messages_route(tmp_path):
+    async with gateway(tmp_path) as (f, gw, _, client):
+        raw = await client.messages.with_raw_response.count_tokens(
+            model=MODEL, system="be brief", messages=ask("how many words here"))
+        counted = await raw.parse()
+        assert counted.input_tokens == 4 + 2  # the fake counts words, the system prompt's too
+        assert raw.headers["request-id"].startswith("req_")
+        assert f.anthropic.requests["/v1/messages/count_tokens"] == 1
+        assert f.anthropic.requests.get("/v1/messages", 0) == 0
+        charged: list[int] = []
+        limiter = gw.limiters["claude"]
+        consume = limiter.consume
+        limiter.consume = lambda r, t: (charged.append(t), consume(r, t))[1]
+        await client.messages.count_tokens(model=MODEL, messages=ask("once more"))
+        assert charged == [0]  # a request against rpm, no tokens
+
+
+async def test_count_tokens_errors_and_routes_without_it(tmp_path):
+    async with gateway(tmp_path) as (_, _, _, client):
+        with pytest.raises(anthropic.NotFoundError):
+            await client.messages.count_tokens(model="claude-nope", messages=ask("x"))
+        with pytest.raises(anthropic.BadRequestError):  # a chat model is not a messages route
+            await client.messages.count_tokens(model="gpt-4o-mini", messages=ask("x"))
+        with pytest.raises(anthropic.BadRequestError, match="messages"):
+            await client.messages.count_tokens(model=MODEL, messages=[])
+
+
+async def test_count_tokens_on_a_batch_mode_route_is_still_one_request(tmp_path):
+    """Message Batches do not count tokens: a count on a mode: batch route goes up at once."""
+    async with fakes() as f:
+        config = v1_config(f, tmp_path)
+        config["routes"]["claude_batch"] = {"provider": "claude", "operation": "messages", "mode": "batch",
+                                            "models": ["claude-batch"]}
+        async with (running(parse_config(config), port=0) as (_, url),
+                    anthropic.AsyncAnthropic(base_url=url, api_key=KEY, max_retries=0) as client):
+            with anyio.fail_after(10):
+                counted = await client.messages.count_tokens(model="claude-batch", messages=ask("a b c"))
+    assert counted.input_tokens == 3
+    assert f.anthropic.requests["/v1/messages/count_tokens"] == 1 and not f.anthropic.batches

@@ -168,7 +168,17 @@ def create_app(state: FakeAnthropicState | None = None) -> Starlette:
             return stream_message(fake, message)
         return JSONResponse(message)
 
+    async def count_tokens_endpoint(request: Request) -> Response:
+        params = await json_body(request)
+        require(params, "model", str)
+        messages = require(params, "messages", list)
+        texts = [text_of(m.get("content")) for m in messages if isinstance(m, dict)]
+        system = params.get("system")
+        texts.append(system if isinstance(system, str) else text_of(system))
+        return JSONResponse({"input_tokens": sum(word_count(t) for t in texts)})
+
     routes = [
+        guarded_route("/v1/messages/count_tokens", ["POST"], count_tokens_endpoint, fake, DIALECT),
         guarded_route("/v1/messages", ["POST"], messages_endpoint, fake, DIALECT),
         *batch_routes(fake, DIALECT, create_message, error_object),
     ]

@@ -7,7 +7,7 @@ from pathlib import Path
 from starlette.routing import BaseRoute, Route
 
 from multiplexer.faces.auth import Authenticator
-from multiplexer.faces.v1.anthropic import ANTHROPIC, Messages
+from multiplexer.faces.v1.anthropic import ANTHROPIC, CountTokens, Messages
 from multiplexer.faces.v1.batch_run import Batches, surfaces_for
 from multiplexer.faces.v1.common import V1
 from multiplexer.faces.v1.files import (
@@ -54,6 +54,7 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
         Route("/v1/models", Models(v1), methods=["GET"]),
         Route("/v1/models/{model:path}", Models(v1), methods=["GET"]),
         Route("/v1/messages", Messages(v1), methods=["POST"]),
+        Route("/v1/messages/count_tokens", CountTokens(v1), methods=["POST"]),
         Route("/v1/files", Upload(*files), methods=["POST"]),
         Route("/v1/files", ListFiles(*files), methods=["GET"]),
         Route("/v1/files/{file_id}", FileInfo(*files), methods=["GET"]),

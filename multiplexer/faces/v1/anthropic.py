@@ -1,5 +1,6 @@
-"""Anthropic's ``POST /v1/messages``, whole or streamed as named events, for routes on
-``anthropic`` providers. ``anthropic-version`` is accepted (the provider sends its own)."""
+"""Anthropic's ``POST /v1/messages``, whole or streamed as named events, and
+``POST /v1/messages/count_tokens``, for routes on ``anthropic`` providers.
+``anthropic-version`` is accepted (the provider sends its own)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,21 @@ def anthropic_error(status: int, error: RpcError, param: str | None,
 
 
 ANTHROPIC = Surface(b"request-id", anthropic_error, overloaded_status=529)
+
+
+class CountTokens(Endpoint):
+    """``POST /v1/messages/count_tokens`` on an ``anthropic`` messages route: passed through under
+    the route's lane and limits (a request, no tokens charged); identical counts may be shared."""
+
+    surface = ANTHROPIC
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        body = await self.v1.read_json(scope, receive)
+        name, params, _ = plan(self.v1, MESSAGES, body)
+        self.v1.require_operation(name, "count_tokens", body.get("model"), "token counting")
+        await self.answer(Call(name, params, identity=identity, operation="count_tokens"), scope, receive,
+                          send, headers)
 
 
 class Messages(Endpoint):

@@ -107,6 +107,14 @@ class V1:
                          {"model": model, "known": sorted(self.models)})
         return HttpError(404, error, param="model", code="model_not_found")
 
+    def require_operation(self, name: str, operation: str, model: Any, what: str) -> None:
+        """400 unless route ``name``'s provider has an upstream path for ``operation`` (an endpoint
+        that asks for an operation other than the route's, like ``/v1/responses``)."""
+        provider = self.gateway.providers[self.gateway.config.routes[name].provider]
+        if operation not in getattr(provider, "paths", {}):
+            raise HttpError(400, invalid_params(f"model {model!r} is served by route {name}, whose "
+                                                f"provider has no {what}"), param="model")
+
     def params_for(self, body: dict[str, Any], name: str, route: RouteConfig) -> dict[str, Any]:
         """The body as the call's params; a route chosen by its own name sends its configured model."""
         if body["model"] != name or name in route.models:

@@ -10,8 +10,8 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call
-from multiplexer.core.errors import RpcError, invalid_params
-from multiplexer.faces.v1.common import HttpError, Surface, message_of, send_json
+from multiplexer.core.errors import RpcError
+from multiplexer.faces.v1.common import Surface, message_of, send_json
 from multiplexer.faces.v1.endpoint import Endpoint, data_event, named_event
 from multiplexer.faces.v1.local_chat import chunk_encoder
 from multiplexer.faces.v1.requests import CHAT, EMBEDDINGS, RESPONSES, plan, stream_flag
@@ -66,10 +66,7 @@ class Responses(Endpoint):
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
         name, params, _ = plan(self.v1, RESPONSES, body)
-        provider = self.v1.gateway.providers[self.v1.gateway.config.routes[name].provider]
-        if "responses" not in getattr(provider, "paths", {}):
-            raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name}, "
-                                                "whose provider has no Responses API"), param="model")
+        self.v1.require_operation(name, "responses", body.get("model"), "Responses API")
         call = Call(name, params, identity=identity, operation="responses")
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers)
