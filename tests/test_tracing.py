@@ -125,6 +125,26 @@ async def test_the_v1_face_continues_the_traceparent_header(tmp_path, spans):
     assert hex_id(call.parent.span_id, 16) == PARENT_ID
 
 
+async def test_a_responses_call_is_a_chat_span_with_its_usage(tmp_path, spans):
+    from multiplexer.faces.auth import Authenticator
+    from multiplexer.faces.v1 import v1_routes
+
+    tracer, exporter = spans
+    router = respx.MockRouter(base_url=BASE)
+    reply = {"id": "resp_1", "object": "response", "model": "gpt-x", "status": "completed", "output": [],
+             "usage": {"input_tokens": 3, "output_tokens": 4, "total_tokens": 7}}
+    router.post("/responses").mock(return_value=httpx.Response(200, json=reply))
+    async with gateway(tmp_path, tracer, router) as gw:
+        app = create_app(gw, v1_routes(gw, Authenticator({})))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+            got = await c.post("/v1/responses", json={"model": "gpt-x", "input": "q", "max_output_tokens": 9})
+    assert got.status_code == 200, got.text
+    [call] = by_kind(exporter, SpanKind.SERVER)
+    assert call.name == "chat gpt-x" and call.attributes["gen_ai.request.max_tokens"] == 9
+    assert call.attributes["gen_ai.usage.input_tokens"] == 3
+    assert call.attributes["gen_ai.usage.output_tokens"] == 4
+
+
 async def test_packed_calls_share_one_batch_span_linked_to_each_caller(tmp_path, spans):
     tracer, exporter = spans
     router = respx.MockRouter(base_url=BASE)

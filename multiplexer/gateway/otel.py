@@ -41,11 +41,12 @@ if TYPE_CHECKING:
     from multiplexer.core.batching import Pending
 
 # our operations as GenAI operation names
-GEN_AI_OPERATIONS = {"chat": "chat", "messages": "chat", "generate": "chat",
+GEN_AI_OPERATIONS = {"chat": "chat", "messages": "chat", "generate": "chat", "responses": "chat",
                      "embeddings": "embeddings", "embed": "embeddings"}
 # provider kinds as gen_ai.provider.name (well-known values where there is one)
 PROVIDER_NAMES = {"openai": "openai", "anthropic": "anthropic"}
 _REQUEST_PARAMS = {"max_tokens": "gen_ai.request.max_tokens",
+                   "max_output_tokens": "gen_ai.request.max_tokens",  # the Responses API's name
                    "temperature": "gen_ai.request.temperature", "top_p": "gen_ai.request.top_p"}
 
 
