@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve /rpc, /mcp, /healthz, /metrics")
+    serve = sub.add_parser("serve", help="serve /v1, /rpc, /mcp, /healthz, /metrics")
     serve.add_argument("--config", default=DEFAULT_CONFIG)
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)

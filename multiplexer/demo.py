@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
+
 from multiplexer.core.errors import RpcError
 from multiplexer.gateway.config import Config
 from multiplexer.sdk.client import Client
@@ -52,9 +54,25 @@ async def _mcp_demo(url: str) -> None:
                   f"prompts {[p.name for p in prompts]}")
 
 
+async def _v1_demo(url: str, config: Config, names: set[str]) -> None:
+    """An OpenAI-shaped embeddings request, as the OpenAI SDK would send it, for the model of
+    ``embed_local`` (the default config's local embed route) when that route is served."""
+    route = config.routes.get("embed_local")
+    if route is None or "embed_local" not in names or not route.models:
+        return
+    model = route.models[0]
+    async with httpx.AsyncClient(timeout=120) as http:
+        reply = await http.post(f"{url}/v1/embeddings", json={"model": model, "input": "hello"})
+    body = reply.json()
+    if reply.status_code == 200:
+        print(f"  POST /v1/embeddings (model {model}) -> {_show(body)}")
+    else:
+        print(f"  POST /v1/embeddings (model {model}) -> HTTP {reply.status_code} {body}")
+
+
 async def run_demo(config: Config, port: int = 0) -> int:
     async with running(config, port=port) as (gateway, url):
-        print(f"multiplexer serving {url} (/rpc, /mcp, /healthz, /metrics)")
+        print(f"multiplexer serving {url} (/v1, /rpc, /mcp, /healthz, /metrics)")
         names = {t.name for t in await gateway.list_tools()}
         samples = [(m, p) for m, p in SAMPLES if m in names or m == "no_such_method"]
         async with Client(url) as client:
@@ -66,6 +84,7 @@ async def run_demo(config: Config, port: int = 0) -> int:
             many = await client.call_many([("sum", {"values": [i, i]}) for i in range(1000)])
             ok = sum(1 for i, r in enumerate(many) if r == 2 * i)
             print(f"  call_many: 1000 sum calls, {ok} correct, in input order")
+        await _v1_demo(url, config, names)
         await _mcp_demo(f"{url}{config.server.mcp.path}")
         print("demo done; run `multiplexer serve` to keep the gateway up")
     return 0

@@ -140,3 +140,4 @@ def test_demo_command_runs_offline() -> None:
     assert "sum(" in proc.stdout and "1000 correct" in proc.stdout
     assert "MCP tools/call tools_add" in proc.stdout and "embed_local" in proc.stdout
     assert "resources ['example://readme'], prompts ['tools_greet']" in proc.stdout
+    assert "POST /v1/embeddings (model all-MiniLM-L6-v2) -> 1 embeddings of 384 dims" in proc.stdout
