@@ -6,6 +6,7 @@ the gateway (shipped defaults: no limits or batching set) in its own:
   ``/v1/chat/completions`` (that row once the ``/v1`` face answers);
 - throughput of 64 concurrent clients, as a ratio of calling the upstream directly;
 - added time to the first streamed chunk (once the fake and the gateway stream);
+- the same for the Responses API (``/v1/responses``), in its own phase against the fake's;
 - the same for a LiteLLM proxy on the same upstream, when ``litellm`` (``litellm[proxy]``)
   is on PATH or in $LITELLM_BIN and $LITELLM_MASTER_KEY is set;
 - ``--transport``: the lean transport alone against httpx's own pool, in this process.
@@ -66,6 +67,22 @@ def openai_call(path: str, stream: bool = False, headers: dict[str, str] = JSON)
         reply = await conn.request("POST", path, headers, body)
         if reply.status != 200 or (not stream and b"echo: hello there" not in reply.body):
             raise RuntimeError(f"{path}: {reply.status} {reply.body[:200]!r}")
+        return reply
+
+    return call
+
+
+RESPONSE = {"model": MODEL, "input": "hello there"}
+
+
+def responses_call(stream: bool = False) -> Call:
+    """``POST /v1/responses``: the reply's text checked, or (streamed) its named events read."""
+    body = json.dumps({**RESPONSE, "stream": True} if stream else RESPONSE).encode()
+
+    async def call(conn: Conn) -> Reply:
+        reply = await conn.request("POST", "/v1/responses", JSON, body)
+        if reply.status != 200 or b"echo: hello there" not in reply.body:
+            raise RuntimeError(f"/v1/responses: {reply.status} {reply.body[:200]!r}")
         return reply
 
     return call
@@ -264,6 +281,11 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         results = compared(await measure(paths, args))
         if args.sdk and len(paths) > 2:
             results += await measure_sdk(fake, gw, gateway.pid, args)
+        if await answers(gw, responses_call()):  # the Responses API, its own phase against direct
+            phase = [Target("direct /v1/responses", fake, responses_call(), responses_call(True)),
+                     Target("gateway /v1/responses", gw, responses_call(), responses_call(True),
+                            gateway.pid)]
+            results += compared(await measure(phase, args))
         program = litellm_program()
         if program is None:
             print("(no LiteLLM row: needs litellm on PATH or $LITELLM_BIN, and $LITELLM_MASTER_KEY)")
