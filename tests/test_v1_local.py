@@ -175,3 +175,37 @@ async def test_chat_uses_the_models_chat_template(lm_dir, tmp_path):
         assert templated.choices[0].message.content == await completion(
             "the moon a red bird sings answer")
         assert templated.choices[0].message.content != plain.choices[0].message.content
+
+
+async def test_local_responses_whole_and_streamed_agree_with_chat(lm_dir, tmp_path):
+    """The Responses API on a local generate model: the same text as chat, in its own shapes."""
+    async with gateway(lm_dir, tmp_path) as (_, client):
+        chat = await client.chat.completions.create(model="tiny-llama", messages=ask("the cat runs"),
+                                                    max_tokens=10)
+        whole = await client.responses.create(model="tiny-llama", input="the cat runs", max_output_tokens=10)
+        assert whole.object == "response" and whole.model == "tiny-llama"
+        assert whole.output_text == chat.choices[0].message.content
+        assert whole.usage.output_tokens == chat.usage.completion_tokens
+        assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+
+        stream = await client.responses.create(model="tiny-llama", input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "the cat runs"}]}],
+            max_output_tokens=10, stream=True)
+        events = [e async for e in stream]
+        kinds = [e.type for e in events]
+        assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"]
+        assert kinds[-1] in ("response.completed", "response.incomplete")
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+        assert events[-1].response.output_text == whole.output_text
+        assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+async def test_local_responses_refuse_what_a_local_model_cannot_do(lm_dir, tmp_path):
+    async with gateway(lm_dir, tmp_path) as (_, client):
+        with pytest.raises(openai.BadRequestError, match="keeps no responses"):
+            await client.responses.create(model="tiny-llama", input="x", previous_response_id="resp_1")
+        with pytest.raises(openai.BadRequestError, match="text content only"):
+            await client.responses.create(model="tiny-llama", input=[
+                {"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}])

@@ -78,3 +78,132 @@ def chunk_encoder(body: dict[str, Any]) -> Any:
         return b"data: " + dumps(out) + b"\n\n"
 
     return encode
+
+
+# -- the Responses API on the same routes ------------------------------------------------------
+def _item_message(item: Any) -> dict[str, str]:
+    """An input item as a chat message: ``{role, content}`` with text content (a string, or
+    ``input_text``/``output_text`` parts); other item kinds (tool calls, files) are refused."""
+    if not isinstance(item, dict) or item.get("type", "message") != "message" or \
+            item.get("role") not in ("user", "assistant", "system", "developer"):
+        raise HttpError(400, invalid_params("this model takes message items with text content only"),
+                        param="input")
+    content = item.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict)
+                 and p.get("type") in ("input_text", "output_text", "text")]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            raise HttpError(400, invalid_params("this model takes text content only"), param="input")
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise HttpError(400, invalid_params("a message item's content must be text"), param="input")
+    role = "system" if item["role"] == "developer" else item["role"]
+    return {"role": role, "content": content}
+
+
+def responses_params(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API body as a generate call's params: ``input`` (a string or message items)
+    and ``instructions`` become the messages the model's chat template renders."""
+    if body.get("previous_response_id") is not None:
+        raise HttpError(400, invalid_params("this model keeps no responses: send the whole conversation "
+                                            "as input"), param="previous_response_id")
+    raw = body.get("input")
+    if isinstance(raw, str):
+        messages = [{"role": "user", "content": raw}]
+    elif isinstance(raw, list) and raw:
+        messages = [_item_message(item) for item in raw]
+    else:
+        raise HttpError(400, invalid_params("'input' must be a string or a non-empty array"), param="input")
+    if isinstance(body.get("instructions"), str):
+        messages = [{"role": "system", "content": body["instructions"]}, *messages]
+    params: dict[str, Any] = {"messages": messages}
+    if body.get("max_output_tokens") is not None:
+        params["max_new_tokens"] = body["max_output_tokens"]
+    params.update({k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None})
+    if isinstance(body.get("model"), str):
+        params["model"] = body["model"]
+    return params
+
+
+def _response(rid: str, mid: str, created: int, model: str, status: str, text: str | None,
+              usage: Any = None) -> dict[str, Any]:
+    output = [] if text is None else [_message(mid, text, "completed")]
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    out: dict[str, Any] = {
+        "id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+        "output": output, "error": None, "incomplete_details": incomplete, "parallel_tool_calls": False,
+        "tool_choice": "none", "tools": [], "usage": None,
+    }
+    if isinstance(usage, dict):
+        spent_in, spent_out = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+        out["usage"] = {"input_tokens": spent_in, "output_tokens": spent_out,
+                        "total_tokens": spent_in + spent_out, "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens_details": {"reasoning_tokens": 0}}
+    return out
+
+
+def _message(mid: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": mid, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _ids() -> tuple[str, str, int]:
+    return "resp_" + uuid.uuid4().hex[:24], "msg_" + uuid.uuid4().hex[:24], int(time.time())
+
+
+def responses_result(result: dict[str, Any], model: str) -> dict[str, Any]:
+    """A ``text_completion`` with one choice, as a ``response``."""
+    choice = result["choices"][0]
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    rid, mid, created = _ids()
+    return _response(rid, mid, created, model, status, choice["text"], result.get("usage"))
+
+
+def response_encoder(body: dict[str, Any]) -> Any:
+    """Encodes the local stream's text chunks as the Responses API's named events: the response
+    and its message opened with the first chunk, a delta per chunk, all closed with the usage."""
+    model = body["model"]
+    rid, mid, created = _ids()
+    state = {"seq": 0, "open": False, "text": "", "finish": None}
+
+    def event(kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": state["seq"], **fields}
+        state["seq"] += 1
+        return b"event: " + kind.encode() + b"\ndata: " + dumps(data) + b"\n\n"
+
+    def opening() -> bytes:
+        state["open"] = True
+        started = _response(rid, mid, created, model, "in_progress", None)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return (event("response.created", response=started) + event("response.in_progress", response=started)
+                + event("response.output_item.added", output_index=0,
+                        item={**_message(mid, "", "in_progress"), "content": []})
+                + event("response.content_part.added", item_id=mid, output_index=0, content_index=0,
+                        part=part))
+
+    def encode(chunk: dict[str, Any]) -> bytes:
+        if chunk.get("type") == "error":  # the face's error event
+            return event("error", **{k: v for k, v in chunk.items() if k != "type"})
+        out = b"" if state["open"] else opening()
+        if "usage" in chunk and not chunk.get("choices"):
+            text = state["text"]
+            status = "incomplete" if state["finish"] == "length" else "completed"
+            message = _message(mid, text, "completed")
+            return out + (
+                event("response.output_text.done", item_id=mid, output_index=0, content_index=0,
+                      text=text, logprobs=[])
+                + event("response.content_part.done", item_id=mid, output_index=0, content_index=0,
+                        part=message["content"][0])
+                + event("response.output_item.done", output_index=0, item=message)
+                + event(f"response.{status}", response=_response(rid, mid, created, model, status, text,
+                                                                  chunk["usage"])))
+        choice = chunk["choices"][0]
+        state["finish"] = choice.get("finish_reason") or state["finish"]
+        delta = choice.get("text", "")
+        if delta:
+            state["text"] += delta
+            out += event("response.output_text.delta", item_id=mid, output_index=0, content_index=0,
+                         delta=delta, logprobs=[])
+        return out
+
+    return encode

@@ -13,7 +13,7 @@ from multiplexer.core.call import Call
 from multiplexer.core.errors import RpcError
 from multiplexer.faces.v1.common import Surface, message_of, send_json
 from multiplexer.faces.v1.endpoint import Endpoint, data_event, named_event
-from multiplexer.faces.v1.local_chat import chunk_encoder
+from multiplexer.faces.v1.local_chat import chunk_encoder, response_encoder
 from multiplexer.faces.v1.requests import CHAT, EMBEDDINGS, RESPONSES, plan, stream_flag
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -58,20 +58,23 @@ def response_error(status: int, error: RpcError, param: str | None, code: str | 
 class Responses(Endpoint):
     """``POST /v1/responses`` on a chat route of a provider with the Responses API (``openai``):
     passed through whole, or streamed as its named events; never shared by dedup (a response is
-    stored upstream and may be chained by ``previous_response_id``)."""
+    stored upstream and may be chained by ``previous_response_id``). On a local generate route
+    the gateway answers in the API's shapes itself (stateless: no ``previous_response_id``)."""
 
     surface = OPENAI
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, params, _ = plan(self.v1, RESPONSES, body)
-        self.v1.require_operation(name, "responses", body.get("model"), "Responses API")
-        call = Call(name, params, identity=identity, operation="responses")
+        name, params, shape = plan(self.v1, RESPONSES, body)
+        if shape is None:  # a remote route: the upstream's own Responses API
+            self.v1.require_operation(name, "responses", body.get("model"), "Responses API")
+        call = Call(name, params, identity=identity, operation="responses" if shape is None else None)
         if not stream_flag(body):
-            await self.answer(call, scope, receive, send, headers)
+            await self.answer(call, scope, receive, send, headers, shape)
             return
-        await self.stream(call, scope, receive, send, headers, named_event, lambda e: response_error(
+        encode = named_event if shape is None else response_encoder(body)
+        await self.stream(call, scope, receive, send, headers, encode, lambda e: response_error(
             e.status, e.error, e.param, e.code))
 
 

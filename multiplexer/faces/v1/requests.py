@@ -8,15 +8,22 @@ from typing import Any
 
 from multiplexer.core.errors import invalid_params
 from multiplexer.faces.v1.common import V1, HttpError
-from multiplexer.faces.v1.local_chat import chat_params, chat_result, is_local_chat
+from multiplexer.faces.v1.local_chat import (
+    chat_params,
+    chat_result,
+    is_local_chat,
+    responses_params,
+    responses_result,
+)
 
 CHAT, EMBEDDINGS, MESSAGES = "/v1/chat/completions", "/v1/embeddings", "/v1/messages"
 RESPONSES = "/v1/responses"
 # endpoint -> the route operations that serve it ("call": a local model's task decides); these
 # are also the endpoints a Batch API file may name
 OPERATIONS = {CHAT: ("chat", "call"), EMBEDDINGS: ("embeddings", "call"), MESSAGES: ("messages",)}
-# Responses API calls go to the chat routes of providers that know the upstream endpoint
-_SERVED = {**OPERATIONS, RESPONSES: ("chat",)}
+# Responses API calls go to the chat routes of providers that know the upstream endpoint, or to
+# local generate models (answered in the Responses API's shapes here)
+_SERVED = {**OPERATIONS, RESPONSES: ("chat", "call")}
 
 Shape = Callable[[Any], Any]
 
@@ -29,8 +36,10 @@ def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, An
         raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
                                             f"({route.operation}), not {what}"), param="model")
     params = v1.params_for(body, name, route)
-    if endpoint == CHAT and is_local_chat(route):
+    if endpoint in (CHAT, RESPONSES) and is_local_chat(route):
         model = body["model"]
+        if endpoint == RESPONSES:
+            return name, responses_params(params), lambda result: responses_result(result, model)
         return name, chat_params(params), lambda result: chat_result(result, model)
     return name, params, None
 
