@@ -202,3 +202,25 @@ async def test_ended_batches_are_forgotten_after_the_retention_period(tmp_path):
         with pytest.raises(openai.NotFoundError):
             await client.batches.retrieve(batch.id)
         assert (await client.files.retrieve(upload.id)).id == upload.id  # the upload stays
+
+
+async def test_responses_batch_rides_the_providers_batch_api_as_responses_lines(tmp_path):
+    async with gateway(tmp_path) as (f, _, client):
+        rows = [line(f"r{i}", {"model": "gpt-4o-mini", "input": f"question {i}"}, "/v1/responses")
+                for i in range(4)]
+        rows.append(line("embed", {"model": "text-embedding-3-small", "input": "x"}, "/v1/responses"))
+        upload = await client.files.create(file=("r.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/responses",
+                                            completion_window="24h")
+        done = await until_ended(client, batch.id)
+        assert done.status == "completed"
+        assert (done.request_counts.completed, done.request_counts.failed) == (4, 1)
+        [remote] = f.openai.batches.values()  # the four responses went up as one remote batch
+        assert remote.endpoint == "/v1/responses"
+        out = parse((await client.files.content(done.output_file_id)).content)
+        for i in range(4):
+            body = out[f"r{i}"]["response"]["body"]
+            assert body["object"] == "response"
+            assert body["output"][0]["content"][0]["text"] == f"echo: question {i}"
+        errors = parse((await client.files.content(done.error_file_id)).content)
+        assert errors["embed"]["response"]["status_code"] == 400

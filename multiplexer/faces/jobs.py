@@ -126,7 +126,10 @@ class JobFace:
             raise not_found(job_id)
         return job
 
-    def _item(self, spec: Any, identity: str | None) -> tuple[BatchJobs, Item]:
+    def _item(self, spec: Any, identity: str | None,
+              operation: str | None = None) -> tuple[BatchJobs, Item]:
+        """One call of a job as an item; ``operation`` (set by a face, as a ``/v1/batches`` file's
+        endpoint asks) replaces the route's."""
         if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
             raise invalid_params("each call must be an object with a string 'method'")
         method, params = spec["method"], spec.get("params")
@@ -140,8 +143,9 @@ class JobFace:
                                  f"(provider {route.provider!r})")
         if route.params and isinstance(params, dict | None):
             params = {**route.params, **(params or {})}
-        item = Item(route=resolved.name, operation=route.operation, method=resolved.upstream_method,
-                    params=params, identity=identity, options={**route.extra, "mode": route.mode})
+        item = Item(route=resolved.name, operation=operation or route.operation,
+                    method=resolved.upstream_method, params=params, identity=identity,
+                    options={**route.extra, "mode": route.mode})
         self.gateway.providers[route.provider].prepare(route, item)
         return manager, item
 
@@ -171,7 +175,7 @@ class JobFace:
             rows = []  # numbered from 0: the store places them after the job's total, atomically
             for idx, spec in enumerate(calls):
                 try:
-                    manager, item = self._item(spec, call.identity)
+                    manager, item = self._item(spec, call.identity, call.operation)
                     rows.append(manager.new_item(job.id, idx, item))
                 except RpcError as e:
                     method = spec.get("method") if isinstance(spec, dict) else None

@@ -23,7 +23,7 @@ from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import Code, RpcError, internal_error, invalid_params
 from multiplexer.core.provider import BatchCapable
 from multiplexer.faces.v1.common import V1, HttpError, Surface, http_error
-from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, plan
+from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, operation_for, plan
 from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
 
 log = logging.getLogger(__name__)
@@ -150,9 +150,9 @@ class Batches:
                 record.job_lines.append(n)
             else:
                 record.lane_lines.append(n)
-        if job_calls:
-            outcome = await self.gateway.submit(Call("jobs.submit", {"calls": job_calls},
-                                                     identity=identity))
+        if job_calls:  # every line of a file is for one endpoint, so one operation for the job
+            outcome = await self.gateway.submit(Call("jobs.submit", {"calls": job_calls}, identity=identity,
+                                                     operation=operation_for(endpoint, None)))
             if outcome.error is not None:
                 raise http_error(outcome.error, self.surfaces[endpoint])
             record.job_id = outcome.result["job_id"]
@@ -182,7 +182,8 @@ class Batches:
                             record.lane_results[str(n)] = error_entry(surface, e.error)
                             continue
                         page.append(n)
-                        calls.append(Call(name, params, identity=record.owner))
+                        calls.append(Call(name, params, identity=record.owner,
+                                          operation=operation_for(record.endpoint, shape)))
                         shapes.append(shape)
                     outcomes = await self._patiently(calls)
                     for n, shape, o in zip(page, shapes, outcomes, strict=True):

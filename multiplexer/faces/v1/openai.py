@@ -14,7 +14,7 @@ from multiplexer.core.errors import RpcError
 from multiplexer.faces.v1.common import Surface, message_of, send_json
 from multiplexer.faces.v1.endpoint import Endpoint, data_event, named_event
 from multiplexer.faces.v1.local_chat import chunk_encoder, response_encoder
-from multiplexer.faces.v1.requests import CHAT, EMBEDDINGS, RESPONSES, plan, stream_flag
+from multiplexer.faces.v1.requests import CHAT, EMBEDDINGS, RESPONSES, operation_for, plan, stream_flag
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -67,9 +67,7 @@ class Responses(Endpoint):
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
         name, params, shape = plan(self.v1, RESPONSES, body)
-        if shape is None:  # a remote route: the upstream's own Responses API
-            self.v1.require_operation(name, "responses", body.get("model"), "Responses API")
-        call = Call(name, params, identity=identity, operation="responses" if shape is None else None)
+        call = Call(name, params, identity=identity, operation=operation_for(RESPONSES, shape))
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers, shape)
             return

@@ -19,11 +19,11 @@ from multiplexer.faces.v1.local_chat import (
 CHAT, EMBEDDINGS, MESSAGES = "/v1/chat/completions", "/v1/embeddings", "/v1/messages"
 RESPONSES = "/v1/responses"
 # endpoint -> the route operations that serve it ("call": a local model's task decides); these
-# are also the endpoints a Batch API file may name
-OPERATIONS = {CHAT: ("chat", "call"), EMBEDDINGS: ("embeddings", "call"), MESSAGES: ("messages",)}
-# Responses API calls go to the chat routes of providers that know the upstream endpoint, or to
-# local generate models (answered in the Responses API's shapes here)
-_SERVED = {**OPERATIONS, RESPONSES: ("chat", "call")}
+# are also the endpoints a Batch API file may name. Responses API calls go to the chat routes
+# of providers that know the upstream endpoint, or to local generate models (answered in the
+# Responses API's shapes here).
+OPERATIONS = {CHAT: ("chat", "call"), EMBEDDINGS: ("embeddings", "call"), MESSAGES: ("messages",),
+              RESPONSES: ("chat", "call")}
 
 Shape = Callable[[Any], Any]
 
@@ -31,7 +31,7 @@ Shape = Callable[[Any], Any]
 def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any], Shape | None]:
     """(route name, params, result shaper or None) for a body sent to ``endpoint``."""
     name, route = v1.route_for(body.get("model"))
-    if route.operation not in _SERVED[endpoint]:
+    if route.operation not in OPERATIONS[endpoint]:
         what = endpoint.removeprefix("/v1/").replace("/", " ")
         raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
                                             f"({route.operation}), not {what}"), param="model")
@@ -41,7 +41,15 @@ def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, An
         if endpoint == RESPONSES:
             return name, responses_params(params), lambda result: responses_result(result, model)
         return name, chat_params(params), lambda result: chat_result(result, model)
+    if endpoint == RESPONSES:  # a remote route: the upstream's own Responses API
+        v1.require_operation(name, "responses", body.get("model"), "Responses API")
     return name, params, None
+
+
+def operation_for(endpoint: str, shape: Shape | None) -> str | None:
+    """The provider operation a call for ``endpoint`` asks for when it is not its route's own:
+    ``responses`` for the Responses API on a remote chat route (a local one answers in its shapes)."""
+    return "responses" if endpoint == RESPONSES and shape is None else None
 
 
 def stream_flag(body: dict[str, Any]) -> bool:
