@@ -1,5 +1,6 @@
 """``kind: openai``: any OpenAI-compatible API (OpenAI, vLLM, Ollama, ...): chat, embeddings, and
-the Responses API for calls that come to ``/v1/responses`` on a chat route.
+the Responses API and legacy completions for calls that come to ``/v1/responses`` or
+``/v1/completions`` on a chat route.
 
 A lane's batch of embedding calls goes up as few requests with an ``input``
 array and each caller gets its own embeddings object back; chat calls are one
@@ -18,7 +19,7 @@ import anyio
 from pydantic import Field, SecretStr
 
 from multiplexer.core.call import Item, Outcome
-from multiplexer.core.errors import Code, RpcError, upstream_error
+from multiplexer.core.errors import Code, RpcError, invalid_params, upstream_error
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import ProviderContext
 
@@ -32,6 +33,7 @@ from .packing import (
     Chunk,
     Scatter,
     chat_tokens,
+    completion_tokens,
     embedding_inputs,
     ordered_data,
     pack,
@@ -40,7 +42,8 @@ from .packing import (
 )
 from .ratelimit_headers import openai_limits
 
-PATHS = {"chat": "/chat/completions", "embeddings": "/embeddings", "responses": "/responses"}
+PATHS = {"chat": "/chat/completions", "embeddings": "/embeddings", "responses": "/responses",
+         "completions": "/completions"}
 
 RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
@@ -99,8 +102,15 @@ class OpenAIProvider(LlmProvider):
             tokens = chat_tokens(params)
             item.group = ("chat", model)
         elif item.operation == "responses":
+            if params.get("input") in (None, "", []):
+                raise invalid_params("'input' is required", param="input")
             tokens = responses_tokens(params)
             item.group = ("responses", model)
+        elif item.operation == "completions":
+            if params.get("prompt") in (None, []):
+                raise invalid_params("'prompt' is required", param="prompt")
+            tokens = completion_tokens(params)
+            item.group = ("completions", model)
         else:
             tokens = sum(len(v) if isinstance(v, list) else text_tokens(v)
                          for v in embedding_inputs(params))

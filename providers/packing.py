@@ -175,6 +175,16 @@ def content_text(content: Any) -> str:
     return ""
 
 
+def completion_tokens(params: dict[str, Any]) -> int:
+    """A legacy completion's estimate: its prompt (or prompts) plus the output budget (per prompt)."""
+    raw = params.get("prompt")
+    prompts = [raw] if isinstance(raw, str) else [p for p in raw if isinstance(p, str)] \
+        if isinstance(raw, list) else []
+    budget = params.get("max_tokens") or 16  # the API's own default
+    budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else 0
+    return sum(text_tokens(p) for p in prompts) + budget * max(len(prompts), 1)
+
+
 def responses_tokens(params: dict[str, Any]) -> int:
     """A Responses API call's estimate: its input (a string or items) and instructions, plus the
     output budget."""

@@ -181,8 +181,14 @@ async def test_prepare_validates_and_estimates(tmp_path):
         embed(p, "")
     with pytest.raises(RpcError):
         embed(p, [1.5])
-    with pytest.raises(RpcError):
+    with pytest.raises(RpcError) as missing:
         item(p, "completions", {"model": "m"})
+    assert missing.value.data["param"] == "prompt"
+    with pytest.raises(RpcError) as missing:
+        item(p, "responses", {"model": "m"})
+    assert missing.value.data["param"] == "input"
+    assert item(p, "completions", {"model": "m", "prompt": "abcd", "max_tokens": 7}).tokens == 1 + 7
+    assert item(p, "responses", {"model": "m", "input": "abcd", "max_output_tokens": 7}).tokens == 1 + 7
     assert embed(p, [[1, 2, 3]]).tokens == 3  # token arrays count exactly
     batch = item(p, "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
                  mode="batch")

@@ -9,6 +9,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from multiplexer.core.call import Call
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 from tests.local_helpers import MINILM, tiny_causal_lm
@@ -209,3 +210,20 @@ async def test_local_responses_refuse_what_a_local_model_cannot_do(lm_dir, tmp_p
         with pytest.raises(openai.BadRequestError, match="text content only"):
             await client.responses.create(model="tiny-llama", input=[
                 {"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}])
+
+
+async def test_local_completions_take_the_prompt_as_it_is(lm_dir, tmp_path):
+    """Legacy completions on a local generate model: no chat template, the API's shapes."""
+    async with gateway(lm_dir, tmp_path) as (gw, client):
+        native = await gw.submit(Call("writer", {"prompt": "the cat runs", "max_tokens": 8}))
+        assert native.ok, native.error
+        whole = await client.completions.create(model="tiny-llama", prompt="the cat runs", max_tokens=8)
+        assert whole.object == "text_completion" and whole.model == "tiny-llama"
+        assert whole.choices[0].text == native.result["choices"][0]["text"]
+        assert whole.usage.completion_tokens == native.result["usage"]["completion_tokens"]
+        stream = await client.completions.create(model="tiny-llama", prompt="the cat runs", max_tokens=8,
+                                                 stream=True)
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            await client.completions.create(model="tiny-llama", prompt="x", logprobs=2)

@@ -416,3 +416,22 @@ async def _gather(coros: list[Any]) -> list[Any]:
         for i in range(len(coros)):
             tg.start_soon(one, i)
     return out
+
+
+# -- legacy completions (/v1/completions) on the same chat route ---------------------------------
+async def test_completions_whole_and_streamed_through_the_chat_route(tmp_path):
+    async with gateway(tmp_path) as (f, _, _, client):
+        whole = await client.completions.create(model="gpt-4o-mini", prompt="hello there", max_tokens=5)
+        assert whole.object == "text_completion" and whole.choices[0].text == "echo: hello there"
+        assert whole.usage.total_tokens == 5
+        assert f.openai.bodies["/v1/completions"] == [
+            {"model": "gpt-4o-mini", "prompt": "hello there", "max_tokens": 5}]
+        stream = await client.completions.create(model="gpt-4o-mini", prompt="one two", stream=True,
+                                                 stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == "echo: one two"
+        assert chunks[-1].usage.total_tokens == 5
+        with pytest.raises(openai.BadRequestError, match="not completions"):
+            await client.completions.create(model="text-embedding-3-small", prompt="x")
+        with pytest.raises(openai.BadRequestError, match="FAIL"):
+            await client.completions.create(model="gpt-4o-mini", prompt="please FAIL")

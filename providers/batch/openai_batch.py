@@ -28,7 +28,8 @@ from .backend import (
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = {"chat": "/v1/chat/completions", "embeddings": "/v1/embeddings", "responses": "/v1/responses"}
+ENDPOINTS = {"chat": "/v1/chat/completions", "embeddings": "/v1/embeddings", "responses": "/v1/responses",
+             "completions": "/v1/completions"}
 TERMINAL: dict[str, Terminal] = {"completed": "completed", "failed": "failed", "expired": "expired",
                                  "cancelled": "cancelled"}
 META_KEY = "multiplexer_part"

@@ -167,6 +167,51 @@ def stream_chat(fake: FakeOpenAIState, body: dict[str, Any], result: dict[str, A
     return sse(events, fake, lambda: (None, error))
 
 
+def completion(state: FakeOpenAIState, body: dict[str, Any]) -> dict[str, Any]:
+    """A legacy text completion echoing the prompt (a string, or a list of them: a choice each)."""
+    model = require(body, "model", str)
+    raw = body.get("prompt")
+    prompts = [raw] if isinstance(raw, str) else raw
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ApiError(400, "'prompt' must be a string or an array of strings", param="prompt")
+    if any(state.marked_to_fail(p) for p in prompts):
+        raise ApiError(400, f"fake failure: prompt contains {state.fail_marker!r}", param="prompt")
+    texts = ["echo: " + p for p in prompts]
+    prompt_tokens = sum(word_count(p) for p in prompts)
+    completion_tokens = sum(word_count(t) for t in texts)
+    return {
+        "id": state.next_id("cmpl-"), "object": "text_completion", "created": int(state.clock()),
+        "model": model, "system_fingerprint": None,
+        "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": "stop"}
+                    for i, t in enumerate(texts)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+def stream_completion(fake: FakeOpenAIState, body: dict[str, Any], result: dict[str, Any]) -> Response:
+    """The completion as `text_completion` chunks: a word each, the finish reason, the usage chunk
+    when `stream_options.include_usage`, then `[DONE]`."""
+    head = {k: result[k] for k in ("id", "object", "created", "model", "system_fingerprint")}
+    text = result["choices"][0]["text"]
+    options = body.get("stream_options") or {}
+
+    def chunk(piece: str, finish: str | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}]}
+
+    async def events() -> Any:
+        for word in words(text):
+            yield None, chunk(word)
+        yield None, chunk("", "stop")
+        if options.get("include_usage"):
+            yield None, {**head, "choices": [], "usage": result["usage"]}
+        yield None, "[DONE]"
+
+    error = {"error": {"message": "fake failure mid-stream", "type": "server_error", "param": None,
+                       "code": None}}
+    return sse(events, fake, lambda: (None, error))
+
+
 def response(state: FakeOpenAIState, body: dict[str, Any]) -> dict[str, Any]:
     """A Responses API response echoing the last user input; fails (400) on `fail_marker`."""
     model = require(body, "model", str)
@@ -291,6 +336,16 @@ def create_app(state: FakeOpenAIState | None = None) -> Starlette:
             return stream_chat(fake, body, result)
         return JSONResponse(result)
 
+    async def completions_endpoint(request: Request) -> Response:
+        body = await json_body(request)
+        result = completion(fake, body)
+        usage = result["usage"]
+        fake.limiter.add_tokens(usage["prompt_tokens"], usage["completion_tokens"])
+        fake.bodies.setdefault("/v1/completions", []).append(body)
+        if body.get("stream"):
+            return stream_completion(fake, body, result)
+        return JSONResponse(result)
+
     async def responses_endpoint(request: Request) -> Response:
         body = await json_body(request)
         result = response(fake, body)
@@ -305,11 +360,13 @@ def create_app(state: FakeOpenAIState | None = None) -> Starlette:
         "/v1/embeddings": embeddings,
         "/v1/chat/completions": chat_completion,
         "/v1/responses": response,
+        "/v1/completions": completion,
     }
     routes = [
         guarded_route("/v1/embeddings", ["POST"], embeddings_endpoint, fake, DIALECT),
         guarded_route("/v1/chat/completions", ["POST"], chat_endpoint, fake, DIALECT),
         guarded_route("/v1/responses", ["POST"], responses_endpoint, fake, DIALECT),
+        guarded_route("/v1/completions", ["POST"], completions_endpoint, fake, DIALECT),
         *batch_routes(fake, DIALECT, operations),
     ]
     app = Starlette(routes=routes, exception_handlers=not_found_handlers(DIALECT))

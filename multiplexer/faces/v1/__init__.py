@@ -30,7 +30,7 @@ from multiplexer.faces.v1.message_batches import (
     MessageBatches,
     MessageBatchResults,
 )
-from multiplexer.faces.v1.openai import OPENAI, ChatCompletions, Embeddings, Models, Responses
+from multiplexer.faces.v1.openai import OPENAI, ChatCompletions, Completions, Embeddings, Models, Responses
 from multiplexer.faces.v1.store import V1Store
 from multiplexer.gateway.gateway import Gateway
 
@@ -50,6 +50,7 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     return [
         Route("/v1/chat/completions", ChatCompletions(v1), methods=["POST"]),
         Route("/v1/responses", Responses(v1), methods=["POST"]),
+        Route("/v1/completions", Completions(v1), methods=["POST"]),
         Route("/v1/embeddings", Embeddings(v1), methods=["POST"]),
         Route("/v1/models", Models(v1), methods=["GET"]),
         Route("/v1/models/{model:path}", Models(v1), methods=["GET"]),

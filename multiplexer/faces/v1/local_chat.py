@@ -207,3 +207,55 @@ def response_encoder(body: dict[str, Any]) -> Any:
         return out
 
     return encode
+
+
+# -- legacy completions on the same routes -------------------------------------------------------
+_UNSUPPORTED = ("logprobs", "echo", "suffix", "best_of")
+
+
+def completion_params(body: dict[str, Any]) -> dict[str, Any]:
+    """A ``/v1/completions`` body as a generate call's params (the model takes the prompt as is,
+    no chat template); what this model cannot do is refused, not ignored."""
+    if body.get("n", 1) != 1:
+        raise HttpError(400, invalid_params("only n: 1 is supported by this model"), param="n")
+    for key in _UNSUPPORTED:
+        if body.get(key) not in (None, False, 1 if key == "best_of" else None):
+            raise HttpError(400, invalid_params(f"{key} is not supported by this model"), param=key)
+    params = {k: body[k] for k in ("prompt", "max_tokens", *KNOBS) if body.get(k) is not None}
+    if isinstance(body.get("model"), str):
+        params["model"] = body["model"]
+    return params
+
+
+def completion_result(result: dict[str, Any], model: str) -> dict[str, Any]:
+    """The local ``text_completion`` in the API's shape: an id, the asked model, no token ids."""
+    return {
+        "id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
+        "model": model, "system_fingerprint": None,
+        "choices": [{"index": c["index"], "text": c["text"], "logprobs": None,
+                     "finish_reason": c["finish_reason"]} for c in result["choices"]],
+        "usage": result.get("usage"),
+    }
+
+
+def completion_encoder(body: dict[str, Any]) -> Any:
+    """Encodes the local stream's text chunks as the API's ``text_completion`` chunks."""
+    model = body["model"]
+    base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
+            "model": model, "system_fingerprint": None}
+    options = body.get("stream_options")
+    want_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+
+    def encode(chunk: dict[str, Any]) -> bytes:
+        if chunk.get("error") is not None:  # the face's error event
+            return b"data: " + dumps(chunk) + b"\n\n"
+        if "usage" in chunk and not chunk.get("choices"):
+            if not want_usage:
+                return b""
+            return b"data: " + dumps({**base, "choices": [], "usage": chunk["usage"]}) + b"\n\n"
+        choice = chunk["choices"][0]
+        out = {**base, "choices": [{"index": 0, "text": choice.get("text", ""), "logprobs": None,
+                                    "finish_reason": choice.get("finish_reason")}]}
+        return b"data: " + dumps(out) + b"\n\n"
+
+    return encode

@@ -1,6 +1,7 @@
-"""OpenAI's HTTP API: ``/v1/chat/completions`` and ``/v1/responses`` (whole or streamed),
-``/v1/embeddings``, ``GET /v1/models``. A request's ``model`` picks the route; its body becomes
-the call's params, so packing, limits, dedup and quotas apply as on ``/rpc``."""
+"""OpenAI's HTTP API: ``/v1/chat/completions``, ``/v1/responses`` and the legacy
+``/v1/completions`` (whole or streamed), ``/v1/embeddings``, ``GET /v1/models``. A request's
+``model`` picks the route; its body becomes the call's params, so packing, limits, dedup and
+quotas apply as on ``/rpc``."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ from multiplexer.core.call import Call
 from multiplexer.core.errors import RpcError
 from multiplexer.faces.v1.common import Surface, message_of, send_json
 from multiplexer.faces.v1.endpoint import Endpoint, data_event, named_event
-from multiplexer.faces.v1.local_chat import chunk_encoder, response_encoder
-from multiplexer.faces.v1.requests import CHAT, EMBEDDINGS, RESPONSES, operation_for, plan, stream_flag
+from multiplexer.faces.v1.local_chat import chunk_encoder, completion_encoder, response_encoder
+from multiplexer.faces.v1.requests import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    RESPONSES,
+    operation_for,
+    plan,
+    stream_flag,
+)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -44,6 +53,26 @@ class ChatCompletions(Endpoint):
             await self.answer(call, scope, receive, send, headers, shape)
             return
         encode = chunk_encoder(body) if shape is not None else data_event
+        await self.stream(call, scope, receive, send, headers, encode, lambda e: openai_error(
+            e.status, e.error, e.param, e.code), tail=DONE)
+
+
+class Completions(Endpoint):
+    """``POST /v1/completions``, the legacy text completions: on a chat route of a provider with
+    the endpoint (``openai``), passed through whole or streamed; on a local generate route the
+    prompt goes to the model as it is (no chat template), answered in the API's shapes."""
+
+    surface = OPENAI
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
+                     headers: list[tuple[bytes, bytes]]) -> None:
+        body = await self.v1.read_json(scope, receive)
+        name, params, shape = plan(self.v1, COMPLETIONS, body)
+        call = Call(name, params, identity=identity, operation=operation_for(COMPLETIONS, shape))
+        if not stream_flag(body):
+            await self.answer(call, scope, receive, send, headers, shape)
+            return
+        encode = completion_encoder(body) if shape is not None else data_event
         await self.stream(call, scope, receive, send, headers, encode, lambda e: openai_error(
             e.status, e.error, e.param, e.code), tail=DONE)
 

@@ -11,21 +11,29 @@ from multiplexer.faces.v1.common import V1, HttpError
 from multiplexer.faces.v1.local_chat import (
     chat_params,
     chat_result,
+    completion_params,
+    completion_result,
     is_local_chat,
     responses_params,
     responses_result,
 )
 
 CHAT, EMBEDDINGS, MESSAGES = "/v1/chat/completions", "/v1/embeddings", "/v1/messages"
-RESPONSES = "/v1/responses"
+RESPONSES, COMPLETIONS = "/v1/responses", "/v1/completions"
 # endpoint -> the route operations that serve it ("call": a local model's task decides); these
 # are also the endpoints a Batch API file may name. Responses API calls go to the chat routes
 # of providers that know the upstream endpoint, or to local generate models (answered in the
 # Responses API's shapes here).
 OPERATIONS = {CHAT: ("chat", "call"), EMBEDDINGS: ("embeddings", "call"), MESSAGES: ("messages",),
-              RESPONSES: ("chat", "call")}
+              RESPONSES: ("chat", "call"), COMPLETIONS: ("chat", "call")}
+# endpoints a remote chat route serves through another operation of its provider
+_OTHER = {RESPONSES: ("responses", "Responses API"), COMPLETIONS: ("completions", "legacy completions API")}
 
 Shape = Callable[[Any], Any]
+# endpoints a local generate route answers in their own shapes: (params from the body, result)
+LOCAL: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], Callable[[Any, str], Any]]] = {
+    CHAT: (chat_params, chat_result), RESPONSES: (responses_params, responses_result),
+    COMPLETIONS: (completion_params, completion_result)}
 
 
 def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any], Shape | None]:
@@ -36,20 +44,20 @@ def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, An
         raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
                                             f"({route.operation}), not {what}"), param="model")
     params = v1.params_for(body, name, route)
-    if endpoint in (CHAT, RESPONSES) and is_local_chat(route):
+    if endpoint in LOCAL and is_local_chat(route):
         model = body["model"]
-        if endpoint == RESPONSES:
-            return name, responses_params(params), lambda result: responses_result(result, model)
-        return name, chat_params(params), lambda result: chat_result(result, model)
-    if endpoint == RESPONSES:  # a remote route: the upstream's own Responses API
-        v1.require_operation(name, "responses", body.get("model"), "Responses API")
+        to_params, to_result = LOCAL[endpoint]
+        return name, to_params(params), lambda result: to_result(result, model)
+    if endpoint in _OTHER:  # a remote route: the upstream's own endpoint for it
+        operation, what = _OTHER[endpoint]
+        v1.require_operation(name, operation, body.get("model"), what)
     return name, params, None
 
 
 def operation_for(endpoint: str, shape: Shape | None) -> str | None:
-    """The provider operation a call for ``endpoint`` asks for when it is not its route's own:
-    ``responses`` for the Responses API on a remote chat route (a local one answers in its shapes)."""
-    return "responses" if endpoint == RESPONSES and shape is None else None
+    """The provider operation a call for ``endpoint`` asks for when it is not its route's own
+    (``responses``, ``completions`` on a remote chat route; a local one answers in their shapes)."""
+    return _OTHER[endpoint][0] if endpoint in _OTHER and shape is None else None
 
 
 def stream_flag(body: dict[str, Any]) -> bool:
