@@ -60,44 +60,35 @@ JSON = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
 Call = Callable[[Conn], Awaitable[Reply]]
 
 
-def openai_call(path: str, stream: bool = False, headers: dict[str, str] = JSON) -> Call:
-    body = json.dumps({**CHAT, "stream": True} if stream else CHAT).encode()
+def posting(path: str, payload: dict[str, Any], headers: dict[str, str] = JSON,
+            check: bool = True) -> Call:
+    """A call that POSTs ``payload`` to ``path`` and checks the reply carries the echoed text."""
+    body = json.dumps(payload).encode()
 
     async def call(conn: Conn) -> Reply:
         reply = await conn.request("POST", path, headers, body)
-        if reply.status != 200 or (not stream and b"echo: hello there" not in reply.body):
+        if reply.status != 200 or (check and b"echo: hello there" not in reply.body):
             raise RuntimeError(f"{path}: {reply.status} {reply.body[:200]!r}")
         return reply
 
     return call
 
 
+def openai_call(path: str, stream: bool = False, headers: dict[str, str] = JSON) -> Call:
+    """Chat, whole (the echoed text checked) or streamed (the text comes a word a chunk)."""
+    return posting(path, {**CHAT, "stream": True} if stream else CHAT, headers, check=not stream)
+
+
 RESPONSE = {"model": MODEL, "input": "hello there"}
 
 
 def responses_call(stream: bool = False) -> Call:
-    """``POST /v1/responses``: the reply's text checked, or (streamed) its named events read."""
-    body = json.dumps({**RESPONSE, "stream": True} if stream else RESPONSE).encode()
-
-    async def call(conn: Conn) -> Reply:
-        reply = await conn.request("POST", "/v1/responses", JSON, body)
-        if reply.status != 200 or b"echo: hello there" not in reply.body:
-            raise RuntimeError(f"/v1/responses: {reply.status} {reply.body[:200]!r}")
-        return reply
-
-    return call
+    """``POST /v1/responses``: the reply's text checked (streamed: in its ``done`` events)."""
+    return posting("/v1/responses", {**RESPONSE, "stream": True} if stream else RESPONSE)
 
 
 def rpc_call() -> Call:
-    body = json.dumps({"jsonrpc": "2.0", "method": "chat", "params": CHAT, "id": 1}).encode()
-
-    async def call(conn: Conn) -> Reply:
-        reply = await conn.request("POST", "/rpc", JSON, body)
-        if reply.status != 200 or b"echo: hello there" not in reply.body:
-            raise RuntimeError(f"/rpc: {reply.status} {reply.body[:200]!r}")
-        return reply
-
-    return call
+    return posting("/rpc", {"jsonrpc": "2.0", "method": "chat", "params": CHAT, "id": 1})
 
 
 @dataclass

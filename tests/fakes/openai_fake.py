@@ -242,7 +242,7 @@ def response(state: FakeOpenAIState, body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def stream_response(fake: FakeOpenAIState, result: dict[str, Any]) -> Response:
+def stream_response(fake: FakeOpenAIState, body: dict[str, Any], result: dict[str, Any]) -> Response:
     """The Responses API's named events: created, the message and its text a word a delta, done."""
     message = result["output"][0]
     text = message["content"][0]["text"]
@@ -327,34 +327,27 @@ def create_app(state: FakeOpenAIState | None = None) -> Starlette:
         fake.limiter.add_tokens(result["usage"]["prompt_tokens"])
         return JSONResponse(result)
 
-    async def chat_endpoint(request: Request) -> Response:
-        body = await json_body(request)
-        result = chat_completion(fake, body)
-        usage = result["usage"]
-        fake.limiter.add_tokens(usage["prompt_tokens"], usage["completion_tokens"])
-        if body.get("stream"):
-            return stream_chat(fake, body, result)
-        return JSONResponse(result)
+    def generation(path: str, answer: Callable[[FakeOpenAIState, dict[str, Any]], dict[str, Any]],
+                   stream: Callable[[FakeOpenAIState, dict[str, Any], dict[str, Any]], Response],
+                   spent: tuple[str, str]) -> Callable[[Request], Any]:
+        """An endpoint that answers, counts the usage against the limits, keeps the body, streams."""
+        async def endpoint(request: Request) -> Response:
+            body = await json_body(request)
+            result = answer(fake, body)
+            fake.limiter.add_tokens(*(result["usage"][k] for k in spent))
+            fake.bodies.setdefault(path, []).append(body)
+            if body.get("stream"):
+                return stream(fake, body, result)
+            return JSONResponse(result)
 
-    async def completions_endpoint(request: Request) -> Response:
-        body = await json_body(request)
-        result = completion(fake, body)
-        usage = result["usage"]
-        fake.limiter.add_tokens(usage["prompt_tokens"], usage["completion_tokens"])
-        fake.bodies.setdefault("/v1/completions", []).append(body)
-        if body.get("stream"):
-            return stream_completion(fake, body, result)
-        return JSONResponse(result)
+        return endpoint
 
-    async def responses_endpoint(request: Request) -> Response:
-        body = await json_body(request)
-        result = response(fake, body)
-        usage = result["usage"]
-        fake.limiter.add_tokens(usage["input_tokens"], usage["output_tokens"])
-        fake.bodies.setdefault("/v1/responses", []).append(body)
-        if body.get("stream"):
-            return stream_response(fake, result)
-        return JSONResponse(result)
+    chat_endpoint = generation("/v1/chat/completions", chat_completion, stream_chat,
+                               ("prompt_tokens", "completion_tokens"))
+    completions_endpoint = generation("/v1/completions", completion, stream_completion,
+                                      ("prompt_tokens", "completion_tokens"))
+    responses_endpoint = generation("/v1/responses", response, stream_response,
+                                    ("input_tokens", "output_tokens"))
 
     operations: dict[str, Callable[[FakeOpenAIState, dict[str, Any]], dict[str, Any]]] = {
         "/v1/embeddings": embeddings,

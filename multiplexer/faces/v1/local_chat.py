@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from multiplexer.core.errors import invalid_params
@@ -50,34 +51,40 @@ def chat_result(result: dict[str, Any], model: str) -> dict[str, Any]:
     }
 
 
-def chunk_encoder(body: dict[str, Any]) -> Any:
-    """Encodes the local stream's text chunks as ``chat.completion.chunk`` events."""
-    model = body["model"]
-    cid = "chatcmpl-" + uuid.uuid4().hex[:24]
-    created = int(time.time())
+def _chunks(body: dict[str, Any], base: dict[str, Any],
+            choice: Callable[[dict[str, Any], bool], dict[str, Any]]) -> Any:
+    """An encoder of the local stream's text chunks as OpenAI ``data:`` events with ``base`` and
+    ``choice(local choice, first)``; the usage chunk only when the caller asked for it."""
     options = body.get("stream_options")
     want_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     first = [True]
 
     def encode(chunk: dict[str, Any]) -> bytes:
-        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "system_fingerprint": None}
         if chunk.get("error") is not None:  # the face's error event
             return b"data: " + dumps(chunk) + b"\n\n"
         if "usage" in chunk and not chunk.get("choices"):
             if not want_usage:
                 return b""
             return b"data: " + dumps({**base, "choices": [], "usage": chunk["usage"]}) + b"\n\n"
-        choice = chunk["choices"][0]
-        delta: dict[str, Any] = {"content": choice.get("text", "")}
-        if first[0]:
-            delta["role"] = "assistant"
-            first[0] = False
-        out = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                    "finish_reason": choice.get("finish_reason")}]}
+        out = {**base, "choices": [choice(chunk["choices"][0], first[0])]}
+        first[0] = False
         return b"data: " + dumps(out) + b"\n\n"
 
     return encode
+
+
+def chunk_encoder(body: dict[str, Any]) -> Any:
+    """Encodes the local stream's text chunks as ``chat.completion.chunk`` events."""
+    base = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": body["model"], "system_fingerprint": None}
+
+    def choice(local: dict[str, Any], first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": local.get("text", "")}
+        if first:
+            delta["role"] = "assistant"
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": local.get("finish_reason")}
+
+    return _chunks(body, base, choice)
 
 
 # -- the Responses API on the same routes ------------------------------------------------------
@@ -240,22 +247,8 @@ def completion_result(result: dict[str, Any], model: str) -> dict[str, Any]:
 
 def completion_encoder(body: dict[str, Any]) -> Any:
     """Encodes the local stream's text chunks as the API's ``text_completion`` chunks."""
-    model = body["model"]
     base = {"id": "cmpl-" + uuid.uuid4().hex[:24], "object": "text_completion", "created": int(time.time()),
-            "model": model, "system_fingerprint": None}
-    options = body.get("stream_options")
-    want_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-
-    def encode(chunk: dict[str, Any]) -> bytes:
-        if chunk.get("error") is not None:  # the face's error event
-            return b"data: " + dumps(chunk) + b"\n\n"
-        if "usage" in chunk and not chunk.get("choices"):
-            if not want_usage:
-                return b""
-            return b"data: " + dumps({**base, "choices": [], "usage": chunk["usage"]}) + b"\n\n"
-        choice = chunk["choices"][0]
-        out = {**base, "choices": [{"index": 0, "text": choice.get("text", ""), "logprobs": None,
-                                    "finish_reason": choice.get("finish_reason")}]}
-        return b"data: " + dumps(out) + b"\n\n"
-
-    return encode
+            "model": body["model"], "system_fingerprint": None}
+    return _chunks(body, base, lambda local, first: {
+        "index": 0, "text": local.get("text", ""), "logprobs": None,
+        "finish_reason": local.get("finish_reason")})

@@ -6,7 +6,8 @@ quotas apply as on ``/rpc``."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from starlette.types import Receive, Scope, Send
 
@@ -41,42 +42,6 @@ OPENAI = Surface(b"x-request-id", openai_error)
 DONE = b"data: [DONE]\n\n"
 
 
-class ChatCompletions(Endpoint):
-    surface = OPENAI
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
-                     headers: list[tuple[bytes, bytes]]) -> None:
-        body = await self.v1.read_json(scope, receive)
-        name, params, shape = plan(self.v1, CHAT, body)
-        call = Call(name, params, identity=identity)
-        if not stream_flag(body):
-            await self.answer(call, scope, receive, send, headers, shape)
-            return
-        encode = chunk_encoder(body) if shape is not None else data_event
-        await self.stream(call, scope, receive, send, headers, encode, lambda e: openai_error(
-            e.status, e.error, e.param, e.code), tail=DONE)
-
-
-class Completions(Endpoint):
-    """``POST /v1/completions``, the legacy text completions: on a chat route of a provider with
-    the endpoint (``openai``), passed through whole or streamed; on a local generate route the
-    prompt goes to the model as it is (no chat template), answered in the API's shapes."""
-
-    surface = OPENAI
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
-                     headers: list[tuple[bytes, bytes]]) -> None:
-        body = await self.v1.read_json(scope, receive)
-        name, params, shape = plan(self.v1, COMPLETIONS, body)
-        call = Call(name, params, identity=identity, operation=operation_for(COMPLETIONS, shape))
-        if not stream_flag(body):
-            await self.answer(call, scope, receive, send, headers, shape)
-            return
-        encode = completion_encoder(body) if shape is not None else data_event
-        await self.stream(call, scope, receive, send, headers, encode, lambda e: openai_error(
-            e.status, e.error, e.param, e.code), tail=DONE)
-
-
 def response_error(status: int, error: RpcError, param: str | None, code: str | None) -> dict[str, Any]:
     """A Responses stream's ``error`` event, for a failure after the stream started."""
     body = openai_error(status, error, param, code)["error"]
@@ -84,25 +49,54 @@ def response_error(status: int, error: RpcError, param: str | None, code: str | 
             "param": body["param"]}
 
 
-class Responses(Endpoint):
-    """``POST /v1/responses`` on a chat route of a provider with the Responses API (``openai``):
-    passed through whole, or streamed as its named events; never shared by dedup (a response is
-    stored upstream and may be chained by ``previous_response_id``). On a local generate route
-    the gateway answers in the API's shapes itself (stateless: no ``previous_response_id``)."""
+class Generation(Endpoint):
+    """A text-generation endpoint: on a remote route the body goes up as the call's params (to
+    the provider's own endpoint for it) and the reply or stream comes back as sent; on a local
+    generate route the gateway answers in the endpoint's shapes (``local_chat``)."""
 
     surface = OPENAI
+    endpoint: ClassVar[str]
+    remote: ClassVar[Callable[[dict[str, Any]], bytes]] = staticmethod(data_event)
+    local: ClassVar[Callable[[dict[str, Any]], Callable[[dict[str, Any]], bytes]]]
+    error_body: ClassVar[Callable[..., dict[str, Any]]] = staticmethod(openai_error)
+    tail: ClassVar[bytes] = DONE
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, params, shape = plan(self.v1, RESPONSES, body)
-        call = Call(name, params, identity=identity, operation=operation_for(RESPONSES, shape))
+        name, params, shape = plan(self.v1, self.endpoint, body)
+        call = Call(name, params, identity=identity, operation=operation_for(self.endpoint, shape))
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers, shape)
             return
-        encode = named_event if shape is None else response_encoder(body)
-        await self.stream(call, scope, receive, send, headers, encode, lambda e: response_error(
-            e.status, e.error, e.param, e.code))
+        encode = self.remote if shape is None else type(self).local(body)
+        await self.stream(call, scope, receive, send, headers, encode, lambda e: self.error_body(
+            e.status, e.error, e.param, e.code), tail=self.tail)
+
+
+class ChatCompletions(Generation):
+    endpoint = CHAT
+    local = staticmethod(chunk_encoder)
+
+
+class Completions(Generation):
+    """The legacy text completions: on a local generate route the prompt goes to the model as it
+    is (no chat template)."""
+
+    endpoint = COMPLETIONS
+    local = staticmethod(completion_encoder)
+
+
+class Responses(Generation):
+    """Streamed as the API's named events, with no ``[DONE]``; never shared by dedup (a response
+    is stored upstream and may be chained by ``previous_response_id``). A local generate route
+    keeps no responses, so ``previous_response_id`` is refused there."""
+
+    endpoint = RESPONSES
+    remote = staticmethod(named_event)
+    local = staticmethod(response_encoder)
+    error_body = staticmethod(response_error)
+    tail = b""
 
 
 class Embeddings(Endpoint):
