@@ -45,12 +45,8 @@ class Client:
         headers = {"content-type": "application/json"}
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
-        self._lean: Http1Transport | None = None
-        if http is None:
-            self._lean = Http1Transport(max_connections=max(concurrency, 1) * 2)
-            http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
-                                     transport=self._lean)
-        self._http = http
+        self._http = http  # handed in: requests go through it as it is
+        self._lean = Http1Transport(max_connections=max(concurrency, 1) * 2) if http is None else None
         self._rpc = httpx.URL(f"{self.base_url}/rpc")
         self._wire = [(b"host", self._rpc.netloc), *((k.encode(), v.encode()) for k, v in headers.items())]
         self._timeouts: dict[str, float | None] = {
@@ -66,17 +62,21 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+        if self._lean is not None:
+            await self._lean.aclose()
 
     async def _post(self, payload: Any) -> Any:
         data = dumps(payload)
-        if self._lean is not None:
+        if self._http is not None:
+            response = await self._http.post(self._rpc, content=data)
+            status, content = response.status_code, response.content
+        else:
+            assert self._lean is not None
             headers = [*self._wire, (b"content-length", str(len(data)).encode())]
             reply = await self._lean.fetch("POST", self._rpc, headers, data, self._timeouts)
             status, content = reply.status, reply.content
-        else:
-            response = await self._http.post(self._rpc, content=data)
-            status, content = response.status_code, response.content
         if status == 204:
             return None
         try:
