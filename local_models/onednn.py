@@ -77,20 +77,17 @@ def faster(linear: torch.nn.Linear) -> tuple[bool, float]:
     return ratio <= _MARGIN, ratio
 
 
-def swap_linears(module: torch.nn.Module) -> int:
-    """Replace every ``Linear`` under ``module`` by its oneDNN form, in place; how many were replaced.
+def swap_linears(module: torch.nn.Module) -> None:
+    """Replace every ``Linear`` under ``module`` by its oneDNN form, in place.
 
     Only for modules the caller owns: a replaced child is gone from ``module``
     but not from any other module holding it.
     """
-    count = 0
     for name, child in list(module.named_children()):
         if type(child) is torch.nn.Linear:
             setattr(module, name, OneDnnLinear(child))
-            count += 1
         else:
-            count += swap_linears(child)
-    return count
+            swap_linears(child)
 
 
 def onednn_copy(model: torch.nn.Module) -> torch.nn.Module:
