@@ -175,28 +175,35 @@ def content_text(content: Any) -> str:
     return ""
 
 
+def _budget(value: Any) -> int:
+    """An output budget as the caller gave it: a plain integer, else nothing to add."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _strings(raw: Any) -> list[Any]:
+    """A field that takes one value or a list of them, as a list."""
+    return [raw] if isinstance(raw, str) else raw if isinstance(raw, list) else []
+
+
 def completion_tokens(params: dict[str, Any]) -> int:
     """A legacy completion's estimate: its prompt (or prompts) plus the output budget (per prompt)."""
-    raw = params.get("prompt")
-    prompts = [raw] if isinstance(raw, str) else [p for p in raw if isinstance(p, str)] \
-        if isinstance(raw, list) else []
-    budget = params.get("max_tokens") or 16  # the API's own default
-    budget = budget if isinstance(budget, int) and not isinstance(budget, bool) else 0
+    prompts = [p for p in _strings(params.get("prompt")) if isinstance(p, str)]
+    budget = _budget(params.get("max_tokens") or 16)  # the API's own default
     return sum(text_tokens(p) for p in prompts) + budget * max(len(prompts), 1)
 
 
 def responses_tokens(params: dict[str, Any]) -> int:
     """A Responses API call's estimate: its input (a string or items) and instructions, plus the
     output budget."""
-    raw = params.get("input")
-    items = [raw] if isinstance(raw, str) else raw if isinstance(raw, list) else []
-    prompt = sum(text_tokens(item) if isinstance(item, str) else
-                 text_tokens(content_text(item.get("content"))) + 4 if isinstance(item, dict) else 0
-                 for item in items)
+    prompt = 0
+    for item in _strings(params.get("input")):
+        if isinstance(item, str):
+            prompt += text_tokens(item)
+        elif isinstance(item, dict):
+            prompt += text_tokens(content_text(item.get("content"))) + 4
     if isinstance(params.get("instructions"), str):
         prompt += text_tokens(params["instructions"])
-    budget = params.get("max_output_tokens") or 0
-    return prompt + (budget if isinstance(budget, int) and not isinstance(budget, bool) else 0)
+    return prompt + _budget(params.get("max_output_tokens"))
 
 
 def chat_tokens(params: dict[str, Any]) -> int:
@@ -205,5 +212,4 @@ def chat_tokens(params: dict[str, Any]) -> int:
     prompt = sum(text_tokens(content_text(m.get("content"))) + 4
                  for m in messages if isinstance(m, dict))
     prompt += text_tokens(content_text(params.get("system"))) if params.get("system") else 0
-    budget = params.get("max_completion_tokens") or params.get("max_tokens") or 0
-    return prompt + (budget if isinstance(budget, int) and not isinstance(budget, bool) else 0)
+    return prompt + _budget(params.get("max_completion_tokens") or params.get("max_tokens"))
