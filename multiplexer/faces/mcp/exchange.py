@@ -18,7 +18,6 @@ to the SDK's entry, so every status and error body stays the SDK's own.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -29,6 +28,7 @@ import anyio
 from mcp.server import Server
 from mcp.server.connection import Connection
 from mcp.server.runner import modern_error_data, serve_one
+from mcp.server.streamable_http import check_accept_headers
 from mcp.shared.dispatcher import CallOptions
 from mcp.shared.exceptions import NoBackChannelError
 from mcp.shared.inbound import (
@@ -77,16 +77,6 @@ def sse_event(message: JSONRPCResponse | JSONRPCError | JSONRPCNotification) -> 
 def _json(message: JSONRPCResponse | JSONRPCError | JSONRPCNotification) -> bytes:
     body = message.model_dump(mode="json", by_alias=True, exclude_none=True)
     return json.dumps(body, separators=(",", ":")).encode()
-
-
-@functools.lru_cache(maxsize=64)
-def _accepts_json_and_sse(accept: str) -> bool:
-    """The SDK's Accept check in SSE mode (wildcards per RFC 7231), for the few values clients send."""
-    types = [t.strip().split(";")[0].strip().lower() for t in accept.split(",")]
-    if "*/*" in types:
-        return True
-    return (any(t in ("application/json", "application/*") for t in types)
-            and any(t in ("text/event-stream", "text/*") for t in types))
 
 
 class Exchange:
@@ -263,7 +253,7 @@ class SingleExchange:
         folded = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
         if not folded.get("content-type", "").lower().startswith("application/json"):
             return None
-        if not _accepts_json_and_sse(folded.get("accept", "")):
+        if not all(check_accept_headers(Request(scope))):  # the SDK's own check, SSE mode
             return None
         try:
             decoded = json.loads(body)
