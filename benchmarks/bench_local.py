@@ -109,17 +109,18 @@ def compiles(model: dict[str, Any]) -> bool:
         setting is True or (setting == "auto" and compiler_available()))
 
 
-async def warm(proc: GatewayProc, model: dict[str, Any]) -> None:
-    """Until the model is loaded and, where it compiles, the compile has ended."""
+async def warm(proc: GatewayProc, model: dict[str, Any]) -> str:
+    """Until the model is loaded and, where it compiles, the compile has ended; whose linear
+    layers its forward runs on (the default times both at load)."""
     async with httpx.AsyncClient(timeout=30) as client:
         while True:
             text = (await client.get(f"{proc.url}/metrics")).text
-            ended = {e for e in ("model_loaded", "load_failed", "compiled", "compile_failed")
+            ended = {e for e in ("model_loaded", "load_failed", "compiled", "compile_failed", "linear_onednn")
                      if metric_sum(text, "multiplexer_events_total", component="local", event=e)}
             if "load_failed" in ended:
                 raise RuntimeError(f"load failed: {proc.log()[-2000:]}")
             if "model_loaded" in ended and (not compiles(model) or ended & {"compiled", "compile_failed"}):
-                return
+                return "onednn" if "linear_onednn" in ended else "torch"
             if not proc.alive():
                 raise RuntimeError(f"gateway exited: {proc.log()[-2000:]}")
             await anyio.sleep(0.5)
@@ -259,10 +260,10 @@ async def run(args: argparse.Namespace) -> dict:
     st_model = SentenceTransformer(str(resolve_source(MINILM)), device=device)
     wanted = [name for name in ROWS if name not in args.skip.split(",")]
     with contextlib.ExitStack() as stack:
-        procs = {name: stack.enter_context(gateway(config_yaml({**base, **ROWS[name]}, route)))
-                 for name in wanted}
-        for name in wanted:
-            await warm(procs[name], {**base, **ROWS[name]})
+        procs, linear = {}, {}
+        for name in wanted:  # one at a time, as a user starts one: each times its layers at load alone
+            procs[name] = stack.enter_context(gateway(config_yaml({**base, **ROWS[name]}, route)))
+            linear[name] = await warm(procs[name], {**base, **ROWS[name]})
         rows: dict[str, Any] = {
             name: HttpRow(procs[name], 1 if name == "one_at_a_time" else args.callers) for name in wanted}
         for name, host in FACES.items():
@@ -303,7 +304,7 @@ async def run(args: argparse.Namespace) -> dict:
     return {"params": vars(args), "model": base, "median": median, "rounds": rounds,
             "vs_st_encode": {name: ratio(name, "st_encode") for name in names},
             "default_vs": {name: ratio("default", name) for name in names},
-            "min_cosine_vs_st": cosine, "torch": torch.__version__, "cores": os.cpu_count(),
+            "min_cosine_vs_st": cosine, "linear": linear, "torch": torch.__version__, "cores": os.cpu_count(),
             "load_before": args.load_before, "load_after": os.getloadavg()}
 
 
@@ -340,6 +341,8 @@ def main() -> None:
           f"({d.get('one_at_a_time', float('nan')):.2f}x); gateway CPU outside the forward "
           f"{m['default']['outside_ms']:.2f} ms/call (goal 0.3); int8 worst cosine "
           f"{cos.get('onnx_int8', float('nan')):.4f} (floor 0.99)")
+    print("fp32 linear layers the forward ran on (the default times both at load): "
+          + ", ".join(f"{name} {kind}" for name, kind in r["linear"].items()))
     print(f"load average before {r['load_before']}, after {r['load_after']}")
     save("bench_local", r)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,14 +54,27 @@ def widest(module: torch.nn.Module) -> torch.nn.Linear | None:
     return max(layers, key=lambda m: m.weight.numel(), default=None)
 
 
-def _best_of(fn: Callable[[], Any], reps: int = 5) -> float:
-    fn()  # first call: allocation, kernel choice
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def time_ratio(a: Callable[[], Any], b: Callable[[], Any], pairs: int = 9,
+               clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median over interleaved pairs of ``a``'s time over ``b``'s.
+
+    A model often loads while other processes load theirs (several gateways, or
+    replicas, starting at once). Timing one side's runs and then the other's let a
+    burst of that load land on one side only and flip the choice from start to
+    start; a pair's two runs share the moment, and the median drops the bursts.
+    """
+    a(), b()  # first calls: allocation, kernel choice
+    ratios = []
+    for i in range(pairs):
+        first, second = (a, b) if i % 2 == 0 else (b, a)  # neither side always runs on a warm cache
+        t0 = clock()
+        first()
+        t1 = clock()
+        second()
+        t2 = clock()
+        ta, tb = (t1 - t0, t2 - t1) if first is a else (t2 - t1, t1 - t0)
+        ratios.append(ta / tb)
+    return statistics.median(ratios)
 
 
 def faster(linear: torch.nn.Linear) -> tuple[bool, float]:
@@ -73,7 +87,7 @@ def faster(linear: torch.nn.Linear) -> tuple[bool, float]:
         if float((reference - packed).abs().max()) > _AGREE * scale:
             log.warning("oneDNN's linear disagrees with torch's here; keeping torch's")
             return False, 1.0
-        ratio = _best_of(lambda: candidate(x)) / _best_of(lambda: linear(x))
+        ratio = time_ratio(lambda: candidate(x), lambda: linear(x))
     return ratio <= _MARGIN, ratio
 
 

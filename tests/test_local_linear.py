@@ -107,3 +107,25 @@ def test_a_disagreeing_kernel_is_not_used(monkeypatch) -> None:
 
     monkeypatch.setattr(module.OneDnnLinear, "forward", wrong)
     assert module.faster(torch.nn.Linear(64, 64)) == (False, 1.0)
+
+
+def test_the_timing_pairs_its_runs_and_drops_bursts() -> None:
+    """Each side's runs are paired with the other's, order alternating, and the median pair counts:
+    a burst of load on a few runs of one side (a sibling process loading) does not flip the choice."""
+    from local_models.onednn import time_ratio
+
+    now = [0.0]
+    runs: list[str] = []
+    slow_a = {3, 7}  # the 3rd and 7th timed runs of ``a`` land in a burst
+
+    def a() -> None:
+        runs.append("a")
+        n = runs.count("a") - 1  # the first call is untimed warm-up
+        now[0] += 50.0 if n in slow_a else 1.0
+
+    def b() -> None:
+        runs.append("b")
+        now[0] += 2.0
+
+    assert time_ratio(a, b, pairs=9, clock=lambda: now[0]) == 0.5
+    assert runs[:2] == ["a", "b"] and runs[2:6] == ["a", "b", "b", "a"]  # warm-up, then alternating pairs
