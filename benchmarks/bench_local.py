@@ -7,15 +7,18 @@ a kept-alive HTTP/1.1 connection and parse the reply. Rows: the default,
 torch's own fp32 linear layers (``linear: torch``: where the default's timing
 at load picks oneDNN, this row shows what that gained), ``compile: true``,
 bf16, ONNX Runtime fp32 and int8, fixed batches of 32 in arrival order, one
-call at a time, the default gateway's ``/v1/embeddings`` (float and base64),
+call at a time, one batch at a time on all cores (``concurrency: 1``: how torch's
+threads and the event loop share the cores), the default gateway's ``/v1/embeddings`` (float and base64),
 the default in-process (``Gateway.submit``), and sentence-transformers ``encode(batch_size=32)``
 offline on the same texts. Texts are 3 to 120 words (evenly 3, 5, 8, 12, 20,
 40, 80 and 120). Rounds are interleaved (who goes first rotates) and the
 median round is reported, with ratios taken within each round, since the host
 is shared. Gateway CPU per call is the gateway process's CPU time over the
 round; "outside the forward" subtracts the CPU of the threads running the
-forward passes (``multiplexer_compute_cpu_seconds``), and "event loop" is the
-main thread's share (HTTP, JSON-RPC, tokenising, batching).
+forward passes (``multiplexer_compute_cpu_seconds``: the CPU of the thread that
+calls each forward, so where one batch runs on several torch threads, as in
+``one_forward``, the helpers' CPU lands outside), and "event loop" is the main
+thread's share (HTTP, JSON-RPC, tokenising, batching).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ ROWS: dict[str, dict[str, Any]] = {  # what each row changes in the default mode
     "onnx_int8": {"backend": "onnx", "quantize": "int8"},
     "fixed_32": {"max_batch_size": 32, "max_tokens": 10**9, "length_grouping": False},
     "one_at_a_time": {"max_batch_size": 1, "max_wait_ms": 0},
+    "one_forward": {"concurrency": 1},  # one batch at a time on every core, against two at once
 }
 FACES = {"v1_float": "default", "v1_base64": "default"}  # rows on another face of a row's gateway
 V1_MODEL = "all-MiniLM-L6-v2"
