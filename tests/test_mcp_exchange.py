@@ -23,6 +23,7 @@ from starlette.types import Message, Receive, Scope, Send
 from multiplexer.core.provider import ToolSpec
 from multiplexer.core.tracing import Tracer
 from multiplexer.faces.auth import Authenticator
+from multiplexer.faces.mcp.batch import run_asgi
 from multiplexer.faces.mcp.exchange import SingleExchange
 from multiplexer.faces.mcp.http import McpEndpoint, mount_mcp
 from multiplexer.faces.mcp.server import McpFace
@@ -92,29 +93,9 @@ LEAN = {"call", "call, string id", "list", "ping", "unknown tool", "unknown meth
 
 async def asgi(app: Any, headers: dict[str, str], body: bytes) -> tuple[int, str, bytes]:
     """One POST through an ASGI app: status, content type, body (the client stays until the end)."""
-    done = anyio.Event()
     scope: Scope = {"type": "http", "method": "POST", "path": "/mcp", "query_string": b"",
                     "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-    sent: list[Message] = []
-    delivered = False
-
-    async def receive() -> Message:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await done.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-        if message["type"] == "http.response.body" and not message.get("more_body"):
-            done.set()
-
-    await app(scope, receive, send)
-    start = sent[0]
-    content_type = dict(start.get("headers", [])).get(b"content-type", b"").decode()
-    return start["status"], content_type, b"".join(m.get("body", b"") for m in sent[1:])
+    return await run_asgi(app, scope, body)
 
 
 @pytest.fixture(scope="module")

@@ -34,13 +34,12 @@ def _sse_messages(body: bytes) -> list[Any]:
     return out
 
 
-async def _serve_one(app: ASGIApp, scope: Scope, item: Any) -> Any:
-    """One element through the transport; its JSON-RPC reply, or None for a notification."""
-    if not isinstance(item, dict):
-        return error_response(None, invalid_request("a batch element must be a JSON object"))
-    body = json.dumps(item, separators=(",", ":")).encode()
-    headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-    sub = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+async def run_asgi(app: ASGIApp, scope: Scope, body: bytes) -> tuple[int, str, bytes]:
+    """One request through an ASGI app in process: status, content type (lower case) and body.
+
+    The request's disconnect comes only once the app has returned, as from a client that
+    reads the whole answer.
+    """
     finished = anyio.Event()
     delivered = False
     status = 0
@@ -66,13 +65,23 @@ async def _serve_one(app: ASGIApp, scope: Scope, item: Any) -> Any:
             chunks.append(message.get("body", b""))
 
     try:
-        await app(sub, receive, send)
+        await app(scope, receive, send)
     finally:
         finished.set()
+    return status, content_type, b"".join(chunks)
+
+
+async def _serve_one(app: ASGIApp, scope: Scope, item: Any) -> Any:
+    """One element through the transport; its JSON-RPC reply, or None for a notification."""
+    if not isinstance(item, dict):
+        return error_response(None, invalid_request("a batch element must be a JSON object"))
+    body = json.dumps(item, separators=(",", ":")).encode()
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+    sub = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+    status, content_type, raw = await run_asgi(app, sub, body)
     rid = item.get("id")
     if status == 202 or "id" not in item:
         return None
-    raw = b"".join(chunks)
     messages = _sse_messages(raw) if content_type.startswith("text/event-stream") else []
     if content_type.startswith("application/json"):
         try:
