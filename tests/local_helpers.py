@@ -80,6 +80,9 @@ def local_config(models: dict[str, dict[str, Any]], routes: dict[str, dict[str, 
     from multiplexer.gateway.config import parse_config
 
     routes = routes or {name: {"provider": "local", "model": name} for name in models}
+    # The suite compiles where a test asks for it (test_local_compile); the default, auto, would
+    # spend tens of seconds of CPU compiling each model after its first call.
+    models = {name: {"compile": False, **spec} for name, spec in models.items()}
     return parse_config({
         "providers": {"local": {"kind": "local", "models": models, **provider}},
         "routes": routes,

