@@ -82,6 +82,22 @@ def test_device_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pick_dtype("fp16", cpu) == torch.float32  # half on CPU stays fp32
 
 
+def test_bf16_on_a_cpu_without_bf16_instructions_is_kept_with_a_warning(monkeypatch, caplog) -> None:
+    import torch
+
+    from local_models.devices import pick_dtype
+
+    cpu = torch.device("cpu")
+    for avx512_bf16, amx, warned in ((False, False, True), (True, False, False), (False, True, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        caplog.clear()
+        assert pick_dtype("bf16", cpu) == torch.bfloat16  # asked for: kept (memory may be the reason)
+        assert ("without bf16 instructions" in caplog.text) is warned
+        caplog.clear()
+        assert pick_dtype("auto", cpu) == torch.float32 and "bf16" not in caplog.text  # auto: fp32, no word
+
+
 def test_embed_config_follows_the_sentence_transformers_modules(tmp_path: Path) -> None:
     from local_models.tasks.embed import UnsupportedModel, read_embed_config
 
