@@ -69,7 +69,7 @@ async def test_small_calls_tokenize_as_the_tokenizer_does(minilm_path) -> None:
     from local_models.spec import ModelSpec
 
     long = sentence(5, 600)
-    async with LocalPool({"m": ModelSpec(source=MINILM, task="embed", device="cpu")}) as pool:
+    async with LocalPool({"m": ModelSpec(source=MINILM, task="embed", device="cpu", compile=False)}) as pool:
         handle = await pool.ready("m")
         tok = handle.loaded.tokenizer
         first, _ = handle.tokenize(["the very first call"], False)
@@ -87,7 +87,7 @@ async def test_batched_padded_run_equals_single_runs_and_sentence_transformers(m
     from local_models.pool import LocalPool
     from local_models.spec import ModelSpec
 
-    async with LocalPool({"m": ModelSpec(source=MINILM, task="embed", device="cpu")}) as pool:
+    async with LocalPool({"m": ModelSpec(source=MINILM, task="embed", device="cpu", compile=False)}) as pool:
         handle = await pool.ready("m")
         ids, over = handle.tokenize(TEXTS, False)
         assert not over
