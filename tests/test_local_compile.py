@@ -124,19 +124,28 @@ async def test_a_compiled_padded_classifier_gives_the_eager_scores(tmp_path) -> 
     assert torch.tensor(scores[0]).sub(torch.tensor(scores[1])).abs().max().item() < 1e-5
 
 
-async def test_auto_compiles_once_the_model_serves_and_keeps_the_faster_forward(monkeypatch) -> None:
-    """Compiling is faked (a wrapper of the eager module) and the timing injected: the test is
-    about when auto compiles and what it keeps, not about inductor."""
+@pytest.fixture
+def fake_compiler(monkeypatch) -> tuple[list[str], list[float]]:
+    """Compiling faked (a wrapper of the eager module that counts its calls) and the timing
+    injected (ratios popped in order): for tests of when auto compiles and what it keeps."""
     import local_models.pool as pool_module
 
     compiled_calls: list[str] = []
     ratios: list[float] = []
 
-    def fake_compile(owner, kind, module, warm):
-        def forward(*args):
-            compiled_calls.append(kind)
-            return module(*args)
+    class Compiled:  # as torch.compile's module: callable, the rest of the model's attributes read through
+        def __init__(self, kind, module) -> None:
+            self.kind, self.module = kind, module
 
+        def __call__(self, *args, **kwargs):
+            compiled_calls.append(self.kind)
+            return self.module(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.module, name)
+
+    def fake_compile(owner, kind, module, warm):
+        forward = Compiled(kind, module)
         warm(forward)
         return forward
 
@@ -151,6 +160,11 @@ async def test_auto_compiles_once_the_model_serves_and_keeps_the_faster_forward(
     monkeypatch.setattr(pool_module, "compiler_available", lambda: True)
     monkeypatch.setattr(pool_module, "compiled_forward", fake_compile)
     monkeypatch.setattr(pool_module, "time_ratio", fake_timing)
+    return compiled_calls, ratios
+
+
+async def test_auto_compiles_once_the_model_serves_and_keeps_the_faster_forward(fake_compiler) -> None:
+    compiled_calls, ratios = fake_compiler
     auto = config(MINILM, "embed", "embed_local", compile="auto", linear="torch")
 
     ratios.append(1.02)  # not faster here: the eager forward stays
@@ -176,6 +190,24 @@ async def test_auto_compiles_once_the_model_serves_and_keeps_the_faster_forward(
         assert (await vectors(gw, TEXTS) - eager).abs().max().item() < 1e-5
         assert len(compiled_calls) > served
     assert ratios == []
+
+
+async def test_auto_on_a_padded_classifier_swaps_in_only_a_faster_forward(fake_compiler, tmp_path) -> None:
+    compiled_calls, ratios = fake_compiler
+    auto = config(str(tiny_classifier(tmp_path)), "classify", "classify", compile="auto", linear="torch")
+    texts = [sentence(i, n) for i, n in enumerate((2, 9, 4, 15))]
+    scores = []
+    for ratio in (1.05, 0.9):
+        ratios.append(ratio)
+        async with Gateway(auto) as gw:
+            handle = await gw.providers["local"].pool.warm("m")
+            assert (handle.compiled_model is not None) == (ratio < 1)
+            served = len(compiled_calls)
+            outcome = await gw.submit(Call("classify", {"input": texts}))
+            assert outcome.ok, outcome.error
+            assert (len(compiled_calls) > served) == (ratio < 1)  # who answered: eager, then compiled
+            scores.append([[s["score"] for s in row["scores"]] for row in outcome.result["data"]])
+    assert torch.tensor(scores[0]).sub(torch.tensor(scores[1])).abs().max().item() < 1e-6
 
 
 async def test_daemon_work_hands_back_its_result_or_error() -> None:
