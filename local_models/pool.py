@@ -31,6 +31,7 @@ from .daemon import run_daemon
 from .devices import auto_concurrency, auto_threads, pick_device, pick_dtype, run_resilient
 from .formation import PassThrough, TokenBudget, plan_chunks
 from .loading import Loaded, load
+from .memory import keep_freed_memory
 from .onednn import faster, onednn_copy, swap_linears, time_ratio, usable, widest
 from .sources import resolve_source
 from .spec import ModelSpec
@@ -242,8 +243,9 @@ class ModelHandle:
                     forward(*pack(rows, loaded.device)[0])
 
             compiled = compiled_forward(loaded, "packed", packed.module, warm_packed)
-            args = pack(rows, loaded.device)[0]
-            if not self._compiled_wins(lambda: compiled(*args), lambda: packed.module(*args)):
+            device = loaded.device  # each side packs its rows, as a call does
+            if not self._compiled_wins(lambda: compiled(*pack(rows, device)[0]),
+                                       lambda: packed(rows, device)):
                 return False
             packed.forward = compiled
         else:
@@ -320,6 +322,7 @@ class LocalPool:
     def __init__(
         self, specs: dict[str, ModelSpec], *, on_event: Callable[[str, str], None] = lambda m, e: None,
         threads: int | None = None, preload: bool = True, cache_dir: str | Path | None = None,
+        keep_freed_memory: bool = True,
     ) -> None:
         self.handles = {
             name: ModelHandle(name, spec, cache_dir=str(cache_dir) if cache_dir else None, on_event=on_event)
@@ -328,11 +331,14 @@ class LocalPool:
         self.on_event = on_event
         self.threads = threads
         self.preload = preload
+        self.keep_freed_memory = keep_freed_memory
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> LocalPool:
         torch.set_num_threads(self.threads or auto_threads(h.concurrency for h in self.handles.values()))
+        if self.keep_freed_memory:
+            keep_freed_memory()
         stack = AsyncExitStack()
         self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._stack = stack

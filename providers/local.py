@@ -57,6 +57,11 @@ class LocalSettings(BaseModel):
         description="torch intra-op threads (process-wide); unset: the cores over the models' concurrency",
     )
     preload: bool = True
+    keep_freed_memory: bool = Field(
+        default=True,
+        description="glibc: keep memory the forward passes free for the next batch instead of returning it"
+                    " to the kernel (process-wide; the process holds its peak working set)",
+    )
     cache_dir: str | None = Field(default=None, description="Hugging Face cache to resolve ids from")
 
 
@@ -85,6 +90,7 @@ class LocalProvider(Provider):
         self.pool = LocalPool(
             self.settings.models, on_event=self._event, threads=self.settings.threads,
             preload=self.settings.preload, cache_dir=self.settings.cache_dir,
+            keep_freed_memory=self.settings.keep_freed_memory,
         )
         await self.pool.__aenter__()
         for name, handle in self.pool.handles.items():

@@ -249,7 +249,7 @@ async def test_http_replies_carry_the_float32_values_in_their_shortest_text(mini
 async def test_unpadded_bert_forward_equals_the_padded_model_forward(minilm_path) -> None:
     """The packed fast path is the same model: hidden states within 1e-5 at every real token."""
     from local_models.loading import load
-    from local_models.tasks.packed_bert import PackedEncoder, packable
+    from local_models.tasks.packed_bert import PackedEncoder, pack, packable
     from local_models.tensors import pad
 
     loaded = load(minilm_path, "embed", torch.device("cpu"), torch.float32)
@@ -257,13 +257,23 @@ async def test_unpadded_bert_forward_equals_the_padded_model_forward(minilm_path
     packed = PackedEncoder(loaded.model)
     ids = loaded.tokenizer(TEXTS)["input_ids"]
     with torch.inference_mode():
-        for rows in (ids, ids[:1], [ids[3], ids[3]]):  # mixed lengths, one row, uniform lengths
+        runs = [ids[3], ids[3], ids[0], ids[3], ids[1], ids[1]]  # runs of equal lengths, mixed
+        for rows in (ids, ids[:1], [ids[3], ids[3]], runs):  # mixed lengths, one row, uniform lengths
             x, mask = pad(rows, loaded.tokenizer.pad_token_id)
             ref = loaded.model(input_ids=x, attention_mask=mask).last_hidden_state
             hidden, packed_mask = packed(rows, torch.device("cpu"))
             assert torch.equal(packed_mask, mask)
             assert ((ref - hidden) * mask.unsqueeze(-1)).abs().max().item() < 1e-5
             assert not hidden[mask == 0].any()  # padding slots stay zero for pooling
+            grid = packed.module(*pack(rows, torch.device("cpu"))[0])  # the compiled path's layout
+            assert (grid - hidden).abs().max().item() < 1e-5
+
+
+def test_runs_of_groups_consecutive_rows_of_one_length() -> None:
+    from local_models.tasks.packed_bert import runs_of
+
+    assert runs_of([5, 5, 3, 5, 7, 7, 7]) == [(2, 5), (1, 3), (1, 5), (3, 7)]
+    assert runs_of([4]) == [(1, 4)]
 
 
 async def test_padded_and_unpadded_paths_give_the_same_embeddings(minilm_path) -> None:
