@@ -12,6 +12,7 @@ previous ones still run, so batches keep growing while the model is busy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -155,6 +156,13 @@ class GatedFormation:
     the running batches are recognised from the ``Pending`` objects it took: a
     batch this formation chose is running once its items have left the queue and
     finished once they are all ``done``.
+
+    With a capacity over one, a token budget's batch takes at most its share of
+    the rows queued and running (``balanced``), so the batches running side by
+    side stay alike in size and so do the cores' loads. Without it, callers
+    that share a batch come back together and queue together: a budget that
+    lets a batch take everything queued settled, with 64 callers on two
+    batches at once, into one batch of 63 beside a stream of single rows.
     """
 
     def __init__(self, policy: Policy) -> None:
@@ -179,7 +187,17 @@ class GatedFormation:
             return formation.decide(pending, now)
         if self.running(group, pending) >= capacity:
             return Decision()  # the lane wakes us when a batch ends
-        decision = formation.decide(pending, now)
+        decision = self.balanced(formation, capacity, group, pending).decide(pending, now)
         if decision.take:
             self._batches[group].append(tuple(pending[i] for i in decision.take))
         return decision
+
+    def balanced(self, formation: Formation, capacity: int, group: Hashable,
+                 pending: Sequence[Pending]) -> Formation:
+        """``formation`` with its row cap lowered to this batch's share (call after ``running``)."""
+        if capacity <= 1 or not isinstance(formation, TokenBudget):
+            return formation
+        rows = sum(shape(p.item)[0] for p in pending)
+        rows += sum(shape(p.item)[0] for batch in self._batches.get(group, ()) for p in batch)
+        share = max(1, -(-rows // capacity))
+        return formation if share >= formation.max_rows else dataclasses.replace(formation, max_rows=share)

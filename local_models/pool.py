@@ -43,6 +43,7 @@ from .tensors import padded_cost
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+DEFAULT_MAX_PADDING = 0.1  # where padding costs compute: the padded forward, the compiled packed one
 DIRECT_TOKENIZE = 8  # calls with at most this many texts skip the batch tokenizer
 # compile: auto keeps the compiled forward where it takes at most this share of the eager one's time
 # at load, a clear edge for the compile's cost (an AVX2 EPYC: 0.85-0.94, median 0.88, ten timings).
@@ -88,8 +89,8 @@ class ModelHandle:
         self.concurrency = spec.concurrency or auto_concurrency(spec.device)
         self.fallback_device: torch.device | None = None
         self.budget = TokenBudget(
-            spec.max_batch_size, spec.max_tokens, spec.max_wait_ms / 1000.0, spec.max_padding,
-            spec.length_grouping, spec.aging_s, spec.padding_slack,
+            spec.max_batch_size, spec.max_tokens, spec.max_wait_ms / 1000.0,
+            self._padding(padding_free=False), spec.length_grouping, spec.aging_s, spec.padding_slack,
         )
         self.control = BudgetControl(spec.max_tokens, spec.max_tokens)
         self.stats = Stats()
@@ -120,6 +121,7 @@ class ModelHandle:
                                           threads=torch.get_num_threads(), device=device, tokenize=tokenize)
         elif self.task == "embed" and self.spec.unpadded and packable(loaded.model):
             self.packed = PackedEncoder(loaded.model)
+            self._set_padding(padding_free=device.type == "cpu")  # attention row by row there
         if self.spec.backend == "torch" and self.task != "generate":
             self._choose_linear(loaded)
         limits.append(loaded.max_positions())
@@ -161,6 +163,17 @@ class ModelHandle:
             self.onednn_model = onednn_copy(loaded.model)
         self.linear = "onednn"
         self.on_event(self.name, "linear_onednn")
+
+    def _padding(self, *, padding_free: bool) -> float:
+        """The padding share batches may carry: the spec's, else none limited where it costs nothing."""
+        if self.spec.max_padding is not None:
+            return self.spec.max_padding
+        return 1.0 if padding_free else DEFAULT_MAX_PADDING
+
+    def _set_padding(self, *, padding_free: bool) -> None:
+        share = self._padding(padding_free=padding_free)
+        with self._lock:
+            self.budget = dataclasses.replace(self.budget, max_padding=share)
 
     # -- tokens ------------------------------------------------------------------
     def tokenize(self, texts: list[str], truncate: bool) -> tuple[list[list[int]], list[tuple[int, int]]]:
@@ -248,6 +261,7 @@ class ModelHandle:
                                        lambda: packed(rows, device)):
                 return False
             packed.forward = compiled
+            self._set_padding(padding_free=False)  # the compiled forward attends on the padded grid
         else:
             def warm_model(forward: Callable[..., Any]) -> None:
                 for rows in batches:

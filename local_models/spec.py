@@ -23,7 +23,11 @@ class ModelSpec(BaseModel):
     max_tokens: int = Field(default=16384, ge=16, description="padded tokens per batch: rows x longest")
     max_wait_ms: float = Field(default=2.0, ge=0)
     max_length: int | None = Field(default=None, ge=1, description="input limit, at most the model's own")
-    max_padding: float = Field(default=0.1, ge=0, le=1, description="padding share tolerated when grouping")
+    max_padding: float | None = Field(
+        default=None, ge=0, le=1,
+        description="padding share tolerated when grouping; unset: 0.1, or no limit where the forward"
+                    " skips padding (BERT encoders unpadded on a CPU, eager)",
+    )
     padding_slack: int = Field(default=16, ge=0, description="padding tokens a batch may always carry")
     length_grouping: bool = True
     aging_s: float = Field(default=1.0, ge=0, description="waiting time worth one priority level")

@@ -72,9 +72,11 @@ async def _compile_while_serving(release: threading.Event) -> None:
         eager_batch = await vectors(gw, TEXTS)
         eager_single = torch.cat([await vectors(gw, t) for t in TEXTS])
         assert not handle.warm.is_set() and handle.packed.forward is None  # eager: attention row by row
+        assert handle.budget.max_padding == 1.0  # so padding is free
         release.set()
         await pool.warm("m")
         assert handle.packed.forward is not None  # swapped in
+        assert handle.budget.max_padding == 0.1  # the compiled forward attends on the padded grid
         assert events(gw, "compiled") == 1 and events(gw, "compile_failed") == 0
         batches = pool.stats("m").batches
         compiled_single = torch.cat([await vectors(gw, t) for t in TEXTS])

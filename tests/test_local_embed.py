@@ -283,3 +283,17 @@ async def test_padded_and_unpadded_paths_give_the_same_embeddings(minilm_path) -
             results.append([d["embedding"] for d in (await embed(gw, TEXTS))["data"]])
     fast, slow = torch.tensor(results[0]), torch.tensor(results[1])
     assert (fast - slow).abs().max().item() < 1e-5
+
+
+async def test_batches_ignore_padding_where_the_forward_skips_it(minilm_path) -> None:
+    """Packed on a CPU, attention runs row by row: padding costs nothing, so length grouping
+    does not cap a batch; the padded forward keeps the 0.1 share, and a configured share wins."""
+    from local_models.pool import LocalPool
+    from local_models.spec import ModelSpec
+
+    extras = {"packed": {}, "padded": {"unpadded": False}, "set": {"max_padding": 0.2}}
+    specs = {name: ModelSpec(source=str(minilm_path), task="embed", device="cpu", compile=False, **extra)
+             for name, extra in extras.items()}
+    async with LocalPool(specs) as pool:
+        shares = {name: (await pool.ready(name)).budget.max_padding for name in specs}
+    assert shares == {"packed": 1.0, "padded": 0.1, "set": 0.2}

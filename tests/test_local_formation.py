@@ -165,6 +165,32 @@ def test_gated_formation_forgets_a_batch_the_lane_did_not_take() -> None:
     assert gated.decide(queue, 1.0).take == (0,)  # still queued: it never ran
 
 
+def test_concurrent_batches_each_take_their_share_of_the_rows() -> None:
+    """Two batches at once: each takes half of what is queued and running, so the callers that
+    come back together do not all land in one batch beside a stream of single rows."""
+    gated = GatedFormation(lambda group: (TokenBudget(max_wait=0.0, max_padding=1.0), 2))
+    queue = ordered([pend(10 + i % 7) for i in range(64)])
+    first = gated.decide(queue, 1.0).take
+    assert len(first) == 32
+    rest = [p for i, p in enumerate(queue) if i not in first]
+    assert len(gated.decide(rest, 1.0).take) == 32  # the first batch runs: 32 queued + 32 running
+    returning = ordered([pend(10) for _ in range(3)])
+    assert not gated.decide(returning, 1.0).take  # two batches run: held back
+    for p in queue:
+        p.state = "done"
+    assert gated.decide(returning, 1.0).take == (0, 1)  # both free: two rows here, one there
+    assert gated.decide(returning[2:], 1.0).take == (0,)
+    for p in returning:
+        p.state = "done"
+    multi = ordered([pend(10, rows=40)])  # one call over the share still goes, whole
+    assert gated.decide(multi, 1.0).take == (0,)
+
+
+def test_one_batch_at_a_time_takes_everything_its_budget_allows() -> None:
+    gated = GatedFormation(lambda group: (TokenBudget(max_wait=0.0, max_padding=1.0), 1))
+    assert len(gated.decide(ordered([pend(10) for _ in range(64)]), 1.0).take) == 64
+
+
 def test_pass_through_is_ungated() -> None:
     gated = GatedFormation(lambda group: (PassThrough(), None))
     queue = ordered([pend(10), pend(10)])
