@@ -121,7 +121,7 @@ class ModelHandle:
                                           threads=torch.get_num_threads(), device=device, tokenize=tokenize)
         elif self.task == "embed" and self.spec.unpadded and packable(loaded.model):
             self.packed = PackedEncoder(loaded.model)
-            self._set_padding(padding_free=device.type == "cpu")  # attention row by row there
+            self._set_padding(padding_free=self.packed.attends_by_row(device))
         if self.spec.backend == "torch" and self.task != "generate":
             self._choose_linear(loaded)
         limits.append(loaded.max_positions())
@@ -261,7 +261,7 @@ class ModelHandle:
                                        lambda: packed(rows, device)):
                 return False
             packed.forward = compiled
-            self._set_padding(padding_free=False)  # the compiled forward attends on the padded grid
+            self._set_padding(padding_free=packed.attends_by_row(device))  # compiled: the padded grid
         else:
             def warm_model(forward: Callable[..., Any]) -> None:
                 for rows in batches:

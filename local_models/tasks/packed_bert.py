@@ -21,6 +21,7 @@ shapes instead of once per combination of lengths.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import groupby
 
 import torch
 import torch.nn.functional as F
@@ -120,13 +121,7 @@ def pack(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[PackedArg
 
 def runs_of(lengths: Sequence[int]) -> list[tuple[int, int]]:
     """``(rows, length)`` for each run of consecutive rows of one length."""
-    runs: list[tuple[int, int]] = []
-    for length in lengths:
-        if runs and runs[-1][1] == length:
-            runs[-1] = (runs[-1][0] + 1, length)
-        else:
-            runs.append((1, length))
-    return runs
+    return [(len(list(run)), length) for length, run in groupby(lengths)]
 
 
 class PackedEncoder:
@@ -141,13 +136,18 @@ class PackedEncoder:
         self, rows: Sequence[Sequence[int]], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         args, mask = pack(rows, device)
-        if self.forward is not None:
-            return self.forward(*args), mask
-        if device.type != "cpu":  # a kernel launch per run of rows costs more than the grid's padding
-            return self.module(*args), mask
+        if not self.attends_by_row(device):
+            forward = self.forward if self.forward is not None else self.module  # a module has no truth
+            return forward(*args), mask
         ids, positions, where, _, n, longest = args
         return self.module.forward_rows(ids, positions, where, runs_of([len(r) for r in rows]), n,
                                         longest), mask
+
+    def attends_by_row(self, device: torch.device) -> bool:
+        """Eager on a CPU: attention per run of equal-length rows, so padding costs nothing. On a
+        GPU a kernel launch per run would cost more than the grid's padding; compiled, the grid
+        is what traces once for every combination of lengths."""
+        return self.forward is None and device.type == "cpu"
 
 
 def packable(model: torch.nn.Module) -> bool:
