@@ -40,6 +40,7 @@ from .tasks.embed import EmbedConfig, embed, read_embed_config
 from .tasks.generate import GenerateEngine, GenRequest
 from .tasks.packed_bert import PackedEncoder, pack, packable
 from .tensors import padded_cost
+from .word_ids import WordIds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,6 +83,7 @@ class ModelHandle:
         self.embed_cfg = EmbedConfig()
         self.engine: GenerateEngine | None = None
         self.packed: PackedEncoder | None = None
+        self.word_ids: WordIds | None = None  # BERT tokenizers: ASCII text's ids from a word cache
         self.compiled_model: Callable[..., Any] | None = None  # the padded path's compiled model
         self.onnx_model: Callable[..., Any] | None = None  # backend: onnx
         self.onednn_model: torch.nn.Module | None = None  # the padded path's model on oneDNN linears
@@ -125,6 +127,8 @@ class ModelHandle:
         if self.spec.backend == "torch" and self.task != "generate":
             self._choose_linear(loaded)
         limits.append(loaded.max_positions())
+        if self.task != "generate":
+            self.word_ids = WordIds.of(getattr(loaded.tokenizer, "backend_tokenizer", None))
         known = [n for n in limits if n]
         self.limit = min(known) if known else None
         self.fallback_device = torch.device("cpu") if device.type != "cpu" else None
@@ -193,15 +197,24 @@ class ModelHandle:
         if truncate and limit is not None:
             return tok(texts, truncation=True, max_length=limit, verbose=False)["input_ids"], []
         backend = getattr(tok, "backend_tokenizer", None)
-        if len(texts) <= DIRECT_TOKENIZE and backend is not None and backend.truncation is None \
-                and backend.padding is None:
-            # What ``tok(texts)`` returns, without its wrapper or a hop to the tokenizer's thread pool:
-            # this runs on the event loop for each small call. ``encode_batch_fast`` (tokenizers 0.21+)
-            # skips the character offsets nobody here reads: about a fifth less CPU per text.
-            fast = getattr(backend, "encode_batch_fast", None)
-            ids = [e.ids for e in fast(texts)] if fast is not None else [backend.encode(t).ids for t in texts]
+        plain = backend is not None and backend.truncation is None and backend.padding is None
+        words = self.word_ids if plain else None
+        found = [words.ids(t) for t in texts] if words is not None else [None] * len(texts)
+        rest = [t for t, x in zip(texts, found, strict=True) if x is None]
+        if not rest:
+            ids: list[list[int]] = found  # type: ignore[assignment]
         else:
-            ids = tok(texts, verbose=False)["input_ids"]
+            if plain and len(rest) <= DIRECT_TOKENIZE:
+                # What ``tok(texts)`` returns, without its wrapper or a hop to the tokenizer's thread
+                # pool. ``encode_batch_fast`` (tokenizers 0.21+) skips the character offsets nobody
+                # here reads: about a fifth less CPU per text.
+                fast = getattr(backend, "encode_batch_fast", None)
+                more = [e.ids for e in fast(rest)] if fast is not None else \
+                    [backend.encode(t).ids for t in rest]
+            else:
+                more = tok(rest, verbose=False)["input_ids"]
+            tail = iter(more)
+            ids = [x if x is not None else next(tail) for x in found]
         return ids, [(i, len(x)) for i, x in enumerate(ids) if limit is not None and len(x) > limit]
 
     # -- forward passes (worker thread) -------------------------------------------

@@ -72,6 +72,7 @@ async def test_small_calls_tokenize_as_the_tokenizer_does(minilm_path) -> None:
     async with LocalPool({"m": ModelSpec(source=MINILM, task="embed", device="cpu", compile=False)}) as pool:
         handle = await pool.ready("m")
         tok = handle.loaded.tokenizer
+        assert handle.word_ids is not None  # ASCII text takes the word table (tests/test_local_word_ids.py)
         first, _ = handle.tokenize(["the very first call"], False)
         assert first == tok(["the very first call"])["input_ids"]
         for i in range(0, len(TEXTS), 3):

@@ -1,0 +1,120 @@
+"""Token ids of plain ASCII text for BERT-style tokenizers, from a table of whole words.
+
+Each small embedding call is tokenised on the event loop, and the tokenizer
+spends most of its time on what a served text never needs: character offsets
+and alignments kept through every normalising step. With the bench texts
+(about 48 tokens each) that was 100-160 us per text, 40% of the event loop's
+time under load. For a BERT pipeline (``BertNormalizer`` with ``clean_text``,
+``BertPreTokenizer``, ``WordPiece``, a ``[CLS] $A [SEP]``-shaped template),
+ASCII text normalises and splits by a few fixed rules: control characters go,
+whitespace splits, each ASCII punctuation mark is a word of its own, letters
+are lowercased where the normaliser lowercases. A word of the vocabulary is
+its own piece (WordPiece takes the longest match first); any other word is
+split by the tokenizer's own ``WordPiece`` model once and kept. Anything else
+(a character past ASCII, text holding an added token such as ``[MASK]``,
+another pipeline) goes to the tokenizer, and the tests compare both on every
+ASCII character.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from itertools import chain
+from typing import Any
+
+MAX_WORDS = 1 << 16  # words kept from outside the vocabulary; the table starts over past that
+# clean_text: NUL and control characters other than tab, newline and carriage return are dropped
+# (U+000B and U+000C are controls before they are whitespace), those three become spaces
+_CLEAN = str.maketrans({**{c: None for c in [*range(9), 11, 12, *range(14, 32), 127]},
+                        9: " ", 10: " ", 13: " "})
+_PUNCT = re.escape(string.punctuation)  # exactly the ASCII punctuation BertPreTokenizer isolates
+_WORDS = re.compile(rf"[^ {_PUNCT}]+|[{_PUNCT}]")
+
+
+class _Pieces(dict[str, list[int]]):
+    """Word -> its pieces; a word not in the table is split by the model and added."""
+
+    def __init__(self, model: Any, vocab: dict[str, list[int]]) -> None:
+        super().__init__(vocab)
+        self.model, self.vocab = model, vocab
+
+    def __missing__(self, word: str) -> list[int]:
+        pieces = [t.id for t in self.model.tokenize(word)]  # about 20 us
+        if len(self) >= len(self.vocab) + MAX_WORDS:
+            self.clear()
+            self.update(self.vocab)
+        self[word] = pieces
+        return pieces
+
+
+class WordIds:
+    """``ids(text)``: the tokenizer's ids for ``text``, or None where only the tokenizer can say."""
+
+    def __init__(self, backend: Any, prefix: list[int], suffix: list[int], lowercase: bool,
+                 added: list[str], longest: int) -> None:
+        # a word over max_input_chars_per_word is unknown whatever it is: the model says so
+        vocab = {w: [i] for w, i in backend.get_vocab(with_added_tokens=False).items() if len(w) <= longest}
+        self._pieces = _Pieces(backend.model, vocab)
+        self._prefix, self._suffix = prefix, suffix
+        self._lowercase = lowercase
+        self._added = re.compile("|".join(map(re.escape, added)), re.IGNORECASE) if added else None
+
+    @classmethod
+    def of(cls, backend: Any) -> WordIds | None:
+        """For a ``tokenizers.Tokenizer`` whose pipeline is BERT's; None for any other."""
+        try:
+            spec = json.loads(backend.to_str())
+        except Exception:  # not a tokenizers.Tokenizer, or one that cannot say what it is
+            return None
+        norm, pre, model, post = (spec.get(k) or {} for k in
+                                  ("normalizer", "pre_tokenizer", "model", "post_processor"))
+        if not (norm.get("type") == "BertNormalizer" and norm.get("clean_text")
+                and pre.get("type") == "BertPreTokenizer" and model.get("type") == "WordPiece"):
+            return None
+        ends = _ends(post)
+        if ends is None:
+            return None
+        added = [t["content"] for t in spec.get("added_tokens") or [] if t.get("content")]
+        return cls(backend, *ends, lowercase=bool(norm.get("lowercase")), added=added,
+                   longest=int(model.get("max_input_chars_per_word", 100)))
+
+    def ids(self, text: str) -> list[int] | None:
+        if not text.isascii() or (self._added is not None and self._added.search(text)):
+            return None
+        text = text.translate(_CLEAN)
+        if self._lowercase:
+            text = text.lower()
+        words = map(self._pieces.__getitem__, _WORDS.findall(text))
+        return [*self._prefix, *chain.from_iterable(words), *self._suffix]
+
+    @property
+    def kept(self) -> int:
+        """Words from outside the vocabulary held now."""
+        return len(self._pieces) - len(self._pieces.vocab)
+
+
+def _ends(post: dict[str, Any]) -> tuple[list[int], list[int]] | None:
+    """The special ids before and after a single sequence: ``[CLS] $A [SEP]`` and kin."""
+    if post.get("type") == "BertProcessing":
+        return [post["cls"][1]], [post["sep"][1]]
+    if post.get("type") != "TemplateProcessing":
+        return None
+    specials = post.get("special_tokens") or {}
+    before: list[int] = []
+    after: list[int] = []
+    seen_sequence = False
+    for piece in post.get("single") or []:
+        if "Sequence" in piece:
+            if seen_sequence:
+                return None
+            seen_sequence = True
+        elif "SpecialToken" in piece:
+            token = specials.get(piece["SpecialToken"]["id"])
+            if token is None:
+                return None
+            (after if seen_sequence else before).extend(token["ids"])
+        else:
+            return None
+    return (before, after) if seen_sequence else None

@@ -1,0 +1,110 @@
+"""The word table's ids equal the tokenizer's own, on every ASCII character and its vocabulary's words."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+
+import pytest
+
+from tests.local_helpers import MINILM
+
+pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
+
+from local_models import word_ids  # noqa: E402
+from local_models.word_ids import WordIds  # noqa: E402
+
+ADDED = ("[MASK]", "[CLS]", "[SEP]", "[UNK]", "[PAD]")
+
+
+@pytest.fixture(scope="module")
+def backend() -> Tokenizer:
+    from local_models.sources import resolve_source
+
+    tok = Tokenizer.from_file(str(resolve_source(MINILM) / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
+
+
+def variant(backend: Tokenizer, **normalizer: object) -> Tokenizer:
+    spec = json.loads(backend.to_str())
+    spec["normalizer"].update(normalizer)
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def texts(backend: Tokenizer, n: int, seed: int) -> list[str]:
+    """ASCII text of every kind: vocabulary words in any case, each of the 128 characters, digits,
+    punctuation runs, added tokens, words longer than WordPiece takes whole."""
+    rng = random.Random(seed)
+    vocab = [w for w in backend.get_vocab() if w.isascii()]
+    chars = [chr(c) for c in range(128)]
+    pieces = [
+        lambda: rng.choice(vocab),
+        lambda: rng.choice(vocab).upper(),
+        lambda: rng.choice(chars),
+        lambda: "".join(rng.choice(chars) for _ in range(rng.randrange(1, 6))),
+        lambda: rng.choice(string.punctuation) * rng.randrange(1, 4),
+        lambda: str(rng.randrange(10**9)),
+        lambda: rng.choice(string.whitespace),
+        lambda: rng.choice(["[MASK]", "[cls]", "[SEP]x", "[UNK]"]),
+        lambda: "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randrange(95, 130))),
+    ]
+    weights = [40, 8, 10, 6, 6, 5, 15, 1, 1]
+    out = ["", " ", "\x00", "\x0b\x0c", "a\tb\nc\rd", "don't stop-me now...", "x" * 100, "x" * 101]
+    for _ in range(n):
+        parts = rng.choices(pieces, weights, k=rng.randrange(1, 40))
+        out.append(rng.choice(["", " "]).join(p() for p in parts))
+    return out
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_ids_equal_the_tokenizers_on_ascii_text(backend: Tokenizer, lowercase: bool) -> None:
+    tok = variant(backend, lowercase=lowercase)
+    words = WordIds.of(tok)
+    assert words is not None
+    served = 0
+    for text in texts(tok, 3000, seed=7 + lowercase):
+        ids = words.ids(text)
+        # only text naming an added token goes to the tokenizer
+        assert (ids is None) == any(t in text.upper() for t in ADDED), repr(text)
+        if ids is not None:
+            served += 1
+            assert ids == tok.encode(text).ids, repr(text)
+    assert served > 2000
+
+
+def test_text_past_ascii_goes_to_the_tokenizer(backend: Tokenizer) -> None:
+    words = WordIds.of(backend)
+    assert words is not None
+    for text in ("café", "naïve test", "emoji 🚀", "中文", "a\u00a0b", "\ufffd"):
+        assert words.ids(text) is None
+
+
+def test_ids_stay_equal_when_the_cache_starts_over(backend: Tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(word_ids, "MAX_WORDS", 5)
+    words = WordIds.of(backend)
+    assert words is not None
+    for text in texts(backend, 200, seed=3):
+        ids = words.ids(text)
+        assert ids is None or ids == backend.encode(text).ids
+    assert words.kept <= 5
+
+
+def test_only_bert_pipelines_take_the_word_cache(backend: Tokenizer) -> None:
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(["a small corpus of words for a tokenizer"] * 10,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    assert WordIds.of(bpe) is None
+    assert WordIds.of(None) is None
+    assert WordIds.of(variant(backend, clean_text=False)) is None
+    spec = json.loads(backend.to_str())
+    spec["post_processor"] = {"type": "BertProcessing", "sep": ["[SEP]", 102], "cls": ["[CLS]", 101]}
+    legacy = Tokenizer.from_str(json.dumps(spec))
+    words = WordIds.of(legacy)
+    assert words is not None and words.ids("Hello, world!") == legacy.encode("Hello, world!").ids
