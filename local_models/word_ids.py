@@ -10,7 +10,7 @@ ASCII text normalises and splits by a few fixed rules: control characters go,
 whitespace splits, each ASCII punctuation mark is a word of its own, letters
 are lowercased where the normaliser lowercases. A word of the vocabulary is
 its own piece (WordPiece takes the longest match first); any other word is
-split by the tokenizer's own ``WordPiece`` model once and kept. Anything else
+split once, as WordPiece splits, and kept. Anything else
 (a character past ASCII, text holding an added token such as ``[MASK]``,
 another pipeline) goes to the tokenizer, and the tests compare both on every
 ASCII character.
@@ -34,29 +34,48 @@ _WORDS = re.compile(rf"[^ {_PUNCT}]+|[{_PUNCT}]")
 
 
 class _Pieces(dict[str, list[int]]):
-    """Word -> its pieces; a word not in the table is split by the model and added."""
+    """Word -> its pieces: the vocabulary's words, and words split once (greedy longest match
+    first, as WordPiece splits: 1-5 us a word, where asking the tokenizer's model costs 12-20)."""
 
-    def __init__(self, model: Any, vocab: dict[str, list[int]]) -> None:
-        super().__init__(vocab)
-        self.model, self.vocab = model, vocab
+    def __init__(self, vocab: dict[str, int], unknown: int, prefix: str, longest: int) -> None:
+        super().__init__({w: [i] for w, i in vocab.items() if len(w) <= longest})
+        self.known = len(self)
+        self.vocab, self.unknown, self.prefix, self.longest = vocab, unknown, prefix, longest
 
     def __missing__(self, word: str) -> list[int]:
-        pieces = [t.id for t in self.model.tokenize(word)]  # about 20 us
-        if len(self) >= len(self.vocab) + MAX_WORDS:
-            self.clear()
-            self.update(self.vocab)
+        pieces = self.split(word)
+        if len(self) >= self.known + MAX_WORDS:
+            for extra in list(self)[self.known:]:  # insertion order: the vocabulary comes first
+                del self[extra]
         self[word] = pieces
+        return pieces
+
+    def split(self, word: str) -> list[int]:
+        if len(word) > self.longest:
+            return [self.unknown]
+        vocab, prefix = self.vocab, self.prefix
+        pieces: list[int] = []
+        start, n = 0, len(word)
+        while start < n:
+            end = n
+            while end > start:
+                found = vocab.get(word[start:end] if start == 0 else prefix + word[start:end])
+                if found is not None:
+                    pieces.append(found)
+                    break
+                end -= 1
+            else:  # no piece of the vocabulary starts here: the whole word is unknown
+                return [self.unknown]
+            start = end
         return pieces
 
 
 class WordIds:
     """``ids(text)``: the tokenizer's ids for ``text``, or None where only the tokenizer can say."""
 
-    def __init__(self, backend: Any, prefix: list[int], suffix: list[int], lowercase: bool,
-                 added: list[str], longest: int) -> None:
-        # a word over max_input_chars_per_word is unknown whatever it is: the model says so
-        vocab = {w: [i] for w, i in backend.get_vocab(with_added_tokens=False).items() if len(w) <= longest}
-        self._pieces = _Pieces(backend.model, vocab)
+    def __init__(self, pieces: _Pieces, prefix: list[int], suffix: list[int], lowercase: bool,
+                 added: list[str]) -> None:
+        self._pieces = pieces
         self._prefix, self._suffix = prefix, suffix
         self._lowercase = lowercase
         self._added = re.compile("|".join(map(re.escape, added)), re.IGNORECASE) if added else None
@@ -74,11 +93,13 @@ class WordIds:
                 and pre.get("type") == "BertPreTokenizer" and model.get("type") == "WordPiece"):
             return None
         ends = _ends(post)
-        if ends is None:
+        vocab = model.get("vocab")
+        if ends is None or not isinstance(vocab, dict) or model.get("unk_token") not in vocab:
             return None
+        pieces = _Pieces(vocab, vocab[model["unk_token"]], model.get("continuing_subword_prefix", "##"),
+                         int(model.get("max_input_chars_per_word", 100)))
         added = [t["content"] for t in spec.get("added_tokens") or [] if t.get("content")]
-        return cls(backend, *ends, lowercase=bool(norm.get("lowercase")), added=added,
-                   longest=int(model.get("max_input_chars_per_word", 100)))
+        return cls(pieces, *ends, lowercase=bool(norm.get("lowercase")), added=added)
 
     def ids(self, text: str) -> list[int] | None:
         if not text.isascii() or (self._added is not None and self._added.search(text)):
@@ -92,7 +113,7 @@ class WordIds:
     @property
     def kept(self) -> int:
         """Words from outside the vocabulary held now."""
-        return len(self._pieces) - len(self._pieces.vocab)
+        return len(self._pieces) - self._pieces.known
 
 
 def _ends(post: dict[str, Any]) -> tuple[list[int], list[int]] | None:
