@@ -101,3 +101,18 @@ def test_meta_validation(meta: object, ok: bool) -> None:
     assert (entry.error is None) == ok
     if not ok:
         assert entry.error.code == -32602 and entry.id == 1
+
+
+def test_depth_limit_is_exact_at_its_boundary() -> None:
+    """Nesting of exactly ``max_depth`` levels passes and one more is refused, with or without
+    brackets inside strings (the decoder skips its walk when the body holds too few brackets)."""
+    def nested(levels: int, text: str = "x") -> bytes:  # the string ``levels`` levels down
+        inner: object = text
+        for _ in range(levels - 3):
+            inner = [inner]
+        return json.dumps({"jsonrpc": "2.0", "method": "echo", "params": {"a": inner}, "id": 1}).encode()
+
+    for text in ("x", "[[[{{{" * 10):
+        assert decode(nested(16, text), max_depth=16).entries[0].error is None
+        assert decode(nested(17, text), max_depth=16).entries[0].error.code == -32600
+    assert decode(nested(3), max_depth=2).entries[0].error.code == -32600

@@ -141,7 +141,8 @@ def decode(body: bytes, *, max_items: int = 1000, max_depth: int = 64,
         obj = loads(body)
     except (ValueError, RecursionError) as e:
         return Decoded(False, [Entry(id=None, error=parse_error(str(e)[:200]))])
-    if depth_exceeds(obj, max_depth):
+    # a value max_depth + 1 levels down sits inside max_depth brackets: with fewer, no walk
+    if body.count(b"[") + body.count(b"{") >= max_depth and depth_exceeds(obj, max_depth):
         return Decoded(False, [Entry(id=None, error=invalid_request(
             f"JSON nested deeper than {max_depth} levels"))])
     if isinstance(obj, list):
