@@ -96,3 +96,22 @@ def test_default_config_is_valid() -> None:
     assert "echo" in config.routes
     # OpenAI(base_url=.../v1).embeddings.create(model="all-MiniLM-L6-v2") works out of the box
     assert config.routes["embed_local"].models == ["all-MiniLM-L6-v2"]
+
+
+def test_serve_sets_the_collectors_young_threshold_from_config() -> None:
+    import gc
+
+    from multiplexer.cli import tune_gc
+
+    before = gc.get_threshold()
+    try:
+        config = parse_config({"server": {}, "providers": {}, "routes": {}})
+        tune_gc(config.server.gc_young_threshold)
+        assert gc.get_threshold() == (10_000, *before[1:])
+        gc.set_threshold(*before)
+        tune_gc(parse_config({"server": {"gc_young_threshold": None}}).server.gc_young_threshold)
+        assert gc.get_threshold() == before
+    finally:
+        gc.set_threshold(*before)
+    with pytest.raises(ConfigError, match=r"server\.gc_young_threshold"):
+        parse_config({"server": {"gc_young_threshold": 5}})

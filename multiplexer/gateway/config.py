@@ -54,6 +54,11 @@ class ServerConfig(Strict):
                                 description="an upload to /v1/files (batch input files)")
     default_timeout_ms: float = Field(default=60_000, gt=0)
     grace_period_s: float = Field(default=10.0, ge=0)
+    gc_young_threshold: int | None = Field(
+        default=10_000, ge=100,
+        description="`multiplexer serve`: allocations between the garbage collector's youngest passes"
+                    " (Python's own is 700); null: Python's",
+    )
     api_keys: dict[str, SecretStr] = Field(default_factory=dict)
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
