@@ -194,17 +194,18 @@ class ModelHandle:
             if truncate and over:
                 ids = [x[-cap:] if cap is not None else x for x in ids]
             return ids, over
-        if truncate and limit is not None:
-            return tok(texts, truncation=True, max_length=limit, verbose=False)["input_ids"], []
+        cut = limit if truncate else None
         backend = getattr(tok, "backend_tokenizer", None)
         plain = backend is not None and backend.truncation is None and backend.padding is None
         words = self.word_ids if plain else None
-        found = [words.ids(t) for t in texts] if words is not None else [None] * len(texts)
+        found = [words.ids(t, cut) for t in texts] if words is not None else [None] * len(texts)
         rest = [t for t, x in zip(texts, found, strict=True) if x is None]
         if not rest:
             ids: list[list[int]] = found  # type: ignore[assignment]
         else:
-            if plain and len(rest) <= DIRECT_TOKENIZE:
+            if cut is not None:
+                more = tok(rest, truncation=True, max_length=cut, verbose=False)["input_ids"]
+            elif plain and len(rest) <= DIRECT_TOKENIZE:
                 # What ``tok(texts)`` returns, without its wrapper or a hop to the tokenizer's thread
                 # pool. ``encode_batch_fast`` (tokenizers 0.21+) skips the character offsets nobody
                 # here reads: about a fifth less CPU per text.
@@ -215,6 +216,8 @@ class ModelHandle:
                 more = tok(rest, verbose=False)["input_ids"]
             tail = iter(more)
             ids = [x if x is not None else next(tail) for x in found]
+        if cut is not None:
+            return ids, []
         return ids, [(i, len(x)) for i, x in enumerate(ids) if limit is not None and len(x) > limit]
 
     # -- forward passes (worker thread) -------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 import string
-from itertools import chain
+from itertools import chain, islice
 from typing import Any
 
 MAX_WORDS = 1 << 16  # words kept from outside the vocabulary; the table starts over past that
@@ -101,14 +101,21 @@ class WordIds:
         added = [t["content"] for t in spec.get("added_tokens") or [] if t.get("content")]
         return cls(pieces, *ends, lowercase=bool(norm.get("lowercase")), added=added)
 
-    def ids(self, text: str) -> list[int] | None:
+    def ids(self, text: str, max_length: int | None = None) -> list[int] | None:
+        """``max_length``: cut as the tokenizer's truncation does (the text's own tokens from the
+        end, the special ones kept)."""
         if not text.isascii() or (self._added is not None and self._added.search(text)):
             return None
         text = text.translate(_CLEAN)
         if self._lowercase:
             text = text.lower()
-        words = map(self._pieces.__getitem__, _WORDS.findall(text))
-        return [*self._prefix, *chain.from_iterable(words), *self._suffix]
+        words = chain.from_iterable(map(self._pieces.__getitem__, _WORDS.findall(text)))
+        if max_length is None:
+            return [*self._prefix, *words, *self._suffix]
+        room = max_length - len(self._prefix) - len(self._suffix)
+        if room < 0:
+            return None
+        return [*self._prefix, *islice(words, room), *self._suffix]
 
     @property
     def kept(self) -> int:

@@ -82,6 +82,9 @@ async def test_small_calls_tokenize_as_the_tokenizer_does(minilm_path) -> None:
         ids, over = handle.tokenize(["short", long], False)
         assert ids == tok(["short", long])["input_ids"]
         assert over == [(1, len(ids[1]))] and len(ids[1]) > handle.limit
+        for chunk in (["short", long], [long.lower(), "naïve " + long.lower()]):  # word table, tokenizer
+            cut = tok(chunk, truncation=True, max_length=handle.limit)["input_ids"]
+            assert handle.tokenize(chunk, True) == (cut, []) and len(cut[-1]) == handle.limit
 
 
 async def test_batched_padded_run_equals_single_runs_and_sentence_transformers(minilm_path, st_model) -> None:

@@ -108,3 +108,16 @@ def test_only_bert_pipelines_take_the_word_cache(backend: Tokenizer) -> None:
     legacy = Tokenizer.from_str(json.dumps(spec))
     words = WordIds.of(legacy)
     assert words is not None and words.ids("Hello, world!") == legacy.encode("Hello, world!").ids
+
+
+@pytest.mark.parametrize("max_length", [2, 3, 10, 48])
+def test_truncated_ids_equal_the_tokenizers_truncation(backend: Tokenizer, max_length: int) -> None:
+    tok = Tokenizer.from_str(backend.to_str())
+    tok.enable_truncation(max_length=max_length)
+    words = WordIds.of(backend)
+    assert words is not None
+    for text in texts(backend, 400, seed=11):
+        ids = words.ids(text, max_length)
+        if ids is not None:
+            assert ids == tok.encode(text).ids, repr(text)
+    assert words.ids("too short for its own specials", 1) is None  # the tokenizer says what that is
