@@ -83,7 +83,7 @@ class ModelHandle:
         self.embed_cfg = EmbedConfig()
         self.engine: GenerateEngine | None = None
         self.packed: PackedEncoder | None = None
-        self.word_ids: WordIds | None = None  # BERT tokenizers: ASCII text's ids from a word cache
+        self.word_ids: WordIds | None = None  # BERT tokenizers: ASCII text's ids from a table of words
         self.compiled_model: Callable[..., Any] | None = None  # the padded path's compiled model
         self.onnx_model: Callable[..., Any] | None = None  # backend: onnx
         self.onednn_model: torch.nn.Module | None = None  # the padded path's model on oneDNN linears
@@ -195,14 +195,16 @@ class ModelHandle:
                 ids = [x[-cap:] if cap is not None else x for x in ids]
             return ids, over
         cut = limit if truncate else None
-        backend = getattr(tok, "backend_tokenizer", None)
-        plain = backend is not None and backend.truncation is None and backend.padding is None
-        words = self.word_ids if plain else None
+        # the word table pads nothing and cuts at ``cut``, as the wrapper's call below does,
+        # whatever truncation or padding an earlier call left set on the backend
+        words = self.word_ids
         found = [words.ids(t, cut) for t in texts] if words is not None else [None] * len(texts)
         rest = [t for t, x in zip(texts, found, strict=True) if x is None]
         if not rest:
             ids: list[list[int]] = found  # type: ignore[assignment]
         else:
+            backend = getattr(tok, "backend_tokenizer", None)
+            plain = backend is not None and backend.truncation is None and backend.padding is None
             if cut is not None:
                 more = tok(rest, truncation=True, max_length=cut, verbose=False)["input_ids"]
             elif plain and len(rest) <= DIRECT_TOKENIZE:
@@ -216,9 +218,9 @@ class ModelHandle:
                 more = tok(rest, verbose=False)["input_ids"]
             tail = iter(more)
             ids = [x if x is not None else next(tail) for x in found]
-        if cut is not None:
+        if cut is not None or limit is None:
             return ids, []
-        return ids, [(i, len(x)) for i, x in enumerate(ids) if limit is not None and len(x) > limit]
+        return ids, [(i, len(x)) for i, x in enumerate(ids) if len(x) > limit]
 
     # -- forward passes (worker thread) -------------------------------------------
     def forward(self, rows: Sequence[Sequence[int]], on: str) -> list[torch.Tensor]:

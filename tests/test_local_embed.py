@@ -85,6 +85,8 @@ async def test_small_calls_tokenize_as_the_tokenizer_does(minilm_path) -> None:
         for chunk in (["short", long], [long.lower(), "naïve " + long.lower()]):  # word table, tokenizer
             cut = tok(chunk, truncation=True, max_length=handle.limit)["input_ids"]
             assert handle.tokenize(chunk, True) == (cut, []) and len(cut[-1]) == handle.limit
+        # the wrapper left its truncation set on the backend: the next plain call is still uncut
+        assert handle.tokenize(["short", long], False) == (ids, over)
 
 
 async def test_batched_padded_run_equals_single_runs_and_sentence_transformers(minilm_path, st_model) -> None:
