@@ -34,20 +34,29 @@ _WORDS = re.compile(rf"[^ {_PUNCT}]+|[{_PUNCT}]")
 
 
 class _Pieces(dict[str, list[int]]):
-    """Word -> its pieces: the vocabulary's words, and words split once (greedy longest match
-    first, as WordPiece splits: 1-5 us a word, where asking the tokenizer's model costs 12-20)."""
+    """Word or mark -> its pieces, looked up by the chunk of text between spaces: most chunks are
+    one word, so most texts take one lookup per chunk, where splitting every text at its
+    punctuation first cost a third of the table's time. It starts with the vocabulary's words
+    and marks (WordPiece takes the longest match first); a word seen for the first time is
+    split once, greedily, longest match first, as WordPiece splits (1-5 us a word, where
+    asking the tokenizer's model costs 12-20), and kept; a chunk of several words and marks
+    is split at its punctuation each time."""
 
     def __init__(self, vocab: dict[str, int], unknown: int, prefix: str, longest: int) -> None:
-        super().__init__({w: [i] for w, i in vocab.items() if len(w) <= longest})
+        # entries holding a mark among other characters (``##s``, ``[CLS]``) are pieces, never a chunk
+        super().__init__({w: [i] for w, i in vocab.items() if len(w) <= longest and _WORDS.fullmatch(w)})
         self.known = len(self)
         self.vocab, self.unknown, self.prefix, self.longest = vocab, unknown, prefix, longest
 
-    def __missing__(self, word: str) -> list[int]:
-        pieces = self.split(word)
+    def __missing__(self, chunk: str) -> list[int]:
+        words = _WORDS.findall(chunk)
+        if len(words) > 1:  # words and marks: each kept on its own, the chunk not (too many kinds)
+            return [i for word in words for i in self[word]]
+        pieces = self.split(chunk)  # one word, or one mark
         if len(self) >= self.known + MAX_WORDS:
             for extra in list(self)[self.known:]:  # insertion order: the vocabulary comes first
                 del self[extra]
-        self[word] = pieces
+        self[chunk] = pieces
         return pieces
 
     def split(self, word: str) -> list[int]:
@@ -106,10 +115,12 @@ class WordIds:
         end, the special ones kept)."""
         if not text.isascii() or (self._added is not None and self._added.search(text)):
             return None
-        text = text.translate(_CLEAN)
+        if not text.isprintable():  # ASCII that is printable holds no control character
+            text = text.translate(_CLEAN)
         if self._lowercase:
             text = text.lower()
-        words = chain.from_iterable(map(self._pieces.__getitem__, _WORDS.findall(text)))
+        # after cleaning, the only whitespace left is the space
+        words = chain.from_iterable(map(self._pieces.__getitem__, text.split()))
         if max_length is None:
             return [*self._prefix, *words, *self._suffix]
         room = max_length - len(self._prefix) - len(self._suffix)
