@@ -140,6 +140,27 @@ async def test_rate_limit_holds_batches_until_tokens_refill() -> None:
         lane.close()
 
 
+async def test_a_queued_call_past_its_deadline_is_never_sent_even_when_the_lane_wakes_first() -> None:
+    """The lane can wake (tokens refilled) before the caller's own timeout fires: what it would
+    send then has no caller left to answer, so it leaves the queue unsent; calls still in time go."""
+    clock, rec = ManualClock(), Recorder()
+    limiter = RateLimiter(clock, rpm=60)  # one request a second
+    limiter.requests.level = 1
+    lane = Lane("p", rec.execute, CountFormation(1, 0.0), clock, limiter)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lane.run)
+        first = lane.submit(item("a"))
+        await first.future.wait()
+        late = lane.submit(Item("r", "call", "late", None, deadline=clock.now() + 0.5))
+        in_time = lane.submit(Item("r", "call", "in_time", None, deadline=clock.now() + 10))
+        await clock.advance(2.0)  # two tokens: both would fit, but "late" is past its deadline
+        await in_time.future.wait()
+        assert rec.batches == [["a"], ["in_time"]]
+        assert late.state == "done" and not late.future.done()  # its caller's timeout answers it
+        assert len(lane.queue) == 0
+        lane.close()
+
+
 async def test_priority_jumps_the_queue() -> None:
     clock, rec = ManualClock(), Recorder()
     lane = Lane("p", rec.execute, CountFormation(2, 1.0), clock, RateLimiter(clock))

@@ -165,6 +165,13 @@ class Lane:
             if not decision.take:
                 return decision.wait_until
             pending = self.queue.group(group)
+            expired = [i for i in decision.take if pending[i].item.deadline is not None
+                       and pending[i].item.deadline <= now]
+            if expired:  # every caller of these has timed out, or is about to: never sent
+                for p in self.queue.take(group, expired):
+                    p.state = "done"
+                self._gauge()
+                continue
             tokens = sum(pending[i].item.tokens for i in decision.take)
             wait, _ = self.limiter.delay(1, tokens)
             if wait > 0:

@@ -321,6 +321,8 @@ class Gateway:
                 return ticket
             pending = self.inflight.join(key)
             if pending is not None:
+                shared = pending.item  # the queue drops it once every caller's deadline has passed
+                shared.deadline = None if shared.deadline is None else max(shared.deadline, ticket.deadline)
                 self.metrics.dedup_hits.labels(resolved.name, "inflight").inc()
                 if span is not None:
                     self.tracer.shared(span, "inflight")
