@@ -78,11 +78,70 @@ def test_ids_equal_the_tokenizers_on_ascii_text(backend: Tokenizer, lowercase: b
     assert served > 2000
 
 
-def test_text_past_ascii_goes_to_the_tokenizer(backend: Tokenizer) -> None:
+# characters that real text carries past ASCII, and the ones the normaliser treats apart
+COMMON = list("\u2019\u2018“”—\u2013…«»¿¡€£°±\u00d7÷"
+              "éèêëàâäçñöüßÉÀÖÜÅØæœıİŞğšžčřłńśźΣσςΑαΒβΩωДдЖжЯяЁё中文日本語한국어")
+SPECIAL = ["\u00a0", "\u200b", "\u200d", "\ufeff", "\ufffd", "\u0301", "\u0308", "\u0327", "\u2028",
+           "\u3000", "\u180e", "\u0085", "\u00ad", "\U0001f680", "\U0001f1fa", "\ufb01", "\u2126",
+           "\u212b", "\u1e9e", "\u0345", "\u0f71", "\U0001d165", "\u0e33", "\uac00", "\u1100"]
+
+
+def unicode_texts(backend: Tokenizer, n: int, seed: int) -> list[str]:
+    """Text past ASCII: vocabulary words, common accented and typographic characters, the
+    normaliser's special cases (spaces, joiners, combining marks, ideographs), any code point."""
+    rng = random.Random(seed)
+    vocab = list(backend.get_vocab())
+
+    def anywhere() -> str:
+        while True:
+            code = rng.randrange(0x80, 0x110000) if rng.random() < 0.5 else rng.randrange(0x80, 0x3000)
+            if not 0xD800 <= code < 0xE000:
+                return chr(code)
+
+    pieces = [
+        lambda: rng.choice(vocab),
+        lambda: rng.choice(vocab).upper(),
+        lambda: rng.choice(COMMON),
+        lambda: "".join(rng.choice(COMMON) for _ in range(rng.randrange(2, 8))),
+        lambda: rng.choice(SPECIAL),
+        lambda: anywhere(),
+        lambda: rng.choice(vocab) + rng.choice(SPECIAL + COMMON) + rng.choice(vocab),
+        lambda: rng.choice(string.punctuation + " \t\n"),
+    ]
+    weights = [30, 5, 20, 8, 8, 10, 8, 11]
+    out = ["é", "Σ", "ΣΑΣ", "İstanbul", "straße", "中文字", "a\u0301b", "\u0301", "x\u200dy", "🚀🚀"]
+    for _ in range(n):
+        parts = rng.choices(pieces, weights, k=rng.randrange(1, 30))
+        out.append(rng.choice(["", " "]).join(p() for p in parts))
+    return out
+
+
+@pytest.mark.parametrize(("lowercase", "strip_accents"),
+                         [(True, None), (False, None), (True, False), (False, True)])
+def test_ids_equal_the_tokenizers_past_ascii(backend: Tokenizer, lowercase: bool,
+                                             strip_accents: bool | None) -> None:
+    tok = variant(backend, lowercase=lowercase, strip_accents=strip_accents)
+    words = WordIds.of(tok)
+    assert words is not None
+    cut = Tokenizer.from_str(tok.to_str())
+    cut.enable_truncation(max_length=12)
+    served = 0
+    texts = unicode_texts(tok, 3000, seed=17 + 2 * lowercase + (strip_accents is True))
+    for text in texts:
+        ids = words.ids(text)
+        if ids is not None:
+            served += 1
+            assert ids == tok.encode(text).ids, repr(text)
+            assert words.ids(text, 12) == cut.encode(text).ids, repr(text)
+    assert served > 0.9 * len(texts)  # the rest hold an added token, or a mark left after stripping
+
+
+def test_text_only_the_tokenizer_can_read_goes_to_it(backend: Tokenizer) -> None:
     words = WordIds.of(backend)
     assert words is not None
-    for text in ("café", "naïve test", "emoji 🚀", "中文", "a\u00a0b", "\ufffd"):
+    for text in ("[MASK] café", "café [mask]", "a\U0001d165 with a mark left after stripping"):
         assert words.ids(text) is None
+    assert words.ids("café naïve") == backend.encode("café naïve").ids
 
 
 def test_ids_stay_equal_when_the_cache_starts_over(backend: Tokenizer, monkeypatch) -> None:
@@ -121,3 +180,17 @@ def test_truncated_ids_equal_the_tokenizers_truncation(backend: Tokenizer, max_l
         if ids is not None:
             assert ids == tok.encode(text).ids, repr(text)
     assert words.ids("too short for its own specials", 1) is None  # the tokenizer says what that is
+
+
+def test_a_character_python_splits_at_but_the_pre_tokenizer_keeps_is_refused(backend: Tokenizer) -> None:
+    """U+001C is whitespace to ``str.split`` and not to BERT's pre-tokenizer; BERT's normaliser
+    drops it, but a normaliser that kept it must send the text to the tokenizer."""
+    from tokenizers import normalizers
+
+    from local_models.word_ids import _REFUSED, _Normal
+
+    keep = normalizers.Sequence([])  # changes nothing
+    normal = _Normal(keep, backend.pre_tokenizer, strips_accents=False)
+    assert normal[0x1C] == _REFUSED
+    assert normal[ord("é")] == "é" and normal[ord("—")] == " — " and normal[0xA0] == " "
+    assert _Normal(backend.normalizer, backend.pre_tokenizer, strips_accents=True)[0x1C] == ""
