@@ -60,7 +60,9 @@ class _Pieces(dict[str, list[int]]):
         # entries holding a mark among other characters (``##s``, ``[CLS]``) are pieces, never a chunk
         super().__init__({w: [i] for w, i in vocab.items() if len(w) <= longest and _WORDS.fullmatch(w)})
         self.known = len(self)
-        self.vocab, self.unknown, self.prefix, self.longest = vocab, unknown, prefix, longest
+        self.vocab, self.unknown, self.longest = vocab, unknown, longest
+        # the pieces that continue a word, without their prefix: no string built per lookup
+        self.continuing = {w[len(prefix):]: i for w, i in vocab.items() if w.startswith(prefix)}
 
     def __missing__(self, chunk: str) -> list[int]:
         words = _WORDS.findall(chunk)
@@ -76,13 +78,13 @@ class _Pieces(dict[str, list[int]]):
     def split(self, word: str) -> list[int]:
         if len(word) > self.longest:
             return [self.unknown]
-        vocab, prefix = self.vocab, self.prefix
         pieces: list[int] = []
         start, n = 0, len(word)
         while start < n:
+            table = self.vocab if start == 0 else self.continuing
             end = n
             while end > start:
-                found = vocab.get(word[start:end] if start == 0 else prefix + word[start:end])
+                found = table.get(word[start:end])
                 if found is not None:
                     pieces.append(found)
                     break
