@@ -64,10 +64,19 @@ def texts_of(params: dict[str, Any], task: str) -> list[str]:
     key = "input" if "input" in params or task != "generate" else "prompt"
     value = params.get(key)
     if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise invalid_params(f"{key} must be a string or a non-empty list of strings")
+        texts = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        texts = list(value)
+    else:
+        raise invalid_params(f"{key} must be a string or a non-empty list of strings")
+    for i, text in enumerate(texts):
+        if not text.isascii():
+            try:
+                text.encode()
+            except UnicodeEncodeError:  # JSON can escape one ("\ud800"); no tokenizer reads it
+                raise invalid_params(f"{key} holds a lone surrogate (text {i}): not Unicode text",
+                                     param=key, index=i) from None
+    return texts
 
 
 def _number(params: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:

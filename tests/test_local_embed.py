@@ -222,6 +222,24 @@ async def test_embed_local_over_http_json_rpc(minilm_path) -> None:
     assert replies[1]["result"]["data"][1]["index"] == 1
 
 
+async def test_a_lone_surrogate_is_invalid_params_and_the_batch_goes_on(minilm_path) -> None:
+    """JSON can escape a lone surrogate (``"\\ud800"``), which no tokenizer reads: that call gets
+    -32602 naming the text, the other calls of the same request their vectors."""
+    import httpx
+
+    from multiplexer.server import running
+
+    body = ('[{"jsonrpc":"2.0","id":1,"method":"embed_local","params":{"input":["caf\u00e9","a\\ud800b"]}},'
+            '{"jsonrpc":"2.0","id":2,"method":"embed_local","params":{"input":"caf\u00e9 \u2019ok\u2019"}}]')
+    async with running(embed_config(), port=0) as (_, url), httpx.AsyncClient() as client:
+        reply = await client.post(f"{url}/rpc", content=body.encode(),
+                                  headers={"content-type": "application/json"})
+    bad, good = sorted(reply.json(), key=lambda r: r["id"])
+    assert bad["error"]["code"] == -32602 and bad["error"]["data"]["index"] == 1
+    assert "lone surrogate" in bad["error"]["data"]["detail"]
+    assert len(good["result"]["data"][0]["embedding"]) == 384
+
+
 async def test_http_replies_carry_the_float32_values_in_their_shortest_text(minilm_path) -> None:
     """The reply JSON is built in the worker thread: the same float32 values as in-process, each
     written as the shortest decimal that reads back as that float32; base64 and usage unchanged."""
