@@ -39,6 +39,7 @@ from typing import Any
 MAX_WORDS = 1 << 16  # words kept from outside the vocabulary; the table starts over past that
 MAX_CHARS = 1 << 16  # characters past ASCII kept with their normal forms; the same
 _REFUSED = "\x00"  # a character's normal form where only the tokenizer can say (clean_text drops NUL)
+_PAST_ASCII = re.compile(r"[^\x00-\x7f]")
 # clean_text: NUL and control characters other than tab, newline and carriage return are dropped
 # (U+000B and U+000C are controls before they are whitespace), those three become spaces
 _CLEAN = str.maketrans({**{c: None for c in [*range(9), 11, 12, *range(14, 32), 127]},
@@ -119,6 +120,9 @@ class _Normal(dict[int, str]):
         self[code] = normal = "".join(parts)
         return normal
 
+    def sub(self, match: re.Match[str]) -> str:
+        return self[ord(match[0])]
+
 
 class WordIds:
     """``ids(text)``: the tokenizer's ids for ``text``, or None where only the tokenizer can say."""
@@ -163,17 +167,21 @@ class WordIds:
         end, the special ones kept)."""
         if self._added is not None and self._added.search(text):
             return None
+        mostly_ascii = True
         if not text.isascii():
             if self._normal is None:
                 return None
-            text = text.translate(self._normal)
+            # ``translate`` looks every character up; where few are past ASCII, only those are
+            # replaced and the rest is treated as ASCII text below (half the time for one quote)
+            mostly_ascii = (len(text.encode("utf-8", "surrogatepass")) - len(text)) * 8 < len(text)
+            text = _PAST_ASCII.sub(self._normal.sub, text) if mostly_ascii else text.translate(self._normal)
             if _REFUSED in text or (self._added is not None and self._added.search(text)):
                 return None
-        else:
+        if mostly_ascii:
             if not text.isprintable():  # ASCII that is printable holds no control character
                 text = text.translate(_CLEAN)
-            if self._lowercase:
-                text = text.lower()
+            if self._lowercase:  # the normal forms past ASCII are lowercase already: ASCII's only
+                text = text.lower() if text.isascii() else text.encode().lower().decode()
         # after cleaning, the only whitespace left is the space
         words = chain.from_iterable(map(self._pieces.__getitem__, text.split()))
         if max_length is None:
