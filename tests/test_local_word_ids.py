@@ -136,6 +136,20 @@ def test_ids_equal_the_tokenizers_past_ascii(backend: Tokenizer, lowercase: bool
     assert served > 0.9 * len(texts)  # the rest hold an added token, or a mark left after stripping
 
 
+def test_every_character_of_the_basic_plane_reads_as_the_tokenizer_reads_it(backend: Tokenizer) -> None:
+    """Each of the 63,488 characters of the Basic Multilingual Plane (surrogates aside) inside a
+    word, alone, and beside a mark: the table's ids are the tokenizer's, or it says None."""
+    words = WordIds.of(backend)
+    assert words is not None
+    texts = [f"x{c}y {c} ({c}" for c in map(chr, range(0x80, 0x10000)) if not 0xD800 <= ord(c) < 0xE000]
+    reference = [e.ids for e in backend.encode_batch_fast(texts)]
+    mine = [words.ids(t) for t in texts]
+    refused = [t for t, ids in zip(texts, mine, strict=True) if ids is None]
+    wrong = [t for t, ids, theirs in zip(texts, mine, reference, strict=True) if ids not in (None, theirs)]
+    assert not wrong, [ascii(t) for t in wrong[:5]]
+    assert len(refused) < 0.01 * len(texts), [ascii(t) for t in refused[:5]]
+
+
 def test_text_only_the_tokenizer_can_read_goes_to_it(backend: Tokenizer) -> None:
     words = WordIds.of(backend)
     assert words is not None
