@@ -83,7 +83,7 @@ class ModelHandle:
         self.embed_cfg = EmbedConfig()
         self.engine: GenerateEngine | None = None
         self.packed: PackedEncoder | None = None
-        self.word_ids: WordIds | None = None  # BERT tokenizers: ASCII text's ids from a table of words
+        self.word_ids: WordIds | None = None  # BERT tokenizers: token ids from a table of words
         self.compiled_model: Callable[..., Any] | None = None  # the padded path's compiled model
         self.onnx_model: Callable[..., Any] | None = None  # backend: onnx
         self.onednn_model: torch.nn.Module | None = None  # the padded path's model on oneDNN linears
