@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from multiplexer.core.errors import RpcError, invalid_params
+from multiplexer.core.jsonrpc import is_unicode
 
 from .prepared import Prepared
 
@@ -70,12 +71,9 @@ def texts_of(params: dict[str, Any], task: str) -> list[str]:
     else:
         raise invalid_params(f"{key} must be a string or a non-empty list of strings")
     for i, text in enumerate(texts):
-        if not text.isascii():
-            try:
-                text.encode()
-            except UnicodeEncodeError:  # JSON can escape one ("\ud800"); no tokenizer reads it
-                raise invalid_params(f"{key} holds a lone surrogate (text {i}): not Unicode text",
-                                     param=key, index=i) from None
+        if not text.isascii() and not is_unicode(text):
+            raise invalid_params(f"{key} holds a lone surrogate (text {i}): not Unicode text",
+                                 param=key, index=i)
     return texts
 
 

@@ -120,12 +120,13 @@ def test_unplanned_reports_split_key_and_size_and_many_results_decode_together(t
 
 
 def test_text_a_lone_surrogate_cannot_hold_is_stored_escaped() -> None:
-    from multiplexer.core.jobrows import dumps, storable
+    from multiplexer.core.jobrows import dumps
+    from multiplexer.core.jsonrpc import is_unicode
 
     assert dumps({"q": "é"}) == '{"q":"é"}'  # readable where it can be
     escaped = dumps({"q": "\ud800é"})
-    assert storable(escaped) and json.loads(escaped) == {"q": "\ud800é"}
-    assert not storable("\ud800")
+    assert is_unicode(escaped) and json.loads(escaped) == {"q": "\ud800é"}
+    assert not is_unicode("\ud800")
 
 
 def test_retention_soak_keeps_the_database_flat(tmp_path):

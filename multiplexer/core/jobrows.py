@@ -7,26 +7,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .jsonrpc import is_unicode
+
 
 def dumps(value: Any) -> str:
     """Compact JSON for a TEXT column; lone surrogates (valid JSON escapes) stay escaped, as SQLite
     takes only UTF-8."""
     out = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
-    return out if storable(out) else json.dumps(value, separators=(",", ":"), default=str)
+    return out if is_unicode(out) else json.dumps(value, separators=(",", ":"), default=str)
 
 
 def custom_id(job_id: str, idx: int) -> str:
     """The id an item carries in a remote batch (and in the store): its job's id and position."""
     return f"{job_id}-{idx}"
-
-
-def storable(text: str) -> bool:
-    """Whether SQLite can hold ``text`` (a lone surrogate cannot be encoded as UTF-8)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass(frozen=True, slots=True)

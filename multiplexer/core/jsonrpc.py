@@ -49,6 +49,16 @@ def loads(body: bytes | str) -> Any:
     return json.loads(body, parse_float=_finite_float, parse_constant=_reject_constant)
 
 
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` is Unicode text: JSON's ``"\\ud800"`` escape decodes to a lone surrogate,
+    which UTF-8 (a socket, SQLite, a tokenizer) cannot carry."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def dumps(obj: Any) -> bytes:
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     try:

@@ -20,8 +20,9 @@ import anyio
 
 from multiplexer.core.call import Call, Item
 from multiplexer.core.errors import Code, RpcError, invalid_params
-from multiplexer.core.jobrows import JobRow, NewItem, custom_id, storable
+from multiplexer.core.jobrows import JobRow, NewItem, custom_id
 from multiplexer.core.jobs import BatchJobs, JobStore, new_job_id
+from multiplexer.core.jsonrpc import is_unicode
 from multiplexer.core.provider import BatchCapable, ToolSpec
 from multiplexer.gateway.gateway import Gateway
 
@@ -118,7 +119,7 @@ class JobFace:
 
     async def owned(self, job_id: str, identity: str | None) -> JobRow:
         """The job, if ``identity`` owns it; another's is as unknown as one that never was."""
-        if not storable(job_id):
+        if not is_unicode(job_id):
             raise not_found(job_id)  # no job id holds a lone surrogate
         st = self.store()
         job = await st.run(st.job, job_id)
@@ -179,7 +180,7 @@ class JobFace:
                     rows.append(manager.new_item(job.id, idx, item))
                 except RpcError as e:
                     method = spec.get("method") if isinstance(spec, dict) else None
-                    if not (isinstance(method, str) and storable(method)):
+                    if not (isinstance(method, str) and is_unicode(method)):
                         method = None
                     rows.append(NewItem(idx=idx, provider=None, route=None, operation=None,
                                         method=method,
