@@ -22,7 +22,10 @@ round; "outside the forward" subtracts the CPU of the threads running the
 forward passes (``multiplexer_compute_cpu_seconds``: the CPU of the thread that
 calls each forward, so where one batch runs on several torch threads, as in
 ``one_forward``, the helpers' CPU lands outside), and "event loop" is the main
-thread's share (HTTP, JSON-RPC, tokenising, batching).
+thread's share (HTTP, JSON-RPC, tokenising, batching). The last line names the host: its
+CPU, the instruction sets that pick the kernels, and one core's fp32 GFLOPS on a MiniLM-sized
+product through torch and oneDNN, measured before any gateway starts (two hosts with the same
+name and flags differed 2.5x there).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import yaml
 
 from benchmarks._gateway import GatewayProc, gateway, metric_sum
 from benchmarks._h11 import Conn
+from benchmarks._host import cpu_info, describe, fp32_gflops
 from benchmarks._procs import ROOT, percentile, save, table
 from multiplexer.core.call import Call
 from multiplexer.gateway.config import parse_config
@@ -354,7 +358,9 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="rows to leave out, comma-separated (e.g. bf16)")
     args = parser.parse_args()
     args.load_before = os.getloadavg()
+    host = {**cpu_info(), "gflops": fp32_gflops()}  # before any gateway starts: the core to itself
     r = anyio.run(run, args)
+    r["host"] = host
     m, st, cos, d = r["median"], r["vs_st_encode"], r["min_cosine_vs_st"], r["default_vs"]
 
     def num(v: float | None, fmt: str = "{:.1f}") -> str:
@@ -379,6 +385,7 @@ def main() -> None:
           "and a compiled forward against the eager one after the first batch): "
           + ", ".join(f"{name} {kind}" for name, kind in r["linear"].items()))
     print(f"load average before {r['load_before']}, after {r['load_after']}")
+    print(describe(host, host["gflops"]))
     save("bench_local", r)
 
 

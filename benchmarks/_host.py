@@ -1,0 +1,62 @@
+"""What a local-model bench ran on: CPU model, the instruction sets that decide which kernels
+run, and how fast one core multiplies fp32 matrices. Hosts with the same name and flags can
+differ by 2.5x on the last, so a table's figures are read against it."""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU's model name and which of ``FLAGS`` it has (Linux: /proc/cpuinfo)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return {"cpu": name, "flags": [f for f in FLAGS if f in flags]}
+
+
+def fp32_gflops(rows: int = 2048, seconds: float = 0.5) -> dict[str, float]:
+    """One thread: GFLOPS of a MiniLM-sized fp32 product (``rows`` x 384 by 384 x 1536) through
+    torch's ``Linear`` and, where this torch has it, oneDNN with the weight packed once."""
+    import torch
+
+    from local_models.onednn import OneDnnLinear, usable
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        layer = torch.nn.Linear(384, 1536)
+        x = torch.randn(rows, 384)
+        kinds: dict[str, Any] = {"torch": layer}
+        if usable(torch.device("cpu"), torch.float32):
+            kinds["onednn"] = OneDnnLinear(layer)
+        out = {}
+        with torch.inference_mode():
+            for name, f in kinds.items():
+                f(x)
+                n, start = 0, time.perf_counter()
+                while (elapsed := time.perf_counter() - start) < seconds:
+                    f(x)
+                    n += 1
+                out[name] = round(2 * rows * 384 * 1536 * n / elapsed / 1e9, 1)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def describe(info: dict[str, Any], gflops: dict[str, float]) -> str:
+    rates = ", ".join(f"{k} {v:.0f}" for k, v in gflops.items())
+    return f"host: {info['cpu']} [{' '.join(info['flags']) or 'no AVX2'}]; one core, fp32 GFLOPS: {rates}"
