@@ -57,6 +57,7 @@ def fp32_gflops(rows: int = 2048, seconds: float = 0.5) -> dict[str, float]:
         torch.set_num_threads(threads)
 
 
-def describe(info: dict[str, Any], gflops: dict[str, float]) -> str:
-    rates = ", ".join(f"{k} {v:.0f}" for k, v in gflops.items())
-    return f"host: {info['cpu']} [{' '.join(info['flags']) or 'no AVX2'}]; one core, fp32 GFLOPS: {rates}"
+def describe(host: dict[str, Any]) -> str:
+    """One line for ``cpu_info()`` with ``fp32_gflops()`` under ``"gflops"``."""
+    rates = ", ".join(f"{k} {v:.0f}" for k, v in host["gflops"].items())
+    return f"host: {host['cpu']} [{' '.join(host['flags']) or 'no AVX2'}]; one core, fp32 GFLOPS: {rates}"

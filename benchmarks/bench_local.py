@@ -385,7 +385,7 @@ def main() -> None:
           "and a compiled forward against the eager one after the first batch): "
           + ", ".join(f"{name} {kind}" for name, kind in r["linear"].items()))
     print(f"load average before {r['load_before']}, after {r['load_after']}")
-    print(describe(host, host["gflops"]))
+    print(describe(host))
     save("bench_local", r)
 
 
