@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from multiplexer.core.jsonrpc import decode, split_meta
+from multiplexer.core.jsonrpc import decode, dumps, loads, split_meta
 from multiplexer.faces.rpc import handle_body
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
@@ -116,3 +116,32 @@ def test_depth_limit_is_exact_at_its_boundary() -> None:
         assert decode(nested(16, text), max_depth=16).entries[0].error is None
         assert decode(nested(17, text), max_depth=16).entries[0].error.code == -32600
     assert decode(nested(3), max_depth=2).entries[0].error.code == -32600
+
+
+@pytest.mark.parametrize("body", [
+    b'{"a": [1, 2.5, -0, "\\u00e9", null, true]}', '{"a": "é"}', '"é"'.encode("utf-16"),
+    '[1]'.encode("utf-32"), b'\xef\xbb\xbf{"b": 1}', b'"\\ud800"', bytearray(b"[3]"),
+    b"123456789012345678901234567890",
+])
+def test_loads_reads_what_json_loads_reads(body: bytes | str) -> None:
+    assert loads(body) == json.loads(body)
+
+
+@pytest.mark.parametrize("body", [b"NaN", b"[Infinity]", b'{"x": -Infinity}', b"1e400", b"[-1e400]"])
+def test_loads_refuses_what_json_is_not(body: bytes) -> None:
+    with pytest.raises(ValueError, match=r"not valid JSON|out of range"):
+        loads(body)
+
+
+def test_loads_refuses_a_bom_in_text_and_a_trailing_comma() -> None:
+    with pytest.raises(json.JSONDecodeError, match="BOM"):
+        loads("\ufeff{}")
+    with pytest.raises(json.JSONDecodeError, match="Expecting value"):
+        loads(b"[1,]")
+
+
+def test_dumps_escapes_a_lone_surrogate_and_refuses_nan() -> None:
+    assert dumps({"a": "é", "b": "\ud800"}) == b'{"a":"\\u00e9","b":"\\ud800"}'
+    assert dumps({"a": "é", "b": [1, 2.5]}) == '{"a":"é","b":[1,2.5]}'.encode()
+    with pytest.raises(ValueError):
+        dumps([float("nan")])

@@ -45,8 +45,21 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# Made once: ``json.loads``/``json.dumps`` build a new decoder or encoder per call when given
+# options, which cost as much as decoding or encoding a small call itself.
+_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_constant=_reject_constant)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_ENCODER_ASCII = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def loads(body: bytes | str) -> Any:
-    return json.loads(body, parse_float=_finite_float, parse_constant=_reject_constant)
+    """``json.loads`` with NaN, Infinity and out-of-range numbers refused (the same steps)."""
+    if isinstance(body, str):
+        if body.startswith("\ufeff"):
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", body, 0)
+    else:
+        body = body.decode(json.detect_encoding(body), "surrogatepass")
+    return _DECODER.decode(body)
 
 
 def is_unicode(text: str) -> bool:
@@ -60,11 +73,11 @@ def is_unicode(text: str) -> bool:
 
 
 def dumps(obj: Any) -> bytes:
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = _ENCODER.encode(obj)
     try:
         return text.encode()
     except UnicodeEncodeError:  # a lone surrogate (valid JSON as a \ud800 escape): keep it escaped
-        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        return _ENCODER_ASCII.encode(obj).encode()
 
 
 def depth_exceeds(obj: Any, limit: int) -> bool:
