@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 Progress = Callable[[float, float | None, str | None], Awaitable[None]]
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
 def canonical(params: Any) -> str:
-    data = json.dumps(params, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      default=str)
+    data = _CANONICAL.encode(params)  # one encoder: json.dumps with options builds one per call
     # surrogatepass: a lone surrogate (valid JSON as "\ud800") must hash, not raise
     return hashlib.blake2b(data.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
