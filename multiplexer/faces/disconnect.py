@@ -11,7 +11,8 @@ server the watcher task still does the job.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 import anyio
 from starlette.types import Receive, Scope
@@ -45,18 +46,37 @@ class OnDisconnect:
             callback()
 
 
-@asynccontextmanager
-async def cancelled_on_disconnect(scope: Scope, receive: Receive) -> AsyncIterator[anyio.CancelScope]:
+def cancelled_on_disconnect(scope: Scope, receive: Receive) -> AbstractAsyncContextManager[anyio.CancelScope]:
     """A cancel scope that the client's disconnect cancels; yields it for an early ``cancel``."""
     hook = scope.get("extensions", {}).get(HOOK)
     if isinstance(hook, OnDisconnect):
-        with anyio.CancelScope() as cancel:
-            hook.add(cancel.cancel)
-            try:
-                yield cancel
-            finally:
-                hook.discard(cancel.cancel)
-        return
+        return _Hooked(hook)
+    return _watched(receive)
+
+
+class _Hooked:
+    """The scope under the gateway's own server: a class, not a generator, as every request
+    enters it (the generator's machinery cost as much as the scope)."""
+
+    __slots__ = ("cancel", "hook")
+
+    def __init__(self, hook: OnDisconnect) -> None:
+        self.hook = hook
+        self.cancel = anyio.CancelScope()
+
+    async def __aenter__(self) -> anyio.CancelScope:
+        self.cancel.__enter__()
+        self.hook.add(self.cancel.cancel)
+        return self.cancel
+
+    async def __aexit__(self, *exc: Any) -> bool:
+        self.hook.discard(self.cancel.cancel)
+        return self.cancel.__exit__(*exc)
+
+
+@asynccontextmanager
+async def _watched(receive: Receive) -> AsyncIterator[anyio.CancelScope]:
+    """Under any other ASGI server: a task parked on ``receive()`` cancels the scope."""
 
     async def watch(cancel: anyio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
