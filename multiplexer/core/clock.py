@@ -6,6 +6,7 @@ drive time explicitly instead of sleeping and hoping.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import math
@@ -29,6 +30,17 @@ class Clock(Protocol):
         """Wait for ``event`` until ``deadline``; True when the event fired."""
         ...
 
+    def wake_at(self, event: anyio.Event, deadline: float) -> Timer:
+        """Set ``event`` at ``deadline`` unless the timer is cancelled first.
+
+        For a waiter that owns its event and rechecks the time when woken: a timer costs
+        about a tenth of what ``wait_event``'s cancel scope does on every call."""
+        ...
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
 
 class MonotonicClock:
     def now(self) -> float:
@@ -48,6 +60,10 @@ class MonotonicClock:
             await event.wait()
         return event.is_set()
 
+    def wake_at(self, event: anyio.Event, deadline: float) -> Timer:
+        """The running event loop's timer (the gateway runs on asyncio)."""
+        return asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), event.set)
+
 
 class ManualClock:
     """Time moves only when a test calls ``advance``."""
@@ -55,7 +71,7 @@ class ManualClock:
     def __init__(self, start: float = 1000.0, wall: float = 1_700_000_000.0) -> None:
         self._now = start
         self._wall_offset = wall - start
-        self._timers: list[tuple[float, int, anyio.Event]] = []
+        self._timers: list[tuple[float, int, anyio.Event | _ManualTimer]] = []
         self._ids = itertools.count()
 
     def now(self) -> float:
@@ -93,6 +109,14 @@ class ManualClock:
             tg.start_soon(watch, timer)
         return event.is_set()
 
+    def wake_at(self, event: anyio.Event, deadline: float) -> Timer:
+        timer = _ManualTimer(event)
+        if deadline <= self._now:
+            timer.set()
+        else:
+            heapq.heappush(self._timers, (deadline, next(self._ids), timer))
+        return timer
+
     async def advance(self, seconds: float) -> None:
         """Move time forward, firing due timers, and let woken tasks run."""
         self._now += seconds
@@ -101,6 +125,22 @@ class ManualClock:
             ev.set()
         for _ in range(5):
             await anyio.lowlevel.checkpoint()
+
+
+class _ManualTimer:
+    """A ``wake_at`` timer on the manual clock: sets its event when due, unless cancelled."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: anyio.Event) -> None:
+        self.event: anyio.Event | None = event
+
+    def set(self) -> None:
+        if self.event is not None:
+            self.event.set()
+
+    def cancel(self) -> None:
+        self.event = None
 
 
 def remaining(clock: Clock, deadline: float | None) -> float:

@@ -97,5 +97,12 @@ async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> Non
             heapq.heappop(deadlines)
         if waiter.wake.is_set():  # fired for tickets settled above: a fresh one for what is left
             waiter.wake = anyio.Event()
-        until = deadlines[0][0] if deadlines else None
-        await clock.wait_event(waiter.wake, None if until == math.inf else until)
+        until = deadlines[0][0] if deadlines else math.inf
+        if until == math.inf:
+            await waiter.wake.wait()
+            continue
+        timer = clock.wake_at(waiter.wake, until)  # the loop rechecks the deadlines when woken
+        try:
+            await waiter.wake.wait()
+        finally:
+            timer.cancel()
