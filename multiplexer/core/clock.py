@@ -30,7 +30,7 @@ class Clock(Protocol):
         """Wait for ``event`` until ``deadline``; True when the event fired."""
         ...
 
-    def wake_at(self, event: anyio.Event, deadline: float) -> Timer:
+    def wake_at(self, event: Settable, deadline: float) -> Timer:
         """Set ``event`` at ``deadline`` unless the timer is cancelled first.
 
         For a waiter that owns its event and rechecks the time when woken: a timer costs
@@ -40,6 +40,10 @@ class Clock(Protocol):
 
 class Timer(Protocol):
     def cancel(self) -> None: ...
+
+
+class Settable(Protocol):
+    def set(self) -> None: ...
 
 
 class MonotonicClock:
@@ -60,7 +64,7 @@ class MonotonicClock:
             await event.wait()
         return event.is_set()
 
-    def wake_at(self, event: anyio.Event, deadline: float) -> Timer:
+    def wake_at(self, event: Settable, deadline: float) -> Timer:
         """The running event loop's timer (the gateway runs on asyncio)."""
         return asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), event.set)
 
@@ -109,7 +113,7 @@ class ManualClock:
             tg.start_soon(watch, timer)
         return event.is_set()
 
-    def wake_at(self, event: anyio.Event, deadline: float) -> Timer:
+    def wake_at(self, event: Settable, deadline: float) -> Timer:
         timer = _ManualTimer(event)
         if deadline <= self._now:
             timer.set()
@@ -132,8 +136,8 @@ class _ManualTimer:
 
     __slots__ = ("event",)
 
-    def __init__(self, event: anyio.Event) -> None:
-        self.event: anyio.Event | None = event
+    def __init__(self, event: Settable) -> None:
+        self.event: Settable | None = event
 
     def set(self) -> None:
         if self.event is not None:
