@@ -39,6 +39,7 @@ class Metrics:
             "multiplexer_calls", "Calls answered, by route and outcome", ["route", "outcome"],
             registry=r,
         )
+        self._calls: dict[tuple[str, str], Counter] = {}  # the labelled children
         self.upstream_requests = Counter(
             "multiplexer_upstream_requests", "HTTP or protocol requests sent upstream",
             ["provider"], registry=r,
@@ -90,6 +91,14 @@ class Metrics:
             "multiplexer_events", "Notable events (device fallback, restarts, ...)",
             ["component", "event"], registry=r,
         )
+
+    def call_answered(self, route: str, outcome: str) -> None:
+        """``calls`` for one answered call; each (route, outcome) child is looked up once, as
+        every call counts here and ``labels()`` costs as much as the rest of counting."""
+        child = self._calls.get((route, outcome))
+        if child is None:
+            child = self._calls[(route, outcome)] = self.calls.labels(route, outcome)
+        child.inc()
 
     def state_degraded_count(self, part: str) -> None:
         self.state_degraded.labels(part).inc()

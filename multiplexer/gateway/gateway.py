@@ -410,7 +410,7 @@ class Gateway:
         if t.quota:
             self.quotas.release(t.identity)
         code = "ok" if outcome.error is None else code_label(outcome.error.code)
-        self.metrics.calls.labels(t.label, code).inc()
+        self.metrics.call_answered(t.label, code)
         t.pending = t.lane = t.call = t.waiter = None
 
     def _dedup_key(
