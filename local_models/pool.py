@@ -128,7 +128,7 @@ class ModelHandle:
             self._choose_linear(loaded)
         limits.append(loaded.max_positions())
         if self.task != "generate":
-            self.word_ids = WordIds.of(getattr(loaded.tokenizer, "backend_tokenizer", None))
+            self.word_ids = WordIds.for_tokenizer(loaded.tokenizer)
         known = [n for n in limits if n]
         self.limit = min(known) if known else None
         self.fallback_device = torch.device("cpu") if device.type != "cpu" else None

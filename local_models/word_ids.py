@@ -23,8 +23,10 @@ the tokenizer's own normaliser and pre-tokenizer about each character the
 first time it is seen, so the Unicode tables are the tokenizer's, not
 Python's. What this cannot follow goes to the tokenizer: a combining mark left
 after accent stripping (the decomposition's reordering spans characters), text
-holding an added token such as ``[MASK]``, another pipeline. The tests compare
-both on every ASCII character and on random text from the whole of Unicode.
+holding an added token such as ``[MASK]`` (or, for one added with ``normalized``,
+text that holds it once normalised), another pipeline. The tests compare both on
+every ASCII character, on random text from the whole of Unicode and on adversarial
+text (tests/test_word_ids_fuzz.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import json
 import re
 import string
 import unicodedata
+from collections.abc import Sequence
 from itertools import chain, islice
 from typing import Any
 
@@ -128,12 +131,29 @@ class WordIds:
     """``ids(text)``: the tokenizer's ids for ``text``, or None where only the tokenizer can say."""
 
     def __init__(self, pieces: _Pieces, prefix: list[int], suffix: list[int], lowercase: bool,
-                 added: list[str], normal: _Normal | None = None) -> None:
+                 added: list[str], normal: _Normal | None = None, normalized: Sequence[str] = ()) -> None:
+        """``added``: every added token's content, looked for in the text as sent, where the
+        tokenizer matches those with ``normalized: false``. ``normalized``: the normal forms of the
+        ``normalized: true`` ones, which the tokenizer matches in the normalised text: "café" added
+        is found in "CAFE", and in "ca\\x00fe" once clean_text drops the NUL."""
         self._pieces = pieces
         self._prefix, self._suffix = prefix, suffix
         self._lowercase = lowercase
         self._added = re.compile("|".join(map(re.escape, added)), re.IGNORECASE) if added else None
+        # the table's text is the normalised text with spaces of its own around marks and
+        # ideographs, so any run of spaces may stand between a form's characters (one more match
+        # only sends a text to the tokenizer); a form that is all whitespace is kept as it is
+        forms = sorted({" *".join(map(re.escape, "".join(f.split()) or f)) for f in normalized} - {""})
+        self._normalized = re.compile("|".join(forms), re.IGNORECASE) if forms else None
         self._normal = normal
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> WordIds | None:
+        """For a transformers tokenizer. The table cuts a long text's end, as truncation on the
+        right does: a tokenizer set to truncate on the left (``truncation_side``) gets none."""
+        if getattr(tokenizer, "truncation_side", "right") != "right":
+            return None
+        return cls.of(getattr(tokenizer, "backend_tokenizer", None))
 
     @classmethod
     def of(cls, backend: Any) -> WordIds | None:
@@ -153,14 +173,19 @@ class WordIds:
             return None
         pieces = _Pieces(vocab, vocab[model["unk_token"]], model.get("continuing_subword_prefix", "##"),
                          int(model.get("max_input_chars_per_word", 100)))
-        added = [t["content"] for t in spec.get("added_tokens") or [] if t.get("content")]
+        tokens = [t for t in spec.get("added_tokens") or [] if t.get("content")]
+        added = [t["content"] for t in tokens]
         strips = norm.get("strip_accents")
+        normalize = getattr(backend.normalizer, "normalize_str", None)
         normal = None
-        if callable(getattr(backend.normalizer, "normalize_str", None)) and \
-                callable(getattr(backend.pre_tokenizer, "pre_tokenize_str", None)):
+        if callable(normalize) and callable(getattr(backend.pre_tokenizer, "pre_tokenize_str", None)):
             normal = _Normal(backend.normalizer, backend.pre_tokenizer,
                              bool(norm.get("lowercase") if strips is None else strips))
-        return cls(pieces, *ends, lowercase=bool(norm.get("lowercase")), added=added, normal=normal)
+        normalized = [t["content"] for t in tokens if t.get("normalized", True)]
+        if normalized and not callable(normalize):  # their normal forms are the normaliser's to say
+            return None
+        return cls(pieces, *ends, lowercase=bool(norm.get("lowercase")), added=added, normal=normal,
+                   normalized=[normalize(c) for c in normalized])
 
     def ids(self, text: str, max_length: int | None = None) -> list[int] | None:
         """``max_length``: cut as the tokenizer's truncation does (the text's own tokens from the
@@ -175,13 +200,15 @@ class WordIds:
             # replaced and the rest is treated as ASCII text below (half the time for one quote)
             mostly_ascii = (len(text.encode("utf-8", "surrogatepass")) - len(text)) * 8 < len(text)
             text = _PAST_ASCII.sub(self._normal.sub, text) if mostly_ascii else text.translate(self._normal)
-            if _REFUSED in text or (self._added is not None and self._added.search(text)):
+            if _REFUSED in text:
                 return None
         if mostly_ascii:
             if not text.isprintable():  # ASCII that is printable holds no control character
                 text = text.translate(_CLEAN)
             if self._lowercase:  # the normal forms past ASCII are lowercase already: ASCII's only
                 text = text.lower() if text.isascii() else text.encode().lower().decode()
+        if self._normalized is not None and self._normalized.search(text):
+            return None
         # after cleaning, the only whitespace left is the space
         words = chain.from_iterable(map(self._pieces.__getitem__, text.split()))
         if max_length is None:

@@ -208,3 +208,16 @@ def test_a_character_python_splits_at_but_the_pre_tokenizer_keeps_is_refused(bac
     assert normal[0x1C] == _REFUSED
     assert normal[ord("é")] == "é" and normal[ord("—")] == " — " and normal[0xA0] == " "
     assert _Normal(backend.normalizer, backend.pre_tokenizer, strips_accents=True)[0x1C] == ""
+
+
+def test_a_tokenizer_that_truncates_on_the_left_gets_no_table() -> None:
+    from local_models.sources import resolve_source
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_source(MINILM)))
+    table = WordIds.for_tokenizer(tok)
+    assert table is not None
+    text = " ".join(f"word{i}" for i in range(40))
+    assert table.ids(text, 16) == tok(text, truncation=True, max_length=16)["input_ids"]
+    tok.truncation_side = "left"  # the table would keep the text's start where the tokenizer keeps its end
+    assert table.ids(text, 16) != tok(text, truncation=True, max_length=16)["input_ids"]
+    assert WordIds.for_tokenizer(tok) is None
