@@ -147,5 +147,23 @@ class _ManualTimer:
         self.event = None
 
 
+async def wait_own(clock: Clock, event: asyncio.Event, deadline: float) -> None:
+    """Wait for ``event`` until ``deadline`` (inf: no deadline), for a waiter that alone waits
+    on the event and rechecks the time when woken: the deadline's timer sets the event itself.
+    asyncio's event and a loop timer cost a third of anyio's event under a cancel scope, and
+    the lanes and every call's settling wait this way."""
+    if deadline == math.inf:
+        await event.wait()
+        return
+    if deadline <= clock.now():  # one turn of the loop, as a zero timeout gives: asyncio's wait on
+        await anyio.lowlevel.checkpoint()  # an event set at once would not yield, and a loop would spin
+        return
+    timer = clock.wake_at(event, deadline)
+    try:
+        await event.wait()
+    finally:
+        timer.cancel()
+
+
 def remaining(clock: Clock, deadline: float | None) -> float:
     return math.inf if deadline is None else deadline - clock.now()

@@ -7,6 +7,7 @@ provider's outcome, by its callers giving up, or by shutdown.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -15,7 +16,7 @@ import anyio
 
 from multiplexer.core.batching import Formation, GroupedQueue, Pending, choose
 from multiplexer.core.call import Item, Outcome
-from multiplexer.core.clock import Clock
+from multiplexer.core.clock import Clock, wait_own
 from multiplexer.core.errors import RpcError, internal_error, overloaded, shutting_down
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.metrics import Metrics
@@ -74,7 +75,7 @@ class Lane:
             self._depth = metrics.queue_depth.labels(name)
             self._sizes = metrics.batch_size.labels(name)
             self._batches = metrics.upstream_batches.labels(name)
-        self._wake = anyio.Event()
+        self._wake = asyncio.Event()  # set by submits and finished batches: see wait_own
         self.drained = anyio.Event()  # set when the loop has ended: closed and empty, or cancelled
         self._closing = False
         self._scopes: dict[int, tuple[anyio.CancelScope, list[Pending]]] = {}
@@ -143,15 +144,13 @@ class Lane:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 while True:
-                    self._wake = anyio.Event()
+                    self._wake = asyncio.Event()
                     deadline = self._step(tg)
                     if self._closing and not len(self.queue) and not self.in_flight:
                         self._release_idle()
                         return
                     if deadline != 0.0:
-                        await self.clock.wait_event(
-                            self._wake, None if deadline == math.inf else deadline
-                        )
+                        await wait_own(self.clock, self._wake, deadline)
         finally:
             self.drained.set()
 

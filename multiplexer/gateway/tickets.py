@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from multiplexer.core.batching import Pending
 from multiplexer.core.call import Call, Outcome
-from multiplexer.core.clock import Clock
+from multiplexer.core.clock import Clock, wait_own
 from multiplexer.core.dedup import ProgressFanout
 from multiplexer.core.errors import timeout_error
 from multiplexer.core.lane import Lane
@@ -99,12 +99,4 @@ async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> Non
             heapq.heappop(deadlines)
         if waiter.wake.is_set():  # fired for tickets settled above: a fresh one for what is left
             waiter.wake = asyncio.Event()
-        until = deadlines[0][0] if deadlines else math.inf
-        if until == math.inf:
-            await waiter.wake.wait()
-            continue
-        timer = clock.wake_at(waiter.wake, until)  # the loop rechecks the deadlines when woken
-        try:
-            await waiter.wake.wait()
-        finally:
-            timer.cancel()
+        await wait_own(clock, waiter.wake, deadlines[0][0] if deadlines else math.inf)
