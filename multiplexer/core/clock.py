@@ -33,8 +33,8 @@ class Clock(Protocol):
     def wake_at(self, event: Settable, deadline: float) -> Timer:
         """Set ``event`` at ``deadline`` unless the timer is cancelled first.
 
-        For a waiter that owns its event and rechecks the time when woken: a timer costs
-        about a tenth of what ``wait_event``'s cancel scope does on every call."""
+        For a waiter that owns its event and rechecks the time when woken (``wait_own``): a
+        loop timer in place of ``wait_event``'s cancel scope around the wait."""
         ...
 
 
