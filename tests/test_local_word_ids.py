@@ -78,6 +78,25 @@ def test_ids_equal_the_tokenizers_on_ascii_text(backend: Tokenizer, lowercase: b
     assert served > 2000
 
 
+def test_a_word_with_a_mark_beside_it_reads_as_the_tokenizer_reads_it(backend: Tokenizer) -> None:
+    """"word," and "(word": split into the word and the mark from the table once the word is in
+    it, the same ids as the regex's split of a word seen for the first time (and as the tokenizer's)."""
+    words = WordIds.of(backend)
+    assert words is not None
+    rng = random.Random(3)
+    vocab = [w for w in backend.get_vocab() if w.isascii() and w.isalpha()]
+    new = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randrange(3, 14))) for _ in range(200)]
+    marked = [f"{w}{m}" if rng.random() < 0.5 else f"{m}{w}" for w in rng.sample(vocab, 300) + new
+              for m in rng.sample(string.punctuation, 3)]
+    marked += [",,", ".,", "a.", ".a", "x" * 101 + ",", "," + "x" * 101, "..." + "word", "word" + "!!"]
+    text = " ".join(marked)
+    first = words.ids(text)  # the new words go into the table here
+    assert first == backend.encode(text).ids
+    assert words.ids(text) == first
+    for chunk in marked:
+        assert words.ids(chunk) == backend.encode(chunk).ids, chunk
+
+
 # characters that real text carries past ASCII, and the ones the normaliser treats apart
 COMMON = list("\u2019\u2018“”—\u2013…«»¿¡€£°±\u00d7÷"
               "éèêëàâäçñöüßÉÀÖÜÅØæœıİŞğšžčřłńśźΣσςΑαΒβΩωДдЖжЯяЁё中文日本語한국어")
