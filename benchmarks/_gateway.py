@@ -76,14 +76,29 @@ def upstream(script: str, *extra: str) -> Iterator[str]:
 def gateway(config_yaml: str, env: dict[str, str] | None = None) -> Iterator[GatewayProc]:
     """``python -m multiplexer serve`` on a free port; ``{port}`` in the YAML is filled in."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         conf = Path(tmp) / "gateway.yaml"
         conf.write_text(config_yaml.replace("{port}", str(port)))
-        log_path = Path(tmp) / "gateway.log"
-        with logged_child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{url}/healthz",
-                          log_path, env) as proc:
-            yield GatewayProc(url, proc, log_path)
+        with _served(["-m", "multiplexer", "serve", "--config", str(conf)], port, Path(tmp), env) as proc:
+            yield proc
+
+
+@contextlib.contextmanager
+def http_floor() -> Iterator[GatewayProc]:
+    """The gateway's HTTP server with a trivial app behind it (``benchmarks/_http_floor.py``)."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp, \
+            _served(["-m", "benchmarks._http_floor", str(port)], port, Path(tmp)) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
+def _served(args: list[str], port: int, tmp: Path,
+            env: dict[str, str] | None = None) -> Iterator[GatewayProc]:
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp / "server.log"
+    with logged_child(args, f"{url}/healthz", log_path, env) as proc:
+        yield GatewayProc(url, proc, log_path)
 
 
 @dataclass

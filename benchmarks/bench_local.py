@@ -13,7 +13,10 @@ call at a time, one batch at a time on all cores (``concurrency: 1``: how torch'
 threads and the event loop share the cores), the default gateway's ``/v1/embeddings`` (float and base64)
 and its built-in echo route (``rpc_echo``: the same texts and client with no model, so its CPU per
 call is what the HTTP path, JSON-RPC and admission cost before any model work; its calls/s is not a
-model's), the default in-process (``Gateway.submit``), and sentence-transformers ``encode(batch_size=32)``
+model's), the same requests to the gateway's HTTP server with a trivial app behind it (``http_floor``:
+uvicorn with the gateway's protocol on uvloop, ``benchmarks/_http_floor.py``, so its CPU per call is
+what the server and ASGI cost before the gateway's own code runs), the default in-process
+(``Gateway.submit``), and sentence-transformers ``encode(batch_size=32)``
 offline on the same texts. Texts are 3 to 120 words (evenly 3, 5, 8, 12, 20,
 40, 80 and 120). Rounds are interleaved (who goes first rotates) and the
 median round is reported, with ratios taken within each round, since the host
@@ -48,7 +51,7 @@ import psutil
 import torch
 import yaml
 
-from benchmarks._gateway import GatewayProc, gateway, metric_sum
+from benchmarks._gateway import GatewayProc, gateway, http_floor, metric_sum
 from benchmarks._h11 import Conn
 from benchmarks._host import cpu_info, describe, fp32_gflops
 from benchmarks._procs import ROOT, percentile, save, table
@@ -73,6 +76,7 @@ ROWS: dict[str, dict[str, Any]] = {  # what each row changes in the default mode
 # rows on another face or route of a row's gateway; ``rpc_echo`` calls the built-in echo route with the
 # same texts: what the HTTP path, JSON-RPC and admission cost this gateway per call with no model
 FACES = {"v1_float": "default", "v1_base64": "default", "rpc_echo": "default"}
+FLOOR = "http_floor"  # the echo row's requests to the gateway's HTTP server alone (benchmarks/_http_floor.py)
 ECHO_REPEAT = 4  # echo calls are cheap: more of them, for a CPU reading above the clock tick
 V1_MODEL = "all-MiniLM-L6-v2"
 
@@ -187,7 +191,7 @@ class HttpRow:
 
     def __init__(self, proc: GatewayProc, callers: int, face: str = "rpc") -> None:
         self.proc, self.callers, self.face = proc, callers, face
-        self.repeat = ECHO_REPEAT if face == "rpc_echo" else 1
+        self.repeat = ECHO_REPEAT if face == "rpc_echo" else 1  # the floor row sends the echo row's calls
         self.conns = [Conn.to(proc.url, timeout=120) for _ in range(callers)]
         self.ps = psutil.Process(proc.pid)
 
@@ -306,6 +310,8 @@ async def run(args: argparse.Namespace) -> dict:
         for name, host in FACES.items():
             if host in procs and name not in args.skip.split(","):
                 rows[name] = HttpRow(procs[host], args.callers, face=name)
+        if FLOOR not in args.skip.split(","):
+            rows[FLOOR] = HttpRow(stack.enter_context(http_floor()), args.callers, face="rpc_echo")
         async with Gateway(parse_config({
             "providers": {"local": {"kind": "local", "models": {"minilm": base}}},
             "routes": {"embed_local": {"provider": "local", "model": "minilm"}},
@@ -326,7 +332,7 @@ async def run(args: argparse.Namespace) -> dict:
             reference = torch.from_numpy(st_model.encode(texts, batch_size=32))
             cosine = {}
             for name in names:
-                if name not in ("st_encode", "rpc_echo"):
+                if name not in ("st_encode", "rpc_echo", FLOOR):
                     ours = await rows[name].vectors(texts)
                     cosine[name] = torch.nn.functional.cosine_similarity(ours, reference, dim=1).min().item()
             for row in rows.values():
@@ -379,7 +385,8 @@ def main() -> None:
     print(f"floors (default row): >= 1.0x st_encode ({st['default']:.2f}x), >= 2.5x one_at_a_time "
           f"({d.get('one_at_a_time', float('nan')):.2f}x); gateway CPU outside the forward "
           f"{m['default']['outside_ms']:.2f} ms/call (goal 0.3; the echo route on the same gateway "
-          f"{m.get('rpc_echo', {}).get('outside_ms', float('nan')):.2f}); int8 worst cosine "
+          f"{m.get('rpc_echo', {}).get('outside_ms', float('nan')):.2f}, its HTTP server alone "
+          f"{m.get(FLOOR, {}).get('outside_ms', float('nan')):.2f}); int8 worst cosine "
           f"{cos.get('onnx_int8', float('nan')):.4f} (floor 0.99)")
     print("forward each row ran (the default times oneDNN's fp32 linear layers against torch's at load, "
           "and a compiled forward against the eager one after the first batch): "
