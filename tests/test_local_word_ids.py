@@ -85,7 +85,8 @@ def test_a_word_with_a_mark_beside_it_reads_as_the_tokenizer_reads_it(backend: T
     assert words is not None
     rng = random.Random(3)
     vocab = [w for w in backend.get_vocab() if w.isascii() and w.isalpha()]
-    new = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randrange(3, 14))) for _ in range(200)]
+    new = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randrange(3, 14)))
+           for _ in range(200)]
     marked = [f"{w}{m}" if rng.random() < 0.5 else f"{m}{w}" for w in rng.sample(vocab, 300) + new
               for m in rng.sample(string.punctuation, 3)]
     marked += [",,", ".,", "a.", ".a", "x" * 101 + ",", "," + "x" * 101, "..." + "word", "word" + "!!"]
