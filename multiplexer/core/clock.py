@@ -85,12 +85,16 @@ class ManualClock:
         """Wall time moves with ``advance``, from the ``wall`` the clock was made with."""
         return self._now + self._wall_offset
 
+    def _schedule(self, deadline: float, target: anyio.Event | _ManualTimer) -> None:
+        """Set ``target`` now if ``deadline`` has passed, else when ``advance`` reaches it."""
+        if deadline <= self._now:
+            target.set()
+        else:
+            heapq.heappush(self._timers, (deadline, next(self._ids), target))
+
     def _timer(self, deadline: float) -> anyio.Event:
         ev = anyio.Event()
-        if deadline <= self._now:
-            ev.set()
-        else:
-            heapq.heappush(self._timers, (deadline, next(self._ids), ev))
+        self._schedule(deadline, ev)
         return ev
 
     async def sleep_until(self, deadline: float) -> None:
@@ -115,10 +119,7 @@ class ManualClock:
 
     def wake_at(self, event: Settable, deadline: float) -> Timer:
         timer = _ManualTimer(event)
-        if deadline <= self._now:
-            timer.set()
-        else:
-            heapq.heappush(self._timers, (deadline, next(self._ids), timer))
+        self._schedule(deadline, timer)
         return timer
 
     async def advance(self, seconds: float) -> None:
