@@ -25,7 +25,8 @@ round; "outside the forward" subtracts the CPU of the threads running the
 forward passes (``multiplexer_compute_cpu_seconds``: the CPU of the thread that
 calls each forward, so where one batch runs on several torch threads, as in
 ``one_forward``, the helpers' CPU lands outside), and "event loop" is the main
-thread's share (HTTP, JSON-RPC, tokenising, batching). The last line names the host: its
+thread's share (HTTP, JSON-RPC, tokenising, batching); the floors line adds how often that
+thread waited for work per call (Linux). The last line names the host: its
 CPU, the instruction sets that pick the kernels, and one core's fp32 GFLOPS on a MiniLM-sized
 product through torch and oneDNN, measured before any gateway starts (two hosts with the same
 name and flags differed 2.5x there).
@@ -37,11 +38,14 @@ import argparse
 import base64
 import contextlib
 import json
+import math
 import os
 import random
+import re
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -201,12 +205,22 @@ class HttpRow:
         assert reply.status == 200, reply.body[:500]
         return embeddings(self.face, reply.body)
 
-    def counters(self) -> tuple[float, float, float, float]:
+    def counters(self) -> tuple[float, float, float, float, float]:
         cpu = self.ps.cpu_times()
         loop = next((t.user_time + t.system_time for t in self.ps.threads() if t.id == self.ps.pid), 0.0)
         text = httpx.get(f"{self.proc.url}/metrics", timeout=30).text
         return (cpu.user + cpu.system, metric_sum(text, "multiplexer_compute_cpu_seconds"),
-                metric_sum(text, "multiplexer_batch_size_count", provider="local"), loop)
+                metric_sum(text, "multiplexer_batch_size_count", provider="local"), loop, self.loop_sleeps())
+
+    def loop_sleeps(self) -> float:
+        """How often the event loop's thread has waited for work (its voluntary context switches;
+        Linux only, else nan). Work after a wait meets caches that other threads have used."""
+        try:
+            status = Path(f"/proc/{self.ps.pid}/task/{self.ps.pid}/status").read_text()
+        except OSError:
+            return math.nan
+        found = re.search(r"^voluntary_ctxt_switches:\s+(\d+)", status, re.M)
+        return float(found.group(1)) if found else math.nan
 
     async def round(self, texts: list[str]) -> dict[str, Any]:
         for text in texts[:32]:
@@ -215,9 +229,10 @@ class HttpRow:
         before = self.counters()
         result = await closed_loop(calls, self.callers, lambda i, t: self.call(self.conns[i], t))
         after = self.counters()
-        cpu, forward, batches, loop = (a - b for a, b in zip(after, before, strict=True))
-        return {**result, "cpu_ms": cpu / len(calls) * 1e3, "outside_ms": (cpu - forward) / len(calls) * 1e3,
-                "loop_ms": loop / len(calls) * 1e3, "batches": int(batches)}
+        cpu, forward, batches, loop, sleeps = (a - b for a, b in zip(after, before, strict=True))
+        n = len(calls)
+        return {**result, "cpu_ms": cpu / n * 1e3, "outside_ms": (cpu - forward) / n * 1e3,
+                "loop_ms": loop / n * 1e3, "batches": int(batches), "loop_sleeps": sleeps / n}
 
     async def vectors(self, texts: list[str]) -> torch.Tensor:
         """The reference texts in calls of 32, so that a slow row (bf16 without AMX) stays
@@ -386,7 +401,9 @@ def main() -> None:
           f"({d.get('one_at_a_time', float('nan')):.2f}x); gateway CPU outside the forward "
           f"{m['default']['outside_ms']:.2f} ms/call (goal 0.3; the echo route on the same gateway "
           f"{m.get('rpc_echo', {}).get('outside_ms', float('nan')):.2f}, its HTTP server alone "
-          f"{m.get(FLOOR, {}).get('outside_ms', float('nan')):.2f}); int8 worst cosine "
+          f"{m.get(FLOOR, {}).get('outside_ms', float('nan')):.2f}; its event loop waited for work "
+          f"{m['default'].get('loop_sleeps', float('nan')):.2f} times per call, on the echo route "
+          f"{m.get('rpc_echo', {}).get('loop_sleeps', float('nan')):.2f}); int8 worst cosine "
           f"{cos.get('onnx_int8', float('nan')):.4f} (floor 0.99)")
     print("forward each row ran (the default times oneDNN's fp32 linear layers against torch's at load, "
           "and a compiled forward against the eager one after the first batch): "
