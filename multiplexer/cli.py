@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import sys
@@ -12,6 +11,7 @@ from typing import Any
 import anyio
 
 from multiplexer.gateway.config import ConfigError, load_config
+from multiplexer.gateway.heap import tune_gc
 
 DEFAULT_CONFIG = "config/default.yaml"
 
@@ -29,17 +29,6 @@ def _run(fn: Any, *args: Any) -> Any:
     except ImportError:
         options = {}
     return anyio.run(fn, *args, backend_options=options)
-
-
-def tune_gc(young: int | None) -> None:
-    """The gateway's collector threshold for new objects (``server.gc_young_threshold``).
-
-    With Python's 700, a gateway serving a local model ran a young pass every 11 embed
-    calls at about 0.3 ms each (its in-flight requests' objects survive and are walked
-    again each pass): 0.04 ms per call, 7% of its event loop. At 10,000 it ran one pass
-    per thousand calls; what it costs is up to that many cyclic objects left a little longer."""
-    if young is not None:
-        gc.set_threshold(young, *gc.get_threshold()[1:])
 
 
 def _serve(args: argparse.Namespace) -> int:

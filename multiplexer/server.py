@@ -19,6 +19,7 @@ from multiplexer.faces.jobs import attach_jobs
 from multiplexer.faces.mcp.http import mount_mcp
 from multiplexer.faces.server_protocol import GatewayHttpProtocol
 from multiplexer.faces.v1 import v1_routes
+from multiplexer.gateway import heap
 from multiplexer.gateway.config import Config, ConfigError
 from multiplexer.gateway.gateway import Gateway
 
@@ -126,6 +127,9 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
             mcp_routes, lifespan = mount_mcp(gw, auth)
             routes = v1_routes(gw, auth) + mcp_routes
             app = create_app(gw, routes, lifespan, auth)
+            if config.server.freeze_heap:  # before serving: no full pauses on start-up's heap after
+                heap.freeze(collect=True)
+                gw.listeners.append(heap.on_event)
             async with serve_asgi(app, sock, lifespan=lifespan is not None) as url:
                 yield gw, url
     finally:

@@ -101,7 +101,7 @@ def test_default_config_is_valid() -> None:
 def test_serve_sets_the_collectors_young_threshold_from_config() -> None:
     import gc
 
-    from multiplexer.cli import tune_gc
+    from multiplexer.gateway.heap import tune_gc
 
     before = gc.get_threshold()
     try:

@@ -111,7 +111,7 @@ async def test_fault_soak_answers_every_call_once_without_duplicate_side_effects
         assert ledger.missing == ledger.duplicate_answers == ledger.unexpected_answers == 0
         assert ledger.wrong_token == 0 and not ledger.http_failures
         assert ledger.answered == ledger.calls
-    assert baseline.outcomes["ok"] == baseline.calls  # no faults, no failures
+    assert baseline.outcomes["ok"] == baseline.calls, baseline.outcomes  # no faults, no failures
     assert audit["duplicate_executions_non_idempotent"] == 0
     assert audit["ok_without_execution"] == 0
     assert set(state.faults) == set(FAULTS)  # every way of failing was exercised

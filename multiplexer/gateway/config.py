@@ -59,6 +59,11 @@ class ServerConfig(Strict):
         description="`multiplexer serve`: allocations between the garbage collector's youngest passes"
                     " (Python's own is 700); null: Python's",
     )
+    freeze_heap: bool = Field(
+        default=True,
+        description="exempt what is alive once the gateway serves (and once each local model has"
+                    " loaded) from later garbage collections: a full one then walks only newer objects",
+    )
     api_keys: dict[str, SecretStr] = Field(default_factory=dict)
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
