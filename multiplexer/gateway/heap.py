@@ -37,6 +37,14 @@ def freeze(*, collect: bool) -> None:
     gc.freeze()
 
 
+def serving(gateway: Any) -> None:
+    """Called by each face that serves a process (HTTP, stdio) once its gateway is up, before
+    the first call: freeze now and once each model settles, unless ``server.freeze_heap`` is off."""
+    if gateway.config.server.freeze_heap:
+        freeze(collect=True)
+        gateway.listeners.append(on_event)
+
+
 def on_event(event: str, data: dict[str, Any]) -> None:
     """A gateway listener: freeze again once a model's objects are in place. No collection
     here, so calls waiting for the model wait no longer; a model load's few cyclic leftovers

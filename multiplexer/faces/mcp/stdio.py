@@ -25,6 +25,7 @@ from mcp import stdio_server
 
 from multiplexer.faces.jobs import attach_jobs
 from multiplexer.faces.mcp.server import McpFace
+from multiplexer.gateway import heap
 from multiplexer.gateway.config import Config
 from multiplexer.gateway.gateway import Gateway
 
@@ -99,6 +100,7 @@ async def serve_stdio(config: Config) -> None:
         attach_jobs(gateway)
         face = McpFace(gateway)
         server = face.server
+        heap.serving(gateway)
         async with face.running(), anyio.create_task_group() as tg:
 
             async def stop_on_signal() -> None:
