@@ -1,9 +1,10 @@
 """Shared fixtures: the anyio backend for async tests; the test process's heap frozen per module."""
 
-import gc
 from collections.abc import Iterator
 
 import pytest
+
+from multiplexer.gateway.heap import freeze
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +19,5 @@ def frozen_heap() -> Iterator[None]:
     (torch, transformers, tokenizer tables), and a full collection walking them all stopped the
     event loop for about a second, long enough for a fault soak's 800 ms upstream timeout to fire
     on calls that had no fault."""
-    gc.collect()
-    gc.freeze()
+    freeze(collect=True)
     yield

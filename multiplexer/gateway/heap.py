@@ -11,7 +11,10 @@ never walked again: a full collection then costs what was allocated since.
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiplexer.gateway.gateway import Gateway
 
 # Pool events after which a model's objects are in place for the process's life.
 SETTLED = frozenset({"local.model_loaded", "local.compiled", "local.compile_slower",
@@ -37,7 +40,7 @@ def freeze(*, collect: bool) -> None:
     gc.freeze()
 
 
-def serving(gateway: Any) -> None:
+def serving(gateway: Gateway) -> None:
     """Called by each face that serves a process (HTTP, stdio) once its gateway is up, before
     the first call: freeze now and once each model settles, unless ``server.freeze_heap`` is off."""
     if gateway.config.server.freeze_heap:
