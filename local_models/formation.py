@@ -8,11 +8,18 @@ its priority plus an aging credit, so low priorities cannot starve. The
 decisions are pure functions of the queue and the time; ``GatedFormation`` is
 the thin stateful shell that holds a model's next batch back while its
 previous ones still run, so batches keep growing while the model is busy.
+
+A decision looks at most ``WINDOW`` batches' rows deep into the queue (its head
+in priority order, plus the anchor wherever it stands): with thousands of calls
+queued, grouping all of them by length at every batch cost the event loop more
+per call than the rest of the call's path, and a batch of similar lengths is
+found among a few batches' worth of candidates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -20,6 +27,8 @@ from dataclasses import dataclass
 from multiplexer.core.batching import Decision, Formation, Pending
 
 from .prepared import shape
+
+WINDOW = 4  # batches' worth of queued rows a decision considers (see the module's docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +62,19 @@ def anchor_index(pending: Sequence[Pending], now: float, aging: float) -> int:
 def form_batch(pending: Sequence[Pending], now: float, b: TokenBudget) -> Decision:
     if not pending:
         return Decision()
-    shapes = [shape(p.item) for p in pending]
+    anchor = anchor_index(pending, now, b.aging) if b.length_grouping else 0
+    depth = WINDOW * b.max_rows
+    candidates: Sequence[int] = range(len(pending))
+    if len(pending) > depth:
+        candidates = [*range(depth), anchor] if anchor >= depth else range(depth)
+    shapes = [shape(pending[i].item) for i in candidates]
     if b.length_grouping:
-        chosen, full = _grow_by_length(shapes, anchor_index(pending, now, b.aging), b)
+        chosen, full = _grow_by_length(shapes, candidates.index(anchor), b)
     else:
         chosen, full = _grow_in_order(shapes, b)
     oldest = min(p.enqueued for p in pending)
     if full or oldest + b.max_wait <= now:
-        return Decision(take=tuple(sorted(chosen)))
+        return Decision(take=tuple(sorted(candidates[j] for j in chosen)))
     return Decision(wait_until=oldest + b.max_wait)
 
 
@@ -154,8 +168,10 @@ class GatedFormation:
 
     The lane owns the queue and calls ``decide`` again whenever a batch ends, so
     the running batches are recognised from the ``Pending`` objects it took: a
-    batch this formation chose is running once its items have left the queue and
-    finished once they are all ``done``.
+    batch this formation chose is running once the queue has handed its items
+    out (``running``) and finished once they are all ``done``; one the lane did
+    not take is forgotten. That costs a look at each running batch per decision,
+    not a pass over the queue, which the lane asks again at every arrival.
 
     With a capacity over one, a token budget's batch takes at most its share of
     the rows queued and running (``balanced``), so the batches running side by
@@ -169,12 +185,10 @@ class GatedFormation:
         self._policy = policy
         self._batches: dict[Hashable, list[tuple[Pending, ...]]] = {}
 
-    def running(self, group: Hashable, pending: Sequence[Pending] = ()) -> int:
-        queued = {id(p) for p in pending}
-        live = [
-            batch for batch in self._batches.get(group, [])
-            if not any(id(p) in queued for p in batch) and not all(p.state == "done" for p in batch)
-        ]
+    def running(self, group: Hashable) -> int:
+        # a batch's items turn running together when the queue hands them out, and done together
+        # when it ends; withdrawn or expired ones turn done without running
+        live = [batch for batch in self._batches.get(group, []) if any(p.state == "running" for p in batch)]
         self._batches[group] = live
         return len(live)
 
@@ -185,7 +199,7 @@ class GatedFormation:
         formation, capacity = self._policy(group)
         if capacity is None:  # ungated
             return formation.decide(pending, now)
-        if self.running(group, pending) >= capacity:
+        if self.running(group) >= capacity:
             return Decision()  # the lane wakes us when a batch ends
         decision = self.balanced(formation, capacity, group, pending).decide(pending, now)
         if decision.take:
@@ -197,7 +211,11 @@ class GatedFormation:
         """``formation`` with its row cap lowered to this batch's share (call after ``running``)."""
         if capacity <= 1 or not isinstance(formation, TokenBudget):
             return formation
-        rows = sum(shape(p.item)[0] for p in pending)
-        rows += sum(shape(p.item)[0] for batch in self._batches.get(group, ()) for p in batch)
+        enough = capacity * formation.max_rows  # rows past which every batch may take its cap
+        rows = 0
+        for p in itertools.chain(pending, itertools.chain.from_iterable(self._batches.get(group, ()))):
+            rows += shape(p.item)[0]
+            if rows >= enough:
+                return formation
         share = max(1, -(-rows // capacity))
         return formation if share >= formation.max_rows else dataclasses.replace(formation, max_rows=share)

@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from local_models.formation import GatedFormation, PassThrough, TokenBudget, form_batch, plan_chunks
+from local_models.formation import (
+    WINDOW,
+    GatedFormation,
+    PassThrough,
+    TokenBudget,
+    form_batch,
+    plan_chunks,
+)
 from local_models.prepared import KEY, Prepared
 from multiplexer.core.batching import Pending
 from multiplexer.core.call import Item, Outcome
@@ -47,6 +54,30 @@ def test_padding_slack_lets_short_items_of_different_lengths_share_a_pass() -> N
     assert lengths(ps, TokenBudget(max_padding=0.1).decide(ps, now=1.0).take) == [5, 6]
     slack = TokenBudget(max_padding=0.1, padding_slack=16).decide(ps, now=1.0)
     assert sorted(lengths(ps, slack.take)) == [5, 6, 8, 9]  # 4 x 9 = 36, 8 padding tokens
+
+
+def test_a_deep_queue_is_grouped_from_its_head_and_the_anchor() -> None:
+    """Thousands queued: a decision groups the first WINDOW batches' rows in priority order and
+    the anchor wherever it stands, and what it takes is what it would take from those alone."""
+    b = TokenBudget(max_rows=8, max_padding=0.0)
+    depth = WINDOW * b.max_rows
+    head = [pend(10 + i % 5, enqueued=1.0, priority=1) for i in range(depth)]
+    deep = [pend(10 + i % 5, enqueued=1.0, priority=1) for i in range(2000)]
+    starved = pend(12, enqueued=-10.0, priority=0)  # low priority, but waited longest: the anchor
+    ps = ordered([*head, *deep, starved])
+    assert ps[-1] is starved
+    d = b.decide(ps, now=1000.0)
+    assert len(ps) - 1 in d.take and all(i < depth or i == len(ps) - 1 for i in d.take)
+    # the anchor and the six of its length in the window, though hundreds more wait deeper
+    assert lengths(ps, d.take) == [12] * 7
+    window = [*ps[:depth], starved]
+    alone = b.decide(window, now=1000.0)
+    assert [window[i] for i in alone.take] == [ps[i] for i in d.take]
+
+
+def test_a_deep_queue_without_length_grouping_takes_its_head() -> None:
+    ps = ordered([pend(10, enqueued=float(i)) for i in range(5000)])
+    assert TokenBudget(max_rows=16, length_grouping=False).decide(ps, now=0.0).take == tuple(range(16))
 
 
 def test_padded_budget_caps_the_batch_and_a_full_batch_leaves_at_once() -> None:
@@ -144,13 +175,19 @@ def test_plan_chunks_keeps_small_batches_whole_and_splits_big_ones_by_length() -
     assert chunks[0] == [1, 3, 4]
 
 
+def taken_from(queue: list[Pending], take: tuple[int, ...]) -> list[Pending]:
+    """What the lane's queue does with a decision: hands the items out, marked running."""
+    for i in take:
+        queue[i].state = "running"
+    return [p for i, p in enumerate(queue) if i not in take]
+
+
 def test_gated_formation_holds_a_group_while_its_batch_runs() -> None:
     gated = GatedFormation(lambda group: (TokenBudget(max_wait=0.0), 1))
     queue = ordered([pend(10), pend(11)])
     d = gated.decide(queue, 1.0)
     taken = [queue[i] for i in d.take]
-    rest = [p for p in queue if p not in taken]
-    assert not rest
+    assert not taken_from(queue, d.take)
     newer = [pend(12, enqueued=1.0)]
     assert not gated.decide(newer, 2.0).take  # the first batch has left the queue and runs
     for p in taken:
@@ -172,14 +209,17 @@ def test_concurrent_batches_each_take_their_share_of_the_rows() -> None:
     queue = ordered([pend(10 + i % 7) for i in range(64)])
     first = gated.decide(queue, 1.0).take
     assert len(first) == 32
-    rest = [p for i, p in enumerate(queue) if i not in first]
-    assert len(gated.decide(rest, 1.0).take) == 32  # the first batch runs: 32 queued + 32 running
+    rest = taken_from(queue, first)
+    second = gated.decide(rest, 1.0).take
+    assert len(second) == 32  # the first batch runs: 32 queued + 32 running
+    taken_from(rest, second)
     returning = ordered([pend(10) for _ in range(3)])
     assert not gated.decide(returning, 1.0).take  # two batches run: held back
     for p in queue:
         p.state = "done"
-    assert gated.decide(returning, 1.0).take == (0, 1)  # both free: two rows here, one there
-    assert gated.decide(returning[2:], 1.0).take == (0,)
+    both = gated.decide(returning, 1.0).take
+    assert both == (0, 1)  # both free: two rows here, one there
+    assert gated.decide(taken_from(returning, both), 1.0).take == (0,)
     for p in returning:
         p.state = "done"
     multi = ordered([pend(10, rows=40)])  # one call over the share still goes, whole

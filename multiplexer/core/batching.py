@@ -23,7 +23,7 @@ class Pending:
     enqueued: float
     future: Future = field(default_factory=Future)
     waiters: int = 1
-    state: str = "queued"  # queued -> running -> done
+    state: str = "queued"  # queued (in the queue) -> running (taken from it) -> done
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -115,8 +115,12 @@ class GroupedQueue:
         return iter(list(self._groups.items()))
 
     def take(self, group: Hashable, indices: Sequence[int]) -> list[Pending]:
+        """Remove and return the chosen items, marked running: an item is ``queued`` exactly
+        while it is in the queue, so a formation can tell a taken batch by its items' state."""
         queue = self._groups[group]
         chosen = [queue[i] for i in indices]
+        for p in chosen:
+            p.state = "running"
         if list(indices) == list(range(len(indices))):
             del queue[: len(indices)]
         else:

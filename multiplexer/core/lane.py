@@ -204,8 +204,6 @@ class Lane:
     async def _dispatch(self, batch: list[Pending]) -> None:
         self._batch_ids += 1
         bid = self._batch_ids
-        for p in batch:
-            p.state = "running"
         items = [p.item for p in batch]
         if self.metrics:
             self._sizes.observe(len(batch))
