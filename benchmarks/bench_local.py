@@ -1,35 +1,33 @@
 """Local embeddings as users call them: JSON-RPC over HTTP, the shipped default model settings.
 
-Each gateway runs as its own process (``multiplexer serve``) with the model
-settings of ``config/default.yaml`` plus, per row, the one setting the row is
-about; 64 concurrent callers in this process each send one text per call over
-a kept-alive HTTP/1.1 connection and parse the reply. Rows: the default,
-the eager forward (``compile: false``: where the default keeps a compiled
-forward, this row shows what that gained), torch's own fp32 linear layers
-eager (``linear: torch``: where the default's timing at load picks oneDNN,
-this row shows what that gained), ``compile: true``,
-bf16, ONNX Runtime fp32 and int8, fixed batches of 32 in arrival order, one
-call at a time, one batch at a time on all cores (``concurrency: 1``: how torch's
-threads and the event loop share the cores), the default gateway's ``/v1/embeddings`` (float and base64)
-and its built-in echo route (``rpc_echo``: the same texts and client with no model, so its CPU per
-call is what the HTTP path, JSON-RPC and admission cost before any model work; its calls/s is not a
-model's), the same requests to the gateway's HTTP server with a trivial app behind it (``http_floor``:
-uvicorn with the gateway's protocol on uvloop, ``benchmarks/_http_floor.py``, so its CPU per call is
-what the server and ASGI cost before the gateway's own code runs), the default in-process
-(``Gateway.submit``), and sentence-transformers ``encode(batch_size=32)``
-offline on the same texts. Texts are 3 to 120 words (evenly 3, 5, 8, 12, 20,
-40, 80 and 120). Rounds are interleaved (who goes first rotates) and the
-median round is reported, with ratios taken within each round, since the host
-is shared. Gateway CPU per call is the gateway process's CPU time over the
-round; "outside the forward" subtracts the CPU of the threads running the
-forward passes (``multiplexer_compute_cpu_seconds``: the CPU of the thread that
-calls each forward, so where one batch runs on several torch threads, as in
-``one_forward``, the helpers' CPU lands outside), and "event loop" is the main
-thread's share (HTTP, JSON-RPC, tokenising, batching); the floors line adds how often that
-thread waited for work per call (Linux). The last line names the host: its
-CPU, the instruction sets that pick the kernels, and one core's fp32 GFLOPS on a MiniLM-sized
-product through torch and oneDNN, measured before any gateway starts (two hosts with the same
-name and flags differed 2.5x there).
+Each gateway runs as its own process (``multiplexer serve``) with the model settings of
+``config/default.yaml`` plus, per row, the one setting the row is about; 64 concurrent callers in
+this process each send one text per call over a kept-alive HTTP/1.1 connection and parse the reply.
+Rows: the default, the eager forward (``compile: false``: where the default keeps a compiled
+forward, this row shows what that gained), torch's own fp32 linear layers eager (``linear: torch``:
+where the default's timing at load picks oneDNN, this row shows what that gained), ``compile:
+true``, bf16, ONNX Runtime fp32 and int8, fixed batches of 32 in arrival order, one call at a time,
+one batch at a time on all cores (``concurrency: 1``: how torch's threads and the event loop share
+the cores), the default gateway's ``/v1/embeddings`` (float and base64), the default gateway with
+1,024 callers at once (``deep_queue``: a batch job's fan-out, four times as many texts so that the
+queue stays deep; its CPU per call shows what a deep queue costs the event loop), and its built-in
+echo route (``rpc_echo``: the same texts and client with no model, so its CPU per call is what the
+HTTP path, JSON-RPC and admission cost before any model work; its calls/s is not a model's), the
+same requests to the gateway's HTTP server with a trivial app behind it (``http_floor``: uvicorn
+with the gateway's protocol on uvloop, ``benchmarks/_http_floor.py``, so its CPU per call is what
+the server and ASGI cost before the gateway's own code runs), the default in-process
+(``Gateway.submit``), and sentence-transformers ``encode(batch_size=32)`` offline on the same texts.
+Texts are 3 to 120 words (evenly 3, 5, 8, 12, 20, 40, 80 and 120). Rounds are interleaved (who goes
+first rotates) and the median round is reported, with ratios taken within each round, since the host
+is shared. Gateway CPU per call is the gateway process's CPU time over the round; "outside the
+forward" subtracts the CPU of the threads running the forward passes
+(``multiplexer_compute_cpu_seconds``: the CPU of the thread that calls each forward, so where one
+batch runs on several torch threads, as in ``one_forward``, the helpers' CPU lands outside), and
+"event loop" is the main thread's share (HTTP, JSON-RPC, tokenising, batching); the floors line adds
+how often that thread waited for work per call (Linux). The last line names the host: its CPU, the
+instruction sets that pick the kernels, and one core's fp32 GFLOPS on a MiniLM-sized product through
+torch and oneDNN, measured before any gateway starts (two hosts with the same name and flags
+differed 2.5x there).
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ import random
 import re
 import statistics
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -82,6 +81,9 @@ ROWS: dict[str, dict[str, Any]] = {  # what each row changes in the default mode
 FACES = {"v1_float": "default", "v1_base64": "default", "rpc_echo": "default"}
 FLOOR = "http_floor"  # the echo row's requests to the gateway's HTTP server alone (benchmarks/_http_floor.py)
 ECHO_REPEAT = 4  # echo calls are cheap: more of them, for a CPU reading above the clock tick
+# ``deep_queue``: the default gateway with DEEP_CALLERS callers at once (a batch job's fan-out),
+# DEEP_REPEAT times as many texts as the other rows so that the queue stays that deep
+DEEP, DEEP_CALLERS, DEEP_REPEAT = "deep_queue", 1024, 4
 V1_MODEL = "all-MiniLM-L6-v2"
 
 
@@ -193,9 +195,10 @@ def embeddings(face: str, body: bytes) -> list[list[float]]:
 class HttpRow:
     """One gateway process and face; ``round`` runs ``callers`` closed-loop callers over the texts."""
 
-    def __init__(self, proc: GatewayProc, callers: int, face: str = "rpc") -> None:
-        self.proc, self.callers, self.face = proc, callers, face
-        self.repeat = ECHO_REPEAT if face == "rpc_echo" else 1  # the floor row sends the echo row's calls
+    def __init__(self, proc: GatewayProc, callers: int, face: str = "rpc", deep: bool = False) -> None:
+        self.proc, self.callers, self.face, self.deep = proc, callers, face, deep
+        # the floor row sends the echo row's calls
+        self.repeat = DEEP_REPEAT if deep else ECHO_REPEAT if face == "rpc_echo" else 1
         self.conns = [Conn.to(proc.url, timeout=120) for _ in range(callers)]
         self.ps = psutil.Process(proc.pid)
 
@@ -226,6 +229,8 @@ class HttpRow:
         for text in texts[:32]:
             await self.call(self.conns[0], text)
         calls = texts * self.repeat
+        if self.deep:  # as many fresh texts of the same mix: repeats would be answered by deduplication
+            calls = make_texts(len(calls), seed=zlib.crc32(texts[0].encode()))
         before = self.counters()
         result = await closed_loop(calls, self.callers, lambda i, t: self.call(self.conns[i], t))
         after = self.counters()
@@ -325,6 +330,8 @@ async def run(args: argparse.Namespace) -> dict:
         for name, host in FACES.items():
             if host in procs and name not in args.skip.split(","):
                 rows[name] = HttpRow(procs[host], args.callers, face=name)
+        if "default" in procs and DEEP not in args.skip.split(","):
+            rows[DEEP] = HttpRow(procs["default"], DEEP_CALLERS, deep=True)
         if FLOOR not in args.skip.split(","):
             rows[FLOOR] = HttpRow(stack.enter_context(http_floor()), args.callers, face="rpc_echo")
         async with Gateway(parse_config({
