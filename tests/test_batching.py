@@ -48,6 +48,8 @@ def test_queue_orders_by_priority_then_arrival_and_groups_apart() -> None:
     group, d = choose(q, CountFormation(2, 0.0), 1.0)
     assert group == "g2" and d.take == (0,)
     assert q.take(None, (0, 1)) == [high, late_high]
+    # queued exactly while in the queue: what it hands out is running (formations read that)
+    assert (high.state, late_high.state, low.state) == ("running", "running", "queued")
     assert q.remove(low) and len(q) == 1 and not q.remove(low)
 
 
