@@ -266,3 +266,38 @@ async def test_lane_forms_the_next_batch_while_the_model_is_busy() -> None:
             await anyio.lowlevel.checkpoint()
         assert sorted(map(sorted, seen)) == [[10], [20, 21, 22], [90]]
         lane.close()
+
+
+async def test_a_deep_queue_through_the_lane_answers_every_call_once_high_priority_first() -> None:
+    """Hundreds queued behind running batches: each call is answered once with its own result, no
+    batch passes the row cap, and the calls sent last at a higher priority go in the next batches."""
+    clock = ManualClock()
+    release = anyio.Event()
+    seen: list[list[tuple[int, int]]] = []
+
+    async def execute(op: str, items) -> list[Outcome]:
+        seen.append([(it.priority, it.tokens) for it in items])
+        if len(seen) <= 2:
+            await release.wait()
+        return [Outcome(result=(it.priority, it.tokens)) for it in items]
+
+    gated = GatedFormation(lambda group: (TokenBudget(max_rows=4, max_wait=0.0, max_padding=1.0), 2))
+    lane = Lane("local", execute, gated, clock, RateLimiter(clock), max_in_flight=64)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lane.run)
+        first = [lane.submit(pend(10).item) for _ in range(8)]
+        await clock.advance(0)
+        assert len(seen) == 2  # both slots busy: everything else queues behind them
+        low = [lane.submit(pend(5 + i % 40).item) for i in range(300)]
+        high = [lane.submit(pend(7 + i % 3, priority=5).item) for i in range(8)]
+        release.set()
+        for p in [*first, *low, *high]:
+            await p.future.wait()
+        assert [p.future.outcome().result for p in [*low, *high]] == \
+            [(0, 5 + i % 40) for i in range(300)] + [(5, 7 + i % 3) for i in range(8)]
+        assert sum(len(b) for b in seen) == 316 and max(len(b) for b in seen) <= 4
+        # each batch after the release is anchored on a priority-5 call while one is left (length
+        # grouping may seat priority-0 calls of the same length beside it)
+        carries = [any(p == 5 for p, _ in b) for b in seen[2:]]
+        assert carries[0] and carries == sorted(carries, reverse=True)
+        lane.close()
