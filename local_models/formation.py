@@ -187,7 +187,7 @@ class GatedFormation:
 
     def running(self, group: Hashable) -> int:
         # a batch's items turn running together when the queue hands them out, and done together
-        # when it ends; withdrawn or expired ones turn done without running
+        # when it ends; withdrawn ones turn done in the queue, expired ones as the lane takes them
         live = [batch for batch in self._batches.get(group, []) if any(p.state == "running" for p in batch)]
         self._batches[group] = live
         return len(live)

@@ -24,9 +24,6 @@ class Prepared:
     ids: list[list[int]] | None = None
     estimate: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
-    # (rows, longest, real) once tokenised: ``ids`` is set once, and the formation asks for the
-    # shape of every queued item at every decision
-    tokenized: tuple[int, int, int] | None = field(default=None, init=False, repr=False)
 
     @property
     def rows(self) -> int:
@@ -51,9 +48,4 @@ def shape(item: Item) -> tuple[int, int, int]:
     p = prepared_of(item)
     if p is None:
         return 1, max(item.tokens, 1), max(item.tokens, 1)
-    if p.tokenized is not None:
-        return p.tokenized
-    found = p.rows, p.longest, p.real
-    if p.ids is not None:
-        p.tokenized = found
-    return found
+    return p.rows, p.longest, p.real
