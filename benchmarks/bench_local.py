@@ -228,9 +228,9 @@ class HttpRow:
     async def round(self, texts: list[str]) -> dict[str, Any]:
         for text in texts[:32]:
             await self.call(self.conns[0], text)
-        calls = texts * self.repeat
-        if self.deep:  # as many fresh texts of the same mix: repeats would be answered by deduplication
-            calls = make_texts(len(calls), seed=zlib.crc32(texts[0].encode()))
+        # the deep row sends fresh texts of the same mix: repeats would be answered by deduplication
+        calls = (make_texts(len(texts) * self.repeat, seed=zlib.crc32(texts[0].encode())) if self.deep
+                 else texts * self.repeat)
         before = self.counters()
         result = await closed_loop(calls, self.callers, lambda i, t: self.call(self.conns[i], t))
         after = self.counters()
