@@ -68,8 +68,13 @@ def texts_of(params: dict[str, Any], task: str) -> list[str]:
         texts = [value]
     elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         texts = list(value)
+    elif _token_ids(value):
+        raise invalid_params(
+            f"{key} holds token ids: a local model takes text, since ids from another tokenizer "
+            "(tiktoken's, as LangChain's OpenAIEmbeddings sends unless check_embedding_ctx_length "
+            "is false) would be other words in this model's vocabulary", param=key)
     else:
-        raise invalid_params(f"{key} must be a string or a non-empty list of strings")
+        raise invalid_params(f"{key} must be a string or a non-empty list of strings", param=key)
     for i, text in enumerate(texts):
         if not text.isascii() and not is_unicode(text):
             raise invalid_params(f"{key} holds a lone surrogate (text {i}): not Unicode text",
@@ -131,8 +136,17 @@ def too_long(model: str, index: int, tokens: int, limit: int) -> RpcError:
     return invalid_params(
         f"input {index} is {tokens} tokens long; model {model} takes at most {limit} "
         "(pass truncate: true to cut it)",
-        index=index, tokens=tokens, max_tokens=limit,
+        param="input", index=index, tokens=tokens, max_tokens=limit,
     )
+
+
+def _token_ids(value: Any) -> bool:
+    """OpenAI's token-array input: a list of ints, or a list of such lists."""
+    if not isinstance(value, list) or not value:
+        return False
+    rows = value if isinstance(value[0], list) else [value]
+    return all(isinstance(r, list) and r and all(isinstance(t, int) and not isinstance(t, bool) for t in r)
+               for r in rows)
 
 
 def usage(p: Prepared, completion: int | None = None) -> dict[str, int]:

@@ -165,6 +165,16 @@ async def test_bad_params_are_invalid_params(minilm_path, params: dict) -> None:
     assert outcome.error is not None and outcome.error.code == -32602
 
 
+@pytest.mark.parametrize(("value", "says"), [
+    ([1, 2], "holds token ids"), ([[101, 7592, 102]], "holds token ids"), (["a", 2], "must be a string"),
+    ([[1], "a"], "must be a string"), ([[]], "must be a string"), ([True], "must be a string")])
+async def test_token_ids_are_refused_by_name(minilm_path, value: list, says: str) -> None:
+    async with Gateway(embed_config()) as gw:
+        outcome = await gw.submit(Call("embed_local", {"input": value}))
+    assert outcome.error is not None and outcome.error.code == -32602
+    assert says in outcome.error.data["detail"] and outcome.error.data["param"] == "input"
+
+
 async def test_base64_encoding_carries_the_same_floats(minilm_path) -> None:
     async with Gateway(embed_config()) as gw:
         floats = await embed(gw, "pack me")

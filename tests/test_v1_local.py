@@ -101,6 +101,14 @@ async def test_local_embeddings_float_and_base64(lm_dir, tmp_path):
         assert len(floats.data) == 2 and len(floats.data[0].embedding) == 384
         for f, d in zip(floats.data, decoded.data, strict=True):
             assert d.embedding == pytest.approx(f.embedding, abs=1e-6)
+        # token ids (LangChain's default sends tiktoken's) would be other words here: refused, named
+        for ids in ([7592, 2088], [[101, 7592, 102]]):
+            with pytest.raises(openai.BadRequestError, match="holds token ids") as refused:
+                await client.embeddings.create(model="all-MiniLM-L6-v2", input=ids)
+            assert refused.value.param == "input"
+        with pytest.raises(openai.BadRequestError, match="is 602 tokens long") as refused:
+            await client.embeddings.create(model="all-MiniLM-L6-v2", input="word " * 600)
+        assert refused.value.param == "input"
         with pytest.raises(openai.BadRequestError):  # an embedding model does not chat
             await client.chat.completions.create(model="all-MiniLM-L6-v2", messages=ask("x"),
                                                  stream=True)
