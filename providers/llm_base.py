@@ -12,7 +12,7 @@ from httpx_sse import EventSource, SSEError
 
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Item, Outcome
-from multiplexer.core.errors import RpcError, cancelled, invalid_params, upstream_error
+from multiplexer.core.errors import RpcError, cancelled, invalid_params, upstream_error, upstream_unavailable
 from multiplexer.core.policy import BatchPolicy, RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, stream_sink
 from multiplexer.core.sink import ChunkSink
@@ -23,7 +23,6 @@ from .batch.jobs import JobManager
 from .batch.sync_fallback import SyncFallback
 from .dedup_rules import deterministic_chat
 from .formations import PackOrSingle
-from .http_util import classify
 
 # In-flight requests when the config says none: a hosted API takes hundreds at once and
 # says what it allows in its rate-limit headers, which the lane's limiter learns; a
@@ -166,8 +165,9 @@ class LlmProvider(Provider):
             return Outcome.fail(cancelled("the client stopped reading the stream"))
         except SSEError as e:
             return Outcome.fail(upstream_error(self.name, f"malformed stream: {e}"))
-        except httpx.HTTPError as e:
-            return Outcome.fail(classify(self.name, e, None, False))
+        except httpx.HTTPError as e:  # the upstream went mid-stream: what was sent cannot be sent again
+            broke = f"the stream broke off: {type(e).__name__}: {e}"
+            return Outcome.fail(upstream_unavailable(self.name, broke))
         finally:
             await response.aclose()
         self.correct(item.tokens, {"usage": usage})

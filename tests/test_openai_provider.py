@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import httpx
 import pytest
 import respx
 
 from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.sink import ChunkSink
 from providers.openai import OpenAIProvider, auth_headers
 from tests.remote_helpers import (
     InstantClock,
@@ -381,3 +384,26 @@ def test_default_concurrency_does_not_cap_a_64_client_run():
 
     assert effective({}) == DEFAULT_CONCURRENCY >= 64
     assert effective({"concurrency": 8}) == 8  # what the config says wins
+
+
+class _BreaksAfterOneEvent(httpx.AsyncByteStream):
+    """An upstream stream that sends one event, then loses its connection."""
+
+    async def __aiter__(self):
+        yield b'data: {"choices": [{"index": 0, "delta": {"content": "one"}}]}\n\n'
+        raise httpx.ReadError("connection reset by peer")
+
+
+async def test_a_stream_broken_mid_way_ends_as_upstream_unavailable(tmp_path):
+    p = provider(tmp_path)
+    send, receive = anyio.create_memory_object_stream[Any](10)
+    with respx.mock(base_url=BASE) as mock:
+        route = mock.post("/chat/completions").mock(return_value=httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=_BreaksAfterOneEvent()))
+        async with started(p), send, receive:
+            out = await p.stream(chat(p, "hello"), ChunkSink(send))
+            chunks = [receive.receive_nowait() for _ in range(receive.statistics().current_buffer_used)]
+    assert route.call_count == 1  # not sent again: its first event had reached the caller
+    assert chunks == [{"choices": [{"index": 0, "delta": {"content": "one"}}]}]
+    assert out.error is not None and out.error.code == Code.UPSTREAM_UNAVAILABLE
+    assert "ReadError" in out.error.data["detail"] and "broke off" in out.error.data["detail"]
