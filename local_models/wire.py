@@ -10,6 +10,7 @@ import base64
 from collections.abc import Sequence
 from typing import Any
 
+from multiplexer.core.call import Outcome
 from multiplexer.core.errors import RpcError, invalid_params
 from multiplexer.core.jsonrpc import is_unicode
 
@@ -157,14 +158,17 @@ def usage(p: Prepared, completion: int | None = None) -> dict[str, int]:
     return out
 
 
-def embeddings_response(p: Prepared, vectors: Any) -> tuple[dict[str, Any], bytes | None]:
-    """The response for ``vectors`` (a float32 tensor [rows, dim]), and the same already as JSON.
+def embeddings_outcome(p: Prepared, vectors: Any) -> Outcome:
+    """The outcome for ``vectors`` (a float32 tensor [rows, dim]): the response, and the same
+    already as JSON.
 
     The JSON is built here, in the forward's worker thread, by orjson: each float
     written as the shortest text that reads back as the same float32, about 30x
     faster than ``json`` on the event loop writing 17 digits of a widened double,
-    and half the bytes for the client to read. None without orjson, or when a
-    value is not finite (the face then reports the result as invalid JSON).
+    and half the bytes for the client to read. The response's float lists are built
+    only when something reads the result (an in-process caller, MCP, a trace): a face
+    that sends the JSON never needs them. Without orjson, or when a value is not
+    finite, there is no JSON (the face then reports the result as invalid JSON).
     """
     import numpy as np  # with torch, in the worker thread; parsing stays free of both
 
@@ -183,10 +187,16 @@ def embeddings_response(p: Prepared, vectors: Any) -> tuple[dict[str, Any], byte
     encoded = None
     if orjson is not None and (base64_format or np.isfinite(rows).all()):
         encoded = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not base64_format:
-        for entry, row in zip(response["data"], rows, strict=True):
-            entry["embedding"] = row.tolist()
-    return response, encoded
+    if base64_format:
+        return Outcome(result=response, result_json=encoded)
+
+    def with_floats() -> dict[str, Any]:
+        return {**response, "data": [{**entry, "embedding": row.tolist()}
+                                     for entry, row in zip(response["data"], rows, strict=True)]}
+
+    if encoded is None:
+        return Outcome(result=with_floats())
+    return Outcome(result_json=encoded, later=with_floats)
 
 
 def classification_response(p: Prepared, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -251,7 +251,7 @@ class LocalProvider(Provider):
 
     async def _forward(self, handle: Any, name: str, preps: list[Prepared]) -> list[Outcome]:
         from local_models.tasks.classify import labelled
-        from local_models.wire import classification_response, embeddings_response
+        from local_models.wire import classification_response, embeddings_outcome
 
         assert self.pool is not None
         rows = [ids for p in preps for ids in (p.ids or [])]
@@ -265,8 +265,7 @@ class LocalProvider(Provider):
                 part = out[start:start + p.rows]
                 start += p.rows
                 if handle.task == "embed":
-                    result, encoded = embeddings_response(p, part)
-                    results.append(Outcome(result=result, result_json=encoded))
+                    results.append(embeddings_outcome(p, part))
                 else:
                     rows = labelled(part, id2label, p.extra.get("top_k"))
                     results.append(Outcome(result=classification_response(p, rows)))

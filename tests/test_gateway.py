@@ -226,3 +226,17 @@ async def test_one_gateway_admits_exactly_its_rpm_bucket_under_five_times_the_lo
     seen.sort()
     window = max(sum(1 for t in seen if start <= t < start + 60) for start in seen[:50])
     assert window == 1199 and len(seen) == 1199
+
+
+def test_an_outcomes_later_result_is_built_once_on_first_read() -> None:
+    built: list[int] = []
+
+    def later() -> dict:
+        built.append(1)
+        return {"n": len(built)}
+
+    outcome = Outcome(result_json=b'{"n":1}', later=later)
+    assert built == [] and outcome.ok
+    assert outcome.result == {"n": 1} and outcome.result is outcome.result
+    assert built == [1]
+    assert Outcome(result=[1]).result == [1] and Outcome().result is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import struct
 from pathlib import Path
@@ -331,3 +332,16 @@ async def test_batches_ignore_padding_where_the_forward_skips_it(minilm_path) ->
     async with LocalPool(specs) as pool:
         shares = {name: (await pool.ready(name)).budget.max_padding for name in specs}
     assert shares == {"packed": 1.0, "padded": 0.1, "set": 0.2}
+
+
+async def test_an_embedding_sent_as_json_never_builds_its_float_lists(minilm_path) -> None:
+    async with Gateway(embed_config()) as gw:
+        outcome = await gw.submit(Call("embed_local", {"input": ["one text", "and another one"]}))
+    assert outcome.ok and outcome.result_json is not None
+    assert "<not built>" in repr(outcome)  # what /rpc and /v1 send is the JSON alone
+    sent = json.loads(outcome.result_json)
+    read = outcome.result  # an in-process caller, MCP or a trace reads it: built now, once
+    assert outcome.result is read and "<not built>" not in repr(outcome)
+    assert read["usage"] == sent["usage"] and len(read["data"]) == len(sent["data"]) == 2
+    for ours, theirs in zip(read["data"], sent["data"], strict=True):  # the same float32s, exactly
+        assert struct.pack("<384f", *ours["embedding"]) == struct.pack("<384f", *theirs["embedding"])

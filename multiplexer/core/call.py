@@ -15,18 +15,33 @@ from multiplexer.core.logs import LogSink
 _seq = itertools.count()
 
 
-@dataclass(frozen=True, slots=True)
 class Outcome:
     """Exactly one of ``result`` / ``error`` is meaningful: an error when ``error`` is set.
 
     ``result_json`` optionally carries ``result`` already encoded as JSON, built by
     the provider off the event loop (an embedding's floats); faces that write JSON
-    send it as it is instead of encoding ``result`` again.
+    send it as it is instead of encoding ``result`` again. Such a provider may hand
+    over ``later`` instead of ``result``: it builds the result on its first read, so a
+    call answered from ``result_json`` alone never builds it (an embedding's 384
+    floats as Python objects cost the worker thread their making and the event loop
+    their freeing). Read-only once made.
     """
 
-    result: Any = None
-    error: RpcError | None = None
-    result_json: bytes | None = None
+    __slots__ = ("_later", "_result", "error", "result_json")
+
+    def __init__(self, result: Any = None, error: RpcError | None = None,
+                 result_json: bytes | None = None, *, later: Callable[[], Any] | None = None) -> None:
+        self._result = result
+        self._later = later
+        self.error = error
+        self.result_json = result_json
+
+    @property
+    def result(self) -> Any:
+        later = self._later
+        if later is not None:  # two first reads at once build equal results; either is kept
+            self._result, self._later = later(), None
+        return self._result
 
     @property
     def ok(self) -> bool:
@@ -35,6 +50,10 @@ class Outcome:
     @classmethod
     def fail(cls, error: RpcError) -> Outcome:
         return cls(error=error)
+
+    def __repr__(self) -> str:
+        shown = "<not built>" if self._later is not None else repr(self._result)
+        return f"Outcome(result={shown}, error={self.error!r})"
 
 
 @dataclass(slots=True)
