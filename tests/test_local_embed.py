@@ -345,3 +345,24 @@ async def test_an_embedding_sent_as_json_never_builds_its_float_lists(minilm_pat
     assert read["usage"] == sent["usage"] and len(read["data"]) == len(sent["data"]) == 2
     for ours, theirs in zip(read["data"], sent["data"], strict=True):  # the same float32s, exactly
         assert struct.pack("<384f", *ours["embedding"]) == struct.pack("<384f", *theirs["embedding"])
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_mcp_sends_the_numbers_rpc_sends(minilm_path, mode: str) -> None:
+    """An embedding over MCP: its text is the JSON the worker wrote, its structured content is read
+    from that text, and both carry the numbers a ``/rpc`` caller reads, exactly."""
+    import httpx
+
+    from multiplexer.server import running
+    from tests.mcp_helpers import mcp_http_client
+
+    texts = ["a short text", "and a longer one, with a comma"]
+    async with running(embed_config(), port=0) as (_, url), httpx.AsyncClient() as http:
+        rpc = (await http.post(url + "/rpc", json={"jsonrpc": "2.0", "id": 1, "method": "embed_local",
+                                                    "params": {"input": texts}})).json()["result"]
+        async with mcp_http_client(url + "/mcp", mode=mode) as client:
+            result = await client.call_tool("embed_local", {"input": texts})
+    assert not result.is_error
+    text = result.content[0].text
+    assert json.loads(text) == rpc and result.structured_content == rpc
+    assert len(rpc["data"]) == 2 and len(rpc["data"][0]["embedding"]) == 384

@@ -29,6 +29,7 @@ from mcp.server.subscriptions import (
 )
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+from multiplexer.core.call import Outcome
 from multiplexer.core.errors import RpcError
 from multiplexer.core.jsonrpc import META_KEYS, call_from
 from multiplexer.core.logs import LEVELS, LogSink
@@ -45,6 +46,7 @@ from multiplexer.faces.mcp.tools import (
     mcp_error,
     protocol_error,
     to_tool,
+    wrap_json,
     wrap_result,
 )
 from multiplexer.gateway.gateway import Gateway
@@ -290,14 +292,14 @@ class McpFace:
             try:
                 return await self.tasks.create(method, params.arguments, call.identity)
             except RpcError as e:
-                return self._result(params.name, None, e)
+                return self._result(params.name, Outcome.fail(e))
         if isinstance(raw_meta, dict) and raw_meta.get("progressToken") is not None:
             call.progress = ctx.session.report_progress
         upstream = self._is_mcp_route(method)
         if upstream:
             call.log = self._log_sink(ctx, raw_meta)
         outcome = await self.gateway.submit(call)
-        return self._result(params.name, outcome.result, outcome.error, upstream)
+        return self._result(params.name, outcome, upstream)
 
     # -- upstream log messages ------------------------------------------------------
     async def set_log_level(self, ctx: ServerRequestContext[Any, Any],
@@ -331,13 +333,17 @@ class McpFace:
 
         return LogSink(level, send)
 
-    def _result(self, tool: str, result: Any, error: RpcError | None,
+    def _result(self, tool: str, outcome: Outcome,
                 upstream: bool = False) -> types.CallToolResult | dict[str, Any]:
+        error = outcome.error
         if error is not None:
             raised = protocol_error(error, tool)
             if raised is not None:
                 raise raised
             return error_result(error)
+        if outcome.result_json is not None:
+            return wrap_json(outcome.result_json)
+        result = outcome.result
         if upstream and isinstance(result, dict) and "content" in result:
             # The upstream's result, era-free (the provider's dump of the SDK's model): the SDK's
             # per-revision check writes it in this client's revision, so it is not parsed again here.
