@@ -12,7 +12,7 @@ from typing import Any
 
 from multiplexer.core.call import Outcome
 from multiplexer.core.errors import RpcError, invalid_params
-from multiplexer.core.jsonrpc import is_unicode
+from multiplexer.core.jsonrpc import is_token_array, is_unicode
 
 from .prepared import Prepared
 
@@ -69,7 +69,8 @@ def texts_of(params: dict[str, Any], task: str) -> list[str]:
         texts = [value]
     elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         texts = list(value)
-    elif _token_ids(value):
+    elif is_token_array(value) or (isinstance(value, list) and value
+                                   and all(map(is_token_array, value))):  # one array, or several
         raise invalid_params(
             f"{key} holds token ids: a local model takes text, since ids from another tokenizer "
             "(tiktoken's, as LangChain's OpenAIEmbeddings sends unless check_embedding_ctx_length "
@@ -139,15 +140,6 @@ def too_long(model: str, index: int, tokens: int, limit: int) -> RpcError:
         "(pass truncate: true to cut it)",
         param="input", index=index, tokens=tokens, max_tokens=limit,
     )
-
-
-def _token_ids(value: Any) -> bool:
-    """OpenAI's token-array input: a list of ints, or a list of such lists."""
-    if not isinstance(value, list) or not value:
-        return False
-    rows = value if isinstance(value[0], list) else [value]
-    return all(isinstance(r, list) and r and all(isinstance(t, int) and not isinstance(t, bool) for t in r)
-               for r in rows)
 
 
 def usage(p: Prepared, completion: int | None = None) -> dict[str, int]:

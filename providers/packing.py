@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from multiplexer.core.errors import RpcError, invalid_params
+from multiplexer.core.jsonrpc import is_token_array
 
 
 def text_tokens(text: str) -> int:
@@ -25,7 +26,7 @@ def embedding_inputs(params: Any) -> list[Any]:
     if not isinstance(params, dict):
         raise invalid_params("embeddings params must be an object")
     raw = params.get("input")
-    if isinstance(raw, str) or _token_array(raw):
+    if isinstance(raw, str) or is_token_array(raw):
         inputs = [raw]
     elif isinstance(raw, list) and raw:
         inputs = raw
@@ -35,15 +36,10 @@ def embedding_inputs(params: Any) -> list[Any]:
         if isinstance(value, str):
             if not value:
                 raise invalid_params(f"input[{i}] is an empty string", param="input")
-        elif not _token_array(value):
+        elif not is_token_array(value):
             raise invalid_params(f"input[{i}] must be a string or an array of token ids",
                                  param="input")
     return inputs
-
-
-def _token_array(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 def input_tokens(value: Any) -> int:

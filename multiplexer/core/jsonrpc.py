@@ -72,6 +72,12 @@ def is_unicode(text: str) -> bool:
     return True
 
 
+def is_token_array(value: Any) -> bool:
+    """Whether ``value`` is OpenAI's token-array input: a non-empty list of ints (bools are not)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
 def dumps(obj: Any) -> bytes:
     text = _ENCODER.encode(obj)
     try:

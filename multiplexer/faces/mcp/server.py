@@ -10,6 +10,7 @@ Resources and prompts are the upstreams' own, through ``mcp_resources``.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -46,7 +47,6 @@ from multiplexer.faces.mcp.tools import (
     mcp_error,
     protocol_error,
     to_tool,
-    wrap_json,
     wrap_result,
 )
 from multiplexer.gateway.gateway import Gateway
@@ -342,7 +342,8 @@ class McpFace:
                 raise raised
             return error_result(error)
         if outcome.result_json is not None:
-            return wrap_json(outcome.result_json)
+            text = outcome.result_json.decode()
+            return wrap_result(json.loads(text), text)
         result = outcome.result
         if upstream and isinstance(result, dict) and "content" in result:
             # The upstream's result, era-free (the provider's dump of the SDK's model): the SDK's

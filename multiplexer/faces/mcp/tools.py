@@ -108,22 +108,16 @@ def to_tool(name: str, spec: ToolSpec) -> types.Tool:
     )
 
 
-def wrap_result(result: Any) -> types.CallToolResult:
-    """A plain route's result as MCP content: JSON text for every client, structured for new ones."""
-    text = json.dumps(result, ensure_ascii=False, separators=(",", ":"), default=str)
+def wrap_result(result: Any, text: str | None = None) -> types.CallToolResult:
+    """A plain route's result as MCP content: JSON text for every client, structured for new ones.
+
+    ``text``: the result as JSON already, where its provider wrote it off the event loop (an
+    embedding's floats, read back into ``result`` from it): sent as it is, so text and structure
+    agree and MCP clients get the numbers ``/rpc`` and ``/v1`` send; writing the floats as text
+    again cost the loop more than twice the reading."""
+    if text is None:
+        text = json.dumps(result, ensure_ascii=False, separators=(",", ":"), default=str)
     structured = result if isinstance(result, dict) else {"result": result}
-    return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
-                                structured_content=structured)
-
-
-def wrap_json(encoded: bytes) -> types.CallToolResult:
-    """A result its provider wrote as JSON off the event loop (an embedding's floats): that JSON
-    is the text as it is, and the structured content is read from it, so the two agree and MCP
-    clients get the numbers ``/rpc`` and ``/v1`` send. Reading it back costs the loop less than
-    half of what writing the result's floats as text again did."""
-    text = encoded.decode()
-    value = json.loads(text)
-    structured = value if isinstance(value, dict) else {"result": value}
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
                                 structured_content=structured)
 
