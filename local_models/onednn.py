@@ -28,17 +28,23 @@ _AGREE = 1e-4  # largest difference allowed, relative to the output's scale
 
 
 class OneDnnLinear(torch.nn.Module):
-    """A ``Linear`` whose weight is packed for oneDNN once; inference only."""
+    """A ``Linear`` whose weight is packed for oneDNN once; inference only.
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    ``gelu=True`` applies the exact (erf) gelu inside the product, as it writes
+    each output block: the same floats as ``F.gelu`` after it, without a second
+    pass over an output too wide for the core's cache.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, *, gelu: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.post, self.algorithm = ("gelu", "none") if gelu else ("none", "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.post, [], self.algorithm)
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:

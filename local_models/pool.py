@@ -32,7 +32,7 @@ from .devices import auto_concurrency, auto_threads, pick_device, pick_dtype, ru
 from .formation import PassThrough, TokenBudget, plan_chunks
 from .loading import Loaded, load
 from .memory import keep_freed_memory
-from .onednn import faster, onednn_copy, swap_linears, time_ratio, usable, widest
+from .onednn import faster, onednn_copy, time_ratio, usable, widest
 from .sources import resolve_source
 from .spec import ModelSpec
 from .tasks.classify import classify
@@ -162,7 +162,7 @@ class ModelHandle:
             if not wins:
                 return
         if self.packed is not None:
-            swap_linears(self.packed.module)  # the packed forward's own layer table, not the model's
+            self.packed.module.use_onednn()  # the packed forward's own layer table, not the model's
         else:
             self.onednn_model = onednn_copy(loaded.model)
         self.linear = "onednn"

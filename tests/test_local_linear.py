@@ -129,3 +129,32 @@ def test_the_timing_pairs_its_runs_and_drops_bursts() -> None:
 
     assert time_ratio(a, b, pairs=9, clock=lambda: now[0]) == 0.5
     assert runs[:2] == ["a", "b"] and runs[2:6] == ["a", "b", "b", "a"]  # warm-up, then alternating pairs
+
+
+def test_the_fused_gelu_is_the_exact_gelu_after_the_product() -> None:
+    """The packed BERT forward's up-projection applies the erf gelu inside oneDNN's product: the
+    values ``F.gelu`` gives after it, not the tanh approximation (which differs by about 1e-4)."""
+    from local_models.onednn import OneDnnLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(384, 1536)
+    x = torch.randn(300, 384) * 2
+    with torch.inference_mode():
+        product = linear(x)
+        exact, tanh = torch.nn.functional.gelu(product), torch.nn.functional.gelu(product, approximate="tanh")
+        fused = OneDnnLinear(linear, gelu=True)(x)
+    assert (fused - exact).abs().max().item() < 1e-5
+    assert (tanh - exact).abs().max().item() > 1e-4  # the check above can tell the two apart
+
+
+async def test_the_packed_forward_fuses_the_gelu_on_onednn() -> None:
+    """With oneDNN's layers the packed forward runs no gelu of its own (that its embeddings equal
+    torch's layers' is ``test_onednn_embeddings_equal_torch_embeddings``)."""
+    from local_models.onednn import OneDnnLinear
+
+    async with Gateway(embed_config(linear="onednn")) as gw:
+        handle = gw.providers["local"].pool.handles["minilm"]
+        await gw.providers["local"].pool.warm("minilm")
+        layers = handle.packed.module.layers
+        assert all(isinstance(layer["up"], OneDnnLinear) and layer["up"].post == "gelu" for layer in layers)
+        assert all(isinstance(layer["act"], torch.nn.Identity) for layer in layers)
