@@ -30,6 +30,7 @@ from .compiling import compiled_forward, compiler_available, timing_rows, warm_b
 from .daemon import run_daemon
 from .devices import auto_concurrency, auto_threads, pick_device, pick_dtype, run_resilient
 from .formation import PassThrough, TokenBudget, plan_chunks
+from .handoff import ForwardThreads
 from .loading import Loaded, load
 from .memory import keep_freed_memory
 from .onednn import faster, onednn_copy, time_ratio, usable, widest
@@ -366,12 +367,15 @@ class LocalPool:
         self.keep_freed_memory = keep_freed_memory
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self._threads: ForwardThreads | None = None
 
     async def __aenter__(self) -> LocalPool:
         torch.set_num_threads(self.threads or auto_threads(h.concurrency for h in self.handles.values()))
         if self.keep_freed_memory:
             keep_freed_memory()
         stack = AsyncExitStack()
+        self._threads = ForwardThreads(sum(h.concurrency for h in self.handles.values()))
+        stack.callback(self._threads.close)
         self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._stack = stack
         if self.preload:
@@ -441,7 +445,8 @@ class LocalPool:
     async def ready(self, name: str) -> ModelHandle:
         handle = self.handles[name]
         self._start_load(handle)
-        await handle.ready.wait()
+        if not handle.ready.is_set():  # a set event's wait still yields: a batch would queue behind
+            await handle.ready.wait()  # the replies its predecessor just released (handoff.py)
         if handle.error is not None:
             raise upstream_unavailable(f"local:{name}", handle.error)
         return handle
@@ -468,7 +473,8 @@ class LocalPool:
         handle = await self.ready(name)
         if handle.task == "generate":
             raise RpcError(-32603, "Internal error", {"detail": f"{name} is a generation model"})
-        result = await anyio.to_thread.run_sync(handle.run_sync, rows, finish)
+        assert self._threads is not None, "the pool is not running"
+        result = await self._threads.run(handle.run_sync, rows, finish)
         self._start_compile(handle)  # compile: auto, after the first batch has its answers
         return result
 

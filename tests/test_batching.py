@@ -109,6 +109,38 @@ async def test_eager_lane_sends_at_once_when_idle_and_batches_while_busy() -> No
         lane.close()
 
 
+async def test_a_worker_starts_the_next_batch_before_the_callers_it_answered_run() -> None:
+    """A batch that ends answers its callers, but their replies wait on the event loop: the next
+    batch starts first, so the model does not idle while they are written."""
+    clock, log, release = ManualClock(), [], anyio.Event()
+
+    async def execute(operation: str, items: Sequence[Item]) -> list[Outcome]:
+        log.append(f"start {items[0].method}")
+        if items[0].method == "a":
+            await release.wait()
+        return [Outcome(result=i.method) for i in items]
+
+    async def caller(p: Pending) -> None:
+        await p.future.wait()
+        log.append(f"answered {p.item.method}")
+
+    lane = Lane("p", execute, CountFormation(1, 0.0), clock, RateLimiter(clock), max_in_flight=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lane.run)
+        a = lane.submit(item("a"))
+        await clock.advance(0)
+        b = lane.submit(item("b"))
+        tg.start_soon(caller, a)
+        tg.start_soon(caller, b)
+        await clock.advance(0)
+        assert log == ["start a"]  # one in flight: b waits
+        release.set()
+        await b.future.wait()
+        await clock.advance(0)
+        assert log == ["start a", "start b", "answered a", "answered b"]
+        lane.close()
+
+
 async def test_full_queue_rejects_with_retry_after_and_close_fails_queued() -> None:
     clock, rec = ManualClock(), Recorder()
     lane = Lane("p", rec.execute, CountFormation(10, 60.0), clock, RateLimiter(clock),

@@ -187,14 +187,21 @@ class Lane:
 
     async def _work(self, batch: list[Pending] | None) -> None:
         """Run batches until the lane ends: a worker parks between batches, since starting
-        a task costs more CPU (~40 us with anyio) than a small upstream call's whole client side."""
+        a task costs more CPU (~40 us with anyio) than a small upstream call's whole client side.
+
+        A worker whose batch ended takes the next one before it yields: the callers just
+        answered are queued on the event loop, and a next batch handed to a parked worker
+        would start only after all of their replies were written (a model idle meanwhile).
+        """
+        assert self._tg is not None
         while batch is not None:
             await self._dispatch(batch)
             if self._closing and not len(self.queue):
                 return
             worker = _Worker()
             self._idle.append(worker)
-            batch = await worker.next()
+            self._step(self._tg)  # the last worker parked is the first handed a batch: this one
+            batch = worker.batch if worker.ready.is_set() else await worker.next()
 
     def _release_idle(self) -> None:
         idle, self._idle = self._idle, []
