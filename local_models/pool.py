@@ -410,7 +410,7 @@ class LocalPool:
             self.on_event(handle.name, "model_loaded")
             assert self._tg is not None
             if handle.engine is not None:
-                self._tg.start_soon(handle.engine.run)
+                self._tg.start_soon(handle.engine.run, self._threads)
             if handle.compiles():
                 compiling = True
                 if handle.spec.compile is True:

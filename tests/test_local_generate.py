@@ -172,3 +172,32 @@ async def test_a_caller_that_gives_up_leaves_the_running_batch(lm_dir: Path) -> 
             tg.cancel_scope.cancel()
         await emptied.wait()
     assert req.cancelled and req.finish_reason == "cancelled" and len(req.tokens) < 100
+
+
+async def test_the_next_step_is_on_its_thread_before_the_work_a_step_released_runs(lm_dir: Path) -> None:
+    """A step's chunks go to streams whose writers then wait on the event loop: the next step is
+    handed to its thread first, so the model does not wait while they are written."""
+    from local_models.pool import LocalPool
+    from local_models.spec import ModelSpec
+    from local_models.tasks.generate import GenRequest
+
+    async with LocalPool({"lm": ModelSpec(source=str(lm_dir), task="generate", device="cpu")}) as pool:
+        handle = await pool.ready("lm")
+        ids = handle.loaded.tokenizer(sentence(1, 6))["input_ids"]
+        order: list[str] = []
+        executor = pool._threads._executor
+        submit = executor.submit
+
+        def recording_submit(*args, **kwargs):
+            order.append("step handed")
+            return submit(*args, **kwargs)
+
+        executor.submit = recording_submit  # type: ignore[method-assign]
+
+        async def writer() -> None:
+            order.append("writer ran")
+
+        async with anyio.create_task_group() as tg:
+            handle.engine.listeners.append(lambda e: tg.start_soon(writer))
+            await pool.generate("lm", [GenRequest(ids, 4)])
+        assert order[:4] == ["step handed", "step handed", "writer ran", "step handed"]

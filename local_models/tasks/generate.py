@@ -20,6 +20,7 @@ import anyio
 import torch
 
 from ..devices import free_memory, is_oom
+from ..handoff import ForwardThreads
 from ..kv import Batch, cache_kwarg, from_output, merge, select, to_cache
 from ..tensors import pad
 from .sampling import next_tokens
@@ -95,8 +96,12 @@ class GenerateEngine:
             raise
         return requests
 
-    async def run(self) -> None:
-        """The step loop; owned by the pool's task group, it ends when that group is cancelled."""
+    async def run(self, threads: ForwardThreads) -> None:
+        """The step loop; owned by the pool's task group, it ends when that group is cancelled.
+
+        Each step goes to its thread before the loop yields, so the chunks the step before
+        sent to streams are written while the next step runs, not before it starts.
+        """
         while True:
             if not self.running and not self.waiting:
                 self._wake = anyio.Event()
@@ -104,7 +109,7 @@ class GenerateEngine:
                 continue
             joiners, dropped = self._admit()
             try:
-                finished = await anyio.to_thread.run_sync(self._step, joiners)
+                finished = await threads.run(self._step, joiners)
             except Exception as e:
                 log.exception("generation step failed")
                 finished = self._fail_all(joiners, f"{type(e).__name__}: {e}")
