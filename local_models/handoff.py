@@ -38,7 +38,8 @@ class ForwardThreads:
         call = contextvars.copy_context().run
         future = asyncio.get_running_loop().run_in_executor(self._executor, call, fn, *args)
         with anyio.CancelScope(shield=True):
-            return await future
+            result = await future
+        return result
 
     def close(self) -> None:
         """No new work; the threads end once what they run ends."""

@@ -408,7 +408,7 @@ class LocalPool:
             self.on_event(handle.name, "load_failed")
         else:
             self.on_event(handle.name, "model_loaded")
-            assert self._tg is not None
+            assert self._tg is not None and self._threads is not None
             if handle.engine is not None:
                 self._tg.start_soon(handle.engine.run, self._threads)
             if handle.compiles():
