@@ -91,3 +91,16 @@ def local_config(models: dict[str, dict[str, Any]], routes: dict[str, dict[str, 
 
 def sentence(i: int, words: int) -> str:
     return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(words))
+
+
+def record_handoffs(threads: Any, order: list[str], label: str) -> None:
+    """Append ``label`` to ``order`` each time ``threads`` (a ``ForwardThreads``) hands work to
+    one of its threads: the moment the ordering tests compare with other tasks' turns."""
+    executor = threads._executor
+    submit = executor.submit
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        order.append(label)
+        return submit(*args, **kwargs)
+
+    executor.submit = recording

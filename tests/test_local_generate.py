@@ -9,7 +9,7 @@ import pytest
 
 from multiplexer.core.call import Call
 from multiplexer.gateway.gateway import Gateway
-from tests.local_helpers import local_config, sentence, tiny_causal_lm
+from tests.local_helpers import local_config, record_handoffs, sentence, tiny_causal_lm
 
 pytestmark = pytest.mark.anyio
 torch = pytest.importorskip("torch")
@@ -185,14 +185,7 @@ async def test_the_next_step_is_on_its_thread_before_the_work_a_step_released_ru
         handle = await pool.ready("lm")
         ids = handle.loaded.tokenizer(sentence(1, 6))["input_ids"]
         order: list[str] = []
-        executor = pool._threads._executor
-        submit = executor.submit
-
-        def recording_submit(*args, **kwargs):
-            order.append("step handed")
-            return submit(*args, **kwargs)
-
-        executor.submit = recording_submit  # type: ignore[method-assign]
+        record_handoffs(pool._threads, order, "step handed")
 
         async def writer() -> None:
             order.append("writer ran")

@@ -10,7 +10,7 @@ import anyio.lowlevel
 import pytest
 
 from multiplexer.gateway.gateway import Gateway
-from tests.local_helpers import MINILM, local_config
+from tests.local_helpers import MINILM, local_config, record_handoffs
 
 pytestmark = pytest.mark.anyio
 pytest.importorskip("torch")
@@ -20,13 +20,7 @@ async def test_a_forward_is_handed_to_its_thread_before_anything_else_runs() -> 
     from local_models.handoff import ForwardThreads
 
     threads, order = ForwardThreads(1), []
-    submit = threads._executor.submit
-
-    def recording_submit(*args, **kwargs):
-        order.append("handed over")
-        return submit(*args, **kwargs)
-
-    threads._executor.submit = recording_submit  # type: ignore[method-assign]
+    record_handoffs(threads, order, "handed over")
 
     async def other() -> None:
         order.append("another task ran")
