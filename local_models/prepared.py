@@ -16,6 +16,7 @@ class Prepared:
 
     Only ``prepare`` creates it, and the provider checks its type, so a value a
     client smuggles into ``item.options`` through ``_meta`` is never trusted.
+    ``ids`` is set through ``tokenized``, which keeps ``dims`` true to it.
     """
 
     model: str
@@ -24,6 +25,24 @@ class Prepared:
     ids: list[list[int]] | None = None
     estimate: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    _dims: tuple[int, int, int] | None = field(default=None, init=False, repr=False)
+
+    def tokenized(self, ids: list[list[int]]) -> None:
+        self.ids, self._dims = ids, None
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """(rows, longest, real tokens), counted once: the formation reads them for every queued
+        call each time it forms a batch."""
+        dims = self._dims
+        if dims is None:
+            ids = self.ids
+            if ids:
+                dims = (len(self.texts), max(map(len, ids)), sum(map(len, ids)))
+            else:
+                dims = (len(self.texts), self.estimate, self.estimate * len(self.texts))
+            self._dims = dims
+        return dims
 
     @property
     def rows(self) -> int:
@@ -31,11 +50,11 @@ class Prepared:
 
     @property
     def longest(self) -> int:
-        return max(map(len, self.ids)) if self.ids else self.estimate
+        return self.dims[1]
 
     @property
     def real(self) -> int:
-        return sum(map(len, self.ids)) if self.ids else self.estimate * len(self.texts)
+        return self.dims[2]
 
 
 def prepared_of(item: Item) -> Prepared | None:
@@ -48,4 +67,4 @@ def shape(item: Item) -> tuple[int, int, int]:
     p = prepared_of(item)
     if p is None:
         return 1, max(item.tokens, 1), max(item.tokens, 1)
-    return p.rows, p.longest, p.real
+    return p.dims

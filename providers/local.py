@@ -182,7 +182,7 @@ class LocalProvider(Provider):
             return too_long(p.model, index, tokens, limit)
         if handle.task == "generate" and any(not x for x in ids):
             return invalid_params("prompt is empty after tokenisation")
-        p.ids = ids
+        p.tokenized(ids)
         return None
 
     def dedup_safe(self, item: Item) -> bool:

@@ -301,3 +301,13 @@ async def test_a_deep_queue_through_the_lane_answers_every_call_once_high_priori
         carries = [any(p == 5 for p, _ in b) for b in seen[2:]]
         assert carries[0] and carries == sorted(carries, reverse=True)
         lane.close()
+
+
+def test_a_prepared_calls_shape_follows_its_tokens() -> None:
+    """Before tokenising, the estimate per text; after, the counted ids (the cached shape is
+    dropped when the ids arrive, so a call queued before its model loaded is formed by its ids)."""
+    p = Prepared("m", ["one", "two", "three"], False, estimate=7)
+    assert p.dims == (3, 7, 21)
+    p.tokenized([[1, 2], [1, 2, 3, 4, 5], [1]])
+    assert p.dims == (3, 5, 8)
+    assert (p.rows, p.longest, p.real) == (3, 5, 8)
