@@ -200,7 +200,7 @@ class GatedFormation:
         if capacity is None:  # ungated
             return formation.decide(pending, now)
         if self.running(group) >= capacity:
-            return Decision()  # the lane wakes us when a batch ends
+            return Decision(blocked=True)  # the lane asks again when a batch ends
         decision = self.balanced(formation, capacity, group, pending).decide(pending, now)
         if decision.take:
             self._batches[group].append(tuple(pending[i] for i in decision.take))

@@ -109,6 +109,38 @@ async def test_eager_lane_sends_at_once_when_idle_and_batches_while_busy() -> No
         lane.close()
 
 
+async def test_arrivals_at_the_lanes_concurrency_cap_do_not_wake_it() -> None:
+    """Nothing can leave while the one batch allowed runs: arrivals do not wake the lane's loop
+    (counted by its steps), and the batch's end sends them together."""
+    clock, rec = ManualClock(), Recorder()
+    rec.block = True
+    lane = Lane("p", rec.execute, CountFormation(10, 0.0), clock, RateLimiter(clock), max_in_flight=1)
+    steps = []
+    step = lane._step
+
+    def counted(tg: anyio.abc.TaskGroup) -> float:
+        steps.append(len(lane.queue))
+        return step(tg)
+
+    lane._step = counted  # type: ignore[method-assign]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lane.run)
+        first = lane.submit(item("a"))
+        await clock.advance(0)
+        assert rec.batches == [["a"]]
+        before = len(steps)
+        rest = []
+        for n in "bcdef":  # one by one, each given a turn of the loop, as callers arrive
+            rest.append(lane.submit(item(n)))
+            await clock.advance(0)
+        assert len(steps) == before
+        rec.release.set()
+        await first.future.wait()
+        assert [(await p.future.wait()).result for p in rest] == list("BCDEF")
+        assert rec.batches == [["a"], ["b", "c", "d", "e", "f"]]
+        lane.close()
+
+
 async def test_a_worker_starts_the_next_batch_before_the_callers_it_answered_run() -> None:
     """A batch that ends answers its callers, but their replies wait on the event loop: the next
     batch starts first, so the model does not idle while they are written."""

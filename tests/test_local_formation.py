@@ -189,7 +189,8 @@ def test_gated_formation_holds_a_group_while_its_batch_runs() -> None:
     taken = [queue[i] for i in d.take]
     assert not taken_from(queue, d.take)
     newer = [pend(12, enqueued=1.0)]
-    assert not gated.decide(newer, 2.0).take  # the first batch has left the queue and runs
+    held = gated.decide(newer, 2.0)
+    assert not held.take and held.blocked  # the first batch runs: only its end can move the group
     for p in taken:
         p.state = "done"
     assert gated.decide(newer, 2.0).take == (0,)
@@ -311,3 +312,42 @@ def test_a_prepared_calls_shape_follows_its_tokens() -> None:
     p.tokenized([[1, 2], [1, 2, 3, 4, 5], [1]])
     assert p.dims == (3, 5, 8)
     assert (p.rows, p.longest, p.real) == (3, 5, 8)
+
+
+async def test_a_lane_does_not_decide_for_arrivals_while_its_gated_group_waits_for_a_batch() -> None:
+    """Callers arriving while the model runs its one batch: the first makes the lane ask once
+    (and hear that only the batch's end can move the group), the rest neither wake it nor make it
+    decide again; the batch's end forms the next batch from all of them."""
+    decisions: list[int] = []
+    gated = GatedFormation(lambda group: (TokenBudget(max_wait=0.0, max_padding=1.0), 1))
+
+    class Counted:
+        def decide(self, pending, now):  # type: ignore[no-untyped-def]
+            decisions.append(len(pending))
+            return gated.decide(pending, now)
+
+    clock, release, batches = ManualClock(), anyio.Event(), []
+
+    async def execute(operation: str, items) -> list[Outcome]:  # type: ignore[no-untyped-def]
+        batches.append(len(items))
+        if len(batches) == 1:
+            await release.wait()
+        return [Outcome(result=i.tokens) for i in items]
+
+    lane = Lane("p", execute, Counted(), clock, RateLimiter(clock))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lane.run)
+        first = lane.submit(pend(10).item)
+        await clock.advance(0)
+        assert batches == [1]
+        decided = len(decisions)
+        later = []
+        for i in range(20):  # one by one, each given a turn of the loop, as callers arrive
+            later.append(lane.submit(pend(10 + i).item))
+            await clock.advance(0)
+        assert len(decisions) == decided + 1  # one, not one per arrival
+        release.set()
+        await first.future.wait()
+        assert [(await p.future.wait()).result for p in later] == [10 + i for i in range(20)]
+        assert batches == [1, 20]
+        lane.close()

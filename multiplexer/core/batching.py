@@ -32,10 +32,14 @@ class Pending:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """Either ``take`` (indices into the group's pending list) or wait until ``wait_until``."""
+    """Either ``take`` (indices into the group's pending list) or wait until ``wait_until``.
+
+    ``blocked``: nothing of the group leaves until one of the lane's running batches ends, whatever
+    arrives meanwhile (a gated model at its concurrency), so arrivals need not wake the lane."""
 
     take: tuple[int, ...] = ()
     wait_until: float = math.inf
+    blocked: bool = False
 
 
 class Formation(Protocol):
@@ -138,8 +142,11 @@ class GroupedQueue:
         return out
 
 
-def choose(queue: GroupedQueue, formation: Formation, now: float) -> tuple[Hashable, Decision]:
-    """Pick the ready batch whose best item ranks highest; else the earliest wake-up."""
+def choose(queue: GroupedQueue, formation: Formation, now: float,
+           blocked: set[Hashable] | None = None) -> tuple[Hashable, Decision]:
+    """Pick the ready batch whose best item ranks highest; else the earliest wake-up.
+
+    ``blocked``, when given, gains each group whose decision says only a batch's end can move it."""
     best: tuple[tuple[int, int], Hashable, Decision] | None = None
     wait_until = math.inf
     for group, pending in queue.groups():
@@ -150,6 +157,8 @@ def choose(queue: GroupedQueue, formation: Formation, now: float) -> tuple[Hasha
                 best = (rank, group, d)
         else:
             wait_until = min(wait_until, d.wait_until)
+            if d.blocked and blocked is not None:
+                blocked.add(group)
     if best is not None:
         return best[1], best[2]
     return None, Decision(wait_until=wait_until)
