@@ -206,8 +206,9 @@ class WordIds:
         normalized = [t["content"] for t in tokens if t.get("normalized", True)]
         if normalized and not callable(normalize):  # their normal forms are the normaliser's to say
             return None
+        forms = [normalize(c) for c in normalized] if normalize is not None else []
         return cls(pieces, *ends, lowercase=bool(norm.get("lowercase")), added=added, normal=normal,
-                   normalized=[normalize(c) for c in normalized])
+                   normalized=forms)
 
     def ids(self, text: str, max_length: int | None = None) -> list[int] | None:
         """``max_length``: cut as the tokenizer's truncation does (the text's own tokens from the

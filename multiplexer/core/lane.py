@@ -106,9 +106,9 @@ class Lane:
         p = Pending(item, self.clock.now())
         self.queue.push(p)
         self._gauge()
-        direct = self.eager and self.in_flight == 0 and self._tg is not None
-        if direct:  # idle lane: send now, without a hop through the loop task
-            self._step(self._tg)
+        tg = self._tg
+        if tg is not None and self.eager and self.in_flight == 0:  # idle: send now, no hop via the loop
+            self._step(tg)
             if len(self.queue):
                 self._wake.set()
         elif self.in_flight < self.max_in_flight and item.group not in self._blocked:
@@ -173,8 +173,8 @@ class Lane:
             if not decision.take:
                 return decision.wait_until
             pending = self.queue.group(group)
-            expired = [i for i in decision.take if pending[i].item.deadline is not None
-                       and pending[i].item.deadline <= now]
+            expired = [i for i in decision.take
+                       if (deadline := pending[i].item.deadline) is not None and deadline <= now]
             if expired:  # every caller of these has timed out, or is about to: never sent
                 for p in self.queue.take(group, expired):
                     p.state = "done"
