@@ -76,8 +76,8 @@ class _Pieces(dict[str, bytes]):
         super().__init__({w: _packed((i,)) for w, i in vocab.items()
                           if len(w) <= longest and _WORDS.fullmatch(w)})
         self.known = len(self)
-        self.vocab, self.unknown, self.longest = vocab, unknown, longest
-        self.unknown_piece = _packed((unknown,))
+        self.vocab, self.longest = vocab, longest
+        self.unknown = _packed((unknown,))
         # the pieces that continue a word, without their prefix: no string built per lookup
         self.continuing = {w[len(prefix):]: i for w, i in vocab.items() if w.startswith(prefix)}
 
@@ -102,7 +102,7 @@ class _Pieces(dict[str, bytes]):
 
     def split(self, word: str) -> bytes:
         if len(word) > self.longest:
-            return self.unknown_piece
+            return self.unknown
         pieces: list[int] = []
         start, n = 0, len(word)
         while start < n:
@@ -115,7 +115,7 @@ class _Pieces(dict[str, bytes]):
                     break
                 end -= 1
             else:  # no piece of the vocabulary starts here: the whole word is unknown
-                return self.unknown_piece
+                return self.unknown
             start = end
         return _packed(pieces)
 

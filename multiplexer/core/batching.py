@@ -146,9 +146,11 @@ def choose(queue: GroupedQueue, formation: Formation, now: float,
            blocked: set[Hashable] | None = None) -> tuple[Hashable, Decision]:
     """Pick the ready batch whose best item ranks highest; else the earliest wake-up.
 
-    ``blocked``, when given, gains each group whose decision says only a batch's end can move it."""
+    ``blocked``, when given, is set to the groups whose decision says only a batch's end can move them."""
     best: tuple[tuple[int, int], Hashable, Decision] | None = None
     wait_until = math.inf
+    if blocked is not None:
+        blocked.clear()
     for group, pending in queue.groups():
         d = formation.decide(pending, now)
         if d.take:

@@ -162,13 +162,11 @@ class Lane:
     def _step(self, tg: anyio.abc.TaskGroup) -> float:
         """Start every batch that may leave now; return when to look again (inf: on wake)."""
         blocked = self._blocked
-        blocked.clear()
+        blocked.clear()  # as it stays when nothing is asked below
         while self.in_flight < self.max_in_flight and len(self.queue):
             now = self.clock.now()
-            blocked.clear()
             group, decision = choose(self.queue, self.formation, now, blocked)
             if not decision.take and self.eager and self.in_flight == 0:
-                blocked.clear()
                 group, decision = choose(self.queue, self.formation, math.inf, blocked)
             if not decision.take:
                 return decision.wait_until
