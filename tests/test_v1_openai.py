@@ -144,16 +144,18 @@ async def test_client_disconnect_cancels_the_upstream_stream(tmp_path):
                 await anyio.sleep(0.01)
 
 
-async def test_client_disconnect_cancels_a_whole_answer_call_upstream(tmp_path):
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/embeddings", {"model": "text-embedding-3-small", "input": "never mind"}),  # a direct endpoint
+], ids=["chat", "embeddings"])
+async def test_client_disconnect_cancels_a_whole_answer_call_upstream(tmp_path, path, body):
     async with gateway(tmp_path) as (f, gw, url, _):
         f.openai.gate = anyio.Event()  # the upstream holds every request
         lane = gw.lanes[("oai", None)]
         async with anyio.create_task_group() as tg:
             async def doomed() -> None:
                 async with httpx.AsyncClient() as http:
-                    await http.post(url + "/v1/chat/completions",
-                                    headers={"authorization": f"Bearer {KEY}"},
-                                    json={"model": "gpt-4o-mini", "messages": ask("never mind")})
+                    await http.post(url + path, headers={"authorization": f"Bearer {KEY}"}, json=body)
 
             tg.start_soon(doomed)
             with anyio.fail_after(10):

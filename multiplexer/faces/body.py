@@ -1,4 +1,5 @@
-"""Reading a request body within ``server.max_body_bytes``, for every HTTP face.
+"""A request's size limits, for every HTTP face: its body within ``server.max_body_bytes``,
+its headers within ``server.max_header_bytes``.
 
 A declared ``content-length`` over the cap is refused before a byte is read; an
 undeclared or lying one is cut off as soon as the running total passes it.
@@ -7,6 +8,11 @@ undeclared or lying one is cut off as soon as the running total passes it.
 from __future__ import annotations
 
 from starlette.types import Receive
+
+
+def headers_over(headers: list[tuple[bytes, bytes]], limit: int) -> bool:
+    """Whether a request's headers pass ``server.max_header_bytes`` (or 200 lines)."""
+    return len(headers) > 200 or sum(len(k) + len(v) + 4 for k, v in headers) > limit
 
 
 class BodyTooLarge(Exception):

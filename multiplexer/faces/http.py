@@ -16,29 +16,32 @@ from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.jsonrpc import dumps, error_response
 from multiplexer.core.tracing import http_trace
 from multiplexer.faces.auth import Authenticator
-from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
+from multiplexer.faces.body import BodyTooLarge, ClientGone, headers_over, read_body
 from multiplexer.faces.disconnect import cancelled_on_disconnect
+from multiplexer.faces.reply import JSON_HEADERS, DirectEndpoint, Headers, Reply
 from multiplexer.faces.rpc import handle_body
 from multiplexer.gateway.gateway import Gateway
 
-JSON = "application/json"
+
+def rpc_error(status: int, error: RpcError, headers: Headers | None = None) -> Reply:
+    return Reply(status, dumps(error_response(None, error)), [*JSON_HEADERS, *(headers or [])])
 
 
-def rpc_error(status: int, error: RpcError, headers: dict[str, str] | None = None) -> Response:
-    return Response(dumps(error_response(None, error)), status, headers, media_type=JSON)
-
-
-def too_large(limit: int) -> Response:
+def too_large(limit: int) -> Reply:
     return rpc_error(413, RpcError(Code.TOO_LARGE, "Request body too large",
                                    {"max_body_bytes": limit}))
 
 
-def unauthorized(error: RpcError) -> Response:
-    return rpc_error(401, error, {"WWW-Authenticate": 'Bearer realm="multiplexer"'})
+def unauthorized(error: RpcError) -> Reply:
+    return rpc_error(401, error, [(b"www-authenticate", b'Bearer realm="multiplexer"')])
+
+
+NO_CONTENT = Reply(204)
 
 
 class RpcEndpoint:
-    """``POST /rpc`` as a bare ASGI app: the hot path skips request/response wrappers."""
+    """``POST /rpc``: called directly by the gateway's own server (``direct``: the body is
+    whole, the reply one write) and as a bare ASGI app under any other."""
 
     def __init__(self, gateway: Gateway, auth: Authenticator) -> None:
         self.gateway = gateway
@@ -48,8 +51,7 @@ class RpcEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope["headers"])
         try:
-            auth = headers.get(b"authorization")
-            identity = self.auth.identify(auth.decode("latin-1") if auth else None)
+            identity = self._identify(headers)
         except RpcError as e:
             await unauthorized(e)(scope, receive, send)
             return
@@ -60,25 +62,28 @@ class RpcEndpoint:
             return
         except ClientGone:
             return
-        trace = http_trace(headers) if self.gateway.tracer.enabled else None
-        reply = await self._run(scope, receive, body, identity, trace)
-        if reply is None:
-            await send({"type": "http.response.start", "status": 204, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(reply)).encode()),
-        ]})
-        await send({"type": "http.response.body", "body": reply})
-
-    async def _run(self, scope: Scope, receive: Receive, body: bytes, identity: str | None,
-                   trace: dict[str, str] | None) -> bytes | None:
-        """Run the calls; if the client goes away first, cancel them (and so their upstream work)."""
-        reply: bytes | None = None
+        reply = NO_CONTENT  # if the client goes away first, its calls are cancelled
         async with cancelled_on_disconnect(scope, receive):
-            reply = await handle_body(self.gateway, body, identity, trace)
-        return reply
+            reply = await self._answer(headers, body, identity)
+        await reply(scope, receive, send)
+
+    async def direct(self, scope: Scope, body: bytes) -> Reply:
+        """The reply to a whole body; the server cancels this if the client goes away."""
+        headers = dict(scope["headers"])
+        try:
+            identity = self._identify(headers)
+        except RpcError as e:
+            return unauthorized(e)
+        return await self._answer(headers, body, identity)
+
+    def _identify(self, headers: dict[bytes, bytes]) -> str | None:
+        auth = headers.get(b"authorization")
+        return self.auth.identify(auth.decode("latin-1") if auth else None)
+
+    async def _answer(self, headers: dict[bytes, bytes], body: bytes, identity: str | None) -> Reply:
+        trace = http_trace(headers) if self.gateway.tracer.enabled else None
+        reply = await handle_body(self.gateway, body, identity, trace)
+        return NO_CONTENT if reply is None else Reply(200, reply, JSON_HEADERS)
 
 
 def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
@@ -120,16 +125,20 @@ class ExactPaths:
     """Requests to a fixed path served by a bare ASGI endpoint (``/rpc``, ``/v1/chat/completions``,
     ``/mcp``, ...) go straight to it; the rest (path parameters, plain functions, 404s, 405s,
     lifespan) through Starlette. Its middleware stack and router walk cost about a tenth of the
-    gateway's CPU on a small call, and these endpoints need neither."""
+    gateway's CPU on a small call, and these endpoints need neither. ``direct``: the endpoints
+    that the gateway's own server may call without ASGI (those with a ``direct`` method)."""
 
     def __init__(self, app: ASGIApp, routes: list[BaseRoute]) -> None:
         self.app = app
         self.table: dict[tuple[str, str], ASGIApp] = {}
+        self.direct: dict[tuple[str, str], DirectEndpoint] = {}
         for route in routes:
             if (isinstance(route, Route) and "{" not in route.path and route.methods
                     and not inspect.isfunction(route.endpoint) and not inspect.ismethod(route.endpoint)):
                 for method in route.methods:
                     self.table.setdefault((route.path, method), route.app)
+                    if isinstance(route.endpoint, DirectEndpoint):
+                        self.direct.setdefault((method, route.path), route.endpoint)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -141,18 +150,21 @@ class ExactPaths:
 
 
 class HeaderLimit:
-    """Refuse requests whose headers exceed the limit (HTTP 431), before any route runs."""
+    """Refuse requests whose headers exceed the limit (HTTP 431), before any route runs.
 
-    def __init__(self, app: Any, limit: int) -> None:
+    The outermost app: ``direct`` and ``max_header_bytes`` tell the gateway's own server which
+    endpoints it may call directly, and where it must leave a request to this check."""
+
+    def __init__(self, app: ExactPaths, limit: int) -> None:
         self.app = app
         self.limit = limit
+        self.max_header_bytes = limit
+        self.direct = app.direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
-            if size > self.limit or len(scope["headers"]) > 200:
-                error = RpcError(Code.TOO_LARGE, "Request headers too large",
-                                 {"max_header_bytes": self.limit})
-                await rpc_error(431, error)(scope, receive, send)
-                return
+        if scope["type"] == "http" and headers_over(scope["headers"], self.limit):
+            error = RpcError(Code.TOO_LARGE, "Request headers too large",
+                             {"max_header_bytes": self.limit})
+            await rpc_error(431, error)(scope, receive, send)
+            return
         await self.app(scope, receive, send)

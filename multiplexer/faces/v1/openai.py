@@ -13,6 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call
 from multiplexer.core.errors import RpcError
+from multiplexer.faces.reply import Reply, whole_reply
 from multiplexer.faces.v1.common import Surface, message_of, send_json
 from multiplexer.faces.v1.endpoint import Endpoint, data_event, named_event
 from multiplexer.faces.v1.local_chat import chunk_encoder, completion_encoder, response_encoder
@@ -100,7 +101,16 @@ class Responses(Generation):
 
 
 class Embeddings(Endpoint):
+    """Answers in one piece, so the gateway's own server calls it directly (``faces/reply.py``)."""
+
     surface = OPENAI
+
+    @property
+    def limit(self) -> int:
+        return self.v1.limit
+
+    async def direct(self, scope: Scope, body: bytes) -> Reply:
+        return await whole_reply(self, scope, body)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
