@@ -68,6 +68,10 @@ async def test_chat_completion_whole(tmp_path):
         assert reply.model == "gpt-4o-mini" and reply.usage.total_tokens == 5
         assert raw.headers["x-request-id"].startswith("req_")
         assert f.openai.requests["/v1/chat/completions"] == 1
+        again = await client.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=ask("hello again"))
+        ids = [raw.headers["x-request-id"], again.headers["x-request-id"]]
+        assert ids[0] != ids[1] and all(len(i) == len("req_") + 32 for i in ids)
 
 
 async def test_chat_stream_with_usage_and_done(tmp_path):

@@ -10,6 +10,7 @@ server the watcher task still does the job.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -18,6 +19,10 @@ import anyio
 from starlette.types import Receive, Scope
 
 HOOK = "multiplexer.disconnect"  # scope["extensions"][HOOK]: OnDisconnect
+# scope["extensions"][DIRECT]: the server called the endpoint directly, and cancels the request's
+# task itself when the client goes (faces/server_protocol.py)
+DIRECT = "multiplexer.direct"
+_NOTHING: AbstractAsyncContextManager[object] = contextlib.nullcontext()
 
 
 class OnDisconnect:
@@ -46,9 +51,13 @@ class OnDisconnect:
             callback()
 
 
-def cancelled_on_disconnect(scope: Scope, receive: Receive) -> AbstractAsyncContextManager[anyio.CancelScope]:
-    """A cancel scope that the client's disconnect cancels; yields it for an early ``cancel``."""
-    hook = scope.get("extensions", {}).get(HOOK)
+def cancelled_on_disconnect(scope: Scope, receive: Receive) -> AbstractAsyncContextManager[object]:
+    """A block that the client's disconnect cancels: nothing to add where the server cancels the
+    whole request (a direct call), a cancel scope on the server's hook, else a watcher task."""
+    extensions = scope.get("extensions", {})
+    if extensions.get(DIRECT):
+        return _NOTHING
+    hook = extensions.get(HOOK)
     if isinstance(hook, OnDisconnect):
         return _Hooked(hook)
     return _watched(receive)

@@ -25,7 +25,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from multiplexer.faces.body import headers_over
-from multiplexer.faces.disconnect import HOOK, OnDisconnect
+from multiplexer.faces.disconnect import DIRECT, HOOK, OnDisconnect
 from multiplexer.faces.reply import DirectEndpoint, Reply
 
 _FAILED = Reply(500, b"Internal Server Error", [(b"content-type", b"text/plain; charset=utf-8"),
@@ -112,7 +112,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         task = self.loop.create_task(_run_direct(cycle, endpoint, self.transport, self.logger))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
-        cycle.scope["extensions"][HOOK].add(task.cancel)  # type: ignore[typeddict-item]
+        extensions = cycle.scope["extensions"]  # type: ignore[typeddict-item]
+        extensions[DIRECT] = True  # the endpoint adds no cancel scope of its own
+        extensions[HOOK].add(task.cancel)
 
     def _takes(self, cycle: RequestResponseCycle, endpoint: DirectEndpoint) -> bool:
         """A whole body of a declared length within the endpoint's limit, and headers the app
