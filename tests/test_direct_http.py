@@ -198,6 +198,22 @@ async def test_a_client_gone_mid_call_cancels_it_and_gets_nothing() -> None:
     assert not protocol.tasks  # the request's task ended
 
 
+async def test_a_request_the_server_cancels_is_answered_500() -> None:
+    """A shutdown past its grace period cancels the requests still running: their clients get a
+    500 and a closed connection, as uvicorn answers an ASGI app it cancels."""
+    endpoint = Echo()
+    endpoint.gate = anyio.Event()
+    protocol, wire = connect(endpoint)
+    protocol.data_received(post(b"slow"))
+    await turns()
+    for task in list(protocol.tasks):
+        task.cancel()
+    await turns()
+    [(status, headers, body)] = parse(b"".join(wire.sent))
+    assert (status, body, headers[b"connection"]) == (500, b"Internal Server Error", b"close")
+    assert endpoint.cancelled and wire.closed and not protocol.tasks
+
+
 async def test_rpc_and_embeddings_are_direct_endpoints_of_the_gateway() -> None:
     """Through the real server: pipelined ``/rpc`` calls on one socket come back in order with
     their ids; the app names ``/rpc`` among the endpoints the server calls directly."""

@@ -128,8 +128,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
 async def _run_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, transport: Any,
                       logger: logging.Logger) -> None:
-    """One request to a direct endpoint: as ``RequestResponseCycle.run_asgi`` with its app, an
-    exception is logged and answered 500 (the connection then closes)."""
+    """One request to a direct endpoint. As ``RequestResponseCycle.run_asgi`` does for an app, an
+    exception is logged and answered 500, and so is a request the server cancels (a shutdown past
+    its grace period); the connection then closes."""
     try:
         while cycle.more_body and not cycle.disconnected:
             cycle.flow.resume_reading()
@@ -141,10 +142,16 @@ async def _run_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, tra
     except asyncio.CancelledError:
         if cycle.disconnected:
             return  # the client went away: its calls are cancelled, nobody is owed an answer
+        _answer(cycle, _FAILED, transport)
         raise
     except Exception as exc:
         logger.error("Exception in ASGI application\n", exc_info=exc)
         reply = _FAILED
+    _answer(cycle, reply, transport)
+
+
+def _answer(cycle: RequestResponseCycle, reply: Reply, transport: Any) -> None:
+    """Status line, headers and body in one write, then the cycle's end as uvicorn's send ends it."""
     if cycle.disconnected:
         return
     keep_alive = cycle.keep_alive and reply is not _FAILED
