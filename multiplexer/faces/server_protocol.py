@@ -12,16 +12,18 @@ A request to an endpoint with a ``direct`` method (``faces/reply.py``: ``POST /r
 ``POST /v1/embeddings``) whose body has a declared length within the endpoint's limit skips
 ASGI: its task waits for the whole body, calls the endpoint and writes the reply in one send.
 ASGI's receive and send messages, the app chain and a cancel scope per request were about a
-sixth of the CPU of a small call over HTTP. The request's cycle is uvicorn's own, so
-pipelining, keep-alive, shutdown and the disconnect hook treat it as any other.
+fifth of the event loop's CPU per request (``benchmarks/bench_http_path.py``). The request's
+cycle is uvicorn's own, so pipelining, keep-alive, shutdown and the disconnect hook treat it
+as any other.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
+from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from multiplexer.faces.body import headers_over
@@ -87,7 +89,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {HOOK: OnDisconnect()}  # type: ignore[typeddict-unknown-key]
+        self.scope["extensions"] = {HOOK: OnDisconnect()}  # type: ignore[dict-item]
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()  # makes the request's cycle; its task has not run yet
@@ -95,7 +97,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if cycle is None or cycle.scope is not self.scope:
             return  # an upgrade: not ours to watch
         self._owed = [(c, h) for c, h in self._owed if not c.response_complete]
-        self._owed.append((cycle, self.scope["extensions"][HOOK]))  # type: ignore[typeddict-item]
+        self._owed.append((cycle, _extensions(cycle)[HOOK]))
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
@@ -112,18 +114,23 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         task = self.loop.create_task(_run_direct(cycle, endpoint, self.transport, self.logger))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
-        extensions = cycle.scope["extensions"]  # type: ignore[typeddict-item]
+        extensions = _extensions(cycle)
         extensions[DIRECT] = True  # the endpoint adds no cancel scope of its own
         extensions[HOOK].add(task.cancel)
 
     def _takes(self, cycle: RequestResponseCycle, endpoint: DirectEndpoint) -> bool:
         """A whole body of a declared length within the endpoint's limit, and headers the app
         would not refuse: every other request takes the ASGI path, which answers it."""
-        headers = cycle.scope["headers"]
+        headers = cast(list[tuple[bytes, bytes]], cycle.scope["headers"])
         length = next((v for k, v in headers if k == b"content-length"), b"")
         return (length.isdigit() and int(length) <= endpoint.limit
                 and not cycle.waiting_for_100_continue
                 and not headers_over(headers, self._max_header_bytes))
+
+
+def _extensions(cycle: RequestResponseCycle) -> dict[str, Any]:
+    """The request's scope extensions, where the protocol keeps its disconnect hook."""
+    return cast(dict[str, Any], cycle.scope["extensions"])  # type: ignore[typeddict-item]
 
 
 async def _run_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, transport: Any,
@@ -138,7 +145,7 @@ async def _run_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, tra
             cycle.message_event.clear()
         if cycle.disconnected:
             return
-        reply = await endpoint.direct(cycle.scope, bytes(cycle.body))
+        reply = await endpoint.direct(cast(Scope, cycle.scope), bytes(cycle.body))
     except asyncio.CancelledError:
         if cycle.disconnected:
             return  # the client went away: its calls are cancelled, nobody is owed an answer
