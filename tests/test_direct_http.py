@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import httpx
 import pytest
 import uvicorn
 from uvicorn.server import ServerState
@@ -242,3 +243,15 @@ def parse_complete(sent: bytes) -> list[Any]:
         return parse(sent)
     except (ValueError, IndexError):
         return []
+
+
+async def test_a_body_past_the_read_buffer_is_read_whole_through_the_real_server() -> None:
+    """A body of many packets (past uvicorn's 64 KiB point where it pauses reading) reaches the
+    direct call whole, and the connection serves the next request after it."""
+    async with gateway_with_upstream() as (url, _, _), httpx.AsyncClient() as http:
+        big = {"jsonrpc": "2.0", "method": "sum", "params": [1] * 120_000, "id": "big"}
+        r = await http.post(f"{url}/rpc", json=big)
+        assert r.json() == {"jsonrpc": "2.0", "result": 120_000, "id": "big"}
+        assert len(r.request.content) > 3 * 65_536
+        small = {"jsonrpc": "2.0", "method": "sum", "params": [2, 3], "id": 2}
+        assert (await http.post(f"{url}/rpc", json=small)).json()["result"] == 5
