@@ -157,14 +157,13 @@ class HeaderLimit:
 
     def __init__(self, app: ExactPaths, limit: int) -> None:
         self.app = app
-        self.limit = limit
         self.max_header_bytes = limit
         self.direct = app.direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and headers_over(scope["headers"], self.limit):
+        if scope["type"] == "http" and headers_over(scope["headers"], self.max_header_bytes):
             error = RpcError(Code.TOO_LARGE, "Request headers too large",
-                             {"max_header_bytes": self.limit})
+                             {"max_header_bytes": self.max_header_bytes})
             await rpc_error(431, error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
