@@ -240,3 +240,39 @@ def test_an_outcomes_later_result_is_built_once_on_first_read() -> None:
     assert outcome.result == {"n": 1} and outcome.result is outcome.result
     assert built == [1]
     assert Outcome(result=[1]).result == [1] and Outcome().result is None
+
+
+class Ungrouped(Gate):
+    """Lets any calls share a batch, as the JSON-RPC provider does (``item.group = None``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate.set()
+        self.batches: list[list[str | None]] = []
+
+    def prepare(self, route: object, item: Item) -> None:
+        item.group = None
+
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        self.batches.append([i.identity for i in items])
+        return await super().execute(operation, items)
+
+
+async def test_a_batch_route_keeps_each_owners_calls_apart_whatever_group_its_provider_sets() -> None:
+    """On a ``mode: batch`` route the owner joins the item's group; a provider's group that is not a
+    tuple (None: any calls may share a batch) is kept whole, not unpacked."""
+    prov = Ungrouped()
+    conf = parse_config({"providers": {"p": {"kind": "echo", "batch": {"max_items": 2, "max_wait_ms": 20}}},
+                         "routes": {"r": {"provider": "p", "mode": "batch"}}})
+    async with Gateway(conf, providers={"p": prov}) as gw:
+        out: list[Outcome] = []
+
+        async def call(identity: str) -> None:
+            out.append(await gw.submit(Call("r", {"who": identity}, identity=identity)))
+
+        async with anyio.create_task_group() as tg:
+            for identity in ("a", "b", "a"):
+                tg.start_soon(call, identity)
+    assert [o.error for o in out] == [None] * 3
+    assert sorted(o.result["who"] for o in out) == ["a", "a", "b"]
+    assert sorted(prov.batches) == [["a", "a"], ["b"]]

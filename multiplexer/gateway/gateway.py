@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,12 @@ def with_kind_defaults(pconf: ProviderConfig, cls: type[Provider]) -> ProviderCo
     if default is None or "concurrency" in pconf.limits.model_fields_set:
         return pconf
     return pconf.model_copy(update={"limits": pconf.limits.model_copy(update={"concurrency": default})})
+
+
+def _tagged(group: Hashable, tag: Hashable) -> tuple[Hashable, ...]:
+    """``group`` narrowed by ``tag``: a tuple extended, any other group (None: the provider lets any
+    calls share a batch) kept whole as the first element, never unpacked."""
+    return (*group, tag) if isinstance(group, tuple) else (group, tag)
 
 
 class Gateway:
@@ -155,7 +161,7 @@ class Gateway:
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
 
-    def start_background(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    def start_background(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> None:
         """Run ``fn(*args)`` for the gateway's lifetime (cancelled when it closes)."""
         assert self._tg is not None, "the gateway is not running"
         self._tg.start_soon(fn, *args)
@@ -296,15 +302,14 @@ class Gateway:
                 item.options[STREAM] = ChunkSink(call.sink, self._first_chunk(resolved.name, span))
             provider.prepare(route, item)
             if call.sink is not None:  # a stream rides alone and is never shared
-                item.group = (*item.group, "stream") if isinstance(item.group, tuple) else (
-                    item.group, "stream")
+                item.group = _tagged(item.group, "stream")
                 ticket.lane = lane = self._lane_for(resolved.name, route)
                 ticket.pending = lane.submit(item)
                 return ticket
             if route.mode == "batch":
                 self.quotas.charge_batch(call.identity, 1)
                 if call.identity is not None:  # one job per owner, who sees it in jobs.*
-                    item.group = (*item.group, call.identity)
+                    item.group = _tagged(item.group, call.identity)
             ticket.lane = lane = self._lane_for(resolved.name, route)
             key = self._dedup_key(call, route, item, provider)
             if key is None:
