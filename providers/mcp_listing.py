@@ -27,6 +27,14 @@ log = logging.getLogger(__name__)
 Page = TypeVar("Page", bound=types.PaginatedResult)
 
 
+def ttl_hint(page: types.PaginatedResult) -> int | None:
+    """The page's ``ttlMs`` where the upstream sent one. The SDK reads a missing one (every
+    handshake-era reply) as 0, "stale at once", which is no hint of the upstream's."""
+    if isinstance(page, types.CacheableResult) and "ttl_ms" in page.model_fields_set:
+        return page.ttl_ms
+    return None
+
+
 async def pages(name: str, method: str, max_pages: int, fetch: Callable[[str | None], Awaitable[Page]]
                 ) -> tuple[list[Page], int | None]:
     """Every page of a listing, up to the cap, with the smallest ``ttlMs`` seen.
@@ -45,8 +53,8 @@ async def pages(name: str, method: str, max_pages: int, fetch: Callable[[str | N
                 return [], None  # an upstream without this kind of item is not a broken one
             raise
         got.append(page)
-        if page.ttl_ms is not None:
-            ttl_ms = page.ttl_ms if ttl_ms is None else min(ttl_ms, page.ttl_ms)
+        if (hint := ttl_hint(page)) is not None:
+            ttl_ms = hint if ttl_ms is None else min(ttl_ms, hint)
         cursor = page.next_cursor
         if cursor is None:
             return got, ttl_ms
@@ -112,7 +120,9 @@ class Catalog:
         self.offers = offers
         self.ttl_ms: dict[str, int | None] = {}  # method -> the upstream's hint on its last listing
 
-    async def _listing(self, request: type[types.PaginatedRequest[Any]], result: type[Page]) -> list[Page]:
+    async def _listing(self, request: Callable[..., types.PaginatedRequest[Any]],
+                       result: type[Page]) -> list[Page]:
+        """Every page of a listing; ``request`` is its request class (one whose method has a default)."""
         async def page(cursor: str | None) -> Page:
             params = types.PaginatedRequestParams(cursor=cursor) if cursor is not None else None
             return await self.requests.request(request(params=params), result)

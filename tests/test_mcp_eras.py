@@ -260,3 +260,24 @@ async def test_list_hints_are_the_upstreams_own(monkeypatch: pytest.MonkeyPatch)
                 assert (resources.ttl_ms, [str(r.uri) for r in resources.resources]) == (30_000, ["paged://notes"])
     finally:
         sock.close()
+
+
+async def test_an_upstream_of_a_handshake_era_gives_no_list_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handshake eras have no ``ttlMs`` (the SDK reads its absence as 0): a 2026 client hears the
+    config's hint for that upstream's resources, as for its tools, not "stale at once"."""
+    sock = bind("127.0.0.1", 0)
+    try:
+        app = paginated_server(pages=1, per_page=2).streamable_http_app(streamable_http_path="/mcp")
+        async with serve_asgi(app, sock, lifespan=True) as upstream_url:
+            config = {"server": {"host": "127.0.0.1", "port": 0, "mcp": {"list_ttl_ms": 120_000}},
+                      "providers": {"paged": {"kind": "mcp", "url": upstream_url + "/mcp",
+                                              "protocol": "legacy"}},
+                      "routes": {"paged_*": {"provider": "paged"}}}
+            async with running(parse_config(config)) as (gw, url), \
+                    client_at(url + "/mcp", "2026-07-28", monkeypatch) as client:
+                assert gw.providers["paged"].session.era == "2025-11-25"  # type: ignore[attr-defined]
+                assert (await client.list_tools()).ttl_ms == 120_000
+                resources = await client.list_resources()
+                assert (resources.ttl_ms, [str(r.uri) for r in resources.resources]) == (120_000, ["paged://notes"])
+    finally:
+        sock.close()
