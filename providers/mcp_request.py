@@ -8,12 +8,12 @@ connection is repeated only when the caller says it is safe.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import anyio
 import mcp_types as types
 from mcp import Client, MCPError
+from mcp.shared.dispatcher import ProgressFnT
 from mcp_types.methods import parse_server_result
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import TypeAdapter, ValidationError
@@ -26,7 +26,7 @@ from .mcp_logs import CURRENT, LogRoute
 from .mcp_transport import McpSettings
 
 UNSUPPORTED_PROTOCOL_VERSION = -32022  # 2026-07-28: the request's revision is not served (never ran)
-Progress = Callable[[float, float | None, str | None], Awaitable[None]]
+Progress = ProgressFnT  # the SDK's progress callback: (progress, total, message)
 R = TypeVar("R")
 
 
@@ -129,9 +129,13 @@ class Requester:
                        route: LogRoute | None) -> R:
         clock = self.session.clock
 
+        # The SDK bounds its result type by BaseModel, yet validates through any TypeAdapter
+        # (``typed`` reads the raw dict, to check it against the upstream's revision).
+        any_result = cast("type[Any] | TypeAdapter[Any]", result_type)
+
         async def send() -> R:
             return await client.session.send_request(
-                request, result_type, request_read_timeout_seconds=max(deadline - clock.now(), 0.001),
+                request, any_result, request_read_timeout_seconds=max(deadline - clock.now(), 0.001),
                 progress_callback=progress)
 
         if route is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import mcp_types as types
 from mcp import MCPError
@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 RESOURCE_NOT_FOUND = -32002  # MCP's code before 2026-07-28, which answers -32602 instead
 Listing = list[dict[str, Any]]
 S = TypeVar("S", ResourceSource, PromptSource)
+# The capabilities as values for isinstance: mypy takes type[P] to mean a concrete class, which a
+# runtime-checkable protocol is not, yet isinstance is all the face does with it.
+RESOURCES = cast(type[ResourceSource], ResourceSource)
+PROMPTS = cast(type[PromptSource], PromptSource)
 MAX_WARNED = 1000  # duplicate URIs remembered for warn-once; bounded whatever upstreams list
 
 
@@ -46,7 +50,7 @@ class UpstreamCatalog:
 
     def mcp_routes(self, capability: type[S]) -> list[tuple[str, S]]:
         """(prefix, provider) of each wildcard route whose provider has ``capability``, in config order."""
-        routes = []
+        routes: list[tuple[str, S]] = []
         for name, route in self.gateway.config.routes.items():
             provider = self.gateway.providers[route.provider]
             if name.endswith("*") and isinstance(provider, capability):
@@ -94,7 +98,7 @@ class UpstreamCatalog:
                              params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
         owners: dict[str, str] = {}
         resources: list[types.Resource] = []
-        gathered = await self._gather("resources/list", ResourceSource, lambda p: p.list_resources())
+        gathered = await self._gather("resources/list", RESOURCES, lambda p: p.list_resources())
         for provider, listed in gathered:
             for item in listed:
                 if self._claim(owners, item["uri"], provider.name):
@@ -107,7 +111,7 @@ class UpstreamCatalog:
                                       ) -> types.ListResourceTemplatesResult:
         owners: dict[str, str] = {}
         templates: list[types.ResourceTemplate] = []
-        gathered = await self._gather("resources/templates/list", ResourceSource,
+        gathered = await self._gather("resources/templates/list", RESOURCES,
                                       lambda p: p.list_resource_templates())
         for provider, listed in gathered:
             for item in listed:
@@ -126,7 +130,7 @@ class UpstreamCatalog:
         uri = str(params.uri)
         owner = self._owners.get(uri)
         failure: RpcError | None = None
-        for provider in self.mcp_providers(ResourceSource):
+        for provider in self.mcp_providers(RESOURCES):
             if owner is not None and provider.name != owner:
                 continue
             try:
@@ -142,10 +146,10 @@ class UpstreamCatalog:
 
     async def list_prompts(self, ctx: ServerRequestContext[Any, Any],
                            params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
-        gathered = await self._gather("prompts/list", PromptSource, lambda p: p.list_prompts())
+        gathered = await self._gather("prompts/list", PROMPTS, lambda p: p.list_prompts())
         listed = {provider.name: items for provider, items in gathered}
         prompts: dict[str, types.Prompt] = {}
-        for prefix, provider in self.mcp_routes(PromptSource):
+        for prefix, provider in self.mcp_routes(PROMPTS):
             for item in listed[provider.name]:
                 name = prefix + item["name"]
                 prompts.setdefault(name, types.Prompt.model_validate({**item, "name": name}))
@@ -155,7 +159,7 @@ class UpstreamCatalog:
                          ) -> types.GetPromptResult:
         """The longest matching prefix picks the upstream, as the router does for tools."""
         name = params.name
-        for prefix, provider in sorted(self.mcp_routes(PromptSource), key=lambda route: -len(route[0])):
+        for prefix, provider in sorted(self.mcp_routes(PROMPTS), key=lambda route: -len(route[0])):
             if name.startswith(prefix) and len(name) > len(prefix):
                 try:
                     return types.GetPromptResult.model_validate(

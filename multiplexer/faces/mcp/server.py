@@ -15,7 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import mcp_types as types
@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 
 IDENTITY_SCOPE_KEY = "multiplexer.identity"
 R = TypeVar("R")
+# ``on_call_tool`` as the SDK's constructor types it; its runner also serializes a handler's dict
+# (``HandlerResult``), the form of the task handle ``call_tool`` answers with.
+CallToolHandler = Callable[[ServerRequestContext[Any, Any], types.CallToolRequestParams],
+                           Awaitable[types.CallToolResult | types.InputRequiredResult]]
 # Gateway event -> (the 2026-07-28 bus event, the handshake-era connection's sender).
 _LIST_CHANGES: dict[str, tuple[type[Any], str]] = {
     "tools_changed": (ToolsListChanged, "send_tool_list_changed"),
@@ -109,7 +113,7 @@ class McpFace:
             instructions="Every route of this gateway is a tool; calls are batched, limited and shared.",
             get_tool_input_schema=self.catalog.header_schema,
             on_list_tools=self.list_tools,
-            on_call_tool=self.call_tool,
+            on_call_tool=cast(CallToolHandler, self.call_tool),
             on_list_resources=self._metered(self.upstream.list_resources),
             on_list_resource_templates=self._metered(self.upstream.list_resource_templates),
             on_read_resource=self._metered(self.upstream.read_resource),
