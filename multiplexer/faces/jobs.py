@@ -171,8 +171,9 @@ class JobFace:
             else:
                 job_id = new_job_id()
                 await st.run(st.create_job, job_id, call.identity, source, "open")
-                job = await st.run(st.job, job_id)
-                assert job is not None
+                created = await st.run(st.job, job_id)
+                assert created is not None  # made just now, under the lock
+                job = created
             rows = []  # numbered from 0: the store places them after the job's total, atomically
             for idx, spec in enumerate(calls):
                 try:

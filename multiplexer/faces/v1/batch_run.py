@@ -119,8 +119,7 @@ class Batches:
         if metadata is not None and not isinstance(metadata, dict):
             raise HttpError(400, invalid_params("metadata must be an object"), param="metadata")
         file_id = body.get("input_file_id")
-        record_file = await self.store.file(file_id, identity) if isinstance(file_id, str) else None
-        if record_file is None:
+        if not isinstance(file_id, str) or (record_file := await self.store.file(file_id, identity)) is None:
             raise HttpError(404, RpcError(Code.NOT_FOUND, f"No such file: {file_id!r}"),
                             param="input_file_id")
         lines, errors = parse_lines(await self.store.content(record_file), endpoint)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from multiplexer.core.errors import invalid_params
@@ -97,9 +98,9 @@ def _item_message(item: Any) -> dict[str, str]:
                         param="input")
     content = item.get("content")
     if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, dict)
+        texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
                  and p.get("type") in ("input_text", "output_text", "text")]
-        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+        if len(texts) != len(content):
             raise HttpError(400, invalid_params("this model takes text content only"), param="input")
         content = "".join(texts)
     if not isinstance(content, str):
@@ -166,20 +167,30 @@ def responses_result(result: dict[str, Any], model: str) -> dict[str, Any]:
     return _response(rid, mid, created, model, status, choice["text"], result.get("usage"))
 
 
+@dataclass
+class _Stream:
+    """What a Responses stream has sent so far."""
+
+    seq: int = 0
+    open: bool = False
+    text: str = ""
+    finish: str | None = None
+
+
 def response_encoder(body: dict[str, Any]) -> Any:
     """Encodes the local stream's text chunks as the Responses API's named events: the response
     and its message opened with the first chunk, a delta per chunk, all closed with the usage."""
     model = body["model"]
     rid, mid, created = _ids()
-    state = {"seq": 0, "open": False, "text": "", "finish": None}
+    state = _Stream()
 
     def event(kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, "sequence_number": state["seq"], **fields}
-        state["seq"] += 1
+        data = {"type": kind, "sequence_number": state.seq, **fields}
+        state.seq += 1
         return b"event: " + kind.encode() + b"\ndata: " + dumps(data) + b"\n\n"
 
     def opening() -> bytes:
-        state["open"] = True
+        state.open = True
         started = _response(rid, mid, created, model, "in_progress", None)
         part = {"type": "output_text", "text": "", "annotations": []}
         return (event("response.created", response=started) + event("response.in_progress", response=started)
@@ -191,10 +202,10 @@ def response_encoder(body: dict[str, Any]) -> Any:
     def encode(chunk: dict[str, Any]) -> bytes:
         if chunk.get("type") == "error":  # the face's error event
             return event("error", **{k: v for k, v in chunk.items() if k != "type"})
-        out = b"" if state["open"] else opening()
+        out = b"" if state.open else opening()
         if "usage" in chunk and not chunk.get("choices"):
-            text = state["text"]
-            status = "incomplete" if state["finish"] == "length" else "completed"
+            text = state.text
+            status = "incomplete" if state.finish == "length" else "completed"
             message = _message(mid, text, "completed")
             return out + (
                 event("response.output_text.done", item_id=mid, output_index=0, content_index=0,
@@ -205,10 +216,10 @@ def response_encoder(body: dict[str, Any]) -> Any:
                 + event(f"response.{status}", response=_response(rid, mid, created, model, status, text,
                                                                   chunk["usage"])))
         choice = chunk["choices"][0]
-        state["finish"] = choice.get("finish_reason") or state["finish"]
+        state.finish = choice.get("finish_reason") or state.finish
         delta = choice.get("text", "")
         if delta:
-            state["text"] += delta
+            state.text += delta
             out += event("response.output_text.delta", item_id=mid, output_index=0, content_index=0,
                          delta=delta, logprobs=[])
         return out

@@ -57,10 +57,15 @@ class Generation(Endpoint):
 
     surface = OPENAI
     endpoint: ClassVar[str]
-    remote: ClassVar[Callable[[dict[str, Any]], bytes]] = staticmethod(data_event)
-    local: ClassVar[Callable[[dict[str, Any]], Callable[[dict[str, Any]], bytes]]]
+    remote = staticmethod(data_event)  # encodes each chunk of a remote route's stream
     error_body: ClassVar[Callable[..., dict[str, Any]]] = staticmethod(openai_error)
     tail: ClassVar[bytes] = DONE
+
+    @staticmethod
+    def local(body: dict[str, Any]) -> Callable[[dict[str, Any]], bytes]:
+        """The encoder of a local generate route's stream, in the endpoint's shapes (each endpoint
+        has its own)."""
+        raise NotImplementedError
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
