@@ -99,8 +99,8 @@ def classify(provider: str, exc: Exception | None, response: httpx.Response | No
     if exc is not None:
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
             return Retryable(upstream_unavailable(provider, f"{type(exc).__name__}: {exc}"))
-        final = upstream_unavailable(provider, f"{type(exc).__name__}: {exc}")
-        return Retryable(final) if idempotent else final
+        unavailable = upstream_unavailable(provider, f"{type(exc).__name__}: {exc}")
+        return Retryable(unavailable) if idempotent else unavailable
     assert response is not None
     status = response.status_code
     detail = response.text[:300] if response.content else response.reason_phrase

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -42,10 +42,15 @@ from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
 from multiplexer.core.sink import ChunkSink
 
 if TYPE_CHECKING:
-    from local_models.pool import LocalPool
+    from local_models.pool import LocalPool, Stats
 
 log = logging.getLogger(__name__)
 PREPARE_TOKENIZE_CHARS = 16_384  # bigger calls are tokenised in a worker thread
+
+
+def _cpu_seconds(stats: Stats) -> Callable[[], float]:
+    """A gauge's reading of one model's CPU seconds, taken at each scrape."""
+    return lambda: stats.cpu_s
 
 
 class LocalSettings(BaseModel):
@@ -94,8 +99,7 @@ class LocalProvider(Provider):
         )
         await self.pool.__aenter__()
         for name, handle in self.pool.handles.items():
-            stats = handle.stats
-            self.ctx.metrics.compute_cpu.labels(self.name, name).set_function(lambda s=stats: s.cpu_s)
+            self.ctx.metrics.compute_cpu.labels(self.name, name).set_function(_cpu_seconds(handle.stats))
 
     async def aclose(self) -> None:
         pool, self.pool = self.pool, None

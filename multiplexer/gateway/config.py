@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,20 +155,20 @@ class Config(Strict):
         return self
 
 
-def expand_env(node: Any, path: str = "", env: dict[str, str] | None = None) -> Any:
+def expand_env(node: Any, path: str = "", env: Mapping[str, str] | None = None) -> Any:
     """Replace ``${VAR}`` and ``${VAR:-default}`` in every string of the tree."""
-    env = os.environ if env is None else env
+    values = os.environ if env is None else env
     if isinstance(node, dict):
-        return {k: expand_env(v, f"{path}.{k}" if path else str(k), env) for k, v in node.items()}
+        return {k: expand_env(v, f"{path}.{k}" if path else str(k), values) for k, v in node.items()}
     if isinstance(node, list):
-        return [expand_env(v, f"{path}[{i}]", env) for i, v in enumerate(node)]
+        return [expand_env(v, f"{path}[{i}]", values) for i, v in enumerate(node)]
     if not isinstance(node, str):
         return node
 
     def sub(m: re.Match[str]) -> str:
         name, default = m.group(1), m.group(2)
-        if name in env and env[name] != "":
-            return env[name]
+        if name in values and values[name] != "":
+            return values[name]
         if default is not None:
             return default
         raise ConfigError(f"{path}: environment variable {name} is not set and has no default")

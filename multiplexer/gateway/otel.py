@@ -207,7 +207,7 @@ def exporting_tracer(endpoint: str | None, service_name: str | None) -> OtelTrac
     resource = Resource.create({"service.version": VERSION})  # with OTEL_RESOURCE_ATTRIBUTES, ...
     if service_name:
         resource = resource.merge(Resource.create({"service.name": service_name}))
-    elif resource.attributes.get("service.name", "").startswith("unknown_service"):
+    elif str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource.create({"service.name": "multiplexer"}))
     if endpoint is not None and not endpoint.rstrip("/").endswith("/v1/traces"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"

@@ -154,10 +154,10 @@ class Client:
                 results[i] = err
             return
         for reply in body or []:
-            i = ids.pop(reply.get("id"), None)
-            if i is None:
+            slot = ids.pop(reply.get("id"), None)
+            if slot is None:
                 continue
-            results[i] = RpcError.from_dict(reply["error"]) if "error" in reply else reply["result"]
+            results[slot] = RpcError.from_dict(reply["error"]) if "error" in reply else reply["result"]
         for i in ids.values():
             results[i] = RpcError(Code.INTERNAL_ERROR, "no reply for this call")
 

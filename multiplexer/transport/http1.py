@@ -69,6 +69,8 @@ class _Conn:
     """One connection and the reply being read on it (httptools calls the ``on_*`` methods)."""
 
     __slots__ = ("chunks", "done", "headers", "keep", "parser", "raw", "status", "stray", "stream")
+    headers: list[tuple[bytes, bytes]]
+    chunks: list[bytes]
 
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
@@ -189,6 +191,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
     async def _connect(self, origin: Origin, request: httpx.Request | None,
                        timeout: float | None) -> _Conn:
         scheme, host, port = origin
+        stream: anyio.abc.ByteStream
         try:
             with anyio.fail_after(timeout):
                 if scheme == "https":
@@ -264,7 +267,8 @@ class _Body(httpx.AsyncByteStream):
     def __init__(self, transport: Http1Transport, conn: _Conn, origin: Origin,
                  slots: anyio.Semaphore, request: httpx.Request | None,
                  read_timeout: float | None, cap: int | None, first: list[bytes]) -> None:
-        self._transport, self._conn, self._origin, self._slots = transport, conn, origin, slots
+        self._transport, self._origin, self._slots = transport, origin, slots
+        self._conn: _Conn | None = conn  # None once handed back
         self._request, self._timeout, self._cap = request, read_timeout, cap
         self._first, self._seen = first, sum(len(c) for c in first)
         self._delimited = _content_length(conn.headers) is None and not any(

@@ -72,20 +72,21 @@ class PgJobStore(JobStore):
         self.lease_s = lease_s
         self.owner = owner or secrets.token_hex(6)
         self._lock = threading.RLock()
-        self._db = psycopg.connect(url, autocommit=True)
+        # not the base class's _db: that is sqlite3's, read only by the methods overridden here
+        self._conn = psycopg.connect(url, autocommit=True)
         self._claims: dict[str, int] = {}  # part id -> the epoch this replica holds
         self._sql: dict[str, str] = {}
-        with self._db.transaction():
-            self._db.execute("SELECT pg_advisory_xact_lock(7331)")  # one replica creates the schema
-            self._db.execute(SCHEMA)
+        with self._conn.transaction():
+            self._conn.execute("SELECT pg_advisory_xact_lock(7331)")  # one replica creates the schema
+            self._conn.execute(SCHEMA)
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            self._conn.close()
 
     @contextmanager
     def _tx(self) -> Iterator[None]:
-        with self._db.transaction():
+        with self._conn.transaction():
             yield
 
     def _q(self, sql: str) -> str:
@@ -95,10 +96,10 @@ class PgJobStore(JobStore):
         return out
 
     def _x(self, sql: str, args: Sequence[Any] = ()) -> Any:
-        return self._db.execute(self._q(sql), args)  # type: ignore[arg-type]
+        return self._conn.execute(self._q(sql), args)  # type: ignore[arg-type]
 
     def _xm(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any:
-        cur = self._db.cursor()
+        cur = self._conn.cursor()
         cur.executemany(self._q(sql), list(rows))  # type: ignore[arg-type]
         return cur
 
