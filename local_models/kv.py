@@ -63,6 +63,7 @@ def from_output(out) -> Pairs:  # out: a transformers ModelOutput
             raise UnsupportedCache(
                 f"continuous batching needs full-attention caches, got {type(layer).__name__}"
             )
+        assert layer.keys is not None and layer.values is not None  # a forward fills every layer
         pairs.append((layer.keys, layer.values))
     return pairs
 

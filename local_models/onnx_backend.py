@@ -23,9 +23,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers.modeling_utils import PreTrainedModel
 
 log = logging.getLogger(__name__)
 _sessions: dict[tuple[int, str | None, int, str], tuple[object, Any]] = {}  # the owner pins its id
@@ -94,7 +97,8 @@ def eager_copy(model: torch.nn.Module) -> torch.nn.Module:
         try:
             setter("eager")
         except (ValueError, ImportError) as e:  # a model without an eager path exports as it is
-            log.info("onnx export keeps %s attention: %s", model.config._attn_implementation, e)
+            config = cast("PreTrainedModel", model).config  # the setter is transformers' own
+            log.info("onnx export keeps %s attention: %s", config._attn_implementation, e)
     return model
 
 
@@ -131,7 +135,7 @@ def session_for(owner: object, cpu_model: torch.nn.Module, *, quantize: str | No
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # Spinning workers would burn the cores the event loop and other batches need.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = ["CPUExecutionProvider"]
+        providers: list[str | tuple[str, dict[str, int]]] = ["CPUExecutionProvider"]  # or (name, options)
         if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
             providers.insert(0, ("CUDAExecutionProvider", {"device_id": device.index or 0}))
         elif device.type != "cpu":

@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import torch
@@ -202,13 +202,13 @@ class ModelHandle:
         found = [words.ids(t, cut) for t in texts] if words is not None else [None] * len(texts)
         rest = [t for t, x in zip(texts, found, strict=True) if x is None]
         if not rest:
-            ids: list[list[int]] = found  # type: ignore[assignment]
+            ids = cast(list[list[int]], found)  # every text was in the word table
         else:
             backend = getattr(tok, "backend_tokenizer", None)
-            plain = backend is not None and backend.truncation is None and backend.padding is None
             if cut is not None:
                 more = tok(rest, truncation=True, max_length=cut, verbose=False)["input_ids"]
-            elif plain and len(rest) <= DIRECT_TOKENIZE:
+            elif (backend is not None and backend.truncation is None and backend.padding is None
+                  and len(rest) <= DIRECT_TOKENIZE):
                 # What ``tok(texts)`` returns, without its wrapper or a hop to the tokenizer's thread
                 # pool. ``encode_batch_fast`` (tokenizers 0.21+) skips the character offsets nobody
                 # here reads: about a fifth less CPU per text.

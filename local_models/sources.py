@@ -45,8 +45,8 @@ def package_dir(module_name: str) -> Path:
         candidates.append(Path(getter()))
     if getattr(module, "MODEL_DIR", None) is not None:
         candidates.append(Path(module.MODEL_DIR))
-    if getattr(module, "__file__", None):
-        candidates.append(Path(module.__file__).resolve().parent / "model")
+    if module_file := getattr(module, "__file__", None):
+        candidates.append(Path(module_file).resolve().parent / "model")
     for path in candidates:
         if (path / "config.json").is_file():
             return path

@@ -170,7 +170,7 @@ def embeddings_outcome(p: Prepared, vectors: Any) -> Outcome:
         data: list[Any] = [base64.b64encode(r.astype("<f4").tobytes()).decode() for r in rows]
     else:
         data = list(rows)
-    response = {
+    response: dict[str, Any] = {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
         "model": p.model,
