@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +45,13 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def to_cache(pairs: Pairs):  # -> DynamicCache
+def to_cache(pairs: Pairs) -> Any:  # a transformers DynamicCache
     from transformers.cache_utils import DynamicCache
 
     return DynamicCache(ddp_cache_data=pairs)
 
 
-def from_output(out) -> Pairs:  # out: a transformers ModelOutput
+def from_output(out: Any) -> Pairs:  # out: a transformers ModelOutput
     from transformers.cache_utils import DynamicLayer
 
     cache = out["cache"] if "cache" in out else out["past_key_values"]

@@ -28,6 +28,7 @@ from local_models.formation import GatedFormation
 from local_models.prepared import KEY, Prepared, prepared_of
 from local_models.spec import ModelSpec
 from local_models.wire import chat_prompt, options_of, texts_of, too_long
+from multiplexer.core.batching import Formation
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import (
     RpcError,
@@ -117,7 +118,7 @@ class LocalProvider(Provider):
         with contextlib.suppress(RuntimeError):  # the loop is closing: nobody listens any more
             anyio.from_thread.run_sync(self.ctx.notify, f"local.{event}", data, token=self._token)
 
-    def _policy(self, group: Any):
+    def _policy(self, group: Any) -> tuple[Formation, int | None]:
         from local_models.formation import PassThrough
 
         if self.pool is None:

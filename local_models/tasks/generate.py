@@ -15,6 +15,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import torch
@@ -51,7 +52,7 @@ class GenRequest:
 
 class GenerateEngine:
     def __init__(
-        self, model: torch.nn.Module, tokenizer, device: torch.device, *,
+        self, model: torch.nn.Module, tokenizer: Any, device: torch.device, *,
         max_rows: int, max_tokens: int, max_positions: int | None,
         on_event: Callable[[str, int], None] = lambda name, n: None,
     ) -> None:
@@ -270,7 +271,7 @@ def _need(r: GenRequest) -> int:
     return len(r.prompt) + r.max_new_tokens
 
 
-def _pad_id(tokenizer, model) -> int:
+def _pad_id(tokenizer: Any, model: torch.nn.Module) -> int:
     for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
                   getattr(model.config, "pad_token_id", None)):
         if isinstance(value, int) and value >= 0:
@@ -278,7 +279,7 @@ def _pad_id(tokenizer, model) -> int:
     return 0
 
 
-def _eos_ids(tokenizer, model) -> set[int]:
+def _eos_ids(tokenizer: Any, model: torch.nn.Module) -> set[int]:
     ids: set[int] = set()
     sources = [getattr(getattr(model, "generation_config", None), "eos_token_id", None),
                getattr(model.config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
