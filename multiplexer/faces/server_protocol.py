@@ -130,7 +130,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
 def _extensions(cycle: RequestResponseCycle) -> dict[str, Any]:
     """The request's scope extensions, where the protocol keeps its disconnect hook."""
-    return cast(dict[str, Any], cycle.scope["extensions"])  # type: ignore[typeddict-item]
+    return cast(dict[str, Any], cycle.scope["extensions"])
 
 
 async def _run_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, transport: Any,

@@ -33,7 +33,7 @@ def open_state(config: StateConfig) -> SharedState | None:
     from multiplexer.gateway.registry import state_class
 
     cls = state_class(config.url)
-    return cls(config.url, prefix=config.prefix, lease_s=config.lease_s,  # type: ignore[no-any-return]
+    return cls(config.url, prefix=config.prefix, lease_s=config.lease_s,
                timeout_s=config.timeout_ms / 1000.0)
 
 

@@ -96,11 +96,11 @@ class PgJobStore(JobStore):
         return out
 
     def _x(self, sql: str, args: Sequence[Any] = ()) -> Any:
-        return self._conn.execute(self._q(sql), args)  # type: ignore[arg-type]
+        return self._conn.execute(self._q(sql), args)
 
     def _xm(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any:
         cur = self._conn.cursor()
-        cur.executemany(self._q(sql), list(rows))  # type: ignore[arg-type]
+        cur.executemany(self._q(sql), list(rows))
         return cur
 
     # -- who drives each part ----------------------------------------------------------
