@@ -169,6 +169,7 @@ class ApiClient:
         """An error status as Retryable (with the wait the upstream asks for) or final."""
         self.ctx.metrics.upstream_errors.labels(self.name, status_label(response.status_code)).inc()
         error = classify(self.name, None, response, idempotent, self.ctx.clock.wall)
+        refused_body(error.final if isinstance(error, Retryable) else error, response.content)
         if (isinstance(error, Retryable) and error.retry_after is None
                 and response.status_code in PAUSE_STATUSES):
             wall = self.ctx.clock.wall
@@ -257,6 +258,26 @@ def error_detail(body: Any) -> tuple[str, str | None]:
             return (str(message) if message is not None else "upstream error",
                     str(code) if code is not None else None)
     return "upstream error", None
+
+
+def refused_body(error: Exception, content: bytes) -> None:
+    """An OpenAI or Anthropic error body as the error's detail, ``upstream_code`` and ``param``,
+    which the ``/v1`` faces hand on to the SDKs (tools branch on codes such as
+    ``context_length_exceeded``); other bodies stay as the raw text ``classify`` kept."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, RpcError) or error.data is None or not isinstance(err, dict) \
+            or not isinstance(err.get("message"), str):
+        return
+    error.data["detail"] = err["message"]
+    code = err.get("code") if body.get("type") != "error" else err.get("type")  # Anthropic: its type
+    if isinstance(code, str) and code:
+        error.data["upstream_code"] = code
+    if isinstance(err.get("param"), str):
+        error.data["param"] = err["param"]
 
 
 def item_error(provider: str, body: Any, status: int | None) -> RpcError:
