@@ -108,3 +108,6 @@ class AnthropicProvider(LlmProvider):
         if isinstance(found, dict):
             usage.update({k: v for k, v in found.items() if isinstance(v, int)})
         return True
+
+    def stream_end(self, item: Item, event: str, data: dict[str, Any]) -> bool:
+        return event == "message_stop" or data.get("type") == "message_stop"

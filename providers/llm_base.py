@@ -137,6 +137,11 @@ class LlmProvider(Provider):
         that reports a failure raises its ``RpcError``."""
         return True
 
+    def stream_end(self, item: Item, event: str, data: dict[str, Any]) -> bool:
+        """Whether an upstream event is its stream's last (``[DONE]`` always is): a stream that
+        stops before one broke off, and must not reach its client as complete."""
+        return False
+
     async def stream(self, item: Item, sink: ChunkSink) -> Outcome:
         """One streamed request; each upstream event goes to ``sink`` as it arrives. Closing
         the response (a cancelled call, a reader gone) ends the upstream stream."""
@@ -147,9 +152,11 @@ class LlmProvider(Provider):
         except RpcError as e:
             return Outcome.fail(e)
         usage: dict[str, Any] = {}
+        ended = False
         try:
             async for sse in EventSource(response).aiter_sse():
                 if sse.data == "[DONE]":
+                    ended = True
                     break
                 try:
                     data = sse.json()
@@ -159,6 +166,7 @@ class LlmProvider(Provider):
                     continue
                 if self.stream_event(item, sse.event, data, usage):
                     await sink.send(data)
+                ended = ended or self.stream_end(item, sse.event, data)
         except RpcError as e:
             return Outcome.fail(e)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -170,5 +178,7 @@ class LlmProvider(Provider):
             return Outcome.fail(upstream_unavailable(self.name, broke))
         finally:
             await response.aclose()
+        if not ended:
+            return Outcome.fail(upstream_unavailable(self.name, "the stream ended before its last event"))
         self.correct(item.tokens, {"usage": usage})
         return Outcome(result={"usage": usage})

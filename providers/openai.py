@@ -153,6 +153,11 @@ class OpenAIProvider(LlmProvider):
                 return isinstance(options, dict) and bool(options.get("include_usage"))
         return True
 
+    def stream_end(self, item: Item, event: str, data: dict[str, Any]) -> bool:
+        """A Responses stream ends at its final event (or an error event), with no ``[DONE]``."""
+        return item.operation == "responses" and (data.get("type") in RESPONSE_ENDS
+                                                  or data.get("type") == "error")
+
     # -- execution -------------------------------------------------------------
     async def execute_now(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
         if operation == "embeddings":
