@@ -145,3 +145,22 @@ async def test_count_tokens_on_a_batch_mode_route_is_still_one_request(tmp_path)
                 counted = await client.messages.count_tokens(model="claude-batch", messages=ask("a b c"))
     assert counted.input_tokens == 3
     assert f.anthropic.requests["/v1/messages/count_tokens"] == 1 and not f.anthropic.batches
+
+
+async def test_a_deadline_is_anthropics_timeout_error(tmp_path):
+    async with fakes() as f:
+        config = v1_config(f, tmp_path)
+        config["routes"]["claude"]["timeout_ms"] = 300
+        async with (
+            running(parse_config(config), port=0) as (_, url),
+            anthropic.AsyncAnthropic(base_url=url, api_key=KEY, max_retries=0) as client,
+        ):
+            f.anthropic.stream_gate = anyio.Event()  # the upstream holds after its first event
+            with pytest.raises(anthropic.APIStatusError) as e:
+                async with client.messages.stream(model=MODEL, max_tokens=8,
+                                                  messages=ask("slow")) as stream:
+                    async for _ in stream:
+                        pass
+            assert e.value.body == {"type": "error", "error": {
+                "type": "timeout_error", "message": e.value.body["error"]["message"]}}
+            f.anthropic.stream_gate.set()

@@ -16,7 +16,7 @@ from multiplexer.faces.v1.requests import MESSAGES, plan, stream_flag
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-          529: "overloaded_error"}
+          504: "timeout_error", 529: "overloaded_error"}
 
 
 _KINDS = {*_TYPES.values(), "api_error", "billing_error", "timeout_error"}
