@@ -16,15 +16,12 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-from multiplexer.gateway.config import parse_config
-from multiplexer.server import running
-from tests.fakes.serve import serve_app
+from tests.fakes.v1_upstream import KEY, gateway_before
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 pytestmark = pytest.mark.anyio
 
-KEY = "sk-gateway-test"
 CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini",
          "choices": [{"index": 0, "delta": {"role": "assistant", "content": "half"},
                       "finish_reason": None}]}
@@ -53,7 +50,7 @@ def cut(events: list[tuple[str | None, dict[str, Any]]]) -> Any:
 
 
 @asynccontextmanager
-async def gateway(tmp_path: Path) -> Any:
+async def gateway(tmp_path: Path) -> AsyncIterator[str]:
     upstream = Starlette(routes=[
         Route("/v1/chat/completions", cut([(None, CHUNK)]), methods=["POST"]),
         Route("/v1/responses", cut([("response.created", {"type": "response.created",
@@ -61,18 +58,8 @@ async def gateway(tmp_path: Path) -> Any:
                                                           "response": RESPONSE})]), methods=["POST"]),
         Route("/v1/messages", cut(MESSAGE_EVENTS), methods=["POST"]),
     ])
-    async with serve_app(upstream) as up:
-        config = {
-            "server": {"api_keys": {"alice": KEY}},
-            "store": {"path": str(tmp_path / "jobs.db")},
-            "providers": {"oai": {"kind": "openai", "base_url": up + "/v1", "api_key": "sk-up"},
-                          "claude": {"kind": "anthropic", "base_url": up, "api_key": "up"}},
-            "routes": {"chat": {"provider": "oai", "operation": "chat", "models": ["gpt-4o-mini"]},
-                       "claude": {"provider": "claude", "operation": "messages",
-                                  "models": ["claude-sonnet-4-5"]}},
-        }
-        async with running(parse_config(config), port=0) as (_, url):
-            yield url
+    async with gateway_before(upstream, tmp_path) as url:
+        yield url
 
 
 async def test_a_chat_stream_cut_short_upstream_ends_in_an_error_event(tmp_path):

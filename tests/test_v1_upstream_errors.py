@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 from starlette.applications import Starlette
@@ -14,15 +14,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from multiplexer.gateway.config import parse_config
-from multiplexer.server import running
-from tests.fakes.serve import serve_app
+from tests.fakes.v1_upstream import KEY, gateway_before
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 pytestmark = pytest.mark.anyio
 
-KEY = "sk-gateway-test"
 PROMPT_TOO_LONG = "prompt is too long: 210000 tokens > 200000 maximum"
 TOO_LONG = ("This model's maximum context length is 128000 tokens. However, your messages resulted "
             "in 131072 tokens (130000 in the messages, 1072 in the functions). Please reduce the "
@@ -40,21 +37,11 @@ async def anthropic_refusal(request: Request) -> JSONResponse:
 
 
 @asynccontextmanager
-async def gateway(tmp_path: Path) -> Any:
+async def gateway(tmp_path: Path) -> AsyncIterator[str]:
     upstream = Starlette(routes=[Route("/v1/chat/completions", openai_refusal, methods=["POST"]),
                                  Route("/v1/messages", anthropic_refusal, methods=["POST"])])
-    async with serve_app(upstream) as up:
-        config = {
-            "server": {"api_keys": {"alice": KEY}},
-            "store": {"path": str(tmp_path / "jobs.db")},
-            "providers": {"oai": {"kind": "openai", "base_url": up + "/v1", "api_key": "sk-up"},
-                          "claude": {"kind": "anthropic", "base_url": up, "api_key": "up"}},
-            "routes": {"chat": {"provider": "oai", "operation": "chat", "models": ["gpt-4o-mini"]},
-                       "claude": {"provider": "claude", "operation": "messages",
-                                  "models": ["claude-sonnet-4-5"]}},
-        }
-        async with running(parse_config(config), port=0) as (_, url):
-            yield url
+    async with gateway_before(upstream, tmp_path) as url:
+        yield url
 
 
 async def test_openai_upstream_error_keeps_its_message_code_and_param(tmp_path):
