@@ -224,3 +224,24 @@ async def test_responses_batch_rides_the_providers_batch_api_as_responses_lines(
             assert body["output"][0]["content"][0]["text"] == f"echo: question {i}"
         errors = parse((await client.files.content(done.error_file_id)).content)
         assert errors["embed"]["response"]["status_code"] == 400
+
+
+async def test_deleting_the_input_file_of_a_running_batch_loses_no_lane_line_on_restart(tmp_path):
+    """Lines 1 and 2 had not run when the owner deleted the input file (OpenAI lets a batch
+    outlive it) and the gateway stopped: the next gateway still runs them."""
+    from multiplexer.faces.v1.store import BatchRecord
+
+    rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
+            for i in range(3)]
+    async with gateway(tmp_path) as (_, gw, client):
+        upload = await client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+        record = BatchRecord("batch_" + "b" * 24, "alice", "/v1/embeddings", upload.id, "24h", 1,
+                             custom_ids=["e0", "e1", "e2"], lane_lines=[0, 1, 2],
+                             lane_results={"0": {"status": 200, "body": {"saved": True}}})
+        await gw.faces["v1_batches"].store.save_batch(record)  # as a stopping gateway left it
+        assert (await client.files.delete(upload.id)).deleted
+    async with gateway(tmp_path) as (_, _, client):
+        done = await until_ended(client, record.id)
+        assert done.status == "completed" and done.request_counts.completed == 3
+        out = parse((await client.files.content(done.output_file_id)).content)
+        assert out["e2"]["response"]["body"] == {"model": "echo-embed", "input": "t2"}

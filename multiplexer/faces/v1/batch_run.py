@@ -233,16 +233,28 @@ class Batches:
                     self.start(record, bodies)
 
     async def _bodies(self, record: BatchRecord) -> list[dict[str, Any]] | None:
-        """A batch's request bodies, in line order: its input file's, or a message batch's
-        kept requests; None when they are gone (the owner deleted the file)."""
-        if record.kind == "anthropic":
-            raw = await self.store.requests(record.id)
+        """A batch's request bodies, in line order: its kept requests (a message batch's, or
+        those kept when its input file was deleted), else its input file's; None when gone."""
+        raw = await self.store.requests(record.id)
+        if raw is not None or record.kind == "anthropic":
             return None if raw is None else json.loads(raw)
         found = await self.store.file(record.input_file_id, record.owner)
         if found is None:
             return None
         lines, _ = parse_lines(await self.store.content(found), record.endpoint)
         return [body for _, body in lines]
+
+    async def keep_bodies(self, file_id: str, owner: str | None) -> None:
+        """Before an input file is deleted: its batches' unfinished lane lines still need their
+        bodies should the gateway restart, so they are kept beside each such batch."""
+        for record in await self.store.batches(owner):
+            unfinished = [n for n in record.lane_lines if str(n) not in record.lane_results]
+            if (record.kind == "openai" and record.input_file_id == file_id and unfinished
+                    and record.cancelled_at is None and not record.errors):
+                bodies = await self._bodies(record)
+                if bodies is not None:
+                    await self.store.put_requests(
+                        record.id, json.dumps(bodies, separators=(",", ":")).encode())
 
     # -- reading -------------------------------------------------------------------------------
     async def get(self, batch_id: str, identity: str | None,

@@ -107,6 +107,7 @@ class DeleteFile(FileInfo):
         found = await self.files.file(file_id, identity)
         if found is None:  # output files are views of a batch: nothing to delete
             raise not_found("file", file_id)
+        await self.batches.keep_bodies(file_id, identity)  # a running batch outlives its file
         await self.files.delete_file(found)
         await send_json(send, 200, {"id": file_id, "object": "file", "deleted": True}, headers)
 

@@ -4,7 +4,8 @@ Batches, next to the job store.
 Uploaded files are kept as they came, with a small JSON record each; a batch's record says
 where each input line went (a job on a provider's batch API, or the lanes) and holds the
 lane lines' results as they finish, so a restarted gateway still answers for both. A message
-batch's requests come inline: they are kept as ``files/<batch id>``, seen by no files listing.
+batch's requests come inline: they are kept as ``files/<batch id>``, seen by no files listing
+(and so are a batch's bodies when its input file is deleted before its lane lines ran).
 Everything belongs to the key that created it: another key gets "not found".
 """
 
@@ -138,7 +139,8 @@ class V1Store:
         await anyio.to_thread.run_sync(remove)
 
     async def put_requests(self, batch_id: str, content: bytes) -> None:
-        """A message batch's inline requests, kept for a restarted gateway's lane lines."""
+        """A batch's request bodies (a message batch's inline requests), kept for a restarted
+        gateway's lane lines."""
         def write() -> None:
             self._open()
             (self.files / batch_id).write_bytes(content)
