@@ -432,3 +432,41 @@ async def test_v1_quota_headers_come_from_the_shared_quota(tmp_path):
     assert 0 < reset <= 20  # one request used of 3 per minute: full again within 20 s
     assert refused.value.response.headers["x-ratelimit-remaining-requests"] == "0"
     assert int(refused.value.response.headers["retry-after"]) >= 1
+
+
+class Unreachable:
+    """A shared state that never answers: every limit is decided on this replica."""
+
+    replica_id = "down"
+    lease_s = 30.0
+
+    def live_replicas(self) -> int:
+        return 1
+
+    async def acquire(self, *args: object) -> tuple[float, str]:
+        from multiplexer.core.state import StateUnavailable
+
+        raise StateUnavailable("down")
+
+
+async def test_degraded_slot_waiters_all_get_a_slot_as_slots_free():
+    from multiplexer.core.clock import ManualClock
+
+    limiter = SharedLimiter(ManualClock(), "p", LimitSpec(concurrency=1), Unreachable())  # type: ignore[arg-type]
+    first = await limiter.acquire(0)
+    got: list[object] = []
+
+    async def wait_for_slot() -> None:
+        got.append(await limiter.acquire(0))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait_for_slot)
+        tg.start_soon(wait_for_slot)
+        await anyio.wait_all_tasks_blocked()
+        assert got == []  # this replica's one slot is held
+        limiter.release_soon(first)
+        await anyio.wait_all_tasks_blocked()
+        assert len(got) == 1
+        limiter.release_soon(got[0])  # type: ignore[arg-type]
+        await anyio.wait_all_tasks_blocked()
+        assert len(got) == 2, "a waiter never woke up although the slot was free"

@@ -195,7 +195,8 @@ class SharedLimiter(RateLimiter):
         if not slot:
             return True
         while self._local_in_flight >= self._slots:
-            self._slot_freed = anyio.Event()
+            if self._slot_freed.is_set():  # a fresh one only once set: every waiter shares it
+                self._slot_freed = anyio.Event()
             await self._slot_freed.wait()
         self._local_in_flight += 1
         return True
