@@ -149,7 +149,7 @@ return redis.call('ZCARD', KEYS[1])
 BATCH_CHARGE = r"""
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
 local calls, allowed = tonumber(ARGV[1]), tonumber(ARGV[2])
-if used + calls > allowed then return allowed - used end
+if used + calls > allowed then return math.max(allowed - used, 0) end  -- never -1: 'charged'
 redis.call('INCRBY', KEYS[1], calls)
 redis.call('EXPIRE', KEYS[1], 172800)
 return -1

@@ -470,3 +470,26 @@ async def test_degraded_slot_waiters_all_get_a_slot_as_slots_free():
         limiter.release_soon(got[0])  # type: ignore[arg-type]
         await anyio.wait_all_tasks_blocked()
         assert len(got) == 2, "a waiter never woke up although the slot was free"
+
+
+async def test_a_lowered_batch_allowance_already_spent_today_refuses_more_calls():
+    """Replicas restarted with a smaller ``batch_calls_per_day`` than a key already used today:
+    nothing is left, so every further call is refused (with 0 remaining), never let through."""
+    from multiplexer.core.errors import RpcError
+    from multiplexer.core.policy import Quota
+    from multiplexer.core.shared_quota import SharedQuotas
+
+    old, new = states = await replicas(2)
+    clock = MonotonicClock()
+    day = int(clock.wall() // 86_400)
+    quotas = SharedQuotas(clock, {"alice": Quota(batch_calls_per_day=3)}, new, fail_open=False,
+                          degraded=lambda part: None)
+    try:
+        assert await old.batch_charge("alice", day, 5, 10) == -1  # under the old allowance of 10
+        with pytest.raises(RpcError) as refused:
+            await quotas.charge("alice", 1)
+        assert refused.value.data["limit"] == "batch_calls_per_day"
+        assert refused.value.data["remaining"] == 0
+        assert await old.batch_charge("alice", day, 6, 10) == 5  # still 5 used: nothing was charged
+    finally:
+        await close(states)
