@@ -493,3 +493,24 @@ async def test_a_lowered_batch_allowance_already_spent_today_refuses_more_calls(
         assert await old.batch_charge("alice", day, 6, 10) == 5  # still 5 used: nothing was charged
     finally:
         await close(states)
+
+
+async def test_a_batch_call_refused_by_the_keys_rpm_does_not_use_its_batch_allowance():
+    """As on one gateway: a call the key's rpm refuses never runs, so it costs none of the key's
+    batch calls for the day."""
+    from multiplexer.core.errors import Code
+
+    config = parse_config({
+        "state": {"url": redis_url(), "prefix": prefix()},
+        "server": {"quotas": {"alice": {"rpm": 1, "batch_calls_per_day": 5}}},
+        "providers": {"p": {"kind": "echo", "batch": {"max_items": 1}}},
+        "routes": {"r": {"provider": "p", "mode": "batch"}},
+    })
+    async with Gateway(config) as gw:
+        outs = [await gw.submit(Call("r", {"i": i}, identity="alice")) for i in range(3)]
+        day = int(gw.clock.wall() // 86_400)
+        left = await gw.state.batch_charge("alice", day, 5, 5)  # type: ignore[union-attr]
+    assert outs[0].ok
+    assert [o.error.code for o in outs[1:]] == [Code.RATE_LIMITED] * 2  # type: ignore[union-attr]
+    assert [o.error.data["limit"] for o in outs[1:]] == ["rpm"] * 2  # type: ignore[union-attr]
+    assert left == 4  # one batch call used today: the one that ran

@@ -53,6 +53,9 @@ class Quotas:
                                allowed=quota.batch_calls_per_day, remaining=quota.batch_calls_per_day - used)
         self._batch[identity] = (day, used + calls)
 
+    def forgo_batch(self, identity: str | None) -> None:
+        """A call refused before ``charge_batch``: in-process nothing was charged yet."""
+
     def rpm_state(self, identity: str | None) -> tuple[float, float | None, float | None] | None:
         """(limit, remaining, seconds until full) of the caller's rpm quota; None without one.
         Remaining and reset are None where this process does not hold the bucket (shared quotas)."""

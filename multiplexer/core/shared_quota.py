@@ -41,6 +41,7 @@ class SharedQuotas(Quotas):
         self._leases: dict[str, list[str]] = defaultdict(list)
         self._local: dict[str, int] = defaultdict(int)  # slots taken locally (state down, open)
         self._ended: list[tuple[str, str]] = []  # (identity, lease) of calls that ended
+        self._refunds: list[tuple[str, int]] = []  # (identity, UTC day) of batch charges to undo
         # identity -> (rpm level, shared-state time, local time) of its latest shared decision
         self._seen: dict[str, tuple[float, float, float]] = {}
         self._wake = anyio.Event()
@@ -116,7 +117,7 @@ class SharedQuotas(Quotas):
         if left >= 0:
             return rate_limited("batch_calls_per_day", (day + 1) * 86_400 - wall, identity=identity,
                                 allowed=allowed, remaining=left)
-        return ""
+        return str(day)  # charged on this day (a refund must go to the same one)
 
     def acquire(self, identity: str | None) -> bool:
         queue = self._calls.get(identity) if identity else None
@@ -141,6 +142,15 @@ class SharedQuotas(Quotas):
         if decision is None:
             super().charge_batch(identity, calls)
 
+    def forgo_batch(self, identity: str | None) -> None:
+        """Drop the batch decision taken ahead for a call refused before ``charge_batch`` (so
+        the next call does not take it), and give back what it charged (in ``flush``)."""
+        queue = self._batches.get(identity) if identity else None
+        decision = queue.popleft() if queue else None
+        if isinstance(decision, str) and identity is not None:
+            self._refunds.append((identity, int(decision)))
+            self._wake.set()
+
     def release(self, identity: str | None) -> None:
         if identity is None:
             return
@@ -154,6 +164,13 @@ class SharedQuotas(Quotas):
     async def flush(self) -> None:
         """Free the slots of the calls that ended (the gateway awaits this before it answers,
         so a caller's next call finds its slot free)."""
+        refunds, self._refunds = self._refunds, []
+        for identity, day in refunds:
+            try:
+                allowed = self.quotas[identity].batch_calls_per_day or 0
+                await self.state.batch_charge(identity, day, -1, allowed)
+            except StateUnavailable:
+                self.degraded("quota")  # the charge stands
         ended, self._ended = self._ended, []
         for identity, lease in ended:
             try:

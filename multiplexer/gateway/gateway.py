@@ -263,6 +263,7 @@ class Gateway:
         # grow the registry without bound (and a lone surrogate would break /metrics).
         ticket = Ticket(UNROUTED, call.identity, math.inf)
         span = ticket.span = self.tracer.start_call(call) if self.tracer.enabled else None
+        batch_due = False  # a batch charge decided ahead for this call and not taken yet
         try:
             builtin = self.methods.get(call.method)
             if builtin is not None:
@@ -275,6 +276,7 @@ class Gateway:
             resolved = self.router.resolve(call.method)
             ticket.label = resolved.name
             route = resolved.route
+            batch_due = route.mode == "batch"
             ticket.quota = self.quotas.acquire(call.identity)
             timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
             ticket.deadline = self.clock.now() + timeout_ms / 1000.0
@@ -307,6 +309,7 @@ class Gateway:
                 ticket.pending = lane.submit(item)
                 return ticket
             if route.mode == "batch":
+                batch_due = False
                 self.quotas.charge_batch(call.identity, 1)
                 if call.identity is not None:  # one job per owner, who sees it in jobs.*
                     item.group = _tagged(item.group, call.identity)
@@ -353,6 +356,8 @@ class Gateway:
         except Exception as e:
             log.exception("call %s failed inside the gateway", call.method)
             self._finish(ticket, Outcome.fail(internal_error(type(e).__name__)))
+        if batch_due:  # refused before it was charged: it costs none of the key's batch calls
+            self.quotas.forgo_batch(call.identity)
         return ticket
 
     def _first_chunk(self, route: str, span: Any) -> Callable[[], None]:
