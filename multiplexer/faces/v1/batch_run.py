@@ -229,7 +229,7 @@ class Batches:
             unfinished = [n for n in record.lane_lines if str(n) not in record.lane_results]
             if unfinished and record.cancelled_at is None and not record.errors:
                 bodies = await self._bodies(record)
-                if bodies is not None:
+                if bodies is not None and record.id not in self.live:  # not made meanwhile
                     self.start(record, bodies)
 
     async def _bodies(self, record: BatchRecord) -> list[dict[str, Any]] | None:
