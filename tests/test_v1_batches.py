@@ -260,3 +260,28 @@ async def test_a_resume_pass_leaves_a_batch_already_running_to_its_one_runner(tm
         runner = batches.live[batch.id]  # its later lines wait for the owner's rpm quota
         await batches.resume()
         assert batches.live[batch.id] is runner
+
+
+async def test_two_saves_of_one_batch_at_once_both_land(tmp_path, monkeypatch):
+    """A cancel saves the record while its lane runner saves a page (or two polls stamp its end):
+    both writes must land, neither failing for the other's temporary file."""
+    import os
+    import threading
+
+    from multiplexer.faces.v1 import store as store_module
+    from multiplexer.faces.v1.store import BatchRecord, V1Store
+
+    store = V1Store(tmp_path / "v1")
+    record = BatchRecord("batch_" + "c" * 24, "alice", "/v1/embeddings", "file-x", "24h", 1)
+    both_written = threading.Barrier(2, timeout=10)
+    replace = os.replace
+
+    def replace_together(src: Any, dst: Any) -> None:
+        both_written.wait()  # each write has its temporary file on disk before either moves it
+        replace(src, dst)
+
+    monkeypatch.setattr(store_module.os, "replace", replace_together)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(store.save_batch, record)
+        tg.start_soon(store.save_batch, record)
+    assert (await store.batch(record.id, "alice")) == record

@@ -172,9 +172,11 @@ class V1Store:
         return await anyio.to_thread.run_sync(scan)
 
     def _write(self, name: str, data: dict[str, Any]) -> None:
-        """Atomically: a crash leaves the old record or the new one, never half of one."""
+        """Atomically: a crash leaves the old record or the new one, never half of one; each
+        write has its own temporary file, as two may save one record at once (a cancel and a
+        page of results)."""
         self._open()
-        tmp = self.root / f".{name}.tmp"
+        tmp = self.root / f".{name}.{secrets.token_hex(4)}.tmp"
         tmp.write_text(json.dumps(data, separators=(",", ":")))
         os.replace(tmp, self.root / f"{name}.json")
 
