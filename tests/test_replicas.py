@@ -514,3 +514,42 @@ async def test_a_batch_call_refused_by_the_keys_rpm_does_not_use_its_batch_allow
     assert [o.error.code for o in outs[1:]] == [Code.RATE_LIMITED] * 2  # type: ignore[union-attr]
     assert [o.error.data["limit"] for o in outs[1:]] == ["rpm"] * 2  # type: ignore[union-attr]
     assert left == 4  # one batch call used today: the one that ran
+
+
+class Flaky(Unreachable):
+    """A shared state a test takes down and brings back."""
+
+    up = True
+
+    async def acquire(self, *args: object) -> tuple[float, str]:
+        if self.up:
+            return 0.0, ""
+        return await super().acquire(*args)
+
+
+async def test_every_redis_outage_starts_this_replicas_share_empty():
+    """The shared bucket may have been spent when Redis goes away: the share a replica enforces
+    alone starts empty at every outage, not only the first (a later one would send a burst)."""
+    from multiplexer.core.clock import ManualClock
+
+    clock, state = ManualClock(), Flaky()
+    limiter = SharedLimiter(clock, "p", LimitSpec(rpm=60), state)  # type: ignore[arg-type]
+    got: list[object] = []
+
+    async def one() -> None:
+        got.append(await limiter.acquire(0))
+
+    async with anyio.create_task_group() as tg:
+        for outage in range(2):
+            state.up = False
+            tg.start_soon(one)
+            await anyio.wait_all_tasks_blocked()
+            assert len(got) == outage, f"outage {outage + 1} admitted at once: its share was full"
+            await clock.advance(1.0)  # one request a second
+            await anyio.wait_all_tasks_blocked()
+            assert len(got) == outage + 1
+            state.up = True
+            await clock.advance(1.0)  # past the retry: shared again
+            assert (await limiter.acquire(0)).shared
+            await clock.advance(120.0)  # shared traffic meanwhile: the local share refills unused
+        tg.cancel_scope.cancel()

@@ -96,6 +96,7 @@ class SharedLimiter(RateLimiter):
                 except StateUnavailable as e:
                     self._degrade(e)
                 else:
+                    self._share = 0  # it answers: a later outage starts this replica's share empty
                     if wait <= 0:
                         if slot:
                             self._held.add(lease_id)
