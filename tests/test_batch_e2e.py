@@ -396,3 +396,19 @@ async def test_jobs_delete_owner_only_and_retention_purges_ended_jobs(tmp_path):
     assert [j["job_id"] for j in listed] == [opened["job_id"]]  # the open job is never purged
     assert leftover == 0
     assert all(kept["job_id"] not in m._done for m in managers)  # purge forgets it in memory too
+
+
+async def test_a_refused_append_charges_no_batch_calls(tmp_path):
+    """jobs.submit to a closed job, or to another key's, stores nothing: the calls it carried
+    must not count against the key's batch_calls_per_day either."""
+    async with alice_and_bob(tmp_path, quotas={"alice": {"batch_calls_per_day": 5}}) as k:
+        calls = [{"method": "claude", "params": user(f"c{i}")} for i in range(2)]
+        closed = await k.alice.call("jobs.submit", {"calls": calls})
+        theirs = await k.bob.call("jobs.submit", {"calls": calls, "more": True})
+        for job_id, code in ((closed["job_id"], Code.INVALID_PARAMS),
+                             (theirs["job_id"], Code.NOT_FOUND)):
+            with pytest.raises(RpcError) as refused:
+                await k.alice.call("jobs.submit", {"job_id": job_id, "calls": calls})
+            assert refused.value.code == code
+        last = await k.alice.call("jobs.submit", {"calls": calls + calls[:1]})  # 5 of 5
+        assert last["accepted"] == 3

@@ -127,6 +127,13 @@ class JobFace:
             raise not_found(job_id)
         return job
 
+    async def _open_job(self, call: Call) -> JobRow:
+        """The caller's job named by ``job_id``, if it still takes calls."""
+        job = await self._job(call)
+        if job.state != "open":
+            raise invalid_params(f"job {job.id} is {job.state}; only open jobs take more calls")
+        return job
+
     def _item(self, spec: Any, identity: str | None,
               operation: str | None = None) -> tuple[BatchJobs, Item]:
         """One call of a job as an item; ``operation`` (set by a face, as a ``/v1/batches`` file's
@@ -161,13 +168,13 @@ class JobFace:
             raise invalid_params(f"at most {MAX_CALLS_PER_SUBMIT} calls per jobs.submit; "
                                  "send the rest with job_id and more")
         more = bool(params.get("more", False))
+        if appending:  # a refused append stores nothing, so it charges nothing either
+            await self._open_job(call)
         await self.gateway.quotas.charge(call.identity, len(calls))  # -32003 before anything is stored
         st = self.store()
         async with self._lock:
-            if params.get("job_id") is not None:
-                job = await self._job(call)
-                if job.state != "open":
-                    raise invalid_params(f"job {job.id} is {job.state}; only open jobs take more calls")
+            if appending:
+                job = await self._open_job(call)
             else:
                 job_id = new_job_id()
                 await st.run(st.create_job, job_id, call.identity, source, "open")
