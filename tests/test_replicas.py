@@ -553,3 +553,43 @@ async def test_every_redis_outage_starts_this_replicas_share_empty():
             assert (await limiter.acquire(0)).shared
             await clock.advance(120.0)  # shared traffic meanwhile: the local share refills unused
         tg.cancel_scope.cancel()
+
+
+class Claims:
+    """A shared state's single flight: every key is won, except that claiming ``stuck`` never
+    answers; what is abandoned is recorded."""
+
+    lease_s = 30.0
+
+    def __init__(self, stuck: str) -> None:
+        self.stuck = stuck
+        self.abandoned: list[str] = []
+
+    async def claim(self, key: str, token: str) -> tuple[str, object]:
+        if key == self.stuck:
+            await anyio.sleep_forever()
+        return "won", token
+
+    async def abandon(self, key: str, token: str) -> None:
+        self.abandoned.append(key)
+
+
+async def test_a_batch_cancelled_while_claiming_frees_the_keys_it_won():
+    """Its caller went away while the batch was still claiming its keys: the keys already won
+    are freed at once, so the other replicas waiting on them run the calls now, not after the
+    lease."""
+    from multiplexer.core.call import Item, Outcome
+    from multiplexer.core.metrics import Metrics
+    from multiplexer.gateway.replicas import flown
+
+    async def execute(operation: str, items: object) -> list[Outcome]:
+        raise AssertionError("nothing runs: the batch was cancelled before")
+
+    state = Claims(stuck="k2")
+    run = flown(state, execute, Metrics())  # type: ignore[arg-type]
+    items = [Item("r", "op", "m", {"i": i}, flight=(f"k{i}", 0.0)) for i in (1, 2)]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "op", items)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    assert state.abandoned == ["k1"]

@@ -85,9 +85,19 @@ def flown(state: SharedState | None, execute: Execute, metrics: Metrics) -> Exec
     async def run(operation: str, items: Sequence[Item]) -> list[Outcome]:
         if not any(item.flight for item in items):
             return await execute(operation, items)
+        tokens: dict[int, str] = {}  # the claims won here, until each is settled
+        try:
+            return await fly(operation, items, tokens)
+        except BaseException:  # no outcome from here (cancelled, failed): free the keys for the others
+            with anyio.CancelScope(shield=True):
+                for i, token in tokens.items():
+                    with contextlib.suppress(StateUnavailable):
+                        await state.abandon(items[i].flight[0], token)  # type: ignore[index]
+            raise
+
+    async def fly(operation: str, items: Sequence[Item], tokens: dict[int, str]) -> list[Outcome]:
         out: list[Outcome | None] = [None] * len(items)
         mine: list[int] = []
-        tokens: dict[int, str] = {}
         theirs: dict[int, str] = {}
         for i, item in enumerate(items):
             if item.flight is None:
@@ -111,22 +121,16 @@ def flown(state: SharedState | None, execute: Execute, metrics: Metrics) -> Exec
                 theirs[i] = value
 
         async def lead() -> None:
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(keep_claims, [(items[i].flight[0], t)  # type: ignore[index]
-                                                for i, t in tokens.items()])
-                    done = await execute(operation, [items[i] for i in mine])
-                    tg.cancel_scope.cancel()
-            except BaseException:  # no outcome from here: free the keys for the waiting replicas
-                with anyio.CancelScope(shield=True):
-                    for i, token in tokens.items():
-                        with contextlib.suppress(StateUnavailable):
-                            await state.abandon(items[i].flight[0], token)  # type: ignore[index]
-                raise
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(keep_claims, [(items[i].flight[0], t)  # type: ignore[index]
+                                            for i, t in tokens.items()])
+                done = await execute(operation, [items[i] for i in mine])
+                tg.cancel_scope.cancel()
             for i, outcome in zip(mine, done, strict=True):
                 out[i] = outcome
                 if i in tokens:
                     await settle_claim(items[i], tokens[i], outcome)
+                    del tokens[i]
 
         async def follow(i: int, token: str) -> None:
             key = items[i].flight[0]  # type: ignore[index]
