@@ -412,3 +412,14 @@ async def test_a_refused_append_charges_no_batch_calls(tmp_path):
             assert refused.value.code == code
         last = await k.alice.call("jobs.submit", {"calls": calls + calls[:1]})  # 5 of 5
         assert last["accepted"] == 3
+
+
+async def test_a_more_flag_that_is_not_a_boolean_is_refused_not_taken_as_true(tmp_path):
+    """``more: "false"`` must not leave the job open for store.open_job_idle_s: -32602."""
+    async with alice_and_bob(tmp_path) as k:
+        calls = [{"method": "claude", "params": user("c")}]
+        for more in ("false", 0, [False]):
+            with pytest.raises(RpcError) as bad:
+                await k.alice.call("jobs.submit", {"calls": calls, "more": more})
+            assert bad.value.code == Code.INVALID_PARAMS and "more" in bad.value.data["detail"]
+        assert (await k.alice.call("jobs.list", {}))["jobs"] == []  # nothing was stored

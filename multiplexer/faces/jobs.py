@@ -167,7 +167,11 @@ class JobFace:
         if len(calls) > MAX_CALLS_PER_SUBMIT:
             raise invalid_params(f"at most {MAX_CALLS_PER_SUBMIT} calls per jobs.submit; "
                                  "send the rest with job_id and more")
-        more = bool(params.get("more", False))
+        more = params.get("more")
+        if more is None:
+            more = False
+        elif not isinstance(more, bool):  # "false" is truthy: it would keep the job open
+            raise invalid_params("'more' must be a boolean")
         if appending:  # a refused append stores nothing, so it charges nothing either
             await self._open_job(call)
         await self.gateway.quotas.charge(call.identity, len(calls))  # -32003 before anything is stored
