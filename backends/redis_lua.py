@@ -12,18 +12,20 @@ local function now_s()
 end
 
 local function load(key, cfg, now)
-  local h = redis.call('HMGET', key, 'l', 's', 'r', 'c', 'g', 'u')
+  local h = redis.call('HMGET', key, 'l', 's', 'r', 'c', 'g', 'u', 'k')
   local b
   if h[1] then
     b = {l = tonumber(h[1]), s = tonumber(h[2]), r = tonumber(h[3]), c = tonumber(h[4]),
-         g = tonumber(h[5]), u = tonumber(h[6])}
+         g = tonumber(h[5]), u = tonumber(h[6]), k = tonumber(h[7]) or 0}
   elseif cfg > 0 then
-    b = {l = cfg, s = now, r = cfg / 60, c = cfg, g = 0, u = 0}
+    b = {l = cfg, s = now, r = cfg / 60, c = cfg, g = 0, u = 0, k = cfg}
   else
     return nil
   end
-  if cfg > 0 and b.c > cfg then
-    b.c = cfg; b.r = cfg / 60; b.l = math.min(b.l, cfg)
+  -- k: the configured limit the bucket follows; a new one (raised or lowered) takes over,
+  -- as in a restarted gateway, while a learned lower limit under the same one stays
+  if cfg > 0 and (b.k ~= cfg or b.c > cfg) then
+    b.c = cfg; b.r = cfg / 60; b.l = math.min(b.l, cfg); b.k = cfg
   end
   if now > b.s then
     local gain, t = 0, b.s
@@ -53,7 +55,8 @@ end
 local function f(x) return string.format('%.17g', x) end
 
 local function save(key, b)
-  redis.call('HSET', key, 'l', f(b.l), 's', f(b.s), 'r', f(b.r), 'c', f(b.c), 'g', f(b.g), 'u', f(b.u))
+  redis.call('HSET', key, 'l', f(b.l), 's', f(b.s), 'r', f(b.r), 'c', f(b.c), 'g', f(b.g), 'u', f(b.u),
+             'k', f(b.k or 0))
   redis.call('EXPIRE', key, 86400)
 end
 """

@@ -593,3 +593,20 @@ async def test_a_batch_cancelled_while_claiming_frees_the_keys_it_won():
         await anyio.wait_all_tasks_blocked()
         tg.cancel_scope.cancel()
     assert state.abandoned == ["k1"]
+
+
+async def test_a_raised_configured_limit_holds_for_the_shared_bucket_at_once():
+    """The replicas restart with a provider's rpm raised from 6 to 600: the shared bucket takes
+    the new limit (refilling at 10 a second), as a restarted gateway would, instead of keeping
+    the old 6 a minute for as long as traffic keeps the bucket alive."""
+    (a,) = states = await replicas(1)
+    try:
+        for i in range(6):
+            assert await a.acquire("p", f"l{i}", 0, LimitSpec(rpm=6)) == (0.0, "")
+        assert (await a.acquire("p", "l6", 0, LimitSpec(rpm=6)))[1] == "rpm"
+        wait, which = await a.acquire("p", "l7", 0, LimitSpec(rpm=600))
+        assert which == "rpm" and wait <= 0.1  # spent, but refilling at 600 a minute
+        wait, which = await a.acquire("p", "l8", 0, LimitSpec(rpm=6))  # lowered again: 6 holds
+        assert which == "rpm" and wait > 9.0
+    finally:
+        await close(states)
