@@ -285,3 +285,27 @@ async def test_two_saves_of_one_batch_at_once_both_land(tmp_path, monkeypatch):
         tg.start_soon(store.save_batch, record)
         tg.start_soon(store.save_batch, record)
     assert (await store.batch(record.id, "alice")) == record
+
+
+async def test_lane_lines_refused_by_a_stopping_gateway_run_after_the_restart(tmp_path):
+    """Lines a stopping gateway's lanes no longer admit did not run: they are not ended with its
+    "Shutting down" error but left for the next gateway, which runs them."""
+    from multiplexer.faces.v1.store import BatchRecord
+
+    rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
+            for i in range(3)]
+    async with gateway(tmp_path) as (_, gw, client):
+        upload = await client.files.create(file=("s.jsonl", jsonl(rows)), purpose="batch")
+        record = BatchRecord("batch_" + "d" * 24, "alice", "/v1/embeddings", upload.id, "24h", 1,
+                             custom_ids=["e0", "e1", "e2"], lane_lines=[0, 1, 2])
+        for lane in gw.lanes.values():
+            lane.close()  # as the gateway's own close does first
+        batches = gw.faces["v1_batches"]
+        await batches.store.save_batch(record)
+        await batches._run_lanes(record, [r["body"] for r in rows], anyio.CancelScope())
+        assert record.lane_results == {}
+    async with gateway(tmp_path) as (_, _, client):
+        done = await until_ended(client, record.id)
+        assert done.status == "completed" and done.request_counts.completed == 3
+        out = parse((await client.files.content(done.output_file_id)).content)
+        assert out["e1"]["response"]["body"] == {"model": "echo-embed", "input": "t1"}
