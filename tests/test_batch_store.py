@@ -258,3 +258,29 @@ def test_two_stores_appending_to_one_open_job_get_disjoint_numbers(kind, tmp_pat
         assert [idx for idx, *_ in a.page("job", 0, 1000)] == list(range(140))
         assert b.set_job_state("job", "running", ("open",))
         assert a.append_items("job", [new(0)]) is None and a.job("job").total == 140
+
+
+def test_a_stale_replica_stays_fenced_off_after_the_new_owner_hands_the_part_back():
+    """a was paused past its lease; b took the part over, submitted it and stopped cleanly (its
+    claim handed back). a wakes: its epoch is stale, so its write must not land on b's work."""
+    from providers.batch.pg_store import PgJobStore
+    from providers.batch.store import LeaseLost
+
+    wall = Wall()
+    with throwaway_db() as url:
+        a = PgJobStore(url, lease_s=30, wall=wall, owner="a")
+        b = PgJobStore(url, lease_s=30, wall=wall, owner="b")
+        a.create_job("job", None, "client", "running")
+        a.add_items("job", [new(0)])
+        a.create_parts("job", "p", 0, [("part", [0])])
+        assert a.claim_part("part")
+        a.mark_submitting("part", 1.0)
+        wall.t += 31
+        assert b.claim_part("part")
+        b.mark_submitted("part", "batch_b")
+        assert b.release_claims(["part"]) == ["part"]
+        with pytest.raises(LeaseLost):
+            a.mark_submitted("part", "batch_a")
+        assert b.part("part").remote_id == "batch_b"
+        a.close()
+        b.close()

@@ -160,15 +160,19 @@ class PgJobStore(JobStore):
 
     def _fence(self, part_id: str) -> None:
         """Let the write through if this replica holds the part's current epoch, or if no live
-        replica drives it (a cancel from any replica); else ``LeaseLost``."""
+        replica drives it and this one's claim is not stale (a cancel from any replica); else
+        ``LeaseLost``."""
         row = self._x("SELECT owner, epoch, lease_until FROM parts WHERE id=? FOR UPDATE",
                       (part_id,)).fetchone()
         if row is None:
             return
         owner, epoch, until = row
-        if owner == self.owner and epoch == self._claims.get(part_id):
+        mine = self._claims.get(part_id)
+        if owner == self.owner and epoch == mine:
             return
-        if owner is None or until is None or until < self.wall():
+        # a claim of ours at an older epoch: another replica has claimed the part since (even
+        # if it has handed it back or let it lapse), so this write is stale
+        if (mine is None or mine == epoch) and (owner is None or until is None or until < self.wall()):
             return
         self._claims.pop(part_id, None)
         raise LeaseLost(part_id)
