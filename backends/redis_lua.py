@@ -158,10 +158,10 @@ redis.call('EXPIRE', KEYS[1], 172800)
 return -1
 """
 
-# KEYS: lock, cache.  ARGV: token, lease_ms
+# KEYS: lock, cache.  ARGV: token, lease_ms.  A cached result comes with the ms it has left.
 CLAIM = r"""
 local c = redis.call('GET', KEYS[2])
-if c then return {'cached', c} end
+if c then return {'cached', c, redis.call('PTTL', KEYS[2])} end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'won', ARGV[1]} end
 return {'held', redis.call('GET', KEYS[1]) or ''}
 """

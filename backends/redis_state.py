@@ -140,11 +140,11 @@ class RedisState:
 
     async def claim(self, key: str, token: str) -> tuple[str, Any]:
         keys = self._flight(key)
-        state, value = await self._call(self._claim, [keys[0], keys[2]],
-                                        [token, int(self.lease_s * 1000)])
+        state, value, *left = await self._call(self._claim, [keys[0], keys[2]],
+                                               [token, int(self.lease_s * 1000)])
         state = state.decode() if isinstance(state, bytes) else state
         if state == "cached":
-            return state, json.loads(value)
+            return state, (json.loads(value), max(int(left[0]), 0) / 1000.0)
         return state, value.decode() if isinstance(value, bytes) else value
 
     async def publish(self, key: str, token: str, result: Any, cache_ttl_s: float) -> None:

@@ -610,3 +610,30 @@ async def test_a_raised_configured_limit_holds_for_the_shared_bucket_at_once():
         assert which == "rpm" and wait > 9.0
     finally:
         await close(states)
+
+
+async def test_a_result_from_the_shared_cache_is_kept_locally_no_longer_than_it_had_left():
+    """A replica that answers from the shared cache keeps the answer in its own cache only for
+    what the shared entry had left, not for a whole ``cache_ttl_s`` more."""
+    from multiplexer.core.clock import ManualClock
+    from multiplexer.core.dedup import canonical
+    from multiplexer.gateway.replicas import flight_key
+
+    url, pre = redis_url(), prefix()
+    config = dedup_config(url, pre, cache_ttl_s=30)
+    key = f"{pre}:{{f:{flight_key(('r', 'r', None, canonical({'x': 5})))}}}:cache"
+    runs: list[str] = []
+    gate = anyio.Event()
+    gate.set()
+    clock = ManualClock()
+    async with Gateway(config, providers={"p": Counting(runs, gate)}) as g1, \
+            Gateway(config, clock=clock, providers={"p": Counting(runs, gate)}) as g2:
+        assert (await g1.submit(Call("r", {"x": 5}))).ok
+        redis = g1.state.r  # type: ignore[union-attr]
+        assert await redis.pexpire(key, 1000)  # the shared entry has 1 s left
+        assert (await g2.submit(Call("r", {"x": 5}))).result == {"x": 5}  # from the shared cache
+        assert runs == ["r"]
+        await redis.delete(key)  # ... and is gone a second later
+        await clock.advance(2.0)
+        assert (await g2.submit(Call("r", {"x": 5}))).result == {"x": 5}
+    assert runs == ["r", "r"]  # expired everywhere: run again, not answered from g2's cache

@@ -95,8 +95,9 @@ class SharedState(Protocol):
         ...
 
     async def claim(self, key: str, token: str) -> tuple[str, Any]:
-        """Single flight across replicas: ("cached", result), ("won", token): run it and
-        ``publish``, or ("held", the running replica's token): wait for its ``result``."""
+        """Single flight across replicas: ("cached", (result, seconds it has left)), ("won",
+        token): run it and ``publish``, or ("held", the running replica's token): wait for its
+        ``result``."""
         ...
 
     async def publish(self, key: str, token: str, result: Any, cache_ttl_s: float) -> None: ...

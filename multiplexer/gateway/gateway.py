@@ -33,7 +33,15 @@ from multiplexer.core.streaming import with_streams
 from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
-from multiplexer.gateway.replicas import flight_key, flown, gated, limiter_for, open_state, quotas_for
+from multiplexer.gateway.replicas import (
+    CachedOutcome,
+    flight_key,
+    flown,
+    gated,
+    limiter_for,
+    open_state,
+    quotas_for,
+)
 from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, settle
 
@@ -416,7 +424,10 @@ class Gateway:
             if t.key is not None:
                 self.inflight.release(t.key, t.pending)
                 if outcome.ok and t.cache_ttl and not withdraw:
-                    self.cache.put(t.key, outcome, t.cache_ttl)
+                    ttl = t.cache_ttl  # a shared cache hit: what it had left there, no more
+                    if isinstance(outcome, CachedOutcome):
+                        ttl = min(ttl, outcome.ttl_s)
+                    self.cache.put(t.key, outcome, ttl)
         if t.quota:
             self.quotas.release(t.identity)
         code = "ok" if outcome.error is None else code_label(outcome.error.code)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any
 
 import anyio
 
@@ -25,6 +26,16 @@ from multiplexer.core.state import LimitSpec, SharedState, StateUnavailable
 from multiplexer.gateway.config import Config, StateConfig
 
 Execute = Callable[[str, Sequence[Item]], Awaitable[list[Outcome]]]
+
+
+class CachedOutcome(Outcome):
+    """An answer from the shared cache: a replica keeps it no longer than it had left there."""
+
+    __slots__ = ("ttl_s",)
+
+    def __init__(self, result: Any, ttl_s: float) -> None:
+        super().__init__(result=result)
+        self.ttl_s = ttl_s
 
 
 def open_state(config: StateConfig) -> SharedState | None:
@@ -116,7 +127,7 @@ def flown(state: SharedState | None, execute: Execute, metrics: Metrics) -> Exec
                 continue
             metrics.dedup_hits.labels(item.route, "replica_cache" if kind == "cached" else "replica").inc()
             if kind == "cached":
-                out[i] = Outcome(result=value)
+                out[i] = CachedOutcome(*value)
             else:
                 theirs[i] = value
 
