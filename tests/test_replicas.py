@@ -637,3 +637,43 @@ async def test_a_result_from_the_shared_cache_is_kept_locally_no_longer_than_it_
         await clock.advance(2.0)
         assert (await g2.submit(Call("r", {"x": 5}))).result == {"x": 5}
     assert runs == ["r", "r"]  # expired everywhere: run again, not answered from g2's cache
+
+
+class SlowQuota:
+    """A shared state that admits the first call of an array and never answers the second."""
+
+    replica_id = "r"
+    lease_s = 30.0
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.released: list[str] = []
+
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> object:
+        from multiplexer.core.state import QuotaDecision
+
+        self.asked += 1
+        if self.asked > 1:
+            await anyio.sleep_forever()
+        return QuotaDecision(0.0, "", None, 0.0)
+
+    async def quota_release(self, identity: str, lease_id: str) -> None:
+        self.released.append(lease_id)
+
+
+async def test_an_array_cancelled_while_its_quota_is_decided_frees_the_slots_it_took():
+    """The caller goes away while the shared quota still decides its array: the slots already
+    taken for it are freed at once, not held against the key for the whole lease."""
+    from multiplexer.core.policy import Quota
+    from multiplexer.core.shared_quota import SharedQuotas
+
+    state = SlowQuota()
+    quotas = SharedQuotas(MonotonicClock(), {"alice": Quota(concurrency=2)}, state,  # type: ignore[arg-type]
+                          fail_open=False, degraded=lambda part: None)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(quotas.reserve, [("alice", 0), ("alice", 0)])
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    await quotas.flush()
+    assert state.released == ["r:0"]
+    assert not quotas._calls["alice"]  # nothing decided is left for a later call to take

@@ -41,7 +41,7 @@ class SharedQuotas(Quotas):
         self._leases: dict[str, list[str]] = defaultdict(list)
         self._local: dict[str, int] = defaultdict(int)  # slots taken locally (state down, open)
         self._ended: list[tuple[str, str]] = []  # (identity, lease) of calls that ended
-        self._refunds: list[tuple[str, int]] = []  # (identity, UTC day) of batch charges to undo
+        self._refunds: list[tuple[str, int, int]] = []  # (identity, UTC day, calls) charged to undo
         # identity -> (rpm level, shared-state time, local time) of its latest shared decision
         self._seen: dict[str, tuple[float, float, float]] = {}
         self._wake = anyio.Event()
@@ -64,14 +64,24 @@ class SharedQuotas(Quotas):
                 else:
                     decided[i] = (self._calls[identity], await self._admit(identity, quota))
 
-        async with anyio.create_task_group() as tg:
-            for i, (identity, batch_calls) in enumerate(claims):
-                quota = self.quotas.get(identity)
-                if quota is None:
-                    continue
-                if (quota.batch_calls_per_day is not None if batch_calls
-                        else quota.rpm is not None or quota.concurrency is not None):
-                    tg.start_soon(decide, i, identity, batch_calls, quota)
+        try:
+            async with anyio.create_task_group() as tg:
+                for i, (identity, batch_calls) in enumerate(claims):
+                    quota = self.quotas.get(identity)
+                    if quota is None:
+                        continue
+                    if (quota.batch_calls_per_day is not None if batch_calls
+                            else quota.rpm is not None or quota.concurrency is not None):
+                        tg.start_soon(decide, i, identity, batch_calls, quota)
+        except BaseException:  # the caller went away: give back what was taken for it (in flush)
+            for (identity, batch_calls), entry in zip(claims, decided, strict=True):
+                if entry is not None and isinstance(entry[1], str):
+                    if batch_calls:
+                        self._refunds.append((identity, int(entry[1]), batch_calls))
+                    else:
+                        self._ended.append((identity, entry[1]))
+            self._wake.set()
+            raise
         for entry in decided:
             if entry is not None:
                 entry[0].append(entry[1])
@@ -148,7 +158,7 @@ class SharedQuotas(Quotas):
         queue = self._batches.get(identity) if identity else None
         decision = queue.popleft() if queue else None
         if isinstance(decision, str) and identity is not None:
-            self._refunds.append((identity, int(decision)))
+            self._refunds.append((identity, int(decision), 1))
             self._wake.set()
 
     def release(self, identity: str | None) -> None:
@@ -162,13 +172,14 @@ class SharedQuotas(Quotas):
             self._wake.set()
 
     async def flush(self) -> None:
-        """Free the slots of the calls that ended (the gateway awaits this before it answers,
-        so a caller's next call finds its slot free)."""
+        """Free the slots of the calls that ended and give back the batch charges of calls that
+        never ran (the gateway awaits this before it answers, so a caller's next call finds its
+        slot free)."""
         refunds, self._refunds = self._refunds, []
-        for identity, day in refunds:
+        for identity, day, calls in refunds:
             try:
                 allowed = self.quotas[identity].batch_calls_per_day or 0
-                await self.state.batch_charge(identity, day, -1, allowed)
+                await self.state.batch_charge(identity, day, -calls, allowed)
             except StateUnavailable:
                 self.degraded("quota")  # the charge stands
         ended, self._ended = self._ended, []
