@@ -677,3 +677,33 @@ async def test_an_array_cancelled_while_its_quota_is_decided_frees_the_slots_it_
     await quotas.flush()
     assert state.released == ["r:0"]
     assert not quotas._calls["alice"]  # nothing decided is left for a later call to take
+
+
+class LostReply(Unreachable):
+    """A shared state that takes the slot and then loses its reply (the caller is cancelled
+    while it waits for it); what is settled is recorded."""
+
+    def __init__(self) -> None:
+        self.taken: list[str] = []
+        self.settled: list[str] = []
+
+    async def acquire(self, provider: str, lease_id: str, *args: object) -> tuple[float, str]:
+        self.taken.append(lease_id)
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def settle(self, provider: str, lease_id: str, *args: object) -> None:
+        self.settled.append(lease_id)
+
+
+async def test_a_call_cancelled_while_its_slot_is_taken_frees_the_slot():
+    """Cancelled during the round trip that takes its concurrency slot (the caller went away):
+    the slot may be taken already, so it is freed at once rather than held until its lease
+    runs out (freeing a slot that was not taken is harmless)."""
+    state = LostReply()
+    limiter = SharedLimiter(MonotonicClock(), "p", LimitSpec(concurrency=1), state)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(limiter.acquire, 0)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    assert state.settled == state.taken and len(state.taken) == 1

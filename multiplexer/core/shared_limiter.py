@@ -14,6 +14,7 @@ counts every such decision; the next call tries the shared state again.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -95,6 +96,11 @@ class SharedLimiter(RateLimiter):
                     wait, which = await self.state.acquire(self.name, lease_id, tokens, spec)
                 except StateUnavailable as e:
                     self._degrade(e)
+                except BaseException:  # cancelled in the round trip: the slot may be taken already
+                    if slot:
+                        with anyio.CancelScope(shield=True), contextlib.suppress(StateUnavailable):
+                            await self.state.settle(self.name, lease_id, 0.0, [], self.spec)
+                    raise
                 else:
                     self._share = 0  # it answers: a later outage starts this replica's share empty
                     if wait <= 0:
