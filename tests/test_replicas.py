@@ -675,7 +675,8 @@ async def test_an_array_cancelled_while_its_quota_is_decided_frees_the_slots_it_
         await anyio.wait_all_tasks_blocked()
         tg.cancel_scope.cancel()
     await quotas.flush()
-    assert state.released == ["r:0"]
+    # r:0 was taken; r:1's reply never came, and it may have taken the slot: both are freed
+    assert sorted(state.released) == ["r:0", "r:1"]
     assert not quotas._calls["alice"]  # nothing decided is left for a later call to take
 
 

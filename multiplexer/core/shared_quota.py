@@ -94,6 +94,10 @@ class SharedQuotas(Quotas):
         except StateUnavailable as e:
             self._seen.pop(identity, None)  # this replica's own bucket decides meanwhile
             return self._refusal(e)
+        except BaseException:  # cancelled in the round trip: the slot may be taken; free it
+            self._ended.append((identity, lease))
+            self._wake.set()
+            raise
         if decision.level is not None:
             seen = self._seen.get(identity)
             if seen is None or seen[1] <= decision.at:  # the latest of an array decided at once
