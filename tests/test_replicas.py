@@ -708,3 +708,31 @@ async def test_a_call_cancelled_while_its_slot_is_taken_frees_the_slot():
         await anyio.wait_all_tasks_blocked()
         tg.cancel_scope.cancel()
     assert state.settled == state.taken and len(state.taken) == 1
+
+
+class Flapping(SlowQuota):
+    """The shared state times out on the first decision of an array and refuses the second."""
+
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> object:
+        from multiplexer.core.state import QuotaDecision, StateUnavailable
+
+        self.asked += 1
+        if self.asked == 1:
+            raise StateUnavailable("timeout")
+        return QuotaDecision(5.0, "rpm", 0.0, 0.0)
+
+
+async def test_each_call_of_an_array_gets_its_own_shared_quota_decision():
+    """With ``on_failure: open`` the first call, which the shared state could not decide, is
+    decided here; the second keeps the shared state's refusal instead of swapping with it."""
+    from multiplexer.core.errors import RpcError
+    from multiplexer.core.policy import Quota
+    from multiplexer.core.shared_quota import SharedQuotas
+
+    quotas = SharedQuotas(MonotonicClock(), {"alice": Quota(rpm=100)}, Flapping(),  # type: ignore[arg-type]
+                          fail_open=True, degraded=lambda part: None)
+    await quotas.reserve([("alice", 0), ("alice", 0)])
+    assert quotas.acquire("alice")  # decided locally: admitted
+    with pytest.raises(RpcError) as refused:
+        quotas.acquire("alice")
+    assert refused.value.data["limit"] == "rpm"

@@ -135,16 +135,14 @@ class SharedQuotas(Quotas):
 
     def acquire(self, identity: str | None) -> bool:
         queue = self._calls.get(identity) if identity else None
-        if not queue:  # nothing decided ahead, or the state was down and quotas fail open
+        decision = queue.popleft() if queue else None
+        if decision is None:  # nothing decided ahead, or the state was down and quotas fail open
             held = super().acquire(identity)
             if held and identity is not None:
                 self._local[identity] += 1
             return held
-        decision = queue.popleft()
         if isinstance(decision, RpcError):
             raise decision
-        if decision is None:
-            return self.acquire(identity)
         self._leases[identity].append(decision)  # type: ignore[index]
         return True
 
