@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -11,6 +12,9 @@ from providers.batch.backend import Planned, plan_parts
 from providers.batch.store import JobStore
 from providers.batch.stores import acquire, release
 from tests.pg_helpers import throwaway_db
+
+if TYPE_CHECKING:
+    from providers.batch.pg_store import PgJobStore
 
 
 def new(idx, provider="p", state="queued", error=None):
@@ -163,17 +167,24 @@ class Wall:
         return self.t
 
 
-def test_one_replica_drives_each_part_and_a_stale_one_is_fenced_off():
+def two_replicas_on_one_part(url: str, wall: Wall) -> tuple[PgJobStore, PgJobStore]:
+    """Replicas ``a`` and ``b`` on one PostgreSQL store, a job of one item in one part, "part"."""
     from providers.batch.pg_store import PgJobStore
+
+    a = PgJobStore(url, lease_s=30, wall=wall, owner="a")
+    b = PgJobStore(url, lease_s=30, wall=wall, owner="b")
+    a.create_job("job", None, "client", "running")
+    a.add_items("job", [new(0)])
+    a.create_parts("job", "p", 0, [("part", [0])])
+    return a, b
+
+
+def test_one_replica_drives_each_part_and_a_stale_one_is_fenced_off():
     from providers.batch.store import LeaseLost
 
     wall = Wall()
     with throwaway_db() as url:
-        a = PgJobStore(url, lease_s=30, wall=wall, owner="a")
-        b = PgJobStore(url, lease_s=30, wall=wall, owner="b")
-        a.create_job("job", None, "client", "running")
-        a.add_items("job", [new(0)])
-        a.create_parts("job", "p", 0, [("part", [0])])
+        a, b = two_replicas_on_one_part(url, wall)
         assert a.claim_part("part") and not b.claim_part("part")  # a drives it; b keeps off
         assert b.unclaimed_parts("p") == []
         a.mark_submitting("part", 1.0)
@@ -263,16 +274,11 @@ def test_two_stores_appending_to_one_open_job_get_disjoint_numbers(kind, tmp_pat
 def test_a_stale_replica_stays_fenced_off_after_the_new_owner_hands_the_part_back():
     """a was paused past its lease; b took the part over, submitted it and stopped cleanly (its
     claim handed back). a wakes: its epoch is stale, so its write must not land on b's work."""
-    from providers.batch.pg_store import PgJobStore
     from providers.batch.store import LeaseLost
 
     wall = Wall()
     with throwaway_db() as url:
-        a = PgJobStore(url, lease_s=30, wall=wall, owner="a")
-        b = PgJobStore(url, lease_s=30, wall=wall, owner="b")
-        a.create_job("job", None, "client", "running")
-        a.add_items("job", [new(0)])
-        a.create_parts("job", "p", 0, [("part", [0])])
+        a, b = two_replicas_on_one_part(url, wall)
         assert a.claim_part("part")
         a.mark_submitting("part", 1.0)
         wall.t += 31
