@@ -169,7 +169,7 @@ class Batches:
     async def _run_lanes(self, record: BatchRecord, bodies: list[dict[str, Any]],
                          scope: anyio.CancelScope) -> None:
         surface = self.surfaces[record.endpoint]
-        todo = [n for n in record.lane_lines if str(n) not in record.lane_results]
+        todo = self._unfinished(record)
         try:
             with scope:
                 for start in range(0, len(todo), PAGE):
@@ -229,11 +229,20 @@ class Batches:
             return error_entry(surface, outcome.error)
         return {"status": 200, "body": shape(outcome.result) if shape else outcome.result}
 
+    @staticmethod
+    def _unfinished(record: BatchRecord) -> list[int]:
+        """Its lane lines without a result yet."""
+        return [n for n in record.lane_lines if str(n) not in record.lane_results]
+
+    @classmethod
+    def _owed(cls, record: BatchRecord) -> bool:
+        """Whether a batch still owes some lane lines a run: neither cancelled nor failed whole."""
+        return bool(cls._unfinished(record)) and record.cancelled_at is None and not record.errors
+
     async def resume(self) -> None:
         """Run the lane lines a stopped gateway left unfinished (the job part resumes by itself)."""
         for record in await self.store.batches(everyone=True):
-            unfinished = [n for n in record.lane_lines if str(n) not in record.lane_results]
-            if unfinished and record.cancelled_at is None and not record.errors:
+            if self._owed(record):
                 bodies = await self._bodies(record)
                 if bodies is not None and record.id not in self.live:  # not made meanwhile
                     self.start(record, bodies)
@@ -254,9 +263,7 @@ class Batches:
         """Before an input file is deleted: its batches' unfinished lane lines still need their
         bodies should the gateway restart, so they are kept beside each such batch."""
         for record in await self.store.batches(owner):
-            unfinished = [n for n in record.lane_lines if str(n) not in record.lane_results]
-            if (record.kind == "openai" and record.input_file_id == file_id and unfinished
-                    and record.cancelled_at is None and not record.errors):
+            if record.kind == "openai" and record.input_file_id == file_id and self._owed(record):
                 bodies = await self._bodies(record)
                 if bodies is not None:
                     await self.store.put_requests(
