@@ -364,8 +364,9 @@ class Gateway:
         except Exception as e:
             log.exception("call %s failed inside the gateway", call.method)
             self._finish(ticket, Outcome.fail(internal_error(type(e).__name__)))
-        if batch_due:  # refused before it was charged: it costs none of the key's batch calls
-            self.quotas.forgo_batch(call.identity)
+        finally:
+            if batch_due:  # refused before it was charged (on any path): none of the key's batch calls
+                self.quotas.forgo_batch(call.identity)
         return ticket
 
     def _first_chunk(self, route: str, span: Any) -> Callable[[], None]:
