@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = ("multiplexer", "providers", "local_models", "backends")
+SHIPPED = ("multiplexer", "providers", "local_models")
 
 
 def declared() -> set[str]:

@@ -7,7 +7,7 @@ import time
 import anyio
 import pytest
 
-from backends.redis_state import RedisState
+from multiplexer.backends.redis_state import RedisState
 from multiplexer.core.call import Call
 from multiplexer.core.clock import MonotonicClock
 from multiplexer.core.shared_limiter import SharedLimiter

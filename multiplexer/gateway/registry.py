@@ -32,9 +32,9 @@ def provider_class(kind: str) -> type[Provider]:
 
 
 STATES: dict[str, str] = {
-    "redis": "backends.redis_state:RedisState",
-    "rediss": "backends.redis_state:RedisState",
-    "unix": "backends.redis_state:RedisState",
+    "redis": "multiplexer.backends.redis_state:RedisState",
+    "rediss": "multiplexer.backends.redis_state:RedisState",
+    "unix": "multiplexer.backends.redis_state:RedisState",
 }
 
 
