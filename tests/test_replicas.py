@@ -380,7 +380,7 @@ async def test_three_gateway_processes_share_concurrency_and_dedup():
 
     redis_url()
     with bench.upstream() as (port, up), \
-            bench.replicas(3, bench.config(port, REDIS, concurrency=4)) as gateways:
+            bench.replicas(3, bench.config(port, REDIS, concurrency=4, prefix=prefix())) as gateways:
         load = bench.Load([g.url for g in gateways])
         async with anyio.create_task_group() as tg:
             for c in range(30):
