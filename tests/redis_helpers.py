@@ -29,15 +29,19 @@ def _reachable(host: str, port: int) -> bool:
     return False
 
 
+def _server_up() -> bool:
+    hostport = REDIS_URL.split("://", 1)[1].split("/", 1)[0]
+    host, _, port = hostport.partition(":")
+    return _reachable(host, int(port or 6379))
+
+
 def redis_url() -> str:
     """The shared test server's URL, or skip (with the reason printed) where there is none."""
     try:
         import redis  # noqa: F401
     except ImportError:
         pytest.skip("the 'redis' client is not installed (pip install -e '.[dev]')")
-    hostport = REDIS_URL.split("://", 1)[1].split("/", 1)[0]
-    host, _, port = hostport.partition(":")
-    if not _reachable(host, int(port or 6379)):
+    if not _server_up():
         print(f"SKIP: no Redis at {REDIS_URL}")
         pytest.skip(f"no Redis at {REDIS_URL}: replica tests need one")
     return REDIS_URL
@@ -56,9 +60,7 @@ def _shared() -> Any:
         import redis
     except ImportError:
         return None
-    hostport = REDIS_URL.split("://", 1)[1].split("/", 1)[0]
-    host, _, port = hostport.partition(":")
-    return redis.Redis.from_url(REDIS_URL) if _reachable(host, int(port or 6379)) else None
+    return redis.Redis.from_url(REDIS_URL) if _server_up() else None
 
 
 def keys_under(prefixes: Iterable[str]) -> list[str] | None:
