@@ -51,10 +51,12 @@ routes:
 
 
 def config(up: int, state: str | None, *, rpm: float | None = None, concurrency: int = 64,
-           timeout_ms: int = 30000, lease_s: float = 30.0) -> str:
+           timeout_ms: int = 30000, lease_s: float = 30.0, prefix: str | None = None) -> str:
+    """A gateway config; with ``state``, its keys under ``prefix`` (a fresh one unless given: a test
+    passes its own, so its cleanup finds them)."""
     limits = (f"rpm: {rpm}, " if rpm else "") + f"concurrency: {concurrency},"
-    block = (f"state: {{url: '{state}', prefix: mxbench-{secrets.token_hex(3)}, lease_s: {lease_s}}}"
-             if state else "")
+    prefix = prefix or f"mxbench-{secrets.token_hex(3)}"
+    block = (f"state: {{url: '{state}', prefix: {prefix}, lease_s: {lease_s}}}" if state else "")
     return CONFIG % {"up": up, "state": block, "limits": limits, "timeout_ms": timeout_ms}
 
 

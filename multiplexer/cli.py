@@ -1,4 +1,4 @@
-"""Command line: ``serve``, ``call``, ``check-config``, ``demo``."""
+"""Command line: serve, call, check-config, demo (the help texts below are what users read)."""
 
 from __future__ import annotations
 
@@ -53,23 +53,29 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _call(args: argparse.Namespace) -> int:
-    import httpx
-
     from multiplexer.core.errors import RpcError
-    from multiplexer.sdk.client import SyncClient
+    from multiplexer.sdk.client import GatewayUnreachable, SyncClient, gateway_url
 
     try:
         params: Any = json.loads(args.params) if args.params else None
     except json.JSONDecodeError as e:
         raise CliError(f"PARAMS_JSON is not valid JSON: {e}") from None
     try:
-        result = SyncClient(args.url, api_key=args.api_key).call(args.method, params)
+        url = gateway_url(args.url)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    try:
+        result = SyncClient(url, api_key=args.api_key).call(args.method, params)
+    except GatewayUnreachable as e:
+        detail = (e.data or {}).get("error")
+        raise CliError(f"{e.message} at {url} ({detail}); is `multiplexer serve` running there? "
+                       "(--url or MULTIPLEXER_URL picks another)") from None
     except RpcError as e:
         print(json.dumps(e.to_dict(), indent=2), file=sys.stderr)
         return 1
-    except httpx.TransportError as e:
-        raise CliError(f"cannot reach the gateway at {args.url} ({type(e).__name__}: {e}); "
-                       "is `multiplexer serve` running there? (--url picks another)") from None
+    if isinstance(result, dict) and result.get("isError") is True:  # an MCP tool's own failure
+        print(json.dumps(result, indent=2), file=sys.stderr)
+        return 1
     print(json.dumps(result, indent=2))
     return 0
 
@@ -86,35 +92,75 @@ def _demo(args: argparse.Namespace) -> int:
     return anyio.run(run_demo, load_config(args.config), args.port)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="multiplexer", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
-    serve = sub.add_parser("serve", help="serve /v1, /rpc, /mcp, /healthz, /metrics")
-    serve.add_argument("--config", default=DEFAULT_CONFIG)
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--stdio", action="store_true", help="speak MCP on stdin/stdout")
+
+def _parser() -> argparse.ArgumentParser:
+    from multiplexer.core.version import VERSION
+
+    def command(name: str, summary: str, about: str, *examples: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=about, epilog=_examples(*examples),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    parser = argparse.ArgumentParser(
+        prog="multiplexer", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="A gateway in front of model and tool providers: it batches, rate-limits and "
+                    "deduplicates\ncalls arriving over /v1 (OpenAI, Anthropic), JSON-RPC, MCP and "
+                    "the Python SDK.",
+        epilog=_examples("multiplexer serve --config config/default.yaml",
+                         "multiplexer call echo '{\"hello\": \"world\"}'"))
+    parser.add_argument("--version", action="version", version=f"multiplexer {VERSION}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = command("serve", "run the gateway",
+                    "Run the gateway: /v1, /rpc, /mcp, /healthz and /metrics on one port, until stopped.",
+                    "multiplexer serve --config config/default.yaml --port 8080",
+                    "multiplexer serve --stdio   # MCP on stdin/stdout, for a desktop client")
+    serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    serve.add_argument("--host", default=None, help="address to bind (default: the config's server.host)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: the config's server.port)")
+    serve.add_argument("--stdio", action="store_true", help="speak MCP on stdin/stdout instead of HTTP")
     serve.set_defaults(fn=_serve)
 
-    call = sub.add_parser("call", help="make one call to a running gateway")
-    call.add_argument("method")
-    call.add_argument("params", nargs="?")
-    call.add_argument("--url", default="http://127.0.0.1:8080")
-    call.add_argument("--api-key", default=None)
+    call = command("call", "make one call to a running gateway",
+                   "Make one call to a running gateway: its result on stdout (exit 0), or its error,\n"
+                   "or an MCP tool result with isError, on stderr (exit 1).",
+                   "multiplexer call sum '{\"values\": [1, 2, 3]}'",
+                   "MULTIPLEXER_URL=gw.internal:8080 multiplexer call tools_echo '{\"text\": \"hi\"}'")
+    call.add_argument("method", help="the method, which is also the route or MCP tool name")
+    call.add_argument("params", nargs="?", metavar="PARAMS_JSON", help="params as JSON (optional)")
+    call.add_argument("--url", default=None,
+                      help="the gateway (default: $MULTIPLEXER_URL, else http://127.0.0.1:8080)")
+    call.add_argument("--api-key", default=None, help="the caller's key (default: $MULTIPLEXER_API_KEY)")
     call.set_defaults(fn=_call)
 
-    check = sub.add_parser("check-config", help="validate a config file")
-    check.add_argument("file")
+    check = command("check-config", "validate a config file",
+                    "Validate a config file: its count of providers and routes, or what is wrong (exit 2).",
+                    "multiplexer check-config config/default.yaml",
+                    "multiplexer check-config deploy/gateway.yaml && multiplexer serve "
+                    "--config deploy/gateway.yaml")
+    check.add_argument("file", help="the YAML config to check")
     check.set_defaults(fn=_check)
 
-    demo = sub.add_parser("demo", help="start the gateway, make sample calls, print them, stop")
-    demo.add_argument("--config", default=DEFAULT_CONFIG)
-    demo.add_argument("--port", type=int, default=0)
+    demo = command("demo", "show the gateway at work, offline",
+                   "Start the gateway, make sample calls through each face, print them, stop.",
+                   "multiplexer demo",
+                   "multiplexer demo --config my.yaml --port 9000")
+    demo.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    demo.add_argument("--port", type=int, default=0, help="port (default: any free one)")
     demo.set_defaults(fn=_demo)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script; returns the exit status (argparse's own exits included: --help, --version,
+    a usage error) so callers and tests get a number rather than ``SystemExit``."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("httpx", "httpx2"):

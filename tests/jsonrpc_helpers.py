@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
@@ -57,3 +58,11 @@ async def post(url: str, body: Any, **kwargs: Any) -> httpx.Response:
         content = body if isinstance(body, bytes) else None
         return await client.post(f"{url}/rpc", content=content,
                                  json=None if content is not None else body, **kwargs)
+
+
+@contextmanager
+def closed_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that refuses connections: bound (so nothing else takes it), never listening."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]

@@ -1,4 +1,8 @@
-"""A throwaway PostgreSQL database per test, on the machine's server (skipped where there is none)."""
+"""A throwaway PostgreSQL database per test, on the machine's server (skipped where there is none).
+
+Each test's tables and schemas live in its own database, dropped when it ends; every name
+handed out is recorded so the conftest can check at the end of the session that none is left.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 PG_ADMIN = os.environ.get("MX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
+ISSUED: list[str] = []  # every database name handed out in this process
 
 
 @contextlib.contextmanager
@@ -25,9 +30,24 @@ def throwaway_db() -> Iterator[str]:
         print(f"SKIP: no PostgreSQL at {PG_ADMIN}: {e}")
         pytest.skip(f"no PostgreSQL at {PG_ADMIN}")
     name = "mxtest_" + secrets.token_hex(6)
+    ISSUED.append(name)
     admin.execute(f"CREATE DATABASE {name}")
     try:
         yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
     finally:
         admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         admin.close()
+
+
+def databases_left(names: list[str]) -> list[str] | None:
+    """Which of these databases still exist; None where there is no server to ask."""
+    try:
+        import psycopg
+    except ImportError:
+        return None
+    try:
+        with psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3) as admin:
+            rows = admin.execute("SELECT datname FROM pg_database WHERE datname = ANY(%s)", (names,))
+            return sorted(row[0] for row in rows.fetchall())
+    except psycopg.OperationalError:
+        return None

@@ -1,4 +1,8 @@
-"""Real Redis for the replica tests: the machine's server, or one of our own we may stop."""
+"""Real Redis for the replica tests: the machine's server, or one of our own we may stop.
+
+Every key prefix a test takes comes from ``prefix()``, which records it, so the conftest can
+delete a test's keys when it ends and check at the end of the session that none are left.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,13 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 
 REDIS_URL = os.environ.get("MX_TEST_REDIS", "redis://127.0.0.1:6379/0")
+ISSUED: list[str] = []  # every prefix handed out in this process, in order
 
 
 def _reachable(host: str, port: int) -> bool:
@@ -23,15 +29,19 @@ def _reachable(host: str, port: int) -> bool:
     return False
 
 
+def _server_up() -> bool:
+    hostport = REDIS_URL.split("://", 1)[1].split("/", 1)[0]
+    host, _, port = hostport.partition(":")
+    return _reachable(host, int(port or 6379))
+
+
 def redis_url() -> str:
     """The shared test server's URL, or skip (with the reason printed) where there is none."""
     try:
         import redis  # noqa: F401
     except ImportError:
         pytest.skip("the 'redis' client is not installed (pip install -e '.[dev]')")
-    hostport = REDIS_URL.split("://", 1)[1].split("/", 1)[0]
-    host, _, port = hostport.partition(":")
-    if not _reachable(host, int(port or 6379)):
+    if not _server_up():
         print(f"SKIP: no Redis at {REDIS_URL}")
         pytest.skip(f"no Redis at {REDIS_URL}: replica tests need one")
     return REDIS_URL
@@ -39,7 +49,39 @@ def redis_url() -> str:
 
 def prefix() -> str:
     """A key prefix of its own, so parallel runs never share buckets."""
-    return "mxtest-" + secrets.token_hex(4)
+    pre = "mxtest-" + secrets.token_hex(4)
+    ISSUED.append(pre)
+    return pre
+
+
+def _shared() -> Any:
+    """A client of the shared server, or None where there is none (nothing of ours is there)."""
+    try:
+        import redis
+    except ImportError:
+        return None
+    return redis.Redis.from_url(REDIS_URL) if _server_up() else None
+
+
+def keys_under(prefixes: Iterable[str]) -> list[str] | None:
+    """The shared server's keys under these prefixes (SCAN); None where there is no server."""
+    client = _shared()
+    if client is None:
+        return None
+    with client:
+        return sorted(k.decode() for pre in prefixes for k in client.scan_iter(match=f"{pre}:*", count=500))
+
+
+def drop_keys(prefixes: Iterable[str]) -> None:
+    """Delete the shared server's keys under these prefixes (SCAN + DEL)."""
+    client = _shared()
+    if client is None:
+        return
+    with client:
+        for pre in prefixes:
+            batch = list(client.scan_iter(match=f"{pre}:*", count=500))
+            if batch:
+                client.delete(*batch)
 
 
 def free_port() -> int:

@@ -38,10 +38,12 @@ async def test_rpm_and_tpm_hold_for_all_replicas_together():
     a, b = states = await replicas(2)
     spec = LimitSpec(rpm=6, tpm=1000)
     try:
+        start = time.monotonic()
         waits = [await (a if i % 2 else b).acquire("p", f"l{i}", 10, spec) for i in range(6)]
         assert waits == [(0.0, "")] * 6
         wait, which = await a.acquire("p", "l6", 10, spec)
-        assert which == "rpm" and 9.0 < wait <= 10.0  # 6 per minute: the next in 10 s, for both
+        late = time.monotonic() - start  # refilling meanwhile: a busy host takes longer here
+        assert which == "rpm" and 9.9 - late < wait <= 10.0  # 6 per minute: the next in 10 s, for both
         assert (await b.acquire("p", "l7", 10, spec))[1] == "rpm"
         assert (await b.acquire("q", "l8", 1000, spec)) == (0.0, "")  # another provider: its own
         assert (await a.acquire("q", "l9", 1, spec))[1] == "tpm"
@@ -56,15 +58,17 @@ async def test_learned_limits_reach_every_replica():
     spec = LimitSpec()  # nothing configured: all from the headers
     try:
         assert await b.acquire("p", "x", 1, spec) == (0.0, "")
+        start = time.monotonic()
         await a.settle("p", "", 0, [Learned("requests", 100, 0, 30.0)], spec)
         wait, which = await b.acquire("p", "y", 1, spec)
-        assert which == "rpm" and 0.2 < wait <= 0.31  # full again in 30 s: 100/30 per second
+        late = time.monotonic() - start  # refilling meanwhile: a busy host takes longer here
+        assert which == "rpm" and 0.29 - late < wait <= 0.31  # full again in 30 s: 100/30 per second
     finally:
         await close(states)
 
 
 async def test_concurrency_slots_are_leases_a_dead_replica_loses():
-    a, b = states = await replicas(2, lease_s=0.6)
+    a, b = states = await replicas(2, lease_s=2.0)  # b renews every pass: a stall under 2 s loses nothing
     spec = LimitSpec(concurrency=2)
     try:
         assert await a.acquire("p", "a1", 0, spec) == (0.0, "")
@@ -76,9 +80,9 @@ async def test_concurrency_slots_are_leases_a_dead_replica_loses():
         start = time.monotonic()
         while (await b.acquire("p", "b2", 0, spec))[1] == "concurrency":
             await b.renew("p", ["b1"])
-            assert time.monotonic() - start < 5, "a dead replica's slot never came back"
+            assert time.monotonic() - start < 15, "a dead replica's slot never came back"
             await anyio.sleep(0.05)
-        assert time.monotonic() - start >= 0.4  # not before its lease ran out
+        assert time.monotonic() - start >= 1.8  # not before its lease ran out
         assert (await a.acquire("p", "a3", 0, spec))[1] == "concurrency"  # b1 was renewed: still held
     finally:
         await close(states)
@@ -130,7 +134,7 @@ async def test_two_gateways_share_one_rpm():
         out: list[bool] = []
 
         async def call(gw: Gateway, i: int) -> None:
-            out.append((await gw.submit(Call("echo", {"i": i}, timeout_ms=800))).ok)
+            out.append((await gw.submit(Call("echo", {"i": i}, timeout_ms=3000))).ok)
 
         async with anyio.create_task_group() as tg:
             for i in range(10):
@@ -195,7 +199,7 @@ async def test_a_dead_replicas_flight_is_taken_over_within_the_lease():
         outcome = await gw.submit(Call("r", {"x": 2}))
         took = time.monotonic() - start
     assert outcome.result == {"x": 2} and runs == ["r"]
-    assert 0.3 <= took < 3.0  # it waited for the dead replica's lease, then ran the call itself
+    assert 0.3 <= took < 10.0  # it waited for the dead replica's lease (not forever), then ran the call
 
 
 async def test_the_ttl_cache_is_shared():
@@ -380,7 +384,7 @@ async def test_three_gateway_processes_share_concurrency_and_dedup():
 
     redis_url()
     with bench.upstream() as (port, up), \
-            bench.replicas(3, bench.config(port, REDIS, concurrency=4)) as gateways:
+            bench.replicas(3, bench.config(port, REDIS, concurrency=4, prefix=prefix())) as gateways:
         load = bench.Load([g.url for g in gateways])
         async with anyio.create_task_group() as tg:
             for c in range(30):

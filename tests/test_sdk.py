@@ -13,7 +13,7 @@ import anyio.abc
 import pytest
 
 from multiplexer import Client, RpcError, SyncClient
-from tests.jsonrpc_helpers import gateway_with_upstream
+from tests.jsonrpc_helpers import closed_port, gateway_with_upstream
 
 pytestmark = pytest.mark.anyio
 
@@ -141,3 +141,74 @@ def test_demo_command_runs_offline() -> None:
     assert "MCP tools/call tools_add" in proc.stdout and "embed_local" in proc.stdout
     assert "resources ['example://readme'], prompts ['tools_greet']" in proc.stdout
     assert "POST /v1/embeddings (model all-MiniLM-L6-v2) -> 1 embeddings of 384 dims" in proc.stdout
+
+
+async def test_a_gateway_that_is_down_is_an_rpc_error_naming_the_url_for_every_helper() -> None:
+    """call, call_many (both modes), the sync form and the job helpers: -32007 with the URL and
+    the transport's own error, never a raw httpx exception."""
+    from multiplexer.sdk.jobs import job_results, wait_job
+
+    def check(err: BaseException, url: str) -> None:
+        assert isinstance(err, RpcError) and err.code == -32007, repr(err)
+        assert err.message == "cannot reach the gateway"
+        assert err.data is not None and err.data["url"] == url
+        assert err.data["error"].startswith("ConnectError: ")
+
+    with closed_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        async with Client(url) as client:
+            with pytest.raises(RpcError) as one:
+                await client.call("echo", {})
+            check(one.value, url)
+            many = await client.call_many([("echo", {"i": i}) for i in range(3)])
+            for err in many:
+                check(err, url)
+            with pytest.raises(RpcError) as job:
+                await client.call_many([("echo", {})], mode="batch")
+            check(job.value, url)
+            with pytest.raises(RpcError) as waited:  # unreachable for longer than it waits: given up
+                await wait_job(client, "job-1", poll_interval=0.01, unreachable_for=0.0)
+            check(waited.value, url)
+            with pytest.raises(RpcError) as paged:
+                await job_results(client, "job-1", 1)
+            check(paged.value, url)
+
+        def sync_part() -> list[BaseException]:
+            with pytest.raises(RpcError) as loose:  # a loop and a client of its own
+                SyncClient(url).call("echo", {})
+            with SyncClient(url) as client, pytest.raises(RpcError) as kept:  # the portal's client
+                client.call("echo", {})
+            return [loose.value, kept.value]
+
+        errors = await anyio.to_thread.run_sync(sync_part)
+    assert len(errors) == 2
+    for err in errors:
+        check(err, url)
+
+
+async def test_url_and_key_come_from_the_environment_and_a_url_may_omit_its_scheme(monkeypatch) -> None:
+    async with gateway_with_upstream(server={"api_keys": {"alice": "key-alice"}}) as (url, _, _):
+        bare = url.removeprefix("http://")
+        monkeypatch.setenv("MULTIPLEXER_URL", bare)
+        monkeypatch.setenv("MULTIPLEXER_API_KEY", "key-alice")
+        async with Client() as client:  # both from the environment, the URL without a scheme
+            assert client.base_url == url
+            assert await client.call("subtract", [5, 2]) == 3
+        monkeypatch.delenv("MULTIPLEXER_URL")
+        async with Client(bare + "/", api_key="key-alice") as client:
+            assert client.base_url == url and await client.call("subtract", [7, 2]) == 5
+        async with Client(bare, api_key="wrong") as client:  # an explicit key wins over the variable
+            with pytest.raises(RpcError) as refused:
+                await client.call("subtract", [1, 1])
+        assert refused.value.code == -32005
+        assert await anyio.to_thread.run_sync(lambda: SyncClient(bare).call("subtract", [9, 1])) == 8
+
+
+def test_a_url_with_another_scheme_is_refused_in_one_line(monkeypatch) -> None:
+    with pytest.raises(ValueError) as bad:
+        Client("ftp://127.0.0.1:8080")
+    assert str(bad.value) == ("gateway URL 'ftp://127.0.0.1:8080': the scheme must be http or https, "
+                              "not 'ftp'")
+    monkeypatch.setenv("MULTIPLEXER_URL", "redis://127.0.0.1:6379")
+    with pytest.raises(ValueError, match="not 'redis'"):
+        Client()

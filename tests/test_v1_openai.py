@@ -140,10 +140,10 @@ async def test_client_disconnect_cancels_the_upstream_stream(tmp_path):
             assert first.startswith("data: ")
             assert lane.in_flight == 1  # the stream holds its slot while it runs
         # leaving the block closed the connection: the gateway must drop the upstream stream
-        with anyio.fail_after(5):
+        with anyio.fail_after(30):
             await f.openai.stream_cut.wait()
         assert f.openai.streams_cut == 1
-        with anyio.fail_after(5):
+        with anyio.fail_after(30):
             while lane.in_flight:
                 await anyio.sleep(0.01)
 

@@ -6,6 +6,8 @@ item as an ``RpcError`` in its place unless asked to raise. Requests go through
 the lean HTTP/1.1 transport the providers use (``multiplexer/transport``): httpx's
 own pool and request objects cost the client several times the gateway's CPU
 per call; an ``httpx.AsyncClient`` handed in (``http=``) is used as it is.
+Without a URL or key the client takes ``MULTIPLEXER_URL`` and ``MULTIPLEXER_API_KEY``;
+a gateway it cannot reach is an ``RpcError`` (-32007), as for any other failure.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -26,6 +29,35 @@ from multiplexer.sdk.jobs import run_batch_job
 from multiplexer.transport.http1 import Http1Transport
 
 CallSpec = tuple[str, Any] | dict[str, Any]
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+class GatewayUnreachable(RpcError):
+    """The gateway could not be reached or stopped answering: -32007, with the URL and the cause.
+
+    Its own class so a caller (the CLI) can tell it from a -32007 the gateway itself sent about
+    an upstream."""
+
+    def __init__(self, url: str, error: httpx.HTTPError) -> None:
+        message = ("cannot reach the gateway" if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
+                   else "lost the gateway mid-call")
+        super().__init__(Code.UPSTREAM_UNAVAILABLE, message,
+                         {"url": url, "error": f"{type(error).__name__}: {error}"})
+
+
+def gateway_url(url: str | None = None) -> str:
+    """``url``, else ``MULTIPLEXER_URL``, else the local default, without a trailing slash.
+
+    ``host:port`` alone means http: httpx would read ``localhost`` as the scheme and fail
+    in DNS with a raw ``gaierror``. Any scheme but http and https is refused here, in one line.
+    """
+    url = (url or os.environ.get("MULTIPLEXER_URL") or DEFAULT_URL).strip()
+    if "://" not in url:
+        url = "http://" + url
+    scheme = url.split("://", 1)[0]
+    if scheme.lower() not in ("http", "https"):
+        raise ValueError(f"gateway URL {url!r}: the scheme must be http or https, not {scheme!r}")
+    return url.rstrip("/")
 
 
 def _normalise(spec: CallSpec) -> tuple[str, Any]:
@@ -38,10 +70,12 @@ def _normalise(spec: CallSpec) -> tuple[str, Any]:
 class Client:
     """Async client; ``SyncClient`` wraps it for scripts."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8080", api_key: str | None = None, *,
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
                  timeout: float = 300.0, batch_size: int = 1000, concurrency: int = 8,
                  http: httpx.AsyncClient | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = gateway_url(base_url)
+        if api_key is None:
+            api_key = os.environ.get("MULTIPLEXER_API_KEY")
         headers = {"content-type": "application/json"}
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
@@ -69,14 +103,17 @@ class Client:
 
     async def _post(self, payload: Any) -> Any:
         data = dumps(payload)
-        if self._http is not None:
-            response = await self._http.post(self._rpc, content=data)
-            status, content = response.status_code, response.content
-        else:
-            assert self._lean is not None
-            headers = [*self._wire, (b"content-length", str(len(data)).encode())]
-            reply = await self._lean.fetch("POST", self._rpc, headers, data, self._timeouts)
-            status, content = reply.status, reply.content
+        try:
+            if self._http is not None:
+                response = await self._http.post(self._rpc, content=data)
+                status, content = response.status_code, response.content
+            else:
+                assert self._lean is not None
+                headers = [*self._wire, (b"content-length", str(len(data)).encode())]
+                reply = await self._lean.fetch("POST", self._rpc, headers, data, self._timeouts)
+                status, content = reply.status, reply.content
+        except httpx.HTTPError as e:
+            raise GatewayUnreachable(self.base_url, e) from e
         if status == 204:
             return None
         try:
@@ -147,9 +184,7 @@ class Client:
         payload = [self._message(*specs[i], rid, None) for rid, i in ids.items()]
         try:
             body = await self._post(payload)
-        except (RpcError, httpx.HTTPError) as e:
-            err = e if isinstance(e, RpcError) else RpcError(
-                Code.UPSTREAM_UNAVAILABLE, "gateway unreachable", {"detail": str(e)})
+        except RpcError as err:
             for i in chunk:
                 results[i] = err
             return

@@ -1,7 +1,8 @@
 """``Client.call_many(..., mode="batch")``: submit a batch job, wait for it, page its results.
 
 Waiting survives a gateway restart: the job lives in the gateway's store, so a
-status poll that cannot connect is simply tried again later.
+status poll that cannot connect (the client's -32007) is simply tried again later.
+Every failure reaches the caller as an ``RpcError``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import anyio
-import httpx
 
 from multiplexer.core.errors import Code, RpcError
 
@@ -50,8 +50,8 @@ async def wait_job(client: Client, job_id: str, *, progress: Any = None, poll_in
         try:
             status = await client.call("jobs.status", {"job_id": job_id})
             away_since = None
-        except (httpx.TransportError, RpcError) as e:
-            if isinstance(e, RpcError) and e.code not in TRANSIENT:
+        except RpcError as e:
+            if e.code not in TRANSIENT:
                 raise
             now = anyio.current_time()
             away_since = away_since if away_since is not None else now
