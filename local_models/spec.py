@@ -42,8 +42,8 @@ class ModelSpec(BaseModel):
         description="torch.compile the forward (embed, classify). true: in the background, eager until it is"
                     " warm, its timing against the eager forward recorded on disk. auto: at load, before the"
                     " model is ready, only where such a record says faster on this processor and torch, a C++"
-                    " compiler exists and the eager forward kept torch's linear layers; kept only where timing"
-                    " agrees, a failure logged quietly",
+                    " compiler exists and the eager forward kept torch's linear layers; kept only where"
+                    " timing agrees, a failure logged quietly",
     )
     linear: Literal["auto", "torch", "onednn"] = Field(
         default="auto",
