@@ -17,6 +17,10 @@ same requests to the gateway's HTTP server with a trivial app behind it (``http_
 with the gateway's protocol on uvloop, ``benchmarks/_http_floor.py``, so its CPU per call is what
 the server and ASGI cost before the gateway's own code runs), the default in-process
 (``Gateway.submit``), and sentence-transformers ``encode(batch_size=32)`` offline on the same texts.
+Before all of them, ``first_256``: a fresh gateway process on the whole shipped default config, its
+first 256 calls (64 callers) sent as soon as ``GET /readyz`` answers 200, against offline ``encode``
+of the same texts (floor 0.8x), with the seconds from the process's start to ``/healthz`` and to ready
+(``--first-mile-only`` runs just that row).
 Texts are 3 to 120 words (evenly 3, 5, 8, 12, 20, 40, 80 and 120). Rounds are interleaved (who goes
 first rotates) and the median round is reported, with ratios taken within each round, since the host
 is shared. Gateway CPU per call is the gateway process's CPU time over the round; "outside the
@@ -129,41 +133,43 @@ def config_yaml(model: dict[str, Any], route: dict[str, Any]) -> str:
 
 
 EVENTS = ("model_loaded", "load_failed", "compiled", "compile_failed", "compile_slower", "linear_onednn")
+COMPILE_ENDS = {"compiled", "compile_failed", "compile_slower"}
 
 
-def compiles(model: dict[str, Any], onednn: bool) -> bool:
-    """Whether the row's gateway tries a compiled forward (as ``ModelHandle.compiles`` decides)."""
-    from local_models.compiling import compiler_available
+async def local_events(client: httpx.AsyncClient, proc: GatewayProc) -> set[str]:
+    text = (await client.get(f"{proc.url}/metrics")).text
+    ended = {e for e in EVENTS if metric_sum(text, "multiplexer_events_total", component="local", event=e)}
+    if "load_failed" in ended:
+        raise RuntimeError(f"load failed: {proc.log()[-2000:]}")
+    return ended
 
-    setting = model.get("compile", "auto")
-    return model.get("backend", "torch") == "torch" and (
-        setting is True or (setting == "auto" and not onednn and compiler_available()))
+
+async def until_ready(client: httpx.AsyncClient, proc: GatewayProc, timeout: float = 900) -> None:
+    """Until ``GET /readyz`` answers 200 (every model loaded, warmed up, and compiled where
+    ``auto`` does that at load)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        status = (await client.get(f"{proc.url}/readyz")).status_code
+        # 404: a gateway without /readyz; its local models' loads (warm-up included) stand in
+        if status == 200 or (status == 404 and "model_loaded" in await local_events(client, proc)):
+            return
+        if not proc.alive():
+            raise RuntimeError(f"gateway exited: {proc.log()[-2000:]}")
+        await anyio.sleep(0.02)
+    raise RuntimeError(f"not ready after {timeout} s: {proc.log()[-2000:]}")
 
 
 async def warm(proc: GatewayProc, model: dict[str, Any]) -> str:
-    """Until the model is loaded and its fastest forward in place; which forward that is: torch's
-    linear layers, oneDNN's (the default times both at load) or compiled (``auto`` compiles after
-    the model's first batch, so one call is sent, and keeps it only where it times faster)."""
-    sent = False
+    """Until the gateway is ready and, under ``compile: true``, its background compile has ended;
+    which forward then serves: torch's linear layers, oneDNN's (the default times both at load) or
+    compiled."""
     async with httpx.AsyncClient(timeout=120) as client:
+        await until_ready(client, proc)
         while True:
-            text = (await client.get(f"{proc.url}/metrics")).text
-            ended = {e for e in EVENTS
-                     if metric_sum(text, "multiplexer_events_total", component="local", event=e)}
-            if "load_failed" in ended:
-                raise RuntimeError(f"load failed: {proc.log()[-2000:]}")
-            onednn = "linear_onednn" in ended
-            if "model_loaded" in ended:
-                if not compiles(model, onednn) or ended & {"compiled", "compile_failed", "compile_slower"}:
-                    return "compiled" if "compiled" in ended else "onednn" if onednn else "torch"
-                if not sent:
-                    path, body = request("rpc", "warm the forward")
-                    reply = await client.post(f"{proc.url}{path}", content=body,
-                                              headers={"content-type": "application/json"})
-                    assert "result" in reply.json(), reply.text
-                    sent = True
-            if not proc.alive():
-                raise RuntimeError(f"gateway exited: {proc.log()[-2000:]}")
+            ended = await local_events(client, proc)
+            if model.get("compile") is not True or model.get("backend") == "onnx" or ended & COMPILE_ENDS:
+                onednn = "linear_onednn" in ended
+                return "compiled" if "compiled" in ended else "onednn" if onednn else "torch"
             await anyio.sleep(0.5)
 
 
@@ -192,6 +198,14 @@ def embeddings(face: str, body: bytes) -> list[list[float]]:
     return data
 
 
+async def post(conn: Conn, face: str, value: str | list[str]) -> list[list[float]]:
+    """One call on ``face``; its vectors."""
+    path, body = request(face, value)
+    reply = await conn.request("POST", path, {"content-type": "application/json"}, body)
+    assert reply.status == 200, reply.body[:500]
+    return embeddings(face, reply.body)
+
+
 class HttpRow:
     """One gateway process and face; ``round`` runs ``callers`` closed-loop callers over the texts."""
 
@@ -203,10 +217,7 @@ class HttpRow:
         self.ps = psutil.Process(proc.pid)
 
     async def call(self, conn: Conn, value: str | list[str]) -> list[list[float]]:
-        path, body = request(self.face, value)
-        reply = await conn.request("POST", path, {"content-type": "application/json"}, body)
-        assert reply.status == 200, reply.body[:500]
-        return embeddings(self.face, reply.body)
+        return await post(conn, self.face, value)
 
     def counters(self) -> tuple[float, float, float, float, float]:
         cpu = self.ps.cpu_times()
@@ -310,6 +321,34 @@ class OfflineRow:
         return best
 
 
+FIRST, FIRST_CALLS = "first_256", 256
+
+
+async def first_mile(device: str | None, st: OfflineRow, callers: int) -> dict[str, Any]:
+    """A fresh gateway process on the whole default config (the model on ``device``): seconds from
+    its start to ``/healthz`` and to ready, then its first calls against offline ``encode``."""
+    data = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())
+    data["server"]["port"] = "{port}"
+    if device:
+        data["providers"]["local"]["models"]["minilm"]["device"] = device
+    texts = make_texts(FIRST_CALLS, seed=256)
+    with gateway(yaml.safe_dump(data).replace("'{port}'", "{port}")) as proc:
+        started = psutil.Process(proc.pid).create_time()
+        healthy_s = time.time() - started
+        async with httpx.AsyncClient(timeout=120) as client:
+            await until_ready(client, proc)
+            ready_s = time.time() - started
+            conns = [Conn.to(proc.url, timeout=120) for _ in range(callers)]
+            result = await closed_loop(texts, callers, lambda i, t: post(conns[i], "rpc", t))
+            for conn in conns:
+                await conn.aclose()
+            ended = await local_events(client, proc)
+    offline = await st.round(texts)
+    return {**result, "healthz_s": healthy_s, "ready_s": ready_s, "events": sorted(ended),
+            "offline_calls_per_s": offline["calls_per_s"],
+            "vs_st_encode": result["calls_per_s"] / offline["calls_per_s"]}
+
+
 async def run(args: argparse.Namespace) -> dict:
     from sentence_transformers import SentenceTransformer
 
@@ -319,6 +358,16 @@ async def run(args: argparse.Namespace) -> dict:
     device = str(pick_device(args.device))
     base, route = default_config(None if args.device == "default" else device)
     st_model = SentenceTransformer(str(resolve_source(MINILM)), device=device)
+    baseline_threads = [int(n) for n in args.baseline_threads.split(",")]
+    first = None
+    if FIRST not in args.skip.split(","):  # first, while no other gateway holds a core
+        first = await first_mile(None if args.device == "default" else device,
+                                 OfflineRow(st_model, baseline_threads), args.callers)
+        print(f"{FIRST}: {first['calls_per_s']:.1f} calls/s, {first['vs_st_encode']:.2f}x st_encode, "
+              f"ready {first['ready_s']:.1f} s after the process started", flush=True)
+    if args.first_mile_only:
+        return {"params": vars(args), "model": base, FIRST: first, "torch": torch.__version__,
+                "cores": os.cpu_count(), "load_before": args.load_before, "load_after": os.getloadavg()}
     wanted = [name for name in ROWS if name not in args.skip.split(",")]
     with contextlib.ExitStack() as stack:
         procs, linear = {}, {}
@@ -341,7 +390,7 @@ async def run(args: argparse.Namespace) -> dict:
             await gw.providers["local"].pool.warm("minilm")
             threads = torch.get_num_threads()
             rows["in_process"] = InProcessRow(gw, args.callers)
-            rows["st_encode"] = OfflineRow(st_model, [int(n) for n in args.baseline_threads.split(",")])
+            rows["st_encode"] = OfflineRow(st_model, baseline_threads)
             names = list(rows)
             rounds: dict[str, list[dict]] = {name: [] for name in names}
             for r in range(args.rounds):
@@ -366,7 +415,7 @@ async def run(args: argparse.Namespace) -> dict:
                                  for x, y in zip(rounds[a], rounds[b], strict=True))
 
     median = {name: sorted(rs, key=lambda x: x["calls_per_s"])[len(rs) // 2] for name, rs in rounds.items()}
-    return {"params": vars(args), "model": base, "median": median, "rounds": rounds,
+    return {"params": vars(args), "model": base, FIRST: first, "median": median, "rounds": rounds,
             "vs_st_encode": {name: ratio(name, "st_encode") for name in names},
             "default_vs": {name: ratio("default", name) for name in names},
             "min_cosine_vs_st": cosine, "linear": linear, "torch": torch.__version__, "cores": os.cpu_count(),
@@ -384,11 +433,24 @@ def main() -> None:
                         help="cpu, cuda, mps, auto (the pool and sentence-transformers use the same one), "
                              "or default: the config's own device for the pool")
     parser.add_argument("--skip", default="", help="rows to leave out, comma-separated (e.g. bf16)")
+    parser.add_argument("--first-mile-only", action="store_true",
+                        help=f"only the {FIRST} row: a fresh default gateway's first calls once ready")
     args = parser.parse_args()
     args.load_before = os.getloadavg()
     host = {**cpu_info(), "gflops": fp32_gflops()}  # before any gateway starts: the core to itself
     r = anyio.run(run, args)
     r["host"] = host
+    if r[FIRST] is not None:
+        f = r[FIRST]
+        print(f"{FIRST} (a fresh default gateway, calls sent once ready): {f['calls_per_s']:.1f} calls/s, "
+              f"{f['vs_st_encode']:.2f}x st_encode ({f['offline_calls_per_s']:.1f}; floor 0.8x), p50 "
+              f"{f['p50_ms']:.1f} ms, p99 {f['p99_ms']:.1f} ms; /healthz {f['healthz_s']:.1f} s and ready "
+              f"{f['ready_s']:.1f} s after the process started; events {', '.join(f['events'])}")
+    if args.first_mile_only:
+        print(f"load average before {r['load_before']}, after {r['load_after']}")
+        print(describe(host))
+        save("bench_local", r)
+        return
     m, st, cos, d = r["median"], r["vs_st_encode"], r["min_cosine_vs_st"], r["default_vs"]
 
     def num(v: float | None, fmt: str = "{:.1f}") -> str:

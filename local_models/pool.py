@@ -1,5 +1,9 @@
 """The model pool: one handle per configured model, loading in the background, running in threads.
 
+A model loads, runs one warm-up forward and (``compile: auto`` where a verdict
+on disk says so) compiles before it reports ready (``LocalPool.readiness``), so
+that its first call is served at the steady rate.
+
 Every forward pass runs in a worker thread under ``torch.inference_mode`` so the
 event loop never blocks; the lane's formation decides which rows share a pass
 (``policy``), the handle pads them to the batch's longest row, survives
@@ -17,7 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import anyio
 import torch
@@ -41,15 +45,15 @@ from .tasks.embed import EmbedConfig, embed, read_embed_config
 from .tasks.generate import GenerateEngine, GenRequest
 from .tasks.packed_bert import PackedEncoder, pack, packable
 from .tensors import padded_cost
+from .verdicts import MARGIN, read_verdict, verdict_file, verdict_key, write_ratio
 from .word_ids import WordIds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_MAX_PADDING = 0.1  # where padding costs compute: the padded forward, the compiled packed one
 DIRECT_TOKENIZE = 8  # calls with at most this many texts skip the batch tokenizer
-# compile: auto keeps the compiled forward where it takes at most this share of the eager one's time
-# at load, a clear edge for the compile's cost (an AVX2 EPYC: 0.85-0.94, median 0.88, ten timings).
-_COMPILE_MARGIN = 0.95
+CompilePlan = Literal["never", "at_load", "background"]
+Readiness = tuple[Literal["up", "starting", "failing"], str | None]
 
 
 @dataclass(slots=True)
@@ -68,12 +72,16 @@ class Stats:
 
 class ModelHandle:
     def __init__(self, name: str, spec: ModelSpec, *, cache_dir: str | None,
-                 on_event: Callable[[str, str], None]) -> None:
+                 on_event: Callable[[str, str], None], verdicts: Path | None = None) -> None:
         self.name = name
         self.spec = spec
         self.task = spec.task
         self.cache_dir = cache_dir
         self.on_event = on_event
+        self.verdicts = verdicts or verdict_file()  # measured compile timings (verdicts.py)
+        self.verdict_key: str | None = None  # this model's entry there, once loaded
+        self.compiled_faster: bool | None = None  # what the entry said at load (None: never measured)
+        self.stage = "loading"  # what readiness reports until the model is ready
         self.ready = anyio.Event()
         self.warm = anyio.Event()  # the fastest forward is in place (compiled, or eager for good)
         self.compile_started = False
@@ -139,8 +147,24 @@ class ModelHandle:
                 max_tokens=self.spec.max_tokens, max_positions=loaded.max_positions(),
                 on_event=lambda name, n: self.on_event(self.name, name),
             )
-        self.loaded = loaded
+        if self.spec.compile is not False and self.task != "generate":
+            form = "packed" if self.packed is not None else self.task
+            self.verdict_key = verdict_key(device, dtype, self.spec.source, self.task, form)
+            self.compiled_faster = read_verdict(self.verdicts, self.verdict_key)
         log.info("local model %s (%s) loaded from %s on %s as %s", self.name, self.task, path, device, dtype)
+        self._warm_up(loaded)
+        self.loaded = loaded
+
+    def _warm_up(self, loaded: Loaded) -> None:
+        """One forward on the chosen device and backend before the model reports ready: the first
+        call does not pay for the first run's allocations and kernel choices."""
+        self.stage = "warming up"
+        ids = loaded.tokenizer(["warm up the forward"], verbose=False)["input_ids"]
+        with torch.inference_mode():
+            if self.task == "generate":
+                loaded.model(input_ids=torch.tensor(ids, device=loaded.device))
+            else:
+                self._task(self._primary(loaded), self.packed, ids, loaded)
 
     def _choose_linear(self, loaded: Loaded) -> None:
         """oneDNN linear layers where they are faster here (``auto``) or asked for, on CPU fp32 only."""
@@ -230,8 +254,7 @@ class ModelHandle:
         loaded = self.loaded if on == "primary" else self._cpu()
         start, cpu = time.perf_counter(), time.thread_time()
         primary = on == "primary"
-        model = next((m for m in (self.onnx_model, self.compiled_model, self.onednn_model) if m is not None),
-                     loaded.model) if primary else loaded.model
+        model = self._primary(loaded) if primary else loaded.model
         out = self._task(model, self.packed if primary else None, rows, loaded)
         cost = padded_cost(rows)
         with self._lock:
@@ -249,6 +272,11 @@ class ModelHandle:
             self.on_event(self.name, "budget_raised")
         return list(out)
 
+    def _primary(self, loaded: Loaded) -> Any:
+        """The fastest forward in place on the primary device."""
+        return next((m for m in (self.onnx_model, self.compiled_model, self.onednn_model) if m is not None),
+                    loaded.model)
+
     def _task(self, model: Any, packed: PackedEncoder | None, rows: Sequence[Sequence[int]],
               loaded: Loaded) -> torch.Tensor:
         tok = loaded.tokenizer
@@ -263,7 +291,7 @@ class ModelHandle:
         """Compile and warm the primary forward, then swap it in (blocking; a worker thread).
 
         ``compile: auto`` swaps it in only where it beats the eager forward here
-        (``_COMPILE_MARGIN``); False when the eager forward stays."""
+        (``verdicts.MARGIN``); False when the eager forward stays."""
         loaded = self.loaded
         assert loaded is not None
         batches = warm_batches(loaded.tokenizer)
@@ -296,26 +324,35 @@ class ModelHandle:
         return True
 
     def _compiled_wins(self, compiled: Callable[[], Any], eager: Callable[[], Any]) -> bool:
-        """``compile: true`` always; ``auto`` where the compiled forward takes at most the margin's
-        share of the eager one's time, timed in interleaved pairs on a batch of mixed lengths."""
-        if self.spec.compile is True:
-            return True
+        """Timed in interleaved pairs on a batch of mixed lengths, the verdict recorded on disk for
+        ``auto`` to read at later loads; ``compile: true`` keeps the compiled forward either way,
+        ``auto`` where it takes at most the margin's share of the eager one's time."""
         assert self.loaded is not None
         sync = torch.cuda.synchronize if self.loaded.device.type == "cuda" else (lambda: None)
         with torch.inference_mode():
             ratio = time_ratio(lambda: (compiled(), sync()), lambda: (eager(), sync()))
-        wins = ratio <= _COMPILE_MARGIN
+        if self.verdict_key is not None:
+            write_ratio(self.verdicts, self.verdict_key, ratio)
+        wins = self.spec.compile is True or ratio <= MARGIN
         log.info("local model %s: the compiled forward takes %.2fx the eager one's time here: %s",
                  self.name, ratio, "using it" if wins else "keeping the eager one")
         return wins
 
-    def compiles(self) -> bool:
-        """``compile: true``, or ``auto`` where inductor finds a C++ compiler and the eager forward
-        kept torch's linear layers (torch, not generate). Where oneDNN's layers won at load, the
-        compiled forward measured 0.64x their speed over HTTP, so auto does not spend the compile."""
+    def compile_plan(self) -> CompilePlan:
+        """When this model compiles, once loaded. ``compile: true``: in the background while the
+        eager forward serves (asked for, so its CPU is the config's to spend). ``auto``: at load,
+        before the model reports ready, and only where a verdict on disk says the compiled forward
+        was timed faster on this processor with this torch (``verdicts.py``), inductor finds a C++
+        compiler and the eager forward kept torch's linear layers (where oneDNN's won, a compiled
+        model served at 0.64x their speed over HTTP). Never otherwise: finding out means compiling,
+        a minute or two of the cores that serve, on hosts where the eager forward then stayed."""
         if self.task == "generate" or self.onnx_model is not None or not self.spec.compile:
-            return False
-        return self.spec.compile is True or (self.linear == "torch" and compiler_available())
+            return "never"
+        if self.spec.compile is True:
+            return "background"
+        if self.compiled_faster and self.linear == "torch" and compiler_available():
+            return "at_load"
+        return "never"
 
     def _cpu(self) -> Loaded:
         assert self.loaded is not None
@@ -355,10 +392,12 @@ class LocalPool:
     def __init__(
         self, specs: dict[str, ModelSpec], *, on_event: Callable[[str, str], None] = lambda m, e: None,
         threads: int | None = None, preload: bool = True, cache_dir: str | Path | None = None,
-        keep_freed_memory: bool = True,
+        keep_freed_memory: bool = True, verdicts: Path | None = None,
     ) -> None:
+        verdicts = verdicts or verdict_file()
         self.handles = {
-            name: ModelHandle(name, spec, cache_dir=str(cache_dir) if cache_dir else None, on_event=on_event)
+            name: ModelHandle(name, spec, cache_dir=str(cache_dir) if cache_dir else None, on_event=on_event,
+                              verdicts=verdicts)
             for name, spec in specs.items()
         }
         self.on_event = on_event
@@ -399,7 +438,7 @@ class LocalPool:
         self._tg.start_soon(self._load, handle)
 
     async def _load(self, handle: ModelHandle) -> None:
-        compiling = False
+        plan: CompilePlan = "never"
         try:
             await run_daemon(handle.load_sync, f"load {handle.name}")
         except Exception as e:
@@ -411,25 +450,19 @@ class LocalPool:
             assert self._tg is not None and self._threads is not None
             if handle.engine is not None:
                 self._tg.start_soon(handle.engine.run, self._threads)
-            if handle.compiles():
-                compiling = True
-                if handle.spec.compile is True:
-                    self._start_compile(handle)
-                # auto: once the model serves its first batch (or is asked to warm), so that a
-                # gateway that never calls it spends no CPU compiling
+            plan = handle.compile_plan()
+            if plan == "at_load":  # before ready: no call is served while it compiles
+                await self._compile(handle)
+            elif plan == "background":
+                self._tg.start_soon(self._compile, handle)
         finally:
             handle.ready.set()
-            if not compiling:  # otherwise the compile sets it, however it ends
+            if plan == "never":  # otherwise the compile sets it, however it ends
                 handle.warm.set()
 
-    def _start_compile(self, handle: ModelHandle) -> None:
-        if handle.warm.is_set() or handle.compile_started:
-            return
-        handle.compile_started = True
-        assert self._tg is not None
-        self._tg.start_soon(self._compile, handle)
-
     async def _compile(self, handle: ModelHandle) -> None:
+        handle.compile_started = True
+        handle.stage = "compiling"
         try:
             kept = await run_daemon(handle.compile_sync, f"compile {handle.name}")
         except Exception as e:
@@ -452,12 +485,21 @@ class LocalPool:
         return handle
 
     async def warm(self, name: str) -> ModelHandle:
-        """Ready, with its fastest forward in place: compiled where the spec asks for it and, for
-        ``auto``, where that is faster (started now if no call has started it)."""
+        """Ready, with its fastest forward in place: for ``compile: true``, once its background
+        compile has ended (``auto`` compiles, if at all, before the model is ready)."""
         handle = await self.ready(name)
-        self._start_compile(handle)
         await handle.warm.wait()
         return handle
+
+    def readiness(self) -> Readiness:
+        """``failing`` with each failed model's error; else ``starting`` while a model loads, warms
+        up or compiles at load (``loading minilm``); else ``up``. A model not yet asked to load
+        (``preload: false``) loads at its first call and does not hold readiness back."""
+        failed = [f"{h.name}: {h.error}" for h in self.handles.values() if h.error is not None]
+        if failed:
+            return "failing", "; ".join(failed)
+        busy = [f"{h.stage} {h.name}" for h in self.handles.values() if h.started and not h.ready.is_set()]
+        return ("starting", ", ".join(busy)) if busy else ("up", None)
 
     def policy(self, group: Hashable) -> tuple[Formation, int | None]:
         """The formation and capacity for a lane group ``(model,)``; used by ``GatedFormation``."""
@@ -474,9 +516,7 @@ class LocalPool:
         if handle.task == "generate":
             raise RpcError(-32603, "Internal error", {"detail": f"{name} is a generation model"})
         assert self._threads is not None, "the pool is not running"
-        result = await self._threads.run(handle.run_sync, rows, finish)
-        self._start_compile(handle)  # compile: auto, after the first batch has its answers
-        return result
+        return await self._threads.run(handle.run_sync, rows, finish)
 
     async def generate(self, name: str, requests: list[GenRequest]) -> list[GenRequest]:
         handle = await self.ready(name)

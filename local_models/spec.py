@@ -39,10 +39,11 @@ class ModelSpec(BaseModel):
     unpadded: bool = Field(default=True, description="BERT encoders: linear layers skip padding tokens")
     compile: bool | Literal["auto"] = Field(
         default="auto",
-        description="torch.compile the forward (embed, classify) in the background; eager until it is warm."
-                    " auto: once the model has served its first batch, where a C++ compiler exists and the"
-                    " eager forward kept torch's linear layers; kept only where timing says it is faster"
-                    " here, a failure logged quietly",
+        description="torch.compile the forward (embed, classify). true: in the background, eager until it is"
+                    " warm, its timing against the eager forward recorded on disk. auto: at load, before the"
+                    " model is ready, only where such a record says faster on this processor and torch, a C++"
+                    " compiler exists and the eager forward kept torch's linear layers; kept only where"
+                    " timing agrees, a failure logged quietly",
     )
     linear: Literal["auto", "torch", "onednn"] = Field(
         default="auto",

@@ -4,7 +4,8 @@ The lane forms batches with the pool's token-budget formation (similar lengths
 together, padded tokens under a budget, priorities with aging, one batch per
 model running at a time); generation items pass straight through to the
 model's continuous-batching engine. torch and transformers are imported only
-when the provider starts, so config parsing never needs them.
+when the provider starts, so config parsing never needs them. Models load in the
+background from then on; ``readiness`` says when every one is loaded and warm.
 
 Each call may carry one input or a list; a list stays one item whose cost is
 its padded size (rows x longest), and the pool splits it into several passes
@@ -17,7 +18,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.from_thread
@@ -101,6 +102,15 @@ class LocalProvider(Provider):
         await self.pool.__aenter__()
         for name, handle in self.pool.handles.items():
             self.ctx.metrics.compute_cpu.labels(self.name, name).set_function(_cpu_seconds(handle.stats))
+
+    def readiness(self) -> tuple[Literal["up", "starting", "failing"], str | None]:
+        """For ``/readyz``: ``starting`` until every model has loaded and run its warm-up forward
+        (the detail says which: ``loading minilm``), ``failing`` with the error where a load failed
+        or the local extra is missing, ``up`` after. The gateway serves ``/healthz`` meanwhile:
+        loads run on their own threads."""
+        if self.pool is None:
+            return ("starting" if self._missing == "not started" else "failing"), self._missing
+        return self.pool.readiness()
 
     async def aclose(self) -> None:
         pool, self.pool = self.pool, None

@@ -1,5 +1,6 @@
 """Shared fixtures: the anyio backend for async tests; the test process's heap frozen per module;
-the shared Redis and PostgreSQL left as the suite found them."""
+the shared Redis and PostgreSQL left as the suite found them; the local pool's compile verdicts
+in a folder of the run's own."""
 
 from collections.abc import Iterator
 
@@ -14,6 +15,15 @@ NOTES: list[str] = []  # lines for the end of the run (a check that could not ru
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_verdicts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The suite neither reads the user's measured compile verdicts (one saying "faster" would
+    compile at each load) nor writes its fake timings there (``local_models/verdicts.py``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MULTIPLEXER_CACHE_DIR", str(tmp_path_factory.mktemp("multiplexer-cache")))
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
