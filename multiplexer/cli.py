@@ -10,10 +10,9 @@ from typing import Any
 
 import anyio
 
+from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import ConfigError, load_config
 from multiplexer.gateway.heap import tune_gc
-
-DEFAULT_CONFIG = "config/default.yaml"
 
 
 class CliError(Exception):
@@ -92,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve /v1, /rpc, /mcp, /healthz, /metrics")
-    serve.add_argument("--config", default=DEFAULT_CONFIG)
+    serve.add_argument("--config", default=DEFAULT_CONFIG,
+                       help="YAML config; relative paths in it are its folder's (default: %(default)s)")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--stdio", action="store_true", help="speak MCP on stdin/stdout")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     check.set_defaults(fn=_check)
 
     demo = sub.add_parser("demo", help="start the gateway, make sample calls, print them, stop")
-    demo.add_argument("--config", default=DEFAULT_CONFIG)
+    demo.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: %(default)s)")
     demo.add_argument("--port", type=int, default=0)
     demo.set_defaults(fn=_demo)
 

@@ -67,6 +67,9 @@ class Provider:
     """
 
     Settings: ClassVar[type[BaseModel]] = NoSettings
+    # A route's keys beyond ``RouteConfig``'s that this kind reads (from ``item.options``): the
+    # loader refuses any other, so a typo in a route is an error, never a key silently ignored.
+    RouteSettings: ClassVar[type[BaseModel]] = NoSettings
     # Lane slots when the config sets no ``limits.concurrency``: a kind whose calls hold a slot
     # long (streams, generation) or that learns its limits from the upstream sets its own.
     default_concurrency: ClassVar[int | None] = None

@@ -110,7 +110,8 @@ class Gateway:
                 limiter = limiter_for(name, pconf, self.clock, self.state, self.metrics)
                 self.limiters[name] = limiter
                 if name not in self.providers:
-                    settings = cls.Settings.model_validate(pconf.extra)
+                    settings = cls.Settings.model_validate(pconf.extra,
+                                                           context=self.config.paths_context())
                     ctx = ProviderContext(
                         name=name, config=pconf, settings=settings, clock=self.clock,
                         limiter=limiter, metrics=self.metrics,
