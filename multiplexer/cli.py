@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 
+from multiplexer.core.startup import StartupError
 from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import ConfigError, load_config
 from multiplexer.gateway.heap import tune_gc
@@ -124,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    except StartupError as e:
+        print(f"multiplexer {args.command}: {e}", file=sys.stderr)
+        return 1
     except CliError as e:
         print(f"multiplexer {args.command}: {e}", file=sys.stderr)
         return 1

@@ -6,6 +6,7 @@ import contextlib
 import os
 import secrets
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -13,21 +14,30 @@ PG_ADMIN = os.environ.get("MX_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5
 
 
 @contextlib.contextmanager
-def throwaway_db() -> Iterator[str]:
-    """The URL of a new, empty database, dropped afterwards."""
+def admin() -> Iterator[Any]:
+    """An autocommit connection to the test server's database (skip where there is none)."""
     try:
         import psycopg
     except ImportError:
         pytest.skip("psycopg is not installed (pip install -e '.[dev]')")
     try:
-        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
+        conn = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
     except psycopg.OperationalError as e:
         print(f"SKIP: no PostgreSQL at {PG_ADMIN}: {e}")
         pytest.skip(f"no PostgreSQL at {PG_ADMIN}")
-    name = "mxtest_" + secrets.token_hex(6)
-    admin.execute(f"CREATE DATABASE {name}")
     try:
-        yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+        yield conn
     finally:
-        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.close()
+        conn.close()
+
+
+@contextlib.contextmanager
+def throwaway_db() -> Iterator[str]:
+    """The URL of a new, empty database, dropped afterwards."""
+    with admin() as conn:
+        name = "mxtest_" + secrets.token_hex(6)
+        conn.execute(f"CREATE DATABASE {name}")
+        try:
+            yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+        finally:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -75,6 +75,8 @@ class JobManager(PartDriver):
         return self._store
 
     async def start(self) -> None:
+        if self.ctx.store_url is not None:
+            self.store()  # a store.url that cannot be used stops start-up here, nothing yet to undo
         stack = AsyncExitStack()
         await stack.__aenter__()
         self._tg = await stack.enter_async_context(anyio.create_task_group())

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from .pg_connect import connect
 from .store import JobStore, LeaseLost, _locked
 
 SCHEMA = """
@@ -64,8 +65,6 @@ class PgJobStore(JobStore):
     _HOLD_JOB = "SELECT state, total FROM jobs WHERE id=? FOR UPDATE"  # replicas append one at a time
     def __init__(self, url: str, lease_s: float = 30.0, wall: Callable[[], float] = time.time,
                  owner: str | None = None) -> None:
-        import psycopg
-
         self.url = url
         self.path = None  # type: ignore[assignment]
         self.wall = wall
@@ -73,7 +72,7 @@ class PgJobStore(JobStore):
         self.owner = owner or secrets.token_hex(6)
         self._lock = threading.RLock()
         # not the base class's _db: that is sqlite3's, read only by the methods overridden here
-        self._conn = psycopg.connect(url, autocommit=True)
+        self._conn = connect(url)
         self._claims: dict[str, int] = {}  # part id -> the epoch this replica holds
         self._sql: dict[str, str] = {}
         with self._conn.transaction():
