@@ -41,3 +41,15 @@ def throwaway_db() -> Iterator[str]:
             yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
         finally:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@contextlib.contextmanager
+def throwaway_schema() -> Iterator[tuple[str, str, Any]]:
+    """(the test database's URL, a schema name of our own, an admin connection); the schema and
+    everything in it are dropped afterwards."""
+    with admin() as conn:
+        name = "mxtest_" + secrets.token_hex(6)
+        try:
+            yield PG_ADMIN, name, conn
+        finally:
+            conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")

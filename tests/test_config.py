@@ -11,6 +11,7 @@ import pytest
 from multiplexer.core.router import Router
 from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import ConfigError, load_config, parse_config
+from multiplexer.gateway.registry import KINDS
 
 CONTRACT = """
 server: {host: 127.0.0.1, port: 8080}
@@ -37,14 +38,15 @@ def test_contract_config_loads(tmp_path: Path) -> None:
     assert config.providers["calc"].extra == {"url": "http://127.0.0.1:9001/"}
 
 
-JSONRPC_KEYS = "batch, batch_arrays, batch_arrays_reprobe_s, headers, kind, limits, retry, timeout_ms, transport, url"
+JSONRPC_KEYS = ("batch, batch_arrays, batch_arrays_reprobe_s, headers, kind, limits, retry, timeout_ms, "
+                "transport, url")
 
 
 @pytest.mark.parametrize("data,expected", [
     ({"providers": {"p": {"kind": "jsonrpc", "url": "x", "batch": {"max_items": 0}}}},
      ["providers.p.batch.max_items: Input should be greater than or equal to 1"]),
     ({"providers": {"p": {"kind": "nope"}}},
-     ["providers.p.kind: unknown provider kind 'nope' (known: anthropic, echo, jsonrpc, local, mcp, openai)"]),
+     [f"providers.p.kind: unknown provider kind 'nope' (known: {', '.join(sorted(KINDS))})"]),
     ({"providers": {"p": {"kind": "jsonrpc"}}}, ["providers.p.url: Field required"]),
     ({"providers": {"p": {"kind": "jsonrpc", "url": "u", "typo": 1}}},
      [f"providers.p.typo: unknown key (known: {JSONRPC_KEYS})"]),
@@ -53,6 +55,9 @@ JSONRPC_KEYS = "batch, batch_arrays, batch_arrays_reprobe_s, headers, kind, limi
                                       "as an integer"]),
     ({"server": {"prot": 1}}, ["server.prot: unknown key (did you mean 'port'?)"]),
     ({"store": {"url": "mysql://db/x"}}, ["store.url: expected postgresql://..., got 'mysql://db/x'"]),
+    ({"store": {"shema": "jobs"}}, ["store.shema: unknown key (did you mean 'schema'?)"]),
+    ({"store": {"schema": "mx-jobs"}}, ["store.schema: 'mx-jobs' is not a plain PostgreSQL name (letters, "
+                                        "digits and _, not starting with a digit, at most 63)"]),
 ])
 def test_invalid_config_names_the_key_path(data: dict, expected: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
@@ -124,7 +129,7 @@ def test_every_problem_of_a_file_is_reported_at_once() -> None:
     assert problems_of(data) == ["routes.r.provider: unknown provider 'pp' (did you mean 'p'?)"]
 
 
-SHIPPED = sorted((Path(__file__).parent.parent / "config").glob("*.yaml")) + [DEFAULT_CONFIG]
+SHIPPED = [*sorted((Path(__file__).parent.parent / "config").glob("*.yaml")), DEFAULT_CONFIG]
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from multiplexer.core.startup import StartupError, shown_url
 from multiplexer.gateway.config import parse_config
@@ -26,13 +27,14 @@ SERVER = PG_ADMIN.rsplit("/", 1)[0]  # postgresql://postgres@127.0.0.1:5432
 
 
 def with_state(url: str) -> dict:
-    return {"state": {"url": url}, "providers": {"e": {"kind": "echo"}}, "routes": {"echo": {"provider": "e"}}}
+    return {"state": {"url": url}, "providers": {"e": {"kind": "echo"}},
+            "routes": {"echo": {"provider": "e"}}}
 
 
 def with_store(url: str) -> dict:
     """A provider with batch jobs opens the store at start (its base URL is never called)."""
-    return {"store": {"url": url}, "providers": {"oai": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1",
-                                                         "api_key": "sk-test"}},
+    oai = {"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key": "sk-test"}
+    return {"store": {"url": url}, "providers": {"oai": oai},
             "routes": {"chat": {"provider": "oai", "operation": "chat"}}}
 
 
@@ -101,15 +103,14 @@ def test_serve_prints_one_line_and_exits_non_zero(tmp_path: Path, key: str) -> N
     port = free_port()
     if key == "state":
         url = f"redis://127.0.0.1:{port}/0"
-        config = f"state: {{url: '{url}'}}\nproviders: {{e: {{kind: echo}}}}\nroutes: {{echo: {{provider: e}}}}\n"
+        config = with_state(url)
     else:
         url = f"postgresql://postgres@127.0.0.1:{port}/mx"
-        config = (f"store: {{url: '{url}'}}\nproviders:\n  oai: {{kind: openai, base_url: 'http://127.0.0.1:9/v1', "
-                  "api_key: sk-test}\nroutes: {chat: {provider: oai, operation: chat}}\n")
+        config = with_store(url)
     path = tmp_path / "gw.yaml"
-    path.write_text(config)
-    done = subprocess.run([sys.executable, "-m", "multiplexer", "serve", "--config", str(path), "--port", "0"],
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "multiplexer", "serve", "--config", str(path),
+                           "--port", "0"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr.splitlines() == [

@@ -56,6 +56,7 @@ class ProviderContext:
     tracer: Tracer = NOOP  # puts the upstream batch's trace context into upstream requests
     store_url: str | None = None  # batch jobs in PostgreSQL (shared by replicas) instead of store_path
     store_lease_s: float = 30.0  # with store_url: how long a replica's claim on a batch lasts
+    store_schema: str = "multiplexer"  # with store_url: the PostgreSQL schema of the job tables
 
 
 class Provider:

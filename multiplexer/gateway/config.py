@@ -84,6 +84,10 @@ class StoreConfig(Strict):
     url: str | None = Field(
         default=None,
         description="postgresql://...: batch jobs shared by every replica (unset: SQLite at path)")
+    schema_: str = Field(
+        default="multiplexer", alias="schema",
+        description="with url: the PostgreSQL schema of the job tables, created if missing (not public:"
+                    " the tables stay apart from what else the database holds)")
     lease_s: float = Field(
         default=30.0, gt=0, description="with url: a dead replica's batches are taken over after this")
     open_job_idle_s: float | None = Field(
@@ -102,6 +106,14 @@ class StoreConfig(Strict):
         if url is not None and not url.startswith(("postgresql://", "postgres://")):
             raise ValueError(f"expected postgresql://..., got {url!r}")
         return url
+
+    @field_validator("schema_")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", name):
+            raise ValueError(f"{name!r} is not a plain PostgreSQL name (letters, digits and _, not "
+                             "starting with a digit, at most 63)")
+        return name
 
 
 class StateConfig(Strict):

@@ -117,6 +117,7 @@ class Gateway:
                         limiter=limiter, metrics=self.metrics,
                         store_path=Path(self.config.store.path), notify=self.notify,
                         store_url=self.config.store.url, store_lease_s=self.config.store.lease_s,
+                        store_schema=self.config.store.schema_,
                         tracer=self.tracer,
                     )
                     self.providers[name] = cls(ctx)
