@@ -29,9 +29,10 @@ def hint(word: str, known: Iterable[str]) -> str:
     return f"did you mean {near[0]!r}?" if near else "known: " + (", ".join(sorted(known)) or "none")
 
 
-def unknown_key(where: str, key: object, known: Iterable[str]) -> str:
-    """One line for a key nothing takes."""
-    return f"{_join(where, key)}: unknown key ({hint(str(key), known)})"
+def unknown_key(where: str, key: object, known: Iterable[str] | None) -> str:
+    """One line for a key nothing takes (``known`` None: the keys that would fit are not known)."""
+    line = f"{_join(where, key)}: unknown key"
+    return line if known is None else f"{line} ({hint(str(key), known)})"
 
 
 def problems(err: ValidationError, model: type[BaseModel], data: Any, where: str = "",
@@ -49,11 +50,11 @@ def problems(err: ValidationError, model: type[BaseModel], data: Any, where: str
         if e["type"] in ("extra_forbidden", "missing") and key is not None:
             known = _known(model, parent, also_known)
             if e["type"] == "extra_forbidden":
-                lines.append(unknown_key(at, key, known or ()))
+                lines.append(unknown_key(at, key, known))
                 continue
             typos = _typos_of(str(key), _data_at(data, parent), known)
             if typos:  # the required key is there, misspelt: name the typo, not the absence
-                lines.extend(unknown_key(at, t, known or ()) for t in typos)
+                lines.extend(unknown_key(at, t, known) for t in typos)
                 continue
         message = e["msg"].removeprefix("Value error, ")
         lines.append(f"{_join(where, *loc)}: {message}" if loc or where else message)
