@@ -1,7 +1,7 @@
 """Full garbage collections in a serving gateway, with its start-up heap frozen and without.
 
 Each variant runs in its own child process: the shipped default config
-(``config/default.yaml``: the echo routes, the MCP stdio upstream, the local
+(``multiplexer/defaults/default.yaml``: the echo routes, the MCP stdio upstream, the local
 embedding model) served by ``multiplexer.server.running`` as ``multiplexer serve``
 serves it, with ``server.freeze_heap`` on or off. Once the model has loaded, 64
 callers in the same process send embed calls over HTTP; then a full collection
@@ -27,6 +27,7 @@ import anyio
 
 from benchmarks._h11 import Conn
 from benchmarks._procs import ROOT, save, table
+from multiplexer.defaults import DEFAULT_CONFIG
 
 CALLERS = 64
 COLLECTIONS = 5
@@ -36,7 +37,7 @@ async def variant(freeze: bool, calls: int) -> dict[str, Any]:
     from multiplexer.gateway.config import load_config
     from multiplexer.server import running
 
-    config = load_config(ROOT / "config" / "default.yaml")
+    config = load_config(DEFAULT_CONFIG)
     config.server.freeze_heap = freeze
     body = b'{"jsonrpc":"2.0","method":"embed_local","params":{"input":"a cat sat on the mat"},"id":1}'
     async with running(config, port=0) as (_, url):

@@ -1,8 +1,8 @@
 """Local embeddings as users call them: JSON-RPC over HTTP, the shipped default model settings.
 
 Each gateway runs as its own process (``multiplexer serve``) with the model settings of
-``config/default.yaml`` plus, per row, the one setting the row is about; 64 concurrent callers in
-this process each send one text per call over a kept-alive HTTP/1.1 connection and parse the reply.
+``multiplexer/defaults/default.yaml`` plus, per row, the one setting the row is about; 64 concurrent
+callers in this process each send one text per call over a kept-alive HTTP/1.1 connection and parse the reply.
 Rows: the default, the eager forward (``compile: false``: where the default keeps a compiled
 forward, this row shows what that gained), torch's own fp32 linear layers eager (``linear: torch``:
 where the default's timing at load picks oneDNN, this row shows what that gained), ``compile:
@@ -61,8 +61,9 @@ import yaml
 from benchmarks._gateway import GatewayProc, gateway, http_floor, metric_sum
 from benchmarks._h11 import Conn
 from benchmarks._host import cpu_info, describe, fp32_gflops
-from benchmarks._procs import ROOT, percentile, save, table
+from benchmarks._procs import percentile, save, table
 from multiplexer.core.call import Call
+from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 
@@ -116,7 +117,7 @@ def make_texts(n: int, seed: int) -> list[str]:
 
 def default_config(device: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The shipped default config's model settings and route for ``embed_local`` (device overridable)."""
-    data = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     route = dict(data["routes"]["embed_local"])
     model = dict(data["providers"]["local"]["models"][route["model"]])
     route.update(provider="local", model="minilm")

@@ -1,6 +1,6 @@
 """MCP multiplexing (issue: MCP): ``tools/call`` to a stdio upstream, 50 concurrent.
 
-Compares, in one run and against the same upstream server (``examples/upstream_server.py``):
+Compares, in one run and against the same upstream server (``multiplexer/defaults/demo_tools.py``):
 
 - direct: the MCP SDK's client on ONE long-lived stdio session (the baseline);
 - per-call: a NEW SDK session, hence a new child process, for every call (what naive
@@ -49,7 +49,7 @@ from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from tests.legacy_sdk import legacy_python
 
-UPSTREAM = str(ROOT / "examples" / "upstream_server.py")
+UPSTREAM = str(ROOT / "multiplexer" / "defaults" / "demo_tools.py")
 CONCURRENCY = 50
 ERA_UPSTREAM = str(ROOT / "tests" / "era_upstream.py")  # one file, on mcp 2.x and on mcp 1.x
 CONFIG = """

@@ -1,6 +1,6 @@
 """Crash soak for upstream MCP servers: calls through a real gateway while its stdio child is killed.
 
-The gateway runs here on 127.0.0.1 (``/rpc``) in front of ``examples/upstream_server.py``
+The gateway runs here on 127.0.0.1 (``/rpc``) in front of ``multiplexer/defaults/demo_tools.py``
 as a stdio child; every ``--kill-every`` answered calls the child gets SIGKILL and the
 provider restarts it. Calls mix ``echo`` (read-only: may be repeated after a crash) and
 ``record`` (appends its token to a file: a side effect that must never run twice).
@@ -35,7 +35,7 @@ from benchmarks._procs import save, table
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 
-UPSTREAM = str(Path(__file__).resolve().parent.parent / "examples" / "upstream_server.py")
+UPSTREAM = str(Path(__file__).resolve().parent.parent / "multiplexer" / "defaults" / "demo_tools.py")
 ALLOWED_ERRORS = {-32007, -32001}
 
 

@@ -19,6 +19,8 @@ import httpx2
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
+from multiplexer.defaults import DEFAULT_CONFIG
+
 
 async def main(args: argparse.Namespace) -> None:
     mode = "legacy" if args.legacy else "auto"
@@ -67,5 +69,5 @@ if __name__ == "__main__":
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--legacy", action="store_true", help="use the initialize handshake")
     parser.add_argument("--stdio", action="store_true", help="launch the gateway over stdio")
-    parser.add_argument("--config", default="config/default.yaml", help="config for --stdio")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="config for --stdio")
     anyio.run(main, parser.parse_args())

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from multiplexer.core.paths import base_dir
 
 Task = Literal["embed", "classify", "generate"]
 DType = Literal["auto", "float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16", "float64"]
@@ -15,7 +17,8 @@ Pooling = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", 
 class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field(description="package:<module>, a model directory, or a cached Hugging Face id")
+    source: str = Field(description="package:<module>, a model directory (relative: to the config's"
+                                    " folder), or a cached Hugging Face id")
     task: Task
     device: str = "auto"
     dtype: DType = "auto"
@@ -62,6 +65,18 @@ class ModelSpec(BaseModel):
     normalize: bool | None = None
     max_new_tokens: int = Field(default=64, ge=1)
     max_new_tokens_limit: int = Field(default=2048, ge=1)
+
+    @field_validator("source")
+    @classmethod
+    def _directory_beside_config(cls, source: str, info: ValidationInfo) -> str:
+        """A relative directory is the config folder's: written ``./x`` (always a directory), or a
+        name that is a directory there (else it stays a Hugging Face id, ``org/name``)."""
+        base = base_dir(info)
+        if base is None or source.startswith(("package:", "hf:", "/", "~")):
+            return source
+        if source.startswith(".") or (base / source).is_dir():
+            return str(base / source)
+        return source
 
     @model_validator(mode="after")
     def _backend_fits(self) -> ModelSpec:

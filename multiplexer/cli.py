@@ -10,10 +10,10 @@ from typing import Any
 
 import anyio
 
+from multiplexer.core.startup import StartupError
+from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import ConfigError, load_config
 from multiplexer.gateway.heap import tune_gc
-
-DEFAULT_CONFIG = "config/default.yaml"
 
 
 class CliError(Exception):
@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
         description="A gateway in front of model and tool providers: it batches, rate-limits and "
                     "deduplicates\ncalls arriving over /v1 (OpenAI, Anthropic), JSON-RPC, MCP and "
                     "the Python SDK.",
-        epilog=_examples("multiplexer serve --config config/default.yaml",
+        epilog=_examples("multiplexer serve --config config/remote.example.yaml",
                          "multiplexer call echo '{\"hello\": \"world\"}'"))
     parser.add_argument("--version", action="version", version=f"multiplexer {VERSION}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -116,9 +116,10 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = command("serve", "run the gateway",
                     "Run the gateway: /v1, /rpc, /mcp, /healthz and /metrics on one port, until stopped.",
-                    "multiplexer serve --config config/default.yaml --port 8080",
+                    "multiplexer serve --port 8081   # the packaged default config",
                     "multiplexer serve --stdio   # MCP on stdin/stdout, for a desktop client")
-    serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    serve.add_argument("--config", default=DEFAULT_CONFIG,
+                       help="YAML config; relative paths in it are its folder's (default: the packaged one)")
     serve.add_argument("--host", default=None, help="address to bind (default: the config's server.host)")
     serve.add_argument("--port", type=int, default=None, help="port (default: the config's server.port)")
     serve.add_argument("--stdio", action="store_true", help="speak MCP on stdin/stdout instead of HTTP")
@@ -138,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 
     check = command("check-config", "validate a config file",
                     "Validate a config file: its count of providers and routes, or what is wrong (exit 2).",
-                    "multiplexer check-config config/default.yaml",
+                    "multiplexer check-config config/remote.example.yaml",
                     "multiplexer check-config deploy/gateway.yaml && multiplexer serve "
                     "--config deploy/gateway.yaml")
     check.add_argument("file", help="the YAML config to check")
@@ -148,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
                    "Start the gateway, make sample calls through each face, print them, stop.",
                    "multiplexer demo",
                    "multiplexer demo --config my.yaml --port 9000")
-    demo.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
+    demo.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: the packaged one)")
     demo.add_argument("--port", type=int, default=0, help="port (default: any free one)")
     demo.set_defaults(fn=_demo)
     return parser
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    except StartupError as e:
+        print(f"multiplexer {args.command}: {e}", file=sys.stderr)
+        return 1
     except CliError as e:
         print(f"multiplexer {args.command}: {e}", file=sys.stderr)
         return 1

@@ -53,7 +53,11 @@ class LlmProvider(Provider):
 
     async def start(self) -> None:
         await self.api.start()
-        await self.jobs.start()
+        try:
+            await self.jobs.start()
+        except BaseException:  # a store.url that cannot be used: nothing else stays open
+            await self.api.aclose()
+            raise
 
     async def aclose(self) -> None:
         try:

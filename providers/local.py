@@ -39,6 +39,7 @@ from multiplexer.core.errors import (
     upstream_error,
     upstream_unavailable,
 )
+from multiplexer.core.paths import ConfigPath
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
 from multiplexer.core.sink import ChunkSink
@@ -69,11 +70,23 @@ class LocalSettings(BaseModel):
         description="glibc: keep memory the forward passes free for the next batch instead of returning it"
                     " to the kernel (process-wide; the process holds its peak working set)",
     )
-    cache_dir: str | None = Field(default=None, description="Hugging Face cache to resolve ids from")
+    cache_dir: ConfigPath | None = Field(
+        default=None, description="Hugging Face cache to resolve ids from (relative: to the config's folder)")
+
+
+class LocalRouteSettings(BaseModel):
+    """A route's own keys for a ``local`` provider."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(
+        default=None, description="which of the provider's models answers; unset: the call's `model`,"
+                                  " or the provider's only model")
 
 
 class LocalProvider(Provider):
     Settings = LocalSettings
+    RouteSettings = LocalRouteSettings
     default_concurrency = 4096  # each generation holds a lane slot until it ends; the pool gates batches
 
     def __init__(self, ctx: ProviderContext) -> None:

@@ -18,7 +18,9 @@ import anyio
 import httpx2
 from mcp import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+from multiplexer.core.paths import ConfigPath, base_dir
 
 from .mcp_logs import LogRouter
 
@@ -30,11 +32,17 @@ class McpSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    command: str | None = None
-    args: list[str] = Field(default_factory=list)
+    command: str | None = Field(
+        default=None, description="the child's program; `python`: this interpreter; a relative path"
+                                  " (./server) is looked up in `cwd`")
+    args: list[str] = Field(
+        default_factory=list, description="the child's arguments; a relative file name is `cwd`'s")
     # A list names variables the child may inherit (an allow-list); a mapping sets values.
     env: list[str] | dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
+    cwd: ConfigPath | None = Field(
+        default=None, description="the child's working folder (relative: to the config's folder);"
+                                  " unset: the config file's folder, so a config names its upstream's"
+                                  " files beside it and runs from any folder")
     url: str | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     protocol: Literal["auto", "legacy", "2026-07-28"] = "auto"
@@ -50,6 +58,13 @@ class McpSettings(BaseModel):
     def _one_transport(self) -> McpSettings:
         if (self.command is None) == (self.url is None):
             raise ValueError("set exactly one of 'command' (stdio) or 'url' (Streamable HTTP)")
+        return self
+
+    @model_validator(mode="after")
+    def _child_in_config_folder(self, info: ValidationInfo) -> McpSettings:
+        base = base_dir(info)
+        if self.command is not None and self.cwd is None and base is not None:
+            self.cwd = str(base)
         return self
 
     @property

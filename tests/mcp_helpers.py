@@ -26,7 +26,7 @@ from multiplexer.gateway.gateway import Gateway
 
 MODERN = "2026-07-28"
 ROOT = Path(__file__).resolve().parent.parent
-UPSTREAM = str(ROOT / "examples" / "upstream_server.py")
+UPSTREAM = str(ROOT / "multiplexer" / "defaults" / "demo_tools.py")
 ERA_UPSTREAM = str(ROOT / "tests" / "era_upstream.py")
 
 
@@ -61,7 +61,8 @@ async def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout: floa
 
 
 class HttpUpstream:
-    """``examples/upstream_server.py --http`` as a real child process that tests may kill and restart."""
+    """``multiplexer/defaults/demo_tools.py --http`` as a real child process that tests may kill and
+    restart."""
 
     def __init__(self) -> None:
         self.port = free_port()

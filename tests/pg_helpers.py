@@ -10,6 +10,7 @@ import contextlib
 import os
 import secrets
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -18,25 +19,46 @@ ISSUED: list[str] = []  # every database name handed out in this process
 
 
 @contextlib.contextmanager
-def throwaway_db() -> Iterator[str]:
-    """The URL of a new, empty database, dropped afterwards."""
+def admin() -> Iterator[Any]:
+    """An autocommit connection to the test database; the test is skipped where there is none."""
     try:
         import psycopg
     except ImportError:
         pytest.skip("psycopg is not installed (pip install -e '.[dev]')")
     try:
-        admin = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
+        conn = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3)
     except psycopg.OperationalError as e:
         print(f"SKIP: no PostgreSQL at {PG_ADMIN}: {e}")
         pytest.skip(f"no PostgreSQL at {PG_ADMIN}")
-    name = "mxtest_" + secrets.token_hex(6)
-    ISSUED.append(name)
-    admin.execute(f"CREATE DATABASE {name}")
     try:
-        yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+        yield conn
     finally:
-        admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.close()
+        conn.close()
+
+
+@contextlib.contextmanager
+def throwaway_db() -> Iterator[str]:
+    """The URL of a new, empty database, dropped afterwards."""
+    with admin() as conn:
+        name = "mxtest_" + secrets.token_hex(6)
+        ISSUED.append(name)
+        conn.execute(f"CREATE DATABASE {name}")
+        try:
+            yield PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+        finally:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@contextlib.contextmanager
+def throwaway_schema() -> Iterator[tuple[str, str, Any]]:
+    """(the test database's URL, a schema name of our own, an admin connection); the schema and
+    everything in it are dropped afterwards."""
+    with admin() as conn:
+        name = "mxtest_" + secrets.token_hex(6)
+        try:
+            yield PG_ADMIN, name, conn
+        finally:
+            conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
 
 
 def databases_left(names: list[str]) -> list[str] | None:

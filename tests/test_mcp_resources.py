@@ -1,6 +1,6 @@
 """Upstream resources and prompts through the gateway's MCP face, over Streamable HTTP and stdio.
 
-Two copies of ``examples/upstream_server.py`` sit behind ``tools_*`` and ``more_*``: their
+Two copies of ``multiplexer/defaults/demo_tools.py`` sit behind ``tools_*`` and ``more_*``: their
 prompts appear under both prefixes, and the resource URI both list is served by the first.
 """
 

@@ -91,7 +91,7 @@ async def test_200_concurrent_calls_share_one_upstream_session(two_upstreams: Ga
     assert provider.session.connects == connects  # no session per call
     assert await upstream_pid(two_upstreams) == pid
     assert len([p for p in psutil.Process().children(recursive=True)
-                if "upstream_server.py" in " ".join(p.cmdline()) and "--http" not in p.cmdline()]) == 1
+                if "demo_tools.py" in " ".join(p.cmdline()) and "--http" not in p.cmdline()]) == 1
 
 
 async def test_identical_calls_are_shared_only_for_read_only_or_idempotent_tools(

@@ -20,8 +20,10 @@ import anyio
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from multiplexer.core.startup import StartupError, os_reason
 from multiplexer.core.state import Learned, LimitSpec, QuotaDecision, StateUnavailable
 
 from . import redis_lua
@@ -29,6 +31,19 @@ from . import redis_lua
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+START_ATTEMPTS = 3
+
+
+def _why(error: BaseException, timeout_s: float) -> str:
+    """What the operator reads when Redis cannot be used at start."""
+    if isinstance(error, AuthenticationError):
+        return f"authentication failed ({error})"
+    if isinstance(error, RedisTimeoutError):
+        return f"no answer within {timeout_s * 1000:g} ms (state.timeout_ms)"
+    reason = os_reason(error)
+    return f"cannot connect ({reason})" if reason else f"{type(error).__name__}: {error}"
 
 
 def _tag(name: str) -> str:
@@ -42,6 +57,7 @@ class RedisState:
         self.url = url
         self.prefix = prefix
         self.lease_s = lease_s
+        self.timeout_s = timeout_s
         self.replica_id = secrets.token_hex(6)
         self._live = 1
         self.r = aioredis.Redis.from_url(
@@ -69,8 +85,18 @@ class RedisState:
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
-        with contextlib.suppress(StateUnavailable):  # degraded from the start; the loop keeps trying
-            await self.heartbeat()
+        """The first heartbeat, which must reach Redis: a wrong ``state.url`` (nothing listening,
+        a password refused, no such database) stops start-up with one line, rather than a
+        gateway that starts degraded and stays so. Later outages degrade (``StateUnavailable``).
+        A slow answer is asked again (a busy host at start), a refusal is final."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                await self.heartbeat()
+                return
+            except StateUnavailable as e:
+                cause = e.__cause__ or e
+                if not (isinstance(cause, RedisTimeoutError) and attempt < START_ATTEMPTS):
+                    raise StartupError("state.url", self.url, _why(cause, self.timeout_s)) from None
 
     async def aclose(self) -> None:
         await self.r.aclose()

@@ -46,7 +46,7 @@ class RetryPolicy(Strict):
 
 
 class ProviderConfig(BaseModel):
-    """Common keys; the rest belong to the provider kind (validated by it)."""
+    """Common keys; the rest belong to the provider kind (its ``Settings``, checked at load)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -62,6 +62,9 @@ class ProviderConfig(BaseModel):
 
 
 class RouteConfig(BaseModel):
+    """Common keys; the rest belong to the provider's kind (its ``RouteSettings``, checked at load)
+    and reach the provider in ``item.options``."""
+
     model_config = ConfigDict(extra="allow")
 
     provider: str

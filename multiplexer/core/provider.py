@@ -56,6 +56,7 @@ class ProviderContext:
     tracer: Tracer = NOOP  # puts the upstream batch's trace context into upstream requests
     store_url: str | None = None  # batch jobs in PostgreSQL (shared by replicas) instead of store_path
     store_lease_s: float = 30.0  # with store_url: how long a replica's claim on a batch lasts
+    store_schema: str = "multiplexer"  # with store_url: the PostgreSQL schema of the job tables
 
 
 class Provider:
@@ -67,6 +68,9 @@ class Provider:
     """
 
     Settings: ClassVar[type[BaseModel]] = NoSettings
+    # A route's keys beyond ``RouteConfig``'s that this kind reads (from ``item.options``): the
+    # loader refuses any other, so a typo in a route is an error, never a key silently ignored.
+    RouteSettings: ClassVar[type[BaseModel]] = NoSettings
     # Lane slots when the config sets no ``limits.concurrency``: a kind whose calls hold a slot
     # long (streams, generation) or that learns its limits from the upstream sets its own.
     default_concurrency: ClassVar[int | None] = None

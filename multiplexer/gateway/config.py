@@ -1,7 +1,9 @@
 """Configuration: YAML validated by pydantic, with ``${VAR}`` / ``${VAR:-default}`` secrets.
 
-Provider-specific keys are validated by the provider kind's own settings model,
-so a mistake is reported with its full key path (``providers.calc.url: ...``).
+Provider-specific keys are validated by the provider kind's own settings model, and a
+route's own keys by its provider kind's route settings, so a mistake is reported with its
+full key path (``providers.calc.url: ...``), a typo with the key it resembles. Paths in a
+file are relative to the file's folder (``core/paths.py``).
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 
+from multiplexer.core.paths import ConfigPath, context_for
 from multiplexer.core.policy import (
     ProviderConfig,
     Quota,
     RouteConfig,
     Strict,
 )
+from multiplexer.gateway.config_errors import hint, problems
+from multiplexer.gateway.kind_keys import kind_problems
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -72,10 +77,17 @@ class ServerConfig(Strict):
 
 
 class StoreConfig(Strict):
-    path: str = "multiplexer.db"
+    path: ConfigPath = Field(
+        default="multiplexer.db",
+        description="SQLite file of batch jobs (relative: to the config's folder; unset: multiplexer.db"
+                    " in the working folder)")
     url: str | None = Field(
         default=None,
         description="postgresql://...: batch jobs shared by every replica (unset: SQLite at path)")
+    schema_: str = Field(
+        default="multiplexer", alias="schema",
+        description="with url: the PostgreSQL schema of the job tables, created if missing (not public:"
+                    " the tables stay apart from what else the database holds)")
     lease_s: float = Field(
         default=30.0, gt=0, description="with url: a dead replica's batches are taken over after this")
     open_job_idle_s: float | None = Field(
@@ -88,16 +100,20 @@ class StoreConfig(Strict):
                     "null: kept until jobs.delete",
     )
 
-    @model_validator(mode="after")
-    def _known_url(self) -> StoreConfig:
-        _postgres_url(self.url)
-        return self
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"expected postgresql://..., got {url!r}")
+        return url
 
-
-def _postgres_url(url: str | None) -> str | None:
-    if url is not None and not url.startswith(("postgresql://", "postgres://")):
-        raise ValueError(f"store.url: expected postgresql://..., got {url!r}")
-    return url
+    @field_validator("schema_")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", name):
+            raise ValueError(f"{name!r} is not a plain PostgreSQL name (letters, digits and _, not "
+                             "starting with a digit, at most 63)")
+        return name
 
 
 class StateConfig(Strict):
@@ -110,11 +126,12 @@ class StateConfig(Strict):
     on_failure: Literal["closed", "open"] = Field(
         default="closed", description="per-key quotas while the state is unreachable: refuse, or local")
 
-    @model_validator(mode="after")
-    def _known_scheme(self) -> StateConfig:
-        if self.url is not None and self.url.partition("://")[0] not in ("redis", "rediss", "unix"):
-            raise ValueError(f"state.url: expected redis://, rediss:// or unix://, got {self.url!r}")
-        return self
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, url: str | None) -> str | None:
+        if url is not None and url.partition("://")[0] not in ("redis", "rediss", "unix"):
+            raise ValueError(f"expected redis://, rediss:// or unix://, got {url!r}")
+        return url
 
 
 class CacheConfig(Strict):
@@ -142,14 +159,23 @@ class Config(Strict):
     state: StateConfig = Field(default_factory=StateConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
+    # The config file's folder: relative paths in the file start there (None: the working folder).
+    _base_dir: Path | None = PrivateAttr(default=None)
+
+    @property
+    def base_dir(self) -> Path | None:
+        return self._base_dir
+
+    def paths_context(self) -> dict[str, Any] | None:
+        """The validation context for the kinds' settings: their relative paths are the file's."""
+        return context_for(self._base_dir)
+
     @model_validator(mode="after")
     def _routes_name_providers(self) -> Config:
         for name, route in self.routes.items():
             if route.provider not in self.providers:
-                known = ", ".join(sorted(self.providers)) or "none"
-                raise ValueError(
-                    f"routes.{name}.provider: unknown provider {route.provider!r} (known: {known})"
-                )
+                raise ValueError(f"routes.{name}.provider: unknown provider {route.provider!r} "
+                                 f"({hint(route.provider, self.providers)})")
             if "*" in name and not name.endswith("*"):
                 raise ValueError(f"routes.{name}: a wildcard may only end a route name")
         return self
@@ -176,40 +202,33 @@ def expand_env(node: Any, path: str = "", env: Mapping[str, str] | None = None) 
     return _ENV.sub(sub, node)
 
 
-def _format(err: ValidationError, prefix: str = "") -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",))
-        where = ".".join(x for x in (prefix, loc) if x) or "(root)"
-        lines.append(f"{where}: {e['msg']}")
-    return "invalid config:\n  " + "\n  ".join(lines)
+def parse_config(data: Any, env: dict[str, str] | None = None,
+                 base_dir: str | Path | None = None) -> Config:
+    """Validate a config mapping; every problem is one line of the ``ConfigError``.
 
-
-def parse_config(data: Any, env: dict[str, str] | None = None) -> Config:
+    ``base_dir``: where relative paths in it start (``load_config``: the file's folder);
+    None: the working folder.
+    """
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("invalid config: the top level must be a mapping")
     data = expand_env(data, env=env)
+    context = context_for(base_dir)
+    lines: list[str] = []
     try:
-        config = Config.model_validate(data)
+        config = Config.model_validate(data, context=context)
     except ValidationError as e:
-        raise ConfigError(_format(e)) from None
-    from multiplexer.gateway.registry import settings_model  # composition layer: config knows kinds
-
-    for name, prov in config.providers.items():
-        try:
-            model = settings_model(prov.kind)
-        except KeyError as e:
-            raise ConfigError(f"invalid config:\n  providers.{name}.kind: {e.args[0]}") from None
-        try:
-            model.model_validate(prov.extra)
-        except ValidationError as e:
-            raise ConfigError(_format(e, f"providers.{name}")) from None
+        lines += problems(e, Config, data)
+    lines += kind_problems(data, context)
+    if lines:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(dict.fromkeys(lines)))
+    config._base_dir = None if base_dir is None else Path(base_dir).resolve()
     return config
 
 
 def load_config(path: str | Path, env: dict[str, str] | None = None) -> Config:
+    """A config file; its relative paths are relative to its folder."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -219,4 +238,4 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    return parse_config(data, env)
+    return parse_config(data, env, base_dir=p.resolve().parent)

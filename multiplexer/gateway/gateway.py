@@ -110,12 +110,14 @@ class Gateway:
                 limiter = limiter_for(name, pconf, self.clock, self.state, self.metrics)
                 self.limiters[name] = limiter
                 if name not in self.providers:
-                    settings = cls.Settings.model_validate(pconf.extra)
+                    settings = cls.Settings.model_validate(pconf.extra,
+                                                           context=self.config.paths_context())
                     ctx = ProviderContext(
                         name=name, config=pconf, settings=settings, clock=self.clock,
                         limiter=limiter, metrics=self.metrics,
                         store_path=Path(self.config.store.path), notify=self.notify,
                         store_url=self.config.store.url, store_lease_s=self.config.store.lease_s,
+                        store_schema=self.config.store.schema_,
                         tracer=self.tracer,
                     )
                     self.providers[name] = cls(ctx)

@@ -49,4 +49,10 @@ def state_class(url: str) -> type:
 
 
 def settings_model(kind: str) -> type[BaseModel]:
+    """The keys a provider of this kind takes beside the common ones (``ProviderConfig``)."""
     return provider_class(kind).Settings
+
+
+def route_settings_model(kind: str) -> type[BaseModel]:
+    """The keys a route to a provider of this kind takes beside the common ones (``RouteConfig``)."""
+    return provider_class(kind).RouteSettings

@@ -71,10 +71,13 @@ class JobManager(PartDriver):
     def store(self) -> JobStore:
         """Opened on first use, or at start when the file exists (jobs may be pending)."""
         if self._store is None:
-            self._store = acquire(self.ctx.store_path, self.ctx.store_url, self.ctx.store_lease_s)
+            self._store = acquire(self.ctx.store_path, self.ctx.store_url, self.ctx.store_lease_s,
+                                  self.ctx.store_schema)
         return self._store
 
     async def start(self) -> None:
+        if self.ctx.store_url is not None:
+            self.store()  # a store.url that cannot be used stops start-up here, nothing yet to undo
         stack = AsyncExitStack()
         await stack.__aenter__()
         self._tg = await stack.enter_async_context(anyio.create_task_group())

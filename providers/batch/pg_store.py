@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from .pg_connect import connect
 from .store import JobStore, LeaseLost, _locked
 
-SCHEMA = """
+TABLES = """
 CREATE TABLE IF NOT EXISTS jobs (
   id TEXT PRIMARY KEY, identity TEXT, source TEXT NOT NULL, state TEXT NOT NULL,
   total INTEGER NOT NULL DEFAULT 0, created DOUBLE PRECISION NOT NULL,
@@ -63,22 +64,31 @@ class PgJobStore(JobStore):
     shared = True
     _HOLD_JOB = "SELECT state, total FROM jobs WHERE id=? FOR UPDATE"  # replicas append one at a time
     def __init__(self, url: str, lease_s: float = 30.0, wall: Callable[[], float] = time.time,
-                 owner: str | None = None) -> None:
-        import psycopg
-
+                 owner: str | None = None, schema: str = "multiplexer") -> None:
         self.url = url
+        self.schema = schema
         self.path = None  # type: ignore[assignment]
         self.wall = wall
         self.lease_s = lease_s
         self.owner = owner or secrets.token_hex(6)
         self._lock = threading.RLock()
         # not the base class's _db: that is sqlite3's, read only by the methods overridden here
-        self._conn = psycopg.connect(url, autocommit=True)
+        self._conn = connect(url)
         self._claims: dict[str, int] = {}  # part id -> the epoch this replica holds
         self._sql: dict[str, str] = {}
+        self._in_schema(schema)
+
+    def _in_schema(self, schema: str) -> None:
+        """Every query of this connection in ``schema`` (created if missing), not in ``public``:
+        the tables sit where the config says, beside whatever else the database holds."""
+        from psycopg import sql
+
+        name = sql.Identifier(schema)
         with self._conn.transaction():
-            self._conn.execute("SELECT pg_advisory_xact_lock(7331)")  # one replica creates the schema
-            self._conn.execute(SCHEMA)
+            self._conn.execute("SELECT pg_advisory_xact_lock(7331)")  # one replica creates the tables
+            self._conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name))
+            self._conn.execute(sql.SQL("SET search_path TO {}").format(name))
+            self._conn.execute(TABLES)
 
     def close(self) -> None:
         with self._lock:

@@ -10,16 +10,18 @@ from .store import JobStore
 _shared: dict[Any, tuple[JobStore, int]] = {}
 
 
-def acquire(path: str | Path, url: str | None = None, lease_s: float = 30.0) -> JobStore:
+def acquire(path: str | Path, url: str | None = None, lease_s: float = 30.0,
+            schema: str = "multiplexer") -> JobStore:
     """One connection per database and process, shared by its providers and the job face:
-    PostgreSQL at ``url`` (several replicas) or the SQLite file at ``path``."""
-    key: Any = url or Path(path).resolve()
+    PostgreSQL at ``url`` (several replicas; its tables in ``schema``) or the SQLite file at
+    ``path``. A ``url`` that cannot be used raises ``StartupError``."""
+    key: Any = (url, schema) if url else Path(path).resolve()
     store, refs = _shared.get(key, (None, 0))
     if store is None:
         if url is not None:
             from .pg_store import PgJobStore  # psycopg only where store.url asks for it
 
-            store = PgJobStore(url, lease_s)
+            store = PgJobStore(url, lease_s, schema=schema)
         else:
             store = JobStore(key)
     _shared[key] = (store, refs + 1)
@@ -27,7 +29,8 @@ def acquire(path: str | Path, url: str | None = None, lease_s: float = 30.0) -> 
 
 
 def release(store: JobStore) -> None:
-    key = getattr(store, "url", None) or store.path.resolve()
+    url = getattr(store, "url", None)
+    key = (url, getattr(store, "schema", None)) if url else store.path.resolve()
     held, refs = _shared.get(key, (None, 0))
     if held is not store:
         return

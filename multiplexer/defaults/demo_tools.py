@@ -1,4 +1,5 @@
-"""A small upstream MCP server for demos, tests and benchmarks (built on the SDK's ``MCPServer``).
+"""A small upstream MCP server for the default config's ``tools`` provider, tests and benchmarks
+(built on the SDK's ``MCPServer``); shipped in the package beside ``default.yaml``, which starts it.
 
 Tools: ``echo`` and ``add`` (fast, read-only), ``sleep`` (slow, reports progress; ``stats``
 counts running, cancelled and finished sleeps), ``fail`` (always fails), ``pid`` (the server's
@@ -9,8 +10,8 @@ Resources: ``example://readme`` (text naming the server's process id, so
 tests can tell two copies apart) and the template ``example://items/{item_id}``. Prompt:
 ``greet(name)``.
 
-    python examples/upstream_server.py                   # MCP over stdio
-    python examples/upstream_server.py --http --port 9002  # Streamable HTTP at /mcp
+    python -m multiplexer.defaults.demo_tools                     # MCP over stdio
+    python -m multiplexer.defaults.demo_tools --http --port 9002  # Streamable HTTP at /mcp
 """
 
 from __future__ import annotations

