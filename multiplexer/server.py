@@ -127,6 +127,7 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
             mcp_routes, lifespan = mount_mcp(gw, auth)
             routes = v1_routes(gw, auth) + mcp_routes
             app = create_app(gw, routes, lifespan, auth)
+            gw.faces["app"] = app  # what is mounted, for those who enumerate it
             heap.serving(gw)  # before the first call: no full pauses on start-up's heap after
             async with serve_asgi(app, sock, lifespan=lifespan is not None) as url:
                 yield gw, url

@@ -10,6 +10,7 @@ import pytest
 from multiplexer.backends.redis_state import RedisState
 from multiplexer.core.call import Call
 from multiplexer.core.clock import MonotonicClock
+from multiplexer.core.quota import Claim
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.state import Learned, LimitSpec
 from multiplexer.gateway.config import parse_config
@@ -675,13 +676,13 @@ async def test_an_array_cancelled_while_its_quota_is_decided_frees_the_slots_it_
     quotas = SharedQuotas(MonotonicClock(), {"alice": Quota(concurrency=2)}, state,  # type: ignore[arg-type]
                           fail_open=False, degraded=lambda part: None)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(quotas.reserve, [("alice", 0), ("alice", 0)])
+        tg.start_soon(quotas.decide, [Claim("alice"), Claim("alice")])
         await anyio.wait_all_tasks_blocked()
         tg.cancel_scope.cancel()
     await quotas.flush()
     # r:0 was taken; r:1's reply never came, and it may have taken the slot: both are freed
     assert sorted(state.released) == ["r:0", "r:1"]
-    assert not quotas._calls["alice"]  # nothing decided is left for a later call to take
+    assert not quotas._leases["alice"]  # nothing is left held (or renewed) for the key
 
 
 class LostReply(Unreachable):
@@ -735,8 +736,6 @@ async def test_each_call_of_an_array_gets_its_own_shared_quota_decision():
 
     quotas = SharedQuotas(MonotonicClock(), {"alice": Quota(rpm=100)}, Flapping(),  # type: ignore[arg-type]
                           fail_open=True, degraded=lambda part: None)
-    await quotas.reserve([("alice", 0), ("alice", 0)])
-    assert quotas.acquire("alice")  # decided locally: admitted
-    with pytest.raises(RpcError) as refused:
-        quotas.acquire("alice")
-    assert refused.value.data["limit"] == "rpm"
+    first, second = await quotas.decide([Claim("alice"), Claim("alice")])
+    assert first.refusal is None and first.slot == "local"  # decided locally: admitted
+    assert isinstance(second.refusal, RpcError) and second.refusal.data["limit"] == "rpm"

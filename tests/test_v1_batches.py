@@ -250,14 +250,14 @@ async def test_deleting_the_input_file_of_a_running_batch_loses_no_lane_line_on_
 async def test_a_resume_pass_leaves_a_batch_already_running_to_its_one_runner(tmp_path):
     """A batch created while the start-up resume pass scans the store is running already: the
     pass must not start a second runner over the same lines (each would run twice)."""
-    async with gateway(tmp_path, quotas={"alice": {"rpm": 1}}) as (_, gw, client):
+    async with gateway(tmp_path, quotas={"alice": {"rpm": 2}}) as (_, gw, client):
         rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
                 for i in range(3)]
         upload = await client.files.create(file=("w.jsonl", jsonl(rows)), purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
                                             completion_window="24h")
         batches = gw.faces["v1_batches"]
-        runner = batches.live[batch.id]  # its later lines wait for the owner's rpm quota
+        runner = batches.live[batch.id]  # the upload and the create took its 2 rpm: its lines wait
         await batches.resume()
         assert batches.live[batch.id] is runner
 

@@ -82,6 +82,9 @@ class Call:
     # The provider operation asked for instead of the route's (``/v1/responses`` on a chat route).
     # Set by a face that checked the provider serves it, never from the wire.
     operation: str | None = None
+    # Who a ``jobs.submit`` stores its job for (``task``: the MCP task face), shown by ``jobs.*``.
+    # Set by a face, never from the wire; None: the client's own job.
+    job_source: str | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -1,14 +1,53 @@
-"""Per-identity quotas: requests per minute, concurrent calls, and batch-job calls per day."""
+"""Per-key quotas: requests per minute, concurrent calls, and batch-job calls per day.
+
+A quota is decided once per call, as a ``Grant`` that the call keeps until it ends: the
+refusal, or what it holds (a concurrency slot, a batch charge) and must give back. The
+grant travels with the call, so nothing is ever matched to a call by its position in a
+queue, and giving back is the grant's own business (once, however the call ends).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from multiplexer.core.clock import Clock
-from multiplexer.core.errors import rate_limited
+from multiplexer.core.errors import RpcError, rate_limited
 from multiplexer.core.limiter import TokenBucket
 from multiplexer.core.policy import Quota
 
+LOCAL = "local"  # a slot held on this process's counters (no shared lease)
+
+
+@dataclass(slots=True, frozen=True)
+class Claim:
+    """What one call asks of its key's quota: a call (rpm and concurrency) and/or batch calls."""
+
+    identity: str | None
+    call: bool = True
+    batch_calls: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Grant:
+    """One call's quota decision: refused, or what it holds until it ends.
+
+    ``slot`` is ``LOCAL`` or the shared lease id of the key's concurrency slot it holds;
+    ``batch`` the (UTC day, calls, decided in shared state) it charged to the key's batch
+    allowance, given back only if the call never runs (``Quotas.refund``)."""
+
+    identity: str | None = None
+    refusal: RpcError | None = None
+    slot: str | None = None
+    batch: tuple[int, int, bool] | None = None
+
+
+FREE = Grant()  # keyless callers and keys without a quota: nothing held, never mutated
+
 
 class Quotas:
+    """The in-process quotas of one gateway; ``SharedQuotas`` decides in the shared state."""
+
     def __init__(self, clock: Clock, quotas: dict[str, Quota]) -> None:
         self.clock = clock
         self.quotas = quotas
@@ -16,33 +55,54 @@ class Quotas:
         self._active: dict[str, int] = {}
         self._batch: dict[str, tuple[int, int]] = {}  # identity -> (UTC day, calls charged that day)
 
-    def acquire(self, identity: str | None) -> bool:
-        """Admit one call for ``identity`` or raise -32003; True when a slot must be released."""
-        quota = self.quotas.get(identity) if identity else None
-        if quota is None:
-            return False
-        assert identity is not None
-        now = self.clock.now()
-        if quota.concurrency is not None and self._active.get(identity, 0) >= quota.concurrency:
-            raise rate_limited("concurrency", 0.05, identity=identity)
-        if quota.rpm is not None:
-            bucket = self._buckets.get(identity)
-            if bucket is None:
-                bucket = self._buckets[identity] = TokenBucket.per_minute(quota.rpm, now)
-            wait = bucket.delay(1, now)
-            if wait > 0:
-                raise rate_limited("rpm", wait, identity=identity)
-            bucket.consume(1, now)
-        self._active[identity] = self._active.get(identity, 0) + 1
-        return True
+    def limits(self, identity: str | None) -> Quota | None:
+        return self.quotas.get(identity) if identity is not None else None
 
-    def charge_batch(self, identity: str | None, calls: int) -> None:
-        """Count ``calls`` carried by a batch job against the key's daily allowance, all or none:
-        a job may hold 100,000 calls for the price of one request, so rpm alone cannot bound it."""
-        quota = self.quotas.get(identity) if identity else None
-        if quota is None or quota.batch_calls_per_day is None or calls <= 0:
-            return
-        assert identity is not None
+    async def decide(self, claims: Sequence[Claim | None]) -> list[Grant]:
+        """One grant per claim, in order (None: the call asks nothing of a quota)."""
+        return [FREE if c is None else self.decide_here(c) for c in claims]
+
+    def decide_here(self, claim: Claim) -> Grant:
+        """Decide on this process's counters, all or nothing: a refused call takes no rpm token,
+        no slot and no batch charge."""
+        identity = claim.identity
+        quota = self.limits(identity)
+        if quota is None or identity is None:
+            return FREE
+        now = self.clock.now()
+        bucket = None
+        try:
+            if claim.call:
+                if quota.concurrency is not None and self._active.get(identity, 0) >= quota.concurrency:
+                    raise rate_limited("concurrency", 0.05, identity=identity)
+                if quota.rpm is not None:
+                    bucket = self._buckets.get(identity)
+                    if bucket is None:
+                        bucket = self._buckets[identity] = TokenBucket.per_minute(quota.rpm, now)
+                    wait = bucket.delay(1, now)
+                    if wait > 0:
+                        raise rate_limited("rpm", wait, identity=identity)
+            day_used = self._batch_room(identity, quota, claim.batch_calls)
+        except RpcError as e:
+            return Grant(identity, refusal=e)
+        grant = Grant(identity)
+        if claim.call:
+            if bucket is not None:
+                bucket.consume(1, now)
+            self._active[identity] = self._active.get(identity, 0) + 1
+            grant.slot = LOCAL
+        if day_used is not None:
+            day, used = day_used
+            self._batch[identity] = (day, used + claim.batch_calls)
+            grant.batch = (day, claim.batch_calls, False)
+        return grant
+
+    def _batch_room(self, identity: str, quota: Quota, calls: int) -> tuple[int, int] | None:
+        """(UTC day, calls used that day) when ``calls`` fit the key's daily batch allowance;
+        None when nothing is to be charged; a -32003 refusal when they do not fit: a job may
+        hold 100,000 calls for the price of one request, so rpm alone cannot bound it."""
+        if quota.batch_calls_per_day is None or calls <= 0:
+            return None
         wall = self.clock.wall()
         day = int(wall // 86_400)
         seen_day, used = self._batch.get(identity, (day, 0))
@@ -51,15 +111,28 @@ class Quotas:
         if used + calls > quota.batch_calls_per_day:
             raise rate_limited("batch_calls_per_day", (day + 1) * 86_400 - wall, identity=identity,
                                allowed=quota.batch_calls_per_day, remaining=quota.batch_calls_per_day - used)
-        self._batch[identity] = (day, used + calls)
+        return day, used
 
-    def forgo_batch(self, identity: str | None) -> None:
-        """A call refused before ``charge_batch``: in-process nothing was charged yet."""
+    def release(self, grant: Grant) -> None:
+        """The call ended: free its slot (once, however often it is asked)."""
+        if grant.slot == LOCAL and grant.identity is not None:
+            grant.slot = None
+            if self._active.get(grant.identity, 0) > 0:
+                self._active[grant.identity] -= 1
+
+    def refund(self, grant: Grant) -> None:
+        """The call was refused after its decision and never ran: give back its batch charge."""
+        if grant.batch is None or grant.identity is None:
+            return
+        (day, calls, _), grant.batch = grant.batch, None
+        seen_day, used = self._batch.get(grant.identity, (day, 0))
+        if seen_day == day:
+            self._batch[grant.identity] = (day, max(0, used - calls))
 
     def rpm_state(self, identity: str | None) -> tuple[float, float | None, float | None] | None:
         """(limit, remaining, seconds until full) of the caller's rpm quota; None without one.
         Remaining and reset are None where this process does not hold the bucket (shared quotas)."""
-        quota = self.quotas.get(identity) if identity else None
+        quota = self.limits(identity)
         if quota is None or quota.rpm is None:
             return None
         bucket = self._buckets.get(identity)  # type: ignore[arg-type]
@@ -69,21 +142,20 @@ class Quotas:
         left = max(bucket.level, 0.0)
         return quota.rpm, left, (quota.rpm - left) / bucket.rate if bucket.rate else 0.0
 
-    async def reserve(self, claims: list[tuple[str, int]]) -> None:
-        """Shared quotas decide ahead, per (identity, batch calls); in-process ones need not."""
+    async def admit(self, identity: str | None) -> Grant:
+        """One call's grant for callers outside the gateway's call path (MCP resources and
+        prompts, task lookups); raises the refusal."""
+        return _granted((await self.decide([Claim(identity)]))[0])
 
-    async def admit(self, identity: str | None) -> bool:
-        """``acquire`` for callers outside the gateway's call path (MCP resources and prompts)."""
-        if identity is not None:
-            await self.reserve([(identity, 0)])
-        return self.acquire(identity)
+    async def charge(self, identity: str | None, calls: int) -> Grant:
+        """A batch charge for ``calls`` (a ``jobs.submit``'s calls); raises the refusal."""
+        return _granted((await self.decide([Claim(identity, call=False, batch_calls=calls)]))[0])
 
-    async def charge(self, identity: str | None, calls: int) -> None:
-        """``charge_batch`` for callers that may wait (the jobs.* face)."""
-        if identity is not None and calls > 0:
-            await self.reserve([(identity, calls)])
-        self.charge_batch(identity, calls)
+    async def flush(self) -> None:
+        """Shared quotas hand back what ended before the gateway answers; in-process, at once."""
 
-    def release(self, identity: str | None) -> None:
-        if identity is not None and self._active.get(identity, 0) > 0:
-            self._active[identity] -= 1
+
+def _granted(grant: Grant) -> Grant:
+    if grant.refusal is not None:
+        raise grant.refusal
+    return grant

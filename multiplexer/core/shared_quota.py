@@ -1,31 +1,27 @@
-"""Per-key quotas shared by every replica: decided in the shared state, ahead of admission.
+"""Per-key quotas shared by every replica: each call's grant decided in the shared state.
 
-The gateway admits a whole array of calls synchronously, so the shared decisions
-are taken just before (``reserve``: one round trip per call, on the shared
-state's clock) and ``acquire`` / ``charge_batch`` then take them in order.
-Concurrency slots are leases, renewed while their calls run and freed in the
-background when they end. When the shared state is unreachable the decision is
-closed (``-32003`` limit ``quota_unavailable``) unless ``state.on_failure: open``,
-which decides on this replica's own counters; both are counted as degraded.
-Each decision also brings back the key's rpm bucket as it left it, which is what
-the ``/v1`` faces' ``x-ratelimit-*`` headers show (``rpm_state``).
+An array's claims are decided a few at a time (one round trip each, on the shared state's
+clock), each into its own ``Grant``: nothing is queued and matched to a call later. Concurrency
+slots are leases, renewed while their calls run and freed in the background when they end. When
+the shared state is unreachable the decision is closed (``-32003`` limit ``quota_unavailable``)
+unless ``state.on_failure: open``, which decides that claim on this replica's own counters; both
+are counted as degraded. Each decision also brings back the key's rpm bucket as it left it,
+which is what the ``/v1`` faces' ``x-ratelimit-*`` headers show (``rpm_state``).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict, deque
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import anyio
 
 from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, rate_limited
 from multiplexer.core.policy import Quota
-from multiplexer.core.quota import Quotas
+from multiplexer.core.quota import FREE, LOCAL, Claim, Grant, Quotas
 from multiplexer.core.state import SharedState, StateUnavailable
-
-Decision = str | RpcError | None  # a lease id, a refusal, or None: decide locally (state down, open)
 
 
 class SharedQuotas(Quotas):
@@ -36,10 +32,7 @@ class SharedQuotas(Quotas):
         self.fail_open = fail_open
         self.degraded = degraded
         self._ids = itertools.count()
-        self._calls: dict[str, deque[Decision]] = defaultdict(deque)
-        self._batches: dict[str, deque[Decision]] = defaultdict(deque)
-        self._leases: dict[str, list[str]] = defaultdict(list)
-        self._local: dict[str, int] = defaultdict(int)  # slots taken locally (state down, open)
+        self._leases: dict[str, set[str]] = defaultdict(set)  # running calls' slots, renewed
         self._ended: list[tuple[str, str]] = []  # (identity, lease) of calls that ended
         self._refunds: list[tuple[str, int, int]] = []  # (identity, UTC day, calls) charged to undo
         # identity -> (rpm level, shared-state time, local time) of its latest shared decision
@@ -47,53 +40,66 @@ class SharedQuotas(Quotas):
         self._wake = anyio.Event()
         self._parallel = anyio.CapacityLimiter(16)  # round trips of one array at once
 
-    def _refusal(self, e: StateUnavailable) -> Decision:
+    def _unavailable(self) -> RpcError | None:
+        """The shared state did not answer: a refusal, or None to decide here (``open``)."""
         self.degraded("quota")
         if self.fail_open:
             return None
         return rate_limited("quota_unavailable", 1.0, detail="the shared quota state is unreachable")
 
-    async def reserve(self, claims: list[tuple[str, int]]) -> None:
-        """Decide every claim (a few at a time), then queue the decisions in claim order."""
-        decided: list[tuple[deque[Decision], Decision] | None] = [None] * len(claims)
+    async def decide(self, claims: Sequence[Claim | None]) -> list[Grant]:
+        """Each claim's grant (a few round trips at once), in the claims' order. If the caller
+        goes away meanwhile, what was already taken for it is given back."""
+        grants: list[Grant] = [FREE] * len(claims)
 
-        async def decide(i: int, identity: str, batch_calls: int, quota: Quota) -> None:
+        async def one(i: int, claim: Claim, quota: Quota) -> None:
             async with self._parallel:
-                if batch_calls:
-                    decided[i] = (self._batches[identity], await self._charge(identity, quota, batch_calls))
-                else:
-                    decided[i] = (self._calls[identity], await self._admit(identity, quota))
+                grant = grants[i] = Grant(claim.identity)  # holds what is taken, if cancelled
+                refusal = await self._decide_shared(grant, claim, quota)
+                if refusal is not None:
+                    self.release(grant)
+                    grants[i] = Grant(claim.identity, refusal=refusal)
 
         try:
             async with anyio.create_task_group() as tg:
-                for i, (identity, batch_calls) in enumerate(claims):
-                    quota = self.quotas.get(identity)
-                    if quota is None:
-                        continue
-                    if (quota.batch_calls_per_day is not None if batch_calls
-                            else quota.rpm is not None or quota.concurrency is not None):
-                        tg.start_soon(decide, i, identity, batch_calls, quota)
-        except BaseException:  # the caller went away: give back what was taken for it (in flush)
-            for (identity, batch_calls), entry in zip(claims, decided, strict=True):
-                if entry is not None and isinstance(entry[1], str):
-                    if batch_calls:
-                        self._refunds.append((identity, int(entry[1]), batch_calls))
-                    else:
-                        self._ended.append((identity, entry[1]))
-            self._wake.set()
+                for i, claim in enumerate(claims):
+                    quota = self.limits(claim.identity) if claim is not None else None
+                    if claim is not None and quota is not None:
+                        tg.start_soon(one, i, claim, quota)
+        except BaseException:
+            for grant in grants:
+                self.refund(grant)
+                self.release(grant)
             raise
-        for entry in decided:
-            if entry is not None:
-                entry[0].append(entry[1])
+        return grants
 
-    async def _admit(self, identity: str, quota: Quota) -> Decision:
+    async def _decide_shared(self, grant: Grant, claim: Claim, quota: Quota) -> RpcError | None:
+        """Take the claim's slot, then its batch charge, into ``grant``; the refusal if any."""
+        identity = claim.identity
+        assert identity is not None
+        if claim.call and (quota.rpm is not None or quota.concurrency is not None):
+            refusal = await self._take_slot(grant, quota)
+            if refusal is not None:
+                return refusal
+            if grant.slot is None:  # the state is down and quotas fail open: decide here
+                local = self.decide_here(Claim(identity, call=True))
+                if local.refusal is not None:
+                    return local.refusal
+                grant.slot = local.slot
+        if claim.batch_calls > 0 and quota.batch_calls_per_day is not None:
+            return await self._charge(grant, quota, claim.batch_calls)
+        return None
+
+    async def _take_slot(self, grant: Grant, quota: Quota) -> RpcError | None:
+        """One round trip for the key's rpm token and concurrency slot, into ``grant.slot``."""
+        identity = grant.identity
+        assert identity is not None
         lease = f"{self.state.replica_id}:{next(self._ids)}"
         try:
-            decision = await self.state.quota(identity, quota.rpm or 0.0, quota.concurrency or 0,
-                                              lease)
-        except StateUnavailable as e:
+            decision = await self.state.quota(identity, quota.rpm or 0.0, quota.concurrency or 0, lease)
+        except StateUnavailable:
             self._seen.pop(identity, None)  # this replica's own bucket decides meanwhile
-            return self._refusal(e)
+            return self._unavailable()
         except BaseException:  # cancelled in the round trip: the slot may be taken; free it
             self._ended.append((identity, lease))
             self._wake.set()
@@ -105,13 +111,37 @@ class SharedQuotas(Quotas):
         if decision.wait > 0:
             which = decision.limit
             return rate_limited(which, decision.wait if which == "rpm" else 0.05, identity=identity)
-        return lease
+        grant.slot = lease
+        self._leases[identity].add(lease)
+        return None
+
+    async def _charge(self, grant: Grant, quota: Quota, calls: int) -> RpcError | None:
+        """The batch charge in the shared state, into ``grant.batch``."""
+        identity = grant.identity
+        assert identity is not None
+        allowed = quota.batch_calls_per_day or 0
+        wall = self.clock.wall()
+        day = int(wall // 86_400)
+        try:
+            left = await self.state.batch_charge(identity, day, calls, allowed)
+        except StateUnavailable:
+            refusal = self._unavailable()
+            if refusal is not None:
+                return refusal
+            local = self.decide_here(Claim(identity, call=False, batch_calls=calls))
+            grant.batch = local.batch
+            return local.refusal
+        if left >= 0:
+            return rate_limited("batch_calls_per_day", (day + 1) * 86_400 - wall, identity=identity,
+                                allowed=allowed, remaining=left)
+        grant.batch = (day, calls, True)
+        return None
 
     def rpm_state(self, identity: str | None) -> tuple[float, float | None, float | None] | None:
         """The rpm bucket as the last shared decision for this key left it, refilled to now on
         this replica's clock: the headers cost no round trip of their own. Calls made through
         other replicas since then show from this replica's next decision on."""
-        quota = self.quotas.get(identity) if identity else None
+        quota = self.limits(identity)
         seen = self._seen.get(identity) if identity else None
         if quota is None or quota.rpm is None or seen is None:
             return super().rpm_state(identity)
@@ -120,58 +150,22 @@ class SharedQuotas(Quotas):
         left = min(quota.rpm, max(level, 0.0) + max(0.0, self.clock.now() - taken) * rate)
         return quota.rpm, left, (quota.rpm - left) / rate
 
-    async def _charge(self, identity: str, quota: Quota, calls: int) -> Decision:
-        allowed = quota.batch_calls_per_day or 0
-        wall = self.clock.wall()
-        day = int(wall // 86_400)
-        try:
-            left = await self.state.batch_charge(identity, day, calls, allowed)
-        except StateUnavailable as e:
-            return self._refusal(e)
-        if left >= 0:
-            return rate_limited("batch_calls_per_day", (day + 1) * 86_400 - wall, identity=identity,
-                                allowed=allowed, remaining=left)
-        return str(day)  # charged on this day (a refund must go to the same one)
-
-    def acquire(self, identity: str | None) -> bool:
-        queue = self._calls.get(identity) if identity else None
-        decision = queue.popleft() if queue else None
-        if decision is None:  # nothing decided ahead, or the state was down and quotas fail open
-            held = super().acquire(identity)
-            if held and identity is not None:
-                self._local[identity] += 1
-            return held
-        if isinstance(decision, RpcError):
-            raise decision
-        self._leases[identity].append(decision)  # type: ignore[index]
-        return True
-
-    def charge_batch(self, identity: str | None, calls: int) -> None:
-        queue = self._batches.get(identity) if identity else None
-        decision = queue.popleft() if queue else None
-        if isinstance(decision, RpcError):
-            raise decision
-        if decision is None:
-            super().charge_batch(identity, calls)
-
-    def forgo_batch(self, identity: str | None) -> None:
-        """Drop the batch decision taken ahead for a call refused before ``charge_batch`` (so
-        the next call does not take it), and give back what it charged (in ``flush``)."""
-        queue = self._batches.get(identity) if identity else None
-        decision = queue.popleft() if queue else None
-        if isinstance(decision, str) and identity is not None:
-            self._refunds.append((identity, int(decision), 1))
-            self._wake.set()
-
-    def release(self, identity: str | None) -> None:
-        if identity is None:
+    def release(self, grant: Grant) -> None:
+        if grant.slot is None or grant.slot == LOCAL or grant.identity is None:
+            super().release(grant)
             return
-        if self._local.get(identity):
-            self._local[identity] -= 1
-            super().release(identity)
-        elif self._leases.get(identity):
-            self._ended.append((identity, self._leases[identity].pop()))
-            self._wake.set()
+        lease, grant.slot = grant.slot, None
+        self._leases[grant.identity].discard(lease)
+        self._ended.append((grant.identity, lease))
+        self._wake.set()
+
+    def refund(self, grant: Grant) -> None:
+        if grant.batch is None or not grant.batch[2] or grant.identity is None:
+            super().refund(grant)
+            return
+        (day, calls, _), grant.batch = grant.batch, None
+        self._refunds.append((grant.identity, day, calls))
+        self._wake.set()
 
     async def flush(self) -> None:
         """Free the slots of the calls that ended and give back the batch charges of calls that

@@ -24,6 +24,7 @@ from multiplexer.core.jobrows import JobRow, NewItem, custom_id
 from multiplexer.core.jobs import BatchJobs, JobStore, new_job_id
 from multiplexer.core.jsonrpc import is_unicode
 from multiplexer.core.provider import BatchCapable, ToolSpec
+from multiplexer.gateway.admission import route_item
 from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
@@ -149,16 +150,13 @@ class JobFace:
         if manager is None:
             raise invalid_params(f"route {resolved.name!r} has no batch support "
                                  f"(provider {route.provider!r})")
-        if route.params and isinstance(params, dict | None):
-            params = {**route.params, **(params or {})}
-        item = Item(route=resolved.name, operation=operation or route.operation,
-                    method=resolved.upstream_method, params=params, identity=identity,
-                    options={**route.extra, "mode": route.mode})
+        item = route_item(resolved, params, identity=identity, operation=operation)
         self.gateway.providers[route.provider].prepare(route, item)
         return manager, item
 
-    async def submit(self, call: Call, source: str = "client") -> dict[str, Any]:
-        """``jobs.submit``; the MCP task face stores its jobs through here too (``source: task``)."""
+    async def submit(self, call: Call) -> dict[str, Any]:
+        """``jobs.submit``; the MCP task face stores its jobs through here too (``job_source: task``)."""
+        source = call.job_source or "client"
         params = _params(call)
         appending = params.get("job_id") is not None
         calls = params.get("calls", [] if appending else None)
@@ -174,7 +172,18 @@ class JobFace:
             raise invalid_params("'more' must be a boolean")
         if appending:  # a refused append stores nothing, so it charges nothing either
             await self._open_job(call)
-        await self.gateway.quotas.charge(call.identity, len(calls))  # -32003 before anything is stored
+        quotas = self.gateway.quotas
+        grant = await quotas.charge(call.identity, len(calls))  # -32003 before anything is stored
+        stored: list[str] = []  # the job id, once the calls are in the store
+        try:
+            return await self._store_calls(call, calls, more, appending, source, stored)
+        except BaseException:
+            if not stored:  # refused before anything was stored: the calls will never run
+                quotas.refund(grant)
+            raise
+
+    async def _store_calls(self, call: Call, calls: list[Any], more: bool, appending: bool,
+                           source: str, stored: list[str]) -> dict[str, Any]:
         st = self.store()
         async with self._lock:
             if appending:
@@ -201,6 +210,7 @@ class JobFace:
                                         error=e.to_dict()))
             if await st.run(st.append_items, job.id, rows) is None:  # sealed by another replica
                 raise invalid_params(f"job {job.id} is no longer open; only open jobs take more calls")
+            stored.append(job.id)
             if not more:
                 await self._close(job.id)
         current = await st.run(st.job, job.id)

@@ -25,12 +25,14 @@ from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import Metrics, code_label
 from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSpec
+from multiplexer.core.quota import FREE, Claim, Grant
 from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.shared_quota import SharedQuotas
 from multiplexer.core.sink import ChunkSink
 from multiplexer.core.streaming import with_streams
 from multiplexer.core.tracing import Tracer, TraceSlot
+from multiplexer.gateway.admission import Plan, route_item
 from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.replicas import (
@@ -226,12 +228,17 @@ class Gateway:
     async def submit_many(self, calls: Sequence[Call]) -> list[Outcome]:
         """Admit every call at once, then wait for all of them with one waiter.
 
-        Outcomes come back in input order, one per call. A batch of a thousand
-        calls parks a thousand small tickets, not a thousand tasks.
+        Three stages: ``admit`` plans each call from the config, ``quotas.decide`` grants
+        or refuses each plan (the one step that consults state), ``enqueue`` acts on it.
+        Outcomes come back in input order, one per call. A batch of a thousand calls parks
+        a thousand small tickets, not a thousand tasks.
         """
-        if isinstance(self.quotas, SharedQuotas):  # decide shared quotas ahead, in one pass
-            await self.quotas.reserve(self._quota_claims(calls))
-        tickets = [self._admit(call) for call in calls]
+        plans = [self.admit(call) for call in calls]
+        if any(p.claim is not None for p in plans):
+            grants = await self.quotas.decide([p.claim for p in plans])
+            tickets = [self.enqueue(p, g) for p, g in zip(plans, grants, strict=True)]
+        else:
+            tickets = [self.enqueue(p, FREE) for p in plans]
         try:
             handlers = [t for t in tickets if t.handler is not None and t.outcome is None]
             if len(handlers) == 1:
@@ -241,8 +248,7 @@ class Gateway:
                     for t in handlers:
                         tg.start_soon(self._run_handler, t)
             await settle(tickets, self.clock, self._finish)
-            if isinstance(self.quotas, SharedQuotas):
-                await self.quotas.flush()
+            await self.quotas.flush()
         except BaseException:
             gone = Outcome.fail(cancelled("caller went away"))
             for t in tickets:
@@ -250,56 +256,31 @@ class Gateway:
             raise
         return [t.outcome for t in tickets]  # type: ignore[misc]
 
-    def _quota_claims(self, calls: Sequence[Call]) -> list[tuple[str, int]]:
-        """(identity, 0) per call that will ask its key's quota, plus (identity, 1) per call
-        that a batch-mode route will charge to the key's batch allowance."""
-        claims: list[tuple[str, int]] = []
-        for call in calls:
-            if call.identity is None or call.identity not in self.quotas.quotas:
-                continue
-            if call.method not in self.methods:
-                try:
-                    route = self.router.resolve(call.method).route
-                except RpcError:
-                    continue
-                if route.mode == "batch":
-                    claims.append((call.identity, 1))
-            claims.append((call.identity, 0))
-        return claims
-
-    def _admit(self, call: Call) -> Ticket:
-        """Route, check and queue one call without waiting; errors end the ticket at once."""
+    def admit(self, call: Call) -> Plan:
+        """Stage one: everything about a call that needs no state (route, operation, item,
+        dedup key, what it claims of its key's quota). Reads the config and the clock only;
+        a refusal here is the plan's ``error`` and charges nothing."""
         # Metrics label by route, never by the client's method string: unknown names would
         # grow the registry without bound (and a lone surrogate would break /metrics).
-        ticket = Ticket(UNROUTED, call.identity, math.inf)
-        span = ticket.span = self.tracer.start_call(call) if self.tracer.enabled else None
-        batch_due = False  # a batch charge decided ahead for this call and not taken yet
+        plan = Plan(call, UNROUTED, math.inf)
+        span = plan.span = self.tracer.start_call(call) if self.tracer.enabled else None
         try:
             builtin = self.methods.get(call.method)
             if builtin is not None:
-                ticket.label = call.method
-                ticket.quota = self.quotas.acquire(call.identity)  # jobs.* count like any call
+                plan.label = call.method
                 timeout_ms = call.timeout_ms or self.config.server.default_timeout_ms
-                ticket.deadline = self.clock.now() + timeout_ms / 1000.0
-                ticket.handler, ticket.call = builtin[0], call
-                return ticket
+                plan.deadline = self.clock.now() + timeout_ms / 1000.0
+                plan.handler = builtin[0]
+                plan.claim = self._claim(call.identity, 0)  # jobs.* count like any call
+                return plan
             resolved = self.router.resolve(call.method)
-            ticket.label = resolved.name
-            route = resolved.route
-            batch_due = route.mode == "batch"
-            ticket.quota = self.quotas.acquire(call.identity)
+            plan.label = resolved.name
+            route = plan.route = resolved.route
             timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
-            ticket.deadline = self.clock.now() + timeout_ms / 1000.0
-            params = call.params
-            if route.params and isinstance(params, dict | None):
-                params = {**route.params, **(params or {})}
-            item = Item(
-                route=resolved.name, operation=call.operation or route.operation,
-                method=resolved.upstream_method,
-                params=params, priority=call.priority or route.priority, deadline=ticket.deadline,
-                identity=call.identity, notification=call.notification,
-                options={**route.extra, "mode": route.mode},
-            )
+            plan.deadline = self.clock.now() + timeout_ms / 1000.0
+            item = plan.item = route_item(
+                resolved, call.params, identity=call.identity, operation=call.operation,
+                priority=call.priority, deadline=plan.deadline, notification=call.notification)
             if call.progress is not None:
                 item.options["progress"] = call.progress
             if call.log is not None:
@@ -315,61 +296,92 @@ class Gateway:
             provider.prepare(route, item)
             if call.sink is not None:  # a stream rides alone and is never shared
                 item.group = _tagged(item.group, "stream")
-                ticket.lane = lane = self._lane_for(resolved.name, route)
-                ticket.pending = lane.submit(item)
+            else:
+                if route.mode == "batch" and call.identity is not None:
+                    item.group = _tagged(item.group, call.identity)  # one job per owner (jobs.*)
+                plan.dedup_key = self._dedup_key(call, route, item, provider)
+            plan.claim = self._claim(call.identity, 1 if route.mode == "batch" else 0)
+        except RpcError as e:
+            plan.error = e
+        except Exception as e:
+            log.exception("call %s failed inside the gateway", call.method)
+            plan.error = internal_error(type(e).__name__)
+        return plan
+
+    def _claim(self, identity: str | None, batch_calls: int) -> Claim | None:
+        """What a call asks of its key's quota; None for keyless callers and keys without one."""
+        if identity is None or identity not in self.quotas.quotas:
+            return None
+        return Claim(identity, call=True, batch_calls=batch_calls)
+
+    def enqueue(self, plan: Plan, grant: Grant) -> Ticket:
+        """Stage three, the only one with effects: answer from the cache, join an identical call
+        in flight, or queue the item on its lane. A call refused here never ran, so its batch
+        charge is given back."""
+        call = plan.call
+        ticket = Ticket(plan.label, call.identity, plan.deadline)
+        ticket.span, ticket.grant = plan.span, grant
+        if plan.error is not None or grant.refusal is not None:
+            self._finish(ticket, Outcome.fail(plan.error or grant.refusal))  # type: ignore[arg-type]
+            return ticket
+        try:
+            if plan.handler is not None:
+                ticket.handler, ticket.call = plan.handler, call
                 return ticket
-            if route.mode == "batch":
-                batch_due = False
-                self.quotas.charge_batch(call.identity, 1)
-                if call.identity is not None:  # one job per owner, who sees it in jobs.*
-                    item.group = _tagged(item.group, call.identity)
-            ticket.lane = lane = self._lane_for(resolved.name, route)
-            key = self._dedup_key(call, route, item, provider)
+            route, item = plan.route, plan.item
+            assert route is not None and item is not None
+            ticket.lane = lane = self._lane_for(plan.label, route)
+            key = plan.dedup_key
             if key is None:
                 ticket.pending = lane.submit(item)
                 return ticket
-            item.options["idempotent"] = True
-            sink = item.options.get("progress")
-            cached = self.cache.get(key)
-            if cached is not None:
-                self.metrics.dedup_hits.labels(resolved.name, "cache").inc()
-                if span is not None:
-                    self.tracer.shared(span, "cache")
-                self._finish(ticket, cached)
-                return ticket
-            pending = self.inflight.join(key)
-            if pending is not None:
-                shared = pending.item  # the queue drops it once every caller's deadline has passed
-                shared.deadline = None if shared.deadline is None else max(shared.deadline, ticket.deadline)
-                self.metrics.dedup_hits.labels(resolved.name, "inflight").inc()
-                if span is not None:
-                    self.tracer.shared(span, "inflight")
-                fan = pending.item.options.get("progress")
-                logs = pending.item.options.get("log")
-            else:
-                fan = item.options["progress"] = ProgressFanout()  # later sharers may ask for progress
-                logs = item.options.setdefault("log", LogFanout())  # ... and for log messages
-                if self.state is not None:  # other replicas may run the same call: share it
-                    item.flight = (flight_key(key), route.cache_ttl_s or 0.0)
-                pending = lane.submit(item)
-                self.inflight.register(key, pending)
-            if callable(sink) and isinstance(fan, ProgressFanout):
-                fan.add(sink)
-                ticket.progress = (fan, sink)
-            if isinstance(logs, LogFanout) and call.log is not None:
-                if pending.item is not item:  # joined: its own fanout was never used
-                    logs.add(call.log)
-                ticket.log = (logs, call.log)
-            ticket.pending, ticket.key, ticket.cache_ttl = pending, key, route.cache_ttl_s
+            self._join_or_submit(ticket, plan, route, item, lane, key)
         except RpcError as e:
+            self.quotas.refund(grant)
             self._finish(ticket, Outcome.fail(e))
         except Exception as e:
             log.exception("call %s failed inside the gateway", call.method)
+            self.quotas.refund(grant)
             self._finish(ticket, Outcome.fail(internal_error(type(e).__name__)))
-        finally:
-            if batch_due:  # refused before it was charged (on any path): none of the key's batch calls
-                self.quotas.forgo_batch(call.identity)
         return ticket
+
+    def _join_or_submit(self, ticket: Ticket, plan: Plan, route: RouteConfig, item: Item, lane: Lane,
+                        key: Hashable) -> None:
+        """A deduplicable call: the cached answer, the identical call in flight, or a new one."""
+        call, span = plan.call, plan.span
+        item.options["idempotent"] = True
+        sink = item.options.get("progress")
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.metrics.dedup_hits.labels(plan.label, "cache").inc()
+            if span is not None:
+                self.tracer.shared(span, "cache")
+            self._finish(ticket, cached)
+            return
+        pending = self.inflight.join(key)
+        if pending is not None:
+            shared = pending.item  # the queue drops it once every caller's deadline has passed
+            shared.deadline = None if shared.deadline is None else max(shared.deadline, ticket.deadline)
+            self.metrics.dedup_hits.labels(plan.label, "inflight").inc()
+            if span is not None:
+                self.tracer.shared(span, "inflight")
+            fan = pending.item.options.get("progress")
+            logs = pending.item.options.get("log")
+        else:
+            fan = item.options["progress"] = ProgressFanout()  # later sharers may ask for progress
+            logs = item.options.setdefault("log", LogFanout())  # ... and for log messages
+            if self.state is not None:  # other replicas may run the same call: share it
+                item.flight = (flight_key(key), route.cache_ttl_s or 0.0)
+            pending = lane.submit(item)
+            self.inflight.register(key, pending)
+        if callable(sink) and isinstance(fan, ProgressFanout):
+            fan.add(sink)
+            ticket.progress = (fan, sink)
+        if isinstance(logs, LogFanout) and call.log is not None:
+            if pending.item is not item:  # joined: its own fanout was never used
+                logs.add(call.log)
+            ticket.log = (logs, call.log)
+        ticket.pending, ticket.key, ticket.cache_ttl = pending, key, route.cache_ttl_s
 
     def _first_chunk(self, route: str, span: Any) -> Callable[[], None]:
         """What a stream admitted now does when its first chunk leaves: its time to first chunk
@@ -431,8 +443,7 @@ class Gateway:
                     if isinstance(outcome, CachedOutcome):
                         ttl = min(ttl, outcome.ttl_s)
                     self.cache.put(t.key, outcome, ttl)
-        if t.quota:
-            self.quotas.release(t.identity)
+        self.quotas.release(t.grant)
         code = "ok" if outcome.error is None else code_label(outcome.error.code)
         self.metrics.call_answered(t.label, code)
         t.pending = t.lane = t.call = t.waiter = None

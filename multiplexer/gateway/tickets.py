@@ -20,6 +20,7 @@ from multiplexer.core.dedup import ProgressFanout
 from multiplexer.core.errors import timeout_error
 from multiplexer.core.lane import Lane
 from multiplexer.core.logs import LogFanout, LogSink
+from multiplexer.core.quota import FREE, Grant
 
 Handler = Callable[[Call], Awaitable[Any]]  # a gateway-level method (jobs.*, ...)
 
@@ -40,7 +41,7 @@ class Ticket:
     lane: Lane | None = None
     key: Hashable | None = None
     cache_ttl: float | None = None
-    quota: bool = False
+    grant: Grant = FREE  # what the call holds of its key's quota, given back when it ends
     handler: Handler | None = None
     call: Call | None = None
     waiter: Waiter | None = None

@@ -176,7 +176,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[BaseRoute], Any]:
     """Routes for the HTTP app and the lifespan that runs the session manager."""
     server = gateway.config.server
-    face = McpFace(gateway)
+    face = gateway.faces["mcp"] = McpFace(gateway)
     manager = StreamableHTTPSessionManager(
         app=face.server,
         max_request_body_size=server.max_body_bytes,

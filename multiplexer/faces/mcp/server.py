@@ -134,8 +134,8 @@ class McpFace:
         self.tasks = TaskFace(gateway, jobs, identity_of) if isinstance(jobs, JobFace) else None
         if self.tasks is not None:  # batch jobs exist: long calls may become tasks
             self.server.extensions[TASKS] = {}
-            self.server.add_request_handler("tasks/get", TaskParams, self.tasks.get)
-            self.server.add_request_handler("tasks/cancel", TaskParams, self.tasks.cancel)
+            self.server.add_request_handler("tasks/get", TaskParams, self._metered(self.tasks.get))
+            self.server.add_request_handler("tasks/cancel", TaskParams, self._metered(self.tasks.cancel))
 
     # -- lifetime --------------------------------------------------------------
     @asynccontextmanager
@@ -228,14 +228,13 @@ class McpFace:
         async def run(ctx: ServerRequestContext[Any, Any], params: Any) -> R:
             identity = identity_of(ctx)
             try:
-                held = await quotas.admit(identity)
+                grant = await quotas.admit(identity)
             except RpcError as e:
                 raise mcp_error(e) from None
             try:
                 return await handler(ctx, params)
             finally:
-                if held:
-                    quotas.release(identity)
+                quotas.release(grant)
 
         return run
 

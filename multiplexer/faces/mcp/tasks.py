@@ -118,7 +118,12 @@ class TaskFace:
             params: dict[str, Any] = {"calls": calls, "more": policy.max_items > 1 and policy.max_wait_ms > 0}
             if pool is not None:
                 params["job_id"] = pool.job_id
-            submitted = await self.jobs.submit(Call("jobs.submit", params, identity=identity), source=SOURCE)
+            # through the gateway's admission, like any call: charged to the key's quota
+            outcome = await self.gateway.submit(Call("jobs.submit", params, identity=identity, face="mcp",
+                                                     job_source=SOURCE))
+            if outcome.error is not None:
+                raise outcome.error
+            submitted = outcome.result
             if pool is None and params["more"]:
                 pool = self._pools[identity] = _Pool(submitted["job_id"], 0, policy.max_items)
                 self.spawn(self._seal_after, identity, pool, policy.max_wait_ms / 1000)

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call
+from multiplexer.core.errors import RpcError
 from multiplexer.core.jsonrpc import dumps
 from multiplexer.core.tracing import http_trace
 from multiplexer.faces.disconnect import cancelled_on_disconnect
@@ -31,6 +32,9 @@ STREAM_TIMEOUT_MS = 600_000
 
 class Endpoint:
     surface: ClassVar[Surface]
+    # A request that submits no call (files, batch records, listings) is still one request of
+    # its key: decided here as one claim. Those that submit calls are decided at admission.
+    metered: ClassVar[bool] = False
 
     def __init__(self, v1: V1) -> None:
         self.v1 = v1
@@ -42,7 +46,18 @@ class Endpoint:
             REQUEST_TRACE.set(http_trace(dict(scope["headers"])))
         try:
             identity = self.v1.identify(dict(scope["headers"]))
-            await self.handle(scope, receive, send, identity, base)
+            if not self.metered:
+                await self.handle(scope, receive, send, identity, base)
+                return
+            quotas = self.v1.gateway.quotas
+            try:
+                grant = await quotas.admit(identity)
+            except RpcError as e:
+                raise http_error(e, self.surface) from None
+            try:
+                await self.handle(scope, receive, send, identity, base)
+            finally:
+                quotas.release(grant)
         except HttpError as e:
             await send_error(send, self.surface, e, base + self.v1.quota_headers(identity))
 

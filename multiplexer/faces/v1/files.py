@@ -26,6 +26,7 @@ def not_found(what: str, ident: Any) -> HttpError:
 
 
 class FilesEndpoint(Endpoint):
+    metered = True
     surface = OPENAI
 
     def __init__(self, v1: V1, store: V1Store, batches: Batches, max_bytes: int) -> None:

@@ -130,6 +130,7 @@ class MessageBatches:
 
 
 class MessageBatchEndpoint(Endpoint):
+    metered = True
     surface = ANTHROPIC
 
     def __init__(self, v1: V1, batches: MessageBatches) -> None:

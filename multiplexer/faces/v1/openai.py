@@ -126,6 +126,7 @@ class Embeddings(Endpoint):
 
 class Models(Endpoint):
     """``GET /v1/models`` (the models the routes list) and ``GET /v1/models/{model}``."""
+    metered = True
 
     surface = OPENAI
 
