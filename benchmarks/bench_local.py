@@ -328,8 +328,9 @@ FIRST, FIRST_CALLS = "first_256", 256
 async def first_mile(device: str | None, st: OfflineRow, callers: int) -> dict[str, Any]:
     """A fresh gateway process on the whole default config (the model on ``device``): seconds from
     its start to ``/healthz`` and to ready, then its first calls against offline ``encode``."""
-    data = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     data["server"]["port"] = "{port}"
+    data["providers"]["tools"]["cwd"] = str(DEFAULT_CONFIG.parent)  # its demo tools lie beside it
     if device:
         data["providers"]["local"]["models"]["minilm"]["device"] = device
     texts = make_texts(FIRST_CALLS, seed=256)
