@@ -82,6 +82,10 @@ class Call:
     # The provider operation asked for instead of the route's (``/v1/responses`` on a chat route).
     # Set by a face that checked the provider serves it, never from the wire.
     operation: str | None = None
+    # The face's last step on a successful outcome (its API's shape, its JSON), run by the gateway
+    # before the call counts as answered: a result the face cannot send counts as the error it
+    # becomes, not as ok. Its exceptions are the gateway's to catch. None: the outcome as it is.
+    shape: Callable[[Outcome], Outcome] | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -241,6 +241,11 @@ class Gateway:
             await settle(tickets, self.clock, self._finish)
             if isinstance(self.quotas, SharedQuotas):
                 await self.quotas.flush()
+        except Exception as e:  # a bug here must not reach a face as a traceback: each call fails
+            log.exception("calls failed inside the gateway")
+            failed = Outcome.fail(internal_error(type(e).__name__))
+            for t in tickets:
+                self._finish(t, failed, withdraw=True)
         except BaseException:
             gone = Outcome.fail(cancelled("caller went away"))
             for t in tickets:
@@ -270,6 +275,8 @@ class Gateway:
         # Metrics label by route, never by the client's method string: unknown names would
         # grow the registry without bound (and a lone surrogate would break /metrics).
         ticket = Ticket(UNROUTED, call.identity, math.inf)
+        if call.shape is not None:
+            ticket.shape = call.shape
         span = ticket.span = self.tracer.start_call(call) if self.tracer.enabled else None
         batch_due = False  # a batch charge decided ahead for this call and not taken yet
         try:
@@ -408,10 +415,11 @@ class Gateway:
         """Give a ticket its one outcome and release what it held."""
         if t.outcome is not None:
             return
-        t.outcome = outcome
+        answer = outcome if t.shape is None or outcome.error is not None else self._shaped(t, outcome)
+        t.outcome = answer
         if t.span is not None:
             self.tracer.end_call(t.span, t.pending.item.trace if t.pending is not None else None,
-                                 outcome)
+                                 answer)
             t.span = None
         if t.progress is not None:
             t.progress[0].remove(t.progress[1])
@@ -428,12 +436,24 @@ class Gateway:
                     ttl = t.cache_ttl  # a shared cache hit: what it had left there, no more
                     if isinstance(outcome, CachedOutcome):
                         ttl = min(ttl, outcome.ttl_s)
-                    self.cache.put(t.key, outcome, ttl)
+                    self.cache.put(t.key, outcome, ttl)  # the provider's: each caller shapes its own
         if t.quota:
             self.quotas.release(t.identity)
-        code = "ok" if outcome.error is None else code_label(outcome.error.code)
+        code = "ok" if answer.error is None else code_label(answer.error.code)
         self.metrics.call_answered(t.label, code)
-        t.pending = t.lane = t.call = t.waiter = None
+        t.pending = t.lane = t.call = t.waiter = t.shape = None
+
+    @staticmethod
+    def _shaped(t: Ticket, outcome: Outcome) -> Outcome:
+        """The face's answer built from a successful outcome; a failure to build it is the call's."""
+        assert t.shape is not None
+        try:
+            return t.shape(outcome)
+        except RpcError as e:
+            return Outcome.fail(e)
+        except Exception as e:
+            log.exception("route %s: its result could not be answered", t.label)
+            return Outcome.fail(internal_error(type(e).__name__))
 
     def _dedup_key(
         self, call: Call, route: RouteConfig, item: Item, provider: Provider
