@@ -128,8 +128,10 @@ class V1:
                                                 f"provider has no {what}"), param="model")
 
     def params_for(self, body: dict[str, Any], name: str, route: RouteConfig) -> dict[str, Any]:
-        """The body as the call's params; a route chosen by its own name sends its configured model."""
-        if body["model"] != name or name in route.models:
+        """The body as the call's params; a route chosen by its own name sends its configured model
+        (``params.model``, else its first listed model; the name itself only when it is listed as a
+        model and no ``params.model`` says otherwise)."""
+        if body["model"] != name or (name in route.models and "model" not in route.params):
             return body
         params = {k: v for k, v in body.items() if k != "model"}
         if "model" not in route.params and route.models:
