@@ -151,6 +151,19 @@ class LocalProvider(Provider):
     def formation(self, policy: Any) -> GatedFormation:
         return self._formation
 
+    @classmethod
+    def answers(cls, route: RouteConfig, settings: Any) -> str:
+        """A ``call`` route answers its model's task (``embed``, ``classify``, ``generate``); one
+        that names no model, the task its models share (``call`` when they differ)."""
+        if route.operation != "call":
+            return route.operation
+        models: dict[str, ModelSpec] = settings.models
+        name = route.extra.get("model")
+        if isinstance(name, str) and name in models:
+            return models[name].task
+        tasks = {spec.task for spec in models.values()}
+        return tasks.pop() if len(tasks) == 1 else route.operation
+
     # -- admission -------------------------------------------------------------
     def _model_for(self, item: Item) -> str:
         models = self.settings.models

@@ -14,6 +14,7 @@ import pytest
 
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
+from providers.mock import unit_vector
 from tests.remote_helpers import fakes
 from tests.test_v1_openai import KEY, ask, v1_config
 
@@ -23,9 +24,18 @@ pytestmark = pytest.mark.anyio
 
 def config(f: Any, tmp_path: Path, **server: Any) -> dict[str, Any]:
     data = v1_config(f, tmp_path, **server)
-    data["providers"]["builtin"] = {"kind": "echo"}  # no batch API: its lines use the lanes
-    data["routes"]["echo"] = {"provider": "builtin", "models": ["echo-embed"]}
+    # no batch API: its lines use the lanes
+    data["providers"]["builtin"] = {"kind": "mock", "dimensions": 4}
+    data["routes"]["mock_embed"] = {"provider": "builtin", "operation": "embeddings",
+                                    "models": ["mock-embed"]}
     return data
+
+
+def mock_embedding(text: str) -> dict[str, Any]:
+    """The mock provider's answer to one line of ``text`` (vectors are a hash of the text)."""
+    return {"object": "list", "model": "mock-embed",
+            "data": [{"object": "embedding", "index": 0, "embedding": unit_vector(text, 4)}],
+            "usage": {"prompt_tokens": len(text.split()), "total_tokens": len(text.split())}}
 
 
 @asynccontextmanager
@@ -94,7 +104,7 @@ async def test_chat_batch_through_the_providers_batch_api(tmp_path):
 
 async def test_lines_without_a_batch_api_run_through_the_lanes(tmp_path):
     async with gateway(tmp_path) as (_, _, client):
-        rows = [line(f"e{i}", {"model": "echo-embed", "input": f"text {i}"}, "/v1/embeddings")
+        rows = [line(f"e{i}", {"model": "mock-embed", "input": f"text {i}"}, "/v1/embeddings")
                 for i in range(5)]
         rows.append(line("up", {"model": "text-embedding-3-small", "input": "remote"},
                          "/v1/embeddings"))
@@ -105,7 +115,7 @@ async def test_lines_without_a_batch_api_run_through_the_lanes(tmp_path):
         assert done.status == "completed" and done.request_counts.completed == 6
         assert done.error_file_id is None
         out = parse((await client.files.content(done.output_file_id)).content)
-        assert out["e3"]["response"]["body"] == {"model": "echo-embed", "input": "text 3"}
+        assert out["e3"]["response"]["body"] == mock_embedding("text 3")
         assert len(out["up"]["response"]["body"]["data"]) == 1
         listed = await client.batches.list()
         assert [b.id for b in listed.data] == [batch.id]
@@ -160,7 +170,7 @@ async def test_lane_lines_left_unfinished_run_after_a_restart(tmp_path):
     from multiplexer.faces.v1.store import BatchRecord, V1Store
 
     store = V1Store(Path(str(tmp_path / "jobs.db") + ".v1"))
-    rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
+    rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
             for i in range(3)]
     upload = await store.put_file("alice", "in.jsonl", "batch", jsonl(rows))
     record = BatchRecord("batch_" + "a" * 24, "alice", "/v1/embeddings", upload.id, "24h", 1,
@@ -172,12 +182,12 @@ async def test_lane_lines_left_unfinished_run_after_a_restart(tmp_path):
         assert done.status == "completed" and done.request_counts.completed == 3
         out = parse((await client.files.content(done.output_file_id)).content)
         assert out["e0"]["response"]["body"] == {"saved": True}  # not run twice
-        assert out["e2"]["response"]["body"] == {"model": "echo-embed", "input": "t2"}
+        assert out["e2"]["response"]["body"] == mock_embedding("t2")
 
 
 async def test_lane_lines_wait_for_the_owners_quota_instead_of_failing(tmp_path):
     async with gateway(tmp_path, quotas={"alice": {"concurrency": 2}}) as (_, _, client):
-        rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
+        rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
                 for i in range(7)]
         upload = await client.files.create(file=("q.jsonl", jsonl(rows)), purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
@@ -190,7 +200,7 @@ async def test_ended_batches_are_forgotten_after_the_retention_period(tmp_path):
     import time
 
     async with gateway(tmp_path) as (_, gw, client):
-        rows = [line("e0", {"model": "echo-embed", "input": "t"}, "/v1/embeddings")]
+        rows = [line("e0", {"model": "mock-embed", "input": "t"}, "/v1/embeddings")]
         upload = await client.files.create(file=("r.jsonl", jsonl(rows)), purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
                                             completion_window="24h")
@@ -231,7 +241,7 @@ async def test_deleting_the_input_file_of_a_running_batch_loses_no_lane_line_on_
     outlive it) and the gateway stopped: the next gateway still runs them."""
     from multiplexer.faces.v1.store import BatchRecord
 
-    rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
+    rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
             for i in range(3)]
     async with gateway(tmp_path) as (_, gw, client):
         upload = await client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
@@ -244,14 +254,14 @@ async def test_deleting_the_input_file_of_a_running_batch_loses_no_lane_line_on_
         done = await until_ended(client, record.id)
         assert done.status == "completed" and done.request_counts.completed == 3
         out = parse((await client.files.content(done.output_file_id)).content)
-        assert out["e2"]["response"]["body"] == {"model": "echo-embed", "input": "t2"}
+        assert out["e2"]["response"]["body"] == mock_embedding("t2")
 
 
 async def test_a_resume_pass_leaves_a_batch_already_running_to_its_one_runner(tmp_path):
     """A batch created while the start-up resume pass scans the store is running already: the
     pass must not start a second runner over the same lines (each would run twice)."""
     async with gateway(tmp_path, quotas={"alice": {"rpm": 2}}) as (_, gw, client):
-        rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
+        rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
                 for i in range(3)]
         upload = await client.files.create(file=("w.jsonl", jsonl(rows)), purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
@@ -292,7 +302,7 @@ async def test_lane_lines_refused_by_a_stopping_gateway_run_after_the_restart(tm
     "Shutting down" error but left for the next gateway, which runs them."""
     from multiplexer.faces.v1.store import BatchRecord
 
-    rows = [line(f"e{i}", {"model": "echo-embed", "input": f"t{i}"}, "/v1/embeddings")
+    rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
             for i in range(3)]
     async with gateway(tmp_path) as (_, gw, client):
         upload = await client.files.create(file=("s.jsonl", jsonl(rows)), purpose="batch")
@@ -308,4 +318,4 @@ async def test_lane_lines_refused_by_a_stopping_gateway_run_after_the_restart(tm
         done = await until_ended(client, record.id)
         assert done.status == "completed" and done.request_counts.completed == 3
         out = parse((await client.files.content(done.output_file_id)).content)
-        assert out["e1"]["response"]["body"] == {"model": "echo-embed", "input": "t1"}
+        assert out["e1"]["response"]["body"] == mock_embedding("t1")

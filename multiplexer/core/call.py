@@ -85,6 +85,10 @@ class Call:
     # Who a ``jobs.submit`` stores its job for (``task``: the MCP task face), shown by ``jobs.*``.
     # Set by a face, never from the wire; None: the client's own job.
     job_source: str | None = None
+    # The face's last step on a successful outcome (its API's shape, its JSON), run by the gateway
+    # before the call counts as answered: a result the face cannot send counts as the error it
+    # becomes, not as ok. Its exceptions are the gateway's to catch. None: the outcome as it is.
+    shape: Callable[[Outcome], Outcome] | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -97,6 +97,14 @@ class Provider:
         """A custom batch formation (local models use token budgets); None for the default."""
         return None
 
+    @classmethod
+    def answers(cls, route: RouteConfig, settings: Any) -> str:
+        """What a route on this kind answers, for faces that pick it by endpoint (``/v1``): its
+        ``operation``, or, for a kind whose generic ``call`` routes answer one thing (a local
+        model's task), that thing. A class method on the validated settings, so a config can be
+        checked without starting a provider."""
+        return route.operation
+
     async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
         raise NotImplementedError
 

@@ -20,6 +20,7 @@ from multiplexer.faces.body import BodyTooLarge, ClientGone, headers_over, read_
 from multiplexer.faces.disconnect import cancelled_on_disconnect
 from multiplexer.faces.reply import JSON_HEADERS, DirectEndpoint, Headers, Reply
 from multiplexer.faces.rpc import handle_body
+from multiplexer.faces.unexpected import unexpected
 from multiplexer.gateway.gateway import Gateway
 
 
@@ -82,7 +83,10 @@ class RpcEndpoint:
 
     async def _answer(self, headers: dict[bytes, bytes], body: bytes, identity: str | None) -> Reply:
         trace = http_trace(headers) if self.gateway.tracer.enabled else None
-        reply = await handle_body(self.gateway, body, identity, trace)
+        try:
+            reply = await handle_body(self.gateway, body, identity, trace)
+        except Exception as e:  # a bug: a JSON-RPC error object, never a bare 500
+            return rpc_error(500, unexpected(self.gateway, "POST /rpc", e))
         return NO_CONTENT if reply is None else Reply(200, reply, JSON_HEADERS)
 
 

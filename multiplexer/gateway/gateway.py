@@ -249,6 +249,11 @@ class Gateway:
                         tg.start_soon(self._run_handler, t)
             await settle(tickets, self.clock, self._finish)
             await self.quotas.flush()
+        except Exception as e:  # a bug here must not reach a face as a traceback: each call fails
+            log.exception("calls failed inside the gateway")
+            failed = Outcome.fail(internal_error(type(e).__name__))
+            for t in tickets:
+                self._finish(t, failed, withdraw=True)
         except BaseException:
             gone = Outcome.fail(cancelled("caller went away"))
             for t in tickets:
@@ -321,6 +326,8 @@ class Gateway:
         call = plan.call
         ticket = Ticket(plan.label, call.identity, plan.deadline)
         ticket.span, ticket.grant = plan.span, grant
+        if call.shape is not None:
+            ticket.shape = call.shape
         if plan.error is not None or grant.refusal is not None:
             self._finish(ticket, Outcome.fail(plan.error or grant.refusal))  # type: ignore[arg-type]
             return ticket
@@ -422,10 +429,11 @@ class Gateway:
         """Give a ticket its one outcome and release what it held."""
         if t.outcome is not None:
             return
-        t.outcome = outcome
+        answer = outcome if t.shape is None or outcome.error is not None else self._shaped(t, outcome)
+        t.outcome = answer
         if t.span is not None:
             self.tracer.end_call(t.span, t.pending.item.trace if t.pending is not None else None,
-                                 outcome)
+                                 answer)
             t.span = None
         if t.progress is not None:
             t.progress[0].remove(t.progress[1])
@@ -442,11 +450,23 @@ class Gateway:
                     ttl = t.cache_ttl  # a shared cache hit: what it had left there, no more
                     if isinstance(outcome, CachedOutcome):
                         ttl = min(ttl, outcome.ttl_s)
-                    self.cache.put(t.key, outcome, ttl)
+                    self.cache.put(t.key, outcome, ttl)  # the provider's: each caller shapes its own
         self.quotas.release(t.grant)
-        code = "ok" if outcome.error is None else code_label(outcome.error.code)
+        code = "ok" if answer.error is None else code_label(answer.error.code)
         self.metrics.call_answered(t.label, code)
-        t.pending = t.lane = t.call = t.waiter = None
+        t.pending = t.lane = t.call = t.waiter = t.shape = None
+
+    @staticmethod
+    def _shaped(t: Ticket, outcome: Outcome) -> Outcome:
+        """The face's answer built from a successful outcome; a failure to build it is the call's."""
+        assert t.shape is not None
+        try:
+            return t.shape(outcome)
+        except RpcError as e:
+            return Outcome.fail(e)
+        except Exception as e:
+            log.exception("route %s: its result could not be answered", t.label)
+            return Outcome.fail(internal_error(type(e).__name__))
 
     def _dedup_key(
         self, call: Call, route: RouteConfig, item: Item, provider: Provider

@@ -15,6 +15,7 @@ KINDS: dict[str, str] = {
     "anthropic": "providers.anthropic:AnthropicProvider",
     "local": "providers.local:LocalProvider",
     "echo": "providers.echo:EchoProvider",
+    "mock": "providers.mock:MockProvider",
 }
 
 

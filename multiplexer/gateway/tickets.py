@@ -48,6 +48,7 @@ class Ticket:
     progress: tuple[ProgressFanout, Any] | None = None  # this caller's sink on a shared execution
     log: tuple[LogFanout, LogSink] | None = None  # the same for the upstream's log messages
     span: Any = None  # the call's trace span, when calls are traced
+    shape: Callable[[Outcome], Outcome] | None = None  # the face's last step (``Call.shape``)
 
     def __call__(self) -> None:
         """Done-callback of the pending it waits on (a bound object, not a closure per call)."""

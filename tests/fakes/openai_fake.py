@@ -7,10 +7,6 @@ every answer to the right caller. See `FakeOpenAIState` for the knobs.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import math
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from providers.mock import encoded, unit_vector
 from tests.fakes.common import (
     ApiError,
     Dialect,
@@ -63,11 +60,9 @@ class FakeOpenAIState(FakeState, StreamKnobs):
 
 
 def embed_text(text: str, dim: int = 8) -> list[float]:
-    """Unit vector derived from SHAKE-256 of the text: same text, same vector, in any process."""
-    raw = hashlib.shake_256(text.encode()).digest(2 * dim)
-    values = [v / 32767.5 - 1.0 for v in struct.unpack(f"<{dim}H", raw)]
-    norm = math.sqrt(sum(v * v for v in values)) or 1.0
-    return [v / norm for v in values]
+    """Unit vector derived from SHAKE-256 of the text: same text, same vector, in any process
+    (the mock provider's, so the two agree)."""
+    return unit_vector(text, dim)
 
 
 def embeddings(state: FakeOpenAIState, body: dict[str, Any]) -> dict[str, Any]:
@@ -93,11 +88,8 @@ def embeddings(state: FakeOpenAIState, body: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
     data = []
     for index, text in enumerate(inputs):
-        vector = embed_text(text, dim)
-        encoded: Any = vector
-        if encoding == "base64":
-            encoded = base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode()
-        data.append({"object": "embedding", "index": index, "embedding": encoded})
+        data.append({"object": "embedding", "index": index,
+                     "embedding": encoded(embed_text(text, dim), encoding)})
     tokens = sum(word_count(text) for text in inputs)
     return {
         "object": "list",

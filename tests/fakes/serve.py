@@ -5,38 +5,30 @@ and there is no race to find a free port; readiness is an event set by uvicorn's
 Needs the asyncio backend (uvicorn is asyncio-only).
 
     python -m tests.fakes.serve openai --port 8001
+    python -m tests.fakes.serve --config config/remote.example.yaml   # every fake it points at
+
+With `--config`, each `openai` or `anthropic` provider whose `base_url` is on this machine gets
+the fake of its kind on the port the URL names; each prints `fake <kind> API on <url>` once it
+accepts connections.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import socket
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
-import uvicorn
+import anyio
 from starlette.types import ASGIApp
 
+from multiplexer.cli import _run as run_loop
+from multiplexer.gateway.config import Config, ConfigError, load_config
 from multiplexer.server import bind, serve_asgi
 
-__all__ = ["serve_app"]
+__all__ = ["fakes_for", "serve_app"]
 
-
-class _AnnouncingServer(uvicorn.Server):
-    """CLI server: prints its URL only once it accepts connections, so scripts can wait on stdout."""
-
-    def __init__(self, config: uvicorn.Config, banner: str) -> None:
-        super().__init__(config)
-        self.banner = banner
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started:
-            print(self.banner, flush=True)
-
-
-def _config(app: ASGIApp) -> uvicorn.Config:
-    return uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @contextlib.asynccontextmanager
@@ -50,16 +42,18 @@ async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> Asy
         sock.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.fakes.serve", description=__doc__)
-    parser.add_argument("provider", choices=["openai", "anthropic"])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--latency-ms", type=float, default=0.0, help="model time per answer")
-    parser.add_argument("--requests-per-window", type=int, default=None,
-                        help="the request limit the headers report (per 60 s window)")
-    args = parser.parse_args(argv)
-    if args.provider == "openai":
+def fakes_for(config: Config) -> list[tuple[str, str, int]]:
+    """(kind, host, port) of each fake the config's openai/anthropic providers point at locally."""
+    found = []
+    for pconf in config.providers.values():
+        url = urlsplit(str(pconf.extra.get("base_url", "")))
+        if pconf.kind in ("openai", "anthropic") and url.hostname in LOCAL_HOSTS and url.port:
+            found.append((pconf.kind, url.hostname, url.port))
+    return found
+
+
+def _app(kind: str, args: argparse.Namespace) -> ASGIApp:
+    if kind == "openai":
         from tests.fakes.openai_fake import create_app
     else:
         from tests.fakes.anthropic_fake import create_app  # type: ignore[assignment]
@@ -68,10 +62,42 @@ def main(argv: list[str] | None = None) -> None:
     fake.latency_s = args.latency_ms / 1000
     if args.requests_per_window is not None:
         fake.limiter.requests_per_window = args.requests_per_window
-    sock = bind(args.host, args.port)
-    bound_host, bound_port = sock.getsockname()[:2]
-    banner = f"fake {args.provider} API on http://{bound_host}:{bound_port}"
-    _AnnouncingServer(_config(app), banner).run(sockets=[sock])
+    return app
+
+
+async def _serve(targets: list[tuple[str, str, int]], args: argparse.Namespace) -> None:
+    """Every fake at once, each URL printed only once it accepts connections (scripts wait on it)."""
+    async with contextlib.AsyncExitStack() as stack:
+        for kind, host, port in targets:
+            url = await stack.enter_async_context(serve_app(_app(kind, args), host, port))
+            print(f"fake {kind} API on {url}", flush=True)
+        await anyio.sleep_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.fakes.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("provider", nargs="?", choices=["openai", "anthropic"])
+    parser.add_argument("--config", help="start the fakes this gateway config points at instead")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="model time per answer")
+    parser.add_argument("--requests-per-window", type=int, default=None,
+                        help="the request limit the headers report (per 60 s window)")
+    args = parser.parse_args(argv)
+    if args.config is not None:
+        try:
+            targets = fakes_for(load_config(args.config))
+        except ConfigError as e:
+            parser.error(str(e))
+        if not targets:
+            parser.error(f"{args.config} points no openai or anthropic provider at this machine")
+    elif args.provider is not None:
+        targets = [(args.provider, args.host, args.port)]
+    else:
+        parser.error("name a provider (openai, anthropic) or --config")
+    with contextlib.suppress(KeyboardInterrupt):
+        run_loop(_serve, targets, args)
 
 
 if __name__ == "__main__":

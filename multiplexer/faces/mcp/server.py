@@ -19,6 +19,7 @@ from typing import Any, TypeVar, cast
 
 import anyio
 import mcp_types as types
+from mcp import MCPError
 from mcp.server import NotificationOptions, Server, ServerRequestContext
 from mcp.server.models import InitializationOptions
 from mcp.server.subscriptions import (
@@ -29,6 +30,7 @@ from mcp.server.subscriptions import (
     ToolsListChanged,
 )
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from pydantic import ValidationError
 
 from multiplexer.core.call import Outcome
 from multiplexer.core.errors import RpcError
@@ -49,6 +51,7 @@ from multiplexer.faces.mcp.tools import (
     to_tool,
     wrap_result,
 )
+from multiplexer.faces.unexpected import unexpected
 from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
@@ -201,7 +204,20 @@ class McpFace:
 
     async def _track_connection(self, ctx: ServerRequestContext[Any, Any],
                                 call_next: Callable[[Any], Awaitable[Any]]) -> Any:
-        """Remember handshake-era connections so list changes can reach them later."""
+        """Remember handshake-era connections so list changes can reach them later; and, being
+        around every request already, turn a handler's unexpected exception into an MCP internal
+        error, logged and counted once (the SDK would send a handshake-era client its text)."""
+        try:
+            return await self._tracked(ctx, call_next)
+        except (MCPError, ValidationError):
+            raise  # the SDK's own: a protocol error, invalid params
+        except RpcError as e:
+            raise mcp_error(e) from None
+        except Exception as e:
+            raise mcp_error(unexpected(self.gateway, f"MCP {ctx.method}", e)) from None
+
+    async def _tracked(self, ctx: ServerRequestContext[Any, Any],
+                       call_next: Callable[[Any], Awaitable[Any]]) -> Any:
         if ctx.method == "initialize":
             self._count_session(ctx)
         elif ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:

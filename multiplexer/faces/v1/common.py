@@ -87,6 +87,7 @@ class V1:
         self.auth = auth
         self.limit = gateway.config.server.max_body_bytes
         self.models: dict[str, str] = {}  # model name -> route name
+        self._serves: dict[str, str] = {}  # route name -> what it answers (Provider.answers)
         for name, route in gateway.config.routes.items():
             if not name.endswith("*"):
                 for model in route.models:
@@ -108,6 +109,16 @@ class V1:
                          {"model": model, "known": sorted(self.models)})
         return HttpError(404, error, param="model", code="model_not_found")
 
+    def serves(self, name: str) -> str:
+        """What route ``name`` answers (``chat``, ``embed``, ``call``, ...), asked of its kind once."""
+        found = self._serves.get(name)
+        if found is None:
+            route = self.gateway.config.routes[name]
+            provider = self.gateway.providers[route.provider]
+            ctx = getattr(provider, "ctx", None)  # a stand-in made without one (tests) has none
+            found = self._serves[name] = type(provider).answers(route, getattr(ctx, "settings", None))
+        return found
+
     def require_operation(self, name: str, operation: str, model: Any, what: str) -> None:
         """400 unless route ``name``'s provider has an upstream path for ``operation`` (an endpoint
         that asks for an operation other than the route's, like ``/v1/responses``)."""
@@ -117,8 +128,10 @@ class V1:
                                                 f"provider has no {what}"), param="model")
 
     def params_for(self, body: dict[str, Any], name: str, route: RouteConfig) -> dict[str, Any]:
-        """The body as the call's params; a route chosen by its own name sends its configured model."""
-        if body["model"] != name or name in route.models:
+        """The body as the call's params; a route chosen by its own name sends its configured model
+        (``params.model``, else its first listed model; the name itself only when it is listed as a
+        model and no ``params.model`` says otherwise)."""
+        if body["model"] != name or (name in route.models and "model" not in route.params):
             return body
         params = {k: v for k, v in body.items() if k != "model"}
         if "model" not in route.params and route.models:

@@ -3,15 +3,17 @@ handled here, the subclass only turns a body into a call and an outcome into a r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from starlette.types import Receive, Scope, Send
 
-from multiplexer.core.call import Call
+from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import RpcError
 from multiplexer.core.jsonrpc import dumps
 from multiplexer.core.tracing import http_trace
 from multiplexer.faces.disconnect import cancelled_on_disconnect
+from multiplexer.faces.unexpected import unexpected
 from multiplexer.faces.v1.common import (
     REQUEST_TRACE,
     V1,
@@ -21,7 +23,6 @@ from multiplexer.faces.v1.common import (
     request_id,
     send_encoded,
     send_error,
-    send_json,
 )
 from multiplexer.faces.v1.sse import Encode, stream_call
 
@@ -60,6 +61,9 @@ class Endpoint:
                 quotas.release(grant)
         except HttpError as e:
             await send_error(send, self.surface, e, base + self.v1.quota_headers(identity))
+        except Exception as e:  # a bug: this API's error body, never a bare 500 (nothing was sent)
+            error = unexpected(self.v1.gateway, f"{scope['method']} {scope['path']}", e)
+            await send_error(send, self.surface, HttpError(500, error), base)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
@@ -69,7 +73,10 @@ class Endpoint:
     async def answer(self, call: Call, scope: Scope, receive: Receive, send: Send,
                      headers: list[tuple[bytes, bytes]], shape: Any = None) -> None:
         """Run a call and send its result (through ``shape`` when given) or its error; a client
-        that hangs up first cancels the call, and with it the upstream request."""
+        that hangs up first cancels the call, and with it the upstream request. The result is
+        shaped and encoded as the call is answered (``Call.shape``), so one that cannot be is
+        the call's error in ``/metrics`` too."""
+        call.shape = encoded if shape is None else shaped(shape)
         outcome = None
         async with cancelled_on_disconnect(scope, receive):
             outcome = await self.v1.submit(call)
@@ -77,12 +84,8 @@ class Endpoint:
             return  # nobody is left to answer
         if outcome.error is not None:
             raise http_error(outcome.error, self.surface)
-        headers = headers + self.v1.quota_headers(call.identity)
-        if shape is None and outcome.result_json is not None:  # encoded off the event loop already
-            await send_encoded(send, 200, outcome.result_json, headers)
-            return
-        result = outcome.result if shape is None else shape(outcome.result)
-        await send_json(send, 200, result, headers)
+        assert outcome.result_json is not None
+        await send_encoded(send, 200, outcome.result_json, headers + self.v1.quota_headers(call.identity))
 
     async def stream(self, call: Call, scope: Scope, receive: Receive, send: Send,
                      headers: list[tuple[bytes, bytes]], encode: Encode,
@@ -97,6 +100,22 @@ class Endpoint:
         await stream_call(self.v1.submit, call, scope, receive, send,
                           lambda: headers + self.v1.quota_headers(call.identity), self.surface,
                           encode=encode, error_event=error_event, tail=tail)
+
+
+def encoded(outcome: Outcome) -> Outcome:
+    """The outcome with its result as JSON (a provider's own encoding, made off the loop, kept)."""
+    if outcome.result_json is not None:
+        return outcome
+    return Outcome(outcome.result, result_json=dumps(outcome.result))
+
+
+def shaped(shape: Callable[[Any], Any]) -> Callable[[Outcome], Outcome]:
+    """The outcome's result in the endpoint's shape, as JSON."""
+    def shape_outcome(outcome: Outcome) -> Outcome:
+        result = shape(outcome.result)
+        return Outcome(result, result_json=dumps(result))
+
+    return shape_outcome
 
 
 def data_event(chunk: dict[str, Any]) -> bytes:

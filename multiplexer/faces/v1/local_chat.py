@@ -12,15 +12,10 @@ from typing import Any
 
 from multiplexer.core.errors import invalid_params
 from multiplexer.core.jsonrpc import dumps
-from multiplexer.core.policy import RouteConfig
+from multiplexer.core.responses_api import ResponseEvents, response_object
 from multiplexer.faces.v1.common import HttpError
 
 KNOBS = ("temperature", "top_p", "seed", "stop")
-
-
-def is_local_chat(route: RouteConfig) -> bool:
-    """Routes without a chat operation take ``{prompt}`` (the local provider's generate task)."""
-    return route.operation != "chat"
 
 
 def chat_params(body: dict[str, Any]) -> dict[str, Any]:
@@ -133,28 +128,6 @@ def responses_params(body: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _response(rid: str, mid: str, created: int, model: str, status: str, text: str | None,
-              usage: Any = None) -> dict[str, Any]:
-    output = [] if text is None else [_message(mid, text, "completed")]
-    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-    out: dict[str, Any] = {
-        "id": rid, "object": "response", "created_at": created, "status": status, "model": model,
-        "output": output, "error": None, "incomplete_details": incomplete, "parallel_tool_calls": False,
-        "tool_choice": "none", "tools": [], "usage": None,
-    }
-    if isinstance(usage, dict):
-        spent_in, spent_out = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-        out["usage"] = {"input_tokens": spent_in, "output_tokens": spent_out,
-                        "total_tokens": spent_in + spent_out, "input_tokens_details": {"cached_tokens": 0},
-                        "output_tokens_details": {"reasoning_tokens": 0}}
-    return out
-
-
-def _message(mid: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": mid, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
-
-
 def _ids() -> tuple[str, str, int]:
     return "resp_" + uuid.uuid4().hex[:24], "msg_" + uuid.uuid4().hex[:24], int(time.time())
 
@@ -164,64 +137,44 @@ def responses_result(result: dict[str, Any], model: str) -> dict[str, Any]:
     choice = result["choices"][0]
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     rid, mid, created = _ids()
-    return _response(rid, mid, created, model, status, choice["text"], result.get("usage"))
+    return response_object(rid, mid, created, model, status, choice["text"], result.get("usage"))
 
 
 @dataclass
 class _Stream:
     """What a Responses stream has sent so far."""
 
-    seq: int = 0
     open: bool = False
     text: str = ""
     finish: str | None = None
 
 
+def _named(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + dumps(event) + b"\n\n"
+
+
 def response_encoder(body: dict[str, Any]) -> Any:
     """Encodes the local stream's text chunks as the Responses API's named events: the response
     and its message opened with the first chunk, a delta per chunk, all closed with the usage."""
-    model = body["model"]
-    rid, mid, created = _ids()
+    events = ResponseEvents(*_ids(), body["model"])
     state = _Stream()
-
-    def event(kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, "sequence_number": state.seq, **fields}
-        state.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + dumps(data) + b"\n\n"
-
-    def opening() -> bytes:
-        state.open = True
-        started = _response(rid, mid, created, model, "in_progress", None)
-        part = {"type": "output_text", "text": "", "annotations": []}
-        return (event("response.created", response=started) + event("response.in_progress", response=started)
-                + event("response.output_item.added", output_index=0,
-                        item={**_message(mid, "", "in_progress"), "content": []})
-                + event("response.content_part.added", item_id=mid, output_index=0, content_index=0,
-                        part=part))
 
     def encode(chunk: dict[str, Any]) -> bytes:
         if chunk.get("type") == "error":  # the face's error event
-            return event("error", **{k: v for k, v in chunk.items() if k != "type"})
-        out = b"" if state.open else opening()
+            return _named(events.event("error", **{k: v for k, v in chunk.items() if k != "type"}))
+        out = b""
+        if not state.open:
+            state.open = True
+            out = b"".join(map(_named, events.opening()))
         if "usage" in chunk and not chunk.get("choices"):
-            text = state.text
             status = "incomplete" if state.finish == "length" else "completed"
-            message = _message(mid, text, "completed")
-            return out + (
-                event("response.output_text.done", item_id=mid, output_index=0, content_index=0,
-                      text=text, logprobs=[])
-                + event("response.content_part.done", item_id=mid, output_index=0, content_index=0,
-                        part=message["content"][0])
-                + event("response.output_item.done", output_index=0, item=message)
-                + event(f"response.{status}", response=_response(rid, mid, created, model, status, text,
-                                                                  chunk["usage"])))
+            return out + b"".join(map(_named, events.closing(status, state.text, chunk["usage"])))
         choice = chunk["choices"][0]
         state.finish = choice.get("finish_reason") or state.finish
         delta = choice.get("text", "")
         if delta:
             state.text += delta
-            out += event("response.output_text.delta", item_id=mid, output_index=0, content_index=0,
-                         delta=delta, logprobs=[])
+            out += _named(events.delta(delta))
         return out
 
     return encode

@@ -13,19 +13,20 @@ from multiplexer.faces.v1.local_chat import (
     chat_result,
     completion_params,
     completion_result,
-    is_local_chat,
     responses_params,
     responses_result,
 )
 
 CHAT, EMBEDDINGS, MESSAGES = "/v1/chat/completions", "/v1/embeddings", "/v1/messages"
 RESPONSES, COMPLETIONS = "/v1/responses", "/v1/completions"
-# endpoint -> the route operations that serve it ("call": a local model's task decides); these
-# are also the endpoints a Batch API file may name. Responses API calls go to the chat routes
-# of providers that know the upstream endpoint, or to local generate models (answered in the
-# Responses API's shapes here).
-OPERATIONS = {CHAT: ("chat", "call"), EMBEDDINGS: ("embeddings", "call"), MESSAGES: ("messages",),
-              RESPONSES: ("chat", "call"), COMPLETIONS: ("chat", "call")}
+# endpoint -> what a route must answer to serve it (``Provider.answers``: its operation, or a
+# local model's task); these are also the endpoints a Batch API file may name. Responses API
+# calls go to the chat routes of providers that know the upstream endpoint, or to local generate
+# models (answered in the Responses API's shapes here). Any other route (echo, jsonrpc, an MCP
+# tool, a classifier) is refused with a 400 that names it, never sent a body it cannot answer.
+GENERATE = "generate"
+OPERATIONS = {CHAT: ("chat", GENERATE), EMBEDDINGS: ("embeddings", "embed"), MESSAGES: ("messages",),
+              RESPONSES: ("chat", GENERATE), COMPLETIONS: ("chat", GENERATE)}
 # endpoints a remote chat route serves through another operation of its provider
 _OTHER = {RESPONSES: ("responses", "Responses API"), COMPLETIONS: ("completions", "legacy completions API")}
 
@@ -39,12 +40,14 @@ LOCAL: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], Callable[[Any
 def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any], Shape | None]:
     """(route name, params, result shaper or None) for a body sent to ``endpoint``."""
     name, route = v1.route_for(body.get("model"))
-    if route.operation not in OPERATIONS[endpoint]:
+    serves = v1.serves(name)
+    if serves not in OPERATIONS[endpoint]:
         what = endpoint.removeprefix("/v1/").replace("/", " ")
         raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
-                                            f"({route.operation}), not {what}"), param="model")
+                                            f"({serves}), not {what}", route=name, serves=serves),
+                        param="model")
     params = v1.params_for(body, name, route)
-    if endpoint in LOCAL and is_local_chat(route):
+    if endpoint in LOCAL and serves == GENERATE:
         model = body["model"]
         to_params, to_result = LOCAL[endpoint]
         return name, to_params(params), lambda result: to_result(result, model)

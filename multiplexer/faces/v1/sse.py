@@ -8,6 +8,7 @@ client that disconnects cancels the call, and with it the upstream stream.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,9 +17,11 @@ import anyio
 from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call, Outcome
+from multiplexer.core.errors import RpcError, internal_error
 from multiplexer.faces.disconnect import cancelled_on_disconnect
 from multiplexer.faces.v1.common import HttpError, Surface, http_error
 
+log = logging.getLogger(__name__)
 Encode = Callable[[dict[str, Any]], bytes]
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -34,6 +37,7 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, scope: Scope, r
     sink, chunks = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
     call.sink = sink
     outcome: list[Outcome] = []
+    broken: list[RpcError] = []  # a chunk the face could not encode ended the stream
     forwarded = anyio.Event()
     started = False
 
@@ -41,11 +45,17 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, scope: Scope, r
         nonlocal started
         async with chunks:
             async for chunk in chunks:
+                try:
+                    event = encode(chunk)
+                except Exception:  # the reader stops here: the provider's next send ends the call
+                    log.exception("a chunk of a stream on route %s could not be encoded", call.method)
+                    broken.append(internal_error("a chunk of the stream could not be encoded"))
+                    break
                 if not started:
                     started = True
                     await send({"type": "http.response.start", "status": 200,
                                 "headers": [*SSE_HEADERS, *headers()]})
-                await send({"type": "http.response.body", "body": encode(chunk), "more_body": True})
+                await send({"type": "http.response.body", "body": event, "more_body": True})
         forwarded.set()
 
     async with cancelled_on_disconnect(scope, receive), anyio.create_task_group() as tg:
@@ -57,7 +67,7 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, scope: Scope, r
         await forwarded.wait()
     if not outcome:
         return  # the client went away; the call was cancelled with it
-    result = outcome[0]
+    result = Outcome.fail(broken[0]) if broken else outcome[0]
     if result.error is not None and not started:
         raise http_error(result.error, surface)
     await _finish(send, result, started, headers, surface, error_event, tail)
