@@ -192,11 +192,22 @@ def _doc(model: type[BaseModel]) -> str:
 
 
 def provider_models(kind: str) -> list[tuple[str, type[BaseModel]]]:
-    """The kind's ``Settings`` first, then every other pydantic model its provider class carries."""
-    from multiplexer.gateway.registry import provider_class, settings_model
+    """The kind's ``Settings`` first, then every other model the registry gives for a kind (its
+    ``*_model(kind)`` functions, a route model say) and every pydantic model its provider class
+    carries."""
+    from multiplexer.gateway import registry
 
-    found = [("Settings", settings_model(kind))]
-    cls = provider_class(kind)
+    found = [("Settings", registry.settings_model(kind))]
+    for name in sorted(vars(registry)):
+        fn = getattr(registry, name)
+        if name.endswith("_model") and name != "settings_model" and callable(fn):
+            try:
+                model = _model(fn(kind))
+            except (KeyError, TypeError, ValueError):
+                continue  # not a per-kind model, or none for this kind
+            if model is not None and all(model is not m for _, m in found):
+                found.append((name.removesuffix("_model"), model))
+    cls = registry.provider_class(kind)
     for attr in sorted(dir(cls)):
         if attr.startswith("_") or attr == "Settings":
             continue
@@ -241,11 +252,11 @@ def render() -> str:
                 prefix = "providers.<provider>"
             elif "route" in attr.lower():
                 prefix = "routes.<route>"
-                parts.append(f"Route keys for routes on a `{kind}` provider (`{attr}`):\n")
+                parts.append(f"Keys of a route whose provider is of this kind (`{attr}`):\n")
             else:
                 prefix = f"providers.<provider> ({attr})"
                 parts.append(f"`{attr}`:\n")
-            body = table(model, prefix) if model.model_fields else "No keys of its own.\n"
+            body = table(model, prefix) if model.model_fields else "No keys of its own."
             parts.append(_doc(model) + body + "\n")
     return "\n".join(parts)
 
