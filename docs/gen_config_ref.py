@@ -237,6 +237,9 @@ def render() -> str:
         if key == "providers":
             parts.append("The keys above are common to every kind; the keys of each kind are under "
                          "[Provider kinds](#provider-kinds).\n")
+        if key == "routes":
+            parts.append("The keys above are common to every route; a route may also take the route "
+                         "keys of its provider's kind, under [Provider kinds](#provider-kinds).\n")
     parts.append("## Provider kinds\n")
     parts.append("Each provider's `kind` selects one of these; its other keys are the kind's own.\n")
     for kind in KINDS:
@@ -249,15 +252,16 @@ def render() -> str:
             continue
         for attr, model in models:
             if attr == "Settings":
-                prefix = "providers.<provider>"
+                intro, prefix = "Provider keys, beside the common ones:", "providers.<provider>"
             elif "route" in attr.lower():
-                prefix = "routes.<route>"
-                parts.append(f"Keys of a route whose provider is of this kind (`{attr}`):\n")
+                intro, prefix = f"Keys of a route to a provider of this kind (`{attr}`):", "routes.<route>"
             else:
-                prefix = f"providers.<provider> ({attr})"
-                parts.append(f"`{attr}`:\n")
-            body = table(model, prefix) if model.model_fields else "No keys of its own."
-            parts.append(_doc(model) + body + "\n")
+                intro, prefix = f"`{attr}`:", f"providers.<provider> ({attr})"
+            if not model.model_fields:
+                if attr == "Settings":
+                    parts.append("No provider keys beside the common ones.\n")
+                continue
+            parts.append(_doc(model) + intro + "\n\n" + table(model, prefix) + "\n")
     return "\n".join(parts)
 
 
