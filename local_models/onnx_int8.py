@@ -17,7 +17,7 @@ against sentence-transformers on the bench texts. So, as measured on
   VNNI, ONNX Runtime's u8 x s8 kernel adds pairs of products in 16 bits, and
   full 8-bit weights overflowed it (worst cosine 0.94).
 
-Worst cosine 0.993; fastest of the recipes tried that keep 0.99 (see the README).
+Worst cosine 0.993; fastest of the recipes tried that keep 0.99 (see docs/local-models.md).
 A graph without BERT's layer names has every weight product quantised, each
 input split.
 """
