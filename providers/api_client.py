@@ -20,7 +20,7 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, upstream_error
 from multiplexer.core.gather import gather
 from multiplexer.core.jsonrpc import dumps
-from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.limiter import RateLimiter, holding
 from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
@@ -286,14 +286,16 @@ def item_error(provider: str, body: Any, status: int | None) -> RpcError:
     return upstream_error(provider, message, status, **extra)
 
 
-async def admit(limiter: RateLimiter, clock: Clock, requests: int = 1, tokens: int = 0) -> None:
+async def admit(limiter: RateLimiter, clock: Clock, requests: int = 1, tokens: int = 0,
+                items: Sequence[Item] = ()) -> None:
     """Wait until the lane's limiter lets a request of this cost go, then charge it.
 
     For requests the lane did not charge itself: the extra chunks of a packed
     batch, and jobs run through the synchronous endpoint. (With shared limits the
-    charge is the replicas' shared one.)
+    charge is the replicas' shared one.) ``items``, the calls the request carries, are
+    marked with the limit they wait for, which their deadline names if it comes first.
     """
-    await limiter.admit(requests, tokens)
+    await limiter.admit(requests, tokens, holding(items) if items else None)
 
 
 async def run_each(items: Sequence[Item], run_one: Callable[[Item], Awaitable[Outcome]],
@@ -306,7 +308,7 @@ async def run_each(items: Sequence[Item], run_one: Callable[[Item], Awaitable[Ou
     async def one(i: int) -> Outcome:
         async with gate:
             if i:
-                await admit(ctx.limiter, ctx.clock)
+                await admit(ctx.limiter, ctx.clock, items=[items[i]])
             return await run_one(items[i])
 
     return await gather(one, range(len(items)))

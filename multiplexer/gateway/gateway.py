@@ -203,7 +203,7 @@ class Gateway:
                 max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
                 # batch mode gathers until size or age; eager only if the route says so
                 eager=policy.eager and (route.mode != "batch" or "eager" in policy.model_fields_set),
-                metrics=self.metrics, tracer=self.tracer,
+                metrics=self.metrics, tracer=self.tracer, provider=route.provider,
             )
             self.lanes[key] = lane
             assert self._tg is not None
