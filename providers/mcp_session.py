@@ -73,6 +73,16 @@ class UpstreamSession:
     def connected(self) -> bool:
         return self._client is not None
 
+    def readiness(self) -> tuple[Literal["up", "starting", "failing"], str | None]:
+        """Connected: up. Not connected since an attempt failed or the connection ended (while it
+        backs off and reconnects): failing, with the last error. Otherwise (the first attempt
+        under way): starting."""
+        if self._client is not None:
+            return "up", None
+        if self.failures:
+            return "failing", self.last_error or "not connected"
+        return "starting", self.last_error
+
     @property
     def tools(self) -> dict[str, types.Tool]:
         return self.tool_list.tools

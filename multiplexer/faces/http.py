@@ -1,4 +1,4 @@
-"""The HTTP face: ``/rpc``, ``/healthz``, ``/metrics`` (and ``/mcp`` when mounted)."""
+"""The HTTP face: ``/rpc``, ``/healthz``, ``/readyz``, ``/metrics`` (and ``/mcp`` when mounted)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from multiplexer.core.tracing import http_trace
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.body import BodyTooLarge, ClientGone, headers_over, read_body
 from multiplexer.faces.disconnect import cancelled_on_disconnect
+from multiplexer.faces.ready import readiness
 from multiplexer.faces.reply import JSON_HEADERS, DirectEndpoint, Headers, Reply
 from multiplexer.faces.rpc import handle_body
 from multiplexer.gateway.gateway import Gateway
@@ -97,6 +98,10 @@ def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
         return JSONResponse({"status": status, "lanes": lanes},
                             status_code=503 if gateway.closing else 200)
 
+    async def readyz(request: Request) -> Response:
+        status, body = await readiness(gateway)
+        return JSONResponse(body, status_code=status)
+
     async def metrics(request: Request) -> Response:
         return Response(gateway.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -104,6 +109,7 @@ def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     return [
         Route("/rpc", RpcEndpoint(gateway, auth), methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
 

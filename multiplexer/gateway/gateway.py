@@ -92,6 +92,7 @@ class Gateway:
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self.faces: dict[str, Any] = {}  # what composers attached (the jobs.* face, ...), by name
+        self.started: set[str] = set()  # providers whose start has returned
         self.closing = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -122,6 +123,7 @@ class Gateway:
                 provider = self.providers[name]
                 await provider.start()
                 stack.push_async_callback(provider.aclose)
+                self.started.add(name)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
             if self.state is not None:

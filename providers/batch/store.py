@@ -101,6 +101,10 @@ class JobStore:
 
     # -- jobs ------------------------------------------------------------------
     @_locked
+    def ping(self) -> None:
+        self._x("SELECT 1").fetchone()
+
+    @_locked
     def create_job(self, job_id: str, identity: str | None, source: str, state: str) -> None:
         now = self.wall()
         self._x("INSERT INTO jobs VALUES (?,?,?,?,0,?,?)",
