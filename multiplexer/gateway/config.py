@@ -69,6 +69,11 @@ class ServerConfig(Strict):
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
     mcp: McpServerConfig = Field(default_factory=McpServerConfig)
+    # -- operations: the access log --
+    access_log: bool = Field(default=True, description="one INFO line per HTTP request (logger "
+                             "multiplexer.access): method, path, route, key name, status, ms, request id")
+    log_format: Literal["plain", "json"] = Field(default="plain", description="access lines as "
+                                                 "text or JSON objects (`serve`: every log line)")
 
 
 class StoreConfig(Strict):

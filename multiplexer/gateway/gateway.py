@@ -23,7 +23,7 @@ from multiplexer.core.errors import RpcError, cancelled, internal_error, invalid
 from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.logs import LogFanout
-from multiplexer.core.metrics import Metrics, code_label
+from multiplexer.core.metrics import UNROUTED, Metrics, code_label
 from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSpec
 from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
@@ -46,7 +46,6 @@ from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, settle
 
 log = logging.getLogger(__name__)
-UNROUTED = "(no route)"
 
 
 def with_kind_defaults(pconf: ProviderConfig, cls: type[Provider]) -> ProviderConfig:
@@ -271,7 +270,7 @@ class Gateway:
         """Route, check and queue one call without waiting; errors end the ticket at once."""
         # Metrics label by route, never by the client's method string: unknown names would
         # grow the registry without bound (and a lone surrogate would break /metrics).
-        ticket = Ticket(UNROUTED, call.identity, math.inf)
+        ticket = Ticket(UNROUTED, call.identity, math.inf, started=self.clock.now())
         span = ticket.span = self.tracer.start_call(call) if self.tracer.enabled else None
         batch_due = False  # a batch charge decided ahead for this call and not taken yet
         try:
@@ -369,6 +368,8 @@ class Gateway:
         finally:
             if batch_due:  # refused before it was charged (on any path): none of the key's batch calls
                 self.quotas.forgo_batch(call.identity)
+            if ticket.outcome is None:  # answered later: in flight until then
+                ticket.in_flight = self.metrics.call_started(ticket.label)
         return ticket
 
     def _first_chunk(self, route: str, span: Any) -> Callable[[], None]:
@@ -434,7 +435,10 @@ class Gateway:
         if t.quota:
             self.quotas.release(t.identity)
         code = "ok" if outcome.error is None else code_label(outcome.error.code)
-        self.metrics.call_answered(t.label, code)
+        self.metrics.call_answered(t.label, code, self.clock.now() - t.started)
+        if t.in_flight is not None:
+            t.in_flight.n -= 1
+            t.in_flight = None
         t.pending = t.lane = t.call = t.waiter = None
 
     def _dedup_key(

@@ -10,6 +10,7 @@ from starlette.types import Receive, Scope, Send
 from multiplexer.core.call import Call
 from multiplexer.core.jsonrpc import dumps
 from multiplexer.core.tracing import http_trace
+from multiplexer.faces.access import REQUEST_ID, new_request_id, note_of
 from multiplexer.faces.disconnect import cancelled_on_disconnect
 from multiplexer.faces.v1.common import (
     REQUEST_TRACE,
@@ -17,7 +18,6 @@ from multiplexer.faces.v1.common import (
     HttpError,
     Surface,
     http_error,
-    request_id,
     send_encoded,
     send_error,
     send_json,
@@ -36,14 +36,22 @@ class Endpoint:
         self.v1 = v1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        base = [(self.surface.request_id_header, request_id())]
+        note = note_of(scope)  # the request's id, when the server notes requests
+        header = self.surface.request_id_header
+        # the server sends x-request-id with every request it notes; another name (Anthropic's) is ours
+        base = [] if note is not None and header == REQUEST_ID else \
+            [(header, note.rid if note is not None else new_request_id())]
         identity: str | None = None
         if self.v1.gateway.tracer.enabled:
             REQUEST_TRACE.set(http_trace(dict(scope["headers"])))
         try:
             identity = self.v1.identify(dict(scope["headers"]))
+            if note is not None:
+                note.key = identity
             await self.handle(scope, receive, send, identity, base)
         except HttpError as e:
+            if note is not None:
+                note.code = e.error.code
             await send_error(send, self.surface, e, base + self.v1.quota_headers(identity))
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
@@ -56,6 +64,9 @@ class Endpoint:
         """Run a call and send its result (through ``shape`` when given) or its error; a client
         that hangs up first cancels the call, and with it the upstream request."""
         outcome = None
+        note = note_of(scope)
+        if note is not None:
+            note.route = call.method
         async with cancelled_on_disconnect(scope, receive):
             outcome = await self.v1.submit(call)
         if outcome is None:
@@ -76,6 +87,9 @@ class Endpoint:
             return encode(error_body(e))
 
         route = self.v1.gateway.config.routes[call.method]
+        note = note_of(scope)
+        if note is not None:
+            note.route = call.method
         if route.timeout_ms is None and call.timeout_ms is None:
             call.timeout_ms = STREAM_TIMEOUT_MS
 
