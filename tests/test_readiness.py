@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,18 +49,23 @@ async def test_the_default_config_is_ready_and_healthz_keeps_its_shape() -> None
     assert set(health.json()) == {"status", "lanes"}
 
 
-async def test_a_dead_mcp_upstream_makes_readyz_503_naming_it_and_its_error() -> None:
+async def test_a_dead_mcp_upstream_makes_readyz_503_naming_it_and_its_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="providers.mcp_transport")
     conf = default_config()
     conf["providers"]["dead"] = {
         "kind": "mcp", "command": sys.executable, "restart_backoff_ms": 20,
-        "args": ["-c", "import sys; sys.exit(3)"]}
+        "args": ["-c", "import sys; print('cannot open tools.db', file=sys.stderr); sys.exit(3)"]}
     async with running(parse_config(conf)) as (_, url):
         ready = await get(url, "/readyz")
     assert ready.status_code == 503
     body = ready.json()
     assert body["status"] == "not_ready"
-    assert body["providers"]["dead"]["status"] == "failing"
-    assert body["providers"]["dead"]["error"]  # what the supervisor last saw
+    assert body["providers"]["dead"] == {
+        "status": "failing", "error": "MCPError: Connection closed (its stderr: cannot open tools.db)"}
+    # the child's stderr, line by line, under its provider's name
+    said = [r.getMessage() for r in caplog.records if r.name == "providers.mcp_transport"]
+    assert said and set(said) == {"dead: cannot open tools.db"}
     assert body["providers"]["builtin"] == {"status": "up"}
     assert body["providers"]["tools"] == {"status": "up"}
 
