@@ -31,6 +31,11 @@ from multiplexer.faces.body import headers_over
 from multiplexer.faces.disconnect import DIRECT, HOOK, OnDisconnect
 from multiplexer.faces.reply import DirectEndpoint, Reply
 
+# An idle connection is closed this long after ``timeout_keep_alive`` (``server.keepalive_s``): the
+# server's idle time starts when it sends a response, a client's when it has read it, so a client
+# whose idle timeout equals the server's would otherwise reuse a connection the server is closing
+# at that moment, and lose the request (a ReadError).
+KEEPALIVE_GRACE_S = 1
 _GONE = 499  # the status a line says for a client that went away before its answer
 _FAILED = Reply(500, b"Internal Server Error", [(b"content-type", b"text/plain; charset=utf-8"),
                                                 (b"connection", b"close")])
@@ -79,6 +84,7 @@ class JoinedWrites:
 class GatewayHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.timeout_keep_alive += KEEPALIVE_GRACE_S
         self._owed: list[tuple[RequestResponseCycle, OnDisconnect]] = []  # requests still owed an answer
         # the app's endpoints to call directly, by (method, path), and its header cap (the app
         # refuses longer headers itself, so such requests go to it)
