@@ -75,20 +75,26 @@ async def test_a_call_waiting_for_tokens_names_tpm() -> None:
     assert out["second"].error.data == {"stage": "rate_limit", "limit": "tpm", "provider": "p"}
 
 
+async def to_its_deadline(gw: Gateway, clock: ManualClock, timeout_ms: float) -> Outcome:
+    """One call, the clock run to its deadline."""
+    out: list[Outcome] = []
+
+    async def call() -> None:
+        out.append(await gw.submit(Call("r", {}, timeout_ms=timeout_ms)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call)
+        await clock.advance(0)
+        await clock.advance(timeout_ms / 1000)
+    return out[0]
+
+
 async def test_a_call_held_only_by_its_batch_forming_stays_queued() -> None:
     clock, prov = ManualClock(), Gate()
     batch = {"max_items": 10, "max_wait_ms": 5000, "eager": False}
     async with Gateway(config({}, batch), clock=clock, providers={"p": prov}) as gw:
-        out: list[Outcome] = []
-
-        async def call() -> None:
-            out.append(await gw.submit(Call("r", {}, timeout_ms=100)))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(call)
-            await clock.advance(0)
-            await clock.advance(0.1)
-    assert out[0].error is not None and out[0].error.data == {"stage": "queued"}
+        out = await to_its_deadline(gw, clock, 100)
+    assert out.error is not None and out.error.data == {"stage": "queued"}
 
 
 class Busy:
@@ -123,15 +129,7 @@ async def test_a_call_waiting_for_a_shared_limit_names_it_though_its_batch_was_t
                  providers={"p": prov})
     busy = gw.state = Busy()  # type: ignore[assignment]
     async with gw:
-        out: list[Outcome] = []
-
-        async def call() -> None:
-            out.append(await gw.submit(Call("r", {}, timeout_ms=500)))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(call)
-            await clock.advance(0)
-            await clock.advance(0.5)
+        out = await to_its_deadline(gw, clock, 500)
     assert busy.asked == 1 and prov.runs == []
-    assert out[0].error is not None
-    assert out[0].error.data == {"stage": "rate_limit", "limit": "rpm", "provider": "p"}
+    assert out.error is not None
+    assert out.error.data == {"stage": "rate_limit", "limit": "rpm", "provider": "p"}
