@@ -40,6 +40,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     tune_gc(config.server.gc_young_threshold)
+    if config.server.log_format == "json":
+        from multiplexer.faces.access import JsonLines
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonLines())
     if args.stdio:
         from multiplexer.faces.mcp.stdio import serve_stdio
 

@@ -54,13 +54,17 @@ class EmbeddedServer(uvicorn.Server):
 
 
 @asynccontextmanager
-async def serve_asgi(app: Any, sock: socket.socket, *, lifespan: bool = False) -> AsyncIterator[str]:
-    """Serve an ASGI app on a bound socket until the block exits; yields the base URL."""
+async def serve_asgi(app: Any, sock: socket.socket, *, lifespan: bool = False,
+                     keepalive_s: float = 5.0) -> AsyncIterator[str]:
+    """Serve an ASGI app on a bound socket until the block exits; yields the base URL.
+    ``keepalive_s``: how long an idle connection stays open (uvicorn's default here)."""
     host, port = sock.getsockname()[:2]
     # Our protocol (uvicorn's, plus a disconnect hook per request); no proxy-header rewriting:
     # the gateway never reads the client address, and the middleware cost CPU on every request.
+    # uvicorn's access log is off: the app logs its own lines (faces/access.py).
     uconf = uvicorn.Config(app, log_level="warning", lifespan="on" if lifespan else "off",
                            access_log=False, timeout_graceful_shutdown=5,
+                           timeout_keep_alive=keepalive_s,  # type: ignore[arg-type]
                            http=GatewayHttpProtocol, proxy_headers=False)
     server = EmbeddedServer(uconf)
     async with anyio.create_task_group() as tg:
@@ -129,7 +133,8 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
             app = create_app(gw, routes, lifespan, auth)
             gw.faces["app"] = app  # what is mounted, for those who enumerate it
             heap.serving(gw)  # before the first call: no full pauses on start-up's heap after
-            async with serve_asgi(app, sock, lifespan=lifespan is not None) as url:
+            async with serve_asgi(app, sock, lifespan=lifespan is not None,
+                                  keepalive_s=config.server.keepalive_s) as url:
                 yield gw, url
     finally:
         sock.close()

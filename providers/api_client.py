@@ -20,13 +20,14 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, upstream_error
 from multiplexer.core.gather import gather
 from multiplexer.core.jsonrpc import dumps
-from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.limiter import RateLimiter, holding
 from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
 from multiplexer.transport.http1 import Http1Transport
 
 from .endpoints import Endpoints
+from .health import CONNECT_FAILURES, ConnectionHealth
 from .http_util import classify, make_client
 from .ratelimit_headers import Parser, apply, wait_hint
 
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 
 PAUSE_STATUSES = {429, 529}
 T = TypeVar("T")
-CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout)
 # Batch jobs and their files live on one endpoint: with several base_urls they use the first.
 PINNED = ("/files", "/batches", "/messages/batches")
 
@@ -56,6 +56,7 @@ class ApiClient:
         self._urls: dict[tuple[str, str], httpx.URL] = {}
         self._targets: dict[tuple[str, str], tuple[httpx.URL, list[tuple[bytes, bytes]]]] = {}
         self._requests = ctx.metrics.upstream_requests.labels(self.name)
+        self.health = ConnectionHealth()  # the provider's readiness
         bases = getattr(ctx.settings, "base_urls", None)  # several endpoints: spread over them
         self.endpoints = Endpoints(bases, ctx.clock, ctx.settings, self._endpoint_event) if bases else None
         if bases:
@@ -121,6 +122,7 @@ class ApiClient:
                 await response.aread()
         except httpx.HTTPError as e:
             raise self._unreachable(e, idempotent) from None
+        self.health.reached()
         response.request = request
         self._learn(response.status_code, dict(response.headers.multi_items()))
         if response.status_code < 400:
@@ -153,6 +155,7 @@ class ApiClient:
             reply = await self._transport.fetch(method, url, headers, content, self._timeouts)
         except httpx.HTTPError as e:
             raise self._unreachable(e, idempotent) from None
+        self.health.reached()
         self._learn(reply.status, {k.decode("latin-1"): v.decode("latin-1")
                                    for k, v in reply.headers})
         if reply.status >= 400:
@@ -162,6 +165,7 @@ class ApiClient:
         return decode_body(self.name, reply.status, reply.content)
 
     def _unreachable(self, e: httpx.HTTPError, idempotent: bool) -> Exception:
+        self.health.failed(e)
         self.ctx.metrics.upstream_errors.labels(self.name, type(e).__name__).inc()
         return classify(self.name, e, None, idempotent, self.ctx.clock.wall)
 
@@ -286,14 +290,16 @@ def item_error(provider: str, body: Any, status: int | None) -> RpcError:
     return upstream_error(provider, message, status, **extra)
 
 
-async def admit(limiter: RateLimiter, clock: Clock, requests: int = 1, tokens: int = 0) -> None:
+async def admit(limiter: RateLimiter, clock: Clock, requests: int = 1, tokens: int = 0,
+                items: Sequence[Item] = ()) -> None:
     """Wait until the lane's limiter lets a request of this cost go, then charge it.
 
     For requests the lane did not charge itself: the extra chunks of a packed
     batch, and jobs run through the synchronous endpoint. (With shared limits the
-    charge is the replicas' shared one.)
+    charge is the replicas' shared one.) ``items``, the calls the request carries, are
+    marked with the limit they wait for, which their deadline names if it comes first.
     """
-    await limiter.admit(requests, tokens)
+    await limiter.admit(requests, tokens, holding(items) if items else None)
 
 
 async def run_each(items: Sequence[Item], run_one: Callable[[Item], Awaitable[Outcome]],
@@ -306,7 +312,7 @@ async def run_each(items: Sequence[Item], run_one: Callable[[Item], Awaitable[Ou
     async def one(i: int) -> Outcome:
         async with gate:
             if i:
-                await admit(ctx.limiter, ctx.clock)
+                await admit(ctx.limiter, ctx.clock, items=[items[i]])
             return await run_one(items[i])
 
     return await gather(one, range(len(items)))

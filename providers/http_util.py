@@ -14,6 +14,8 @@ from multiplexer.core.call import Item
 from multiplexer.core.errors import RpcError, upstream_error, upstream_unavailable
 from multiplexer.core.retry import Retryable
 
+from .health import ConnectionHealth
+
 # Statuses where the upstream did not run the request: always safe to retry.
 SAFE_STATUSES = {408, 425, 429, 503, 529}
 # Statuses where it may have run: retried only for idempotent calls.
@@ -114,13 +116,18 @@ def classify(provider: str, exc: Exception | None, response: httpx.Response | No
 
 
 async def send(sender: Callable[[httpx.Request], Awaitable[httpx.Response]],
-               request: httpx.Request, provider: str, idempotent: bool, wall: Wall) -> httpx.Response:
+               request: httpx.Request, provider: str, idempotent: bool, wall: Wall,
+               health: ConnectionHealth | None = None) -> httpx.Response:
     """One attempt through ``sender`` (a client's or a transport's send): a 2xx response,
-    or raise Retryable / RpcError."""
+    or raise Retryable / RpcError. ``health`` learns whether the upstream answered."""
     try:
         response = await sender(request)
     except httpx.HTTPError as e:
+        if health is not None:
+            health.failed(e)
         raise classify(provider, e, None, idempotent, wall) from None
+    if health is not None:
+        health.reached()
     if response.status_code >= 400:
         raise classify(provider, None, response, idempotent, wall)
     return response

@@ -18,6 +18,7 @@ from multiplexer.core.provider import Provider, ProviderContext
 from multiplexer.core.retry import with_retries
 from multiplexer.transport.http1 import Http1Transport
 
+from .health import ConnectionHealth
 from .http_util import all_idempotent, batch_deadline, make_client, send
 
 _MALFORMED = object()
@@ -49,6 +50,11 @@ class JsonRpcProvider(Provider):
         self._ids = itertools.count(1)
         self._client: httpx.AsyncClient | None = None
         self._requests = ctx.metrics.upstream_requests.labels(self.name)
+        self.health = ConnectionHealth()
+
+    def readiness(self) -> tuple[Literal["up", "starting", "failing"], str | None]:
+        """The ``Readiness`` capability: failing after connection failures in a row."""
+        return self.health.readiness()
 
     async def start(self) -> None:
         conf = self.ctx.config
@@ -129,7 +135,8 @@ class JsonRpcProvider(Provider):
             if self.ctx.tracer.enabled:
                 self.ctx.tracer.inject(request.headers)
             self._requests.inc()
-            return await send(self._sender, request, self.name, idempotent, self.ctx.clock.wall)
+            return await send(self._sender, request, self.name, idempotent, self.ctx.clock.wall,
+                              self.health)
 
         retry = self.ctx.config.retry
         return await with_retries(

@@ -4,7 +4,7 @@ token charging, and one request per call for the operations that do not pack."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import anyio
 import httpx
@@ -64,6 +64,10 @@ class LlmProvider(Provider):
             await self.jobs.aclose()
         finally:
             await self.api.aclose()
+
+    def readiness(self) -> tuple[Literal["up", "starting", "failing"], str | None]:
+        """The ``Readiness`` capability: failing after connection failures in a row."""
+        return self.api.health.readiness()
 
     def request_body(self, item: Item) -> tuple[dict[str, Any], str]:
         """The call's params as a request body, checked for what every operation needs."""

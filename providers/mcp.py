@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import mcp_types as types
@@ -85,6 +85,10 @@ class McpProvider(Provider):
         stack, self._stack = self._stack, None
         if stack is not None:
             await stack.aclose()
+
+    def readiness(self) -> tuple[Literal["up", "starting", "failing"], str | None]:
+        """The ``Readiness`` capability: its session supervisor's state and last error."""
+        return self.session.readiness()
 
     def _session_event(self, event: str) -> None:
         metrics = self.ctx.metrics

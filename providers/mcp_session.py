@@ -32,7 +32,7 @@ from multiplexer.core.version import VERSION as __version__
 from .mcp_listing import ToolList
 from .mcp_logs import LogRouter
 from .mcp_request import describe
-from .mcp_transport import McpSettings, open_transport, watched
+from .mcp_transport import McpSettings, StderrRelay, open_transport, watched
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class UpstreamSession:
         self._log_level: tuple[int, str] | None = None  # (generation, level) a handshake connection logs at
         self._log_lock = anyio.Lock()
         self._client: Client | None = None
+        self.stderr = StderrRelay(name)  # a stdio child's stderr lines, logged under this name
         self._attempt_end = anyio.Event()  # replaced after each connection attempt ends
         self._kick = anyio.Event()  # a waiting call asks for a reconnect now, not after the backoff
         self._ended = anyio.Event()
@@ -72,6 +73,17 @@ class UpstreamSession:
     @property
     def connected(self) -> bool:
         return self._client is not None
+
+    def readiness(self) -> tuple[Literal["up", "starting", "failing"], str | None]:
+        """Connected: up. Not connected since an attempt failed or the connection ended (while it
+        backs off and reconnects): failing, with the last error. Otherwise (the first attempt
+        under way): starting."""
+        if self._client is not None:
+            return "up", None
+        said = f" (its stderr: {self.stderr.last})" if self.stderr.last else ""
+        if self.failures:
+            return "failing", (self.last_error or "not connected") + said
+        return "starting", self.last_error
 
     @property
     def tools(self) -> dict[str, types.Tool]:
@@ -138,7 +150,8 @@ class UpstreamSession:
         mode, prior = self._mode()
         router = LogRouter(self.on_event) if self.settings.forward_logs else None
         client = Client(
-            watched(open_transport(self.settings, self.call_timeout_s), self._end_hook(ended), router),
+            watched(open_transport(self.settings, self.call_timeout_s, self.stderr),
+                    self._end_hook(ended), router),
             mode=mode,
             prior_discover=prior,
             cache=None,
@@ -160,7 +173,7 @@ class UpstreamSession:
                 self.generation += 1
                 self.connects += 1
                 self.failures = 0
-                self.last_error = None
+                self.last_error = self.stderr.last = None
                 self._client = client
                 established = True
                 self._attempt_ended()

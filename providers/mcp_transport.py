@@ -7,12 +7,15 @@ or a stream ended, instead of at the next call.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import anyio
 import httpx2
@@ -25,6 +28,7 @@ from multiplexer.core.paths import ConfigPath, base_dir
 from .mcp_logs import LogRouter
 
 _PYTHON_ALIASES = {"python", "python3"}
+log = logging.getLogger(__name__)
 
 
 class McpSettings(BaseModel):
@@ -95,9 +99,83 @@ async def _http_streams(settings: McpSettings, read_timeout_s: float) -> AsyncIt
         yield streams
 
 
-def open_transport(settings: McpSettings, read_timeout_s: float) -> AbstractAsyncContextManager[Any]:
+class StderrRelay:
+    """A stdio child's stderr, line by line, into this log with its provider's name in front (it
+    went to the gateway's own stderr unmarked, where nobody could tell whose it was). The last
+    line is kept until a connection is up: a child that dies says why there, which readiness
+    shows."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.last: str | None = None
+        self._fd: int | None = None
+        self._partial = b""
+
+    def open(self) -> TextIO:
+        """The write end for the child (ours to close once it has its own copy); lines read as
+        they come, on the event loop (no task, no thread)."""
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        self._fd, self._partial = read, b""
+        asyncio.get_running_loop().add_reader(read, self._read)
+        return os.fdopen(write, "w")
+
+    def _read(self) -> None:
+        assert self._fd is not None
+        try:
+            data = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return
+        if not data:
+            self.close()
+            return
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            self._line(line)
+
+    def _line(self, raw: bytes) -> None:
+        text = raw.decode(errors="replace").rstrip()
+        if text:
+            self.last = text[:500]
+            log.info("%s: %s", self.name, text)
+
+    def close(self) -> None:
+        """Stop reading: what the child wrote before it ended is read first."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        asyncio.get_running_loop().remove_reader(fd)
+        with contextlib.suppress(OSError):
+            while data := os.read(fd, 65536):
+                *lines, self._partial = (self._partial + data).split(b"\n")
+                for line in lines:
+                    self._line(line)
+        os.close(fd)
+        if self._partial:
+            self._line(self._partial)
+            self._partial = b""
+
+
+@asynccontextmanager
+async def _stdio_streams(settings: McpSettings, relay: StderrRelay) -> AsyncIterator[Any]:
+    errlog = relay.open()
+    try:
+        async with stdio_client(stdio_parameters(settings), errlog=errlog) as streams:
+            errlog.close()  # the child holds its own copy: its end is the pipe's end
+            yield streams
+    finally:
+        errlog.close()
+        relay.close()
+
+
+def open_transport(settings: McpSettings, read_timeout_s: float,
+                   relay: StderrRelay | None = None) -> AbstractAsyncContextManager[Any]:
+    """A fresh transport; a stdio child's stderr goes through ``relay`` (the gateway's own stderr
+    without one)."""
     if settings.command is not None:
-        return stdio_client(stdio_parameters(settings))
+        if relay is None:
+            return stdio_client(stdio_parameters(settings))
+        return _stdio_streams(settings, relay)
     return _http_streams(settings, read_timeout_s)
 
 

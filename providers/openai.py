@@ -180,10 +180,10 @@ class OpenAIProvider(LlmProvider):
 
         async def run(k: int, chunk: Chunk) -> None:
             async with gate:
+                owners = [items[s.item] for s in chunk.spans]
                 if k:
-                    await admit(self.ctx.limiter, self.ctx.clock)
-                await self._send_chunk(base, chunk, [items[s.item] for s in chunk.spans], scatter,
-                                       split_on_400=len(chunk.spans) > 1)
+                    await admit(self.ctx.limiter, self.ctx.clock, items=owners)
+                await self._send_chunk(base, chunk, owners, scatter, split_on_400=len(chunk.spans) > 1)
 
         async with anyio.create_task_group() as tg:
             for k, chunk in enumerate(chunks):
@@ -221,5 +221,5 @@ class OpenAIProvider(LlmProvider):
         for span, owner in zip(chunk.spans, owners, strict=True):
             alone = Chunk([span], chunk.inputs[pos:pos + span.count], span.tokens)
             pos += span.count
-            await admit(self.ctx.limiter, self.ctx.clock)
+            await admit(self.ctx.limiter, self.ctx.clock, items=[owner])
             await self._send_chunk(base, alone, [owner], scatter, split_on_400=False)

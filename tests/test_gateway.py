@@ -56,8 +56,9 @@ async def test_deadline_in_queue_and_in_flight_report_their_stage() -> None:
             await clock.advance(0)
             await clock.advance(0.5)
             await clock.advance(0.5)
-        assert out["second"].error.code == Code.TIMEOUT
-        assert out["second"].error.data == {"stage": "queued"}
+        assert out["second"].error.code == Code.TIMEOUT  # it waited for the one slot
+        assert out["second"].error.data == {"stage": "rate_limit", "limit": "concurrency",
+                                            "provider": "p"}
         assert out["first"].error.data == {"stage": "running"}
         assert prov.runs == ["r"]  # the queued call never went upstream
 

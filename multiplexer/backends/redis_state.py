@@ -101,6 +101,12 @@ class RedisState:
     async def aclose(self) -> None:
         await self.r.aclose()
 
+    async def ping(self) -> None:
+        try:
+            await self.r.ping()
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(f"{type(e).__name__}: {e}") from e
+
     async def heartbeat(self) -> int:
         live = await self._call(self._heartbeat, [f"{self.prefix}:replicas"],
                                 [self.replica_id, self.lease_s])

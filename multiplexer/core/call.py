@@ -113,6 +113,9 @@ class Item:
     seq: int = field(default_factory=lambda: next(_seq))
     flight: tuple[str, float] | None = None  # (dedup key, cache TTL s) shared with other replicas
     trace: Any = None  # a core.tracing.TraceSlot when calls are traced
+    # The limit (rpm, tpm, concurrency, retry_after) a taken item waits for before it goes upstream
+    # (shared limits, extra requests of a batch); None once it goes: a deadline then says so.
+    held: str | None = None
 
 
 class Future:

@@ -79,8 +79,10 @@ def internal_error(detail: str = "internal error") -> RpcError:
     return RpcError(Code.INTERNAL_ERROR, "Internal error", {"detail": detail})
 
 
-def timeout_error(stage: str) -> RpcError:
-    return RpcError(Code.TIMEOUT, "Deadline exceeded", {"stage": stage})
+def timeout_error(stage: str, **extra: Any) -> RpcError:
+    """``stage``: where the deadline found the call (queued, running, upstream, or rate_limit:
+    it never reached the upstream, waiting for the ``limit`` of ``provider`` named in ``extra``)."""
+    return RpcError(Code.TIMEOUT, "Deadline exceeded", {"stage": stage, **extra})
 
 
 def overloaded(provider: str, retry_after: float) -> RpcError:

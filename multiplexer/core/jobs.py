@@ -6,12 +6,18 @@ depends on these shapes, not on the SQLite store or a provider's job manager.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+import anyio
+
 from multiplexer.core.call import Item
 from multiplexer.core.jobrows import JobRow, NewItem, PartRow
+from multiplexer.core.metrics import UNROUTED, Metrics, code_label
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -26,6 +32,10 @@ class JobStore(Protocol):
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T: ...
 
+    def ping(self) -> None:
+        """One trivial query, for readiness; raises when the database cannot answer."""
+        ...
+
     def create_job(self, job_id: str, identity: str | None, source: str, state: str) -> None: ...
 
     def job(self, job_id: str) -> JobRow | None: ...
@@ -37,6 +47,14 @@ class JobStore(Protocol):
     def set_job_state(self, job_id: str, state: str, only_from: Sequence[str] = ()) -> bool: ...
 
     def finish_job_if_done(self, job_id: str) -> str | None: ...
+
+    def gauges(self) -> tuple[int, dict[str, int]]:
+        """Jobs not ended, and their items by state."""
+        ...
+
+    def tally(self, job_id: str) -> list[tuple[str | None, int | None, int]]:
+        """(route, error code or None for a success, items) of a job's ended items."""
+        ...
 
     def delete_job(self, job_id: str) -> bool: ...
 
@@ -73,3 +91,30 @@ class BatchJobs(Protocol):
     def forget(self, job_id: str) -> None:
         """Drop what the runner keeps in memory for a deleted job."""
         ...
+
+
+async def end_if_done(store: JobStore, job_id: str, metrics: Metrics) -> str | None:
+    """Close a sealed job whose items all ended; its final state if this call closed it.
+
+    The one place a job ends, whoever notices (a part's driver, a cancel, a seal with nothing
+    left to run), so it is logged and counted once: its items go to ``calls_total`` by route and
+    outcome, except a ``mode: batch`` route's (``source: route``), whose calls the gateway counts
+    as it answers them."""
+    final = await store.run(store.finish_job_if_done, job_id)
+    if final is None:
+        return None
+    job = await store.run(store.job, job_id)
+    tally = await store.run(store.tally, job_id)
+    done = sum(n for _, code, n in tally if code is None)
+    failed = sum(n for _, code, n in tally if code is not None)
+    if job is not None and job.source != "route":
+        for route, code, n in tally:
+            metrics.call_answered(route or UNROUTED, "ok" if code is None else code_label(code), count=n)
+    log.info("batch job %s %s: %d succeeded, %d failed", job_id, final, done, failed)
+    return final
+
+
+async def count_jobs(store: JobStore, metrics: Metrics) -> None:
+    """The job store's open jobs and their items by state into ``metrics`` (before a scrape)."""
+    open_jobs, items = await anyio.to_thread.run_sync(store.gauges, abandon_on_cancel=True)
+    metrics.batch_counts(open_jobs, items)

@@ -59,8 +59,10 @@ class Lane:
         eager: bool = False,
         metrics: Metrics | None = None,
         tracer: Tracer = NOOP,
+        provider: str | None = None,
     ) -> None:
         self.name = name
+        self.provider = provider or name  # the lane's provider: what a limit's deadline names
         self._tracer = tracer
         self._execute = execute
         self.formation = formation
@@ -85,6 +87,7 @@ class Lane:
         # groups whose last decision waits for a running batch to end: arrivals there do not wake
         # the loop (with 64 callers on a gated model that was a wake and a decision per call)
         self._blocked: set[Hashable] = set()
+        self._held: str | None = None  # the limiter's limit that held the queue at the last step
         self._avg_batch_s = 0.0  # moving averages of batch duration and size, for retry_after
         self._avg_size = 1.0
 
@@ -139,6 +142,11 @@ class Lane:
             if p in batch and all(q.future.done() for q in batch):
                 scope.cancel()
 
+    def holding(self) -> str | None:
+        """The limit that keeps queued items from leaving now: ``concurrency`` while every slot
+        is taken, else the limiter's (rpm, tpm, retry_after) that stopped the last step."""
+        return "concurrency" if self.in_flight >= self.max_in_flight else self._held
+
     def _gauge(self) -> None:
         if self.metrics:
             self._depth.set(len(self.queue))
@@ -163,6 +171,7 @@ class Lane:
         """Start every batch that may leave now; return when to look again (inf: on wake)."""
         blocked = self._blocked
         blocked.clear()  # as it stays when nothing is asked below
+        self._held = None
         while self.in_flight < self.max_in_flight and len(self.queue):
             now = self.clock.now()
             group, decision = choose(self.queue, self.formation, now, blocked)
@@ -179,8 +188,9 @@ class Lane:
                 self._gauge()
                 continue
             tokens = sum(pending[i].item.tokens for i in decision.take)
-            wait, _ = self.limiter.delay(1, tokens)
+            wait, which = self.limiter.delay(1, tokens)
             if wait > 0:
+                self._held = which
                 return now + wait
             self.limiter.consume(1, tokens)
             batch = self.queue.take(group, decision.take)

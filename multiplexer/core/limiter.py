@@ -8,9 +8,24 @@ upstream starts refusing.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from multiplexer.core.call import Item
 from multiplexer.core.clock import Clock
+
+OnWait = Callable[[str | None], None]  # told the limit a request waits for, then None when it goes
+
+
+def holding(items: Sequence[Item]) -> OnWait:
+    """An ``on_wait`` that marks ``items`` with the limit they wait for (``Item.held``), so a
+    deadline that ends the wait says which limit it was, not that the upstream was slow."""
+
+    def on_wait(limit: str | None) -> None:
+        for item in items:
+            item.held = limit
+
+    return on_wait
 
 
 @dataclass(slots=True)
@@ -111,14 +126,20 @@ class RateLimiter:
         if self.tokens is not None:
             self.tokens.consume(tokens, now)
 
-    async def admit(self, requests: int = 1, tokens: int = 0) -> None:
+    async def admit(self, requests: int = 1, tokens: int = 0, on_wait: OnWait | None = None) -> None:
         """Wait until a request of this cost may go, then charge it: for requests a provider
         sends beyond the batch the lane charged (extra chunks, jobs run synchronously)."""
+        waited = False
         while True:
-            wait, _ = self.delay(requests, tokens)
+            wait, which = self.delay(requests, tokens)
             if wait <= 0:
                 self.consume(requests, tokens)
+                if waited and on_wait is not None:
+                    on_wait(None)
                 return
+            if on_wait is not None:
+                on_wait(which)
+                waited = True
             await self.clock.sleep_until(self.clock.now() + wait)
 
     def correct_tokens(self, estimated: int, actual: int) -> None:

@@ -1,7 +1,14 @@
-"""Prometheus metrics, one registry per gateway so several can live in one process."""
+"""Prometheus metrics, one registry per gateway so several can live in one process.
+
+Every label value comes from the config or a fixed set (routes, providers, codes), never from
+what a client sends: an unknown method or model is the one route ``(no route)``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Hashable
+
+import anyio
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -15,6 +22,7 @@ from multiplexer.core.errors import Code
 
 disable_created_metrics()
 
+UNROUTED = "(no route)"  # the route label of a call no route took (an unknown method or model)
 _KNOWN_CODES = frozenset(int(c) for c in Code)
 
 
@@ -30,6 +38,24 @@ def status_label(status: int) -> str:
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 _FIRST_CHUNK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A call's seconds from admission to its answer: a cached or local call takes about a
+# millisecond, a remote model's seconds, a deadline at most the default 60 s.
+_CALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITEM_STATES = {"queued": "pending", "submitted": "running", "succeeded": "done", "failed": "failed"}
+REFRESH_TIMEOUT_S = 2.0  # a scrape waits no longer for the job store; its gauges keep their last values
+
+
+class InFlight:
+    """A route's calls in flight: a plain counter the gauge reads at scrape time, as every call
+    moves it twice and a gauge's own ``inc`` takes a lock each time."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def value(self) -> float:
+        return self.n
 
 
 class Metrics:
@@ -91,14 +117,72 @@ class Metrics:
             "multiplexer_events", "Notable events (device fallback, restarts, ...)",
             ["component", "event"], registry=r,
         )
+        self.call_seconds = Histogram(
+            "multiplexer_call_duration_seconds", "Seconds from a call's admission to its answer",
+            ["route"], buckets=_CALL_BUCKETS, registry=r,
+        )
+        self._call_seconds: dict[str, Histogram] = {}
+        self.calls_in_flight = Gauge(
+            "multiplexer_calls_in_flight", "Calls admitted and not answered yet", ["route"],
+            registry=r,
+        )
+        self._in_flight: dict[str, InFlight] = {}
+        self.http_requests = Counter(
+            "multiplexer_http_requests", "HTTP requests answered, by route (the path's template) "
+            "and status; 500: an unexpected exception", ["route", "status"], registry=r,
+        )
+        self._http: dict[tuple[str, int], Counter] = {}
+        self.batch_jobs_open = Gauge(
+            "multiplexer_batch_jobs_open", "Batch jobs not ended (the job store's: with store.url, "
+            "every replica's)", registry=r,
+        )
+        self.batch_items = Gauge(
+            "multiplexer_batch_items", "Items of the open batch jobs, by state", ["state"], registry=r,
+        )
+        for state in ITEM_STATES.values():
+            self.batch_items.labels(state)
+        self.refreshers: dict[Hashable, Callable[[], Awaitable[None]]] = {}  # run before a scrape
 
-    def call_answered(self, route: str, outcome: str) -> None:
-        """``calls`` for one answered call; each (route, outcome) child is looked up once, as
-        every call counts here and ``labels()`` costs as much as the rest of counting."""
+    def call_started(self, route: str) -> InFlight:
+        """One more call in flight on ``route``; the caller lowers the counter it gets back."""
+        counter = self._in_flight.get(route)
+        if counter is None:
+            counter = self._in_flight[route] = InFlight()
+            self.calls_in_flight.labels(route).set_function(counter.value)
+        counter.n += 1
+        return counter
+
+    def call_answered(self, route: str, outcome: str, seconds: float | None = None,
+                      count: int = 1) -> None:
+        """``calls`` for answered calls (and the call's duration); each child is looked up once,
+        as every call counts here and ``labels()`` costs as much as the rest of counting."""
         child = self._calls.get((route, outcome))
         if child is None:
             child = self._calls[(route, outcome)] = self.calls.labels(route, outcome)
+        child.inc(count)
+        if seconds is not None:
+            timing = self._call_seconds.get(route)
+            if timing is None:
+                timing = self._call_seconds[route] = self.call_seconds.labels(route)
+            timing.observe(seconds)
+
+    def http_answered(self, route: str, status: int) -> None:
+        child = self._http.get((route, status))
+        if child is None:
+            child = self._http[(route, status)] = self.http_requests.labels(route, status_label(status))
         child.inc()
+
+    def batch_counts(self, open_jobs: int, items: dict[str, int]) -> None:
+        """The job store's counts: open jobs, and their items by the store's state."""
+        self.batch_jobs_open.set(open_jobs)
+        for state, label in ITEM_STATES.items():
+            self.batch_items.labels(label).set(items.get(state, 0))
+
+    async def refresh(self) -> None:
+        """Bring the gauges read from elsewhere (the job store) up to date, within a bound."""
+        with anyio.move_on_after(REFRESH_TIMEOUT_S):
+            for refresh in list(self.refreshers.values()):
+                await refresh()
 
     def state_degraded_count(self, part: str) -> None:
         self.state_degraded.labels(part).inc()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -164,6 +164,15 @@ class BatchCapable(Protocol):
     """Runs calls through an asynchronous batch API: the ``jobs.*`` face hands it jobs."""
 
     jobs: BatchJobs
+
+
+@runtime_checkable
+class Readiness(Protocol):
+    """Says whether the provider can serve now, for ``/readyz``: ``up``, ``starting`` (connecting,
+    loading) or ``failing``, with the last error or a detail. A provider without it is ``up`` once
+    its ``start`` has returned."""
+
+    def readiness(self) -> tuple[Literal["up", "starting", "failing"], str | None]: ...
 
 
 STREAM = "_stream"  # item.options key: the sink of a streamed call (set by the gateway only)

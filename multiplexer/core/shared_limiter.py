@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import anyio
 
 from multiplexer.core.clock import Clock
-from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.limiter import OnWait, RateLimiter
 from multiplexer.core.state import Learned, LimitSpec, SharedState, StateUnavailable
 
 log = logging.getLogger(__name__)
@@ -80,13 +80,21 @@ class SharedLimiter(RateLimiter):
         self._local.observe(kind, limit, remaining, reset_in)
 
     # -- around each batch (async) -------------------------------------------------
-    async def admit(self, requests: int = 1, tokens: int = 0) -> None:
+    async def admit(self, requests: int = 1, tokens: int = 0, on_wait: OnWait | None = None) -> None:
         """Extra requests are charged to the shared rpm and tpm too (they take no slot: the
         batch they belong to holds one)."""
         for k in range(requests):
-            await self.acquire(tokens if k == 0 else 0, slot=False)
+            await self.acquire(tokens if k == 0 else 0, slot=False, on_wait=on_wait)
 
-    async def acquire(self, tokens: int, *, slot: bool = True) -> Lease:
+    async def acquire(self, tokens: int, *, slot: bool = True, on_wait: OnWait | None = None) -> Lease:
+        """A request, ``tokens`` and (with ``slot``) a concurrency slot; ``on_wait`` is told the
+        limit it waits for, and None once it has them."""
+        lease = await self._acquire(tokens, slot, on_wait)
+        if on_wait is not None:
+            on_wait(None)
+        return lease
+
+    async def _acquire(self, tokens: int, slot: bool, on_wait: OnWait | None) -> Lease:
         lease_id = self._prefix + str(next(self._ids))
         spec = self.spec if slot else self._no_slot
         poll = 0.001
@@ -109,9 +117,11 @@ class SharedLimiter(RateLimiter):
                         return Lease(lease_id, True, tokens)
                     if which == "concurrency":  # no telling when a slot frees: look again soon
                         poll = wait = min(poll * 2, MAX_POLL_S)
+                    if on_wait is not None:
+                        on_wait(which)
                     await self.clock.sleep_until(self.clock.now() + wait)
                     continue
-            if await self._acquire_local(tokens, slot):
+            if await self._acquire_local(tokens, slot, on_wait):
                 return Lease(lease_id, False, tokens)
 
     def release_soon(self, lease: Lease) -> None:
@@ -186,15 +196,17 @@ class SharedLimiter(RateLimiter):
         self._local = local
         self._slots = max(1, spec.concurrency // n) if spec.concurrency else 1 << 30
 
-    async def _acquire_local(self, tokens: int, slot: bool = True) -> bool:
+    async def _acquire_local(self, tokens: int, slot: bool = True, on_wait: OnWait | None = None) -> bool:
         """One degraded decision: wait for this replica's share, then go (True)."""
         self._reshare()
         if self._on_degraded is not None:
             self._on_degraded("limits")
         while True:
-            wait, _ = self._local.delay(1, tokens)
+            wait, which = self._local.delay(1, tokens)
             if wait <= 0:
                 break
+            if on_wait is not None:
+                on_wait(which)
             await self.clock.sleep_until(self.clock.now() + min(wait, RETRY_SHARED_S))
             if self.clock.now() >= self._down_until:
                 return False  # the shared state may be back: ask it
@@ -202,6 +214,8 @@ class SharedLimiter(RateLimiter):
         if not slot:
             return True
         while self._local_in_flight >= self._slots:
+            if on_wait is not None:
+                on_wait("concurrency")
             if self._slot_freed.is_set():  # a fresh one only once set: every waiter shares it
                 self._slot_freed = anyio.Event()
             await self._slot_freed.wait()

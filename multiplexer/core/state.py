@@ -57,6 +57,10 @@ class SharedState(Protocol):
 
     async def aclose(self) -> None: ...
 
+    async def ping(self) -> None:
+        """One round trip, for readiness; raises ``StateUnavailable``."""
+        ...
+
     async def heartbeat_forever(self) -> None:
         """Say this replica is alive every ``lease_s / 3``, and learn how many are."""
         ...

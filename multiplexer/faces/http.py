@@ -1,4 +1,4 @@
-"""The HTTP face: ``/rpc``, ``/healthz``, ``/metrics`` (and ``/mcp`` when mounted)."""
+"""The HTTP face: ``/rpc``, ``/healthz``, ``/readyz``, ``/metrics`` (and ``/mcp`` when mounted)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.jsonrpc import dumps, error_response
 from multiplexer.core.tracing import http_trace
+from multiplexer.faces.access import Access, AccessLog, Note, note_of
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.body import BodyTooLarge, ClientGone, headers_over, read_body
 from multiplexer.faces.disconnect import cancelled_on_disconnect
+from multiplexer.faces.ready import readiness
 from multiplexer.faces.reply import JSON_HEADERS, DirectEndpoint, Headers, Reply
 from multiplexer.faces.rpc import handle_body
 from multiplexer.faces.unexpected import unexpected
@@ -51,8 +53,9 @@ class RpcEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope["headers"])
+        note = note_of(scope)
         try:
-            identity = self._identify(headers)
+            identity = self._identify(headers, note)
         except RpcError as e:
             await unauthorized(e)(scope, receive, send)
             return
@@ -65,26 +68,36 @@ class RpcEndpoint:
             return
         reply = NO_CONTENT  # if the client goes away first, its calls are cancelled
         async with cancelled_on_disconnect(scope, receive):
-            reply = await self._answer(headers, body, identity)
+            reply = await self._answer(headers, body, identity, note)
         await reply(scope, receive, send)
 
     async def direct(self, scope: Scope, body: bytes) -> Reply:
         """The reply to a whole body; the server cancels this if the client goes away."""
         headers = dict(scope["headers"])
+        note = note_of(scope)
         try:
-            identity = self._identify(headers)
+            identity = self._identify(headers, note)
         except RpcError as e:
             return unauthorized(e)
-        return await self._answer(headers, body, identity)
+        return await self._answer(headers, body, identity, note)
 
-    def _identify(self, headers: dict[bytes, bytes]) -> str | None:
+    def _identify(self, headers: dict[bytes, bytes], note: Note | None) -> str | None:
         auth = headers.get(b"authorization")
-        return self.auth.identify(auth.decode("latin-1") if auth else None)
+        try:
+            identity = self.auth.identify(auth.decode("latin-1") if auth else None)
+        except RpcError as e:
+            if note is not None:
+                note.code = e.code
+            raise
+        if note is not None:
+            note.key = identity
+        return identity
 
-    async def _answer(self, headers: dict[bytes, bytes], body: bytes, identity: str | None) -> Reply:
+    async def _answer(self, headers: dict[bytes, bytes], body: bytes, identity: str | None,
+                      note: Note | None) -> Reply:
         trace = http_trace(headers) if self.gateway.tracer.enabled else None
         try:
-            reply = await handle_body(self.gateway, body, identity, trace)
+            reply = await handle_body(self.gateway, body, identity, trace, note)
         except Exception as e:  # a bug: a JSON-RPC error object, never a bare 500
             return rpc_error(500, unexpected(self.gateway, "POST /rpc", e))
         return NO_CONTENT if reply is None else Reply(200, reply, JSON_HEADERS)
@@ -101,13 +114,19 @@ def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
         return JSONResponse({"status": status, "lanes": lanes},
                             status_code=503 if gateway.closing else 200)
 
+    async def readyz(request: Request) -> Response:
+        status, body = await readiness(gateway)
+        return JSONResponse(body, status_code=status)
+
     async def metrics(request: Request) -> Response:
+        await gateway.metrics.refresh()
         return Response(gateway.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return [
         Route("/rpc", RpcEndpoint(gateway, auth), methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
 
@@ -121,8 +140,10 @@ def create_app(gateway: Gateway, extra_routes: list[BaseRoute] | None = None,
     faces were given (made from the config's keys when none is)."""
     auth = auth or Authenticator(gateway.config.server.api_keys)
     routes = build_routes(gateway, auth) + list(extra_routes or [])
-    limit = gateway.config.server.max_header_bytes
-    return HeaderLimit(ExactPaths(Starlette(routes=routes, lifespan=lifespan), routes), limit)
+    server = gateway.config.server
+    app = HeaderLimit(ExactPaths(Starlette(routes=routes, lifespan=lifespan), routes),
+                      server.max_header_bytes)
+    return Access(app, AccessLog(server, gateway.metrics, routes))
 
 
 class ExactPaths:
@@ -156,8 +177,8 @@ class ExactPaths:
 class HeaderLimit:
     """Refuse requests whose headers exceed the limit (HTTP 431), before any route runs.
 
-    The outermost app: ``direct`` and ``max_header_bytes`` tell the gateway's own server which
-    endpoints it may call directly, and where it must leave a request to this check."""
+    Right inside ``Access``: ``direct`` and ``max_header_bytes`` tell the gateway's own server
+    which endpoints it may call directly, and where it must leave a request to this check."""
 
     def __init__(self, app: ExactPaths, limit: int) -> None:
         self.app = app

@@ -21,7 +21,7 @@ import anyio
 from multiplexer.core.call import Call, Item
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.jobrows import JobRow, NewItem, custom_id
-from multiplexer.core.jobs import BatchJobs, JobStore, new_job_id
+from multiplexer.core.jobs import BatchJobs, JobStore, end_if_done, new_job_id
 from multiplexer.core.jsonrpc import is_unicode
 from multiplexer.core.provider import BatchCapable, ToolSpec
 from multiplexer.gateway.admission import route_item
@@ -211,6 +211,9 @@ class JobFace:
             if await st.run(st.append_items, job.id, rows) is None:  # sealed by another replica
                 raise invalid_params(f"job {job.id} is no longer open; only open jobs take more calls")
             stored.append(job.id)
+            log.info("batch job %s: %d call(s) %s by key %s%s", job.id, len(calls),
+                     "added" if appending else f"submitted ({source})", call.identity or "-",
+                     "; more to come" if more else "")
             if not more:
                 await self._close(job.id)
         current = await st.run(st.job, job.id)
@@ -225,7 +228,7 @@ class JobFace:
             return False
         for manager in self.managers.values():
             await manager.plan(job_id)
-        await st.run(st.finish_job_if_done, job_id)
+        await end_if_done(st, job_id, self.gateway.metrics)
         return True
 
     async def close_idle(self, idle_s: float, now: float | None = None) -> list[str]:
@@ -321,7 +324,7 @@ class JobFace:
         if await st.run(st.set_job_state, job.id, "cancelling", ("open", "running")):
             for manager in self.managers.values():
                 await manager.cancel(job.id)
-            await st.run(st.finish_job_if_done, job.id)
+            await end_if_done(st, job.id, self.gateway.metrics)
         return await self.status(call)
 
     async def list(self, call: Call) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from multiplexer.core.call import Outcome
 from multiplexer.core.errors import internal_error
 from multiplexer.core.jsonrpc import Decoded, Entry, decode, dumps, error_response, response
+from multiplexer.faces.access import Note, note_rpc
 from multiplexer.gateway.gateway import Gateway
 
 
@@ -30,11 +31,16 @@ async def _outcomes(gateway: Gateway, decoded: Decoded,
 
 
 async def handle_body(gateway: Gateway, body: bytes, identity: str | None = None,
-                      trace: dict[str, str] | None = None) -> bytes | None:
+                      trace: dict[str, str] | None = None, note: Note | None = None) -> bytes | None:
+    """The reply body (None: nothing to send); ``note`` learns the method and the first error."""
     server = gateway.config.server
     decoded = decode(body, max_items=server.max_batch_items, max_depth=server.max_json_depth,
                      identity=identity)
     outcomes = await _outcomes(gateway, decoded, trace)
+    if note is not None:
+        note_rpc(note, decoded.batch, decoded.entries, [
+            e.error.code if e.error is not None else o.error.code if o is not None and o.error else None
+            for e, o in zip(decoded.entries, outcomes, strict=True)])
     parts = [_encoded(e, o) for e, o in zip(decoded.entries, outcomes, strict=True) if not e.is_notification]
     if not parts:
         return None

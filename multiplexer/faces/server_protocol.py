@@ -26,10 +26,17 @@ from typing import Any, cast
 from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
+from multiplexer.faces.access import REQUEST_ID, AccessLog, Note
 from multiplexer.faces.body import headers_over
 from multiplexer.faces.disconnect import DIRECT, HOOK, OnDisconnect
 from multiplexer.faces.reply import DirectEndpoint, Reply
 
+# An idle connection is closed this long after ``timeout_keep_alive`` (``server.keepalive_s``): the
+# server's idle time starts when it sends a response, a client's when it has read it, so a client
+# whose idle timeout equals the server's would otherwise reuse a connection the server is closing
+# at that moment, and lose the request (a ReadError).
+KEEPALIVE_GRACE_S = 1
+_GONE = 499  # the status a line says for a client that went away before its answer
 _FAILED = Reply(500, b"Internal Server Error", [(b"content-type", b"text/plain; charset=utf-8"),
                                                 (b"connection", b"close")])
 
@@ -77,11 +84,13 @@ class JoinedWrites:
 class GatewayHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.timeout_keep_alive += KEEPALIVE_GRACE_S
         self._owed: list[tuple[RequestResponseCycle, OnDisconnect]] = []  # requests still owed an answer
         # the app's endpoints to call directly, by (method, path), and its header cap (the app
         # refuses longer headers itself, so such requests go to it)
         self._direct: dict[tuple[str, str], DirectEndpoint] = getattr(self.app, "direct", {})
         self._max_header_bytes: int = getattr(self.app, "max_header_bytes", 0)
+        self._access: AccessLog | None = getattr(self.app, "access", None)  # notes direct requests
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -111,7 +120,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if endpoint is None or app is not self.app or not self._takes(cycle, endpoint):
             super()._start_asgi_task(cycle, app)
             return
-        task = self.loop.create_task(_run_direct(cycle, endpoint, self.transport, self.logger))
+        task = self.loop.create_task(_run_direct(cycle, endpoint, self.transport, self.logger,
+                                                 self._access))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
         extensions = _extensions(cycle)
@@ -134,35 +144,58 @@ def _extensions(cycle: RequestResponseCycle) -> dict[str, Any]:
 
 
 async def _run_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, transport: Any,
-                      logger: logging.Logger) -> None:
-    """One request to a direct endpoint. As ``RequestResponseCycle.run_asgi`` does for an app, an
-    exception is logged and answered 500, and so is a request the server cancels (a shutdown past
-    its grace period); the connection then closes."""
+                      logger: logging.Logger, access: AccessLog | None) -> None:
+    """One request to a direct endpoint, noted by ``access`` as ``Access`` notes the others: its
+    request id, its line and its count."""
+    if access is None:
+        await _serve_direct(cycle, endpoint, transport, logger, None)
+        return
+    scope = cast(Scope, cycle.scope)
+    note = access.begin(scope)
+    status = _GONE
+    try:
+        status = await _serve_direct(cycle, endpoint, transport, logger, note)
+    except asyncio.CancelledError:
+        status = _GONE if cycle.disconnected else _FAILED.status
+        raise
+    finally:
+        access.end(scope, note, status)
+
+
+async def _serve_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, transport: Any,
+                        logger: logging.Logger, note: Note | None) -> int:
+    """Read the body, call the endpoint, answer; the status sent. As
+    ``RequestResponseCycle.run_asgi`` does for an app, an exception is logged and answered 500,
+    and so is a request the server cancels (a shutdown past its grace period); the connection
+    then closes."""
     try:
         while cycle.more_body and not cycle.disconnected:
             cycle.flow.resume_reading()
             await cycle.message_event.wait()
             cycle.message_event.clear()
         if cycle.disconnected:
-            return
+            return _GONE
         reply = await endpoint.direct(cast(Scope, cycle.scope), bytes(cycle.body))
     except asyncio.CancelledError:
         if cycle.disconnected:
-            return  # the client went away: its calls are cancelled, nobody is owed an answer
-        _answer(cycle, _FAILED, transport)
+            return _GONE  # the client went away: its calls are cancelled, nobody is owed an answer
+        _answer(cycle, _FAILED, transport, note)
         raise
     except Exception as exc:
         logger.error("Exception in ASGI application\n", exc_info=exc)
         reply = _FAILED
-    _answer(cycle, reply, transport)
+    _answer(cycle, reply, transport, note)
+    return reply.status if cycle.response_complete else _GONE
 
 
-def _answer(cycle: RequestResponseCycle, reply: Reply, transport: Any) -> None:
+def _answer(cycle: RequestResponseCycle, reply: Reply, transport: Any, note: Note | None) -> None:
     """Status line, headers and body in one write, then the cycle's end as uvicorn's send ends it."""
     if cycle.disconnected:
         return
     keep_alive = cycle.keep_alive and reply is not _FAILED
     head = [STATUS_LINE[reply.status]]
+    if note is not None:
+        head += (REQUEST_ID, b": ", note.rid, b"\r\n")
     for name, value in (*cycle.default_headers, *reply.head()):
         head += (name, b": ", value, b"\r\n")
     if not keep_alive and reply is not _FAILED:

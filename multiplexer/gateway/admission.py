@@ -32,6 +32,7 @@ class Plan:
     call: Call
     label: str  # the metrics label: a route or gateway method, never the client's string
     deadline: float
+    started: float = 0.0  # the clock's time at admission (the call's latency counts from here)
     claim: Claim | None = None  # None: the call asks nothing of a quota
     error: RpcError | None = None
     handler: Handler | None = None

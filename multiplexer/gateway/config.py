@@ -74,6 +74,16 @@ class ServerConfig(Strict):
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
     mcp: McpServerConfig = Field(default_factory=McpServerConfig)
+    # -- operations: access log and keep-alive --
+    access_log: bool = Field(default=True, description="one INFO line per HTTP request (logger "
+                             "multiplexer.access): method, path, route, key name, status, ms, request id")
+    log_format: Literal["plain", "json"] = Field(default="plain", description="access lines as "
+                                                 "text or JSON objects (`serve`: every log line)")
+    keepalive_s: float = Field(
+        default=75.0, gt=0, description="an idle client connection is closed after this, and "
+        "within a second more (uvicorn's timeout_keep_alive). Above the 60 s idle timeout of common "
+        "clients and load balancers, so they close first: a server closing as a client reuses the "
+        "connection loses that request")
 
 
 class StoreConfig(Strict):

@@ -23,7 +23,7 @@ from multiplexer.core.errors import RpcError, cancelled, internal_error, invalid
 from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import RateLimiter
 from multiplexer.core.logs import LogFanout
-from multiplexer.core.metrics import Metrics, code_label
+from multiplexer.core.metrics import UNROUTED, Metrics, code_label
 from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSpec
 from multiplexer.core.quota import FREE, Claim, Grant
 from multiplexer.core.router import Resolved, Router
@@ -48,7 +48,6 @@ from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, settle
 
 log = logging.getLogger(__name__)
-UNROUTED = "(no route)"
 
 
 def with_kind_defaults(pconf: ProviderConfig, cls: type[Provider]) -> ProviderConfig:
@@ -94,6 +93,7 @@ class Gateway:
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self.faces: dict[str, Any] = {}  # what composers attached (the jobs.* face, ...), by name
+        self.started: set[str] = set()  # providers whose start has returned
         self.closing = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -126,6 +126,7 @@ class Gateway:
                 provider = self.providers[name]
                 await provider.start()
                 stack.push_async_callback(provider.aclose)
+                self.started.add(name)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
             if self.state is not None:
@@ -207,7 +208,7 @@ class Gateway:
                 max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
                 # batch mode gathers until size or age; eager only if the route says so
                 eager=policy.eager and (route.mode != "batch" or "eager" in policy.model_fields_set),
-                metrics=self.metrics, tracer=self.tracer,
+                metrics=self.metrics, tracer=self.tracer, provider=route.provider,
             )
             self.lanes[key] = lane
             assert self._tg is not None
@@ -267,7 +268,7 @@ class Gateway:
         a refusal here is the plan's ``error`` and charges nothing."""
         # Metrics label by route, never by the client's method string: unknown names would
         # grow the registry without bound (and a lone surrogate would break /metrics).
-        plan = Plan(call, UNROUTED, math.inf)
+        plan = Plan(call, UNROUTED, math.inf, started=self.clock.now())
         span = plan.span = self.tracer.start_call(call) if self.tracer.enabled else None
         try:
             builtin = self.methods.get(call.method)
@@ -324,7 +325,7 @@ class Gateway:
         in flight, or queue the item on its lane. A call refused here never ran, so its batch
         charge is given back."""
         call = plan.call
-        ticket = Ticket(plan.label, call.identity, plan.deadline)
+        ticket = Ticket(plan.label, call.identity, plan.deadline, started=plan.started)
         ticket.span, ticket.grant = plan.span, grant
         if call.shape is not None:
             ticket.shape = call.shape
@@ -334,15 +335,14 @@ class Gateway:
         try:
             if plan.handler is not None:
                 ticket.handler, ticket.call = plan.handler, call
-                return ticket
-            route, item = plan.route, plan.item
-            assert route is not None and item is not None
-            ticket.lane = lane = self._lane_for(plan.label, route)
-            key = plan.dedup_key
-            if key is None:
-                ticket.pending = lane.submit(item)
-                return ticket
-            self._join_or_submit(ticket, plan, route, item, lane, key)
+            else:
+                route, item = plan.route, plan.item
+                assert route is not None and item is not None
+                ticket.lane = lane = self._lane_for(plan.label, route)
+                if plan.dedup_key is None:
+                    ticket.pending = lane.submit(item)
+                else:
+                    self._join_or_submit(ticket, plan, route, item, lane, plan.dedup_key)
         except RpcError as e:
             self.quotas.refund(grant)
             self._finish(ticket, Outcome.fail(e))
@@ -350,6 +350,8 @@ class Gateway:
             log.exception("call %s failed inside the gateway", call.method)
             self.quotas.refund(grant)
             self._finish(ticket, Outcome.fail(internal_error(type(e).__name__)))
+        if ticket.outcome is None:  # answered later: in flight until then
+            ticket.in_flight = self.metrics.call_started(ticket.label)
         return ticket
 
     def _join_or_submit(self, ticket: Ticket, plan: Plan, route: RouteConfig, item: Item, lane: Lane,
@@ -453,7 +455,10 @@ class Gateway:
                     self.cache.put(t.key, outcome, ttl)  # the provider's: each caller shapes its own
         self.quotas.release(t.grant)
         code = "ok" if answer.error is None else code_label(answer.error.code)
-        self.metrics.call_answered(t.label, code)
+        self.metrics.call_answered(t.label, code, self.clock.now() - t.started)
+        if t.in_flight is not None:
+            t.in_flight.n -= 1
+            t.in_flight = None
         t.pending = t.lane = t.call = t.waiter = t.shape = None
 
     @staticmethod

@@ -16,7 +16,7 @@ import anyio
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.dedup import canonical
-from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.limiter import RateLimiter, holding
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.policy import ProviderConfig
 from multiplexer.core.quota import Quotas
@@ -71,7 +71,7 @@ def gated(limiter: RateLimiter, execute: Execute) -> Execute:
         return execute
 
     async def run(operation: str, items: Sequence[Item]) -> list[Outcome]:
-        lease = await limiter.acquire(sum(max(i.tokens, 0) for i in items))
+        lease = await limiter.acquire(sum(max(i.tokens, 0) for i in items), on_wait=holding(items))
         try:
             return await execute(operation, items)
         finally:

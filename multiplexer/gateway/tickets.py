@@ -17,9 +17,10 @@ from multiplexer.core.batching import Pending
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.clock import Clock, wait_own
 from multiplexer.core.dedup import ProgressFanout
-from multiplexer.core.errors import timeout_error
+from multiplexer.core.errors import RpcError, timeout_error
 from multiplexer.core.lane import Lane
 from multiplexer.core.logs import LogFanout, LogSink
+from multiplexer.core.metrics import InFlight
 from multiplexer.core.quota import FREE, Grant
 
 Handler = Callable[[Call], Awaitable[Any]]  # a gateway-level method (jobs.*, ...)
@@ -49,6 +50,8 @@ class Ticket:
     log: tuple[LogFanout, LogSink] | None = None  # the same for the upstream's log messages
     span: Any = None  # the call's trace span, when calls are traced
     shape: Callable[[Outcome], Outcome] | None = None  # the face's last step (``Call.shape``)
+    started: float = 0.0  # the clock's time at admission
+    in_flight: InFlight | None = None  # its route's in-flight count, while it is counted there
 
     def __call__(self) -> None:
         """Done-callback of the pending it waits on (a bound object, not a closure per call)."""
@@ -66,6 +69,19 @@ class Waiter:
     def __init__(self) -> None:
         self.ready: list[Ticket] = []
         self.wake = asyncio.Event()
+
+
+def deadline_error(t: Ticket) -> RpcError:
+    """The timeout of a call whose deadline came first, with the stage it found the call in:
+    ``rate_limit`` (and the limit) when it never reached the upstream for want of a token or a
+    slot, else ``queued`` or ``running``."""
+    p, lane = t.pending, t.lane
+    if p is None or lane is None:
+        return timeout_error("queued")
+    held = p.item.held if p.state == "running" else lane.holding() if p.state == "queued" else None
+    if held is not None:
+        return timeout_error("rate_limit", limit=held, provider=lane.provider)
+    return timeout_error("running" if p.state == "running" else "queued")  # done: dropped unsent
 
 
 async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> None:
@@ -92,8 +108,7 @@ async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> Non
         while deadlines and deadlines[0][0] <= now:
             t = waiting[heapq.heappop(deadlines)[1]]
             if t.outcome is None:
-                stage = t.pending.state if t.pending is not None else "queued"
-                finish(t, Outcome.fail(timeout_error(stage)), withdraw=True)
+                finish(t, Outcome.fail(deadline_error(t)), withdraw=True)
                 left -= 1
         if left <= 0:
             return

@@ -23,7 +23,7 @@ import anyio
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, cancelled, internal_error
 from multiplexer.core.jobrows import NewItem, custom_id
-from multiplexer.core.jobs import new_job_id
+from multiplexer.core.jobs import count_jobs, end_if_done, new_job_id
 from multiplexer.core.provider import ProviderContext
 
 from .backend import (
@@ -71,8 +71,10 @@ class JobManager(PartDriver):
     def store(self) -> JobStore:
         """Opened on first use, or at start when the file exists (jobs may be pending)."""
         if self._store is None:
-            self._store = acquire(self.ctx.store_path, self.ctx.store_url, self.ctx.store_lease_s,
-                                  self.ctx.store_schema)
+            store = self._store = acquire(self.ctx.store_path, self.ctx.store_url, self.ctx.store_lease_s,
+                                          self.ctx.store_schema)
+            metrics = self.ctx.metrics  # its gauges, read before each scrape (once per store)
+            metrics.refreshers[store] = lambda: count_jobs(store, metrics)
         return self._store
 
     async def start(self) -> None:
@@ -95,6 +97,7 @@ class JobManager(PartDriver):
             await stack.aclose()
         if self._store is not None:
             await self._hand_back(self._store)
+            self.ctx.metrics.refreshers.pop(self._store, None)
             release(self._store)
             self._store = None
 
@@ -145,6 +148,8 @@ class JobManager(PartDriver):
         identity = identities.pop() if len(identities) == 1 else None
         await st.run(st.create_job, job_id, identity, "route", "open")
         await st.run(st.add_items, job_id, (self.new_item(job_id, i, it) for i, it in enumerate(items)))
+        log.info("%s: batch job %s: %d call(s) of route %s", self.name, job_id, len(items),
+                 items[0].route if items else "-")
         done = self._done[job_id] = anyio.Event()
         await st.run(st.set_job_state, job_id, "running")
         await self.plan(job_id)
@@ -207,8 +212,7 @@ class JobManager(PartDriver):
             log.info("%s: cancel of %s refused: %s", self.name, remote_id, e.message)
 
     async def _finish_job(self, job_id: str) -> None:
-        st = self.store()
-        final = await st.run(st.finish_job_if_done, job_id)
+        final = await end_if_done(self.store(), job_id, self.ctx.metrics)
         if final is not None:
             event = self._done.get(job_id)
             self.forget(job_id)

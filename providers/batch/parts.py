@@ -125,6 +125,8 @@ class PartDriver:
         st = self.store()
         if error is not None:
             await st.run(st.fail_open, part.job_id, error.to_dict(), part.id)
+            log.info("%s: batch job %s: part %s failed (%s): %s", self.name, part.job_id, part.id,
+                     status or "-", (error.data or {}).get("detail", error.message))
         await st.run(st.finish_part, part.id, status, detail)
         await self._finish_job(part.job_id)
 
@@ -181,6 +183,7 @@ class PartDriver:
 
     async def _submitted(self, part: PartRow, remote: str) -> str:
         self.ctx.metrics.events.labels(self.name, "batch_submitted").inc()
+        log.info("%s: batch job %s: part %s is remote batch %s", self.name, part.job_id, part.id, remote)
         self.ctx.notify("batch_submitted", {"job_id": part.job_id, "part_id": part.id,
                                             "remote_id": remote})
         if await self._cancelling(part.job_id):
@@ -206,6 +209,8 @@ class PartDriver:
             if status.status != seen:
                 seen = status.status
                 await st.run(st.set_remote_status, part.id, seen)
+                log.info("%s: batch job %s: remote batch %s is %s%s", self.name, part.job_id, remote,
+                         seen, "".join(f", {k} {v}" for k, v in sorted(status.counts.items())))
             if status.terminal is not None:
                 return status
             await self._sleep(self.settings.batch_poll_interval_s)

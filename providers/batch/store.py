@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import sqlite3
 import threading
 import time
@@ -44,6 +45,10 @@ CREATE INDEX IF NOT EXISTS items_part ON items(part_id);
 CREATE INDEX IF NOT EXISTS jobs_ended ON jobs(state, updated);
 CREATE INDEX IF NOT EXISTS parts_job ON parts(job_id);
 """
+
+
+_OPEN = "('open','running','cancelling')"  # the job states before its end
+_INTERNAL = -32603  # a failed item's code where its stored error has none
 
 
 def _locked(fn: Callable[..., T]) -> Callable[..., T]:
@@ -100,6 +105,10 @@ class JobStore:
         return self._db.executemany(sql, rows)
 
     # -- jobs ------------------------------------------------------------------
+    @_locked
+    def ping(self) -> None:
+        self._x("SELECT 1").fetchone()
+
     @_locked
     def create_job(self, job_id: str, identity: str | None, source: str, state: str) -> None:
         now = self.wall()
@@ -165,6 +174,30 @@ class JobStore:
         final = "cancelled" if job.state == "cancelling" else "done"
         self.set_job_state(job_id, final)
         return final
+
+    @_locked
+    def gauges(self) -> tuple[int, dict[str, int]]:
+        """Jobs not ended, and their items by state (for ``/metrics``)."""
+        open_jobs = self._x(f"SELECT COUNT(*) FROM jobs WHERE state IN {_OPEN}").fetchone()[0]
+        items = dict(self._x(
+            "SELECT i.state, COUNT(*) FROM jobs j JOIN items i ON i.job_id = j.id "
+            f"WHERE j.state IN {_OPEN} GROUP BY i.state").fetchall())
+        return int(open_jobs), {str(k): int(v) for k, v in items.items()}
+
+    @_locked
+    def tally(self, job_id: str) -> list[tuple[str | None, int | None, int]]:
+        """(route, error code or None for a success, items) of a job's ended items."""
+        out: list[tuple[str | None, int | None, int]] = [
+            (route, None, int(n)) for route, n in self._x(
+                "SELECT route, COUNT(*) FROM items WHERE job_id=? AND state='succeeded' GROUP BY route",
+                (job_id,))]
+        failed: dict[tuple[str | None, int], int] = {}
+        for route, error in self._x("SELECT route, error FROM items WHERE job_id=? AND state='failed'",
+                                    (job_id,)):
+            code = json.loads(error).get("code") if error else None
+            key = (route, code if isinstance(code, int) else _INTERNAL)
+            failed[key] = failed.get(key, 0) + 1
+        return out + [(route, code, n) for (route, code), n in failed.items()]
 
     @_locked
     def counts(self, job_id: str) -> dict[str, int]:

@@ -26,6 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from multiplexer.core.errors import Code, RpcError, invalid_request, parse_error
 from multiplexer.core.jsonrpc import loads
+from multiplexer.faces.access import note_of
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
 from multiplexer.faces.http import rpc_error, too_large, unauthorized
@@ -77,11 +78,16 @@ class McpEndpoint:
                            {"origin": origin[:200] if origin else None})
             await rpc_error(403, err)(scope, receive, send)
             return
+        note = note_of(scope)
         try:
             identity = self.auth.identify(headers.get("authorization"))
         except RpcError as e:
+            if note is not None:
+                note.code = e.code
             await unauthorized(e)(scope, receive, send)
             return
+        if note is not None:
+            note.key = identity
         scope = dict(scope)
         scope[IDENTITY_SCOPE_KEY] = identity
         if identity is not None:

@@ -7,9 +7,7 @@ request id, so the official SDKs raise their own exception classes for our error
 
 from __future__ import annotations
 
-import itertools
 import math
-import secrets
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -200,16 +198,6 @@ def page_limit(query: Any, maximum: int, default: int = 20) -> int:
         raise HttpError(400, invalid_params(f"limit must be an integer from 1 to {maximum}"),
                         param="limit")
     return limit
-
-
-_ID_PREFIX = b"req_" + secrets.token_hex(8).encode()  # this process's, random
-_ID_COUNTER = itertools.count()
-
-
-def request_id() -> bytes:
-    """Unique per request: a random prefix per process and a counter (32 hex digits, as a uuid4's
-    would be, without the system's random source on every request)."""
-    return b"%s%016x" % (_ID_PREFIX, next(_ID_COUNTER))
 
 
 async def send_json(send: Send, status: int, body: Any, headers: list[tuple[bytes, bytes]]) -> None:

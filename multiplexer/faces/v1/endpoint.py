@@ -12,6 +12,7 @@ from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import RpcError
 from multiplexer.core.jsonrpc import dumps
 from multiplexer.core.tracing import http_trace
+from multiplexer.faces.access import REQUEST_ID, new_request_id, note_of
 from multiplexer.faces.disconnect import cancelled_on_disconnect
 from multiplexer.faces.unexpected import unexpected
 from multiplexer.faces.v1.common import (
@@ -20,7 +21,6 @@ from multiplexer.faces.v1.common import (
     HttpError,
     Surface,
     http_error,
-    request_id,
     send_encoded,
     send_error,
 )
@@ -41,12 +41,18 @@ class Endpoint:
         self.v1 = v1
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        base = [(self.surface.request_id_header, request_id())]
+        note = note_of(scope)  # the request's id, when the server notes requests
+        header = self.surface.request_id_header
+        # the server sends x-request-id with every request it notes; another name (Anthropic's) is ours
+        base = [] if note is not None and header == REQUEST_ID else \
+            [(header, note.rid if note is not None else new_request_id())]
         identity: str | None = None
         if self.v1.gateway.tracer.enabled:
             REQUEST_TRACE.set(http_trace(dict(scope["headers"])))
         try:
             identity = self.v1.identify(dict(scope["headers"]))
+            if note is not None:
+                note.key = identity
             if not self.metered:
                 await self.handle(scope, receive, send, identity, base)
                 return
@@ -60,6 +66,8 @@ class Endpoint:
             finally:
                 quotas.release(grant)
         except HttpError as e:
+            if note is not None:
+                note.code = e.error.code
             await send_error(send, self.surface, e, base + self.v1.quota_headers(identity))
         except Exception as e:  # a bug: this API's error body, never a bare 500 (nothing was sent)
             error = unexpected(self.v1.gateway, f"{scope['method']} {scope['path']}", e)
@@ -78,6 +86,9 @@ class Endpoint:
         the call's error in ``/metrics`` too."""
         call.shape = encoded if shape is None else shaped(shape)
         outcome = None
+        note = note_of(scope)
+        if note is not None:
+            note.route = call.method
         async with cancelled_on_disconnect(scope, receive):
             outcome = await self.v1.submit(call)
         if outcome is None:
@@ -94,6 +105,9 @@ class Endpoint:
             return encode(error_body(e))
 
         route = self.v1.gateway.config.routes[call.method]
+        note = note_of(scope)
+        if note is not None:
+            note.route = call.method
         if route.timeout_ms is None and call.timeout_ms is None:
             call.timeout_ms = STREAM_TIMEOUT_MS
 
