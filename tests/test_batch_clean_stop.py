@@ -49,8 +49,8 @@ def part_rows(db: str | None) -> list[tuple[Any, ...]]:
     import psycopg
 
     with psycopg.connect(db) as conn:
-        return conn.execute(
-            "SELECT state, remote_id, owner, lease_until, epoch FROM multiplexer.parts ORDER BY id").fetchall()
+        return conn.execute("SELECT state, remote_id, owner, lease_until, epoch"
+                            " FROM multiplexer.parts ORDER BY id").fetchall()
 
 
 async def first_gateway_in_process(config_data: dict[str, Any], tmp_path: Path) -> tuple[str, list[Any]]:

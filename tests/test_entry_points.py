@@ -110,7 +110,9 @@ class Charges:
 
 
 def mounted(app: Any) -> set[tuple[str, str]]:
-    starlette = app.app.app  # HeaderLimit -> ExactPaths -> Starlette
+    starlette = app
+    while not hasattr(starlette, "routes"):  # the outer layers (access log, header limit, paths)
+        starlette = starlette.app
     return {(m, r.path) for r in starlette.routes if isinstance(r, Route) for m in (r.methods or ())
             if m != "HEAD"}
 
