@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from multiplexer.core.call import Call
+from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from tests.local_helpers import MINILM, local_config, sentence, tiny_classifier
@@ -202,7 +203,7 @@ def fake_compiler(monkeypatch) -> tuple[list[str], list[float]]:
 
 def default_model() -> dict:
     """The shipped default config's local model, on the CPU."""
-    data = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     return {**data["providers"]["local"]["models"]["minilm"], "device": "cpu"}
 
 

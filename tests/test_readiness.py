@@ -13,23 +13,24 @@ import yaml
 
 from examples.jsonrpc_upstream import UpstreamState, create_app
 from multiplexer import Client, RpcError
+from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 from tests.fakes.serve import serve_app
 from tests.jsonrpc_helpers import calc_config
 from tests.mcp_helpers import free_port
-from tests.redis_helpers import prefix, redis_url
+from tests.redis_helpers import own_redis, prefix, redis_url
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def default_config(**extra: Any) -> dict[str, Any]:
-    """config/default.yaml without its local model (loading it is the local provider's business)."""
-    conf = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())
+    """The packaged default config without its local model (loading it is the local provider's business)."""
+    conf = yaml.safe_load(DEFAULT_CONFIG.read_text())
     del conf["providers"]["local"], conf["routes"]["embed_local"]
     conf["server"]["port"] = 0
-    conf["providers"]["tools"]["args"] = [str(ROOT / "examples" / "upstream_server.py")]
+    conf["providers"]["tools"]["cwd"] = str(DEFAULT_CONFIG.parent)  # its demo tools lie beside it
     return {**conf, **extra}
 
 
@@ -43,8 +44,8 @@ async def test_the_default_config_is_ready_and_healthz_keeps_its_shape() -> None
         ready = await get(url, "/readyz")
         health = await get(url, "/healthz")
     assert ready.status_code == 200
-    assert ready.json() == {"status": "ready",
-                            "providers": {"builtin": {"status": "up"}, "tools": {"status": "up"}}}
+    assert ready.json() == {"status": "ready", "providers": {
+        "builtin": {"status": "up"}, "mock": {"status": "up"}, "tools": {"status": "up"}}}
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert set(health.json()) == {"status", "lanes"}
 
@@ -70,15 +71,22 @@ async def test_a_dead_mcp_upstream_makes_readyz_503_naming_it_and_its_error(
     assert body["providers"]["tools"] == {"status": "up"}
 
 
-async def test_unreachable_shared_state_makes_readyz_503() -> None:
-    port = free_port()  # nothing listens there
-    conf = default_config(state={"url": f"redis://127.0.0.1:{port}/0", "timeout_ms": 200})
-    async with running(parse_config(conf)) as (_, url):
-        ready = await get(url, "/readyz")
+async def test_shared_state_lost_after_start_makes_readyz_503() -> None:
+    """Unreachable at start, the gateway refuses to start (tests/test_startup_checks.py); lost
+    later, it serves on (degraded) and /readyz says so, and says so no more once it is back."""
+    with own_redis() as server:
+        conf = default_config(state={"url": server.url, "timeout_ms": 200})
+        async with running(parse_config(conf)) as (_, url):
+            assert (await get(url, "/readyz")).status_code == 200
+            server.stop()
+            ready = await get(url, "/readyz")
+            server.start()
+            back = await get(url, "/readyz")
     assert ready.status_code == 503
     state = ready.json()["state"]
     assert state["mode"] == "redis" and state["reachable"] is False and state["error"]
-    assert str(port) not in str(state.get("mode"))
+    assert str(server.port) not in str(state.get("mode"))
+    assert back.status_code == 200
 
 
 async def test_reachable_shared_state_is_ready() -> None:

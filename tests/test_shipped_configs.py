@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import load_config, parse_config
 from multiplexer.gateway.registry import provider_class
 from multiplexer.server import running
@@ -26,7 +27,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
 ROOT = Path(__file__).parents[1]
-CONFIGS = sorted((ROOT / "config").glob("*.yaml"))
+CONFIGS = [DEFAULT_CONFIG, *sorted((ROOT / "config").glob("*.yaml"))]
 V1_ANSWERS = {"chat", "generate", "embeddings", "embed", "messages"}  # what some /v1 endpoint serves
 ASK = [{"role": "user", "content": "hello there"}]
 
@@ -54,7 +55,7 @@ def test_every_route_a_v1_endpoint_can_reach_lists_its_models(path: Path) -> Non
 
 def default_offline() -> dict[str, Any]:
     """The default config without its MCP child and local models (the mock needs neither)."""
-    data = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     keep = {"builtin", "mock"}
     data["providers"] = {k: v for k, v in data["providers"].items() if k in keep}
     data["routes"] = {k: v for k, v in data["routes"].items() if v["provider"] in keep}
