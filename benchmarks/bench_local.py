@@ -150,9 +150,7 @@ async def until_ready(client: httpx.AsyncClient, proc: GatewayProc, timeout: flo
     ``auto`` does that at load)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        status = (await client.get(f"{proc.url}/readyz")).status_code
-        # 404: a gateway without /readyz; its local models' loads (warm-up included) stand in
-        if status == 200 or (status == 404 and "model_loaded" in await local_events(client, proc)):
+        if (await client.get(f"{proc.url}/readyz")).status_code == 200:
             return
         if not proc.alive():
             raise RuntimeError(f"gateway exited: {proc.log()[-2000:]}")
