@@ -92,6 +92,11 @@ def test_demo_runs_the_packaged_config_from_any_folder(tmp_path: Path) -> None:
     assert '  tools_add({"a": 2, "b": 40}) -> {"content": [{"type": "text", "text": "42"}], ' \
            '"structuredContent": {"result": 42}, "isError": false}' in done.stdout.splitlines()
     assert "demo done; run `multiplexer serve` to keep the gateway up" in done.stdout
+    # every face answered, offline: /rpc arrays, MCP tools, resources and prompts, /v1 embeddings
+    assert "sum(" in done.stdout and "1000 correct" in done.stdout
+    assert "MCP tools/call tools_add" in done.stdout and "embed_local" in done.stdout
+    assert "resources ['example://readme'], prompts ['tools_greet']" in done.stdout
+    assert "POST /v1/embeddings (model all-MiniLM-L6-v2) -> 1 embeddings of 384 dims" in done.stdout
     assert list(tmp_path.iterdir()) == []  # nothing written where it ran
 
 

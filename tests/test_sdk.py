@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 
@@ -131,16 +130,6 @@ async def test_a_face_that_cannot_be_imported_fails_startup_with_a_clear_line() 
     assert proc.returncode == 1 and len(lines) == 1, lines
     assert lines[0].startswith("multiplexer serve: cannot load the server and its faces (ModuleNotFoundError")
     assert "mcp.server.streamable_http_manager" in lines[0]
-
-
-def test_demo_command_runs_offline() -> None:
-    proc = subprocess.run([sys.executable, "-m", "multiplexer", "demo"], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "sum(" in proc.stdout and "1000 correct" in proc.stdout
-    assert "MCP tools/call tools_add" in proc.stdout and "embed_local" in proc.stdout
-    assert "resources ['example://readme'], prompts ['tools_greet']" in proc.stdout
-    assert "POST /v1/embeddings (model all-MiniLM-L6-v2) -> 1 embeddings of 384 dims" in proc.stdout
 
 
 async def test_a_gateway_that_is_down_is_an_rpc_error_naming_the_url_for_every_helper() -> None:
