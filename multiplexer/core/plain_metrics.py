@@ -9,7 +9,8 @@ hands them to the registry as ordinary metric families.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -19,6 +20,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.utils import floatToGoString
+
+T = TypeVar("T")
 
 
 class Series:
@@ -36,35 +39,58 @@ class Series:
         self.sum += value
 
 
-class Timings:
+class PerLabel(Generic[T]):
+    """A metric with one label: a value (``make()``'s) per label value, made on first use, and
+    the family a scrape reads (``family``, ``add``: what each kind of metric says)."""
+
+    def __init__(self, name: str, doc: str, label: str, make: Callable[[], T],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.doc, self.label = name, doc, label
+        self.make = make
+        self.values: dict[str, T] = {}
+        registry.register(self)
+
+    def of(self, value: str) -> T:
+        held = self.values.get(value)
+        if held is None:
+            held = self.values[value] = self.make()
+        return held
+
+    def family(self) -> Metric:
+        raise NotImplementedError
+
+    def add(self, family: Metric, value: str, held: T) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> Iterator[Metric]:
+        yield self.family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self.family()
+        for value, held in self.values.items():
+            self.add(family, value, held)
+        yield family
+
+
+class Timings(PerLabel[Series]):
     """A histogram with one label."""
 
     def __init__(self, name: str, doc: str, label: str, buckets: Sequence[float],
                  registry: CollectorRegistry) -> None:
-        self.name, self.doc, self.label = name, doc, label
         self.buckets = tuple(buckets)
-        self.series: dict[str, Series] = {}
-        registry.register(self)
+        self.bounds = (*map(floatToGoString, self.buckets), "+Inf")
+        super().__init__(name, doc, label, lambda: Series(self.buckets), registry)
 
-    def of(self, value: str) -> Series:
-        series = self.series.get(value)
-        if series is None:
-            series = self.series[value] = Series(self.buckets)
-        return series
+    def family(self) -> Metric:
+        return HistogramMetricFamily(self.name, self.doc, labels=[self.label])
 
-    def describe(self) -> Iterator[Metric]:
-        yield HistogramMetricFamily(self.name, self.doc, labels=[self.label])
-
-    def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self.name, self.doc, labels=[self.label])
-        for value, series in self.series.items():
-            total, buckets = 0, []
-            for bound, count in zip((*map(floatToGoString, self.buckets), "+Inf"), series.counts,
-                                    strict=True):
-                total += count
-                buckets.append((bound, float(total)))
-            family.add_metric([value], buckets, series.sum)
-        yield family
+    def add(self, family: Metric, value: str, held: Series) -> None:
+        total, buckets = 0, []
+        for bound, count in zip(self.bounds, held.counts, strict=True):
+            total += count
+            buckets.append((bound, float(total)))
+        assert isinstance(family, HistogramMetricFamily)
+        family.add_metric([value], buckets, held.sum)
 
 
 class Level:
@@ -76,28 +102,18 @@ class Level:
         self.n = 0
 
 
-class Levels:
+class Levels(PerLabel[Level]):
     """A gauge with one label."""
 
     def __init__(self, name: str, doc: str, label: str, registry: CollectorRegistry) -> None:
-        self.name, self.doc, self.label = name, doc, label
-        self.levels: dict[str, Level] = {}
-        registry.register(self)
+        super().__init__(name, doc, label, Level, registry)
 
-    def of(self, value: str) -> Level:
-        level = self.levels.get(value)
-        if level is None:
-            level = self.levels[value] = Level()
-        return level
+    def family(self) -> Metric:
+        return GaugeMetricFamily(self.name, self.doc, labels=[self.label])
 
-    def describe(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(self.name, self.doc, labels=[self.label])
-
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(self.name, self.doc, labels=[self.label])
-        for value, level in self.levels.items():
-            family.add_metric([value], level.n)
-        yield family
+    def add(self, family: Metric, value: str, held: Level) -> None:
+        assert isinstance(family, GaugeMetricFamily)
+        family.add_metric([value], held.n)
 
 
 class Tally:
