@@ -59,3 +59,23 @@ async def test_a_jobs_life_is_logged_and_its_items_counted_once(
     assert progress
     assert progress[-1].startswith(f"oai: batch job {job_id}: remote batch {remote} is completed")
     assert messages[-1] == f"batch job {job_id} done: 2 succeeded, 1 failed"
+
+
+async def test_a_failed_remote_batch_is_logged_with_why_and_its_items_counted_as_errors(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with fakes(force_status="failed") as f:
+        events = Events()
+        async with running(parse_config(remote_config_data(f, tmp_path)), port=0) as (gw, url), \
+                Client(url) as client:
+            gw.listeners.append(events)
+            job = await client.call("jobs.submit", {"calls": [chat("a"), chat("b")]})
+            await events.wait("batch_job_ended")
+            text = gw.metrics.render().decode()
+    job_id = job["job_id"]
+    messages = [r.getMessage() for r in caplog.records if job_id in r.getMessage()]
+    failed = [m for m in messages if " failed (failed): " in m]
+    assert len(failed) == 1 and failed[0].startswith(f"oai: batch job {job_id}: part {job_id}.")
+    assert failed[0].endswith("failure forced by the test")
+    assert messages[-1] == f"batch job {job_id} done: 0 succeeded, 2 failed"
+    assert sample(text, "multiplexer_calls_total", route="chat", outcome="-32000") == 2

@@ -61,6 +61,8 @@ def test_job_life_cycle(any_store):
     assert st.part("part1").remote_id == "batch_1"
     assert st.claimed_remote_ids("p") == {"batch_1"}
     assert st.counts("job") == {"queued": 2, "submitted": 2, "succeeded": 0, "failed": 1}
+    st.ping()
+    assert st.gauges() == (1, {"queued": 2, "submitted": 2, "failed": 1})  # /metrics: open jobs' items
 
     assert st.record("job", [(0, "succeeded", {"ok": 0}, None), (1, "failed", None, {"code": -1})]) == 2
     # a late duplicate never overwrites a finished item
@@ -71,6 +73,8 @@ def test_job_life_cycle(any_store):
     assert st.fail_open("job", {"code": -3}, "part2") == 2
     assert st.finish_job_if_done("job") == "done"
     assert st.job("job").state == "done"
+    assert st.gauges() == (0, {})
+    assert sorted(st.tally("job"), key=str) == [("r", -1, 1), ("r", -3, 2), ("r", 1, 1), ("r", None, 1)]
     assert [s for s, _, _ in st.outcomes("job", 5)] == ["succeeded", "failed", "failed", "failed",
                                                          "failed"]
     assert st.list_jobs("alice", 10)[0].id == "job" and st.list_jobs(None, 10) == []

@@ -19,6 +19,7 @@ from prometheus_client import (
 )
 
 from multiplexer.core.errors import Code
+from multiplexer.core.plain_metrics import Level, Levels, Tally, Timings
 
 disable_created_metrics()
 
@@ -43,19 +44,6 @@ _FIRST_CHUNK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
 _CALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITEM_STATES = {"queued": "pending", "submitted": "running", "succeeded": "done", "failed": "failed"}
 REFRESH_TIMEOUT_S = 2.0  # a scrape waits no longer for the job store; its gauges keep their last values
-
-
-class InFlight:
-    """A route's calls in flight: a plain counter the gauge reads at scrape time, as every call
-    moves it twice and a gauge's own ``inc`` takes a lock each time."""
-
-    __slots__ = ("n",)
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def value(self) -> float:
-        return self.n
 
 
 class Metrics:
@@ -117,21 +105,18 @@ class Metrics:
             "multiplexer_events", "Notable events (device fallback, restarts, ...)",
             ["component", "event"], registry=r,
         )
-        self.call_seconds = Histogram(
+        # moved by every call and request: plain numbers, no lock (core/plain_metrics.py)
+        self.call_seconds = Timings(
             "multiplexer_call_duration_seconds", "Seconds from a call's admission to its answer",
-            ["route"], buckets=_CALL_BUCKETS, registry=r,
+            "route", _CALL_BUCKETS, r,
         )
-        self._call_seconds: dict[str, Histogram] = {}
-        self.calls_in_flight = Gauge(
-            "multiplexer_calls_in_flight", "Calls admitted and not answered yet", ["route"],
-            registry=r,
+        self.calls_in_flight = Levels(
+            "multiplexer_calls_in_flight", "Calls admitted and not answered yet", "route", r,
         )
-        self._in_flight: dict[str, InFlight] = {}
-        self.http_requests = Counter(
+        self.http_requests = Tally(
             "multiplexer_http_requests", "HTTP requests answered, by route (the path's template) "
-            "and status; 500: an unexpected exception", ["route", "status"], registry=r,
+            "and status; 500: an unexpected exception", ["route", "status"], r,
         )
-        self._http: dict[tuple[str, int], Counter] = {}
         self.batch_jobs_open = Gauge(
             "multiplexer_batch_jobs_open", "Batch jobs not ended (the job store's: with store.url, "
             "every replica's)", registry=r,
@@ -143,14 +128,11 @@ class Metrics:
             self.batch_items.labels(state)
         self.refreshers: dict[Hashable, Callable[[], Awaitable[None]]] = {}  # run before a scrape
 
-    def call_started(self, route: str) -> InFlight:
-        """One more call in flight on ``route``; the caller lowers the counter it gets back."""
-        counter = self._in_flight.get(route)
-        if counter is None:
-            counter = self._in_flight[route] = InFlight()
-            self.calls_in_flight.labels(route).set_function(counter.value)
-        counter.n += 1
-        return counter
+    def call_started(self, route: str) -> Level:
+        """One more call in flight on ``route``; the caller lowers the level it gets back."""
+        level = self.calls_in_flight.of(route)
+        level.n += 1
+        return level
 
     def call_answered(self, route: str, outcome: str, seconds: float | None = None,
                       count: int = 1) -> None:
@@ -161,16 +143,10 @@ class Metrics:
             child = self._calls[(route, outcome)] = self.calls.labels(route, outcome)
         child.inc(count)
         if seconds is not None:
-            timing = self._call_seconds.get(route)
-            if timing is None:
-                timing = self._call_seconds[route] = self.call_seconds.labels(route)
-            timing.observe(seconds)
+            self.call_seconds.of(route).observe(seconds)
 
     def http_answered(self, route: str, status: int) -> None:
-        child = self._http.get((route, status))
-        if child is None:
-            child = self._http[(route, status)] = self.http_requests.labels(route, status_label(status))
-        child.inc()
+        self.http_requests.add((route, status_label(status)))
 
     def batch_counts(self, open_jobs: int, items: dict[str, int]) -> None:
         """The job store's counts: open jobs, and their items by the store's state."""

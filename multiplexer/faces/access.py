@@ -24,7 +24,8 @@ from typing import Any
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from multiplexer.core.jsonrpc import Entry
+from multiplexer.core.call import Outcome
+from multiplexer.core.jsonrpc import Decoded
 from multiplexer.core.metrics import Metrics
 from multiplexer.gateway.config import ServerConfig
 
@@ -63,12 +64,17 @@ def note_of(scope: Scope) -> Note | None:
     return extensions.get(ACCESS) if extensions else None
 
 
-def note_rpc(note: Note, batch: bool, entries: list[Entry], codes: list[int | None]) -> None:
+def note_rpc(note: Note, decoded: Decoded, outcomes: list[Outcome | None]) -> None:
     """A ``/rpc`` body's first method (and how many calls an array held) and first error code."""
+    entries = decoded.entries
     first = entries[0].call if entries else None
     note.route = first.method if first is not None else None
-    note.calls = len(entries) if batch else None
-    note.code = next((c for c in codes if c is not None), None)
+    note.calls = len(entries) if decoded.batch else None
+    for entry, outcome in zip(entries, outcomes, strict=True):
+        error = entry.error or (outcome.error if outcome is not None else None)
+        if error is not None:
+            note.code = error.code
+            return
 
 
 def _shown(text: str) -> str:

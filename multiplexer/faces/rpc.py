@@ -38,9 +38,7 @@ async def handle_body(gateway: Gateway, body: bytes, identity: str | None = None
                      identity=identity)
     outcomes = await _outcomes(gateway, decoded, trace)
     if note is not None:
-        note_rpc(note, decoded.batch, decoded.entries, [
-            e.error.code if e.error is not None else o.error.code if o is not None and o.error else None
-            for e, o in zip(decoded.entries, outcomes, strict=True)])
+        note_rpc(note, decoded, outcomes)
     parts = [_encoded(e, o) for e, o in zip(decoded.entries, outcomes, strict=True) if not e.is_notification]
     if not parts:
         return None

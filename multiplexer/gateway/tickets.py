@@ -20,7 +20,7 @@ from multiplexer.core.dedup import ProgressFanout
 from multiplexer.core.errors import RpcError, timeout_error
 from multiplexer.core.lane import Lane
 from multiplexer.core.logs import LogFanout, LogSink
-from multiplexer.core.metrics import InFlight
+from multiplexer.core.plain_metrics import Level
 from multiplexer.core.quota import FREE, Grant
 
 Handler = Callable[[Call], Awaitable[Any]]  # a gateway-level method (jobs.*, ...)
@@ -51,7 +51,7 @@ class Ticket:
     span: Any = None  # the call's trace span, when calls are traced
     shape: Callable[[Outcome], Outcome] | None = None  # the face's last step (``Call.shape``)
     started: float = 0.0  # the clock's time at admission
-    in_flight: InFlight | None = None  # its route's in-flight count, while it is counted there
+    in_flight: Level | None = None  # its route's in-flight count, while it is counted there
 
     def __call__(self) -> None:
         """Done-callback of the pending it waits on (a bound object, not a closure per call)."""
