@@ -94,6 +94,7 @@ def _check(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from multiplexer.demo import run_demo
 
+    logging.getLogger("multiplexer.access").setLevel(logging.WARNING)  # the demo prints its own lines
     return anyio.run(run_demo, load_config(args.config), args.port)
 
 

@@ -54,20 +54,51 @@ async def _mcp_demo(url: str) -> None:
                   f"prompts {[p.name for p in prompts]}")
 
 
+def _model_of(config: Config, names: set[str], operation: str) -> str | None:
+    """The first ``/v1`` model a served route of this operation lists (None: no such route)."""
+    for name, route in config.routes.items():
+        if name in names and route.operation == operation and route.models:
+            return route.models[0]
+    return None
+
+
 async def _v1_demo(url: str, config: Config, names: set[str]) -> None:
-    """An OpenAI-shaped embeddings request, as the OpenAI SDK would send it, for the model of
-    ``embed_local`` (the default config's local embed route) when that route is served."""
-    route = config.routes.get("embed_local")
-    if route is None or "embed_local" not in names or not route.models:
-        return
-    model = route.models[0]
+    """Requests shaped as the OpenAI and Anthropic SDKs send them, for the models the routes list
+    (the default config: the mock stand-ins for chat and messages, the local MiniLM embeddings)."""
+    ask = [{"role": "user", "content": "what does a gateway batch?"}]
     async with httpx.AsyncClient(timeout=120) as http:
-        reply = await http.post(f"{url}/v1/embeddings", json={"model": model, "input": "hello"})
+        if (model := _model_of(config, names, "chat")) is not None:
+            reply = await http.post(f"{url}/v1/chat/completions", json={"model": model, "messages": ask})
+            print(f"  POST /v1/chat/completions (model {model}) -> {_said(reply, 'chat')}")
+            words = []
+            async with http.stream("POST", f"{url}/v1/chat/completions",
+                                   json={"model": model, "messages": ask, "stream": True}) as events:
+                async for line in events.aiter_lines():
+                    if line.startswith("data: {"):
+                        delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                        words += [delta] if delta else []
+            print(f"  ... streamed: {len(words)} chunks, {''.join(words)[:60]!r}")
+        if (model := _model_of(config, names, "messages")) is not None:
+            reply = await http.post(f"{url}/v1/messages", json={"model": model, "max_tokens": 64,
+                                                                "messages": ask})
+            print(f"  POST /v1/messages (model {model}) -> {_said(reply, 'messages')}")
+        route = config.routes.get("embed_local")
+        if route is not None and "embed_local" in names and route.models:
+            model = route.models[0]
+            reply = await http.post(f"{url}/v1/embeddings", json={"model": model, "input": "hello"})
+            body = reply.json()
+            shown = _show(body) if reply.status_code == 200 else f"HTTP {reply.status_code} {body}"
+            print(f"  POST /v1/embeddings (model {model}) -> {shown}")
+
+
+def _said(reply: httpx.Response, api: str) -> str:
+    """What a chat completion or a message says, or the HTTP error."""
     body = reply.json()
-    if reply.status_code == 200:
-        print(f"  POST /v1/embeddings (model {model}) -> {_show(body)}")
-    else:
-        print(f"  POST /v1/embeddings (model {model}) -> HTTP {reply.status_code} {body}")
+    if reply.status_code != 200:
+        return f"HTTP {reply.status_code} {body}"
+    text = (body["choices"][0]["message"]["content"] if api == "chat"
+            else "".join(b.get("text", "") for b in body["content"]))
+    return f"{text[:60]!r}, usage={body.get('usage')}"
 
 
 async def run_demo(config: Config, port: int = 0) -> int:

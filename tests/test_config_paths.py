@@ -97,6 +97,11 @@ def test_demo_runs_the_packaged_config_from_any_folder(tmp_path: Path) -> None:
     assert "MCP tools/call tools_add" in done.stdout and "embed_local" in done.stdout
     assert "resources ['example://readme'], prompts ['tools_greet']" in done.stdout
     assert "POST /v1/embeddings (model all-MiniLM-L6-v2) -> 1 embeddings of 384 dims" in done.stdout
+    assert "POST /v1/chat/completions (model mock-gpt) -> 'This is a mock response to: what does a" \
+        in done.stdout
+    assert "... streamed: 11 chunks, 'This is a mock response to" in done.stdout
+    assert "POST /v1/messages (model mock-claude) -> 'This is a mock response" in done.stdout
+    assert "multiplexer.access" not in done.stderr  # the demo prints its own lines, not access lines
     assert list(tmp_path.iterdir()) == []  # nothing written where it ran
 
 
