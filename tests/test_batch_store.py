@@ -125,7 +125,8 @@ def test_postgres_tables_live_in_the_configured_schema_created_if_missing():
         st = PgJobStore(url, schema=schema)
         try:
             st.create_job("job", None, "client", "open")
-            assert tables_in(admin, schema) == ["items", "jobs", "parts"]
+            assert tables_in(admin, schema) == ["items", "jobs", "parts", "v1_batch_results",
+                                                "v1_batches", "v1_files"]
             assert tables_in(admin, "public") == public  # nothing landed in public
             assert admin.execute(f"SELECT id FROM {schema}.jobs").fetchall() == [("job",)]
         finally:
@@ -155,7 +156,8 @@ async def test_the_gateway_opens_its_store_in_store_schema(tmp_path):
             "providers": {"oai": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key": "k"}},
             "routes": {"chat": {"provider": "oai", "operation": "chat"}}})
         async with Gateway(config):
-            assert tables_in(admin, schema) == ["items", "jobs", "parts"]
+            assert tables_in(admin, schema) == ["items", "jobs", "parts", "v1_batch_results",
+                                                "v1_batches", "v1_files"]
 
 
 def test_stores_in_two_schemas_of_one_database_keep_their_jobs_apart(tmp_path):

@@ -26,6 +26,7 @@ from typing import Any
 
 from .pg_connect import connect
 from .store import JobStore, LeaseLost, _locked
+from .v1_tables import V1_TABLES
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -88,7 +89,7 @@ class PgJobStore(JobStore):
             self._conn.execute("SELECT pg_advisory_xact_lock(7331)")  # one replica creates the tables
             self._conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name))
             self._conn.execute(sql.SQL("SET search_path TO {}").format(name))
-            self._conn.execute(TABLES)
+            self._conn.execute(TABLES + V1_TABLES.format(blob="BYTEA"))
 
     def close(self) -> None:
         with self._lock:

@@ -24,6 +24,9 @@ import anyio
 
 from multiplexer.core.jobrows import ItemRow, JobRow, NewItem, PartRow, custom_id, dumps, loads_many
 
+from .locked import locked as _locked
+from .v1_tables import V1_TABLES, V1Tables
+
 T = TypeVar("T")
 
 
@@ -51,20 +54,11 @@ _OPEN = "('open','running','cancelling')"  # the job states before its end
 _INTERNAL = -32603  # a failed item's code where its stored error has none
 
 
-def _locked(fn: Callable[..., T]) -> Callable[..., T]:
-    @functools.wraps(fn)
-    def wrapper(self: JobStore, *args: Any, **kwargs: Any) -> T:
-        with self._lock:
-            return fn(self, *args, **kwargs)
-
-    return wrapper
-
-
 class LeaseLost(Exception):
     """This replica no longer owns the part (its lease ran out and another replica took it)."""
 
 
-class JobStore:
+class JobStore(V1Tables):
     """Blocking methods guarded by a lock; call them through ``run`` from async code."""
 
     shared = False  # one gateway owns this file: every part is its own to drive
@@ -78,7 +72,7 @@ class JobStore:
                                    timeout=30.0)
         self._x("PRAGMA journal_mode=WAL")
         self._x("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        self._db.executescript(SCHEMA + V1_TABLES.format(blob="BLOB"))
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args))

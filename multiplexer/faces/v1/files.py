@@ -117,8 +117,7 @@ class ListFiles(FilesEndpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         purpose = Request(scope).query_params.get("purpose")
-        records = [r for r in await self.files.list_files(identity)
-                   if purpose is None or r.purpose == purpose]
+        records = await self.files.list_files(identity, purpose)
         await send_json(send, 200, {"object": "list", "data": [r.wire() for r in records],
                                     "has_more": False}, headers)
 
@@ -172,13 +171,8 @@ class ListBatches(FilesEndpoint):
                      headers: list[tuple[bytes, bytes]]) -> None:
         query = Request(scope).query_params
         limit = page_limit(query, 100)
-        records = await self.batches.mine(identity, "openai")
-        after = query.get("after")
-        if after is not None:
-            ids = [r.id for r in records]
-            records = records[ids.index(after) + 1:] if after in ids else []
-        page = records[:limit]
+        page, more = await self.batches.mine(identity, "openai", limit, query.get("after"))
         data = [await self.batches.wire(r) for r in page]
         await send_json(send, 200, {
             "object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}, headers)
+            "last_id": data[-1]["id"] if data else None, "has_more": more}, headers)

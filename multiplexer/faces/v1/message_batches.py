@@ -88,7 +88,7 @@ class MessageBatches:
             counts = await self.final_counts(record)
         else:
             done = p.succeeded + p.failed
-            counts = {"processing": len(record.custom_ids) - done, "succeeded": p.succeeded,
+            counts = {"processing": record.total - done, "succeeded": p.succeeded,
                       "errored": p.failed, "canceled": 0, "expired": 0}
         status = "ended" if p.ended else (
             "canceling" if record.cancelled_at is not None else "in_progress")
@@ -106,18 +106,18 @@ class MessageBatches:
         if record.counts is None:
             entries = await self.batches.entries(record)
             counts = dict.fromkeys(COUNT_KEYS, 0)
-            for n in range(len(record.custom_ids)):
+            for n in range(record.total):
                 counts[outcome_of(entries.get(n), record.cancelled_at is not None)] += 1
             record.counts = counts
             if record.id not in self.batches.live:
-                await self.batches.store.save_batch(record)
+                await self.batches.store.update(record, "counts")
         return record.counts
 
     async def results(self, record: BatchRecord) -> bytes:
         """One JSON line per ``custom_id``, in request order."""
         entries = await self.batches.entries(record)
         rows = []
-        for n, cid in enumerate(record.custom_ids):
+        for n, cid in enumerate((await self.batches.store.load_lines(record)).custom_ids):
             entry = entries.get(n)
             kind = outcome_of(entry, record.cancelled_at is not None)
             result: dict[str, Any] = {"type": kind}
@@ -161,13 +161,8 @@ class CreateMessageBatch(MessageBatchEndpoint):
         record = BatchRecord(new_batch_id("msgbatch_"), identity, MESSAGES, "", "24h", now(),
                              custom_ids=[cid for cid, _ in requests], kind="anthropic")
         bodies = [params for _, params in requests]
-        store = self.batches.batches.store
-        await store.put_requests(record.id, json.dumps(bodies, separators=(",", ":")).encode())
-        try:
-            await self.batches.batches.open(record, bodies)
-        except Exception:
-            await store.delete_batch(record.id)  # refused (a quota, say): nothing is kept
-            raise
+        # refused (a quota, say): nothing is kept
+        await self.batches.batches.open(record, bodies, json.dumps(bodies, separators=(",", ":")).encode())
         await self.reply(send, scope, record, headers)
 
 
@@ -187,20 +182,10 @@ class ListMessageBatches(MessageBatchEndpoint):
         before, after = query.get("before_id"), query.get("after_id")
         if before and after:
             raise bad("give before_id or after_id, not both")
-        records = await self.batches.batches.mine(identity, "anthropic")
-        ids = [r.id for r in records]
-        if after:
-            rest = records[ids.index(after) + 1:] if after in ids else []
-            page = rest[:limit]
-        elif before:
-            rest = records[:ids.index(before)] if before in ids else []
-            page = rest[-limit:]
-        else:
-            rest = records
-            page = rest[:limit]
+        page, more = await self.batches.batches.mine(identity, "anthropic", limit, after, before)
         base = self.base(scope)
         data = [await self.batches.wire(r, base) for r in page]
-        await send_json(send, 200, {"data": data, "has_more": len(rest) > limit,
+        await send_json(send, 200, {"data": data, "has_more": more,
                                     "first_id": data[0]["id"] if data else None,
                                     "last_id": data[-1]["id"] if data else None}, headers)
 
