@@ -291,8 +291,9 @@ async def test_a_page_of_results_is_inserted_beside_the_record_not_written_over_
     await store.add_results(record.id, [(0, "a", 500, {"x": 2}), (1, "b", 400, {"y": 1})])
     again = await store.batch(record.id, "alice")
     assert again is not None and again.cancelled_at == 5 and again.custom_ids == ["a", "b"]
-    assert await store.results(record.id) == {0: {"status": 200, "body": {"x": 1}},
-                                              1: {"status": 400, "body": {"y": 1}}}
+    assert await store.results(record.id) == {0: {"status": 200, "raw": '{"x":1}'},
+                                              1: {"status": 400, "raw": '{"y":1}'}}
+    assert await store.results(record.id, 1, 2, bodies=False) == {1: {"status": 400}}
     assert await store.result_counts(record.id) == (2, 1)
     assert await store.batch(record.id, "bob") is None  # another key's: not found
     store.close()

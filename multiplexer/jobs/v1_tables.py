@@ -240,12 +240,20 @@ class V1Tables:
         return int(cur.rowcount)
 
     @locked
-    def results(self, batch_id: str) -> dict[int, dict[str, Any]]:
-        """Line -> {status, body} of the lines with a result."""
-        rows = self._x("SELECT line, status, body FROM v1_batch_results WHERE batch_id=?",
-                       (batch_id,)).fetchall()
-        bodies = loads_many([b for _, _, b in rows])
-        return {n: {"status": s, "body": b} for (n, s, _), b in zip(rows, bodies, strict=True)}
+    def results(self, batch_id: str, lo: int = 0, hi: int | None = None,
+                bodies: bool = True) -> dict[int, dict[str, Any]]:
+        """Line -> {status, raw (its body's JSON text, undecoded)} of the lines from ``lo`` to
+        ``hi`` with a result; without ``bodies``, {status} alone."""
+        sql = f"SELECT line, status{', body' if bodies else ''} FROM v1_batch_results " \
+              "WHERE batch_id=? AND line>=?"
+        args: list[Any] = [batch_id, lo]
+        if hi is not None:
+            sql += " AND line<?"
+            args.append(hi)
+        rows = self._x(sql, args).fetchall()
+        if bodies:
+            return {r[0]: {"status": r[1], "raw": r[2]} for r in rows}
+        return {r[0]: {"status": r[1]} for r in rows}
 
     @locked
     def result_counts(self, batch_id: str) -> tuple[int, int]:

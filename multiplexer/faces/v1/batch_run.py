@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,10 @@ from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
 
 log = logging.getLogger(__name__)
 ENDED = ("completed", "failed", "cancelled")
-PAGE = 256  # lane lines admitted at once: a 50,000-line file must not flood the queues
+PAGE = 64  # lane lines admitted at once: a 50,000-line file must not flood the queues, and the
+# event loop answers other requests between pages (a page's answers arrive together: 256 mock
+# embeddings held the loop for ~100 ms)
+CHUNK = 256  # results file lines built (on a worker thread) and sent at once
 MAX_LINES = 50_000
 
 
@@ -124,7 +128,8 @@ class Batches:
         if not isinstance(file_id, str) or (record_file := await self.store.file(file_id, identity)) is None:
             raise HttpError(404, RpcError(Code.NOT_FOUND, f"No such file: {file_id!r}"),
                             param="input_file_id")
-        lines, errors = parse_lines(await self.store.content(record_file), endpoint)
+        content = await self.store.content(record_file)
+        lines, errors = await anyio.to_thread.run_sync(parse_lines, content, endpoint)
         record = BatchRecord(new_batch_id("batch_"), identity, endpoint, file_id, window, now(), metadata,
                              [cid for cid, _ in lines])
         if errors:
@@ -139,6 +144,24 @@ class Batches:
         those for a provider with a batch API as one job, the rest through the lanes; its
         record is written once, with ``requests`` (a message batch's, kept for its lane lines)."""
         endpoint, identity = record.endpoint, record.owner
+        # 50,000 lines planned off the event loop (planning reads the config, changes nothing)
+        early, job_calls = await anyio.to_thread.run_sync(self._sort_lines, record, bodies)
+        if job_calls:  # every line of a file is for one endpoint, so one operation for the job
+            outcome = await self.gateway.submit(Call("jobs.submit", {"calls": job_calls}, identity=identity,
+                                                     operation=operation_for(endpoint, None)))
+            if outcome.error is not None:
+                raise http_error(outcome.error, self.surfaces[endpoint])
+            record.job_id = outcome.result["job_id"]
+        await self.store.create_batch(record, early, requests)
+        if record.lane_lines:
+            self.start(record, bodies)
+        return record
+
+    def _sort_lines(self, record: BatchRecord, bodies: list[dict[str, Any]],
+                    ) -> tuple[list[tuple[int, str, int, Any]], list[dict[str, Any]]]:
+        """Each line to the job (its calls returned), the lanes, or refused at once (its result
+        returned), noted in ``record``."""
+        endpoint = record.endpoint
         job_calls = []
         early: list[tuple[int, str, int, Any]] = []  # lines refused at once: their results
         for n, line in enumerate(bodies):
@@ -154,16 +177,7 @@ class Batches:
                 record.job_lines.append(n)
             else:
                 record.lane_lines.append(n)
-        if job_calls:  # every line of a file is for one endpoint, so one operation for the job
-            outcome = await self.gateway.submit(Call("jobs.submit", {"calls": job_calls}, identity=identity,
-                                                     operation=operation_for(endpoint, None)))
-            if outcome.error is not None:
-                raise http_error(outcome.error, self.surfaces[endpoint])
-            record.job_id = outcome.result["job_id"]
-        await self.store.create_batch(record, early, requests)
-        if record.lane_lines:
-            self.start(record, bodies)
-        return record
+        return early, job_calls
 
     # -- lane lines ---------------------------------------------------------------------------
     def start(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> None:
@@ -319,7 +333,8 @@ class Batches:
         found = await self.store.file(record.input_file_id, record.owner)
         if found is None:
             return None
-        lines, _ = parse_lines(await self.store.content(found), record.endpoint)
+        content = await self.store.content(found)
+        lines, _ = await anyio.to_thread.run_sync(parse_lines, content, record.endpoint)
         return [body for _, body in lines]
 
     async def keep_bodies(self, file_id: str, owner: str | None) -> None:
@@ -405,11 +420,11 @@ class Batches:
             raise http_error(outcome.error, self.surfaces[record.endpoint])
         return outcome.result
 
-    async def entries(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
-        """Line -> {status, body} for every finished line (lines still running are absent, and
-        so are those a cancel stopped); a line whose remote batch expired, or was cancelled
-        upstream, says so (``expired`` / ``canceled``: true)."""
-        out = await self.store.results(record.id)
+    async def job_entries(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
+        """Line -> {status, body} for every finished line of the batch's job (lines still
+        running are absent, and so are those a cancel stopped); a line whose remote batch
+        expired, or was cancelled upstream, says so (``expired`` / ``canceled``: true)."""
+        out: dict[int, dict[str, Any]] = {}
         if record.job_id is None:
             return out
         await self.store.load_lines(record)
@@ -434,6 +449,27 @@ class Batches:
                         out[n]["expired"] = True
             cursor = page["next_cursor"]
         return out
+
+    async def statuses(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
+        """Line -> {status} (and the job's ``canceled`` / ``expired`` marks) of every finished
+        line, without bodies."""
+        return {**await self.store.results(record.id, bodies=False), **await self.job_entries(record)}
+
+    async def lines_out(self, record: BatchRecord,
+                        line: Callable[[int, str, dict[str, Any] | None], bytes]) -> AsyncIterator[bytes]:
+        """A results file, ``CHUNK`` lines at a time: ``line(n, custom_id, entry or None)`` for
+        each line in order, built on a worker thread; an entry of the lines that ended outside
+        the job holds its body's stored JSON text (``raw``), spliced in as it is."""
+        job = await self.job_entries(record)
+        cids = (await self.store.load_lines(record)).custom_ids
+        for lo in range(0, len(cids), CHUNK):
+            hi = min(lo + CHUNK, len(cids))
+            own = await self.store.results(record.id, lo, hi)
+
+            def build(lo: int = lo, hi: int = hi, own: dict[int, dict[str, Any]] = own) -> bytes:
+                return b"".join(line(n, cids[n], own.get(n) or job.get(n)) for n in range(lo, hi))
+
+            yield await anyio.to_thread.run_sync(build)
 
     async def progress(self, record: BatchRecord) -> Progress:
         """Counts and status from the record and its job's status; an end, when first seen,
@@ -489,26 +525,40 @@ class Batches:
             out["error_file_id"] = f"file-{record.id}-error" if failed or status == "cancelled" else None
         return out
 
-    async def output(self, record: BatchRecord, errors: bool) -> bytes:
-        """The output file (``errors`` False) or the error file, one JSON line per custom_id."""
-        entries = await self.entries(record)
-        rows = []
-        for n, cid in enumerate((await self.store.load_lines(record)).custom_ids):
-            entry = entries.get(n)
+    def output(self, record: BatchRecord, errors: bool) -> AsyncIterator[bytes]:
+        """The output file (``errors`` False) or the error file, one JSON line per custom_id,
+        in chunks."""
+        cancelled = record.cancelled_at is not None
+
+        def line(n: int, cid: str, entry: dict[str, Any] | None) -> bytes:
             if entry is None:
-                if errors and record.cancelled_at is not None:
-                    rows.append({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": cid,
-                                 "response": None, "error": {"code": "batch_cancelled",
-                                                             "message": "the batch was cancelled "
-                                                                        "before this request ran"}})
-                continue
+                if errors and cancelled:
+                    return _dumps({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": cid,
+                                   "response": None, "error": {
+                                       "code": "batch_cancelled",
+                                       "message": "the batch was cancelled before this request ran"}})
+                return b""
             if (entry["status"] == 200) == errors:
-                continue
-            rows.append({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": cid,
-                         "response": {"status_code": entry["status"],
-                                      "request_id": "req_" + uuid.uuid4().hex,
-                                      "body": entry["body"]}, "error": None})
-        return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
+                return b""
+            return (f'{{"id":"batch_req_{uuid.uuid4().hex}","custom_id":{_json(cid)},"response":'
+                    f'{{"status_code":{int(entry["status"])},"request_id":"req_{uuid.uuid4().hex}",'
+                    f'"body":{body_json(entry)}}},"error":null}}\n').encode()
+
+        return self.lines_out(record, line)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _dumps(row: dict[str, Any]) -> bytes:
+    return _json(row).encode() + b"\n"
+
+
+def body_json(entry: dict[str, Any]) -> str:
+    """An entry's body as JSON text: as stored (``raw``), or encoded now."""
+    raw = entry.get("raw")
+    return raw if raw is not None else _json(entry["body"])
 
 
 def surfaces_for(openai: Surface, anthropic: Surface) -> dict[str, Surface]:

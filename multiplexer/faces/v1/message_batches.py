@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,8 +20,8 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.errors import Code, RpcError, invalid_request
 from multiplexer.faces.v1.anthropic import ANTHROPIC
-from multiplexer.faces.v1.batch_run import Batches
-from multiplexer.faces.v1.common import V1, HttpError, page_limit, send_json
+from multiplexer.faces.v1.batch_run import Batches, body_json
+from multiplexer.faces.v1.common import V1, HttpError, page_limit, send_chunks, send_json
 from multiplexer.faces.v1.endpoint import Endpoint
 from multiplexer.faces.v1.requests import MESSAGES
 from multiplexer.faces.v1.store import BatchRecord, new_batch_id, now
@@ -104,7 +105,7 @@ class MessageBatches:
     async def final_counts(self, record: BatchRecord) -> dict[str, int]:
         """Counted once from the results when the batch has ended, then kept in the record."""
         if record.counts is None:
-            entries = await self.batches.entries(record)
+            entries = await self.batches.statuses(record)
             counts = dict.fromkeys(COUNT_KEYS, 0)
             for n in range(record.total):
                 counts[outcome_of(entries.get(n), record.cancelled_at is not None)] += 1
@@ -113,20 +114,17 @@ class MessageBatches:
                 await self.batches.store.update(record, "counts")
         return record.counts
 
-    async def results(self, record: BatchRecord) -> bytes:
-        """One JSON line per ``custom_id``, in request order."""
-        entries = await self.batches.entries(record)
-        rows = []
-        for n, cid in enumerate((await self.batches.store.load_lines(record)).custom_ids):
-            entry = entries.get(n)
-            kind = outcome_of(entry, record.cancelled_at is not None)
-            result: dict[str, Any] = {"type": kind}
-            if entry is not None and kind == "succeeded":
-                result["message"] = entry["body"]
-            elif entry is not None and kind == "errored":
-                result["error"] = entry["body"]
-            rows.append({"custom_id": cid, "result": result})
-        return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
+    def results(self, record: BatchRecord) -> AsyncIterator[bytes]:
+        """One JSON line per ``custom_id``, in request order, in chunks."""
+        cancelled = record.cancelled_at is not None
+
+        def line(n: int, cid: str, entry: dict[str, Any] | None) -> bytes:
+            kind = outcome_of(entry, cancelled)
+            field = {"succeeded": "message", "errored": "error"}.get(kind) if entry is not None else None
+            tail = f',"{field}":{body_json(entry)}' if field and entry is not None else ""
+            return f'{{"custom_id":{json.dumps(cid)},"result":{{"type":"{kind}"{tail}}}}}\n'.encode()
+
+        return self.batches.lines_out(record, line)
 
 
 class MessageBatchEndpoint(Endpoint):
@@ -207,11 +205,7 @@ class MessageBatchResults(MessageBatchEndpoint):
         if not (await self.batches.batches.progress(record)).ended:
             raise bad(f"message batch {record.id} is still processing; its results come once "
                       "it has ended")
-        body = await self.batches.results(record)
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/x-jsonl"),
-            (b"content-length", str(len(body)).encode()), *headers]})
-        await send({"type": "http.response.body", "body": body})
+        await send_chunks(send, b"application/x-jsonl", self.batches.results(record), headers)
 
 
 class DeleteMessageBatch(MessageBatchEndpoint):

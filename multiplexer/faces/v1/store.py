@@ -250,9 +250,12 @@ class V1Store:
         st = await self._st()
         await st.run(st.add_results, batch_id, rows)
 
-    async def results(self, batch_id: str) -> dict[int, dict[str, Any]]:
+    async def results(self, batch_id: str, lo: int = 0, hi: int | None = None,
+                      bodies: bool = True) -> dict[int, dict[str, Any]]:
+        """Line -> {status, raw: the body's JSON text} of lines ``lo`` to ``hi`` with a result
+        ({status} alone without ``bodies``)."""
         st = await self._st()
-        return await st.run(st.results, batch_id)
+        return await st.run(st.results, batch_id, lo, hi, bodies)
 
     async def result_counts(self, batch_id: str) -> tuple[int, int]:
         """(lines outside the job that ended, of which succeeded)."""
