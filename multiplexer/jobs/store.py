@@ -39,6 +39,9 @@ CREATE TABLE IF NOT EXISTS parts (
   state TEXT NOT NULL, remote_id TEXT, remote_status TEXT, detail TEXT, intent_wall REAL,
   created REAL NOT NULL, updated REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS parts_open ON parts(provider, state);
+CREATE INDEX IF NOT EXISTS parts_job ON parts(job_id);
+"""
+ITEMS = """
 CREATE TABLE IF NOT EXISTS items (
   job_id TEXT NOT NULL, idx INTEGER NOT NULL, provider TEXT, route TEXT, operation TEXT,
   method TEXT, params TEXT, options TEXT, tokens INTEGER NOT NULL DEFAULT 1,
@@ -46,8 +49,7 @@ CREATE TABLE IF NOT EXISTS items (
   split TEXT, PRIMARY KEY (job_id, idx));
 CREATE INDEX IF NOT EXISTS items_part ON items(part_id);
 CREATE INDEX IF NOT EXISTS jobs_ended ON jobs(state, updated);
-CREATE INDEX IF NOT EXISTS parts_job ON parts(job_id);
-"""
+"""  # the same in PostgreSQL
 
 
 _OPEN = "('open','running','cancelling')"  # the job states before its end
@@ -72,7 +74,7 @@ class JobStore(V1Tables):
                                    timeout=30.0)
         self._x("PRAGMA journal_mode=WAL")
         self._x("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA + V1_TABLES.format(blob="BLOB"))
+        self._db.executescript(SCHEMA + ITEMS + V1_TABLES.format(blob="BLOB"))
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args))

@@ -31,9 +31,9 @@ from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
 
 log = logging.getLogger(__name__)
 ENDED = ("completed", "failed", "cancelled")
-PAGE = 64  # lane lines admitted at once: a 50,000-line file must not flood the queues, and the
-# event loop answers other requests between pages (a page's answers arrive together: 256 mock
-# embeddings held the loop for ~100 ms)
+PAGE = 16  # lane lines admitted at once: a 50,000-line file must not flood the queues, and the
+# event loop answers other requests between pages (a page's answers arrive together: with 64
+# mock embeddings a page held it ~40 ms, with 16 ~20 ms, and the batch ran no slower)
 CHUNK = 256  # results file lines built (on a worker thread) and sent at once
 MAX_LINES = 50_000
 
