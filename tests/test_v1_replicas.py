@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from multiplexer.gateway.config import parse_config
@@ -21,10 +22,12 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.anyio
 
 
-def replica(f: Any, tmp_path: Path, url: str, n: int) -> Any:
+def replica(f: Any, tmp_path: Path, url: str, n: int, lease_s: float = 1.0,
+            latency_ms: float = 0) -> Any:
     data = config(f, tmp_path / f"r{n}", api_keys={"alice": KEY, "bob": BOB})  # SQLite path unused
     # the same database, on connections of their own (one process would share one otherwise)
-    data["store"] = {"url": f"{url}?application_name=replica{n}", "lease_s": 1.0}
+    data["store"] = {"url": f"{url}?application_name=replica{n}", "lease_s": lease_s}
+    data["providers"]["builtin"]["latency_ms"] = latency_ms
     return parse_config(data)
 
 
@@ -89,3 +92,32 @@ async def test_a_replica_that_stops_mid_batch_leaves_its_lane_lines_to_another(t
     assert done.request_counts.completed == 3
     assert out["e0"]["response"]["body"] == {"saved": True}  # not run twice
     assert out["e2"]["response"]["body"] == mock_embedding("t2")
+
+
+async def test_a_cancel_on_one_replica_stops_the_lane_lines_running_on_another(tmp_path):
+    from tests.pg_helpers import throwaway_db
+
+    rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
+            for i in range(400)]
+    with throwaway_db() as db:
+        async with fakes() as f:
+            # each lane batch of the mock takes 50 ms (the lines run for seconds); the runner
+            # renews its hold every 0.2 s
+            slow = [replica(f, tmp_path, db, n, lease_s=0.6, latency_ms=50) for n in (1, 2)]
+            async with (
+                running(slow[0], port=0) as (_, url1),
+                running(slow[1], port=0) as (g2, url2),
+                openai.AsyncOpenAI(base_url=url1 + "/v1", api_key=KEY, max_retries=0) as one,
+                openai.AsyncOpenAI(base_url=url2 + "/v1", api_key=KEY, max_retries=0) as two,
+            ):
+                upload = await two.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+                batch = await two.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                                 completion_window="24h")
+                assert batch.id in g2.faces["v1_batches"].live
+                await one.batches.cancel(batch.id)  # on the replica not running it
+                done = await until_ended(one, batch.id)
+                assert done.status == "cancelled"
+                assert batch.id not in g2.faces["v1_batches"].live  # its runner stopped
+                ran = done.request_counts.completed
+                await anyio.sleep(0.5)
+                assert (await one.batches.retrieve(batch.id)).request_counts.completed == ran < 400

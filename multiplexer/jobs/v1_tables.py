@@ -44,7 +44,7 @@ FILE_COLUMNS = "id, owner, bytes, created, filename, purpose"
 # a batch's record without its per-line lists (``lines``) and kept request bodies
 BATCH_COLUMNS = ("id", "owner", "kind", "endpoint", "input_file_id", "completion_window", "created",
                  "metadata", "total", "own_total", "job_id", "errors", "cancelled_at", "ended",
-                 "counts")
+                 "counts", "runner_until")
 _JSON = ("metadata", "errors", "ended", "counts")
 _SELECT_BATCH = f"SELECT {', '.join(BATCH_COLUMNS)} FROM v1_batches"
 
@@ -211,11 +211,12 @@ class V1Tables:
     @locked
     def hold_batch(self, batch_id: str, runner: str, now: float, until: float) -> bool:
         """Take (or renew) the batch's lane lines for ``runner`` until ``until``, if no other live
-        gateway holds them; True if they are this runner's."""
+        gateway holds them and the batch is not cancelled (a cancel on another replica stops
+        the runner at its next renewal); True if they are this runner's."""
         if not self.shared:
             now = float("inf")  # one gateway: a hold left by its previous process is void
         return bool(self._x(
-            "UPDATE v1_batches SET runner=?, runner_until=? WHERE id=? "
+            "UPDATE v1_batches SET runner=?, runner_until=? WHERE id=? AND cancelled_at IS NULL "
             "AND (runner IS NULL OR runner=? OR runner_until < ?)",
             (runner, until, batch_id, runner, now)).rowcount)
 

@@ -212,7 +212,8 @@ class Batches:
         while True:
             await anyio.sleep(self.store.lease_s / 3)
             if not await self.store.hold(batch_id):
-                log.warning("batch %s: another gateway took over its lane lines", batch_id)
+                log.info("batch %s: cancelled, or taken over by another gateway: its lane "
+                         "lines stop here", batch_id)
                 scope.cancel()
                 return
 
@@ -487,7 +488,9 @@ class Batches:
                     completed += job["counts"]["succeeded"]
                     failed += job["counts"]["failed"]
                     job_done = job["done"]
-            lanes_done = record.id not in self.live and (
+            # its lane lines run here, or on another replica that holds the batch
+            elsewhere = self.store.shared() and (record.held_until or 0) > time.time()
+            lanes_done = record.id not in self.live and not elsewhere and (
                 record.cancelled_at is not None or own >= record.own_total)
             ended = job_done and lanes_done
             if record.cancelled_at is not None:

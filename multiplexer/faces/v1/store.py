@@ -63,6 +63,7 @@ class BatchRecord:
     total: int = 0  # its lines
     own_total: int = 0  # its lines outside the job: refused at creation, or run in the lanes
     lines_loaded: bool = True  # custom_ids, job_lines and lane_lines (a listing leaves them out)
+    held_until: float | None = None  # (wall time) a gateway runs its lane lines until then
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> BatchRecord:
@@ -72,7 +73,8 @@ class BatchRecord:
                    created_at=row["created"], metadata=row["metadata"], job_id=row["job_id"],
                    errors=row["errors"], cancelled_at=row["cancelled_at"], ended=row["ended"],
                    kind=row["kind"], counts=row["counts"], total=row["total"],
-                   own_total=row["own_total"], lines_loaded=bool(lines), **lines)
+                   own_total=row["own_total"], held_until=row["runner_until"],
+                   lines_loaded=bool(lines), **lines)
 
 
 BATCH_PREFIXES = ("batch_", "msgbatch_")
@@ -171,7 +173,7 @@ class V1Store:
                "completion_window": record.completion_window, "created": record.created_at,
                "metadata": record.metadata, "total": record.total, "own_total": record.own_total,
                "job_id": record.job_id, "errors": record.errors, "cancelled_at": record.cancelled_at,
-               "ended": record.ended, "counts": record.counts}
+               "ended": record.ended, "counts": record.counts, "runner_until": None}
         lines = {"custom_ids": record.custom_ids, "job_lines": record.job_lines,
                  "lane_lines": record.lane_lines}
         st = await self._st()
