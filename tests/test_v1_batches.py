@@ -321,3 +321,29 @@ async def test_lane_lines_refused_by_a_stopping_gateway_run_after_the_restart(tm
         assert done.status == "completed" and done.request_counts.completed == 3
         out = parse((await client.files.content(done.output_file_id)).content)
         assert out["e1"]["response"]["body"] == mock_embedding("t1")
+
+
+async def test_a_store_that_fails_under_running_lane_lines_leaves_the_gateway_serving(tmp_path):
+    """Results that cannot be stored end the runner, not the gateway; a later resume pass runs
+    the lines once the store answers again."""
+    rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
+            for i in range(3)]
+    async with gateway(tmp_path) as (_, gw, client):
+        batches = gw.faces["v1_batches"]
+        store_results = batches.store.add_results
+
+        async def away(*args: Any) -> None:
+            raise RuntimeError("the database is away")
+
+        batches.store.add_results = away
+        upload = await client.files.create(file=("f.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                            completion_window="24h")
+        with anyio.fail_after(10):
+            while batch.id in batches.live:
+                await anyio.sleep(0.01)
+        assert (await client.batches.retrieve(batch.id)).status == "in_progress"
+        batches.store.add_results = store_results
+        await batches.resume()
+        done = await until_ended(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 3

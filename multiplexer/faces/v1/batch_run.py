@@ -192,7 +192,10 @@ class Batches:
         held = False
         try:
             with scope:
-                held = await self.store.hold(record.id)
+                try:
+                    held = await self.store.hold(record.id)
+                except Exception:  # the store is away: a later resume pass runs them
+                    log.exception("batch %s: could not take its lane lines", record.id)
                 if not held:
                     return  # another gateway runs them
                 async with anyio.create_task_group() as tg:
@@ -211,7 +214,12 @@ class Batches:
     async def _keep_holding(self, batch_id: str, scope: anyio.CancelScope) -> None:
         while True:
             await anyio.sleep(self.store.lease_s / 3)
-            if not await self.store.hold(batch_id):
+            try:
+                kept = await self.store.hold(batch_id)
+            except Exception:  # the store is away for now: asked again at the next renewal
+                log.exception("batch %s: could not renew its hold", batch_id)
+                continue
+            if not kept:
                 log.info("batch %s: cancelled, or taken over by another gateway: its lane "
                          "lines stop here", batch_id)
                 scope.cancel()
@@ -219,7 +227,11 @@ class Batches:
 
     async def _run_pages(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> None:
         surface = self.surfaces[record.endpoint]
-        todo = await self._unfinished(record)
+        try:
+            todo = await self._unfinished(record)
+        except Exception:  # the store is away: a later resume pass runs them
+            log.exception("batch %s: could not read its unfinished lane lines", record.id)
+            return
         cids = record.custom_ids
         try:
             for start in range(0, len(todo), PAGE):
@@ -248,7 +260,10 @@ class Batches:
         except Exception as e:  # every line still ends: as failed
             log.exception("batch %s: running its lane lines failed", record.id)
             status, body = self._row(error_entry(surface, internal_error(type(e).__name__)))
-            await self.store.add_results(record.id, [(n, cids[n], status, body) for n in todo])
+            try:
+                await self.store.add_results(record.id, [(n, cids[n], status, body) for n in todo])
+            except Exception:  # the store is away too: a later resume pass runs them
+                log.exception("batch %s: could not record its failed lane lines", record.id)
 
     @staticmethod
     def _row(entry: dict[str, Any]) -> tuple[int, Any]:
