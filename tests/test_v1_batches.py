@@ -324,26 +324,35 @@ async def test_lane_lines_refused_by_a_stopping_gateway_run_after_the_restart(tm
 
 
 async def test_a_store_that_fails_under_running_lane_lines_leaves_the_gateway_serving(tmp_path):
-    """Results that cannot be stored end the runner, not the gateway; a later resume pass runs
-    the lines once the store answers again."""
+    """Results that cannot be stored end the runner, not the gateway; the next resume pass
+    (every store.lease_s) runs the lines once the store answers again."""
     rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
             for i in range(3)]
-    async with gateway(tmp_path) as (_, gw, client):
-        batches = gw.faces["v1_batches"]
-        store_results = batches.store.add_results
+    async with fakes() as f:
+        data = config(f, tmp_path)
+        data["store"]["lease_s"] = 0.5
+        async with (
+            running(parse_config(data), port=0) as (gw, url),
+            openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as client,
+        ):
+            await fails_then_resumes(gw, client, rows)
 
-        async def away(*args: Any) -> None:
-            raise RuntimeError("the database is away")
 
-        batches.store.add_results = away
-        upload = await client.files.create(file=("f.jsonl", jsonl(rows)), purpose="batch")
-        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
-                                            completion_window="24h")
-        with anyio.fail_after(10):
-            while batch.id in batches.live:
-                await anyio.sleep(0.01)
-        assert (await client.batches.retrieve(batch.id)).status == "in_progress"
-        batches.store.add_results = store_results
-        await batches.resume()
-        done = await until_ended(client, batch.id)
-        assert done.status == "completed" and done.request_counts.completed == 3
+async def fails_then_resumes(gw: Any, client: Any, rows: list[dict[str, Any]]) -> None:
+    batches = gw.faces["v1_batches"]
+    store_results = batches.store.add_results
+
+    async def away(*args: Any) -> None:
+        raise RuntimeError("the database is away")
+
+    batches.store.add_results = away
+    upload = await client.files.create(file=("f.jsonl", jsonl(rows)), purpose="batch")
+    batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                        completion_window="24h")
+    with anyio.fail_after(10):
+        while batch.id in batches.live:
+            await anyio.sleep(0.01)
+    assert (await client.batches.retrieve(batch.id)).status == "in_progress"
+    batches.store.add_results = store_results
+    done = await until_ended(client, batch.id)  # resumed by the gateway's own pass
+    assert done.status == "completed" and done.request_counts.completed == 3

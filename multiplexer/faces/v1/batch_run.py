@@ -152,9 +152,16 @@ class Batches:
             if outcome.error is not None:
                 raise http_error(outcome.error, self.surfaces[endpoint])
             record.job_id = outcome.result["job_id"]
-        await self.store.create_batch(record, early, requests)
+        scope = anyio.CancelScope()
+        if record.lane_lines:  # live before it is stored: no resume pass starts a second runner
+            self.live[record.id] = (record, scope)
+        try:
+            await self.store.create_batch(record, early, requests)
+        except BaseException:
+            self.live.pop(record.id, None)
+            raise
         if record.lane_lines:
-            self.start(record, bodies)
+            self.gateway.start_background(self._run_lanes, record, bodies, scope)
         return record
 
     def _sort_lines(self, record: BatchRecord, bodies: list[dict[str, Any]],
@@ -321,18 +328,20 @@ class Batches:
 
     async def run(self, resume: bool) -> None:
         """For the gateway's lifetime: resume the lane lines a stopped gateway left (where a
-        store is there to hold them); with a shared store, adopt now and then those of a
-        replica that died, once its hold has run out. The store is let go at the end."""
+        store is there to hold them), then every ``store.lease_s`` those left without a runner:
+        a replica's that died (once its hold has run out), or a runner's here that the store
+        failed under. The store is let go at the end."""
         try:
             if resume:
                 await self.resume()
-            while self.store.shared():
+            while True:
                 await anyio.sleep(self.store.lease_s)
+                if not (self.store.shared() or self.store.opened()):
+                    continue  # no batch yet: the SQLite file is not made for nothing
                 try:
                     await self.resume()
                 except Exception:  # the database is away for now: asked again on the next pass
                     log.exception("resuming batches failed")
-            await anyio.sleep_forever()
         finally:
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(5):

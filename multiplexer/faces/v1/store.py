@@ -125,6 +125,9 @@ class V1Store:
                 release(self._store)
                 self._store = None
 
+    def opened(self) -> bool:
+        return self._store is not None
+
     def shared(self) -> bool:
         """Whether other gateways share the store (``store.url``)."""
         return self._where[1] is not None
