@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchmarks._procs import save, table
 from multiplexer.core.jobrows import NewItem
-from providers.batch.store import JobStore
+from multiplexer.jobs.store import JobStore
 
 
 class Wall:

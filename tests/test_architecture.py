@@ -20,13 +20,14 @@ ALLOWED = {
     "core": {"core"},
     "local_models": {"local_models", "core"},
     "transport": {"transport"},  # the lean HTTP/1.1 client transport: httpx and httptools only
-    "providers": {"providers", "local_models", "core", "transport"},
+    "jobs": {"jobs", "core"},  # the durable job store (SQLite or PostgreSQL): jobs, /v1 files, batches
+    "providers": {"providers", "local_models", "core", "transport", "jobs"},
     "backends": {"backends", "core"},  # shared-state engines (Redis), chosen by URL in the registry
     "gateway": {"gateway", "core"},  # provider classes come from the registry's strings, by kind
-    "faces": {"faces", "gateway", "core"},
+    "faces": {"faces", "gateway", "core", "jobs"},
     "sdk": {"sdk", "core", "transport"},
     # the CLI, the server and the public facade
-    "top": {"top", "sdk", "faces", "gateway", "core", "transport"},
+    "top": {"top", "sdk", "faces", "gateway", "core", "transport", "jobs"},
 }
 CORE_THIRD_PARTY = {"anyio", "pydantic", "prometheus_client", "tenacity"}
 
@@ -35,7 +36,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] != "multiplexer":
         return parts[0]
-    if len(parts) > 1 and parts[1] in ("core", "gateway", "faces", "sdk", "transport", "backends"):
+    if len(parts) > 1 and parts[1] in ("core", "gateway", "faces", "sdk", "transport", "backends", "jobs"):
         return parts[1]
     return "top"
 

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 from multiplexer.core.jobrows import NewItem
+from multiplexer.jobs.store import JobStore
+from multiplexer.jobs.stores import acquire, release
 from providers.batch.backend import Planned, plan_parts
-from providers.batch.store import JobStore
-from providers.batch.stores import acquire, release
 from tests.pg_helpers import throwaway_db, throwaway_schema
 
 if TYPE_CHECKING:
-    from providers.batch.pg_store import PgJobStore
+    from multiplexer.jobs.pg_store import PgJobStore
 
 
 def new(idx, provider="p", state="queued", error=None):
@@ -34,7 +34,7 @@ def any_store(request, tmp_path):
     if request.param == "sqlite":
         yield JobStore(tmp_path / "j.db")
         return
-    from providers.batch.pg_store import PgJobStore
+    from multiplexer.jobs.pg_store import PgJobStore
 
     with throwaway_db() as url:
         st = PgJobStore(url)
@@ -122,14 +122,15 @@ def tables_in(conn, schema: str) -> list[str]:
 
 
 def test_postgres_tables_live_in_the_configured_schema_created_if_missing():
-    from providers.batch.pg_store import PgJobStore
+    from multiplexer.jobs.pg_store import PgJobStore
 
     with throwaway_schema() as (url, schema, admin):
         public = tables_in(admin, "public")
         st = PgJobStore(url, schema=schema)
         try:
             st.create_job("job", None, "client", "open")
-            assert tables_in(admin, schema) == ["items", "jobs", "parts"]
+            assert tables_in(admin, schema) == ["items", "jobs", "parts", "v1_batch_results",
+                                                "v1_batches", "v1_files"]
             assert tables_in(admin, "public") == public  # nothing landed in public
             assert admin.execute(f"SELECT id FROM {schema}.jobs").fetchall() == [("job",)]
         finally:
@@ -137,7 +138,7 @@ def test_postgres_tables_live_in_the_configured_schema_created_if_missing():
 
 
 def test_the_default_schema_is_multiplexer():
-    from providers.batch.pg_store import PgJobStore
+    from multiplexer.jobs.pg_store import PgJobStore
 
     with throwaway_db() as url:
         st = PgJobStore(url)
@@ -159,7 +160,8 @@ async def test_the_gateway_opens_its_store_in_store_schema(tmp_path):
             "providers": {"oai": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "api_key": "k"}},
             "routes": {"chat": {"provider": "oai", "operation": "chat"}}})
         async with Gateway(config):
-            assert tables_in(admin, schema) == ["items", "jobs", "parts"]
+            assert tables_in(admin, schema) == ["items", "jobs", "parts", "v1_batch_results",
+                                                "v1_batches", "v1_files"]
 
 
 def test_stores_in_two_schemas_of_one_database_keep_their_jobs_apart(tmp_path):
@@ -234,7 +236,7 @@ class Wall:
 
 def two_replicas_on_one_part(url: str, wall: Wall) -> tuple[PgJobStore, PgJobStore]:
     """Replicas ``a`` and ``b`` on one PostgreSQL store, a job of one item in one part, "part"."""
-    from providers.batch.pg_store import PgJobStore
+    from multiplexer.jobs.pg_store import PgJobStore
 
     a = PgJobStore(url, lease_s=30, wall=wall, owner="a")
     b = PgJobStore(url, lease_s=30, wall=wall, owner="b")
@@ -245,7 +247,7 @@ def two_replicas_on_one_part(url: str, wall: Wall) -> tuple[PgJobStore, PgJobSto
 
 
 def test_one_replica_drives_each_part_and_a_stale_one_is_fenced_off():
-    from providers.batch.store import LeaseLost
+    from multiplexer.jobs.store import LeaseLost
 
     wall = Wall()
     with throwaway_db() as url:
@@ -269,7 +271,7 @@ def test_one_replica_drives_each_part_and_a_stale_one_is_fenced_off():
 
 
 def test_a_handed_back_claim_is_taken_at_once_and_a_taken_over_one_is_left_alone():
-    from providers.batch.pg_store import PgJobStore
+    from multiplexer.jobs.pg_store import PgJobStore
 
     wall = Wall()
     with throwaway_db() as url:
@@ -311,7 +313,7 @@ def test_two_stores_appending_to_one_open_job_get_disjoint_numbers(kind, tmp_pat
         if kind == "sqlite":
             a, b = JobStore(tmp_path / "j.db"), JobStore(tmp_path / "j.db")
         else:
-            from providers.batch.pg_store import PgJobStore
+            from multiplexer.jobs.pg_store import PgJobStore
 
             url = stack.enter_context(throwaway_db())
             a, b = PgJobStore(url), PgJobStore(url)
@@ -339,7 +341,7 @@ def test_two_stores_appending_to_one_open_job_get_disjoint_numbers(kind, tmp_pat
 def test_a_stale_replica_stays_fenced_off_after_the_new_owner_hands_the_part_back():
     """a was paused past its lease; b took the part over, submitted it and stopped cleanly (its
     claim handed back). a wakes: its epoch is stale, so its write must not land on b's work."""
-    from providers.batch.store import LeaseLost
+    from multiplexer.jobs.store import LeaseLost
 
     wall = Wall()
     with throwaway_db() as url:

@@ -17,7 +17,7 @@ import yaml
 from multiplexer.core.startup import StartupError, shown_url
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
-from providers.batch.pg_connect import why
+from multiplexer.jobs.pg_connect import why
 from tests.pg_helpers import PG_ADMIN, admin
 from tests.redis_helpers import free_port, redis_url
 

@@ -169,14 +169,15 @@ async def test_lane_lines_left_unfinished_run_after_a_restart(tmp_path):
     """A gateway stopped mid-batch left lines 1 and 2 without results: the next one runs them."""
     from multiplexer.faces.v1.store import BatchRecord, V1Store
 
-    store = V1Store(Path(str(tmp_path / "jobs.db") + ".v1"))
+    store = V1Store(tmp_path / "jobs.db")  # the job store the gateway opens
     rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
             for i in range(3)]
     upload = await store.put_file("alice", "in.jsonl", "batch", jsonl(rows))
     record = BatchRecord("batch_" + "a" * 24, "alice", "/v1/embeddings", upload.id, "24h", 1,
-                         custom_ids=["e0", "e1", "e2"], lane_lines=[0, 1, 2],
-                         lane_results={"0": {"status": 200, "body": {"saved": True}}})
-    await store.save_batch(record)
+                         custom_ids=["e0", "e1", "e2"], lane_lines=[0, 1, 2])
+    await store.create_batch(record)
+    await store.add_results(record.id, [(0, "e0", 200, {"saved": True})])
+    store.close()
     async with gateway(tmp_path) as (_, _, client):
         done = await until_ended(client, record.id)
         assert done.status == "completed" and done.request_counts.completed == 3
@@ -192,7 +193,9 @@ async def test_lane_lines_wait_for_the_owners_quota_instead_of_failing(tmp_path)
         upload = await client.files.create(file=("q.jsonl", jsonl(rows)), purpose="batch")
         batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
                                             completion_window="24h")
-        done = await until_ended(client, batch.id)
+        # the poll competes with the lane lines for the key's two slots: a refused one asks again
+        patient = client.with_options(max_retries=5)
+        done = await until_ended(patient, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 7
 
 
@@ -246,9 +249,10 @@ async def test_deleting_the_input_file_of_a_running_batch_loses_no_lane_line_on_
     async with gateway(tmp_path) as (_, gw, client):
         upload = await client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
         record = BatchRecord("batch_" + "b" * 24, "alice", "/v1/embeddings", upload.id, "24h", 1,
-                             custom_ids=["e0", "e1", "e2"], lane_lines=[0, 1, 2],
-                             lane_results={"0": {"status": 200, "body": {"saved": True}}})
-        await gw.faces["v1_batches"].store.save_batch(record)  # as a stopping gateway left it
+                             custom_ids=["e0", "e1", "e2"], lane_lines=[0, 1, 2])
+        store = gw.faces["v1_batches"].store  # as a stopping gateway left it:
+        await store.create_batch(record)
+        await store.add_results(record.id, [(0, "e0", 200, {"saved": True})])
         assert (await client.files.delete(upload.id)).deleted
     async with gateway(tmp_path) as (_, _, client):
         done = await until_ended(client, record.id)
@@ -272,29 +276,27 @@ async def test_a_resume_pass_leaves_a_batch_already_running_to_its_one_runner(tm
         assert batches.live[batch.id] is runner
 
 
-async def test_two_saves_of_one_batch_at_once_both_land(tmp_path, monkeypatch):
-    """A cancel saves the record while its lane runner saves a page (or two polls stamp its end):
-    both writes must land, neither failing for the other's temporary file."""
-    import os
-    import threading
-
-    from multiplexer.faces.v1 import store as store_module
+async def test_a_page_of_results_is_inserted_beside_the_record_not_written_over_it(tmp_path):
+    """A cancel and a page of lane results at once: both land; a line's first result stays."""
     from multiplexer.faces.v1.store import BatchRecord, V1Store
 
-    store = V1Store(tmp_path / "v1")
-    record = BatchRecord("batch_" + "c" * 24, "alice", "/v1/embeddings", "file-x", "24h", 1)
-    both_written = threading.Barrier(2, timeout=10)
-    replace = os.replace
-
-    def replace_together(src: Any, dst: Any) -> None:
-        both_written.wait()  # each write has its temporary file on disk before either moves it
-        replace(src, dst)
-
-    monkeypatch.setattr(store_module.os, "replace", replace_together)
+    store = V1Store(tmp_path / "jobs.db")
+    record = BatchRecord("batch_" + "c" * 24, "alice", "/v1/embeddings", "file-x", "24h", 1,
+                         custom_ids=["a", "b"], lane_lines=[0, 1])
+    await store.create_batch(record)
+    record.cancelled_at = 5
     async with anyio.create_task_group() as tg:
-        tg.start_soon(store.save_batch, record)
-        tg.start_soon(store.save_batch, record)
-    assert (await store.batch(record.id, "alice")) == record
+        tg.start_soon(store.update, record, "cancelled_at")
+        tg.start_soon(store.add_results, record.id, [(0, "a", 200, {"x": 1})])
+    await store.add_results(record.id, [(0, "a", 500, {"x": 2}), (1, "b", 400, {"y": 1})])
+    again = await store.batch(record.id, "alice")
+    assert again is not None and again.cancelled_at == 5 and again.custom_ids == ["a", "b"]
+    assert await store.results(record.id) == {0: {"status": 200, "raw": '{"x":1}'},
+                                              1: {"status": 400, "raw": '{"y":1}'}}
+    assert await store.results(record.id, 1, 2, bodies=False) == {1: {"status": 400}}
+    assert await store.result_counts(record.id) == (2, 1)
+    assert await store.batch(record.id, "bob") is None  # another key's: not found
+    store.close()
 
 
 async def test_lane_lines_refused_by_a_stopping_gateway_run_after_the_restart(tmp_path):
@@ -311,11 +313,46 @@ async def test_lane_lines_refused_by_a_stopping_gateway_run_after_the_restart(tm
         for lane in gw.lanes.values():
             lane.close()  # as the gateway's own close does first
         batches = gw.faces["v1_batches"]
-        await batches.store.save_batch(record)
+        await batches.store.create_batch(record)
         await batches._run_lanes(record, [r["body"] for r in rows], anyio.CancelScope())
-        assert record.lane_results == {}
+        assert await batches.store.results(record.id) == {}
     async with gateway(tmp_path) as (_, _, client):
         done = await until_ended(client, record.id)
         assert done.status == "completed" and done.request_counts.completed == 3
         out = parse((await client.files.content(done.output_file_id)).content)
         assert out["e1"]["response"]["body"] == mock_embedding("t1")
+
+
+async def test_a_store_that_fails_under_running_lane_lines_leaves_the_gateway_serving(tmp_path):
+    """Results that cannot be stored end the runner, not the gateway; the next resume pass
+    (every store.lease_s) runs the lines once the store answers again."""
+    rows = [line(f"e{i}", {"model": "mock-embed", "input": f"t{i}"}, "/v1/embeddings")
+            for i in range(3)]
+    async with fakes() as f:
+        data = config(f, tmp_path)
+        data["store"]["lease_s"] = 0.5
+        async with (
+            running(parse_config(data), port=0) as (gw, url),
+            openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as client,
+        ):
+            await fails_then_resumes(gw, client, rows)
+
+
+async def fails_then_resumes(gw: Any, client: Any, rows: list[dict[str, Any]]) -> None:
+    batches = gw.faces["v1_batches"]
+    store_results = batches.store.add_results
+
+    async def away(*args: Any) -> None:
+        raise RuntimeError("the database is away")
+
+    batches.store.add_results = away
+    upload = await client.files.create(file=("f.jsonl", jsonl(rows)), purpose="batch")
+    batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                        completion_window="24h")
+    with anyio.fail_after(10):
+        while batch.id in batches.live:
+            await anyio.sleep(0.01)
+    assert (await client.batches.retrieve(batch.id)).status == "in_progress"
+    batches.store.add_results = store_results
+    done = await until_ended(client, batch.id)  # resumed by the gateway's own pass
+    assert done.status == "completed" and done.request_counts.completed == 3

@@ -189,14 +189,13 @@ async def test_lane_requests_left_unfinished_run_after_a_restart(tmp_path):
     from multiplexer.faces.v1.requests import MESSAGES
     from multiplexer.faces.v1.store import BatchRecord, V1Store
 
-    store = V1Store(Path(str(tmp_path / "jobs.db") + ".v1"))
+    store = V1Store(tmp_path / "jobs.db")  # the job store the gateway opens
     bodies = [request(f"r{i}", f"text {i}", "echo-claude")["params"] for i in range(3)]
     record = BatchRecord("msgbatch_" + "a" * 24, "alice", MESSAGES, "", "24h", 1,
-                         custom_ids=["r0", "r1", "r2"], lane_lines=[0, 1, 2],
-                         lane_results={"0": {"status": 200, "body": {"saved": True}}},
-                         kind="anthropic")
-    await store.put_requests(record.id, json.dumps(bodies).encode())
-    await store.save_batch(record)
+                         custom_ids=["r0", "r1", "r2"], lane_lines=[0, 1, 2], kind="anthropic")
+    await store.create_batch(record, requests=json.dumps(bodies).encode())
+    await store.add_results(record.id, [(0, "r0", 200, {"saved": True})])
+    store.close()
     async with gateway(tmp_path) as (_, _, _, alice, _):
         done = await until_ended(alice, record.id)
         assert done.request_counts.succeeded == 3

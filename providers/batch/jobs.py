@@ -25,6 +25,8 @@ from multiplexer.core.errors import RpcError, cancelled, internal_error
 from multiplexer.core.jobrows import NewItem, custom_id
 from multiplexer.core.jobs import count_jobs, end_if_done, new_job_id
 from multiplexer.core.provider import ProviderContext
+from multiplexer.jobs.store import JobStore, LeaseLost
+from multiplexer.jobs.stores import acquire, release
 
 from .backend import (
     BatchApiSettings,
@@ -33,8 +35,6 @@ from .backend import (
     plan_parts,
 )
 from .parts import PartDriver
-from .store import JobStore, LeaseLost
-from .stores import acquire, release
 from .sync_fallback import SyncFallback
 
 log = logging.getLogger(__name__)

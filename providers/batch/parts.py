@@ -17,15 +17,15 @@ import anyio
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, cancelled, internal_error, upstream_error
 from multiplexer.core.jobrows import PartRow
+from multiplexer.jobs.store import LeaseLost
 
 from .backend import JobItem, RemoteStatus, SubmissionUnknown
-from .store import LeaseLost
 
 if TYPE_CHECKING:
     from multiplexer.core.provider import ProviderContext
+    from multiplexer.jobs.store import JobStore
 
     from .backend import BatchApiSettings, BatchBackend
-    from .store import JobStore
     from .sync_fallback import SyncFallback
 
 log = logging.getLogger(__name__)

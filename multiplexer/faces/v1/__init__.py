@@ -38,9 +38,10 @@ from multiplexer.gateway.gateway import Gateway
 def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     """The routes; batches a stopped gateway left running resume in the background."""
     v1 = V1(gateway, auth)
-    store = V1Store(Path(gateway.config.store.path + ".v1"))
+    conf = gateway.config.store
+    store = V1Store(Path(conf.path), conf.url, conf.lease_s, conf.schema_)
     batches = Batches(v1, store, surfaces_for(OPENAI, ANTHROPIC))
-    gateway.start_background(batches.resume)
+    gateway.start_background(batches.run, Path(conf.path).exists() or conf.url is not None)
     if gateway.config.store.retention_s is not None:
         gateway.start_background(batches.purge_forever, gateway.config.store.retention_s)
     gateway.faces["v1_batches"] = batches

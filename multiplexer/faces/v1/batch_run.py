@@ -4,8 +4,10 @@ job system.
 A batch's input file holds one request per line. Lines whose route is on a provider with a
 batch API become one job (``jobs.submit``, the provider's own batch API underneath); the other
 lines (local models, providers without one) run through their lanes in the background, a page
-at a time, their results saved as they finish (a restarted gateway runs the rest). Output and
-error files are built on request, one line per ``custom_id``, in OpenAI's format.
+at a time, their results inserted as they finish (a page's rows; the record is never rewritten),
+and one gateway runs them at a time: a restarted gateway, or another replica once the runner's
+hold lapses, runs the rest. Output and error files are built on request, one line per
+``custom_id``, in OpenAI's format.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +31,10 @@ from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
 
 log = logging.getLogger(__name__)
 ENDED = ("completed", "failed", "cancelled")
-PAGE = 256  # lane lines admitted at once: a 50,000-line file must not flood the queues
+PAGE = 16  # lane lines admitted at once: a 50,000-line file must not flood the queues, and the
+# event loop answers other requests between pages (a page's answers arrive together: with 64
+# mock embeddings a page held it ~40 ms, with 16 ~20 ms, and the batch ran no slower)
+CHUNK = 256  # results file lines built (on a worker thread) and sent at once
 MAX_LINES = 50_000
 
 
@@ -122,26 +128,55 @@ class Batches:
         if not isinstance(file_id, str) or (record_file := await self.store.file(file_id, identity)) is None:
             raise HttpError(404, RpcError(Code.NOT_FOUND, f"No such file: {file_id!r}"),
                             param="input_file_id")
-        lines, errors = parse_lines(await self.store.content(record_file), endpoint)
+        content = await self.store.content(record_file)
+        lines, errors = await anyio.to_thread.run_sync(parse_lines, content, endpoint)
         record = BatchRecord(new_batch_id("batch_"), identity, endpoint, file_id, window, now(), metadata,
                              [cid for cid, _ in lines])
         if errors:
             record.errors = errors[:100]
-            await self.store.save_batch(record)
+            await self.store.create_batch(record)
             return record
         return await self.open(record, [body for _, body in lines])
 
-    async def open(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> BatchRecord:
+    async def open(self, record: BatchRecord, bodies: list[dict[str, Any]],
+                   requests: bytes | None = None) -> BatchRecord:
         """Send a new batch's lines on their way (``bodies`` in ``record.custom_ids`` order):
-        those for a provider with a batch API as one job, the rest through the lanes."""
+        those for a provider with a batch API as one job, the rest through the lanes; its
+        record is written once, with ``requests`` (a message batch's, kept for its lane lines)."""
         endpoint, identity = record.endpoint, record.owner
+        # 50,000 lines planned off the event loop (planning reads the config, changes nothing)
+        early, job_calls = await anyio.to_thread.run_sync(self._sort_lines, record, bodies)
+        if job_calls:  # every line of a file is for one endpoint, so one operation for the job
+            outcome = await self.gateway.submit(Call("jobs.submit", {"calls": job_calls}, identity=identity,
+                                                     operation=operation_for(endpoint, None)))
+            if outcome.error is not None:
+                raise http_error(outcome.error, self.surfaces[endpoint])
+            record.job_id = outcome.result["job_id"]
+        scope = anyio.CancelScope()
+        if record.lane_lines:  # live before it is stored: no resume pass starts a second runner
+            self.live[record.id] = (record, scope)
+        try:
+            await self.store.create_batch(record, early, requests)
+        except BaseException:
+            self.live.pop(record.id, None)
+            raise
+        if record.lane_lines:
+            self.gateway.start_background(self._run_lanes, record, bodies, scope)
+        return record
+
+    def _sort_lines(self, record: BatchRecord, bodies: list[dict[str, Any]],
+                    ) -> tuple[list[tuple[int, str, int, Any]], list[dict[str, Any]]]:
+        """Each line to the job (its calls returned), the lanes, or refused at once (its result
+        returned), noted in ``record``."""
+        endpoint = record.endpoint
         job_calls = []
+        early: list[tuple[int, str, int, Any]] = []  # lines refused at once: their results
         for n, line in enumerate(bodies):
             try:
                 name, params, _ = plan(self.v1, endpoint, line)
             except HttpError as e:
-                record.early[str(n)] = {"status": e.status, "body": self.surfaces[endpoint].error_body(
-                    e.status, e.error, e.param, e.code)}
+                early.append((n, record.custom_ids[n], e.status, self.surfaces[endpoint].error_body(
+                    e.status, e.error, e.param, e.code)))
                 continue
             provider = self.gateway.providers[self.gateway.config.routes[name].provider]
             if isinstance(provider, BatchCapable):
@@ -149,16 +184,7 @@ class Batches:
                 record.job_lines.append(n)
             else:
                 record.lane_lines.append(n)
-        if job_calls:  # every line of a file is for one endpoint, so one operation for the job
-            outcome = await self.gateway.submit(Call("jobs.submit", {"calls": job_calls}, identity=identity,
-                                                     operation=operation_for(endpoint, None)))
-            if outcome.error is not None:
-                raise http_error(outcome.error, self.surfaces[endpoint])
-            record.job_id = outcome.result["job_id"]
-        await self.store.save_batch(record)
-        if record.lane_lines:
-            self.start(record, bodies)
-        return record
+        return early, job_calls
 
     # -- lane lines ---------------------------------------------------------------------------
     def start(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> None:
@@ -168,40 +194,87 @@ class Batches:
 
     async def _run_lanes(self, record: BatchRecord, bodies: list[dict[str, Any]],
                          scope: anyio.CancelScope) -> None:
-        surface = self.surfaces[record.endpoint]
-        todo = self._unfinished(record)
+        """Run the batch's lane lines without a result, while this gateway holds the batch (a
+        replica that held it and died lets go once its hold runs out)."""
+        held = False
         try:
             with scope:
-                for start in range(0, len(todo), PAGE):
-                    page, calls, shapes = [], [], []
-                    for n in todo[start:start + PAGE]:
-                        try:
-                            name, params, shape = plan(self.v1, record.endpoint, bodies[n])
-                        except HttpError as e:  # the config changed under a resumed batch
-                            record.lane_results[str(n)] = error_entry(surface, e.error)
-                            continue
-                        page.append(n)
-                        calls.append(Call(name, params, identity=record.owner,
-                                          operation=operation_for(record.endpoint, shape)))
-                        shapes.append(shape)
-                    outcomes = await self._patiently(calls)
-                    stopping = False
-                    for n, shape, o in zip(page, shapes, outcomes, strict=True):
-                        if o.error is not None and o.error.code == Code.SHUTTING_DOWN:
-                            stopping = True  # it did not run: the restarted gateway runs it
-                            continue
-                        record.lane_results[str(n)] = self._entry(o, shape, surface)
-                    await self.store.save_batch(record)
-                    if stopping:
-                        break
-        except Exception as e:  # every line still ends: as failed
-            log.exception("batch %s: running its lane lines failed", record.id)
-            for n in todo:
-                record.lane_results.setdefault(str(n), error_entry(surface, internal_error(
-                    type(e).__name__)))
-            await self.store.save_batch(record)
+                try:
+                    held = await self.store.hold(record.id)
+                except Exception:  # the store is away: a later resume pass runs them
+                    log.exception("batch %s: could not take its lane lines", record.id)
+                if not held:
+                    return  # another gateway runs them
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._keep_holding, record.id, tg.cancel_scope)
+                    await self._run_pages(record, bodies)
+                    tg.cancel_scope.cancel()
         finally:
             self.live.pop(record.id, None)
+            if held:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.store.release(record.id)
+                    except Exception:  # the store is away: the hold lapses by itself
+                        log.exception("batch %s: could not let go of its lane lines", record.id)
+
+    async def _keep_holding(self, batch_id: str, scope: anyio.CancelScope) -> None:
+        while True:
+            await anyio.sleep(self.store.lease_s / 3)
+            try:
+                kept = await self.store.hold(batch_id)
+            except Exception:  # the store is away for now: asked again at the next renewal
+                log.exception("batch %s: could not renew its hold", batch_id)
+                continue
+            if not kept:
+                log.info("batch %s: cancelled, or taken over by another gateway: its lane "
+                         "lines stop here", batch_id)
+                scope.cancel()
+                return
+
+    async def _run_pages(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> None:
+        surface = self.surfaces[record.endpoint]
+        try:
+            todo = await self._unfinished(record)
+        except Exception:  # the store is away: a later resume pass runs them
+            log.exception("batch %s: could not read its unfinished lane lines", record.id)
+            return
+        cids = record.custom_ids
+        try:
+            for start in range(0, len(todo), PAGE):
+                page, calls, shapes = [], [], []
+                rows: list[tuple[int, str, int, Any]] = []
+                for n in todo[start:start + PAGE]:
+                    try:
+                        name, params, shape = plan(self.v1, record.endpoint, bodies[n])
+                    except HttpError as e:  # the config changed under a resumed batch
+                        rows.append((n, cids[n], *self._row(error_entry(surface, e.error))))
+                        continue
+                    page.append(n)
+                    calls.append(Call(name, params, identity=record.owner,
+                                      operation=operation_for(record.endpoint, shape)))
+                    shapes.append(shape)
+                outcomes = await self._patiently(calls)
+                stopping = False
+                for n, shape, o in zip(page, shapes, outcomes, strict=True):
+                    if o.error is not None and o.error.code == Code.SHUTTING_DOWN:
+                        stopping = True  # it did not run: the restarted gateway runs it
+                        continue
+                    rows.append((n, cids[n], *self._row(self._entry(o, shape, surface))))
+                await self.store.add_results(record.id, rows)
+                if stopping:
+                    break
+        except Exception as e:  # every line still ends: as failed
+            log.exception("batch %s: running its lane lines failed", record.id)
+            status, body = self._row(error_entry(surface, internal_error(type(e).__name__)))
+            try:
+                await self.store.add_results(record.id, [(n, cids[n], status, body) for n in todo])
+            except Exception:  # the store is away too: a later resume pass runs them
+                log.exception("batch %s: could not record its failed lane lines", record.id)
+
+    @staticmethod
+    def _row(entry: dict[str, Any]) -> tuple[int, Any]:
+        return entry["status"], entry["body"]
 
     async def _patiently(self, calls: list[Call]) -> list[Outcome]:
         """Run a page of calls; those refused for the moment (the owner's quota, a full queue)
@@ -229,23 +302,52 @@ class Batches:
             return error_entry(surface, outcome.error)
         return {"status": 200, "body": shape(outcome.result) if shape else outcome.result}
 
-    @staticmethod
-    def _unfinished(record: BatchRecord) -> list[int]:
+    async def _unfinished(self, record: BatchRecord) -> list[int]:
         """Its lane lines without a result yet."""
-        return [n for n in record.lane_lines if str(n) not in record.lane_results]
+        done = await self.store.done_lines(record.id)
+        return [n for n in (await self.store.load_lines(record)).lane_lines if n not in done]
 
-    @classmethod
-    def _owed(cls, record: BatchRecord) -> bool:
+    async def _owed(self, record: BatchRecord) -> bool:
         """Whether a batch still owes some lane lines a run: neither cancelled nor failed whole."""
-        return bool(cls._unfinished(record)) and record.cancelled_at is None and not record.errors
+        if record.cancelled_at is not None or record.errors:
+            return False
+        return (await self.store.result_counts(record.id))[0] < record.own_total
 
     async def resume(self) -> None:
-        """Run the lane lines a stopped gateway left unfinished (the job part resumes by itself)."""
-        for record in await self.store.batches(everyone=True):
-            if self._owed(record):
-                bodies = await self._bodies(record)
-                if bodies is not None and record.id not in self.live:  # not made meanwhile
-                    self.start(record, bodies)
+        """Run the lane lines a stopped gateway (or a replica that died) left unfinished (the
+        job part resumes by itself)."""
+        for batch_id in await self.store.owed():
+            if batch_id in self.live:
+                continue
+            record = await self.store.batch(batch_id, None, everyone=True)
+            if record is None:
+                continue
+            bodies = await self._bodies(record)
+            if bodies is not None and record.id not in self.live:  # not made meanwhile
+                self.start(record, bodies)
+
+    async def run(self, resume: bool) -> None:
+        """For the gateway's lifetime: resume the lane lines a stopped gateway left (where a
+        store is there to hold them), then every ``store.lease_s`` those left without a runner:
+        a replica's that died (once its hold has run out), or a runner's here that the store
+        failed under. The store is let go at the end."""
+        try:
+            if resume:
+                await self.resume()
+            while True:
+                await anyio.sleep(self.store.lease_s)
+                if not (self.store.shared() or self.store.opened()):
+                    continue  # no batch yet: the SQLite file is not made for nothing
+                try:
+                    await self.resume()
+                except Exception:  # the database is away for now: asked again on the next pass
+                    log.exception("resuming batches failed")
+        finally:
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(5):
+                    while self.live:  # the runners let go of their batches first
+                        await anyio.sleep(0.01)
+                await anyio.to_thread.run_sync(self.store.close)
 
     async def _bodies(self, record: BatchRecord) -> list[dict[str, Any]] | None:
         """A batch's request bodies, in line order: its kept requests (a message batch's, or
@@ -256,14 +358,16 @@ class Batches:
         found = await self.store.file(record.input_file_id, record.owner)
         if found is None:
             return None
-        lines, _ = parse_lines(await self.store.content(found), record.endpoint)
+        content = await self.store.content(found)
+        lines, _ = await anyio.to_thread.run_sync(parse_lines, content, record.endpoint)
         return [body for _, body in lines]
 
     async def keep_bodies(self, file_id: str, owner: str | None) -> None:
         """Before an input file is deleted: its batches' unfinished lane lines still need their
         bodies should the gateway restart, so they are kept beside each such batch."""
-        for record in await self.store.batches(owner):
-            if record.kind == "openai" and record.input_file_id == file_id and self._owed(record):
+        for batch_id in await self.store.reading(owner, file_id):
+            record = await self.store.batch(batch_id, owner)
+            if record is not None and await self._owed(record):
                 bodies = await self._bodies(record)
                 if bodies is not None:
                     await self.store.put_requests(
@@ -278,17 +382,19 @@ class Batches:
         return record if record is not None and record.owner == identity and (
             record.kind == kind) else None
 
-    async def mine(self, identity: str | None, kind: str) -> list[BatchRecord]:
-        """The key's batches of one API, newest first (a running one as it is in memory)."""
-        return [self.live[r.id][0] if r.id in self.live else r
-                for r in await self.store.batches(identity) if r.kind == kind]
+    async def mine(self, identity: str | None, kind: str, limit: int, after: str | None = None,
+                   before: str | None = None) -> tuple[list[BatchRecord], bool]:
+        """A page of the key's batches of one API, newest first (a running one as it is in
+        memory), and whether there are more beyond it."""
+        page, more = await self.store.page(identity, kind, limit, after, before)
+        return [self.live[r.id][0] if r.id in self.live else r for r in page], more
 
     async def purge(self, retention_s: float, at: float | None = None) -> list[str]:
         """Forget the batches that ended more than ``retention_s`` before ``at`` (default now),
         as their jobs are; their input files stay until their owner deletes them."""
         cutoff = (time.time() if at is None else at) - retention_s
         gone = []
-        for record in await self.store.batches(everyone=True):
+        for record in await self.store.created_before(int(cutoff) + 1):
             if record.id in self.live:
                 continue
             try:
@@ -316,7 +422,7 @@ class Batches:
         live = self.live.get(record.id)
         if live is not None:
             live[1].cancel()
-        await self.store.save_batch(record)
+        await self.store.update(record, "cancelled_at")
 
     async def delete(self, record: BatchRecord) -> None:
         """Forget an ended batch now, and its job with its results (``jobs.delete``)."""
@@ -339,14 +445,14 @@ class Batches:
             raise http_error(outcome.error, self.surfaces[record.endpoint])
         return outcome.result
 
-    async def entries(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
-        """Line -> {status, body} for every finished line (lines still running are absent, and
-        so are those a cancel stopped); a line whose remote batch expired, or was cancelled
-        upstream, says so (``expired`` / ``canceled``: true)."""
-        out: dict[int, dict[str, Any]] = {int(k): v for k, v in record.early.items()}
-        out.update({int(k): v for k, v in record.lane_results.items()})
+    async def job_entries(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
+        """Line -> {status, body} for every finished line of the batch's job (lines still
+        running are absent, and so are those a cancel stopped); a line whose remote batch
+        expired, or was cancelled upstream, says so (``expired`` / ``canceled``: true)."""
+        out: dict[int, dict[str, Any]] = {}
         if record.job_id is None:
             return out
+        await self.store.load_lines(record)
         surface = self.surfaces[record.endpoint]
         cursor: int | None = 0
         while cursor is not None:
@@ -369,6 +475,27 @@ class Batches:
             cursor = page["next_cursor"]
         return out
 
+    async def statuses(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
+        """Line -> {status} (and the job's ``canceled`` / ``expired`` marks) of every finished
+        line, without bodies."""
+        return {**await self.store.results(record.id, bodies=False), **await self.job_entries(record)}
+
+    async def lines_out(self, record: BatchRecord,
+                        line: Callable[[int, str, dict[str, Any] | None], bytes]) -> AsyncIterator[bytes]:
+        """A results file, ``CHUNK`` lines at a time: ``line(n, custom_id, entry or None)`` for
+        each line in order, built on a worker thread; an entry of the lines that ended outside
+        the job holds its body's stored JSON text (``raw``), spliced in as it is."""
+        job = await self.job_entries(record)
+        cids = (await self.store.load_lines(record)).custom_ids
+        for lo in range(0, len(cids), CHUNK):
+            hi = min(lo + CHUNK, len(cids))
+            own = await self.store.results(record.id, lo, hi)
+
+            def build(lo: int = lo, hi: int = hi, own: dict[int, dict[str, Any]] = own) -> bytes:
+                return b"".join(line(n, cids[n], own.get(n) or job.get(n)) for n in range(lo, hi))
+
+            yield await anyio.to_thread.run_sync(build)
+
     async def progress(self, record: BatchRecord) -> Progress:
         """Counts and status from the record and its job's status; an end, when first seen,
         is stamped and saved."""
@@ -376,9 +503,8 @@ class Batches:
             status, completed, failed, ended = "failed", 0, 0, True
         else:
             # counts, not results: a poll must not page through 50,000 answers
-            own = [*record.early.values(), *record.lane_results.values()]
-            completed = sum(1 for e in own if e["status"] == 200)
-            failed = len(own) - completed
+            own, completed = await self.store.result_counts(record.id)
+            failed = own - completed
             job_done = True
             if record.job_id is not None:
                 job = await self._job(record, "jobs.status")
@@ -386,8 +512,10 @@ class Batches:
                     completed += job["counts"]["succeeded"]
                     failed += job["counts"]["failed"]
                     job_done = job["done"]
-            lanes_done = record.id not in self.live and (
-                record.cancelled_at is not None or len(record.lane_results) == len(record.lane_lines))
+            # its lane lines run here, or on another replica that holds the batch
+            elsewhere = self.store.shared() and (record.held_until or 0) > time.time()
+            lanes_done = record.id not in self.live and not elsewhere and (
+                record.cancelled_at is not None or own >= record.own_total)
             ended = job_done and lanes_done
             if record.cancelled_at is not None:
                 status = "cancelled" if ended else "cancelling"
@@ -397,12 +525,12 @@ class Batches:
         if stamp is None:
             stamp = record.ended[status] = now()
             if status in ENDED and record.id not in self.live:
-                await self.store.save_batch(record)  # the end time stays what it first was
+                await self.store.update(record, "ended")  # the end time stays what it first was
         return Progress(status, completed, failed, ended, stamp)
 
     async def wire(self, record: BatchRecord) -> dict[str, Any]:
         """The batch as OpenAI's ``batch`` object."""
-        total = len(record.custom_ids)
+        total = record.total
         p = await self.progress(record)
         status, completed, failed, ended, stamp = p.status, p.succeeded, p.failed, p.ended, p.stamp
         out: dict[str, Any] = {
@@ -424,26 +552,40 @@ class Batches:
             out["error_file_id"] = f"file-{record.id}-error" if failed or status == "cancelled" else None
         return out
 
-    async def output(self, record: BatchRecord, errors: bool) -> bytes:
-        """The output file (``errors`` False) or the error file, one JSON line per custom_id."""
-        entries = await self.entries(record)
-        rows = []
-        for n, cid in enumerate(record.custom_ids):
-            entry = entries.get(n)
+    def output(self, record: BatchRecord, errors: bool) -> AsyncIterator[bytes]:
+        """The output file (``errors`` False) or the error file, one JSON line per custom_id,
+        in chunks."""
+        cancelled = record.cancelled_at is not None
+
+        def line(n: int, cid: str, entry: dict[str, Any] | None) -> bytes:
             if entry is None:
-                if errors and record.cancelled_at is not None:
-                    rows.append({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": cid,
-                                 "response": None, "error": {"code": "batch_cancelled",
-                                                             "message": "the batch was cancelled "
-                                                                        "before this request ran"}})
-                continue
+                if errors and cancelled:
+                    return _dumps({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": cid,
+                                   "response": None, "error": {
+                                       "code": "batch_cancelled",
+                                       "message": "the batch was cancelled before this request ran"}})
+                return b""
             if (entry["status"] == 200) == errors:
-                continue
-            rows.append({"id": "batch_req_" + uuid.uuid4().hex, "custom_id": cid,
-                         "response": {"status_code": entry["status"],
-                                      "request_id": "req_" + uuid.uuid4().hex,
-                                      "body": entry["body"]}, "error": None})
-        return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
+                return b""
+            return (f'{{"id":"batch_req_{uuid.uuid4().hex}","custom_id":{_json(cid)},"response":'
+                    f'{{"status_code":{int(entry["status"])},"request_id":"req_{uuid.uuid4().hex}",'
+                    f'"body":{body_json(entry)}}},"error":null}}\n').encode()
+
+        return self.lines_out(record, line)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _dumps(row: dict[str, Any]) -> bytes:
+    return _json(row).encode() + b"\n"
+
+
+def body_json(entry: dict[str, Any]) -> str:
+    """An entry's body as JSON text: as stored (``raw``), or encoded now."""
+    raw = entry.get("raw")
+    return raw if raw is not None else _json(entry["body"])
 
 
 def surfaces_for(openai: Surface, anthropic: Surface) -> dict[str, Surface]:

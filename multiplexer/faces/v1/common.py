@@ -8,7 +8,7 @@ request id, so the official SDKs raise their own exception classes for our error
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -209,6 +209,20 @@ async def send_encoded(send: Send, status: int, raw: bytes, headers: list[tuple[
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", JSON), (b"content-length", str(len(raw)).encode()), *headers]})
     await send({"type": "http.response.body", "body": raw})
+
+
+async def send_chunks(send: Send, content_type: bytes, chunks: AsyncIterator[bytes],
+                      headers: list[tuple[bytes, bytes]]) -> None:
+    """A body made a chunk at a time (a 50,000-line results file), sent as it is made. The first
+    chunk is made before anything is sent, so what fails early still gets its error reply."""
+    first = await anext(chunks, b"")
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", content_type), *headers]})
+    await send({"type": "http.response.body", "body": first, "more_body": True})
+    async for chunk in chunks:
+        if chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
 
 
 async def send_error(send: Send, surface: Surface, e: HttpError,

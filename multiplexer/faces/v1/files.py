@@ -13,10 +13,10 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.faces.v1.batch_run import Batches
-from multiplexer.faces.v1.common import V1, HttpError, page_limit, send_json
+from multiplexer.faces.v1.common import V1, HttpError, page_limit, send_chunks, send_json
 from multiplexer.faces.v1.endpoint import Endpoint
 from multiplexer.faces.v1.openai import OPENAI
-from multiplexer.faces.v1.store import BatchRecord, V1Store
+from multiplexer.faces.v1.store import BatchRecord, FileRecord, V1Store
 
 PURPOSES = ("batch", "batch_output", "fine-tune", "assistants", "user_data", "evals", "vision")
 
@@ -68,25 +68,29 @@ class Upload(FilesEndpoint):
 class FileInfo(FilesEndpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
-        info, _ = await self.file(scope["path_params"]["file_id"], identity, content=False)
-        await send_json(send, 200, info, headers)
-
-    async def file(self, file_id: str, identity: str | None, *,
-                   content: bool) -> tuple[dict[str, Any], bytes]:
-        """(file object, content): an uploaded file, or a batch's output or error file, which
-        is built from the batch's results when asked for."""
+        file_id = scope["path_params"]["file_id"]
         derived = await self._derived(file_id, identity)
         if derived is not None:
-            record, errors = derived
-            body = await self.batches.output(record, errors)
-            return {"id": file_id, "object": "file", "bytes": len(body),
-                    "created_at": record.created_at, "filename": file_id + ".jsonl",
-                    "purpose": "batch_output", "status": "processed", "expires_at": None,
-                    "status_details": None}, body
+            size = 0
+            async for chunk in self.batches.output(*derived):
+                size += len(chunk)
+            info = self.output_info(file_id, derived[0], size)
+        else:
+            info = (await self.uploaded(file_id, identity)).wire()
+        await send_json(send, 200, info, headers)
+
+    @staticmethod
+    def output_info(file_id: str, record: BatchRecord, size: int) -> dict[str, Any]:
+        """A batch's output or error file, as a file object (built from its results when asked for)."""
+        return {"id": file_id, "object": "file", "bytes": size, "created_at": record.created_at,
+                "filename": file_id + ".jsonl", "purpose": "batch_output", "status": "processed",
+                "expires_at": None, "status_details": None}
+
+    async def uploaded(self, file_id: str, identity: str | None) -> FileRecord:
         found = await self.files.file(file_id, identity)
         if found is None:
             raise not_found("file", file_id)
-        return found.wire(), await self.files.content(found) if content else b""
+        return found
 
     async def _derived(self, file_id: str, identity: str | None) -> tuple[BatchRecord, bool] | None:
         for suffix, errors in (("-output", False), ("-error", True)):
@@ -105,9 +109,7 @@ class DeleteFile(FileInfo):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         file_id = scope["path_params"]["file_id"]
-        found = await self.files.file(file_id, identity)
-        if found is None:  # output files are views of a batch: nothing to delete
-            raise not_found("file", file_id)
+        found = await self.uploaded(file_id, identity)  # output files are views of a batch
         await self.batches.keep_bodies(file_id, identity)  # a running batch outlives its file
         await self.files.delete_file(found)
         await send_json(send, 200, {"id": file_id, "object": "file", "deleted": True}, headers)
@@ -117,8 +119,7 @@ class ListFiles(FilesEndpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         purpose = Request(scope).query_params.get("purpose")
-        records = [r for r in await self.files.list_files(identity)
-                   if purpose is None or r.purpose == purpose]
+        records = await self.files.list_files(identity, purpose)
         await send_json(send, 200, {"object": "list", "data": [r.wire() for r in records],
                                     "has_more": False}, headers)
 
@@ -126,11 +127,16 @@ class ListFiles(FilesEndpoint):
 class FileContent(FileInfo):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
-        _, body = await self.file(scope["path_params"]["file_id"], identity, content=True)
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/jsonl"), (b"content-length", str(len(body)).encode()),
-            *headers]})
-        await send({"type": "http.response.body", "body": body})
+        file_id = scope["path_params"]["file_id"]
+        derived = await self._derived(file_id, identity)
+        if derived is None:
+            body = await self.files.content(await self.uploaded(file_id, identity))
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/jsonl"), (b"content-length", str(len(body)).encode()),
+                *headers]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send_chunks(send, b"application/jsonl", self.batches.output(*derived), headers)
 
 
 class CreateBatch(FilesEndpoint):
@@ -172,13 +178,8 @@ class ListBatches(FilesEndpoint):
                      headers: list[tuple[bytes, bytes]]) -> None:
         query = Request(scope).query_params
         limit = page_limit(query, 100)
-        records = await self.batches.mine(identity, "openai")
-        after = query.get("after")
-        if after is not None:
-            ids = [r.id for r in records]
-            records = records[ids.index(after) + 1:] if after in ids else []
-        page = records[:limit]
+        page, more = await self.batches.mine(identity, "openai", limit, query.get("after"))
         data = [await self.batches.wire(r) for r in page]
         await send_json(send, 200, {
             "object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}, headers)
+            "last_id": data[-1]["id"] if data else None, "has_more": more}, headers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,8 +20,8 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.errors import Code, RpcError, invalid_request
 from multiplexer.faces.v1.anthropic import ANTHROPIC
-from multiplexer.faces.v1.batch_run import Batches
-from multiplexer.faces.v1.common import V1, HttpError, page_limit, send_json
+from multiplexer.faces.v1.batch_run import Batches, body_json
+from multiplexer.faces.v1.common import V1, HttpError, page_limit, send_chunks, send_json
 from multiplexer.faces.v1.endpoint import Endpoint
 from multiplexer.faces.v1.requests import MESSAGES
 from multiplexer.faces.v1.store import BatchRecord, new_batch_id, now
@@ -88,7 +89,7 @@ class MessageBatches:
             counts = await self.final_counts(record)
         else:
             done = p.succeeded + p.failed
-            counts = {"processing": len(record.custom_ids) - done, "succeeded": p.succeeded,
+            counts = {"processing": record.total - done, "succeeded": p.succeeded,
                       "errored": p.failed, "canceled": 0, "expired": 0}
         status = "ended" if p.ended else (
             "canceling" if record.cancelled_at is not None else "in_progress")
@@ -104,29 +105,26 @@ class MessageBatches:
     async def final_counts(self, record: BatchRecord) -> dict[str, int]:
         """Counted once from the results when the batch has ended, then kept in the record."""
         if record.counts is None:
-            entries = await self.batches.entries(record)
+            entries = await self.batches.statuses(record)
             counts = dict.fromkeys(COUNT_KEYS, 0)
-            for n in range(len(record.custom_ids)):
+            for n in range(record.total):
                 counts[outcome_of(entries.get(n), record.cancelled_at is not None)] += 1
             record.counts = counts
             if record.id not in self.batches.live:
-                await self.batches.store.save_batch(record)
+                await self.batches.store.update(record, "counts")
         return record.counts
 
-    async def results(self, record: BatchRecord) -> bytes:
-        """One JSON line per ``custom_id``, in request order."""
-        entries = await self.batches.entries(record)
-        rows = []
-        for n, cid in enumerate(record.custom_ids):
-            entry = entries.get(n)
-            kind = outcome_of(entry, record.cancelled_at is not None)
-            result: dict[str, Any] = {"type": kind}
-            if entry is not None and kind == "succeeded":
-                result["message"] = entry["body"]
-            elif entry is not None and kind == "errored":
-                result["error"] = entry["body"]
-            rows.append({"custom_id": cid, "result": result})
-        return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
+    def results(self, record: BatchRecord) -> AsyncIterator[bytes]:
+        """One JSON line per ``custom_id``, in request order, in chunks."""
+        cancelled = record.cancelled_at is not None
+
+        def line(n: int, cid: str, entry: dict[str, Any] | None) -> bytes:
+            kind = outcome_of(entry, cancelled)
+            field = {"succeeded": "message", "errored": "error"}.get(kind) if entry is not None else None
+            tail = f',"{field}":{body_json(entry)}' if field and entry is not None else ""
+            return f'{{"custom_id":{json.dumps(cid)},"result":{{"type":"{kind}"{tail}}}}}\n'.encode()
+
+        return self.batches.lines_out(record, line)
 
 
 class MessageBatchEndpoint(Endpoint):
@@ -161,13 +159,8 @@ class CreateMessageBatch(MessageBatchEndpoint):
         record = BatchRecord(new_batch_id("msgbatch_"), identity, MESSAGES, "", "24h", now(),
                              custom_ids=[cid for cid, _ in requests], kind="anthropic")
         bodies = [params for _, params in requests]
-        store = self.batches.batches.store
-        await store.put_requests(record.id, json.dumps(bodies, separators=(",", ":")).encode())
-        try:
-            await self.batches.batches.open(record, bodies)
-        except Exception:
-            await store.delete_batch(record.id)  # refused (a quota, say): nothing is kept
-            raise
+        # refused (a quota, say): nothing is kept
+        await self.batches.batches.open(record, bodies, json.dumps(bodies, separators=(",", ":")).encode())
         await self.reply(send, scope, record, headers)
 
 
@@ -187,20 +180,10 @@ class ListMessageBatches(MessageBatchEndpoint):
         before, after = query.get("before_id"), query.get("after_id")
         if before and after:
             raise bad("give before_id or after_id, not both")
-        records = await self.batches.batches.mine(identity, "anthropic")
-        ids = [r.id for r in records]
-        if after:
-            rest = records[ids.index(after) + 1:] if after in ids else []
-            page = rest[:limit]
-        elif before:
-            rest = records[:ids.index(before)] if before in ids else []
-            page = rest[-limit:]
-        else:
-            rest = records
-            page = rest[:limit]
+        page, more = await self.batches.batches.mine(identity, "anthropic", limit, after, before)
         base = self.base(scope)
         data = [await self.batches.wire(r, base) for r in page]
-        await send_json(send, 200, {"data": data, "has_more": len(rest) > limit,
+        await send_json(send, 200, {"data": data, "has_more": more,
                                     "first_id": data[0]["id"] if data else None,
                                     "last_id": data[-1]["id"] if data else None}, headers)
 
@@ -222,11 +205,7 @@ class MessageBatchResults(MessageBatchEndpoint):
         if not (await self.batches.batches.progress(record)).ended:
             raise bad(f"message batch {record.id} is still processing; its results come once "
                       "it has ended")
-        body = await self.batches.results(record)
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/x-jsonl"),
-            (b"content-length", str(len(body)).encode()), *headers]})
-        await send({"type": "http.response.body", "body": body})
+        await send_chunks(send, b"application/x-jsonl", self.batches.results(record), headers)
 
 
 class DeleteMessageBatch(MessageBatchEndpoint):

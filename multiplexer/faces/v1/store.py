@@ -1,25 +1,30 @@
 """Durable files and batch records for OpenAI's Files and Batch API and Anthropic's Message
-Batches, next to the job store.
+Batches, in the job store (``multiplexer/jobs/``: the SQLite file at ``store.path``, or the
+PostgreSQL database at ``store.url`` that every replica shares).
 
-Uploaded files are kept as they came, with a small JSON record each; a batch's record says
-where each input line went (a job on a provider's batch API, or the lanes) and holds the
-lane lines' results as they finish, so a restarted gateway still answers for both. A message
-batch's requests come inline: they are kept as ``files/<batch id>``, seen by no files listing
-(and so are a batch's bodies when its input file is deleted before its lane lines ran).
-Everything belongs to the key that created it: another key gets "not found".
+Uploaded files are kept as they came; a batch's record says where each input line went (a job
+on a provider's batch API, or the lanes), written once at creation; the lines that end outside
+its job (refused at creation, or run through the lanes) each get a result row as they finish,
+so a restarted gateway, or another replica, still answers for all of them. A message batch's
+requests come inline: they are kept in its record (and so are a batch's bodies when its input
+file is deleted before its lane lines ran). Everything belongs to the key that created it:
+another key gets "not found".
 """
 
 from __future__ import annotations
 
-import json
-import os
 import secrets
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
+
+from multiplexer.jobs.store import JobStore
+from multiplexer.jobs.stores import acquire, release
 
 
 @dataclass
@@ -50,13 +55,26 @@ class BatchRecord:
     job_id: str | None = None  # the job holding the lines for providers with a batch API
     job_lines: list[int] = field(default_factory=list)  # job index -> line
     lane_lines: list[int] = field(default_factory=list)  # lines run through the lanes
-    lane_results: dict[str, Any] = field(default_factory=dict)  # str(line) -> {status, body}
-    early: dict[str, Any] = field(default_factory=dict)  # str(line) -> refused at creation
     errors: list[dict[str, Any]] | None = None  # validation errors: the batch failed
     cancelled_at: int | None = None
     ended: dict[str, int] = field(default_factory=dict)  # status -> when it was first seen
     kind: str = "openai"  # or "anthropic": a Message Batch (id msgbatch_..., requests inline)
     counts: dict[str, int] | None = None  # a message batch's final request counts, once ended
+    total: int = 0  # its lines
+    own_total: int = 0  # its lines outside the job: refused at creation, or run in the lanes
+    lines_loaded: bool = True  # custom_ids, job_lines and lane_lines (a listing leaves them out)
+    held_until: float | None = None  # (wall time) a gateway runs its lane lines until then
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> BatchRecord:
+        lines = {k: row.pop(k) for k in ("custom_ids", "job_lines", "lane_lines") if k in row}
+        return cls(id=row["id"], owner=row["owner"], endpoint=row["endpoint"],
+                   input_file_id=row["input_file_id"], completion_window=row["completion_window"],
+                   created_at=row["created"], metadata=row["metadata"], job_id=row["job_id"],
+                   errors=row["errors"], cancelled_at=row["cancelled_at"], ended=row["ended"],
+                   kind=row["kind"], counts=row["counts"], total=row["total"],
+                   own_total=row["own_total"], held_until=row["runner_until"],
+                   lines_loaded=bool(lines), **lines)
 
 
 BATCH_PREFIXES = ("batch_", "msgbatch_")
@@ -82,110 +100,173 @@ def now() -> int:
 
 
 class V1Store:
-    """One directory: ``files/<id>`` (content) and ``<id>.json`` records."""
+    """The ``/v1`` face's view of the job store: async methods, each one hop to the store's
+    thread. The store is opened on first use (as the job managers open theirs) and shared with
+    them: one connection per database and process."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.files = root / "files"
+    def __init__(self, path: str | Path, url: str | None = None, lease_s: float = 30.0,
+                 schema: str = "multiplexer") -> None:
+        self._where = (path, url, lease_s, schema)
+        self.lease_s = lease_s
+        self.runner = secrets.token_hex(6)  # this process, as the holder of the batches it runs
+        self._store: JobStore | None = None
+        self._opening = threading.Lock()
 
-    def _open(self) -> None:
-        self.files.mkdir(parents=True, exist_ok=True)
+    def store(self) -> JobStore:
+        """Blocking: opens the store on first use."""
+        with self._opening:
+            if self._store is None:
+                self._store = acquire(*self._where)
+            return self._store
 
+    def close(self) -> None:
+        with self._opening:
+            if self._store is not None:
+                release(self._store)
+                self._store = None
+
+    def opened(self) -> bool:
+        return self._store is not None
+
+    def shared(self) -> bool:
+        """Whether other gateways share the store (``store.url``)."""
+        return self._where[1] is not None
+
+    async def _st(self) -> JobStore:
+        if self._store is not None:
+            return self._store
+        return await anyio.to_thread.run_sync(self.store)
+
+    # -- files -----------------------------------------------------------------------------
     async def put_file(self, owner: str | None, filename: str, purpose: str,
                        content: bytes) -> FileRecord:
         record = FileRecord(new_id("file-"), owner, len(content), now(), filename, purpose)
-
-        def write() -> None:
-            self._open()
-            (self.files / record.id).write_bytes(content)
-            self._write(record.id, asdict(record))
-
-        await anyio.to_thread.run_sync(write)
+        st = await self._st()
+        await st.run(st.put_file, record.id, owner, filename, purpose, record.created_at, content)
         return record
 
     async def file(self, file_id: str, owner: str | None) -> FileRecord | None:
-        data = await anyio.to_thread.run_sync(self._read, file_id, "file-")
-        record = FileRecord(**data) if data else None
-        return record if record is not None and record.owner == owner else None
+        if not file_id.startswith("file-"):
+            return None
+        st = await self._st()
+        row = await st.run(st.file_row, file_id, owner)
+        return None if row is None else FileRecord(*row)
 
     async def delete_file(self, record: FileRecord) -> None:
-        def remove() -> None:
-            (self.root / f"{record.id}.json").unlink(missing_ok=True)
-            (self.files / record.id).unlink(missing_ok=True)
+        st = await self._st()
+        await st.run(st.delete_file, record.id)
 
-        await anyio.to_thread.run_sync(remove)
-
-    async def list_files(self, owner: str | None) -> list[FileRecord]:
-        def scan() -> list[FileRecord]:
-            if not self.root.is_dir():
-                return []
-            found = [FileRecord(**json.loads(p.read_text())) for p in self.root.glob("file-*.json")]
-            return sorted((r for r in found if r.owner == owner), key=lambda r: (r.created_at, r.id),
-                          reverse=True)
-
-        return await anyio.to_thread.run_sync(scan)
+    async def list_files(self, owner: str | None, purpose: str | None = None) -> list[FileRecord]:
+        st = await self._st()
+        return [FileRecord(*row) for row in await st.run(st.list_files, owner, purpose)]
 
     async def content(self, record: FileRecord) -> bytes:
-        return await anyio.to_thread.run_sync((self.files / record.id).read_bytes)
+        st = await self._st()
+        return await st.run(st.file_content, record.id) or b""
 
-    async def save_batch(self, record: BatchRecord) -> None:
-        await anyio.to_thread.run_sync(self._write, record.id, asdict(record))
+    # -- batch records ---------------------------------------------------------------------
+    async def create_batch(self, record: BatchRecord, results: Sequence[tuple[int, str, int, Any]] = (),
+                           requests: bytes | None = None) -> None:
+        """Write a new batch's record once, with ``results`` (line, custom_id, status, body) of
+        the lines that ended at creation, and its kept request bodies."""
+        record.total = len(record.custom_ids)
+        record.own_total = len(record.lane_lines) + len(results)
+        row = {"id": record.id, "owner": record.owner, "kind": record.kind,
+               "endpoint": record.endpoint, "input_file_id": record.input_file_id,
+               "completion_window": record.completion_window, "created": record.created_at,
+               "metadata": record.metadata, "total": record.total, "own_total": record.own_total,
+               "job_id": record.job_id, "errors": record.errors, "cancelled_at": record.cancelled_at,
+               "ended": record.ended, "counts": record.counts, "runner_until": None}
+        lines = {"custom_ids": record.custom_ids, "job_lines": record.job_lines,
+                 "lane_lines": record.lane_lines}
+        st = await self._st()
+        await st.run(st.create_batch, row, lines, requests, results)
+
+    async def update(self, record: BatchRecord, column: str) -> None:
+        """Save one of the record's small fields: ``cancelled_at``, ``ended`` or ``counts``."""
+        st = await self._st()
+        await st.run(st.update_batch, record.id, column, getattr(record, column))
 
     async def delete_batch(self, batch_id: str) -> None:
-        def remove() -> None:
-            (self.root / f"{batch_id}.json").unlink(missing_ok=True)
-            (self.files / batch_id).unlink(missing_ok=True)  # a message batch's requests
-
-        await anyio.to_thread.run_sync(remove)
+        st = await self._st()
+        await st.run(st.delete_batch, batch_id)
 
     async def put_requests(self, batch_id: str, content: bytes) -> None:
-        """A batch's request bodies (a message batch's inline requests), kept for a restarted
+        """A batch's request bodies (kept when its input file is deleted), for a restarted
         gateway's lane lines."""
-        def write() -> None:
-            self._open()
-            (self.files / batch_id).write_bytes(content)
-
-        await anyio.to_thread.run_sync(write)
+        st = await self._st()
+        await st.run(st.update_batch, batch_id, "requests", content)
 
     async def requests(self, batch_id: str) -> bytes | None:
-        try:
-            return await anyio.to_thread.run_sync((self.files / batch_id).read_bytes)
-        except FileNotFoundError:
+        st = await self._st()
+        return await st.run(st.batch_requests, batch_id)
+
+    async def batch(self, batch_id: str, owner: str | None, *,
+                    everyone: bool = False) -> BatchRecord | None:
+        if not batch_id.startswith(BATCH_PREFIXES):
             return None
+        st = await self._st()
+        row = await st.run(st.batch_row, batch_id, owner, everyone)
+        return None if row is None else BatchRecord.from_row(row)
 
-    async def batch(self, batch_id: str, owner: str | None) -> BatchRecord | None:
-        data = await anyio.to_thread.run_sync(self._read, batch_id, BATCH_PREFIXES)
-        record = BatchRecord(**data) if data else None
-        return record if record is not None and record.owner == owner else None
+    async def load_lines(self, record: BatchRecord) -> BatchRecord:
+        """The record with its per-line lists (a listing's records come without them)."""
+        if not record.lines_loaded:
+            st = await self._st()
+            lines = await st.run(st.batch_lines, record.id) or {}
+            record.custom_ids = lines.get("custom_ids", [])
+            record.job_lines = lines.get("job_lines", [])
+            record.lane_lines = lines.get("lane_lines", [])
+            record.lines_loaded = True
+        return record
 
-    async def batches(self, owner: str | None = None, *, everyone: bool = False) -> list[BatchRecord]:
-        def scan() -> list[BatchRecord]:
-            if not self.root.is_dir():
-                return []
-            out = []
-            for path in [*self.root.glob("batch_*.json"), *self.root.glob("msgbatch_*.json")]:
-                record = BatchRecord(**json.loads(path.read_text()))
-                if everyone or record.owner == owner:
-                    out.append(record)
-            return sorted(out, key=lambda r: (r.created_at, r.id), reverse=True)
+    async def page(self, owner: str | None, kind: str, limit: int, after: str | None = None,
+                   before: str | None = None) -> tuple[list[BatchRecord], bool]:
+        """A page of the owner's batches of one API, newest first, and whether there are more."""
+        st = await self._st()
+        rows, more = await st.run(st.list_batches, owner, kind, limit, after, before)
+        return [BatchRecord.from_row(r) for r in rows], more
 
-        return await anyio.to_thread.run_sync(scan)
+    async def created_before(self, before: int) -> list[BatchRecord]:
+        st = await self._st()
+        return [BatchRecord.from_row(r) for r in await st.run(st.batches_created_before, before)]
 
-    def _write(self, name: str, data: dict[str, Any]) -> None:
-        """Atomically: a crash leaves the old record or the new one, never half of one; each
-        write has its own temporary file, as two may save one record at once (a cancel and a
-        page of results)."""
-        self._open()
-        tmp = self.root / f".{name}.{secrets.token_hex(4)}.tmp"
-        tmp.write_text(json.dumps(data, separators=(",", ":")))
-        os.replace(tmp, self.root / f"{name}.json")
+    async def reading(self, owner: str | None, file_id: str) -> list[str]:
+        """The owner's batches whose input file is ``file_id``."""
+        st = await self._st()
+        return await st.run(st.batches_reading, owner, file_id)
 
-    def _read(self, name: str, prefix: str | tuple[str, ...]) -> dict[str, Any] | None:
-        bare = name.replace("-", "").replace("_", "")
-        if not name.startswith(prefix) or not (bare.isascii() and bare.isalnum()):
-            return None  # ids are ours: nothing else may name a path
-        path = self.root / f"{name}.json"
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
+    # -- lane lines: who runs them, and their results -------------------------------------
+    async def owed(self) -> list[str]:
+        """Batches with lane lines left to run that no live gateway is running."""
+        st = await self._st()
+        return await st.run(st.owed_batches, time.time())
+
+    async def hold(self, batch_id: str) -> bool:
+        st = await self._st()
+        wall = time.time()
+        return await st.run(st.hold_batch, batch_id, self.runner, wall, wall + self.lease_s)
+
+    async def release(self, batch_id: str) -> None:
+        st = await self._st()
+        await st.run(st.release_batch, batch_id, self.runner)
+
+    async def add_results(self, batch_id: str, rows: Sequence[tuple[int, str, int, Any]]) -> None:
+        st = await self._st()
+        await st.run(st.add_results, batch_id, rows)
+
+    async def results(self, batch_id: str, lo: int = 0, hi: int | None = None,
+                      bodies: bool = True) -> dict[int, dict[str, Any]]:
+        """Line -> {status, raw: the body's JSON text} of lines ``lo`` to ``hi`` with a result
+        ({status} alone without ``bodies``)."""
+        st = await self._st()
+        return await st.run(st.results, batch_id, lo, hi, bodies)
+
+    async def result_counts(self, batch_id: str) -> tuple[int, int]:
+        """(lines outside the job that ended, of which succeeded)."""
+        st = await self._st()
+        return await st.run(st.result_counts, batch_id)
+
+    async def done_lines(self, batch_id: str) -> set[int]:
+        st = await self._st()
+        return await st.run(st.done_lines, batch_id)

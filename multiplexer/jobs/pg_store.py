@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from .pg_connect import connect
-from .store import JobStore, LeaseLost, _locked
+from .store import ITEMS, JobStore, LeaseLost, _locked
+from .v1_tables import V1_TABLES
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -39,13 +40,6 @@ CREATE TABLE IF NOT EXISTS parts (
   owner TEXT, lease_until DOUBLE PRECISION, epoch BIGINT NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS parts_open ON parts(provider, state);
 CREATE INDEX IF NOT EXISTS parts_job ON parts(job_id);
-CREATE TABLE IF NOT EXISTS items (
-  job_id TEXT NOT NULL, idx INTEGER NOT NULL, provider TEXT, route TEXT, operation TEXT,
-  method TEXT, params TEXT, options TEXT, tokens INTEGER NOT NULL DEFAULT 1,
-  custom_id TEXT NOT NULL, part_id TEXT, state TEXT NOT NULL, result TEXT, error TEXT,
-  split TEXT, PRIMARY KEY (job_id, idx));
-CREATE INDEX IF NOT EXISTS items_part ON items(part_id);
-CREATE INDEX IF NOT EXISTS jobs_ended ON jobs(state, updated);
 """
 
 _DIALECT = [(re.compile(r"\bIS \?"), "IS NOT DISTINCT FROM ?"),
@@ -88,7 +82,7 @@ class PgJobStore(JobStore):
             self._conn.execute("SELECT pg_advisory_xact_lock(7331)")  # one replica creates the tables
             self._conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name))
             self._conn.execute(sql.SQL("SET search_path TO {}").format(name))
-            self._conn.execute(TABLES)
+            self._conn.execute(TABLES + ITEMS + V1_TABLES.format(blob="BYTEA"))
 
     def close(self) -> None:
         with self._lock:

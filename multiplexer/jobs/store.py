@@ -24,6 +24,9 @@ import anyio
 
 from multiplexer.core.jobrows import ItemRow, JobRow, NewItem, PartRow, custom_id, dumps, loads_many
 
+from .locked import locked as _locked
+from .v1_tables import V1_TABLES, V1Tables
+
 T = TypeVar("T")
 
 
@@ -36,6 +39,9 @@ CREATE TABLE IF NOT EXISTS parts (
   state TEXT NOT NULL, remote_id TEXT, remote_status TEXT, detail TEXT, intent_wall REAL,
   created REAL NOT NULL, updated REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS parts_open ON parts(provider, state);
+CREATE INDEX IF NOT EXISTS parts_job ON parts(job_id);
+"""
+ITEMS = """
 CREATE TABLE IF NOT EXISTS items (
   job_id TEXT NOT NULL, idx INTEGER NOT NULL, provider TEXT, route TEXT, operation TEXT,
   method TEXT, params TEXT, options TEXT, tokens INTEGER NOT NULL DEFAULT 1,
@@ -43,28 +49,18 @@ CREATE TABLE IF NOT EXISTS items (
   split TEXT, PRIMARY KEY (job_id, idx));
 CREATE INDEX IF NOT EXISTS items_part ON items(part_id);
 CREATE INDEX IF NOT EXISTS jobs_ended ON jobs(state, updated);
-CREATE INDEX IF NOT EXISTS parts_job ON parts(job_id);
-"""
+"""  # the same in PostgreSQL
 
 
 _OPEN = "('open','running','cancelling')"  # the job states before its end
 _INTERNAL = -32603  # a failed item's code where its stored error has none
 
 
-def _locked(fn: Callable[..., T]) -> Callable[..., T]:
-    @functools.wraps(fn)
-    def wrapper(self: JobStore, *args: Any, **kwargs: Any) -> T:
-        with self._lock:
-            return fn(self, *args, **kwargs)
-
-    return wrapper
-
-
 class LeaseLost(Exception):
     """This replica no longer owns the part (its lease ran out and another replica took it)."""
 
 
-class JobStore:
+class JobStore(V1Tables):
     """Blocking methods guarded by a lock; call them through ``run`` from async code."""
 
     shared = False  # one gateway owns this file: every part is its own to drive
@@ -78,7 +74,7 @@ class JobStore:
                                    timeout=30.0)
         self._x("PRAGMA journal_mode=WAL")
         self._x("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        self._db.executescript(SCHEMA + ITEMS + V1_TABLES.format(blob="BLOB"))
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args))
