@@ -117,7 +117,7 @@ class LlmProvider(Provider):
         return await self.execute_now(operation, items)
 
     async def execute_now(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
-        return await run_each(items, self.run_one, self.ctx)
+        return await run_each(items, self.run_one)
 
     async def run_one(self, item: Item) -> Outcome:
         """One synchronous request for one call."""

@@ -21,7 +21,7 @@ from multiplexer.core.clock import Clock, MonotonicClock, remaining
 from multiplexer.core.dedup import InFlight, ProgressFanout, TtlCache, canonical
 from multiplexer.core.errors import RpcError, cancelled, internal_error, invalid_params, timeout_error
 from multiplexer.core.lane import Lane
-from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.limiter import Limiter
 from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import UNROUTED, Metrics, code_label
 from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSpec
@@ -39,7 +39,6 @@ from multiplexer.gateway.replicas import (
     CachedOutcome,
     flight_key,
     flown,
-    gated,
     limiter_for,
     open_state,
     quotas_for,
@@ -82,7 +81,7 @@ class Gateway:
         self.metrics = metrics or Metrics()
         self.router = Router(config.routes)
         self.providers: dict[str, Provider] = dict(providers or {})
-        self.limiters: dict[str, RateLimiter] = {}
+        self.limiters: dict[str, Limiter] = {}
         self.lanes: dict[tuple[str, str | None], Lane] = {}
         self.inflight = InFlight()
         self.cache = TtlCache(self.clock, config.cache.max_entries)
@@ -201,11 +200,10 @@ class Gateway:
             )
             lane = Lane(
                 f"{route.provider}" if not own else f"{route.provider}:{rname}",
-                flown(self.state, gated(self.limiters[route.provider], with_streams(provider)),
-                      self.metrics),
+                flown(self.state, with_streams(provider), self.metrics),
                 formation, self.clock,
                 self.limiters[route.provider],
-                max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
+                max_queue=pconf.limits.max_queue,
                 # batch mode gathers until size or age; eager only if the route says so
                 eager=policy.eager and (route.mode != "batch" or "eager" in policy.model_fields_set),
                 metrics=self.metrics, tracer=self.tracer, provider=route.provider,

@@ -16,7 +16,7 @@ import anyio
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.dedup import canonical
-from multiplexer.core.limiter import RateLimiter, holding
+from multiplexer.core.limiter import Limiter, RateLimiter
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.policy import ProviderConfig
 from multiplexer.core.quota import Quotas
@@ -49,10 +49,11 @@ def open_state(config: StateConfig) -> SharedState | None:
 
 
 def limiter_for(name: str, pconf: ProviderConfig, clock: Clock, state: SharedState | None,
-                metrics: Metrics) -> RateLimiter:
+                metrics: Metrics) -> Limiter:
+    """The provider's one limiter (rpm, tpm, concurrency), in this process or shared."""
     limits = pconf.limits
     if state is None:
-        return RateLimiter(clock, limits.rpm, limits.tpm)
+        return RateLimiter(clock, limits.rpm, limits.tpm, limits.concurrency)
     spec = LimitSpec(limits.rpm or 0.0, limits.tpm or 0.0, limits.concurrency)
     return SharedLimiter(clock, name, spec, state, on_degraded=metrics.state_degraded_count)
 
@@ -63,21 +64,6 @@ def quotas_for(config: Config, clock: Clock, state: SharedState | None, metrics:
         return Quotas(clock, quotas)
     return SharedQuotas(clock, quotas, state, fail_open=config.state.on_failure == "open",
                         degraded=metrics.state_degraded_count)
-
-
-def gated(limiter: RateLimiter, execute: Execute) -> Execute:
-    """``execute`` behind the shared limits: reserve before the batch, settle after it."""
-    if not isinstance(limiter, SharedLimiter):
-        return execute
-
-    async def run(operation: str, items: Sequence[Item]) -> list[Outcome]:
-        lease = await limiter.acquire(sum(max(i.tokens, 0) for i in items), on_wait=holding(items))
-        try:
-            return await execute(operation, items)
-        finally:
-            limiter.release_soon(lease)  # settled in the background: off the caller's path
-
-    return run
 
 
 def flown(state: SharedState | None, execute: Execute, metrics: Metrics) -> Execute:
