@@ -95,7 +95,8 @@ async def embed_through_lane(p: Any, clock: Any, limiter: Limiter, handler: Any,
 
 
 async def through_lane(p: Any, clock: Any, limiter: Limiter, items: Sequence[Item]) -> list[Outcome]:
-    formation = p.formation(BatchPolicy(max_items=100))
+    policy = BatchPolicy(max_items=100)
+    formation = p.formation(policy) or _count(policy)
     lane = Lane("p", p.execute, formation, clock, limiter)
     async with anyio.create_task_group() as tg:
         tg.start_soon(lane.run)
@@ -219,3 +220,21 @@ def _count(policy: BatchPolicy) -> Any:
     from multiplexer.core.batching import CountFormation
 
     return CountFormation(policy.max_items, policy.max_wait_ms / 1000.0, policy.max_tokens)
+
+
+async def test_a_jsonrpc_array_refused_then_sent_singly_takes_a_token_a_request(tmp_path: Path) -> None:
+    from providers.jsonrpc import JsonRpcProvider
+    from tests.test_jsonrpc_provider import URL, Upstream, items
+
+    clock = Clock()
+    limiter = Counting(clock, rpm=60)
+    p = make_provider(JsonRpcProvider, {"url": URL, "transport": "httpx"}, tmp_path, clock)
+    p.ctx.limiter = limiter
+    upstream = Upstream()
+    with respx.mock() as mock:
+        mock.post(URL).mock(side_effect=upstream)
+        async with started(p):
+            out = await through_lane(p, clock, limiter, items(3))
+    assert [o.result for o in out] == [{"i": 0}, {"i": 1}, {"i": 2}]
+    assert upstream.shapes == ["array", "single", "single", "single"]
+    assert limiter.charges == 4
