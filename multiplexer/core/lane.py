@@ -96,8 +96,9 @@ class Lane:
         limiter.on_release(self._slot_freed)  # a slot freed by any lane of the provider
 
     # -- admission -------------------------------------------------------
-    def submit(self, item: Item) -> Pending:
-        """Queue an item, or raise the documented overload / shutdown error at once."""
+    def submit(self, item: Item, pending: Pending | None = None) -> Pending:
+        """Queue an item (in ``pending``, when its callers wait on one already), or raise the
+        documented overload / shutdown error at once."""
         if self._closing:
             raise shutting_down()
         if self.queue.full():
@@ -110,7 +111,10 @@ class Lane:
                 if self.metrics:
                     self.metrics.rejections.labels(self.name, "deadline").inc()
                 raise overloaded(self.name, drain)
-        p = Pending(item, self.clock.now())
+        if pending is None:
+            p = Pending(item, self.clock.now())
+        else:
+            p, p.enqueued = pending, self.clock.now()
         self.queue.push(p)
         self._gauge()
         tg = self._tg

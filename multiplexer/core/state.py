@@ -118,3 +118,8 @@ class SharedState(Protocol):
         """(True, result) once published; (False, None) while the flight is held; raises
         ``LookupError`` when the flight ended without a result (its replica died or failed)."""
         ...
+
+    async def wait(self, key: str, token: str, timeout_s: float) -> tuple[bool, Any]:
+        """``result``, once the flight has ended (notified, not polled) or after ``timeout_s``:
+        (False, None) then means it is still held (its replica keeps it alive)."""
+        ...
