@@ -19,10 +19,10 @@ from typing import Any
 import anyio
 
 from multiplexer.core.batching import Pending
-from multiplexer.core.call import Item, Outcome
+from multiplexer.core.call import Future, Item, Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.dedup import InFlight, canonical
-from multiplexer.core.errors import RpcError
+from multiplexer.core.errors import RpcError, shutting_down
 from multiplexer.core.lane import Lane
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.state import SharedState, StateUnavailable
@@ -53,6 +53,14 @@ def queue(lane: Lane, p: Pending) -> None:
         lane.submit(p.item, p)
     except RpcError as e:
         p.future.set(Outcome.fail(e))
+
+
+async def first_of(a: Future, b: Future) -> None:
+    """Until either future is done."""
+    done = anyio.Event()
+    a.add_done_callback(done.set)
+    b.add_done_callback(done.set)
+    await done.wait()
 
 
 class Flights:
@@ -93,6 +101,13 @@ class SharedFlights(Flights):
         return pending
 
     async def _fly(self, p: Pending, lane: Lane, key: str, cache_ttl_s: float) -> None:
+        try:
+            await self._claim(p, lane, key, cache_ttl_s)
+        except BaseException:  # the gateway is closing: its callers are told so, not left waiting
+            p.future.set(Outcome.fail(shutting_down()))
+            raise
+
+    async def _claim(self, p: Pending, lane: Lane, key: str, cache_ttl_s: float) -> None:
         token = secrets.token_hex(8)
         shared = False
         while not p.future.done():
@@ -116,17 +131,22 @@ class SharedFlights(Flights):
                 return
 
     async def _lead(self, p: Pending, lane: Lane, key: str, token: str, cache_ttl_s: float) -> None:
-        """Run it here while keeping the claim alive; publish its result, or free the key."""
+        """Run it here (its own pending on the lane) while keeping the claim alive; publish its
+        result, or free the key, before its callers have it: then a replica that asks next finds
+        it. Its callers giving up ends the run and frees the key at once."""
+        run = Pending(p.item, self.clock.now())
         try:
-            queue(lane, p)
+            queue(lane, run)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._keep, key, token)
-                outcome = await p.future.wait()  # also a caller's giving up: the key is freed
+                await first_of(run.future, p.future)
                 tg.cancel_scope.cancel()
         except BaseException:  # the gateway is closing: free the key for the others
             with anyio.CancelScope(shield=True), contextlib.suppress(StateUnavailable):
                 await self.state.abandon(key, token)
             raise
+        outcome = run.future.outcome() if run.future.done() else p.future.outcome()
+        lane.withdraw(run, outcome)  # its callers went: cancelled (nothing if it ran)
         try:
             if outcome.ok:
                 await self.state.publish(key, token, outcome.result, cache_ttl_s)
@@ -136,6 +156,7 @@ class SharedFlights(Flights):
             await self.state.abandon(key, token)
         except StateUnavailable:
             self.metrics.state_degraded_count("dedup")
+        p.future.set(outcome)
 
     async def _keep(self, key: str, token: str) -> None:
         while True:
