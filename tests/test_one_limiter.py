@@ -238,3 +238,28 @@ async def test_a_jsonrpc_array_refused_then_sent_singly_takes_a_token_a_request(
     assert [o.result for o in out] == [{"i": 0}, {"i": 1}, {"i": 2}]
     assert upstream.shapes == ["array", "single", "single", "single"]
     assert limiter.charges == 4
+
+
+async def test_a_durable_jobs_tasks_are_not_charged_to_the_lane_batch_that_started_them() -> None:
+    """A batch-mode call's job outlives nothing of the lane's charge: the tasks that drive it
+    (uploads, polls) start uncharged, and only what opens its own ``Upstream`` is charged."""
+    from multiplexer.core.limiter import Upstream, charging, uncharged, upstream_request
+
+    clock = Clock()
+    limiter = Counting(clock, rpm=60)
+    polled = anyio.Event()
+
+    async def drive() -> None:
+        await upstream_request()  # a poll, long after: charges nothing
+        with charging(Upstream(limiter, [], paid=False)):  # one request run synchronously
+            await upstream_request()
+        polled.set()
+
+    async with anyio.create_task_group() as jobs:
+        with charging(Upstream(limiter, [])):
+            await upstream_request()  # the batch's own request: the lane's permit paid it
+            await upstream_request()  # a second request of the batch: charged here
+            with uncharged():
+                jobs.start_soon(drive)
+        await polled.wait()
+    assert limiter.charges == 2

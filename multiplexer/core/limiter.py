@@ -116,6 +116,17 @@ def charging(upstream: Upstream) -> Iterator[None]:
         upstream.open = False
 
 
+@contextmanager
+def uncharged() -> Iterator[None]:
+    """Requests sent inside are no lane batch's (a durable job's, whose tasks outlive the call
+    that started them): charged only where they open their own ``Upstream``."""
+    token = _UPSTREAM.set(None)
+    try:
+        yield
+    finally:
+        _UPSTREAM.reset(token)
+
+
 async def upstream_request() -> None:
     """Before each upstream request (first try, next chunk, retry): the charge the lane handed in."""
     upstream = _UPSTREAM.get()
