@@ -2,7 +2,9 @@
 
 Every response, success or not, teaches the lane's limiter what the upstream
 says is left; a 429/529 also pauses the lane for Retry-After (or, when the
-upstream omits it, until the exhausted bucket resets) before the retry.
+upstream omits it, until the exhausted bucket resets) before the retry. The client
+never charges the limiter: each request (first try, retry, a batch's next request)
+asks the charge its lane handed in (``core/limiter.upstream_request``).
 """
 
 from __future__ import annotations
@@ -12,15 +14,13 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import anyio
 import httpx
 
 from multiplexer.core.call import Item, Outcome
-from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, upstream_error
 from multiplexer.core.gather import gather
 from multiplexer.core.jsonrpc import dumps
-from multiplexer.core.limiter import RateLimiter, holding
+from multiplexer.core.limiter import upstream_request
 from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
@@ -203,6 +203,7 @@ class ApiClient:
         endpoints = None if path.startswith(PINNED) else self.endpoints
 
         async def attempt() -> T:
+            await upstream_request()  # each try is one upstream request: charged by its lane
             endpoint = await endpoints.take() if endpoints is not None else None
             if endpoints is None or endpoint is None:
                 return await send(None)
@@ -290,29 +291,8 @@ def item_error(provider: str, body: Any, status: int | None) -> RpcError:
     return upstream_error(provider, message, status, **extra)
 
 
-async def admit(limiter: RateLimiter, clock: Clock, requests: int = 1, tokens: int = 0,
-                items: Sequence[Item] = ()) -> None:
-    """Wait until the lane's limiter lets a request of this cost go, then charge it.
-
-    For requests the lane did not charge itself: the extra chunks of a packed
-    batch, and jobs run through the synchronous endpoint. (With shared limits the
-    charge is the replicas' shared one.) ``items``, the calls the request carries, are
-    marked with the limit they wait for, which their deadline names if it comes first.
-    """
-    await limiter.admit(requests, tokens, holding(items) if items else None)
-
-
-async def run_each(items: Sequence[Item], run_one: Callable[[Item], Awaitable[Outcome]],
-                   ctx: ProviderContext) -> list[Outcome]:
-    """One request per item, concurrently; the lane charged the first, the rest are admitted here."""
+async def run_each(items: Sequence[Item], run_one: Callable[[Item], Awaitable[Outcome]]) -> list[Outcome]:
+    """One request per item, concurrently, inside the batch's one slot; the lane charges each."""
     if len(items) == 1:
         return [await run_one(items[0])]
-    gate = anyio.CapacityLimiter(ctx.config.limits.concurrency)
-
-    async def one(i: int) -> Outcome:
-        async with gate:
-            if i:
-                await admit(ctx.limiter, ctx.clock, items=[items[i]])
-            return await run_one(items[i])
-
-    return await gather(one, range(len(items)))
+    return await gather(lambda i: run_one(items[i]), range(len(items)))

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, upstream_error
 from multiplexer.core.gather import gather
+from multiplexer.core.limiter import upstream_request
 from multiplexer.core.provider import Provider, ProviderContext
 from multiplexer.core.retry import with_retries
 from multiplexer.transport.http1 import Http1Transport
@@ -130,6 +131,7 @@ class JsonRpcProvider(Provider):
         idempotent = all_idempotent(items)
 
         async def attempt() -> httpx.Response:
+            await upstream_request()  # each try is one upstream request: charged by its lane
             request = httpx.Request("POST", self._url, headers=self._headers, content=body,
                                     extensions=self._extensions)
             if self.ctx.tracer.enabled:

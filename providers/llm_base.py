@@ -13,6 +13,7 @@ from httpx_sse import EventSource, SSEError
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, cancelled, invalid_params, upstream_error, upstream_unavailable
+from multiplexer.core.limiter import uncharged
 from multiplexer.core.policy import BatchPolicy, RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, stream_sink
 from multiplexer.core.sink import ChunkSink
@@ -113,11 +114,12 @@ class LlmProvider(Provider):
 
     async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
         if items[0].options.get("mode") == "batch":
-            return await self.jobs.run_items(items)
+            with uncharged():  # the job's requests and the tasks that drive it are its own
+                return await self.jobs.run_items(items)
         return await self.execute_now(operation, items)
 
     async def execute_now(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
-        return await run_each(items, self.run_one, self.ctx)
+        return await run_each(items, self.run_one)
 
     async def run_one(self, item: Item) -> Outcome:
         """One synchronous request for one call."""

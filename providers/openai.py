@@ -23,7 +23,7 @@ from multiplexer.core.errors import Code, RpcError, invalid_params, upstream_err
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import ProviderContext
 
-from .api_client import ApiClient, admit, item_error
+from .api_client import ApiClient, item_error
 from .batch.backend import BatchApiSettings
 from .batch.openai_batch import OpenAIBatchBackend
 from .endpoints import EndpointSettings
@@ -176,18 +176,14 @@ class OpenAIProvider(LlmProvider):
         base = {k: v for k, v in items[0].params.items() if k != "input"}
         chunks = pack(per_item, self.settings.max_inputs, self.settings.max_batch_tokens)
         scatter = Scatter(per_item)
-        gate = anyio.CapacityLimiter(self.ctx.config.limits.concurrency)
 
-        async def run(k: int, chunk: Chunk) -> None:
-            async with gate:
-                owners = [items[s.item] for s in chunk.spans]
-                if k:
-                    await admit(self.ctx.limiter, self.ctx.clock, items=owners)
-                await self._send_chunk(base, chunk, owners, scatter, split_on_400=len(chunk.spans) > 1)
+        async def run(chunk: Chunk) -> None:  # one request each: the lane charges every one
+            owners = [items[s.item] for s in chunk.spans]
+            await self._send_chunk(base, chunk, owners, scatter, split_on_400=len(chunk.spans) > 1)
 
         async with anyio.create_task_group() as tg:
-            for k, chunk in enumerate(chunks):
-                tg.start_soon(run, k, chunk)
+            for chunk in chunks:
+                tg.start_soon(run, chunk)
         out = []
         for i in range(len(items)):
             result = bad.get(i) or scatter.result(i)
@@ -221,5 +217,4 @@ class OpenAIProvider(LlmProvider):
         for span, owner in zip(chunk.spans, owners, strict=True):
             alone = Chunk([span], chunk.inputs[pos:pos + span.count], span.tokens)
             pos += span.count
-            await admit(self.ctx.limiter, self.ctx.clock, items=[owner])
             await self._send_chunk(base, alone, [owner], scatter, split_on_400=False)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.limiter import Limiter
 
 from .http_util import Wall, parse_duration, parse_retry_after, parse_rfc3339
 
@@ -81,7 +81,7 @@ def anthropic_limits(headers: Mapping[str, str], wall: Wall) -> list[Observation
     return out
 
 
-def apply(limiter: RateLimiter, observations: list[Observation]) -> None:
+def apply(limiter: Limiter, observations: list[Observation]) -> None:
     for obs in observations:
         limiter.observe(obs.kind, obs.limit, obs.remaining, obs.reset_in)
 

@@ -92,8 +92,8 @@ async def test_lane_waits_max_wait_then_sends_partial_batch() -> None:
 async def test_eager_lane_sends_at_once_when_idle_and_batches_while_busy() -> None:
     clock, rec = ManualClock(), Recorder()
     rec.block = True
-    lane = Lane("p", rec.execute, CountFormation(10, 5.0), clock, RateLimiter(clock),
-                max_in_flight=1, eager=True)
+    lane = Lane("p", rec.execute, CountFormation(10, 5.0), clock, RateLimiter(clock, concurrency=1),
+                eager=True)
     async with anyio.create_task_group() as tg:
         tg.start_soon(lane.run)
         first = lane.submit(item("a"))
@@ -114,7 +114,7 @@ async def test_arrivals_at_the_lanes_concurrency_cap_do_not_wake_it() -> None:
     (counted by its steps), and the batch's end sends them together."""
     clock, rec = ManualClock(), Recorder()
     rec.block = True
-    lane = Lane("p", rec.execute, CountFormation(10, 0.0), clock, RateLimiter(clock), max_in_flight=1)
+    lane = Lane("p", rec.execute, CountFormation(10, 0.0), clock, RateLimiter(clock, concurrency=1))
     steps = []
     step = lane._step
 
@@ -156,7 +156,7 @@ async def test_a_worker_starts_the_next_batch_before_the_callers_it_answered_run
         await p.future.wait()
         log.append(f"answered {p.item.method}")
 
-    lane = Lane("p", execute, CountFormation(1, 0.0), clock, RateLimiter(clock), max_in_flight=1)
+    lane = Lane("p", execute, CountFormation(1, 0.0), clock, RateLimiter(clock, concurrency=1))
     async with anyio.create_task_group() as tg:
         tg.start_soon(lane.run)
         a = lane.submit(item("a"))
@@ -275,8 +275,8 @@ async def run_one_slow_batch(lane: Lane, clock: ManualClock, rec: Recorder,
 async def test_retry_after_follows_how_fast_the_queue_drains() -> None:
     clock, rec = ManualClock(), Recorder()
     rec.block = True
-    lane = Lane("p", rec.execute, CountFormation(1, 0.0), clock, RateLimiter(clock),
-                max_queue=4, max_in_flight=1)
+    lane = Lane("p", rec.execute, CountFormation(1, 0.0), clock, RateLimiter(clock, concurrency=1),
+                max_queue=4)
     async with anyio.create_task_group() as tg:
         tg.start_soon(lane.run)
         await run_one_slow_batch(lane, clock, rec, 2.0)
@@ -295,8 +295,8 @@ async def test_retry_after_follows_how_fast_the_queue_drains() -> None:
 async def test_a_call_the_queue_cannot_serve_before_its_deadline_is_refused_at_once() -> None:
     clock, rec = ManualClock(), Recorder()
     rec.block = True
-    lane = Lane("p", rec.execute, CountFormation(1, 0.0), clock, RateLimiter(clock),
-                max_queue=100, max_in_flight=1)
+    lane = Lane("p", rec.execute, CountFormation(1, 0.0), clock, RateLimiter(clock, concurrency=1),
+                max_queue=100)
     async with anyio.create_task_group() as tg:
         tg.start_soon(lane.run)
         await run_one_slow_batch(lane, clock, rec, 5.0)  # the moving average learns 1 s

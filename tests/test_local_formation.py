@@ -252,7 +252,7 @@ async def test_lane_forms_the_next_batch_while_the_model_is_busy() -> None:
         return [Outcome(result=it.tokens) for it in items]
 
     gated = GatedFormation(lambda group: (TokenBudget(max_wait=0.0, max_padding=0.5), 1))
-    lane = Lane("local", execute, gated, clock, RateLimiter(clock), max_in_flight=64)
+    lane = Lane("local", execute, gated, clock, RateLimiter(clock, concurrency=64))
     async with anyio.create_task_group() as tg:
         tg.start_soon(lane.run)
         first = lane.submit(pend(10).item)
@@ -283,7 +283,7 @@ async def test_a_deep_queue_through_the_lane_answers_every_call_once_high_priori
         return [Outcome(result=(it.priority, it.tokens)) for it in items]
 
     gated = GatedFormation(lambda group: (TokenBudget(max_rows=4, max_wait=0.0, max_padding=1.0), 2))
-    lane = Lane("local", execute, gated, clock, RateLimiter(clock), max_in_flight=64)
+    lane = Lane("local", execute, gated, clock, RateLimiter(clock, concurrency=64))
     async with anyio.create_task_group() as tg:
         tg.start_soon(lane.run)
         first = [lane.submit(pend(10).item) for _ in range(8)]

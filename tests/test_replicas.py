@@ -184,7 +184,7 @@ async def test_identical_calls_on_two_replicas_run_once_and_each_caller_gets_its
 
 async def test_a_dead_replicas_flight_is_taken_over_within_the_lease():
     from multiplexer.core.dedup import canonical
-    from multiplexer.gateway.replicas import flight_key
+    from multiplexer.gateway.flights import flight_key
 
     url, pre = redis_url(), prefix()
     dead = RedisState(url, prefix=pre, lease_s=0.5)
@@ -201,6 +201,35 @@ async def test_a_dead_replicas_flight_is_taken_over_within_the_lease():
         took = time.monotonic() - start
     assert outcome.result == {"x": 2} and runs == ["r"]
     assert 0.3 <= took < 10.0  # it waited for the dead replica's lease (not forever), then ran the call
+
+
+async def test_a_flights_waiters_are_woken_by_its_end_not_after_their_timeout():
+    """A replica waiting on another's flight is told when it ends: published (the result) or
+    abandoned (``LookupError``: it claims the key itself), long before its 30 s wait is up."""
+    a, b = states = await replicas(2)
+    try:
+        for key, end in (("k1", "publish"), ("k2", "abandon")):
+            assert (await a.claim(key, "t"))[0] == "won"
+            got: list[object] = []
+
+            async def wait(key: str = key, got: list[object] = got) -> None:
+                try:
+                    got.append(await b.wait(key, "t", 30.0))
+                except LookupError:
+                    got.append("ended without a result")
+
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(wait)
+                    for _ in range(3):  # its first look (held), then its blocking read
+                        await anyio.wait_all_tasks_blocked()
+                    if end == "publish":
+                        await a.publish(key, "t", {"x": 1}, 0)
+                    else:
+                        await a.abandon(key, "t")
+            assert got == [(True, {"x": 1})] if end == "publish" else ["ended without a result"]
+    finally:
+        await close(states)
 
 
 async def test_the_ttl_cache_is_shared():
@@ -578,26 +607,45 @@ class Claims:
     async def abandon(self, key: str, token: str) -> None:
         self.abandoned.append(key)
 
+    async def keep(self, key: str, token: str) -> bool:
+        return True
 
-async def test_a_batch_cancelled_while_claiming_frees_the_keys_it_won():
-    """Its caller went away while the batch was still claiming its keys: the keys already won
-    are freed at once, so the other replicas waiting on them run the calls now, not after the
-    lease."""
+
+async def test_a_call_whose_callers_go_away_frees_the_key_it_won():
+    """Its callers went away (one while its key was still being claimed, one while it ran): the
+    key already won is freed at once, so the other replicas waiting on it run the call now, not
+    after the lease; the key never won is not touched."""
+    from multiplexer.core.batching import CountFormation
     from multiplexer.core.call import Item, Outcome
+    from multiplexer.core.clock import ManualClock
+    from multiplexer.core.errors import cancelled
+    from multiplexer.core.lane import Lane
+    from multiplexer.core.limiter import RateLimiter
     from multiplexer.core.metrics import Metrics
-    from multiplexer.gateway.replicas import flown
+    from multiplexer.gateway.flights import SharedFlights, flight_key
+
+    ran: list[object] = []
 
     async def execute(operation: str, items: object) -> list[Outcome]:
-        raise AssertionError("nothing runs: the batch was cancelled before")
+        ran.append(items)
+        await anyio.sleep_forever()
+        raise AssertionError("cancelled when its caller goes")
 
-    state = Claims(stuck="k2")
-    run = flown(state, execute, Metrics())  # type: ignore[arg-type]
-    items = [Item("r", "op", "m", {"i": i}, flight=(f"k{i}", 0.0)) for i in (1, 2)]
+    state = Claims(stuck=flight_key(("k", 2)))
+    clock = ManualClock()
+    lane = Lane("p", execute, CountFormation(1, 0.0), clock, RateLimiter(clock))
     async with anyio.create_task_group() as tg:
-        tg.start_soon(run, "op", items)
+        tg.start_soon(lane.run)
+        flights = SharedFlights(state, clock, Metrics(), tg.start_soon)  # type: ignore[arg-type]
+        pending = [flights.start(("k", i), Item("r", "op", "m", {"i": i}), lane, 0.0)[0]
+                   for i in (1, 2)]
         await anyio.wait_all_tasks_blocked()
+        assert len(ran) == 1 and state.abandoned == []  # k1 runs, k2 is still being claimed
+        for p in pending:
+            lane.withdraw(p, Outcome.fail(cancelled("caller went away")))
+        await anyio.wait_all_tasks_blocked()
+        assert state.abandoned == [flight_key(("k", 1))]
         tg.cancel_scope.cancel()
-    assert state.abandoned == ["k1"]
 
 
 async def test_a_raised_configured_limit_holds_for_the_shared_bucket_at_once():
@@ -622,7 +670,7 @@ async def test_a_result_from_the_shared_cache_is_kept_locally_no_longer_than_it_
     what the shared entry had left, not for a whole ``cache_ttl_s`` more."""
     from multiplexer.core.clock import ManualClock
     from multiplexer.core.dedup import canonical
-    from multiplexer.gateway.replicas import flight_key
+    from multiplexer.gateway.flights import flight_key
 
     url, pre = redis_url(), prefix()
     config = dedup_config(url, pre, cache_ttl_s=30)

@@ -166,11 +166,23 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'won', 
 return {'held', redis.call('GET', KEYS[1]) or ''}
 """
 
-# KEYS: lock, result, cache.  ARGV: token, result JSON, result ttl ms, cache ttl ms (0: none)
+# KEYS: lock, result, cache, end.  ARGV: token, result JSON, result ttl ms, cache ttl ms (0: none)
+# The end stream wakes every replica waiting on this flight (XREAD BLOCK: no polling).
 PUBLISH = r"""
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 if tonumber(ARGV[4]) > 0 then redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[4]) end
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+redis.call('XADD', KEYS[4], '*', 'end', '1')
+redis.call('PEXPIRE', KEYS[4], ARGV[3])
+return 1
+"""
+
+# KEYS: lock, end.  ARGV: token, end ttl ms.  The flight ended without a result: free the key
+# (if still ours) and wake the replicas waiting on it, which then claim it themselves.
+ABANDON = r"""
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+redis.call('XADD', KEYS[2], '*', 'end', '1')
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
 """
 

@@ -63,6 +63,10 @@ class RedisState:
         self.r = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        # blocking reads (a flight's end) wait longer than ``timeout_s``: their own connections
+        self._blocking = aioredis.Redis.from_url(
+            url, socket_timeout=None, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self._acquire = self.r.register_script(redis_lua.ACQUIRE)
         self._settle = self.r.register_script(redis_lua.SETTLE)
         self._renew = self.r.register_script(redis_lua.RENEW)
@@ -71,6 +75,7 @@ class RedisState:
         self._claim = self.r.register_script(redis_lua.CLAIM)
         self._publish = self.r.register_script(redis_lua.PUBLISH)
         self._keep = self.r.register_script(redis_lua.KEEP)
+        self._abandon = self.r.register_script(redis_lua.ABANDON)
         self._result = self.r.register_script(redis_lua.RESULT)
 
     def _keys(self, scope: str, name: str) -> list[str]:
@@ -99,6 +104,7 @@ class RedisState:
                     raise StartupError("state.url", self.url, _why(cause, self.timeout_s)) from None
 
     async def aclose(self) -> None:
+        await self._blocking.aclose()
         await self.r.aclose()
 
     async def ping(self) -> None:
@@ -168,7 +174,7 @@ class RedisState:
     # -- single flight and the result cache ----------------------------------------------
     def _flight(self, key: str, token: str = "") -> list[str]:
         base = f"{self.prefix}:{{f:{key}}}"
-        return [f"{base}:lock", f"{base}:res:{token}", f"{base}:cache"]
+        return [f"{base}:lock", f"{base}:res:{token}", f"{base}:cache", f"{base}:end:{token}"]
 
     async def claim(self, key: str, token: str) -> tuple[str, Any]:
         keys = self._flight(key)
@@ -185,7 +191,8 @@ class RedisState:
                           int(cache_ttl_s * 1000)])
 
     async def abandon(self, key: str, token: str) -> None:
-        await self._call(self._keep, self._flight(key)[:1], [token, 0])
+        keys = self._flight(key, token)
+        await self._call(self._abandon, [keys[0], keys[3]], [token, int(self.lease_s * 1000)])
 
     async def keep(self, key: str, token: str) -> bool:
         return bool(await self._call(self._keep, self._flight(key)[:1],
@@ -198,3 +205,14 @@ class RedisState:
         if reply[0] == 0:
             return False, None
         raise LookupError(key)
+
+    async def wait(self, key: str, token: str, timeout_s: float) -> tuple[bool, Any]:
+        done, value = await self.result(key, token)
+        if done:
+            return done, value
+        try:  # woken by the flight's end (published or abandoned), or after timeout_s
+            await self._blocking.xread({self._flight(key, token)[3]: "0-0"}, count=1,
+                                       block=max(1, int(timeout_s * 1000)))
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(f"{type(e).__name__}: {e}") from e
+        return await self.result(key, token)

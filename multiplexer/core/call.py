@@ -111,7 +111,6 @@ class Item:
     notification: bool = False
     options: dict[str, Any] = field(default_factory=dict)
     seq: int = field(default_factory=lambda: next(_seq))
-    flight: tuple[str, float] | None = None  # (dedup key, cache TTL s) shared with other replicas
     trace: Any = None  # a core.tracing.TraceSlot when calls are traced
     # The limit (rpm, tpm, concurrency, retry_after) a taken item waits for before it goes upstream
     # (shared limits, extra requests of a batch); None once it goes: a deadline then says so.

@@ -1,7 +1,9 @@
 """One lane per provider: a bounded priority queue drained in batches under limits.
 
-The lane decides *when* a batch leaves (formation + limiter); the provider
-decides *how* it goes upstream. Every pending item ends exactly once, by the
+The lane decides *when* a batch leaves (formation + limiter) and is the one place that
+charges the provider's limiter, local or shared: a permit per batch, and each further
+upstream request of the batch through the ``Upstream`` it hands the provider. The
+provider decides *how* the batch goes upstream. Every pending item ends exactly once, by the
 provider's outcome, by its callers giving up, or by shutdown.
 """
 
@@ -18,7 +20,7 @@ from multiplexer.core.batching import Formation, GroupedQueue, Pending, choose
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.clock import Clock, wait_own
 from multiplexer.core.errors import RpcError, internal_error, overloaded, shutting_down
-from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.limiter import Limiter, Permit, Upstream, charging, holding
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.tracing import NOOP, Tracer
 
@@ -27,20 +29,23 @@ log = logging.getLogger(__name__)
 Execute = Callable[[str, Sequence[Item]], Awaitable[list[Outcome]]]
 
 
+Batch = tuple[list[Pending], Permit]  # a batch and its charge
+
+
 class _Worker:
     """A parked lane worker: the next batch is handed to it, or None to end."""
 
     __slots__ = ("batch", "ready")
 
     def __init__(self) -> None:
-        self.batch: list[Pending] | None = None
+        self.batch: Batch | None = None
         self.ready = anyio.Event()
 
-    def hand(self, batch: list[Pending] | None) -> None:
+    def hand(self, batch: Batch | None) -> None:
         self.batch = batch
         self.ready.set()
 
-    async def next(self) -> list[Pending] | None:
+    async def next(self) -> Batch | None:
         await self.ready.wait()
         return self.batch
 
@@ -52,10 +57,9 @@ class Lane:
         execute: Execute,
         formation: Formation,
         clock: Clock,
-        limiter: RateLimiter,
+        limiter: Limiter,
         *,
         max_queue: int = 10_000,
-        max_in_flight: int = 16,
         eager: bool = False,
         metrics: Metrics | None = None,
         tracer: Tracer = NOOP,
@@ -69,7 +73,6 @@ class Lane:
         self.clock = clock
         self.limiter = limiter
         self.queue = GroupedQueue(max_queue)
-        self.max_in_flight = max_in_flight
         self.eager = eager
         self.in_flight = 0
         self.metrics = metrics
@@ -90,10 +93,12 @@ class Lane:
         self._held: str | None = None  # the limiter's limit that held the queue at the last step
         self._avg_batch_s = 0.0  # moving averages of batch duration and size, for retry_after
         self._avg_size = 1.0
+        limiter.on_release(self._slot_freed)  # a slot freed by any lane of the provider
 
     # -- admission -------------------------------------------------------
-    def submit(self, item: Item) -> Pending:
-        """Queue an item, or raise the documented overload / shutdown error at once."""
+    def submit(self, item: Item, pending: Pending | None = None) -> Pending:
+        """Queue an item (in ``pending``, when its callers wait on one already), or raise the
+        documented overload / shutdown error at once."""
         if self._closing:
             raise shutting_down()
         if self.queue.full():
@@ -106,7 +111,10 @@ class Lane:
                 if self.metrics:
                     self.metrics.rejections.labels(self.name, "deadline").inc()
                 raise overloaded(self.name, drain)
-        p = Pending(item, self.clock.now())
+        if pending is None:
+            p = Pending(item, self.clock.now())
+        else:
+            p, p.enqueued = pending, self.clock.now()
         self.queue.push(p)
         self._gauge()
         tg = self._tg
@@ -114,7 +122,7 @@ class Lane:
             self._step(tg)
             if len(self.queue):
                 self._wake.set()
-        elif self.in_flight < self.max_in_flight and item.group not in self._blocked:
+        elif not self.limiter.full() and item.group not in self._blocked:
             self._wake.set()  # else nothing can leave before a batch ends, and its end wakes the loop
         return p
 
@@ -127,7 +135,7 @@ class Lane:
     def _drain_time(self) -> float:
         """Seconds until the queue ahead empties at the recent pace."""
         batches = len(self.queue) / max(self._avg_size, 1.0)
-        return batches * self._avg_batch_s / max(self.max_in_flight, 1)
+        return batches * self._avg_batch_s / max(self.limiter.concurrency, 1)
 
     def withdraw(self, p: Pending, outcome: Outcome) -> None:
         """A pending item's last caller gave up: drop it, cancelling its batch if it was alone."""
@@ -145,7 +153,11 @@ class Lane:
     def holding(self) -> str | None:
         """The limit that keeps queued items from leaving now: ``concurrency`` while every slot
         is taken, else the limiter's (rpm, tpm, retry_after) that stopped the last step."""
-        return "concurrency" if self.in_flight >= self.max_in_flight else self._held
+        return "concurrency" if self.limiter.full() else self._held
+
+    def _slot_freed(self) -> None:
+        if len(self.queue):
+            self._wake.set()
 
     def _gauge(self) -> None:
         if self.metrics:
@@ -172,7 +184,7 @@ class Lane:
         blocked = self._blocked
         blocked.clear()  # as it stays when nothing is asked below
         self._held = None
-        while self.in_flight < self.max_in_flight and len(self.queue):
+        while not self.limiter.full() and len(self.queue):
             now = self.clock.now()
             group, decision = choose(self.queue, self.formation, now, blocked)
             if not decision.take and self.eager and self.in_flight == 0:
@@ -192,8 +204,7 @@ class Lane:
             if wait > 0:
                 self._held = which
                 return now + wait
-            self.limiter.consume(1, tokens)
-            batch = self.queue.take(group, decision.take)
+            batch = (self.queue.take(group, decision.take), self.limiter.take(tokens))
             self._gauge()
             self.in_flight += 1
             if self._idle:
@@ -202,7 +213,7 @@ class Lane:
                 tg.start_soon(self._work, batch)
         return math.inf
 
-    async def _work(self, batch: list[Pending] | None) -> None:
+    async def _work(self, batch: Batch | None) -> None:
         """Run batches until the lane ends: a worker parks between batches, since starting
         a task costs more CPU (~40 us with anyio) than a small upstream call's whole client side.
 
@@ -212,7 +223,7 @@ class Lane:
         """
         assert self._tg is not None
         while batch is not None:
-            await self._dispatch(batch)
+            await self._dispatch(*batch)
             if self._closing and not len(self.queue):
                 return
             worker = _Worker()
@@ -225,7 +236,7 @@ class Lane:
         for worker in idle:
             worker.hand(None)
 
-    async def _dispatch(self, batch: list[Pending]) -> None:
+    async def _dispatch(self, batch: list[Pending], permit: Permit) -> None:
         self._batch_ids += 1
         bid = self._batch_ids
         items = [p.item for p in batch]
@@ -237,7 +248,9 @@ class Lane:
         with anyio.CancelScope() as scope:
             self._scopes[bid] = (scope, batch)
             try:
-                with self._tracer.batch(self.name, batch, started):
+                await self.limiter.ready(permit, holding(items))  # shared: the replicas' charge
+                with self._tracer.batch(self.name, batch, started), \
+                        charging(Upstream(self.limiter, items)):
                     outcomes = await self._execute(items[0].operation, items)
                 if len(outcomes) != len(items):
                     raise RuntimeError(f"provider returned {len(outcomes)} for {len(items)} items")
@@ -250,6 +263,7 @@ class Lane:
                 self._avg_batch_s += 0.2 * (self.clock.now() - started - self._avg_batch_s)
                 self._avg_size += 0.2 * (len(batch) - self._avg_size)
                 self._scopes.pop(bid, None)
+                self.limiter.finish(permit)
                 self.in_flight -= 1
                 self._blocked.clear()
                 self._wake.set()

@@ -1,15 +1,21 @@
-"""Token buckets for requests-per-minute and tokens-per-minute, and learned limits.
+"""A provider's limits (requests and tokens per minute, concurrency) behind one interface.
 
-A provider feeds what the upstream says (remaining / reset headers, 429
-Retry-After) back into the lane's limiter, so the lane slows down before the
-upstream starts refusing.
+``Limiter`` is what a lane charges, once per upstream request: ``RateLimiter`` here keeps
+the buckets in this process, ``core/shared_limiter.SharedLimiter`` keeps them in the
+replicas' shared state. A provider never charges: it reports what it learns (rate-limit
+headers: ``observe``, real usage: ``correct_tokens``, a 429's Retry-After: ``pause``),
+and the further requests of a batch (a packed batch's next chunk, a retry) are charged
+by the lane's ``Upstream``, which the provider's HTTP client asks before each request.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Protocol
 
 from multiplexer.core.call import Item
 from multiplexer.core.clock import Clock
@@ -26,6 +32,106 @@ def holding(items: Sequence[Item]) -> OnWait:
             item.held = limit
 
     return on_wait
+
+
+@dataclass(slots=True)
+class Permit:
+    """One upstream request's charge: a request, ``tokens`` and (with ``slot``) one of this
+    process's concurrency slots, until ``finish``. ``held``, ``id`` and ``shared``: a lease on
+    a slot in the replicas' shared state (``SharedLimiter``)."""
+
+    tokens: int = 0
+    slot: bool = True
+    held: bool = False
+    id: str = ""
+    shared: bool = False
+
+
+class Limiter(Protocol):
+    """rpm, tpm and concurrency of one provider, local or shared; the lane is its one charger.
+
+    The lane's step asks ``full`` and ``delay``, then ``take``s a permit for the batch (the
+    local charge, decided at once); its worker awaits ``ready`` (the shared charge, one round
+    trip; nothing more for a local limiter) before the provider runs, and ``finish``es it after.
+    ``admit`` charges a batch's further requests (no slot: the batch holds one)."""
+
+    concurrency: int  # 0: no cap
+
+    def full(self) -> bool: ...
+
+    def delay(self, requests: int, tokens: int) -> tuple[float, str]: ...
+
+    def take(self, tokens: int) -> Permit: ...
+
+    async def ready(self, permit: Permit, on_wait: OnWait | None = None) -> None: ...
+
+    def finish(self, permit: Permit) -> None: ...
+
+    def on_release(self, wake: Callable[[], None]) -> None: ...
+
+    async def admit(self, requests: int = 1, tokens: int = 0, on_wait: OnWait | None = None) -> None: ...
+
+    def correct_tokens(self, estimated: int, actual: int) -> None: ...
+
+    def pause(self, seconds: float) -> None: ...
+
+    def observe(self, kind: str, limit: float | None, remaining: float, reset_in: float) -> None: ...
+
+
+class Upstream:
+    """The upstream requests of one lane batch: the lane charged the first (its permit); each
+    further one is charged here through the same limiter, rpm only, while the batch runs."""
+
+    __slots__ = ("items", "limiter", "open", "paid", "tokens")
+
+    def __init__(self, limiter: Limiter, items: Sequence[Item], *, paid: bool = True,
+                 tokens: int = 0) -> None:
+        self.limiter = limiter
+        self.items = items
+        self.paid = paid  # the next request is already charged
+        self.tokens = tokens  # charged with the first request when it is not
+        self.open = True  # False once the batch has ended: a task it left behind charges nothing
+
+    async def request(self) -> None:
+        if not self.open:
+            return
+        if self.paid:
+            self.paid = False
+            return
+        tokens, self.tokens = self.tokens, 0
+        await self.limiter.admit(1, tokens, holding(self.items) if self.items else None)
+
+
+_UPSTREAM: ContextVar[Upstream | None] = ContextVar("upstream", default=None)
+
+
+@contextmanager
+def charging(upstream: Upstream) -> Iterator[None]:
+    """Requests sent inside (in this task and the tasks it starts) are charged to ``upstream``."""
+    token = _UPSTREAM.set(upstream)
+    try:
+        yield
+    finally:
+        _UPSTREAM.reset(token)
+        upstream.open = False
+
+
+@contextmanager
+def uncharged() -> Iterator[None]:
+    """Requests sent inside are no lane batch's (a durable job's, whose tasks outlive the call
+    that started them): charged only where they open their own ``Upstream``."""
+    token = _UPSTREAM.set(None)
+    try:
+        yield
+    finally:
+        _UPSTREAM.reset(token)
+
+
+async def upstream_request() -> None:
+    """Before each upstream request (first try, next chunk, retry): the charge the lane handed in."""
+    upstream = _UPSTREAM.get()
+    if upstream is not None:
+        await upstream.request()
 
 
 @dataclass(slots=True)
@@ -99,14 +205,43 @@ class TokenBucket:
 
 
 class RateLimiter:
-    """Requests and tokens per minute, plus a hard pause set by 429 / Retry-After."""
+    """Requests and tokens per minute, concurrency, and a hard pause set by 429 / Retry-After,
+    in this process."""
 
-    def __init__(self, clock: Clock, rpm: float | None = None, tpm: float | None = None) -> None:
+    def __init__(self, clock: Clock, rpm: float | None = None, tpm: float | None = None,
+                 concurrency: int = 0) -> None:
         self.clock = clock
         now = clock.now()
         self.requests = TokenBucket.per_minute(rpm, now) if rpm else None
         self.tokens = TokenBucket.per_minute(tpm, now) if tpm else None
         self.paused_until = 0.0
+        self.concurrency = concurrency
+        self.in_flight = 0
+        self._wakes: list[Callable[[], None]] = []
+
+    def full(self) -> bool:
+        """Every concurrency slot is taken: nothing may go before a ``finish``."""
+        return 0 < self.concurrency <= self.in_flight
+
+    def on_release(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` whenever a slot is given back (each lane of the provider asks)."""
+        self._wakes.append(wake)
+
+    def take(self, tokens: int) -> Permit:
+        """Charge one request, ``tokens`` and a slot now (the caller saw ``delay`` at 0)."""
+        self.consume(1, tokens)
+        self.in_flight += 1
+        return Permit(tokens)
+
+    async def ready(self, permit: Permit, on_wait: OnWait | None = None) -> None:
+        """Charged in ``take`` already."""
+
+    def finish(self, permit: Permit) -> None:
+        if permit.slot:
+            permit.slot = False
+            self.in_flight -= 1
+            for wake in self._wakes:
+                wake()
 
     def delay(self, requests: int, tokens: int) -> tuple[float, str]:
         """Seconds until a request of this cost may go, and which limit holds it."""
@@ -127,8 +262,8 @@ class RateLimiter:
             self.tokens.consume(tokens, now)
 
     async def admit(self, requests: int = 1, tokens: int = 0, on_wait: OnWait | None = None) -> None:
-        """Wait until a request of this cost may go, then charge it: for requests a provider
-        sends beyond the batch the lane charged (extra chunks, jobs run synchronously)."""
+        """Wait until a request of this cost may go, then charge it (no slot): a batch's
+        further requests, through its ``Upstream``."""
         waited = False
         while True:
             wait, which = self.delay(requests, tokens)
@@ -163,3 +298,4 @@ class RateLimiter:
             else:
                 self.tokens = bucket
         bucket.observe(limit, remaining, reset_in, now)
+

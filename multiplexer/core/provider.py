@@ -18,7 +18,7 @@ from multiplexer.core.batching import Formation
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.jobs import BatchJobs
-from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.limiter import Limiter
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.policy import ProviderConfig, RouteConfig
 from multiplexer.core.sink import ChunkSink
@@ -46,7 +46,7 @@ class ProviderContext:
     config: ProviderConfig
     settings: Any
     clock: Clock
-    limiter: RateLimiter
+    limiter: Limiter  # a provider reports to it (observe, correct_tokens, pause); the lane charges
     metrics: Metrics
     store_path: Path
     notify: Callable[[str, dict[str, Any]], None] = lambda event, data: None

@@ -1,11 +1,12 @@
-"""A provider's limits shared by every replica: reserve before a batch, settle after it.
+"""A provider's limits shared by every replica: the ``Limiter`` with its state in Redis.
 
-The lane still asks ``delay``/``consume`` (only a local 429 pause holds it here);
-the real decision is ``acquire``, one atomic round trip to the shared state that
-takes a request, the estimated tokens and a concurrency slot, all or none. After
-the batch, ``release`` frees the slot, settles the token estimate against the real
-usage the provider reported (``correct_tokens``) and shares what the upstream's
-headers taught (``observe``). Slots are leases a live replica renews.
+The lane charges it as it charges a local one. ``take`` (in the lane's step) counts this
+process's slot; ``ready`` (in the worker, before the provider runs) is the real decision:
+``acquire``, one atomic round trip to the shared state that takes a request, the
+estimated tokens and a concurrency slot, all or none. ``finish`` frees the slot and
+settles off the caller's path: the token estimate against the real usage the provider
+reported (``correct_tokens``) and what the upstream's headers taught (``observe``). Slots
+are leases a live replica renews.
 
 When the shared state is unreachable nothing stops: this replica enforces its
 share of each limit (limit / live replicas last seen), never the whole limit, and
@@ -19,12 +20,11 @@ import itertools
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import anyio
 
 from multiplexer.core.clock import Clock
-from multiplexer.core.limiter import OnWait, RateLimiter
+from multiplexer.core.limiter import OnWait, Permit, RateLimiter
 from multiplexer.core.state import Learned, LimitSpec, SharedState, StateUnavailable
 
 log = logging.getLogger(__name__)
@@ -32,17 +32,10 @@ RETRY_SHARED_S = 1.0  # after a failure, decide locally this long before trying 
 MAX_POLL_S = 0.05  # a caller waiting for a concurrency slot looks again at least this often
 
 
-@dataclass(slots=True)
-class Lease:
-    id: str
-    shared: bool
-    tokens: int
-
-
 class SharedLimiter(RateLimiter):
     def __init__(self, clock: Clock, name: str, spec: LimitSpec, state: SharedState,
                  on_degraded: Callable[[str], None] | None = None) -> None:
-        super().__init__(clock)
+        super().__init__(clock, concurrency=spec.concurrency)
         self.name = name
         self.spec = spec
         self._no_slot = LimitSpec(spec.rpm, spec.tpm, 0)
@@ -60,7 +53,7 @@ class SharedLimiter(RateLimiter):
         self._slots = 0  # degraded: this replica's concurrency share
         self._slot_freed = anyio.Event()
         self._local_in_flight = 0
-        self._settle_send, self._settle_recv = anyio.create_memory_object_stream[Lease](math.inf)
+        self._settle_send, self._settle_recv = anyio.create_memory_object_stream[Permit](math.inf)
 
     # -- what the lane and providers call (sync) ------------------------------------
     def delay(self, requests: int, tokens: int) -> tuple[float, str]:
@@ -80,13 +73,24 @@ class SharedLimiter(RateLimiter):
         self._local.observe(kind, limit, remaining, reset_in)
 
     # -- around each batch (async) -------------------------------------------------
+    async def ready(self, permit: Permit, on_wait: OnWait | None = None) -> None:
+        """The batch's charge in the shared state: a request, its tokens and a slot."""
+        lease = await self.acquire(permit.tokens, on_wait=on_wait)
+        permit.id, permit.shared, permit.held = lease.id, lease.shared, True
+
+    def finish(self, permit: Permit) -> None:
+        super().finish(permit)
+        if permit.held:
+            permit.held = False
+            self.release_soon(permit)
+
     async def admit(self, requests: int = 1, tokens: int = 0, on_wait: OnWait | None = None) -> None:
         """Extra requests are charged to the shared rpm and tpm too (they take no slot: the
         batch they belong to holds one)."""
         for k in range(requests):
             await self.acquire(tokens if k == 0 else 0, slot=False, on_wait=on_wait)
 
-    async def acquire(self, tokens: int, *, slot: bool = True, on_wait: OnWait | None = None) -> Lease:
+    async def acquire(self, tokens: int, *, slot: bool = True, on_wait: OnWait | None = None) -> Permit:
         """A request, ``tokens`` and (with ``slot``) a concurrency slot; ``on_wait`` is told the
         limit it waits for, and None once it has them."""
         lease = await self._acquire(tokens, slot, on_wait)
@@ -94,7 +98,7 @@ class SharedLimiter(RateLimiter):
             on_wait(None)
         return lease
 
-    async def _acquire(self, tokens: int, slot: bool, on_wait: OnWait | None) -> Lease:
+    async def _acquire(self, tokens: int, slot: bool, on_wait: OnWait | None) -> Permit:
         lease_id = self._prefix + str(next(self._ids))
         spec = self.spec if slot else self._no_slot
         poll = 0.001
@@ -114,7 +118,7 @@ class SharedLimiter(RateLimiter):
                     if wait <= 0:
                         if slot:
                             self._held.add(lease_id)
-                        return Lease(lease_id, True, tokens)
+                        return Permit(tokens, slot=False, held=slot, id=lease_id, shared=True)
                     if which == "concurrency":  # no telling when a slot frees: look again soon
                         poll = wait = min(poll * 2, MAX_POLL_S)
                     if on_wait is not None:
@@ -122,9 +126,9 @@ class SharedLimiter(RateLimiter):
                     await self.clock.sleep_until(self.clock.now() + wait)
                     continue
             if await self._acquire_local(tokens, slot, on_wait):
-                return Lease(lease_id, False, tokens)
+                return Permit(tokens, slot=False, held=slot, id=lease_id)
 
-    def release_soon(self, lease: Lease) -> None:
+    def release_soon(self, lease: Permit) -> None:
         """Free the slot now; settle with the shared state off the caller's path (``run``)."""
         if not lease.shared:
             self._local_in_flight -= 1
@@ -133,12 +137,12 @@ class SharedLimiter(RateLimiter):
             self._held.discard(lease.id)
         self._settle_send.send_nowait(lease)
 
-    async def release(self, lease: Lease) -> None:
+    async def release(self, lease: Permit) -> None:
         """``release_soon`` and wait for the settlement."""
         self.release_soon(lease)
         await self._settle(await self._settle_recv.receive())
 
-    async def _settle(self, lease: Lease) -> None:
+    async def _settle(self, lease: Permit) -> None:
         delta, self._delta = self._delta, 0.0
         learned, self._learned = self._learned, []
         if not lease.shared and self.clock.now() < self._down_until:

@@ -1,8 +1,8 @@
 """The contract of state shared by several gateway replicas (limits, quotas, dedup, cache).
 
 In-process state is the default and needs none of this. With ``state.url`` set, the
-composition root builds a ``SharedState`` (Redis, in ``multiplexer/backends/``) and the gateway
-wraps each provider's limiter in a ``SharedLimiter`` (``core/shared_limiter.py``).
+composition root builds a ``SharedState`` (Redis, in ``multiplexer/backends/``) and gives each
+provider a ``SharedLimiter`` (``core/shared_limiter.py``), the ``Limiter`` with its buckets here.
 Every method may raise ``StateUnavailable``; callers then fall back to a degraded
 local decision and count it, and try the shared state again on the next call.
 """
@@ -117,4 +117,9 @@ class SharedState(Protocol):
     async def result(self, key: str, token: str) -> tuple[bool, Any]:
         """(True, result) once published; (False, None) while the flight is held; raises
         ``LookupError`` when the flight ended without a result (its replica died or failed)."""
+        ...
+
+    async def wait(self, key: str, token: str, timeout_s: float) -> tuple[bool, Any]:
+        """``result``, once the flight has ended (notified, not polled) or after ``timeout_s``:
+        (False, None) then means it is still held (its replica keeps it alive)."""
         ...

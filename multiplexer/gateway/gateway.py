@@ -18,10 +18,10 @@ import anyio
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import Clock, MonotonicClock, remaining
-from multiplexer.core.dedup import InFlight, ProgressFanout, TtlCache, canonical
+from multiplexer.core.dedup import ProgressFanout, TtlCache, canonical
 from multiplexer.core.errors import RpcError, cancelled, internal_error, invalid_params, timeout_error
 from multiplexer.core.lane import Lane
-from multiplexer.core.limiter import RateLimiter
+from multiplexer.core.limiter import Limiter
 from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import UNROUTED, Metrics, code_label
 from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSpec
@@ -35,15 +35,8 @@ from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.gateway.admission import Plan, route_item
 from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
-from multiplexer.gateway.replicas import (
-    CachedOutcome,
-    flight_key,
-    flown,
-    gated,
-    limiter_for,
-    open_state,
-    quotas_for,
-)
+from multiplexer.gateway.flights import CachedOutcome
+from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
 from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, settle
 
@@ -82,11 +75,12 @@ class Gateway:
         self.metrics = metrics or Metrics()
         self.router = Router(config.routes)
         self.providers: dict[str, Provider] = dict(providers or {})
-        self.limiters: dict[str, RateLimiter] = {}
+        self.limiters: dict[str, Limiter] = {}
         self.lanes: dict[tuple[str, str | None], Lane] = {}
-        self.inflight = InFlight()
         self.cache = TtlCache(self.clock, config.cache.max_entries)
         self.state = open_state(config.state)  # None: in-process state, one gateway
+        # single flight: joined here, or claimed across the replicas that share the state
+        self.flights = flights_for(self.state, self.clock, self.metrics, self.start_background)
         self.quotas = quotas_for(config, self.clock, self.state, self.metrics)
         self.listeners: list[Any] = []
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
@@ -201,11 +195,10 @@ class Gateway:
             )
             lane = Lane(
                 f"{route.provider}" if not own else f"{route.provider}:{rname}",
-                flown(self.state, gated(self.limiters[route.provider], with_streams(provider)),
-                      self.metrics),
+                with_streams(provider),
                 formation, self.clock,
                 self.limiters[route.provider],
-                max_queue=pconf.limits.max_queue, max_in_flight=pconf.limits.concurrency,
+                max_queue=pconf.limits.max_queue,
                 # batch mode gathers until size or age; eager only if the route says so
                 eager=policy.eager and (route.mode != "batch" or "eager" in policy.model_fields_set),
                 metrics=self.metrics, tracer=self.tracer, provider=route.provider,
@@ -367,8 +360,11 @@ class Gateway:
                 self.tracer.shared(span, "cache")
             self._finish(ticket, cached)
             return
-        pending = self.inflight.join(key)
-        if pending is not None:
+        fan: Any = ProgressFanout()  # later sharers may ask for progress
+        item.options["progress"] = fan
+        logs = item.options.setdefault("log", LogFanout())  # ... and for log messages
+        pending, joined = self.flights.start(key, item, lane, route.cache_ttl_s or 0.0)
+        if joined:  # this item's fanouts are never used
             shared = pending.item  # the queue drops it once every caller's deadline has passed
             shared.deadline = None if shared.deadline is None else max(shared.deadline, ticket.deadline)
             self.metrics.dedup_hits.labels(plan.label, "inflight").inc()
@@ -376,13 +372,6 @@ class Gateway:
                 self.tracer.shared(span, "inflight")
             fan = pending.item.options.get("progress")
             logs = pending.item.options.get("log")
-        else:
-            fan = item.options["progress"] = ProgressFanout()  # later sharers may ask for progress
-            logs = item.options.setdefault("log", LogFanout())  # ... and for log messages
-            if self.state is not None:  # other replicas may run the same call: share it
-                item.flight = (flight_key(key), route.cache_ttl_s or 0.0)
-            pending = lane.submit(item)
-            self.inflight.register(key, pending)
         if callable(sink) and isinstance(fan, ProgressFanout):
             fan.add(sink)
             ticket.progress = (fan, sink)
@@ -447,7 +436,7 @@ class Gateway:
             if withdraw and t.lane is not None:
                 t.lane.withdraw(t.pending, outcome)
             if t.key is not None:
-                self.inflight.release(t.key, t.pending)
+                self.flights.release(t.key, t.pending)
                 if outcome.ok and t.cache_ttl and not withdraw:
                     ttl = t.cache_ttl  # a shared cache hit: what it had left there, no more
                     if isinstance(outcome, CachedOutcome):

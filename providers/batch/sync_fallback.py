@@ -14,16 +14,14 @@ import anyio
 
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.clock import Clock
-from multiplexer.core.limiter import RateLimiter
-
-from ..api_client import admit
+from multiplexer.core.limiter import Limiter, Upstream, charging
 
 RunOne = Callable[[Item], Awaitable[Outcome]]
 OnResult = Callable[[int, Outcome], Awaitable[None]]
 
 
 class SyncFallback:
-    def __init__(self, run_one: RunOne, limiter: RateLimiter, clock: Clock, concurrency: int) -> None:
+    def __init__(self, run_one: RunOne, limiter: Limiter, clock: Clock, concurrency: int) -> None:
         self.run_one = run_one
         self.limiter = limiter
         self.clock = clock
@@ -35,8 +33,9 @@ class SyncFallback:
 
         async def worker() -> None:
             for idx, item in pending:  # workers share one iterator: each item runs once
-                await admit(self.limiter, self.clock, 1, item.tokens)
-                outcome = await self.run_one(item)
+                # no lane batch charged it: each of its requests is charged as it goes
+                with charging(Upstream(self.limiter, [item], paid=False, tokens=item.tokens)):
+                    outcome = await self.run_one(item)
                 await on_result(idx, outcome)
 
         async with anyio.create_task_group() as tg:
