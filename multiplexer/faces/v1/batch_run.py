@@ -409,7 +409,8 @@ class Batches:
 
     async def purge_forever(self, retention_s: float) -> None:
         while True:
-            await self.purge(retention_s)
+            if self.store.exists():
+                await self.purge(retention_s)
             await anyio.sleep(min(3600.0, retention_s / 4))
 
     async def cancel(self, record: BatchRecord) -> None:

@@ -132,6 +132,11 @@ class V1Store:
         """Whether other gateways share the store (``store.url``)."""
         return self._where[1] is not None
 
+    def exists(self) -> bool:
+        """Whether there is a store to read: shared, opened here, or a SQLite file on disk (a
+        sweep of a store nobody made would make the file for nothing, where a user ran a demo)."""
+        return self.shared() or self.opened() or Path(self._where[0]).exists()
+
     async def _st(self) -> JobStore:
         if self._store is not None:
             return self._store
