@@ -208,9 +208,14 @@ class Events:
             if name == event:
                 ev.set()
 
-    async def wait(self, event: str, count: int = 1) -> None:
-        while sum(1 for name, _ in self.seen if name == event) < count:
-            ev = anyio.Event()
-            self._waiters.append((event, ev))
-            await ev.wait()
-            self._waiters.remove((event, ev))
+    async def wait(self, event: str, count: int = 1, timeout: float = 90) -> None:
+        """Until ``event`` was seen ``count`` times; a hang fails naming what was seen instead."""
+        try:
+            with anyio.fail_after(timeout):
+                while sum(1 for name, _ in self.seen if name == event) < count:
+                    ev = anyio.Event()
+                    self._waiters.append((event, ev))
+                    await ev.wait()
+                    self._waiters.remove((event, ev))
+        except TimeoutError:
+            raise AssertionError(f"no {event!r} x{count} within {timeout} s; seen: {self.seen}") from None
