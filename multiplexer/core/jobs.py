@@ -92,6 +92,10 @@ class BatchJobs(Protocol):
         """Drop what the runner keeps in memory for a deleted job."""
         ...
 
+    def ended(self, job_id: str) -> None:
+        """The job ended (whoever closed it): wake what waits for it here and forget it."""
+        ...
+
 
 async def end_if_done(store: JobStore, job_id: str, metrics: Metrics) -> str | None:
     """Close a sealed job whose items all ended; its final state if this call closed it.

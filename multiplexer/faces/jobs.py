@@ -228,8 +228,18 @@ class JobFace:
             return False
         for manager in self.managers.values():
             await manager.plan(job_id)
-        await end_if_done(st, job_id, self.gateway.metrics)
+        await self._end_if_done(job_id)
         return True
+
+    async def _end_if_done(self, job_id: str) -> None:
+        """Close the job if all its items ended. A part's driver may be closing it at the same
+        moment; whichever closes it wakes every manager's waiters and tells the listeners, so
+        the end is never silent when the face wins that race."""
+        final = await end_if_done(self.store(), job_id, self.gateway.metrics)
+        if final is not None:
+            for manager in self.managers.values():
+                manager.ended(job_id)
+            self.gateway.notify("batch_job_ended", {"job_id": job_id, "state": final})
 
     async def close_idle(self, idle_s: float, now: float | None = None) -> list[str]:
         """Close the jobs left open ``idle_s`` without calls (as of wall time ``now``)."""
@@ -324,7 +334,7 @@ class JobFace:
         if await st.run(st.set_job_state, job.id, "cancelling", ("open", "running")):
             for manager in self.managers.values():
                 await manager.cancel(job.id)
-            await end_if_done(st, job.id, self.gateway.metrics)
+            await self._end_if_done(job.id)
         return await self.status(call)
 
     async def list(self, call: Call) -> dict[str, Any]:

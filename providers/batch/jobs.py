@@ -214,11 +214,14 @@ class JobManager(PartDriver):
     async def _finish_job(self, job_id: str) -> None:
         final = await end_if_done(self.store(), job_id, self.ctx.metrics)
         if final is not None:
-            event = self._done.get(job_id)
-            self.forget(job_id)
-            if event is not None:
-                event.set()
+            self.ended(job_id)
             self.ctx.notify("batch_job_ended", {"job_id": job_id, "state": final})
+
+    def ended(self, job_id: str) -> None:
+        event = self._done.get(job_id)
+        self.forget(job_id)
+        if event is not None:
+            event.set()
 
     async def _adopt_forever(self) -> None:
         """Several replicas: renew the parts this one drives, stop those it lost, and take
