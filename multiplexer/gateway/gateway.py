@@ -268,7 +268,7 @@ class Gateway:
             if builtin is not None:
                 plan.label = call.method
                 timeout_ms = call.timeout_ms or self.config.server.default_timeout_ms
-                plan.deadline = self.clock.now() + timeout_ms / 1000.0
+                plan.deadline = plan.started + timeout_ms / 1000.0
                 plan.handler = builtin[0]
                 plan.claim = self._claim(call.identity, 0)  # jobs.* count like any call
                 return plan
@@ -276,7 +276,7 @@ class Gateway:
             plan.label = resolved.name
             route = plan.route = resolved.route
             timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
-            plan.deadline = self.clock.now() + timeout_ms / 1000.0
+            plan.deadline = plan.started + timeout_ms / 1000.0
             item = plan.item = route_item(
                 resolved, call.params, identity=call.identity, operation=call.operation,
                 priority=call.priority, deadline=plan.deadline, notification=call.notification)
@@ -376,7 +376,7 @@ class Gateway:
             fan.add(sink)
             ticket.progress = (fan, sink)
         if isinstance(logs, LogFanout) and call.log is not None:
-            if pending.item is not item:  # joined: its own fanout was never used
+            if joined:  # its own fanout was never used
                 logs.add(call.log)
             ticket.log = (logs, call.log)
         ticket.pending, ticket.key, ticket.cache_ttl = pending, key, route.cache_ttl_s
