@@ -13,6 +13,8 @@ from typing import Any
 import anyio
 import uvicorn
 
+from multiplexer.access.admin import AdminKey
+from multiplexer.faces.admin import admin_routes
 from multiplexer.faces.auth import Authenticator, is_loopback
 from multiplexer.faces.http import create_app
 from multiplexer.faces.jobs import attach_jobs
@@ -129,7 +131,7 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
             attach_jobs(gw)
             auth = Authenticator(config.server.api_keys)  # one for every face: /rpc, /v1, /mcp
             mcp_routes, lifespan = mount_mcp(gw, auth)
-            routes = v1_routes(gw, auth) + mcp_routes
+            routes = v1_routes(gw, auth) + mcp_routes + admin_routes(gw, AdminKey(config.server.admin_key))
             app = create_app(gw, routes, lifespan, auth)
             gw.faces["app"] = app  # what is mounted, for those who enumerate it
             heap.serving(gw)  # before the first call: no full pauses on start-up's heap after

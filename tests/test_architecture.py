@@ -23,11 +23,14 @@ ALLOWED = {
     "jobs": {"jobs", "core"},  # the durable job store (SQLite or PostgreSQL): jobs, /v1 files, batches
     "providers": {"providers", "local_models", "core", "transport", "jobs"},
     "backends": {"backends", "core"},  # shared-state engines (Redis), chosen by URL in the registry
-    "gateway": {"gateway", "core"},  # provider classes come from the registry's strings, by kind
-    "faces": {"faces", "gateway", "core", "jobs"},
+    "money": {"money", "core", "jobs"},  # prices, cost, the savings ledger, spend and budgets
+    "access": {"access", "core", "jobs"},  # the admin key, keys and teams as data, OAuth
+    # provider classes come from the registry's strings, by kind
+    "gateway": {"gateway", "core", "money", "access"},
+    "faces": {"faces", "gateway", "core", "jobs", "money", "access"},
     "sdk": {"sdk", "core", "transport"},
     # the CLI, the server and the public facade
-    "top": {"top", "sdk", "faces", "gateway", "core", "transport", "jobs"},
+    "top": {"top", "sdk", "faces", "gateway", "core", "transport", "jobs", "money", "access"},
 }
 CORE_THIRD_PARTY = {"anyio", "pydantic", "prometheus_client", "tenacity"}
 
@@ -36,7 +39,8 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] != "multiplexer":
         return parts[0]
-    if len(parts) > 1 and parts[1] in ("core", "gateway", "faces", "sdk", "transport", "backends", "jobs"):
+    if len(parts) > 1 and parts[1] in ("core", "gateway", "faces", "sdk", "transport", "backends", "jobs",
+                                            "money", "access"):
         return parts[1]
     return "top"
 

@@ -24,6 +24,8 @@ pytestmark = pytest.mark.anyio
 
 # Not a caller's request: probes for load balancers and the metrics scraper (no key asked).
 UNKEYED = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
+# The operator's endpoints: the admin key, not a caller's key (tests/test_admin.py enumerates them).
+ADMIN_PREFIXES = ("/admin/", "/ui")
 # MCP protocol bookkeeping served from the session or the gateway's own catalog, no upstream work.
 MCP_BOOKKEEPING = {"initialize", "ping", "tools/list", "logging/setLevel", "subscriptions/listen",
                    "completion/complete", "resources/subscribe", "resources/unsubscribe",
@@ -125,7 +127,8 @@ async def test_every_entry_point_is_charged_to_the_callers_key(tmp_path: Any) ->
     ):
         charges = Charges(gw.quotas)
         mcp_path = gw.config.server.mcp.path
-        routes = mounted(gw.faces["app"]) - UNKEYED - {("POST", mcp_path)}
+        routes = {r for r in mounted(gw.faces["app"]) - UNKEYED - {("POST", mcp_path)}
+                  if not r[1].startswith(ADMIN_PREFIXES)}
         assert routes - HTTP.keys() == set(), "a mounted route with no charge check here"
         for (method, path), request in sorted(HTTP.items()):
             assert (method, path) in routes, f"{method} {path} is not mounted any more"

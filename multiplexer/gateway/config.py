@@ -71,6 +71,9 @@ class ServerConfig(Strict):
                     " loaded) from later garbage collections: a full one then walks only newer objects",
     )
     api_keys: dict[str, SecretStr] = Field(default_factory=dict)
+    admin_key: SecretStr | None = Field(
+        default=None, description="the master key of `/admin/` and the dashboard (or sha256:<hex> of"
+        " it; MULTIPLEXER_MASTER_KEY wins); unset: nothing admin is served")
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
     mcp: McpServerConfig = Field(default_factory=McpServerConfig)

@@ -1,0 +1,79 @@
+"""`/admin/...`: the operator's API, every endpoint behind the admin key.
+
+Rooms add their endpoints with ``admin_route``; ``admin_routes`` mounts what the gateway has. An
+admin answer and its errors are JSON in one shape, ``{"error": {"message", "type", "code"}}``."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from multiplexer.access.admin import AdminKey
+from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.version import VERSION
+from multiplexer.gateway.gateway import Gateway
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+STATUS: dict[int, int] = {Code.NOT_FOUND: 404, Code.UNAUTHORIZED: 401, Code.INVALID_PARAMS: 400}
+TYPES = {404: "not_found", 401: "unauthorized", 400: "invalid_request", 403: "forbidden",
+         409: "conflict"}
+
+
+def admin_error(status: int, message: str, detail: Any = None) -> JSONResponse:
+    body: dict[str, Any] = {"message": message, "type": TYPES.get(status, "error"), "code": status}
+    if detail is not None:
+        body["detail"] = detail
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def refusal(error: RpcError) -> JSONResponse:
+    status = STATUS.get(error.code, 400)
+    detail = error.data.get("detail") if isinstance(error.data, dict) else None
+    response = admin_error(status, detail or error.message)
+    if status == 401:
+        response.headers["www-authenticate"] = "Bearer"
+    return response
+
+
+def guarded(admin: AdminKey, endpoint: Endpoint) -> Endpoint:
+    """``endpoint`` answered only for the admin key; a JSON-RPC error raised inside it (bad input)
+    becomes the admin API's 400."""
+
+    async def run(request: Request) -> Response:
+        try:
+            admin.check(request.headers.get("authorization"))
+        except RpcError as e:
+            return refusal(e)
+        try:
+            return await endpoint(request)
+        except RpcError as e:
+            return refusal(e)
+
+    return run
+
+
+def admin_route(admin: AdminKey, path: str, endpoint: Endpoint, methods: list[str]) -> Route:
+    assert path.startswith("/admin/"), path
+    return Route(path, guarded(admin, endpoint), methods=methods)
+
+
+# Each room that serves admin endpoints: (gateway, admin key) -> its routes.
+Mounts = list[Callable[[Gateway, AdminKey], list[BaseRoute]]]
+
+
+def _status(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
+    async def whoami(request: Request) -> Response:
+        return JSONResponse({"admin": True, "version": VERSION})
+
+    return [admin_route(admin, "/admin/whoami", whoami, ["GET"])]
+
+
+MOUNTS: Mounts = [_status]
+
+
+def admin_routes(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
+    return [route for mount in MOUNTS for route in mount(gateway, admin)]
