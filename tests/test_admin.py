@@ -80,3 +80,22 @@ def test_the_admin_key_is_kept_as_a_digest_only() -> None:
     with pytest.raises(RpcError) as off:
         AdminKey(None, environ={}).check(f"Bearer {ADMIN}")
     assert off.value.code == Code.NOT_FOUND
+
+
+def test_a_key_may_be_written_as_its_digest_and_carry_its_team_and_budget() -> None:
+    from multiplexer.faces.auth import Authenticator
+
+    data = {"server": {"api_keys": {"alice": hashed(KEY), "bob": {"key": "bob-key-0123456789",
+                                                                  "team": "red",
+                                                                  "budget_usd": {"daily": "2.5"}}},
+                       "teams": {"red": {"models": ["gpt-*"]}}},
+            "providers": {"e": {"kind": "echo"}}, "routes": {"echo": {"provider": "e"}}}
+    cfg = parse_config(data)
+    auth = Authenticator(cfg.server.api_keys)
+    assert auth.identify(f"Bearer {KEY}") == "alice"
+    assert auth.identify("Bearer bob-key-0123456789") == "bob"
+    with pytest.raises(RpcError):
+        auth.identify(f"Bearer {hashed(KEY)}")  # the digest itself is not a key
+    data["server"]["api_keys"]["bob"]["team"] = "blue"
+    with pytest.raises(Exception, match="no team 'blue'"):
+        parse_config(data)

@@ -6,6 +6,7 @@ depending on config loading (the composition layer), which builds them from YAML
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +22,16 @@ class Quota(Strict):
     batch_calls_per_day: int | None = Field(
         default=None, ge=1,
         description="calls carried by batch jobs (jobs.submit, mode: batch routes) per UTC day")
+
+
+class BudgetUsd(Strict):
+    """A spend cap in US dollars per period (a key's or a team's); unset periods do not cap."""
+
+    daily: Decimal | None = Field(default=None, ge=0, description="reset at midnight in budgets.timezone")
+    monthly: Decimal | None = Field(default=None, ge=0, description="reset on the 1st")
+    total: Decimal | None = Field(default=None, ge=0, description="never reset")
+    alert_at: float | None = Field(default=None, gt=0, le=1,
+                                   description="a share of a period's cap: logged and counted once")
 
 
 class BatchPolicy(Strict):

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from collections.abc import Mapping
 
 from pydantic import SecretStr
 
+from multiplexer.access.entries import KeyEntry, entry
+from multiplexer.access.secrets import digest, given_digest
 from multiplexer.core.errors import Code, RpcError
 
 
 class Authenticator:
-    def __init__(self, api_keys: dict[str, SecretStr]) -> None:
-        self._keys = [(name, key.get_secret_value().encode()) for name, key in api_keys.items()
-                      if key.get_secret_value()]
+    def __init__(self, api_keys: Mapping[str, SecretStr | KeyEntry]) -> None:
+        self._keys = [(name, digest(secret)) for name, value in api_keys.items()
+                      if (secret := entry(value).key.get_secret_value())]
         self.enabled = bool(api_keys)
 
     def identify(self, authorization: str | None) -> str | None:
@@ -26,7 +29,7 @@ class Authenticator:
         if scheme.lower() != "bearer" or not token.strip():
             raise RpcError(Code.UNAUTHORIZED, "Unauthorized",
                            {"detail": "malformed Authorization header"})
-        given = token.strip().encode()
+        given = given_digest(token.strip())
         found = None
         for name, key in self._keys:  # check every key: no early exit timing
             if hmac.compare_digest(given, key):

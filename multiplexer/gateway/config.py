@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 
+from multiplexer.access.entries import KeyEntry, TeamEntry, entry
 from multiplexer.core.paths import ConfigPath, context_for
 from multiplexer.core.policy import (
     ProviderConfig,
@@ -70,7 +71,10 @@ class ServerConfig(Strict):
         description="exempt what is alive once the gateway serves (and once each local model has"
                     " loaded) from later garbage collections: a full one then walks only newer objects",
     )
-    api_keys: dict[str, SecretStr] = Field(default_factory=dict)
+    api_keys: dict[str, SecretStr | KeyEntry] = Field(
+        default_factory=dict, description="name -> the bearer key (or sha256:<hex> of it), or "
+        "{key, team, models, routes, tools, rpm, tpm, concurrency, budget_usd, expires_at, metadata}")
+    teams: dict[str, TeamEntry] = Field(default_factory=dict, description="defaults its keys narrow")
     admin_key: SecretStr | None = Field(
         default=None, description="the master key of `/admin/` and the dashboard (or sha256:<hex> of"
         " it; MULTIPLEXER_MASTER_KEY wins); unset: nothing admin is served")
@@ -87,6 +91,15 @@ class ServerConfig(Strict):
         "within a second more (uvicorn's timeout_keep_alive). Above the 60 s idle timeout of common "
         "clients and load balancers, so they close first: a server closing as a client reuses the "
         "connection loses that request")
+
+    @model_validator(mode="after")
+    def _known_teams(self) -> ServerConfig:
+        for name, value in self.api_keys.items():
+            team = entry(value).team
+            if team is not None and team not in self.teams:
+                raise ValueError(f"api_keys.{name}.team: no team {team!r} in server.teams; "
+                                 + hint(team, self.teams))
+        return self
 
 
 class StoreConfig(Strict):

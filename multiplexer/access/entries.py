@@ -1,0 +1,39 @@
+"""What a key and a team may do, as config and store rows share it.
+
+A key written as a plain string in ``server.api_keys`` is a ``KeyEntry`` with only ``key``; a
+team's settings are the defaults its keys narrow, never widen."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import Field, SecretStr
+
+from multiplexer.core.policy import BudgetUsd, Strict
+
+
+class Access(Strict):
+    models: list[str] | None = Field(default=None, description="glob patterns of models the key may"
+                                     " use (unset: all, or the team's)")
+    routes: list[str] | None = Field(default=None, description="glob patterns of routes (methods)")
+    tools: list[str] | None = Field(default=None, description="glob patterns of MCP tools")
+    rpm: float | None = Field(default=None, gt=0)
+    tpm: float | None = Field(default=None, gt=0)
+    concurrency: int | None = Field(default=None, ge=1)
+    budget_usd: BudgetUsd | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class KeyEntry(Access):
+    key: SecretStr = Field(description="the bearer key, or sha256:<hex> of it")
+    team: str | None = None
+    expires_at: datetime | None = None
+
+
+class TeamEntry(Access):
+    pass
+
+
+def entry(value: SecretStr | KeyEntry) -> KeyEntry:
+    return value if isinstance(value, KeyEntry) else KeyEntry(key=value)
