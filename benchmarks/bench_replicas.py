@@ -24,6 +24,7 @@ import contextlib
 import secrets
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,7 @@ import httpx
 
 from benchmarks._gateway import GatewayProc, gateway, metric_sum
 from benchmarks._procs import child, free_port, percentile, save, table
+from multiplexer.transport.http1 import Http1Transport
 from tests.redis_helpers import OwnRedis
 
 CONFIG = """
@@ -111,7 +113,12 @@ class Load:
         self.urls = urls
         self.n = 0
         self.ok = self.errors = self.lost = 0
-        self.http = httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=1000))
+        self.lost_by: Counter[str] = Counter()
+        self.offered_at = 0.0
+        # the lean transport: httpx's own pool scans every connection per request, and with a few
+        # hundred open it became the slowest part of the run (the client, not the gateways,
+        # set the upstream's rate)
+        self.http = httpx.AsyncClient(timeout=60, transport=Http1Transport(max_connections=1000))
 
     async def call(self, method: str, params: dict[str, Any]) -> bool:
         self.n += 1
@@ -120,8 +127,9 @@ class Load:
             r = await self.http.post(f"{url}/rpc", json={"jsonrpc": "2.0", "id": self.n,
                                                          "method": method, "params": params})
             body = r.json()
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError) as e:
             self.lost += 1  # no answer: the replica died with the call
+            self.lost_by[type(e).__name__] += 1
             return False
         if "result" in body:
             self.ok += 1
@@ -140,6 +148,7 @@ class Load:
                     await anyio.sleep(due - now)
                 tg.start_soon(self.call, method, {"key": f"c{self.n}-{k}", "ms": ms})
                 k += 1
+            self.offered_at = time.monotonic()
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -162,6 +171,38 @@ async def rpm_scenario(up_port: int, up: str, rpm: float, duration: float) -> di
     for v in out.values():
         v["ratio"] = v["window_max"] / one
     return out
+
+
+def per_second(times: list[float], start: float, end: float) -> list[int]:
+    """Upstream requests in each whole second of [start, end)."""
+    counts = [0] * int(end - start)
+    for t in times:
+        k = int(t - start)
+        if 0 <= k < len(counts):
+            counts[k] += 1
+    return counts
+
+
+async def steady_scenario(up_port: int, up: str, rpm: float, duration: float,
+                          concurrency: int = 64) -> dict[str, Any]:
+    """Steady overload (6x the limit) over 3 replicas: after the bucket's first burst drains, the
+    upstream must see the limit's rate (rpm / 60 per second), neither above nor well below."""
+    reset(up)
+    yaml = config(up_port, "redis://127.0.0.1:6379/0", rpm=rpm, timeout_ms=3000,
+                  concurrency=concurrency)
+    with replicas(3, yaml) as gws:
+        load = Load([g.url for g in gws])
+        start = time.monotonic()
+        await load.offer(6 * rpm / 60, duration)
+        end = time.monotonic()
+        offered = load.offered_at
+        await load.aclose()
+    counts = per_second(stats(up)["times"], start, end)
+    last = counts[-10:]
+    return {"limit_per_s": rpm / 60, "last_10s_per_s": sum(last) / len(last), "per_second": counts,
+            "total": sum(counts), "offered": load.n, "ok": load.ok, "refused": load.errors,
+            "lost": load.lost, "lost_by": dict(load.lost_by), "offer_s": offered - start,
+            "run_s": end - start}
 
 
 async def calls(load: Load, c: int, n: int) -> None:
@@ -277,7 +318,7 @@ async def redis_down_scenario(up_port: int, up: str, rpm: float) -> dict[str, An
             "degraded_decisions": degraded_mid, "degraded_after_return": degraded_end - degraded_mid}
 
 
-SCENARIOS = ("latency", "concurrency", "dedup", "kill", "redis_down", "rpm")
+SCENARIOS = ("latency", "concurrency", "dedup", "kill", "redis_down", "rpm", "steady")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -291,6 +332,8 @@ async def main(args: argparse.Namespace) -> None:
             "kill": lambda: kill_scenario(up_port, up, args.lease_s),
             "redis_down": lambda: redis_down_scenario(up_port, up, args.rpm),
             "rpm": lambda: rpm_scenario(up_port, up, args.rpm, args.duration),
+            "steady": lambda: steady_scenario(up_port, up, args.steady_rpm, args.steady_s,
+                                                     args.steady_concurrency),
         }
         for name in SCENARIOS:
             if name in wanted:
@@ -310,6 +353,13 @@ def rows(results: dict[str, Any], args: argparse.Namespace) -> list[list[Any]]:
                     f"({r['3 replicas, in-process']['ratio']:.2f}x)",
                     f"one gateway: {r['one gateway']['window_max']}; the bucket's bound (2 x rpm): "
                     f"{2 * args.rpm:g}; floor 0.95-1.01x"])
+    if (st := results.get("steady")) is not None:
+        rate = st["last_10s_per_s"]
+        out.append([f"rpm {args.steady_rpm:g}, 6x offered, {args.steady_s:g} s: upstream/s over the "
+                    "last 10 s", f"{rate:.1f} ({rate / st['limit_per_s']:.3f}x the limit)", "-",
+                    f"limit {st['limit_per_s']:g}/s, floor 0.95-1.05x; per second: "
+                    f"{st['per_second'][-10:]}; answered {st['ok'] + st['refused']} of "
+                    f"{st['offered']} (lost {st['lost']})"])
     if (c := results.get("concurrency")) is not None:
         out.append(["concurrency 4, 60 callers: most in flight upstream", c["shared"]["max_in_flight"],
                     c["in-process"]["max_in_flight"], "<= 4"])
@@ -338,6 +388,9 @@ if __name__ == "__main__":
     ap.add_argument("--rpm", type=float, default=600)
     ap.add_argument("--duration", type=float, default=60)
     ap.add_argument("--calls", type=int, default=400)
+    ap.add_argument("--steady-rpm", type=float, default=1200)
+    ap.add_argument("--steady-s", type=float, default=30)
+    ap.add_argument("--steady-concurrency", type=int, default=64)
     ap.add_argument("--lease-s", type=float, default=3.0)
     ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SCENARIOS)}")
     anyio.run(main, ap.parse_args())

@@ -54,6 +54,8 @@ class SharedLimiter(RateLimiter):
         self._slot_freed = anyio.Event()
         self._local_in_flight = 0
         self._settle_send, self._settle_recv = anyio.create_memory_object_stream[Permit](math.inf)
+        self._turn = anyio.Lock()  # the one waiter of this replica that asks the shared state
+        self._waiters = 0
 
     # -- what the lane and providers call (sync) ------------------------------------
     def delay(self, requests: int, tokens: int) -> tuple[float, str]:
@@ -99,34 +101,61 @@ class SharedLimiter(RateLimiter):
         return lease
 
     async def _acquire(self, tokens: int, slot: bool, on_wait: OnWait | None) -> Permit:
+        """Ask the shared state at once when none of this replica's callers waits; else queue
+        for the turn. One waiter per replica polls: a waiter each would wake together at every
+        refill and all but one ask again, a herd that grows with the callers and, on a busy
+        machine, stalls the replicas and then lets the saved-up tokens go in a burst."""
         lease_id = self._prefix + str(next(self._ids))
-        spec = self.spec if slot else self._no_slot
+        if not self._waiters:
+            asked = await self._ask(lease_id, tokens, slot)
+            if isinstance(asked, Permit):
+                return asked
+        self._waiters += 1
+        try:
+            async with self._turn:
+                return await self._wait_turn(lease_id, tokens, slot, on_wait)
+        finally:
+            self._waiters -= 1
+
+    async def _ask(self, lease_id: str, tokens: int, slot: bool) -> Permit | tuple[float, str] | None:
+        """One round trip: the permit, or how long to wait and for which limit; None while the
+        shared state is unreachable."""
+        if self.clock.now() < self._down_until:
+            return None
+        try:
+            wait, which = await self.state.acquire(self.name, lease_id, tokens,
+                                                   self.spec if slot else self._no_slot)
+        except StateUnavailable as e:
+            self._degrade(e)
+            return None
+        except BaseException:  # cancelled in the round trip: the slot may be taken already
+            if slot:
+                with anyio.CancelScope(shield=True), contextlib.suppress(StateUnavailable):
+                    await self.state.settle(self.name, lease_id, 0.0, [], self.spec)
+            raise
+        self._share = 0  # it answers: a later outage starts this replica's share empty
+        if wait > 0:
+            return wait, which
+        if slot:
+            self._held.add(lease_id)
+        return Permit(tokens, slot=False, held=slot, id=lease_id, shared=True)
+
+    async def _wait_turn(self, lease_id: str, tokens: int, slot: bool, on_wait: OnWait | None) -> Permit:
         poll = 0.001
         while True:
-            if self.clock.now() >= self._down_until:
-                try:
-                    wait, which = await self.state.acquire(self.name, lease_id, tokens, spec)
-                except StateUnavailable as e:
-                    self._degrade(e)
-                except BaseException:  # cancelled in the round trip: the slot may be taken already
-                    if slot:
-                        with anyio.CancelScope(shield=True), contextlib.suppress(StateUnavailable):
-                            await self.state.settle(self.name, lease_id, 0.0, [], self.spec)
-                    raise
-                else:
-                    self._share = 0  # it answers: a later outage starts this replica's share empty
-                    if wait <= 0:
-                        if slot:
-                            self._held.add(lease_id)
-                        return Permit(tokens, slot=False, held=slot, id=lease_id, shared=True)
-                    if which == "concurrency":  # no telling when a slot frees: look again soon
-                        poll = wait = min(poll * 2, MAX_POLL_S)
-                    if on_wait is not None:
-                        on_wait(which)
-                    await self.clock.sleep_until(self.clock.now() + wait)
-                    continue
-            if await self._acquire_local(tokens, slot, on_wait):
-                return Permit(tokens, slot=False, held=slot, id=lease_id)
+            asked = await self._ask(lease_id, tokens, slot)
+            if isinstance(asked, Permit):
+                return asked
+            if asked is None:
+                if await self._acquire_local(tokens, slot, on_wait):
+                    return Permit(tokens, slot=False, held=slot, id=lease_id)
+                continue
+            wait, which = asked
+            if which == "concurrency":  # no telling when a slot frees: look again soon
+                poll = wait = min(poll * 2, MAX_POLL_S)
+            if on_wait is not None:
+                on_wait(which)
+            await self.clock.sleep_until(self.clock.now() + wait)
 
     def release_soon(self, lease: Permit) -> None:
         """Free the slot now; settle with the shared state off the caller's path (``run``)."""
