@@ -9,7 +9,7 @@ import pytest
 
 from multiplexer.backends.redis_state import RedisState
 from multiplexer.core.call import Call
-from multiplexer.core.clock import MonotonicClock
+from multiplexer.core.clock import ManualClock, MonotonicClock
 from multiplexer.core.quota import Claim
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.state import Learned, LimitSpec
@@ -787,3 +787,86 @@ async def test_each_call_of_an_array_gets_its_own_shared_quota_decision():
     first, second = await quotas.decide([Claim("alice"), Claim("alice")])
     assert first.refusal is None and first.slot == "local"  # decided locally: admitted
     assert isinstance(second.refusal, RpcError) and second.refusal.data["limit"] == "rpm"
+
+
+class Refilling(Unreachable):
+    """A shared rpm bucket with no tokens until the test hands some out; counts the round trips
+    in flight at once."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.asks = self.in_flight = self.most_in_flight = 0
+        self.lease_s = 30.0
+
+    async def acquire(self, provider: str, lease_id: str, *args: object) -> tuple[float, str]:
+        self.asks += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await anyio.sleep(0)
+        self.in_flight -= 1
+        if self.tokens:
+            self.tokens -= 1
+            return 0.0, ""
+        return 0.05, "rpm"
+
+    async def settle(self, *args: object) -> None: ...
+
+
+async def test_one_waiter_per_replica_asks_the_shared_state_while_a_limit_holds():
+    """Forty batches waiting for the shared rpm: one of them asks at each refill, in turn, not
+    all forty (a herd that stalled busy replicas and then let saved-up tokens go in a burst)."""
+    clock = ManualClock()
+    state = Refilling()
+    limiter = SharedLimiter(clock, "p", LimitSpec(rpm=60), state)  # type: ignore[arg-type]
+    got: list[int] = []
+
+    async def one(k: int) -> None:
+        await limiter.acquire(0, slot=False)
+        got.append(k)
+
+    async with anyio.create_task_group() as tg:
+        for k in range(40):
+            tg.start_soon(one, k)
+        await anyio.wait_all_tasks_blocked()
+        first_asks = state.asks
+        for _ in range(3):
+            state.tokens = 1
+            await clock.advance(0.05)
+            await anyio.wait_all_tasks_blocked()
+        assert len(got) == 3 and state.most_in_flight <= 40
+        assert state.asks - first_asks <= 6  # the head asks once per refill (and once more on a win)
+        state.tokens = 10**6
+        await clock.advance(0.05)
+    assert sorted(got) == list(range(40))
+
+
+class TimesOut(Unreachable):
+    """An acquire whose answer is lost to a timeout (it may have taken the slot)."""
+
+    def __init__(self) -> None:
+        self.settled: list[str] = []
+        self.lease_s = 30.0
+
+    async def acquire(self, *args: object) -> tuple[float, str]:
+        from multiplexer.core.state import StateUnavailable
+
+        raise StateUnavailable("timeout")
+
+    async def settle(self, provider: str, lease_id: str, *args: object) -> None:
+        self.settled.append(lease_id)
+
+    def live_replicas(self) -> int:
+        return 1
+
+
+async def test_a_timed_out_acquire_runs_locally_and_its_shared_slot_is_freed_later():
+    """Taken locally, never held in both places: the slot the lost answer may have taken there
+    is freed once the shared state answers again."""
+    state = TimesOut()
+    limiter = SharedLimiter(MonotonicClock(), "p", LimitSpec(concurrency=4), state)  # type: ignore[arg-type]
+    permit = await limiter.acquire(0)
+    assert not permit.shared and state.settled == []
+    await limiter.free_orphans()
+    assert state.settled == [permit.id]
+    await limiter.free_orphans()
+    assert state.settled == [permit.id]  # once

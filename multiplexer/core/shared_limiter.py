@@ -54,6 +54,7 @@ class SharedLimiter(RateLimiter):
         self._slot_freed = anyio.Event()
         self._local_in_flight = 0
         self._settle_send, self._settle_recv = anyio.create_memory_object_stream[Permit](math.inf)
+        self._orphans: set[str] = set()  # slots a timed-out acquire may hold there: freed on return
         self._turn = anyio.Lock()  # the one waiter of this replica that asks the shared state
         self._waiters = 0
 
@@ -126,6 +127,8 @@ class SharedLimiter(RateLimiter):
             wait, which = await self.state.acquire(self.name, lease_id, tokens,
                                                    self.spec if slot else self._no_slot)
         except StateUnavailable as e:
+            if slot:  # a slow answer may have taken the slot there: this call goes locally instead
+                self._orphans.add(lease_id)
             self._degrade(e)
             return None
         except BaseException:  # cancelled in the round trip: the slot may be taken already
@@ -199,9 +202,20 @@ class SharedLimiter(RateLimiter):
             async for lease in self._settle_recv:
                 await self._settle(lease)
 
+    async def free_orphans(self) -> None:
+        """Free the slots that acquires which timed out may have taken (those calls ran on this
+        replica's share instead), once the shared state answers again."""
+        for lease_id in list(self._orphans):
+            try:
+                await self.state.settle(self.name, lease_id, 0.0, [], self.spec)
+            except StateUnavailable:
+                return
+            self._orphans.discard(lease_id)
+
     async def _renew_forever(self) -> None:
         while True:
             await anyio.sleep(self.state.lease_s / 3)
+            await self.free_orphans()
             if self._held:
                 try:
                     await self.state.renew(self.name, list(self._held))
