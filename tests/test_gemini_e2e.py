@@ -72,7 +72,8 @@ async def test_openai_callers_chat_images_tools_and_streams(tmp_path):
     assert whole.choices[0].message.content == "echo: look [1 image(s): image/png]"
     assert whole.usage.prompt_tokens == 1 + 2 and whole.usage.completion_tokens == 5
     assert fake.generated[0]["systemInstruction"] == {"parts": [{"text": "be brief"}]}
-    assert fake.generated[0]["contents"][0]["parts"][1] == {"inlineData": {"mimeType": "image/png", "data": PNG}}
+    image = {"inlineData": {"mimeType": "image/png", "data": PNG}}
+    assert fake.generated[0]["contents"][0]["parts"][1] == image
     assert called.choices[0].finish_reason == "tool_calls"
     assert call.function.name == "lookup" and json.loads(call.function.arguments) == {"q": "the weather"}
     assert "additionalProperties" not in json.dumps(fake.generated[1]["tools"])
@@ -101,10 +102,12 @@ async def test_anthropic_callers_whole_tools_and_stream(tmp_path):
             called = await client.messages.create(model="gemini-test", max_tokens=64, tools=tools,
                                                   messages=[{"role": "user", "content": "call it"}])
             use = called.content[0]
-            answered = await client.messages.create(model="gemini-test", max_tokens=64, tools=tools, messages=[
-                {"role": "user", "content": "call it"},
-                {"role": "assistant", "content": [use.model_dump()]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]}])
+            result = {"type": "tool_result", "tool_use_id": use.id, "content": "42"}
+            answered = await client.messages.create(
+                model="gemini-test", max_tokens=64, tools=tools, messages=[
+                    {"role": "user", "content": "call it"},
+                    {"role": "assistant", "content": [use.model_dump()]},
+                    {"role": "user", "content": [result]}])
             async with client.messages.stream(model="gemini-test", max_tokens=64,
                                               messages=[{"role": "user", "content": "a b c"}]) as stream:
                 pieces = [t async for t in stream.text_stream]
