@@ -113,11 +113,8 @@ class GeminiBatchBackend:
         self.version = version
         self.inline_max = settings.batch_inline_max_bytes
         self.max_requests = settings.batch_max_requests
-        limits = dict(settings.batch_enqueued_tokens)
-        smallest = min(limits.values(), default=None)
-        self.max_bytes = min(settings.batch_max_bytes, FILE_LIMIT,
-                             smallest * 4 if smallest is not None else FILE_LIMIT)
-        self.enqueued = Enqueued(limits, settings.batch_max_jobs, api.ctx.clock,
+        self.max_bytes = min(settings.batch_max_bytes, FILE_LIMIT)
+        self.enqueued = Enqueued(dict(settings.batch_enqueued_tokens), settings.batch_max_jobs, api.ctx.clock,
                                  settings.batch_poll_interval_s)
         self.order: PartOrder | None = None  # the part's custom ids in input order (the job store)
 
