@@ -147,12 +147,12 @@ class GeminiProvider(LlmProvider):
 
     async def execute_now(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
         if operation == "embeddings":
-            return await run_embeddings(self, items)
+            return await run_embeddings(self.api, self.version, self.settings.max_inputs, items)
         return await super().execute_now(operation, items)
 
     async def run_one(self, item: Item) -> Outcome:
         if item.operation == "embeddings":
-            return (await run_embeddings(self, [item]))[0]
+            return (await run_embeddings(self.api, self.version, self.settings.max_inputs, [item]))[0]
         params = item.params
         body = {k: v for k, v in params.items() if k not in ("model", "stream")}
         try:

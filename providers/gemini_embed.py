@@ -9,18 +9,16 @@ request refused as a whole is sent again per caller so the error finds its owner
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params, upstream_error
 
+from .api_client import ApiClient
 from .http_util import batch_deadline
 from .packing import Chunk, pack
-
-if TYPE_CHECKING:
-    from .gemini import GeminiProvider
 
 
 def model_path(model: str) -> str:
@@ -72,7 +70,9 @@ class Vectors:
         return Outcome(result={"embeddings": self.vectors[i]})
 
 
-async def run_embeddings(provider: GeminiProvider, items: Sequence[Item]) -> list[Outcome]:
+async def run_embeddings(api: ApiClient, version: str, max_inputs: int,
+                         items: Sequence[Item]) -> list[Outcome]:
+    """One lane batch of embedding calls (one model: the lane groups them by it)."""
     per_item: list[list[Any]] = []
     bad: dict[int, RpcError] = {}
     for i, item in enumerate(items):
@@ -83,12 +83,12 @@ async def run_embeddings(provider: GeminiProvider, items: Sequence[Item]) -> lis
             bad[i] = e
     single = [not isinstance(item.params.get("requests"), list) for item in items]
     model = items[0].params["model"]
-    path = provider.path(model, ":batchEmbedContents")
+    path = f"{version}/{model_path(model)}:batchEmbedContents"
     vectors = Vectors(per_item, single)
 
     async def send(chunk: Chunk, owners: Sequence[Item], split_on_400: bool) -> None:
         try:
-            body = await provider.api.json("POST", path, json={"requests": chunk.inputs}, idempotent=True,
+            body = await api.json("POST", path, json={"requests": chunk.inputs}, idempotent=True,
                                            deadline=batch_deadline(owners))
         except RpcError as e:
             if split_on_400 and e.code == Code.UPSTREAM_ERROR and (e.data or {}).get(
@@ -103,13 +103,13 @@ async def run_embeddings(provider: GeminiProvider, items: Sequence[Item]) -> lis
             return
         embeddings = body.get("embeddings")
         if not isinstance(embeddings, list) or len(embeddings) != len(chunk.inputs):
-            vectors.fail(chunk, upstream_error(provider.name, "malformed batchEmbedContents response: "
+            vectors.fail(chunk, upstream_error(api.name, "malformed batchEmbedContents response: "
                                                f"expected {len(chunk.inputs)} embeddings"))
             return
         vectors.add(chunk, embeddings)
 
     async with anyio.create_task_group() as tg:
-        for chunk in pack(per_item, provider.settings.max_inputs, None):
+        for chunk in pack(per_item, max_inputs, None):
             owners = [items[s.item] for s in chunk.spans]
             tg.start_soon(send, chunk, owners, len(chunk.spans) > 1)
     return [Outcome.fail(bad[i]) if i in bad else vectors.outcome(i) for i in range(len(items))]
