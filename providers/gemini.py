@@ -84,11 +84,12 @@ def no_limits(headers: Any, wall: Any) -> list[Observation]:
 
 def native_tokens(params: dict[str, Any]) -> int:
     """A generateContent body's estimate: its text plus the output budget."""
-    texts = []
+    texts: list[Any] = []
     for turn in [*(params.get("contents") or []), params.get("systemInstruction")]:
         parts = turn.get("parts") if isinstance(turn, dict) else None
         texts.extend(p.get("text") for p in parts or [] if isinstance(p, dict))
-    prompt = sum(text_tokens(t) for t in texts if isinstance(t, str)) + 4 * len(params.get("contents") or [])
+    prompt = 4 * len(params.get("contents") or [])
+    prompt += sum(text_tokens(t) for t in texts if isinstance(t, str))
     config = params.get("generationConfig")
     budget = config.get("maxOutputTokens") if isinstance(config, dict) else None
     return prompt + (budget if isinstance(budget, int) and not isinstance(budget, bool) else 0)

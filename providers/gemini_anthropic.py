@@ -175,7 +175,8 @@ def messages_stream(body: dict[str, Any]) -> ChunkConverter:
     grows by ``text_delta``s, a block per tool call, then ``message_delta`` and ``message_stop``
     once a chunk carries the finish reason."""
     message_id = "msg_" + uuid.uuid4().hex[:24]
-    state: dict[str, Any] = {"started": False, "open": None, "index": 0, "called": False, "done": False}
+    state: dict[str, Any] = {"started": False, "open": None, "index": 0, "called": False, "done": False,
+                             "usage": None}
 
     def close_block(out: list[dict[str, Any]]) -> None:
         if state["open"] is not None:
@@ -188,6 +189,8 @@ def messages_stream(body: dict[str, Any]) -> ChunkConverter:
             return [chunk]
         if state["done"]:
             return []
+        if isinstance(chunk.get("usageMetadata"), dict):  # each chunk may say it; the last one counts
+            state["usage"] = chunk["usageMetadata"]
         out: list[dict[str, Any]] = []
         if not state["started"]:
             state["started"] = True
@@ -221,9 +224,10 @@ def messages_stream(body: dict[str, Any]) -> ChunkConverter:
         if reason is not None:
             close_block(out)
             state["done"] = True
+            output = message_usage({"usageMetadata": state["usage"]})["output_tokens"]
             out.append({"type": "message_delta",
                         "delta": {"stop_reason": stop_reason(reason, state["called"]), "stop_sequence": None},
-                        "usage": {"output_tokens": message_usage(chunk)["output_tokens"]}})
+                        "usage": {"output_tokens": output}})
             out.append({"type": "message_stop"})
         return out
 

@@ -81,7 +81,7 @@ def _contents(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
         elif role == "user":
             contents.append({"role": "user", "parts": _user_parts(m.get("content"), where)})
         elif role == "assistant":
-            parts = [{"text": t} for t in [_text(m.get("content"))] if t]
+            parts: list[dict[str, Any]] = [{"text": t} for t in [_text(m.get("content"))] if t]
             for call in m.get("tool_calls") or []:
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -212,11 +212,13 @@ def chat_stream(body: dict[str, Any]) -> ChunkConverter:
     want_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     base = {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "object": "chat.completion.chunk",
             "created": int(time.time()), "model": body.get("model"), "system_fingerprint": None}
-    state = {"first": True, "calls": 0}
+    state: dict[str, Any] = {"first": True, "calls": 0, "usage": None}
 
     def convert(chunk: dict[str, Any]) -> list[dict[str, Any]]:
         if "error" in chunk:
             return [chunk]
+        if isinstance(chunk.get("usageMetadata"), dict):  # each chunk may say it; the last one counts
+            state["usage"] = chunk["usageMetadata"]
         cand = candidate(chunk)
         parts = parts_of(cand)
         delta: dict[str, Any] = {}
@@ -236,7 +238,7 @@ def chat_stream(body: dict[str, Any]) -> ChunkConverter:
                                              "finish_reason": finish_reason(reason, state["calls"] > 0)}]})
             state["first"] = False
         if reason is not None and want_usage:
-            out.append({**base, "choices": [], "usage": chat_usage(chunk)})
+            out.append({**base, "choices": [], "usage": chat_usage({"usageMetadata": state["usage"]})})
         return out
 
     return convert

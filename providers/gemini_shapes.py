@@ -138,15 +138,15 @@ def usage_numbers(result: Any) -> tuple[int, int, int, int] | None:
             n("cachedContentTokenCount"), thoughts)
 
 
-def usage_total(result: Any) -> int | None:
+def usage_total(body: Any) -> int | None:
     """Tokens a response says it used (``totalTokenCount``, else the sum of its parts)."""
-    meta = result.get("usageMetadata") if isinstance(result, dict) else None
+    meta = body.get("usageMetadata") if isinstance(body, dict) else None
     if not isinstance(meta, dict):
         return None
     total = meta.get("totalTokenCount")
     if isinstance(total, int):
         return total
-    numbers = usage_numbers(result)
+    numbers = usage_numbers(body)
     return None if numbers is None else numbers[0] + numbers[1]
 
 

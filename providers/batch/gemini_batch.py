@@ -210,7 +210,8 @@ class GeminiBatchBackend:
         if not word and op.get("done"):
             word = "FAILED" if isinstance(error, dict) else "SUCCEEDED"
         terminal = TERMINAL.get(word)
-        stats = meta.get("batchStats") if isinstance(meta.get("batchStats"), dict) else {}
+        stats = meta.get("batchStats")
+        stats = stats if isinstance(stats, dict) else {}
         counts = {k: int(v) for k, v in stats.items() if str(v).isdigit()}
         detail = str(error.get("message")) if isinstance(error, dict) and error.get("message") else None
         if terminal is None:
@@ -242,9 +243,9 @@ class GeminiBatchBackend:
         for pos, row in enumerate(inlined):
             if not isinstance(row, dict):
                 continue
-            meta = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
-            key = meta.get("key") if isinstance(meta.get("key"), str) else (
-                keys[pos] if pos < len(keys) else None)
+            meta = row.get("metadata")
+            echoed = meta.get("key") if isinstance(meta, dict) else None
+            key = echoed if isinstance(echoed, str) else (keys[pos] if pos < len(keys) else None)
             if key is None:
                 log.warning("%s: an inline result of %s matches no request", self.name, status.remote_id)
                 continue
