@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 
+import anyio
 import pytest
 
 from multiplexer.core.errors import Code, RpcError
@@ -197,3 +198,52 @@ async def test_cancel_a_job_cancels_the_remote_batch(tmp_path):
             status = await client.call("jobs.status", {"job_id": job["job_id"]})
     assert status["state"] == "cancelled"
     assert next(iter(fake.batches.values()))["state"] == "CANCELLED"
+
+
+def rows_of(file) -> list[dict]:
+    return [json.loads(x) for x in file.content.splitlines()]
+
+
+async def test_openai_batch_files_and_anthropic_message_batches_on_gemini_routes(tmp_path):
+    """/v1/batches lines and /v1/messages/batches requests for Gemini models: translated per line,
+    run through their routes (the batch route's on Gemini's Batch API), answered in the caller's
+    API, failed lines in the error file."""
+    rows = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "gemini-batch", "messages": [{"role": "user", "content": f"question {i}"}]}}
+            for i in range(4)]
+    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": "gemini-batch", "messages": [{"role": "user", "content": "please FAIL"}]}})
+    content = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    async with gemini_fake() as (fake, url):
+        config = parse_config(gemini_config(url, tmp_path))
+        async with running(config, port=0) as (_, gw):
+            client = openai.AsyncOpenAI(base_url=gw + "/v1", api_key="x", max_retries=0)
+            upload = await client.files.create(file=("in.jsonl", content), purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h")
+            with anyio.fail_after(30):
+                while (batch := await client.batches.retrieve(batch.id)).status not in (
+                        "completed", "failed", "cancelled", "expired"):
+                    await anyio.sleep(0.02)
+            out = rows_of(await client.files.content(batch.output_file_id))
+            errors = rows_of(await client.files.content(batch.error_file_id))
+            await client.close()
+            claude = anthropic.AsyncAnthropic(base_url=gw, api_key="x", max_retries=0)
+            made = await claude.messages.batches.create(requests=[
+                {"custom_id": f"m{i}", "params": {"model": "gemini-test", "max_tokens": 16,
+                                                  "messages": [{"role": "user", "content": f"hi {i}"}]}}
+                for i in range(2)])
+            with anyio.fail_after(30):
+                while (made := await claude.messages.batches.retrieve(made.id)).processing_status != "ended":
+                    await anyio.sleep(0.02)
+            results = {r.custom_id: r.result async for r in await claude.messages.batches.results(made.id)}
+            await claude.close()
+    assert batch.status == "completed" and batch.request_counts.completed == 4
+    answers = {r["custom_id"]: r["response"]["body"] for r in out}
+    assert {k: v["choices"][0]["message"]["content"] for k, v in answers.items()} == {
+        f"q{i}": f"echo: question {i}" for i in range(4)}
+    assert answers["q0"]["object"] == "chat.completion" and answers["q0"]["usage"]["total_tokens"] == 5
+    assert errors[0]["custom_id"] == "bad" and errors[0]["response"]["status_code"] == 400
+    texts = {k: r.message.content[0].text for k, r in results.items()}
+    assert texts == {"m0": "echo: hi 0", "m1": "echo: hi 1"}
+    assert len(fake.batches) == 1  # the batch route's lines went up as one Gemini batch
