@@ -129,7 +129,8 @@ class GeminiProvider(LlmProvider):
         requests = embed_requests(params, model)
         rest = {k: v for k, v in params.items() if k not in ("model", "requests", "content")}
         item.group = ("embeddings", model, tuple(sorted((k, repr(v)) for k, v in rest.items())))
-        self.charge(route, item, sum(text_tokens(content_text(r["content"].get("parts"))) for r in requests))
+        item.options["mode"] = route.mode  # run live even on a batch route (execute): charged live
+        item.tokens = sum(text_tokens(content_text(r["content"].get("parts"))) for r in requests)
 
     def idempotent(self, item: Item) -> bool:
         return item.operation == "embeddings" or super().idempotent(item)

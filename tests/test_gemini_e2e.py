@@ -184,6 +184,24 @@ async def test_expired_batch_resubmits_once_then_fails_clearly(tmp_path):
     assert len(fake.batches) == 2  # the original and one resubmission
 
 
+async def test_a_job_mixing_chat_and_embeddings_sends_only_the_chat_calls_to_the_batch_api(tmp_path):
+    async with gemini_fake() as (fake, url):
+        config = parse_config(gemini_config(url, tmp_path))
+        events = Events()
+        async with running(config, port=0) as (g, gw), Client(gw) as client:
+            g.listeners.append(events)
+            job = await client.call("jobs.submit", {"calls": [
+                {"method": "gbatch", "params": native("c0")},
+                {"method": "gembed", "params": {"content": {"parts": [{"text": "abc"}]}}},
+                {"method": "gbatch", "params": native("c1")}]})
+            await events.wait("batch_job_ended")
+            page = await client.call("jobs.results", {"job_id": job["job_id"]})
+    results = [r["result"] for r in page["results"]]
+    assert gemini_text(results[0]) == "echo: c0" and gemini_text(results[2]) == "echo: c1"
+    assert results[1] == {"embedding": {"values": [3.0, 0.0]}}
+    assert len(fake.batches) == 1 and sum(len(b["requests"]) for b in fake.batches.values()) == 2
+
+
 async def test_cancel_a_job_cancels_the_remote_batch(tmp_path):
     async with gemini_fake(polls_to_complete=10**9) as (fake, url):
         config = parse_config(gemini_config(url, tmp_path))
