@@ -385,3 +385,24 @@ async def test_cancel_reaches_the_remote_batch(tmp_path):
             await p.jobs.cancel(job_id)
     assert all(o.error.code == Code.CANCELLED for o in results)
     assert api.ops["batches/b1"]["state"] == "CANCELLED"
+
+
+async def test_a_cancel_stops_a_part_waiting_for_enqueued_tokens_before_its_create(tmp_path):
+    p = provider(tmp_path, batch_max_requests=1, batch_enqueued_tokens={"*": 10})
+    with respx.mock(base_url=BASE, assert_all_called=False) as mock:
+        api = BatchApi(mock, ["CANCELLED", "CANCELLED"], polls=10**9)
+        async with started(p), anyio.create_task_group() as tg:
+            results: list[Any] = []
+
+            async def run() -> None:
+                results.extend(await p.execute("chat", chats(p, ["a", "b"])))
+
+            tg.start_soon(run)
+            while not api.creates:
+                await anyio.sleep(0.01)
+            st = p.jobs.store()
+            job_id = (await st.run(st.open_parts, "p"))[0].job_id
+            await st.run(st.set_job_state, job_id, "cancelling")
+            await p.jobs.cancel(job_id)
+    assert [o.error.code for o in results] == [Code.CANCELLED, Code.CANCELLED]
+    assert len(api.creates) == 1  # the waiting part was never created

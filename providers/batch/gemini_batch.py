@@ -32,6 +32,7 @@ MAX_LIST_PAGES = 20
 FILE_LIMIT = 2 * 1024 ** 3
 
 PartOrder = Callable[[str], Awaitable[list[str]]]
+PartStopped = Callable[[str], Awaitable[bool]]
 
 
 def state_word(raw: Any) -> str:
@@ -117,6 +118,7 @@ class GeminiBatchBackend:
         self.enqueued = Enqueued(dict(settings.batch_enqueued_tokens), settings.batch_max_jobs, api.ctx.clock,
                                  settings.batch_poll_interval_s)
         self.order: PartOrder | None = None  # the part's custom ids in input order (the job store)
+        self.stopped: PartStopped | None = None  # whether the part's job was cancelled
 
     def split_key(self, operation: str, params: dict[str, Any]) -> Hashable:
         return (operation, str(params.get("model", "")).removeprefix("models/"))
@@ -127,7 +129,9 @@ class GeminiBatchBackend:
         model = requests[0][0].removeprefix("models/")
         size = sum(len(i.body) for i in items)
         tokens = max(1, size // 4)
-        key = await self.enqueued.reserve(model, tokens)
+        stopped = self.stopped
+        key = await self.enqueued.reserve(
+            model, tokens, None if stopped is None else lambda: stopped(part_id))
         try:
             if size <= self.inline_max:
                 source: dict[str, Any] = {"requests": {"requests": [

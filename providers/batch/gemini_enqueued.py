@@ -12,11 +12,13 @@ are counted again as soon as they are polled.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
 
 from multiplexer.core.clock import Clock
+from multiplexer.core.errors import cancelled
 
 
 @dataclass(slots=True)
@@ -48,12 +50,16 @@ class Enqueued:
         held = self.held(model)
         return limit is None or held == 0 or held + tokens <= limit
 
-    async def reserve(self, model: str, tokens: int) -> str:
-        """Wait until the part fits; its reservation's key (``bind`` it to the remote id)."""
+    async def reserve(self, model: str, tokens: int,
+                      stopped: Callable[[], Awaitable[bool]] | None = None) -> str:
+        """Wait until the part fits; its reservation's key (``bind`` it to the remote id). A part
+        whose job was cancelled meanwhile (``stopped``) stops waiting with a cancelled error."""
         while not self.fits(model, tokens):
             if self._changed.is_set():
                 self._changed = anyio.Event()
             await self.clock.wait_event(self._changed, self.clock.now() + self.recheck_s)
+            if stopped is not None and await stopped():
+                raise cancelled("batch job cancelled")
         self._n += 1
         key = f"reserved-{self._n}"
         self.running[key] = Held(model, tokens)

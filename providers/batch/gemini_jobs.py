@@ -29,10 +29,16 @@ class GeminiJobManager(JobManager):
         super().__init__(ctx, settings, backend, sync)
         if isinstance(self.backend, GeminiBatchBackend):
             self.backend.order = self.part_order
+            self.backend.stopped = self.part_stopped
 
     async def part_order(self, part_id: str) -> list[str]:
         st = self.store()
         return [row.custom_id for row in await st.run(st.part_items, part_id)]
+
+    async def part_stopped(self, part_id: str) -> bool:
+        st = self.store()
+        part = await st.run(st.part, part_id)
+        return part is None or await self._cancelling(part.job_id)
 
     async def _drive_part(self, part_id: str) -> None:
         if self.backend is not None:
