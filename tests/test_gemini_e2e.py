@@ -265,3 +265,15 @@ async def test_openai_batch_files_and_anthropic_message_batches_on_gemini_routes
     texts = {k: r.message.content[0].text for k, r in results.items()}
     assert texts == {"m0": "echo: hi 0", "m1": "echo: hi 1"}
     assert len(fake.batches) == 1  # the batch route's lines went up as one Gemini batch
+
+
+async def test_the_enqueued_token_limit_is_a_flushing_limit_not_a_429(tmp_path):
+    """The fake refuses a create beyond 3 enqueued words per model; with the tier's limit set the
+    gateway holds each part back until the one before has ended, so no create is refused (without
+    it, this run meets nine 429s)."""
+    async with gemini_fake(enqueued_token_limit=3) as (fake, url):
+        data = gemini_config(url, tmp_path, batch_max_requests=3, batch_enqueued_tokens={"gemini-test": 100})
+        async with running(parse_config(data), port=0) as (_, gw), Client(gw) as client:
+            results = await client.call_many([("gbatch", native(f"p{i}")) for i in range(9)])
+    assert [gemini_text(r) for r in results] == [f"echo: p{i}" for i in range(9)]
+    assert len(fake.batches) == 3 and fake.statuses[429] == 0
