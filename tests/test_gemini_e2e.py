@@ -202,8 +202,8 @@ async def test_a_job_mixing_chat_and_embeddings_sends_only_the_chat_calls_to_the
     assert len(fake.batches) == 1 and sum(len(b["requests"]) for b in fake.batches.values()) == 2
 
 
-async def test_cancel_a_job_cancels_the_remote_batch(tmp_path):
-    async with gemini_fake(polls_to_complete=10**9) as (fake, url):
+async def test_cancel_a_job_cancels_the_remote_batch_and_keeps_what_ran(tmp_path):
+    async with gemini_fake(polls_to_complete=10**9, cancel_after_items=1) as (fake, url):
         config = parse_config(gemini_config(url, tmp_path))
         events = Events()
         async with running(config, port=0) as (g, gw), Client(gw) as client:
@@ -214,7 +214,11 @@ async def test_cancel_a_job_cancels_the_remote_batch(tmp_path):
             await client.call("jobs.cancel", {"job_id": job["job_id"]})
             await events.wait("batch_job_ended")
             status = await client.call("jobs.status", {"job_id": job["job_id"]})
+            page = await client.call("jobs.results", {"job_id": job["job_id"]})
     assert status["state"] == "cancelled"
+    assert gemini_text(page["results"][0]["result"]) == "echo: c0"  # it ran before the cancel
+    assert [r["status"] for r in page["results"]] == ["succeeded", "failed", "failed"]
+    assert page["results"][1]["error"]["code"] == Code.CANCELLED
     assert next(iter(fake.batches.values()))["state"] == "CANCELLED"
 
 
