@@ -13,6 +13,7 @@ KINDS: dict[str, str] = {
     "mcp": "providers.mcp:McpProvider",
     "openai": "providers.openai:OpenAIProvider",
     "anthropic": "providers.anthropic:AnthropicProvider",
+    "gemini": "providers.gemini:GeminiProvider",
     "local": "providers.local:LocalProvider",
     "echo": "providers.echo:EchoProvider",
     "mock": "providers.mock:MockProvider",

@@ -7,7 +7,7 @@ Needs the asyncio backend (uvicorn is asyncio-only).
     python -m tests.fakes.serve openai --port 8001
     python -m tests.fakes.serve --config config/remote.example.yaml   # every fake it points at
 
-With `--config`, each `openai` or `anthropic` provider whose `base_url` is on this machine gets
+With `--config`, each `openai`, `anthropic` or `gemini` provider whose `base_url` is on this machine gets
 the fake of its kind on the port the URL names; each prints `fake <kind> API on <url>` once it
 accepts connections.
 """
@@ -43,11 +43,11 @@ async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> Asy
 
 
 def fakes_for(config: Config) -> list[tuple[str, str, int]]:
-    """(kind, host, port) of each fake the config's openai/anthropic providers point at locally."""
+    """(kind, host, port) of each fake the config's openai/anthropic/gemini providers point at locally."""
     found = []
     for pconf in config.providers.values():
         url = urlsplit(str(pconf.extra.get("base_url", "")))
-        if pconf.kind in ("openai", "anthropic") and url.hostname in LOCAL_HOSTS and url.port:
+        if pconf.kind in ("openai", "anthropic", "gemini") and url.hostname in LOCAL_HOSTS and url.port:
             found.append((pconf.kind, url.hostname, url.port))
     return found
 
@@ -55,6 +55,8 @@ def fakes_for(config: Config) -> list[tuple[str, str, int]]:
 def _app(kind: str, args: argparse.Namespace) -> ASGIApp:
     if kind == "openai":
         from tests.fakes.openai_fake import create_app
+    elif kind == "gemini":
+        from tests.fakes.gemini_fake import create_app  # type: ignore[assignment]
     else:
         from tests.fakes.anthropic_fake import create_app  # type: ignore[assignment]
     app = create_app()
@@ -77,7 +79,7 @@ async def _serve(targets: list[tuple[str, str, int]], args: argparse.Namespace) 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.fakes.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("provider", nargs="?", choices=["openai", "anthropic"])
+    parser.add_argument("provider", nargs="?", choices=["openai", "anthropic", "gemini"])
     parser.add_argument("--config", help="start the fakes this gateway config points at instead")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")

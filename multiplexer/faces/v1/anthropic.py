@@ -11,7 +11,7 @@ from starlette.types import Receive, Scope, Send
 from multiplexer.core.call import Call
 from multiplexer.core.errors import RpcError
 from multiplexer.faces.v1.common import Surface, message_of
-from multiplexer.faces.v1.endpoint import Endpoint, named_event
+from multiplexer.faces.v1.endpoint import Endpoint, converted, named_event
 from multiplexer.faces.v1.requests import MESSAGES, plan, stream_flag
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -56,10 +56,13 @@ class Messages(Endpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, params, _ = plan(self.v1, MESSAGES, body)
+        name, params, shape = plan(self.v1, MESSAGES, body)
         call = Call(name, params, identity=identity)
         if not stream_flag(body):
-            await self.answer(call, scope, receive, send, headers)
+            await self.answer(call, scope, receive, send, headers, shape)
             return
-        await self.stream(call, scope, receive, send, headers, named_event,
+        translation = self.v1.translation(name, MESSAGES)  # another API's stream, as Anthropic's events
+        encode = named_event if translation is None or translation.stream is None else \
+            converted(translation.stream(body), named_event)
+        await self.stream(call, scope, receive, send, headers, encode,
                           lambda e: anthropic_error(e.status, e.error, e.param, e.code))

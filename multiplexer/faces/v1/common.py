@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params, invalid_request
+from multiplexer.core.foreign import Translates, Translation
 from multiplexer.core.jsonrpc import dumps, loads
 from multiplexer.core.policy import RouteConfig
 from multiplexer.faces.auth import Authenticator
@@ -116,6 +117,12 @@ class V1:
             ctx = getattr(provider, "ctx", None)  # a stand-in made without one (tests) has none
             found = self._serves[name] = type(provider).answers(route, getattr(ctx, "settings", None))
         return found
+
+    def translation(self, name: str, endpoint: str) -> Translation | None:
+        """How route ``name``'s provider takes ``endpoint``'s body, when its own API differs
+        (the ``Translates`` capability: Gemini); None when it takes the body as it is."""
+        provider = self.gateway.providers[self.gateway.config.routes[name].provider]
+        return provider.translation(endpoint) if isinstance(provider, Translates) else None
 
     def require_operation(self, name: str, operation: str, model: Any, what: str) -> None:
         """400 unless route ``name``'s provider has an upstream path for ``operation`` (an endpoint

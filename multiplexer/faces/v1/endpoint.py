@@ -137,6 +137,12 @@ def data_event(chunk: dict[str, Any]) -> bytes:
     return b"data: " + dumps(chunk) + b"\n\n"
 
 
+def converted(convert: Callable[[dict[str, Any]], list[dict[str, Any]]],
+              encode: Callable[[dict[str, Any]], bytes]) -> Callable[[dict[str, Any]], bytes]:
+    """An encoder of a translated stream: each upstream chunk as the caller's API's events."""
+    return lambda chunk: b"".join(encode(event) for event in convert(chunk))
+
+
 def named_event(chunk: dict[str, Any]) -> bytes:
     """Anthropic's format: the event name is the chunk's ``type``, which the SDK dispatches on."""
     return b"event: " + str(chunk.get("type", "message")).encode() + b"\ndata: " + dumps(chunk) + b"\n\n"

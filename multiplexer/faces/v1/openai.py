@@ -15,7 +15,7 @@ from multiplexer.core.call import Call
 from multiplexer.core.errors import RpcError
 from multiplexer.faces.reply import Reply, whole_reply
 from multiplexer.faces.v1.common import Surface, message_of, send_json
-from multiplexer.faces.v1.endpoint import Endpoint, data_event, named_event
+from multiplexer.faces.v1.endpoint import Endpoint, converted, data_event, named_event
 from multiplexer.faces.v1.local_chat import chunk_encoder, completion_encoder, response_encoder
 from multiplexer.faces.v1.requests import (
     CHAT,
@@ -75,7 +75,11 @@ class Generation(Endpoint):
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers, shape)
             return
-        encode = self.remote if shape is None else type(self).local(body)
+        translation = self.v1.translation(name, self.endpoint)
+        if translation is not None and translation.stream is not None:
+            encode = converted(translation.stream(body), self.remote)
+        else:
+            encode = self.remote if shape is None else type(self).local(body)
         await self.stream(call, scope, receive, send, headers, encode, lambda e: self.error_body(
             e.status, e.error, e.param, e.code), tail=self.tail)
 
@@ -120,8 +124,8 @@ class Embeddings(Endpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, params, _ = plan(self.v1, EMBEDDINGS, body)
-        await self.answer(Call(name, params, identity=identity), scope, receive, send, headers)
+        name, params, shape = plan(self.v1, EMBEDDINGS, body)
+        await self.answer(Call(name, params, identity=identity), scope, receive, send, headers, shape)
 
 
 class Models(Endpoint):

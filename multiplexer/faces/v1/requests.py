@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from multiplexer.core.errors import invalid_params
+from multiplexer.core.errors import RpcError, invalid_params
+from multiplexer.core.foreign import Translation
 from multiplexer.faces.v1.common import V1, HttpError
 from multiplexer.faces.v1.local_chat import (
     chat_params,
@@ -41,6 +42,9 @@ def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, An
     """(route name, params, result shaper or None) for a body sent to ``endpoint``."""
     name, route = v1.route_for(body.get("model"))
     serves = v1.serves(name)
+    translation = v1.translation(name, endpoint)
+    if translation is not None and serves == translation.operation:
+        return name, *translated(translation, v1.params_for(body, name, route), body)
     if serves not in OPERATIONS[endpoint]:
         what = endpoint.removeprefix("/v1/").replace("/", " ")
         raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
@@ -55,6 +59,17 @@ def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, An
         operation, what = _OTHER[endpoint]
         v1.require_operation(name, operation, body.get("model"), what)
     return name, params, None
+
+
+def translated(translation: Translation, params: dict[str, Any],
+               body: dict[str, Any]) -> tuple[dict[str, Any], Shape]:
+    """The body in the provider's own API, and the shaper of its result back (``core/foreign``)."""
+    try:
+        native = translation.params(params)
+    except RpcError as e:
+        param = (e.data or {}).get("param")
+        raise HttpError(400, e, param=param if isinstance(param, str) else None) from None
+    return native, lambda result: translation.result(result, body)
 
 
 def operation_for(endpoint: str, shape: Shape | None) -> str | None:
