@@ -13,6 +13,8 @@ KINDS: dict[str, str] = {
     "mcp": "providers.mcp:McpProvider",
     "openai": "providers.openai:OpenAIProvider",
     "anthropic": "providers.anthropic:AnthropicProvider",
+    "azure_openai": "providers.azure_openai:AzureOpenAIProvider",
+    "mistral": "providers.mistral:MistralProvider",
     "local": "providers.local:LocalProvider",
     "echo": "providers.echo:EchoProvider",
     "mock": "providers.mock:MockProvider",

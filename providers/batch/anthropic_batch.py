@@ -60,11 +60,15 @@ def _created(batch: dict[str, Any]) -> float | None:
 
 
 class AnthropicBatchBackend:
+    operations = frozenset({"messages", "count_tokens"})  # one batch may mix them (no split key)
+
     def __init__(self, api: ApiClient, settings: BatchApiSettings) -> None:
         self.api = api
         self.name = api.name
-        self.max_requests = min(settings.batch_max_requests, 100_000)
-        self.max_bytes = min(settings.batch_max_bytes, 256 * 1024 * 1024)
+        self.max_requests, self.max_bytes = settings.batch_limits(100_000, 256 * 1024 * 1024)
+        opts = settings.batch_options
+        self.max_enqueued_tokens = opts.max_enqueued_tokens
+        self.max_active_batches = opts.max_active_batches
 
     def split_key(self, operation: str, params: dict[str, Any]) -> Hashable:
         return None  # one batch may mix models

@@ -35,6 +35,17 @@ COLLECT_TRIES = 5
 FLUSH_EVERY = 1000
 
 
+QUOTA_CODES = frozenset({"token_limit_exceeded"})  # Azure: enqueued tokens over the quota
+
+
+def _over_quota(error: RpcError) -> bool:
+    """The vendor refused a create because its batch quota is full now (Azure fails fast with
+    400 ``token_limit_exceeded``): the part waits and tries again, it is not rejected."""
+    data = error.data or {}
+    return data.get("upstream_code") in QUOTA_CODES or any(
+        code in str(data.get("detail", "")) for code in QUOTA_CODES)
+
+
 def _rejected(error: RpcError) -> bool:
     """The upstream refused the submission outright: trying again will not help."""
     status = (error.data or {}).get("upstream_status")
@@ -103,7 +114,7 @@ class PartDriver:
         part = await st.run(st.part, part_id)
         if part is None or part.state == "done":
             return
-        if self.backend is None:
+        if self.backend is None or not await self._batchable(part):
             await self._run_sync(part)
             return
         remote = part.remote_id if part.state == "submitted" else await self._submit(part)
@@ -112,6 +123,44 @@ class PartDriver:
         status = await self._wait_terminal(part, remote)
         if status is not None:
             await self._collect(part, status)
+
+    async def _batchable(self, part: PartRow) -> bool:
+        """Whether the vendor's batches carry the part's operation (one per part: the split key
+        holds it); one it has no batch endpoint for runs through the synchronous calls."""
+        assert self.backend is not None
+        if part.state == "submitted" and part.remote_id == "sync":
+            return False
+        st = self.store()
+        operation = await st.run(st.part_operation, part.id)
+        return operation is None or operation in self.backend.operations
+
+    async def _room(self, part: PartRow) -> bool:
+        """Wait until the vendor's quotas have room for the part: batches not yet ended
+        (``max_active_batches``) and their enqueued tokens per model (``max_enqueued_tokens``),
+        counted in the job store, so every replica sees the same. False: cancelled meanwhile.
+        A part alone over the token quota goes when nothing else is queued (planning keeps
+        parts under it)."""
+        assert self.backend is not None
+        max_active, max_tokens = self.backend.max_active_batches, self.backend.max_enqueued_tokens
+        if max_active is None and max_tokens is None:
+            return True
+        st = self.store()
+        waited = False
+        while True:
+            active, queued, mine = await st.run(st.enqueued, self.name, part.id)
+            if (max_active is None or active < max_active) and (
+                    max_tokens is None or queued == 0 or queued + mine <= max_tokens):
+                if waited:
+                    log.info("%s: batch part %s has room now", self.name, part.id)
+                return True
+            if await self._cancelling(part.job_id):
+                return False
+            if not waited:
+                waited = True
+                self.ctx.metrics.events.labels(self.name, "batch_waits_for_quota").inc()
+                log.info("%s: batch part %s waits for the vendor's quota (%d batch(es), %d tokens "
+                         "queued; this part %d)", self.name, part.id, active, queued, mine)
+            await self._sleep(self.settings.batch_poll_interval_s)
 
     async def _sleep(self, seconds: float) -> None:
         await self.ctx.clock.sleep_until(self.ctx.clock.now() + seconds)
@@ -135,9 +184,13 @@ class PartDriver:
         assert self.backend is not None
         st = self.store()
         last: RpcError | None = None
-        for tries in range(SUBMIT_TRIES):
-            if tries:
+        tries = over_quota = 0
+        pause = False
+        while tries < SUBMIT_TRIES:  # a full quota (over_quota) waits without using up a try
+            if pause:
                 await self._sleep(self._backoff(tries))
+            pause = True
+            tries += 1
             current = await st.run(st.part, part.id)
             assert current is not None
             open_items = await st.run(st.part_open, part.id)
@@ -163,12 +216,22 @@ class PartDriver:
             if await self._cancelling(part.job_id):
                 await self._end_part(part, cancelled("batch job cancelled"), "cancelled")
                 return None
+            if current.state != "submitting" and not await self._room(part):
+                await self._end_part(part, cancelled("batch job cancelled"), "cancelled")
+                return None
             items = [JobItem(cid, op or "", body or "{}")
                      for cid, op, body in await st.run(st.part_requests, part.id)]
             await st.run(st.mark_submitting, part.id, time.time())
             try:
                 remote = await self.backend.submit(part.id, items)
             except RpcError as e:
+                if _over_quota(e):  # the vendor's enqueued-token quota is full: wait, not fail
+                    log.info("%s: batch quota full (%s); part %s waits", self.name, e.message, part.id)
+                    self.ctx.metrics.events.labels(self.name, "batch_waits_for_quota").inc()
+                    over_quota += 1
+                    tries, pause = tries - 1, False
+                    await self._sleep(self._backoff(over_quota))
+                    continue
                 if _rejected(e):
                     await self._end_part(part, e, "rejected")
                     return None
