@@ -19,6 +19,8 @@ from urllib.parse import quote
 
 from pydantic import Field, SecretStr, field_validator
 
+from multiplexer.core.call import Item
+from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import ProviderContext
 
 from .api_client import ApiClient
@@ -90,6 +92,14 @@ class AzureOpenAIProvider(OpenAIProvider):
         LlmProvider.__init__(self, ctx, api, lambda api: OpenAIBatchBackend(
             api, settings, query=settings.query, create_endpoints=CREATE_ENDPOINTS,
             operations=BATCH_OPERATIONS, max_requests=100_000))
+
+    def prepare(self, route: RouteConfig, item: Item) -> None:
+        """A route's ``model`` is its deployment: a ``/v1`` caller's model name picked the route,
+        and must not replace the deployment the route names."""
+        deployment = route.params.get("model") if isinstance(route.params, dict) else None
+        if isinstance(deployment, str) and isinstance(item.params, dict):
+            item.params["model"] = deployment
+        super().prepare(route, item)
 
     def op_path(self, operation: str, model: Any) -> str:
         path = PATHS[operation]

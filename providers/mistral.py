@@ -62,5 +62,5 @@ class MistralProvider(OpenAIProvider):
 
     def stream_request(self, item: Item) -> dict[str, Any]:
         """Mistral reports usage on its last chunk unasked; OpenAI's ``stream_options`` is not
-        part of its API, so none is added."""
-        return {**item.params, "stream": True}
+        part of its API, so a caller's is not passed on (the usage reaches it anyway)."""
+        return {**{k: v for k, v in item.params.items() if k != "stream_options"}, "stream": True}

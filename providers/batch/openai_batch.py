@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from urllib.parse import parse_qsl
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
 
@@ -147,8 +148,10 @@ class OpenAIBatchBackend:
     async def _get(self, path: str, params: dict[str, Any]) -> Any:
         """A listing page, which may be a bare JSON array (``api.json`` takes objects only)."""
         try:
-            response = await self.api.request("GET", self._path(path), idempotent=True,
-                                              deadline=None, params=params)
+            # httpx replaces a URL's query with ``params``: the api-version goes in with them
+            query = dict(parse_qsl(self.query.lstrip("?")))
+            response = await self.api.request("GET", path, idempotent=True, deadline=None,
+                                              params={**query, **params})
         except RpcError as e:
             if (e.data or {}).get("upstream_status") in (404, 405, 501):
                 raise SubmissionUnknown(f"the upstream cannot list {path.strip('/')}") from None
