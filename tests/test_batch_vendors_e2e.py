@@ -44,12 +44,11 @@ async def test_sync_chat_and_embeddings_on_every_vendor(tmp_path):
 @pytest.mark.parametrize("name", ["az", "az1", "mis"])
 async def test_streams_through_the_v1_face(tmp_path, name):
     async with vendor_fakes() as v, running(parse_config(vendor_config_data(v, tmp_path)), port=0) as (
-            _, url), httpx.AsyncClient() as http:
-        async with http.stream("POST", url + "/v1/chat/completions", json={
-                "model": f"{name}-chat", "messages": [{"role": "user", "content": "one two three"}],
-                "stream": True, "stream_options": {"include_usage": True}}) as r:
-            assert r.status_code == 200
-            events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+            _, url), httpx.AsyncClient() as http, http.stream("POST", url + "/v1/chat/completions", json={
+            "model": f"{name}-chat", "messages": [{"role": "user", "content": "one two three"}],
+            "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-from urllib.parse import parse_qsl
 from collections.abc import AsyncIterator, Hashable, Sequence
 from typing import Any
+from urllib.parse import parse_qsl
 
 from multiplexer.core.errors import RpcError, upstream_error
 

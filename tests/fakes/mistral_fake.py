@@ -84,8 +84,9 @@ class FakeMistralState(FakeOpenAIState):
 
 def _render_error(exc: ApiError) -> Response:
     # Mistral's error body (unverified in the notes): the message at the top level
-    return JSONResponse({"object": "error", "message": exc.message, "type": exc.kind or "invalid_request_error",
-                         "param": exc.param, "code": exc.code}, status_code=exc.status)
+    return JSONResponse({"object": "error", "message": exc.message,
+                         "type": exc.kind or "invalid_request_error", "param": exc.param,
+                         "code": exc.code}, status_code=exc.status)
 
 
 MISTRAL_DIALECT = Dialect(check_auth=DIALECT.check_auth, render_error=_render_error,
