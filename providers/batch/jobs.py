@@ -63,6 +63,7 @@ class JobManager(PartDriver):
         self._tg: anyio.abc.TaskGroup | None = None
         self._done: dict[str, anyio.Event] = {}
         self._scopes: dict[str, anyio.CancelScope] = {}
+        self._admit = anyio.Lock()
         self._driving: set[str] = set()
         self._stopped: set[str] = set()
         self._cancel_sent: dict[str, str] = {}  # remote batch id -> job id, until the job ends

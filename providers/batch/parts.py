@@ -61,6 +61,7 @@ class PartDriver:
     backend: BatchBackend | None
     sync: SyncFallback
     _scopes: dict[str, anyio.CancelScope]
+    _admit: anyio.Lock  # one part at a time checks the quotas and claims its room
     _driving: set[str]
     _stopped: set[str]  # parts whose driver a closing manager stopped: their claims to hand back
 
@@ -137,7 +138,10 @@ class PartDriver:
     async def _room(self, part: PartRow) -> bool:
         """Wait until the vendor's quotas have room for the part: batches not yet ended
         (``max_active_batches``) and their enqueued tokens per model (``max_enqueued_tokens``),
-        counted in the job store, so every replica sees the same. False: cancelled meanwhile.
+        counted in the job store, so every replica sees the same; the part is marked submitting
+        as it takes its room. False: cancelled meanwhile. (Replicas may both take the last room
+        at once; a vendor that then refuses the create, Azure's ``token_limit_exceeded``, makes
+        the part wait, see ``_over_quota``.)
         A part alone over the token quota goes when nothing else is queued (planning keeps
         parts under it)."""
         assert self.backend is not None
@@ -147,12 +151,14 @@ class PartDriver:
         st = self.store()
         waited = False
         while True:
-            active, queued, mine = await st.run(st.enqueued, self.name, part.id)
-            if (max_active is None or active < max_active) and (
-                    max_tokens is None or queued == 0 or queued + mine <= max_tokens):
-                if waited:
-                    log.info("%s: batch part %s has room now", self.name, part.id)
-                return True
+            async with self._admit:  # this process's parts look and claim their room in turn
+                active, queued, mine = await st.run(st.enqueued, self.name, part.id)
+                if (max_active is None or active < max_active) and (
+                        max_tokens is None or queued == 0 or queued + mine <= max_tokens):
+                    await st.run(st.mark_submitting, part.id, time.time())  # counted from now
+                    if waited:
+                        log.info("%s: batch part %s has room now", self.name, part.id)
+                    return True
             if await self._cancelling(part.job_id):
                 return False
             if not waited:
