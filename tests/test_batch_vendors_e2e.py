@@ -143,3 +143,31 @@ async def test_cancel_a_mistral_job(tmp_path):
             status = await client.call("jobs.status", {"job_id": submitted["job_id"]})
     assert status["state"] == "cancelled"
     assert [j.status for j in v.mistral.jobs.values()] == ["CANCELLED"]
+
+
+async def test_three_replicas_share_azure_and_mistral_batches_through_postgres(tmp_path):
+    """One job on the shared store: any replica answers for it, one drives each remote batch."""
+    from tests.pg_helpers import throwaway_db
+
+    with throwaway_db() as db:
+        async with vendor_fakes() as v:
+            data = vendor_config_data(v, tmp_path)
+            data["store"] = {"url": db}
+            config = parse_config(data)
+            events = Events()
+            async with running(config, port=0) as (g1, url1), running(config, port=0) as (g2, url2), \
+                    running(config, port=0) as (g3, url3):
+                for g in (g1, g2, g3):
+                    g.listeners.append(events)
+                async with Client(url1) as c1, Client(url2) as c2, Client(url3) as c3:
+                    job = await c1.call("jobs.submit", {"calls": [
+                        {"method": route, "params": user(f"{route} {i}")}
+                        for route in ("az_chat", "mis_chat") for i in range(3)]})
+                    seen = await c2.call("jobs.status", {"job_id": job["job_id"]})
+                    await events.wait("batch_job_ended")
+                    page = await c3.call("jobs.results", {"job_id": job["job_id"]})
+    assert seen["total"] == 6
+    assert [reply_text(r["result"]) for r in page["results"]] == [
+        f"echo: {route} {i}" for route in ("az_chat", "mis_chat") for i in range(3)]
+    assert len(v.azure.batches) == 1 and len(v.mistral.jobs) == 1  # each submitted once
+    assert sum(1 for e, _ in events.seen if e == "batch_submitted") == 2
