@@ -31,6 +31,8 @@ from .openai import PATHS, OpenAIProvider
 from .ratelimit_headers import openai_limits
 
 V1_VERSIONS = frozenset({"v1", "preview", "latest"})
+# The classic API puts the deployment in these paths only (the Responses API is per resource).
+DEPLOYMENT_PATHS = frozenset({"chat", "completions", "embeddings"})
 # What Azure's batches carry: chat and Responses lines (embeddings batch: unverified, see
 # docs/batch-vendors.md); other operations of a mode: batch route run as sync calls.
 BATCH_OPERATIONS = frozenset({"chat", "responses"})
@@ -103,6 +105,6 @@ class AzureOpenAIProvider(OpenAIProvider):
 
     def op_path(self, operation: str, model: Any) -> str:
         path = PATHS[operation]
-        if not self.settings.v1:  # type: ignore[attr-defined]
+        if operation in DEPLOYMENT_PATHS and not self.settings.v1:  # type: ignore[attr-defined]
             path = f"/deployments/{quote(str(model), safe='')}{path}"
         return path + self._query
