@@ -25,6 +25,7 @@ from .backend import (
     SubmissionUnknown,
     read_result_lines,
     result_row,
+    status_word,
 )
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class AnthropicBatchBackend:
         status = str(body.get("processing_status"))
         counts = body.get("request_counts") if isinstance(body.get("request_counts"), dict) else {}
         terminal = None
-        if status == "ended":
+        if status_word(status) == "ended":
             if body.get("cancel_initiated_at"):
                 terminal = "cancelled"
             elif counts.get("expired"):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from multiplexer.core.errors import RpcError, upstream_unavailable
 
@@ -30,6 +30,9 @@ class BatchApiOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    enabled: bool = Field(
+        default=True, description="false: jobs run through the synchronous endpoint (vLLM, "
+        "Ollama, ...); `batch_api: false` says the same")
     completion_window: str | None = Field(
         default=None, description="the batch's completion_window (Groq takes 24h to 7d; Azure and "
         "Together only 24h); default batch_completion_window")
@@ -57,23 +60,32 @@ class BatchApiSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    batch_api: bool | BatchApiOptions = Field(
-        default=True, description="false: jobs run through the synchronous endpoint (vLLM, "
-        "Ollama, ...); an object: the batch API is on, with the vendor's own settings")
+    batch_api: BatchApiOptions = Field(
+        default_factory=BatchApiOptions, description="the vendor's batch API: true (the default), "
+        "false (jobs run through the synchronous endpoint: vLLM, Ollama, ...), or its settings")
     batch_poll_interval_s: float = Field(default=10.0, gt=0)
     batch_max_requests: int = Field(default=50_000, ge=1)
     batch_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)
     batch_resubmit_expired: bool = True
     batch_completion_window: str = "24h"
 
+    @field_validator("batch_api", mode="before")
+    @classmethod
+    def _plain_bool(cls, value: Any) -> Any:
+        """``batch_api: true|false`` (the key's first form) is the object with ``enabled``."""
+        if isinstance(value, bool):
+            return {"enabled": value}
+        if not isinstance(value, dict | BatchApiOptions):
+            raise ValueError("batch_api is true, false or an object of the vendor's batch settings")
+        return value
+
     @property
     def batch_options(self) -> BatchApiOptions:
-        """The vendor settings in force (defaults when ``batch_api`` is a plain bool)."""
-        return self.batch_api if isinstance(self.batch_api, BatchApiOptions) else BatchApiOptions()
+        return self.batch_api
 
     @property
     def batch_on(self) -> bool:
-        return self.batch_api is not False
+        return self.batch_api.enabled
 
     def batch_limits(self, max_requests: int, max_bytes: int) -> tuple[int, int]:
         """Lines and bytes per file: the ``batch_api`` object's, else the flat keys under the

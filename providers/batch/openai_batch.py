@@ -181,7 +181,7 @@ class OpenAIBatchBackend:
                         else batch.get("input_file_id") in files)
                 if mine and batch.get("id") not in claimed:
                     return str(batch["id"])
-            created = [b.get("created_at") for b in data if isinstance(b.get("created_at"), int | float)]
+            created = [float(b["created_at"]) for b in data if isinstance(b.get("created_at"), int | float)]
             too_old = bool(created) and min(created) < since_wall - LIST_WINDOW_S
             paging = page.get("paging") if isinstance(page, dict) else None
             cursor = paging.get("next_cursor") if isinstance(paging, dict) else None
@@ -208,7 +208,9 @@ class OpenAIBatchBackend:
         elif isinstance(body.get("error"), str | dict):  # Together: one error
             detail = str(body["error"].get("message") if isinstance(body["error"], dict)
                          else body["error"]) or None
-        counts = body.get("request_counts") if isinstance(body.get("request_counts"), dict) else {}
+        raw_counts = body.get("request_counts")
+        counts = {k: v for k, v in raw_counts.items() if isinstance(v, int)} \
+            if isinstance(raw_counts, dict) else {}
         return RemoteStatus(remote_id, status, TERMINAL.get(status_word(status)), counts, detail, body)
 
     async def results(self, status: RemoteStatus) -> AsyncIterator[LineResult]:
