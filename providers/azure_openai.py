@@ -17,7 +17,7 @@ import os
 from typing import Any
 from urllib.parse import quote
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from multiplexer.core.call import Item
 from multiplexer.core.policy import RouteConfig
@@ -62,6 +62,13 @@ class AzureOpenAISettings(BatchApiSettings):
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"endpoint: {value!r} is not an http(s) URL")
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_window(self) -> AzureOpenAISettings:
+        window = self.batch_api.completion_window or self.batch_completion_window
+        if window != "24h":
+            raise ValueError(f"Azure OpenAI batches take completion_window 24h only, not {window!r}")
+        return self
 
     @property
     def v1(self) -> bool:

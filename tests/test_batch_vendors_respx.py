@@ -148,6 +148,21 @@ async def test_azure_full_quota_waits_instead_of_failing(tmp_path):
     assert p.ctx.clock.sleeps[:2] == [5.0, 10.0]  # backed off, not counted as failed tries
 
 
+async def test_azure_crash_after_create_is_found_by_listing_with_the_api_version(tmp_path):
+    items = chats(azure(tmp_path), ["a", "b"], model="gpt-4o-batch")
+    with respx.mock(base_url=AZ + "/openai", assert_all_called=False) as mock:
+        api = AzureBatches(mock, ["completed"])
+        await die_after_create(api, azure(tmp_path), items)
+        listing = mock.get("/batches").mock(side_effect=lambda r: httpx.Response(200, json={
+            "data": [{"id": "batch_1", "metadata": api.creates[0]["metadata"], "status": "In_progress"}],
+            "has_more": False}))
+        part, rows = await restart_until_done(azure(tmp_path))
+    assert part.state == "submitting" and len(api.creates) == 1
+    params = listing.calls[0].request.url.params
+    assert params["api-version"] == "2024-10-21" and params["limit"] == "100"
+    assert [r[2]["choices"][0]["message"]["content"] for r in rows] == ["re: a", "re: b"]
+
+
 async def test_azure_embeddings_on_a_batch_route_run_as_sync_calls(tmp_path):
     p = azure(tmp_path)
     with respx.mock(base_url=AZ, assert_all_called=False) as mock:
@@ -429,3 +444,15 @@ async def test_a_part_waits_for_the_quota_then_goes(tmp_path, quota):
     assert [o.ok for o in out] == [True] * 4
     assert len(open_at_create) >= 2 and set(open_at_create) == {0}  # each waited for the last
     assert p.ctx.metrics.events.labels("p", "batch_waits_for_quota")._value.get() >= 1
+
+
+def test_azure_settings_refuse_what_azure_refuses():
+    from multiplexer.gateway.config import ConfigError, parse_config
+
+    for provider, message in (
+            ({"endpoint": "https://r.openai.azure.com", "batch_api": {"completion_window": "48h"}},
+             "completion_window 24h only"),
+            ({"endpoint": "r.openai.azure.com"}, "is not an http"),
+            ({}, "endpoint: Field required")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config({"providers": {"az": {"kind": "azure_openai", **provider}}, "routes": {}})
