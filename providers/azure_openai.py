@@ -52,6 +52,9 @@ class AzureOpenAISettings(BatchApiSettings):
     headers: dict[str, str] = Field(
         default_factory=dict, description="extra headers on every request (an Entra ID "
         "Authorization: Bearer token instead of api_key, say)")
+    batch_poll_interval_s: float = Field(
+        default=60.0, gt=0, description="seconds between polls of a running batch (Azure asks for "
+        "60 or more)")
     max_inputs: int = Field(default=2048, ge=1, description="embedding inputs per request")
     max_batch_tokens: int | None = Field(default=300_000, ge=1,
                                          description="embedding tokens per request")

@@ -20,6 +20,7 @@ from multiplexer.core.jobrows import PartRow
 from multiplexer.jobs.store import LeaseLost
 
 from .backend import JobItem, RemoteStatus, SubmissionUnknown
+from .quota import over_quota, take_room
 
 if TYPE_CHECKING:
     from multiplexer.core.provider import ProviderContext
@@ -33,17 +34,6 @@ log = logging.getLogger(__name__)
 SUBMIT_TRIES = 6
 COLLECT_TRIES = 5
 FLUSH_EVERY = 1000
-
-
-QUOTA_CODES = frozenset({"token_limit_exceeded"})  # Azure: enqueued tokens over the quota
-
-
-def _over_quota(error: RpcError) -> bool:
-    """The vendor refused a create because its batch quota is full now (Azure fails fast with
-    400 ``token_limit_exceeded``): the part waits and tries again, it is not rejected."""
-    data = error.data or {}
-    return data.get("upstream_code") in QUOTA_CODES or any(
-        code in str(data.get("detail", "")) for code in QUOTA_CODES)
 
 
 def _rejected(error: RpcError) -> bool:
@@ -67,6 +57,9 @@ class PartDriver:
 
     def store(self) -> JobStore:
         raise NotImplementedError
+
+    async def _sleep(self, seconds: float) -> None:
+        await self.ctx.clock.sleep_until(self.ctx.clock.now() + seconds)
 
     async def _create_parts(self, job_id: str, attempt: int, groups: list[list[int]]) -> None:
         raise NotImplementedError
@@ -135,42 +128,6 @@ class PartDriver:
         operation = await st.run(st.part_operation, part.id)
         return operation is None or operation in self.backend.operations
 
-    async def _room(self, part: PartRow) -> bool:
-        """Wait until the vendor's quotas have room for the part: batches not yet ended
-        (``max_active_batches``) and their enqueued tokens per model (``max_enqueued_tokens``),
-        counted in the job store, so every replica sees the same; the part is marked submitting
-        as it takes its room. False: cancelled meanwhile. (Replicas may both take the last room
-        at once; a vendor that then refuses the create, Azure's ``token_limit_exceeded``, makes
-        the part wait, see ``_over_quota``.)
-        A part alone over the token quota goes when nothing else is queued (planning keeps
-        parts under it)."""
-        assert self.backend is not None
-        max_active, max_tokens = self.backend.max_active_batches, self.backend.max_enqueued_tokens
-        if max_active is None and max_tokens is None:
-            return True
-        st = self.store()
-        waited = False
-        while True:
-            async with self._admit:  # this process's parts look and claim their room in turn
-                active, queued, mine = await st.run(st.enqueued, self.name, part.id)
-                if (max_active is None or active < max_active) and (
-                        max_tokens is None or queued == 0 or queued + mine <= max_tokens):
-                    await st.run(st.mark_submitting, part.id, time.time())  # counted from now
-                    if waited:
-                        log.info("%s: batch part %s has room now", self.name, part.id)
-                    return True
-            if await self._cancelling(part.job_id):
-                return False
-            if not waited:
-                waited = True
-                self.ctx.metrics.events.labels(self.name, "batch_waits_for_quota").inc()
-                log.info("%s: batch part %s waits for the vendor's quota (%d batch(es), %d tokens "
-                         "queued; this part %d)", self.name, part.id, active, queued, mine)
-            await self._sleep(self.settings.batch_poll_interval_s)
-
-    async def _sleep(self, seconds: float) -> None:
-        await self.ctx.clock.sleep_until(self.ctx.clock.now() + seconds)
-
     def _backoff(self, tries: int) -> float:
         return min(self.settings.batch_poll_interval_s * 2 ** max(tries - 1, 0), 300.0)
 
@@ -190,9 +147,9 @@ class PartDriver:
         assert self.backend is not None
         st = self.store()
         last: RpcError | None = None
-        tries = over_quota = 0
+        tries = quota_waits = 0
         pause = False
-        while tries < SUBMIT_TRIES:  # a full quota (over_quota) waits without using up a try
+        while tries < SUBMIT_TRIES:  # a full quota (quota_waits) waits without using up a try
             if pause:
                 await self._sleep(self._backoff(tries))
             pause = True
@@ -222,7 +179,7 @@ class PartDriver:
             if await self._cancelling(part.job_id):
                 await self._end_part(part, cancelled("batch job cancelled"), "cancelled")
                 return None
-            if current.state != "submitting" and not await self._room(part):
+            if current.state != "submitting" and not await take_room(self, part):
                 await self._end_part(part, cancelled("batch job cancelled"), "cancelled")
                 return None
             items = [JobItem(cid, op or "", body or "{}")
@@ -231,12 +188,12 @@ class PartDriver:
             try:
                 remote = await self.backend.submit(part.id, items)
             except RpcError as e:
-                if _over_quota(e):  # the vendor's enqueued-token quota is full: wait, not fail
+                if over_quota(e):  # the vendor's enqueued-token quota is full: wait, not fail
                     log.info("%s: batch quota full (%s); part %s waits", self.name, e.message, part.id)
                     self.ctx.metrics.events.labels(self.name, "batch_waits_for_quota").inc()
-                    over_quota += 1
+                    quota_waits += 1
                     tries, pause = tries - 1, False
-                    await self._sleep(self._backoff(over_quota))
+                    await self._sleep(self._backoff(quota_waits))
                     continue
                 if _rejected(e):
                     await self._end_part(part, e, "rejected")
