@@ -171,3 +171,29 @@ async def test_three_replicas_share_azure_and_mistral_batches_through_postgres(t
         f"echo: {route} {i}" for route in ("az_chat", "mis_chat") for i in range(3)]
     assert len(v.azure.batches) == 1 and len(v.mistral.jobs) == 1  # each submitted once
     assert sum(1 for e, _ in events.seen if e == "batch_submitted") == 2
+
+
+async def test_the_gateways_own_batch_api_rides_azure_and_mistral_batches(tmp_path):
+    """/v1/files + /v1/batches on the gateway (the openai SDK): lines whose model names an Azure
+    or a Mistral route go up as one remote batch on each vendor, answered per custom_id."""
+    openai = pytest.importorskip("openai")
+    from tests.test_v1_batches import jsonl, line, parse, until_ended
+
+    async with vendor_fakes() as v, running(parse_config(vendor_config_data(v, tmp_path)), port=0) as (
+            _, url), openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as client:
+        rows = [line(f"{m}{i}", {"model": f"{m}-chat", "messages": [
+            {"role": "user", "content": f"{m} {i}"}]}) for m in ("az", "mis") for i in range(3)]
+        rows.append(line("bad", {"model": "az-chat", "messages": [{"role": "user", "content": "FAIL"}]}))
+        upload = await client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        done = await until_ended(client, batch.id)
+        out = parse((await client.files.content(done.output_file_id)).content)
+        errors = parse((await client.files.content(done.error_file_id)).content)
+    counts = done.request_counts
+    assert done.status == "completed" and (counts.completed, counts.failed) == (6, 1)
+    answers = {cid: r["response"]["body"]["choices"][0]["message"]["content"] for cid, r in out.items()}
+    assert answers == {f"{m}{i}": f"echo: {m} {i}" for m in ("az", "mis") for i in range(3)}
+    assert errors["bad"]["response"]["status_code"] == 400
+    assert len(v.azure.batches) == 1 and len(v.mistral.jobs) == 1
+    assert {row["body"]["model"] for row in next(iter(v.azure.batches.values())).items} == {"gpt-4o"}
