@@ -456,3 +456,18 @@ def test_azure_settings_refuse_what_azure_refuses():
             ({}, "endpoint: Field required")):
         with pytest.raises(ConfigError, match=message):
             parse_config({"providers": {"az": {"kind": "azure_openai", **provider}}, "routes": {}})
+
+
+async def test_a_vendor_that_keeps_no_metadata_is_never_guessed_at(tmp_path):
+    """batch_api.metadata left on for a vendor whose listing shows none: after a crash mid-submit
+    the part ends as unknown (its calls fail clearly) rather than being submitted a second time."""
+    p = openai_vendor(tmp_path, TG, {})
+    items = chats(p, ["a"])
+    with respx.mock(base_url=TG, assert_all_called=False) as mock:
+        api = TogetherBatches(mock, ["completed"])
+        await die_after_create(api, p, items)
+        mock.get("/batches").mock(return_value=httpx.Response(200, json=[
+            {"id": "batch_1", "input_file_id": "file-in-1", "status": "IN_PROGRESS"}]))
+        _, rows = await restart_until_done(openai_vendor(tmp_path, TG, {}))
+    assert len(api.creates) == 1
+    assert rows[0][1] == "failed" and "not resubmitted" in rows[0][3]["data"]["detail"]

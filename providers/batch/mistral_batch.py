@@ -104,6 +104,8 @@ class MistralBatchBackend:
                 raise
             data = [j for j in page.get("data") or [] if isinstance(j, dict)]
             for job in data:
+                if "metadata" not in job:  # a job this cannot recognise: never guess
+                    raise SubmissionUnknown("the listed batch jobs carry no metadata")
                 meta = job.get("metadata") or {}
                 if isinstance(meta, dict) and meta.get(META_KEY) == part_id \
                         and job.get("id") not in claimed:

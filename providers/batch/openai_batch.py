@@ -176,6 +176,9 @@ class OpenAIBatchBackend:
             page = await self._get("/batches", params)
             data = page_rows(page)
             for batch in data:
+                if self.metadata and "metadata" not in batch:
+                    raise SubmissionUnknown("the vendor's batches carry no metadata (set "
+                                            "batch_api.metadata: false)")
                 meta = batch.get("metadata") or {}
                 mine = (meta.get(META_KEY) == part_id if self.metadata
                         else batch.get("input_file_id") in files)
