@@ -129,11 +129,13 @@ class SubmissionUnknown(Exception):
 
 
 class BatchBackend(Protocol):
+    """Optional attributes, read through ``operations_of`` and ``quotas_of``:
+    ``operations`` (a frozenset: what its batches carry; other operations run as sync calls;
+    absent: all), ``max_enqueued_tokens`` (per split key, i.e. model, across its batches not
+    yet ended) and ``max_active_batches`` (absent or None: no such quota)."""
+
     max_requests: int
     max_bytes: int
-    operations: frozenset[str]  # what its batches carry; other operations run as sync calls
-    max_enqueued_tokens: int | None  # per split key (model), across its batches not yet ended
-    max_active_batches: int | None
 
     def split_key(self, operation: str, params: dict[str, Any]) -> Hashable:
         """Items with different keys never share a part (OpenAI: one model per file)."""
@@ -153,6 +155,16 @@ class BatchBackend(Protocol):
     def results(self, status: RemoteStatus) -> AsyncIterator[LineResult]: ...
 
     async def cancel(self, remote_id: str) -> None: ...
+
+
+def operations_of(backend: BatchBackend) -> frozenset[str] | None:
+    """The operations a backend's batches carry; None: every one."""
+    return getattr(backend, "operations", None)
+
+
+def quotas_of(backend: BatchBackend) -> tuple[int | None, int | None]:
+    """(max_active_batches, max_enqueued_tokens) of a backend; None where it has no such quota."""
+    return getattr(backend, "max_active_batches", None), getattr(backend, "max_enqueued_tokens", None)
 
 
 @dataclass(slots=True)

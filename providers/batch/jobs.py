@@ -33,6 +33,7 @@ from .backend import (
     BatchBackend,
     Planned,
     plan_parts,
+    quotas_of,
 )
 from .parts import PartDriver
 from .sync_fallback import SyncFallback
@@ -173,7 +174,7 @@ class JobManager(PartDriver):
             limit, max_bytes = self.settings.batch_max_requests, 1 << 62
         else:
             limit, max_bytes = self.backend.max_requests, self.backend.max_bytes
-            max_tokens = self.backend.max_enqueued_tokens
+            max_tokens = quotas_of(self.backend)[1]
         tokens = await st.run(st.unplanned_tokens, job_id, self.name) if max_tokens else {}
         planned = [Planned(idx, split, (size or 0) + LINE_OVERHEAD, tokens.get(idx, 0))
                    for idx, split, size in rows]

@@ -19,7 +19,7 @@ from multiplexer.core.errors import RpcError, cancelled, internal_error, upstrea
 from multiplexer.core.jobrows import PartRow
 from multiplexer.jobs.store import LeaseLost
 
-from .backend import JobItem, RemoteStatus, SubmissionUnknown
+from .backend import JobItem, RemoteStatus, SubmissionUnknown, operations_of
 from .quota import over_quota, take_room
 
 if TYPE_CHECKING:
@@ -125,8 +125,11 @@ class PartDriver:
         if part.state == "submitted" and part.remote_id == "sync":
             return False
         st = self.store()
+        operations = operations_of(self.backend)
+        if operations is None:
+            return True
         operation = await st.run(st.part_operation, part.id)
-        return operation is None or operation in self.backend.operations
+        return operation is None or operation in operations
 
     def _backoff(self, tries: int) -> float:
         return min(self.settings.batch_poll_interval_s * 2 ** max(tries - 1, 0), 300.0)

@@ -20,6 +20,8 @@ import anyio
 from multiplexer.core.errors import RpcError
 from multiplexer.core.jobrows import PartRow
 
+from .backend import quotas_of
+
 if TYPE_CHECKING:
     from multiplexer.core.provider import ProviderContext
     from multiplexer.jobs.store import JobStore
@@ -66,7 +68,7 @@ async def take_room(driver: Driver, part: PartRow) -> bool:
     (planning keeps parts under it)."""
     backend = driver.backend
     assert backend is not None
-    max_active, max_tokens = backend.max_active_batches, backend.max_enqueued_tokens
+    max_active, max_tokens = quotas_of(backend)
     if max_active is None and max_tokens is None:
         return True
     st = driver.store()
