@@ -70,6 +70,10 @@ class LlmProvider(Provider):
         """The ``Readiness`` capability: failing after connection failures in a row."""
         return self.api.health.readiness()
 
+    def op_path(self, operation: str, model: Any) -> str:
+        """The upstream path of an operation (Azure: the deployment, ``model``, is in it)."""
+        return self.paths[operation]
+
     def request_body(self, item: Item) -> tuple[dict[str, Any], str]:
         """The call's params as a request body, checked for what every operation needs."""
         if item.operation not in self.paths:
@@ -124,7 +128,8 @@ class LlmProvider(Provider):
     async def run_one(self, item: Item) -> Outcome:
         """One synchronous request for one call."""
         try:
-            body = await self.api.json("POST", self.paths[item.operation], json=item.params,
+            path = self.op_path(item.operation, item.params.get("model"))
+            body = await self.api.json("POST", path, json=item.params,
                                        idempotent=self.idempotent(item), deadline=item.deadline)
         except RpcError as e:
             return Outcome.fail(e)
@@ -156,7 +161,8 @@ class LlmProvider(Provider):
         """One streamed request; each upstream event goes to ``sink`` as it arrives. Closing
         the response (a cancelled call, a reader gone) ends the upstream stream."""
         try:
-            response = await self.api.request("POST", self.paths[item.operation],
+            path = self.op_path(item.operation, item.params.get("model"))
+            response = await self.api.request("POST", path,
                                               json=self.stream_request(item), idempotent=False,
                                               deadline=item.deadline, stream=True)
         except RpcError as e:

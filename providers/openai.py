@@ -193,7 +193,8 @@ class OpenAIProvider(LlmProvider):
     async def _send_chunk(self, base: dict[str, Any], chunk: Chunk, owners: Sequence[Item],
                           scatter: Scatter, split_on_400: bool) -> None:
         try:
-            body = await self.api.json("POST", PATHS["embeddings"], json={**base, "input": chunk.inputs},
+            body = await self.api.json("POST", self.op_path("embeddings", base.get("model")),
+                                       json={**base, "input": chunk.inputs},
                                        idempotent=True, deadline=batch_deadline(owners))
         except RpcError as e:
             if split_on_400 and e.code == Code.UPSTREAM_ERROR and (e.data or {}).get(

@@ -357,3 +357,25 @@ def test_a_stale_replica_stays_fenced_off_after_the_new_owner_hands_the_part_bac
         assert b.part("part").remote_id == "batch_b"
         a.close()
         b.close()
+
+
+def test_enqueued_counts_the_providers_unended_batches_and_their_tokens(any_store):
+    """What the vendors' quotas see (max_active_batches, max_enqueued_tokens per model)."""
+    st = any_store
+    st.create_job("job", None, "client", "running")
+    other_model = NewItem(5, "p", "r", "chat", "m", {"model": "y"}, {"mode": "batch"}, 4, "job-5",
+                          "queued", None, split='["y"]')
+    st.add_items("job", [new(i) for i in range(5)] + [other_model, new(6)])
+    st.create_parts("job", "p", 0, [("a", [0, 1]), ("b", [2, 3]), ("c", [4]), ("d", [5])])
+    for part in ("a", "b", "c", "d"):
+        assert st.claim_part(part)
+    st.mark_submitting("a", 1.0)
+    st.mark_submitted("a", "r1")
+    st.mark_submitting("d", 1.0)
+    assert st.enqueued("p", "b") == (2, 6, 6)  # a and d not ended; a's 6 tokens share b's model
+    assert st.enqueued("p", "a") == (1, 0, 6)
+    assert st.enqueued("q", "b") == (0, 0, 6)
+    st.finish_part("a", "completed", None)
+    assert st.enqueued("p", "b") == (1, 0, 6)
+    assert st.unplanned_tokens("job", "p") == {6: 3}
+    assert st.part_operation("c") == "chat" and st.part_operation("nope") is None

@@ -14,6 +14,8 @@ KINDS: dict[str, str] = {
     "openai": "providers.openai:OpenAIProvider",
     "anthropic": "providers.anthropic:AnthropicProvider",
     "gemini": "providers.gemini:GeminiProvider",
+    "azure_openai": "providers.azure_openai:AzureOpenAIProvider",
+    "mistral": "providers.mistral:MistralProvider",
     "local": "providers.local:LocalProvider",
     "echo": "providers.echo:EchoProvider",
     "mock": "providers.mock:MockProvider",

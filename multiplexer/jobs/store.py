@@ -259,6 +259,34 @@ class JobStore(V1Tables):
             (job_id, provider)).fetchall()
 
     @_locked
+    def unplanned_tokens(self, job_id: str, provider: str) -> dict[int, int]:
+        """idx -> estimated tokens of items not yet in a part (for an enqueued-token quota)."""
+        return dict(self._x(
+            "SELECT idx, tokens FROM items WHERE job_id=? AND provider=? AND part_id IS NULL "
+            "AND state='queued'", (job_id, provider)).fetchall())
+
+    @_locked
+    def part_operation(self, part_id: str) -> str | None:
+        """The operation of a part's items (one per part: the split key holds it)."""
+        row = self._x("SELECT operation FROM items WHERE part_id=? LIMIT 1", (part_id,)).fetchone()
+        return row[0] if row else None
+
+    @_locked
+    def enqueued(self, provider: str, part_id: str) -> tuple[int, int, int]:
+        """(the provider's other batches not yet ended, their tokens with this part's split key,
+        this part's tokens): what a vendor's enqueued-token and active-batch quotas count."""
+        mine = self._x("SELECT MIN(split), COALESCE(SUM(tokens),0) FROM items WHERE part_id=?",
+                       (part_id,)).fetchone()
+        active = self._x(
+            "SELECT COUNT(*) FROM parts WHERE provider=? AND id!=? AND state IN "
+            "('submitting','submitted')", (provider, part_id)).fetchone()[0]
+        queued = self._x(
+            "SELECT COALESCE(SUM(i.tokens),0) FROM items i JOIN parts p ON p.id=i.part_id "
+            "WHERE p.provider=? AND p.id!=? AND p.state IN ('submitting','submitted') "
+            "AND i.split=?", (provider, part_id, mine[0])).fetchone()[0]
+        return int(active), int(queued), int(mine[1])
+
+    @_locked
     def part_open(self, part_id: str) -> list[tuple[int, str]]:
         """(idx, custom_id) of the part's unfinished items: all that matching results needs."""
         return self._x(

@@ -25,6 +25,7 @@ from .backend import (
     SubmissionUnknown,
     read_result_lines,
     result_row,
+    status_word,
 )
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,15 @@ def _created(batch: dict[str, Any]) -> float | None:
 
 
 class AnthropicBatchBackend:
+    operations = frozenset({"messages", "count_tokens"})  # one batch may mix them (no split key)
+
     def __init__(self, api: ApiClient, settings: BatchApiSettings) -> None:
         self.api = api
         self.name = api.name
-        self.max_requests = min(settings.batch_max_requests, 100_000)
-        self.max_bytes = min(settings.batch_max_bytes, 256 * 1024 * 1024)
+        self.max_requests, self.max_bytes = settings.batch_limits(100_000, 256 * 1024 * 1024)
+        opts = settings.batch_options
+        self.max_enqueued_tokens = opts.max_enqueued_tokens
+        self.max_active_batches = opts.max_active_batches
 
     def split_key(self, operation: str, params: dict[str, Any]) -> Hashable:
         return None  # one batch may mix models
@@ -115,7 +120,7 @@ class AnthropicBatchBackend:
         status = str(body.get("processing_status"))
         counts = body.get("request_counts") if isinstance(body.get("request_counts"), dict) else {}
         terminal = None
-        if status == "ended":
+        if status_word(status) == "ended":
             if body.get("cancel_initiated_at"):
                 terminal = "cancelled"
             elif counts.get("expired"):

@@ -33,6 +33,7 @@ from .backend import (
     BatchBackend,
     Planned,
     plan_parts,
+    quotas_of,
 )
 from .parts import PartDriver
 from .sync_fallback import SyncFallback
@@ -56,13 +57,14 @@ class JobManager(PartDriver):
         self.ctx = ctx
         self.name = ctx.name
         self.settings = settings
-        self.backend = backend if settings.batch_api else None
+        self.backend = backend if settings.batch_on else None
         self.sync = sync
         self._store: JobStore | None = None
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._done: dict[str, anyio.Event] = {}
         self._scopes: dict[str, anyio.CancelScope] = {}
+        self._admit = anyio.Lock()
         self._driving: set[str] = set()
         self._stopped: set[str] = set()
         self._cancel_sent: dict[str, str] = {}  # remote batch id -> job id, until the job ends
@@ -167,12 +169,16 @@ class JobManager(PartDriver):
         if not rows:
             await self._finish_job(job_id)
             return
+        max_tokens = None
         if self.backend is None:
             limit, max_bytes = self.settings.batch_max_requests, 1 << 62
         else:
             limit, max_bytes = self.backend.max_requests, self.backend.max_bytes
-        planned = [Planned(idx, split, (size or 0) + LINE_OVERHEAD) for idx, split, size in rows]
-        await self._create_parts(job_id, 0, plan_parts(planned, limit, max_bytes))
+            max_tokens = quotas_of(self.backend)[1]
+        tokens = await st.run(st.unplanned_tokens, job_id, self.name) if max_tokens else {}
+        planned = [Planned(idx, split, (size or 0) + LINE_OVERHEAD, tokens.get(idx, 0))
+                   for idx, split, size in rows]
+        await self._create_parts(job_id, 0, plan_parts(planned, limit, max_bytes, max_tokens))
 
     async def _create_parts(self, job_id: str, attempt: int, groups: list[list[int]]) -> None:
         st = self.store()

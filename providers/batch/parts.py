@@ -19,7 +19,8 @@ from multiplexer.core.errors import RpcError, cancelled, internal_error, upstrea
 from multiplexer.core.jobrows import PartRow
 from multiplexer.jobs.store import LeaseLost
 
-from .backend import JobItem, RemoteStatus, SubmissionUnknown
+from .backend import JobItem, RemoteStatus, SubmissionUnknown, operations_of
+from .quota import over_quota, take_room
 
 if TYPE_CHECKING:
     from multiplexer.core.provider import ProviderContext
@@ -50,11 +51,15 @@ class PartDriver:
     backend: BatchBackend | None
     sync: SyncFallback
     _scopes: dict[str, anyio.CancelScope]
+    _admit: anyio.Lock  # one part at a time checks the quotas and claims its room
     _driving: set[str]
     _stopped: set[str]  # parts whose driver a closing manager stopped: their claims to hand back
 
     def store(self) -> JobStore:
         raise NotImplementedError
+
+    async def _sleep(self, seconds: float) -> None:
+        await self.ctx.clock.sleep_until(self.ctx.clock.now() + seconds)
 
     async def _create_parts(self, job_id: str, attempt: int, groups: list[list[int]]) -> None:
         raise NotImplementedError
@@ -103,7 +108,7 @@ class PartDriver:
         part = await st.run(st.part, part_id)
         if part is None or part.state == "done":
             return
-        if self.backend is None:
+        if self.backend is None or not await self._batchable(part):
             await self._run_sync(part)
             return
         remote = part.remote_id if part.state == "submitted" else await self._submit(part)
@@ -113,8 +118,18 @@ class PartDriver:
         if status is not None:
             await self._collect(part, status)
 
-    async def _sleep(self, seconds: float) -> None:
-        await self.ctx.clock.sleep_until(self.ctx.clock.now() + seconds)
+    async def _batchable(self, part: PartRow) -> bool:
+        """Whether the vendor's batches carry the part's operation (one per part: the split key
+        holds it); one it has no batch endpoint for runs through the synchronous calls."""
+        assert self.backend is not None
+        if part.state == "submitted" and part.remote_id == "sync":
+            return False
+        st = self.store()
+        operations = operations_of(self.backend)
+        if operations is None:
+            return True
+        operation = await st.run(st.part_operation, part.id)
+        return operation is None or operation in operations
 
     def _backoff(self, tries: int) -> float:
         return min(self.settings.batch_poll_interval_s * 2 ** max(tries - 1, 0), 300.0)
@@ -135,9 +150,13 @@ class PartDriver:
         assert self.backend is not None
         st = self.store()
         last: RpcError | None = None
-        for tries in range(SUBMIT_TRIES):
-            if tries:
+        tries = quota_waits = 0
+        pause = False
+        while tries < SUBMIT_TRIES:  # a full quota (quota_waits) waits without using up a try
+            if pause:
                 await self._sleep(self._backoff(tries))
+            pause = True
+            tries += 1
             current = await st.run(st.part, part.id)
             assert current is not None
             open_items = await st.run(st.part_open, part.id)
@@ -163,12 +182,22 @@ class PartDriver:
             if await self._cancelling(part.job_id):
                 await self._end_part(part, cancelled("batch job cancelled"), "cancelled")
                 return None
+            if current.state != "submitting" and not await take_room(self, part):
+                await self._end_part(part, cancelled("batch job cancelled"), "cancelled")
+                return None
             items = [JobItem(cid, op or "", body or "{}")
                      for cid, op, body in await st.run(st.part_requests, part.id)]
             await st.run(st.mark_submitting, part.id, time.time())
             try:
                 remote = await self.backend.submit(part.id, items)
             except RpcError as e:
+                if over_quota(e):  # the vendor's enqueued-token quota is full: wait, not fail
+                    log.info("%s: batch quota full (%s); part %s waits", self.name, e.message, part.id)
+                    self.ctx.metrics.events.labels(self.name, "batch_waits_for_quota").inc()
+                    quota_waits += 1
+                    tries, pause = tries - 1, False
+                    await self._sleep(self._backoff(quota_waits))
+                    continue
                 if _rejected(e):
                     await self._end_part(part, e, "rejected")
                     return None

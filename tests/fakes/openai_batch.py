@@ -24,6 +24,30 @@ if TYPE_CHECKING:
 
 Operation = Callable[["FakeOpenAIState", dict[str, Any]], dict[str, Any]]
 
+
+@dataclass(frozen=True)
+class BatchVariant:
+    """How another vendor's OpenAI-shaped Batch API differs (from batch-providers.md):
+    where files and batches live, the upload purpose, the windows it takes, how it spells
+    statuses on the wire, whether the create reply is wrapped (Together's ``{"job": ...}``),
+    whether it keeps ``metadata``, how it pages listings (Groq: ``paging.next_cursor``;
+    Together: a bare array), query parameters every request must carry (Azure's
+    ``api-version``), and the ``endpoint`` a create names for each line ``url``."""
+
+    files: str = "/v1/files"
+    batches: str = "/v1/batches"
+    purpose: str = "batch"
+    windows: frozenset[str] = frozenset({"24h"})
+    spell: Callable[[str], str] = str
+    wrap_create: bool = False
+    metadata: bool = True
+    listing: str = "after"  # "after" (OpenAI), "cursor" (Groq), "array" (Together)
+    query: tuple[str, ...] = ()
+    create_endpoints: Mapping[str, str] | None = None  # create's endpoint -> the lines' url
+
+
+OPENAI = BatchVariant()
+
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 FILE_PURPOSES = frozenset({"batch", "fine-tune", "assistants", "vision", "user_data", "evals"})
 MAX_FILE_BYTES = 200 * 1024 * 1024
@@ -95,9 +119,28 @@ class BatchJob:
 
 
 def batch_routes(
-    state: FakeOpenAIState, dialect: Dialect, operations: Mapping[str, Operation]
+    state: FakeOpenAIState, dialect: Dialect, operations: Mapping[str, Operation],
+    variant: BatchVariant = OPENAI,
 ) -> list[Route]:
-    """Routes for /v1/files and /v1/batches; `operations` run each batch line's body."""
+    """Routes for /v1/files and /v1/batches (or the variant's); `operations` run each line's body."""
+
+    def render(job: BatchJob) -> dict[str, Any]:
+        body = job.to_json()
+        body["status"] = variant.spell(job.status)
+        if not variant.metadata:
+            body.pop("metadata", None)
+        return body
+
+    def check_query(request: Request) -> None:
+        for name in variant.query:
+            if not request.query_params.get(name):
+                raise ApiError(400, f"Missing required query parameter '{name}'", param=name)
+
+    def guarded(path: str, methods: list[str], handler: Any) -> Route:
+        async def checked(request: Request) -> Response:
+            check_query(request)
+            return await handler(request)
+        return guarded_route(path, methods, checked, state, dialect)
 
     def now() -> int:
         return int(state.clock())
@@ -122,13 +165,14 @@ def batch_routes(
     async def upload(request: Request) -> Response:
         async with request.form() as form:
             purpose, upload = form.get("purpose"), form.get("file")
-            if not isinstance(purpose, str) or purpose not in FILE_PURPOSES:
-                raise ApiError(400, f"'purpose' must be one of {sorted(FILE_PURPOSES)}", param="purpose")
+            purposes = FILE_PURPOSES | {variant.purpose}
+            if not isinstance(purpose, str) or purpose not in purposes:
+                raise ApiError(400, f"'purpose' must be one of {sorted(purposes)}", param="purpose")
             if not isinstance(upload, UploadFile):
                 raise ApiError(400, "'file' must be a multipart file part", param="file")
             filename = upload.filename or "upload"
             content = await upload.read()
-        if purpose == "batch" and not filename.endswith(".jsonl"):
+        if purpose == variant.purpose and not filename.endswith(".jsonl"):
             raise ApiError(400, "Invalid file format for Batch API. Must be .jsonl", param="file")
         if len(content) > MAX_FILE_BYTES:
             raise ApiError(400, "File is larger than 200 MB", param="file")
@@ -143,17 +187,24 @@ def batch_routes(
     async def create(request: Request) -> Response:
         body = await json_body(request)
         file_id = require(body, "input_file_id", str)
-        endpoint = require(body, "endpoint", str)
+        named = require(body, "endpoint", str)
         window = require(body, "completion_window", str)
+        endpoint = (variant.create_endpoints or {}).get(named, named)
         if endpoint not in operations:
             raise ApiError(400, f"'endpoint' must be one of {sorted(operations)}", param="endpoint")
-        if window != "24h":
-            raise ApiError(400, "'completion_window' must be '24h'", param="completion_window")
+        if window not in variant.windows:
+            raise ApiError(400, f"'completion_window' must be one of {sorted(variant.windows)}",
+                           param="completion_window")
+        if state.quota_full_creates > 0:  # Azure: enqueued tokens over the quota, fail fast
+            state.quota_full_creates -= 1
+            raise ApiError(400, "Enqueued token limit reached for this deployment: "
+                           "token_limit_exceeded", code="token_limit_exceeded")
         source = state.files.get(file_id)
         if source is None:
             raise ApiError(404, f"No such File object: {file_id}", param="input_file_id")
-        if source.purpose != "batch":
-            raise ApiError(400, "The input file must be uploaded with purpose 'batch'", param="input_file_id")
+        if source.purpose != variant.purpose:
+            raise ApiError(400, f"The input file must be uploaded with purpose '{variant.purpose}'",
+                           param="input_file_id")
         items, errors = validate_lines(source.content, endpoint, state.max_batch_requests)
         job = BatchJob(
             state.next_id("batch_"), endpoint, file_id, window, now(), body.get("metadata"), items, errors
@@ -161,18 +212,24 @@ def batch_routes(
         state.batches[job.id] = job
         if state.polls_to_complete <= 0:
             advance(job)
-        return JSONResponse(job.to_json())
+        return JSONResponse({"job": render(job)} if variant.wrap_create else render(job))
 
     async def list_batches(request: Request) -> Response:
         """Newest first, paged with ``limit`` and ``after`` (a batch id), as the real API."""
         jobs = sorted(state.batches.values(), key=lambda j: j.created_at, reverse=True)
-        after = request.query_params.get("after")
+        if variant.listing == "array":
+            return JSONResponse([render(j) for j in jobs])
+        after = request.query_params.get("after" if variant.listing == "after" else "cursor")
         if after:
             ids = [j.id for j in jobs]
             jobs = jobs[ids.index(after) + 1:] if after in ids else []
         limit = max(1, min(100, int(request.query_params.get("limit", "20"))))
         page = jobs[:limit]
-        return JSONResponse({"object": "list", "data": [j.to_json() for j in page],
+        if variant.listing == "cursor":
+            more = len(jobs) > limit
+            return JSONResponse({"object": "list", "data": [render(j) for j in page],
+                                 "paging": {"next_cursor": page[-1].id if more and page else None}})
+        return JSONResponse({"object": "list", "data": [render(j) for j in page],
                              "first_id": page[0].id if page else None,
                              "last_id": page[-1].id if page else None,
                              "has_more": len(jobs) > limit})
@@ -181,7 +238,7 @@ def batch_routes(
         job = get_batch(request)
         job.polls += 1
         advance(job)
-        return JSONResponse(job.to_json())
+        return JSONResponse(render(job))
 
     async def cancel(request: Request) -> Response:
         job = get_batch(request)
@@ -190,7 +247,7 @@ def batch_routes(
         if job.status != "cancelling":
             job.status = "cancelling"
             job.times["cancelling_at"] = now()
-        return JSONResponse(job.to_json())
+        return JSONResponse(render(job))
 
     def advance(job: BatchJob) -> None:
         if job.status in TERMINAL:
@@ -280,14 +337,19 @@ def batch_routes(
             "error": {"code": "batch_expired", "message": message},
         }
 
+    async def list_files(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [f.to_json() for f in state.files.values()]})
+
+    files, batches = variant.files, variant.batches
     return [
-        guarded_route("/v1/files", ["POST"], upload, state, dialect),
-        guarded_route("/v1/files/{file_id}", ["GET"], file_meta, state, dialect),
-        guarded_route("/v1/files/{file_id}/content", ["GET"], file_content, state, dialect),
-        guarded_route("/v1/batches", ["POST"], create, state, dialect),
-        guarded_route("/v1/batches", ["GET"], list_batches, state, dialect),
-        guarded_route("/v1/batches/{batch_id}", ["GET"], poll, state, dialect),
-        guarded_route("/v1/batches/{batch_id}/cancel", ["POST"], cancel, state, dialect),
+        guarded(files, ["POST"], upload),
+        guarded(files, ["GET"], list_files),
+        guarded(files + "/{file_id}", ["GET"], file_meta),
+        guarded(files + "/{file_id}/content", ["GET"], file_content),
+        guarded(batches, ["POST"], create),
+        guarded(batches, ["GET"], list_batches),
+        guarded(batches + "/{batch_id}", ["GET"], poll),
+        guarded(batches + "/{batch_id}/cancel", ["POST"], cancel),
     ]
 
 

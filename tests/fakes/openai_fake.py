@@ -54,6 +54,7 @@ class FakeOpenAIState(FakeState, StreamKnobs):
     force_status: Literal["failed", "expired", "cancelled"] | None = None
     item_error_style: Literal["response", "error"] = "response"
     expired_in_error_file: bool = False
+    quota_full_creates: int = 0  # the next N batch creates fail with token_limit_exceeded (Azure)
     files: dict[str, StoredFile] = field(default_factory=dict)
     batches: dict[str, BatchJob] = field(default_factory=dict)
     bodies: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # request bodies, by path

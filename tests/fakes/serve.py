@@ -10,6 +10,9 @@ Needs the asyncio backend (uvicorn is asyncio-only).
 With `--config`, each `openai`, `anthropic` or `gemini` provider whose `base_url` is on this machine gets
 the fake of its kind on the port the URL names; each prints `fake <kind> API on <url>` once it
 accepts connections.
+With `--config`, each `openai`, `anthropic`, `mistral` (`base_url`) or `azure_openai` (`endpoint`)
+provider whose address is on this machine gets the fake of its kind on the port the URL names;
+each prints `fake <kind> API on <url>` once it accepts connections.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from multiplexer.server import bind, serve_asgi
 __all__ = ["fakes_for", "serve_app"]
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+KINDS = ("openai", "anthropic", "azure_openai", "mistral")
 
 
 @contextlib.asynccontextmanager
@@ -48,6 +52,8 @@ def fakes_for(config: Config) -> list[tuple[str, str, int]]:
     for pconf in config.providers.values():
         url = urlsplit(str(pconf.extra.get("base_url", "")))
         if pconf.kind in ("openai", "anthropic", "gemini") and url.hostname in LOCAL_HOSTS and url.port:
+        url = urlsplit(str(pconf.extra.get("endpoint" if pconf.kind == "azure_openai" else "base_url", "")))
+        if pconf.kind in KINDS and url.hostname in LOCAL_HOSTS and url.port:
             found.append((pconf.kind, url.hostname, url.port))
     return found
 
@@ -57,6 +63,10 @@ def _app(kind: str, args: argparse.Namespace) -> ASGIApp:
         from tests.fakes.openai_fake import create_app
     elif kind == "gemini":
         from tests.fakes.gemini_fake import create_app  # type: ignore[assignment]
+    elif kind == "azure_openai":
+        from tests.fakes.vendor_fakes import create_azure_app as create_app  # type: ignore[assignment]
+    elif kind == "mistral":
+        from tests.fakes.mistral_fake import create_app  # type: ignore[assignment]
     else:
         from tests.fakes.anthropic_fake import create_app  # type: ignore[assignment]
     app = create_app()
@@ -80,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.fakes.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("provider", nargs="?", choices=["openai", "anthropic", "gemini"])
+    parser.add_argument("provider", nargs="?", choices=list(KINDS))
     parser.add_argument("--config", help="start the fakes this gateway config points at instead")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
