@@ -7,10 +7,7 @@ Needs the asyncio backend (uvicorn is asyncio-only).
     python -m tests.fakes.serve openai --port 8001
     python -m tests.fakes.serve --config config/remote.example.yaml   # every fake it points at
 
-With `--config`, each `openai`, `anthropic` or `gemini` provider whose `base_url` is on this machine gets
-the fake of its kind on the port the URL names; each prints `fake <kind> API on <url>` once it
-accepts connections.
-With `--config`, each `openai`, `anthropic`, `mistral` (`base_url`) or `azure_openai` (`endpoint`)
+With `--config`, each `openai`, `anthropic`, `gemini`, `mistral` (`base_url`) or `azure_openai` (`endpoint`)
 provider whose address is on this machine gets the fake of its kind on the port the URL names;
 each prints `fake <kind> API on <url>` once it accepts connections.
 """
@@ -32,7 +29,7 @@ from multiplexer.server import bind, serve_asgi
 __all__ = ["fakes_for", "serve_app"]
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-KINDS = ("openai", "anthropic", "azure_openai", "mistral")
+KINDS = ("openai", "anthropic", "gemini", "azure_openai", "mistral")
 
 
 @contextlib.asynccontextmanager
@@ -47,11 +44,9 @@ async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> Asy
 
 
 def fakes_for(config: Config) -> list[tuple[str, str, int]]:
-    """(kind, host, port) of each fake the config's openai/anthropic/gemini providers point at locally."""
+    """(kind, host, port) of each fake the config's providers of a faked kind point at locally."""
     found = []
     for pconf in config.providers.values():
-        url = urlsplit(str(pconf.extra.get("base_url", "")))
-        if pconf.kind in ("openai", "anthropic", "gemini") and url.hostname in LOCAL_HOSTS and url.port:
         url = urlsplit(str(pconf.extra.get("endpoint" if pconf.kind == "azure_openai" else "base_url", "")))
         if pconf.kind in KINDS and url.hostname in LOCAL_HOSTS and url.port:
             found.append((pconf.kind, url.hostname, url.port))
@@ -89,7 +84,6 @@ async def _serve(targets: list[tuple[str, str, int]], args: argparse.Namespace) 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.fakes.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("provider", nargs="?", choices=["openai", "anthropic", "gemini"])
     parser.add_argument("provider", nargs="?", choices=list(KINDS))
     parser.add_argument("--config", help="start the fakes this gateway config points at instead")
     parser.add_argument("--host", default="127.0.0.1")
