@@ -30,6 +30,7 @@ from .api_client import ApiClient, item_error
 from .batch.backend import BatchApiSettings
 from .batch.gemini_batch import GeminiBatchBackend
 from .batch.gemini_jobs import GeminiJobManager
+from .dedup_rules import deterministic_chat
 from .gemini_anthropic import message_response, messages_request, messages_stream
 from .gemini_embed import embed_requests, model_path, run_embeddings
 from .gemini_openai import chat_request, chat_response, chat_stream, embeddings_request, embeddings_response
@@ -132,11 +133,21 @@ class GeminiProvider(LlmProvider):
         item.options["mode"] = route.mode  # run live even on a batch route (execute): charged live
         item.tokens = sum(text_tokens(content_text(r["content"].get("parts"))) for r in requests)
 
+    @staticmethod
+    def deterministic(item: Item) -> bool:
+        """``generationConfig.temperature`` exactly 0 and one candidate (the sampling knobs live
+        there in Gemini's body): identical calls may then share one execution, and be retried."""
+        config = item.params.get("generationConfig") if isinstance(item.params, dict) else None
+        config = config if isinstance(config, dict) else {}
+        return deterministic_chat({"temperature": config.get("temperature"),
+                                   "n": config.get("candidateCount", 1)})
+
     def idempotent(self, item: Item) -> bool:
-        return item.operation == "embeddings" or super().idempotent(item)
+        return item.operation == "embeddings" or bool(item.options.get("idempotent")) \
+            or self.deterministic(item)
 
     def dedup_safe(self, item: Item) -> bool:
-        return item.operation == "embeddings" or super().dedup_safe(item)
+        return item.operation == "embeddings" or self.deterministic(item)
 
     def path(self, model: str, method: str) -> str:
         return f"{self.version}/{model_path(model)}{method}"

@@ -123,6 +123,8 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     for key in REFUSED:
         if body.get(key) not in (None, False):
             raise invalid_params(f"{key!r} is not supported on Gemini routes", param=key)
+    if body.get("stream") and isinstance(body.get("n"), int) and body["n"] > 1:
+        raise invalid_params("a streamed call on a Gemini route takes n: 1", param="n")
     contents, system = _contents(body.get("messages"))
     out: dict[str, Any] = {"contents": contents}
     if "model" in body:

@@ -139,6 +139,19 @@ async def test_a_stream_that_stops_before_its_finish_reason_is_an_error(tmp_path
     assert recv.receive_nowait()["candidates"][0]["content"]["parts"][0]["text"] == "He"
 
 
+def test_only_calls_at_temperature_zero_with_one_candidate_may_share_an_execution(tmp_path):
+    p = provider(tmp_path)
+
+    def shared(config: dict[str, Any] | None) -> bool:
+        params = native("x") if config is None else {**native("x"), "generationConfig": config}
+        return p.dedup_safe(item(p, "chat", params))
+
+    assert shared({"temperature": 0}) and shared({"temperature": 0.0, "candidateCount": 1})
+    assert not shared(None) and not shared({"temperature": 0.3})
+    assert not shared({"temperature": 0, "candidateCount": 2})
+    assert p.dedup_safe(item(p, "embeddings", {"model": "e", "content": {"parts": [{"text": "a"}]}}))
+
+
 # -- the Batch API ------------------------------------------------------------------------------
 class BatchApi:
     """A scripted Gemini Batch API: each created batch ends as ``endings`` says (a state word),

@@ -194,6 +194,7 @@ def test_openai_tool_calls_round_trip():
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"}, "tool_choice"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": True, "n": 2}, "n"),
     ],
 )
 def test_openai_bodies_gemini_cannot_take_are_refused_naming_the_param(body, param):

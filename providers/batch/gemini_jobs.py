@@ -41,12 +41,22 @@ class GeminiJobManager(JobManager):
         return part is None or await self._cancelling(part.job_id)
 
     async def _drive_part(self, part_id: str) -> None:
-        if self.backend is not None:
-            st = self.store()
-            rows = await st.run(st.part_items, part_id, True)
-            if any(row.operation not in BATCHED for row in rows):
-                part = await st.run(st.part, part_id)
-                if part is not None and part.state != "done":
-                    await self._run_sync(part)
-                    return
+        if self.backend is not None and await self._live_part(part_id):
+            part = await self.store().run(self.store().part, part_id)
+            assert part is not None
+            await self._run_sync(part)
+            return
         await super()._drive_part(part_id)
+
+    async def _live_part(self, part_id: str) -> bool:
+        """Whether a part runs through the live endpoints: one already doing so (``sync``), or
+        one not yet submitted that holds calls the Batch API does not take. A part already on
+        the Batch API is not read again (its requests may be 50,000 bodies)."""
+        st = self.store()
+        part = await st.run(st.part, part_id)
+        if part is None or part.state == "done":
+            return False
+        if part.state == "submitted":
+            return part.remote_id == "sync"
+        rows = await st.run(st.part_items, part_id, True)
+        return any(row.operation not in BATCHED for row in rows)
