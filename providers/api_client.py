@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from multiplexer.core.attempts import budgets, spend, tries
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, upstream_error
 from multiplexer.core.gather import gather
@@ -201,9 +202,12 @@ class ApiClient:
         endpoints when there are several."""
         retry = self.ctx.config.retry
         endpoints = None if path.startswith(PINNED) else self.endpoints
+        found = budgets()  # calls with fallbacks: one budget of requests over all their routes
 
         async def attempt() -> T:
             await upstream_request()  # each try is one upstream request: charged by its lane
+            if found:
+                spend(found)
             endpoint = await endpoints.take() if endpoints is not None else None
             if endpoints is None or endpoint is None:
                 return await send(None)
@@ -219,7 +223,8 @@ class ApiClient:
                 endpoints.done(endpoint, connected)
 
         return await with_retries(
-            attempt, clock=self.ctx.clock, deadline=deadline, attempts=retry.attempts,
+            attempt, clock=self.ctx.clock, deadline=deadline,
+            attempts=tries(retry.attempts, found) if found else retry.attempts,
             base_wait=retry.base_wait_ms / 1000, max_wait=retry.max_wait_ms / 1000,
             on_retry=lambda e: self.ctx.metrics.retries.labels(self.name).inc(),
         )

@@ -1,0 +1,200 @@
+"""Fallbacks: a call moves to its next route on the errors another provider may not have, never on
+the caller's own, and retries times fallbacks never exceed ``max_attempts`` upstream requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from multiplexer.core.call import Call
+from multiplexer.core.errors import Code
+from multiplexer.gateway.config import ConfigError, parse_config
+from tests.fallback_helpers import answered_by, chat, gateway, upstreams
+
+pytestmark = pytest.mark.anyio
+
+ROUTES = {
+    "chat_a": {"provider": "a", "operation": "chat", "params": {"model": "gpt-a"},
+               "fallbacks": ["chat_b"], "context_window_fallbacks": ["chat_big"]},
+    "chat_b": {"provider": "b", "operation": "chat", "params": {"model": "gpt-b"}},
+    "chat_big": {"provider": "big", "operation": "chat", "params": {"model": "gpt-big"}},
+}
+
+
+@pytest.mark.parametrize("failure", [429, 500, 502, 503, "connect", "timeout", "malformed"])
+async def test_a_retryable_failure_reaches_the_fallback(tmp_path, failure):
+    router, up = upstreams("a", "b", "big")
+    up["a"].forever(failure)
+    call = Call("chat_a", chat())
+    async with gateway(tmp_path, router, up, ROUTES, attempts=1) as gw:
+        out = await gw.submit(call)
+    assert out.ok, out.error
+    assert answered_by(out.result) == "b"
+    assert call.route == "chat_b"
+    assert (up["a"].count, up["b"].count, up["big"].count) == (1, 1, 0)
+    assert up["b"].requests[0]["model"] == "gpt-b"  # the fallback's own model
+    assert gw.metrics.fallbacks.labels("chat_a", "chat_b", _reason(failure))._value.get() == 1
+
+
+def _reason(failure):
+    return {429: "rate_limit", "connect": "connection", "timeout": "timeout",
+            "malformed": "malformed"}.get(failure, "server_error")
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 422])
+async def test_a_clients_own_error_never_falls_back(tmp_path, status):
+    router, up = upstreams("a", "b", "big")
+    up["a"].forever(status)
+    call = Call("chat_a", chat())
+    async with gateway(tmp_path, router, up, ROUTES) as gw:
+        out = await gw.submit(call)
+    assert out.error is not None and out.error.data["upstream_status"] == status
+    assert (up["a"].count, up["b"].count, up["big"].count) == (1, 0, 0)
+    assert call.route == "chat_a"
+
+
+async def test_a_context_length_refusal_goes_to_the_context_window_fallback_only(tmp_path):
+    router, up = upstreams("a", "b", "big")
+    up["a"].forever("context")
+    async with gateway(tmp_path, router, up, ROUTES) as gw:
+        out = await gw.submit(Call("chat_a", chat()))
+    assert answered_by(out.result) == "big"
+    assert (up["a"].count, up["b"].count, up["big"].count) == (1, 0, 1)
+
+
+async def test_a_context_length_refusal_without_a_context_fallback_is_the_callers(tmp_path):
+    router, up = upstreams("a", "b")
+    up["a"].forever("context")
+    routes = {"chat_a": {**ROUTES["chat_a"], "context_window_fallbacks": []}, "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes) as gw:
+        out = await gw.submit(Call("chat_a", chat()))
+    assert out.error is not None and out.error.data["upstream_code"] == "context_length_exceeded"
+    assert up["b"].count == 0
+
+
+async def test_429_is_retried_on_its_route_first_then_falls_back(tmp_path):
+    router, up = upstreams("a", "b")
+    up["a"].forever(429)
+    routes = {"chat_a": {**ROUTES["chat_a"], "context_window_fallbacks": [], "max_attempts": 4},
+              "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes, attempts=3) as gw:
+        out = await gw.submit(Call("chat_a", chat()))
+    assert answered_by(out.result) == "b"
+    # three tries on a (its retry policy, one request kept for b), then one on b
+    assert (up["a"].count, up["b"].count) == (3, 1)
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2, 3, 5])
+async def test_retries_times_fallbacks_never_exceed_max_attempts(tmp_path, max_attempts):
+    router, up = upstreams("a", "b", "c")
+    for u in up.values():
+        u.forever(503)  # retried by each provider's policy (3 tries) and a fallback reason
+    routes = {"r_a": {"provider": "a", "operation": "chat", "params": {"model": "m"},
+                      "fallbacks": ["r_b", "r_c"], "max_attempts": max_attempts},
+              "r_b": {"provider": "b", "operation": "chat", "params": {"model": "m"}},
+              "r_c": {"provider": "c", "operation": "chat", "params": {"model": "m"}}}
+    async with gateway(tmp_path, router, up, routes, attempts=3) as gw:
+        out = await gw.submit(Call("r_a", chat()))
+    assert out.error is not None and out.error.data["upstream_status"] == 503
+    sent = [u.count for u in up.values()]
+    assert sum(sent) == max_attempts
+    if max_attempts >= 3:
+        assert all(n >= 1 for n in sent)  # each route got at least one request
+
+
+async def test_on_narrows_what_falls_back(tmp_path):
+    router, up = upstreams("a", "b")
+    up["a"].forever(429)
+    routes = {"chat_a": {**ROUTES["chat_a"], "context_window_fallbacks": [], "on": ["server_error"]},
+              "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes, attempts=1) as gw:
+        out = await gw.submit(Call("chat_a", chat()))
+    assert out.error is not None and out.error.data["upstream_status"] == 429
+    assert up["b"].count == 0
+
+
+async def test_on_widens_to_a_status(tmp_path):
+    router, up = upstreams("a", "b")
+    up["a"].forever(401)  # a revoked key on one account: the other may serve
+    routes = {"chat_a": {**ROUTES["chat_a"], "context_window_fallbacks": [], "on": ["server_error", 401]},
+              "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes) as gw:
+        out = await gw.submit(Call("chat_a", chat()))
+    assert answered_by(out.result) == "b"
+
+
+async def test_fallbacks_are_followed_depth_first_and_the_last_error_is_answered(tmp_path):
+    router, up = upstreams("a", "b", "c", "d")
+    for u in up.values():
+        u.forever(500)
+    up["d"].forever(502)
+    routes = {"r_a": {"provider": "a", "operation": "chat", "params": {"model": "m"},
+                      "fallbacks": ["r_b", "r_d"], "max_attempts": 9},
+              "r_b": {"provider": "b", "operation": "chat", "params": {"model": "m"}, "fallbacks": ["r_c"]},
+              "r_c": {"provider": "c", "operation": "chat", "params": {"model": "m"}},
+              "r_d": {"provider": "d", "operation": "chat", "params": {"model": "m"}}}
+    call = Call("r_a", chat())
+    async with gateway(tmp_path, router, up, routes, attempts=1) as gw:
+        out = await gw.submit(call)
+    assert out.error.data["upstream_status"] == 502 and call.route == "r_d"
+    assert [u.count for u in up.values()] == [1, 1, 1, 1]
+    ways = {(k[0], k[1]) for k in _fallback_labels(gw)}
+    assert ways == {("r_a", "r_b"), ("r_b", "r_c"), ("r_c", "r_d")}
+
+
+def _fallback_labels(gw):
+    return [tuple(s.labels.values()) for m in gw.metrics.fallbacks.collect() for s in m.samples
+            if s.name.endswith("_total") and s.value]
+
+
+async def test_every_call_of_a_batch_ends_once_under_its_own_id(tmp_path):
+    router, up = upstreams("a", "b")
+    up["a"].answer(500, "ok", 429, "connect", 400, "ok")
+    routes = {"chat_a": {**ROUTES["chat_a"], "context_window_fallbacks": []}, "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes, attempts=1) as gw:
+        calls = [Call("chat_a", chat(f"q{i}")) for i in range(6)]
+        outs = await gw.submit_many(calls)
+    assert len(outs) == 6
+    assert [o.ok for o in outs].count(False) == 1  # the 400 only
+    assert outs[4].error.data["upstream_status"] == 400
+    # each answer is its own call's
+    for c, o in zip(calls, outs, strict=True):
+        if o.ok:
+            served = answered_by(o.result)
+            assert served == c.route.removeprefix("chat_")
+    assert up["a"].count == 6 and up["b"].count == 3
+
+
+def test_config_refuses_unknown_routes_cycles_and_cost():
+    providers = {"p": {"kind": "echo"}}
+    with pytest.raises(ConfigError, match="unknown route 'nope'"):
+        parse_config({"providers": providers,
+                      "routes": {"a": {"provider": "p", "fallbacks": ["nope"]}}})
+    with pytest.raises(ConfigError, match="cycle: a -> b -> a"):
+        parse_config({"providers": providers,
+                      "routes": {"a": {"provider": "p", "fallbacks": ["b"]},
+                                 "b": {"provider": "p", "fallbacks": ["a"]}}})
+    with pytest.raises(ConfigError, match="fall back to itself"):
+        parse_config({"providers": providers, "routes": {"a": {"provider": "p", "fallbacks": ["a"]}}})
+    with pytest.raises(ConfigError, match="'cost' needs model prices"):
+        parse_config({"providers": providers, "routes": {"a": {"provider": "p"}},
+                      "groups": {"g": {"routes": ["a"], "strategy": "cost"}}})
+    with pytest.raises(ConfigError, match=r"groups\.g\.routes: unknown route 'x'"):
+        parse_config({"providers": providers, "routes": {"a": {"provider": "p"}},
+                      "groups": {"g": {"routes": ["a", "x"]}}})
+    with pytest.raises(ConfigError, match="answers 'embeddings', not 'chat'"):
+        parse_config({"providers": providers,
+                      "routes": {"a": {"provider": "p", "operation": "chat", "fallbacks": ["e"]},
+                                 "e": {"provider": "p", "operation": "embeddings"}}})
+    with pytest.raises(ConfigError, match="did you mean"):
+        parse_config({"providers": providers, "routes": {"a": {"provider": "p", "fallback": ["a"]}}})
+    with pytest.raises(ConfigError, match="breaker"):
+        parse_config({"providers": {"p": {"kind": "echo", "breaker": {"allowed_fail": 2}}}})
+
+
+async def test_the_deadline_is_one_for_all_attempts(tmp_path):
+    router, up = upstreams("a", "b")
+    up["a"].forever(500)
+    routes = {"chat_a": {**ROUTES["chat_a"], "context_window_fallbacks": []}, "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes, attempts=1) as gw:
+        out = await gw.submit(Call("chat_a", chat(), timeout_ms=60_000))
+    assert out.ok and Code.UPSTREAM_ERROR != 0
