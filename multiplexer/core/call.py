@@ -92,6 +92,9 @@ class Call:
     # The route that served the call, set by the gateway when it may differ from ``method`` (a
     # model group, a fallback): faces say it (``x-multiplexer-route``). None: ``method``'s route.
     route: str | None = None
+    # The caller asked to be told that route (JSON-RPC ``_meta.want_route``): ``_meta.route`` on
+    # its result, ``data.route`` on its error.
+    want_route: bool = False
 
 
 @dataclass(slots=True, eq=False)

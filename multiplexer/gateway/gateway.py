@@ -490,4 +490,4 @@ class Gateway:
     async def list_tools(self) -> list[ToolSpec]:
         """Every route as a tool: exact routes from config, wildcard routes from their provider."""
         builtins = [spec for _, spec in self.methods.values()]
-        return await route_tools(self.config.routes, self.providers, builtins)
+        return await route_tools(self.config.routes, self.providers, builtins, self.config.groups)

@@ -178,7 +178,7 @@ class Batches:
                 early.append((n, record.custom_ids[n], e.status, self.surfaces[endpoint].error_body(
                     e.status, e.error, e.param, e.code)))
                 continue
-            provider = self.gateway.providers[self.gateway.config.routes[name].provider]
+            provider = self.gateway.providers[self.gateway.resolve(name).route.provider]
             if isinstance(provider, BatchCapable):
                 job_calls.append({"method": name, "params": params})
                 record.job_lines.append(n)
