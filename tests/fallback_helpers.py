@@ -79,7 +79,7 @@ def upstreams(*names: str) -> tuple[respx.MockRouter, dict[str, Upstream]]:
 def gateway(tmp_path: Path, router: respx.MockRouter, names: Iterable[str], routes: dict[str, Any],
             *, groups: dict[str, Any] | None = None, breaker: dict[str, Any] | None = None,
             attempts: int = 3, clock: Any = None, state: dict[str, Any] | None = None,
-            **extra: Any) -> Gateway:
+            tracer: Any = None, **extra: Any) -> Gateway:
     """A gateway over providers ``names`` (each ``http://NAME.test/v1``); ``routes`` as in a config."""
     names = list(names)
     providers_conf = {n: {"kind": "openai", "base_url": base(n), "batch": {"max_items": 1},
@@ -93,9 +93,10 @@ def gateway(tmp_path: Path, router: respx.MockRouter, names: Iterable[str], rout
     clock = clock or MonotonicClock()  # retries wait 10 to 100 ms
     providers: dict[str, Provider] = {
         n: make_provider(OpenAIProvider, {"base_url": base(n), "api_key": "k"}, tmp_path, clock, name=n,
-                         attempts=attempts, transport=httpx.MockTransport(router.async_handler))
+                         attempts=attempts, transport=httpx.MockTransport(router.async_handler),
+                         **({"tracer": tracer} if tracer is not None else {}))
         for n in names}
-    return Gateway(config, providers=providers, clock=clock)
+    return Gateway(config, providers=providers, clock=clock, tracer=tracer)
 
 
 def chat(text: str = "hi", **extra: Any) -> dict[str, Any]:

@@ -198,3 +198,29 @@ async def test_the_deadline_is_one_for_all_attempts(tmp_path):
     async with gateway(tmp_path, router, up, routes, attempts=1) as gw:
         out = await gw.submit(Call("chat_a", chat(), timeout_ms=60_000))
     assert out.ok and Code.UPSTREAM_ERROR != 0
+
+
+async def test_each_attempt_is_its_own_span_under_the_call(tmp_path):
+    pytest.importorskip("opentelemetry.sdk.trace", reason="the otel extra is not installed")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from multiplexer.gateway.otel import OtelTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    router, up = upstreams("a", "b")
+    up["a"].forever(500)
+    routes = {"chat_a": {**ROUTES["chat_a"], "context_window_fallbacks": []}, "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes, attempts=1, tracer=OtelTracer(provider)) as gw:
+        assert (await gw.submit(Call("chat_a", chat()))).ok
+    spans = exporter.get_finished_spans()
+    attempts = sorted((s for s in spans if s.name.startswith("attempt ")),
+                      key=lambda s: s.attributes["multiplexer.attempt"])
+    from opentelemetry.trace import SpanKind
+    [call] = [s for s in spans if s.kind == SpanKind.SERVER]
+    assert [(s.name, s.attributes["multiplexer.attempt.result"]) for s in attempts] == [
+        ("attempt chat_a", "server_error"), ("attempt chat_b", "ok")]
+    assert all(s.parent.span_id == call.context.span_id for s in attempts)

@@ -46,8 +46,8 @@ _STATE_VALUE = {"closed": 0, "open": 1, "half_open": 2}
 class Attempts:
     """One call's walk over its routes."""
 
-    __slots__ = ("budget", "call", "context", "mark", "on", "queue", "route", "sink", "span",
-                 "tried")
+    __slots__ = ("budget", "call", "context", "mark", "number", "on", "queue", "route", "sink",
+                 "span", "trace", "tried")
 
     def __init__(self, call: Call, route: str, queue: list[str], context: list[str],
                  on: tuple[str | int, ...], budget: Budget | None, span: Any,
@@ -62,6 +62,8 @@ class Attempts:
         self.sink = sink  # a streamed call's sink, shared by its attempts
         self.tried: list[tuple[str, str]] = []  # (route, why it moved on)
         self.mark = 0  # the budget's requests spent when the attempt under way began
+        self.number = 0  # attempts begun
+        self.trace: Any = None  # the attempt's span, when calls are traced
 
 
 def tagged(group: Hashable, tag: Hashable) -> tuple[Hashable, ...]:
@@ -198,8 +200,12 @@ class Fallbacks:
 
     def _began(self, name: str, t: Ticket) -> None:
         att = t.attempts
-        if att is not None and att.budget is not None:
+        assert att is not None
+        att.number += 1
+        if att.budget is not None:
             att.mark = att.budget.spent
+        if att.span is not None:
+            att.trace = self.gw.tracer.attempt(att.span, name, att.number)
         self.busy[name] = self.busy.get(name, 0) + 1
         self._started[id(t)] = self.gw.clock.now()
 
@@ -227,7 +233,11 @@ class Fallbacks:
                 breaker.release()
         else:
             self.breakers.record(route.provider, reason in UNWELL)
-        self.metrics.attempts.labels(name, "ok" if error is None else reason or "client_error").inc()
+        result = "ok" if error is None else "withdrawn" if withdraw else reason or "client_error"
+        self.metrics.attempts.labels(name, result).inc()
+        if att.trace is not None:
+            self.gw.tracer.end_attempt(att.trace, result, outcome)
+            att.trace = None
         if error is None or withdraw or not self._may_move(t, att, error, reason):
             self._final(att)
             return False
