@@ -224,3 +224,80 @@ async def test_each_attempt_is_its_own_span_under_the_call(tmp_path):
     assert [(s.name, s.attributes["multiplexer.attempt.result"]) for s in attempts] == [
         ("attempt chat_a", "server_error"), ("attempt chat_b", "ok")]
     assert all(s.parent.span_id == call.context.span_id for s in attempts)
+
+
+CHUNK = (b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":'
+         b'{"content":"%s"}}]}\n\n')
+
+
+def stream_router(first):
+    """a answers ``first`` (a status, or the bytes of a stream); b streams 'b' to its end."""
+    import httpx
+    import respx
+
+    from tests.fallback_helpers import base
+
+    router = respx.MockRouter(assert_all_called=False)
+    sent = {"a": 0, "b": 0}
+
+    def a(request):
+        sent["a"] += 1
+        if isinstance(first, int):
+            return httpx.Response(first, json={"error": {"message": "down", "type": "server_error"}})
+        return httpx.Response(200, content=first, headers={"content-type": "text/event-stream"})
+
+    def b(request):
+        sent["b"] += 1
+        return httpx.Response(200, content=CHUNK % b"b" + b"data: [DONE]\n\n",
+                              headers={"content-type": "text/event-stream"})
+
+    router.post(f"{base('a')}/chat/completions").mock(side_effect=a)
+    router.post(f"{base('b')}/chat/completions").mock(side_effect=b)
+    return router, sent
+
+
+async def _stream(gw, model):
+    import httpx
+
+    from multiplexer.faces.auth import Authenticator
+    from multiplexer.faces.http import create_app
+    from multiplexer.faces.v1 import v1_routes
+
+    app = create_app(gw, v1_routes(gw, Authenticator({})))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+        return await c.post("/v1/chat/completions", json={"model": model, "stream": True, **chat()})
+
+
+STREAM_ROUTES = {"chat_a": {"provider": "a", "operation": "chat", "models": ["m-a"], "fallbacks": ["chat_b"]},
+                 "chat_b": {"provider": "b", "operation": "chat", "models": ["m-b"]}}
+
+
+@pytest.mark.parametrize("first", [500, 429, b"data: not json\n\n"])
+async def test_a_stream_falls_back_before_its_first_byte(tmp_path, first):
+    router, sent = stream_router(first)
+    async with gateway(tmp_path, router, ["a", "b"], STREAM_ROUTES, attempts=1) as gw:
+        reply = await _stream(gw, "m-a")
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-multiplexer-route"] == "chat_b"
+    assert '"content":"b"' in reply.text and reply.text.endswith("data: [DONE]\n\n")
+    assert sent == {"a": 1, "b": 1}
+
+
+async def test_a_stream_never_switches_provider_after_its_first_byte(tmp_path):
+    router, sent = stream_router(CHUNK % b"a")  # one chunk, then the stream breaks off
+    async with gateway(tmp_path, router, ["a", "b"], STREAM_ROUTES, attempts=1) as gw:
+        reply = await _stream(gw, "m-a")
+    assert reply.status_code == 200
+    assert reply.headers["x-multiplexer-route"] == "chat_a"
+    assert '"content":"a"' in reply.text and '"content":"b"' not in reply.text
+    assert "ended before its last event" in reply.text  # the error event, not another answer
+    assert sent == {"a": 1, "b": 0}
+
+
+async def test_a_stream_with_nowhere_to_go_gets_the_upstreams_status(tmp_path):
+    router, sent = stream_router(503)
+    routes = {"chat_a": {**STREAM_ROUTES["chat_a"], "fallbacks": []}}
+    async with gateway(tmp_path, router, ["a", "b"], routes, attempts=1) as gw:
+        reply = await _stream(gw, "m-a")
+    assert reply.status_code == 503 and reply.headers["x-multiplexer-route"] == "chat_a"
+    assert sent == {"a": 1, "b": 0}
