@@ -301,3 +301,21 @@ async def test_a_stream_with_nowhere_to_go_gets_the_upstreams_status(tmp_path):
         reply = await _stream(gw, "m-a")
     assert reply.status_code == 503 and reply.headers["x-multiplexer-route"] == "chat_a"
     assert sent == {"a": 1, "b": 0}
+
+
+async def test_metrics_count_attempts_fallbacks_and_breaker_states_by_config_names(tmp_path):
+    router, up = upstreams("a", "b")
+    up["a"].answer(503, 400)
+    routes = {"chat_a": {**ROUTES["chat_a"], "context_window_fallbacks": []}, "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes, attempts=1,
+                       breaker={"allowed_fails": 5, "window_s": 10, "cooldown_s": 10}) as gw:
+        await gw.submit(Call("chat_a", chat()))
+        await gw.submit(Call("chat_a", chat()))
+        text = gw.metrics.render().decode()
+    lines = {line for line in text.splitlines() if not line.startswith("#")}
+    assert 'multiplexer_attempts_total{result="server_error",route="chat_a"} 1.0' in lines
+    assert 'multiplexer_attempts_total{result="client_error",route="chat_a"} 1.0' in lines
+    assert 'multiplexer_attempts_total{result="ok",route="chat_b"} 1.0' in lines
+    assert ('multiplexer_fallbacks_total{from_route="chat_a",reason="server_error",to_route="chat_b"} 1.0'
+            in lines)
+    assert 'multiplexer_breaker_state{endpoint="a"} 0.0' in lines
