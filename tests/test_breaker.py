@@ -160,3 +160,60 @@ def test_breakers_without_a_store_sync_to_nothing():
     b.record("p", True)
     b.record("unknown", True)
     assert b.get("p").state == "closed" and b.get("unknown") is None
+
+
+async def test_each_base_url_has_its_own_breaker_and_all_open_falls_back(tmp_path):
+    import httpx
+    import respx
+
+    from multiplexer.gateway.config import parse_config
+    from multiplexer.gateway.gateway import Gateway
+    from providers.openai import OpenAIProvider
+    from tests.remote_helpers import chat_reply, make_provider
+
+    clock = ManualClock()
+    sent = {"e1": 0, "e2": 0, "b": 0}
+    router = respx.MockRouter(assert_all_called=False)
+
+    def answer(name, status):
+        def handler(request):
+            sent[name] += 1
+            return httpx.Response(status, json=chat_reply(name) if status == 200 else
+                                  {"error": {"message": "down", "type": "server_error"}})
+        return handler
+
+    e1 = router.post("http://e1.test/v1/chat/completions").mock(side_effect=answer("e1", 500))
+    router.post("http://e2.test/v1/chat/completions").mock(side_effect=answer("e2", 200))
+    router.post("http://b.test/v1/chat/completions").mock(side_effect=answer("b", 200))
+    bases = ["http://e1.test/v1", "http://e2.test/v1"]
+    config = parse_config({
+        "providers": {"a": {"kind": "openai", "base_urls": bases, "breaker": BREAKER},
+                      "b": {"kind": "openai", "base_url": "http://b.test/v1"}},
+        "routes": ROUTES})
+    transport = httpx.MockTransport(router.async_handler)
+    providers = {"a": make_provider(OpenAIProvider, {"base_urls": bases, "api_key": "k", "breaker": BREAKER},
+                                    tmp_path, clock, name="a", attempts=1, transport=transport),
+                 "b": make_provider(OpenAIProvider, {"base_url": "http://b.test/v1", "api_key": "k"},
+                                    tmp_path, clock, name="b", attempts=1, transport=transport)}
+    gw = Gateway(config, providers=providers, clock=clock)
+    for p in providers.values():
+        p.ctx.breakers = gw.fallbacks.breakers
+    async with gw:
+        outs = [await gw.submit(Call("lonely", chat())) for _ in range(8)]
+        e1_breaker = gw.fallbacks.breakers.get("a@http://e1.test/v1")
+        assert e1_breaker.state == "open"
+        assert sent["e1"] == 2  # two failures opened it; e2 took the rest
+        assert [o.ok for o in outs].count(True) == 6
+        e1.mock(side_effect=answer("e1", 200))
+        await clock.advance(10)
+        await gw.submit_many([Call("lonely", chat()) for _ in range(4)])
+        assert e1_breaker.state == "closed" and sent["e1"] >= 3  # the probe answered: back in use
+        # every endpoint open: the route's fallback takes the calls without a request to a
+        e1.mock(side_effect=answer("e1", 500))
+        router.post("http://e2.test/v1/chat/completions").mock(side_effect=answer("e2", 500))
+        for _ in range(6):
+            await gw.submit(Call("chat_a", chat()))
+        before = dict(sent)
+        outs = [await gw.submit(Call("chat_a", chat())) for _ in range(3)]
+        assert all(answered_by(o.result) == "b" for o in outs)
+        assert (sent["e1"], sent["e2"]) == (before["e1"], before["e2"])

@@ -52,6 +52,11 @@ class Breaker:
         """Seconds until a probe may go (0 when closed or half-open)."""
         return 0.0 if self._until is None else max(self._until - self.clock.now(), 0.0)
 
+    def may_pass(self) -> bool:
+        """Whether ``allow`` would let a call through now (no probe is claimed)."""
+        until = self._until
+        return until is None or (self.clock.now() >= until and not self._probing)
+
     def allow(self) -> bool:
         """Whether a call may go to this endpoint now; half-open lets one probe through."""
         until = self._until

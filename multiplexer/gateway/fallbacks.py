@@ -91,7 +91,9 @@ class Fallbacks:
         self.routes = config.routes
         self.groups: dict[str, GroupConfig] = dict(config.groups)
         self.metrics = gateway.metrics
-        policies = {name: p.breaker for name, p in config.providers.items() if p.breaker is not None}
+        # a provider with base_urls has a breaker per endpoint instead (providers/endpoints.py)
+        policies = {name: p.breaker for name, p in config.providers.items()
+                    if p.breaker is not None and not p.extra.get("base_urls")}
         state = gateway.state
         store = state.breaker_store() if isinstance(state, SharesBreakers) and policies else None
         self.breakers = Breakers(policies, gateway.clock, store, self._breaker_changed)

@@ -116,7 +116,7 @@ class Gateway:
                         store_path=Path(self.config.store.path), notify=self.notify,
                         store_url=self.config.store.url, store_lease_s=self.config.store.lease_s,
                         store_schema=self.config.store.schema_,
-                        tracer=self.tracer,
+                        tracer=self.tracer, breakers=self.fallbacks.breakers,
                     )
                     self.providers[name] = cls(ctx)
                 provider = self.providers[name]
