@@ -20,7 +20,7 @@ class ChunkSink:
     def __init__(self, stream: MemoryObjectSendStream[Any],
                  first: Callable[[], None] | None = None) -> None:
         self._stream = stream
-        self._first = first or _nothing
+        self._first: Callable[[], None] | None = first or _nothing
         # a call that may still fall back keeps its reader's stream open while nothing was sent
         self.hold = False
 
