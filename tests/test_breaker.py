@@ -217,3 +217,45 @@ async def test_each_base_url_has_its_own_breaker_and_all_open_falls_back(tmp_pat
         outs = [await gw.submit(Call("chat_a", chat())) for _ in range(3)]
         assert all(answered_by(o.result) == "b" for o in outs)
         assert (sent["e1"], sent["e2"]) == (before["e1"], before["e2"])
+
+
+async def test_replicas_sharing_a_breaker_send_one_probe_at_a_time(tmp_path):
+    clock = ManualClock()
+    state = {"url": redis_url(), "prefix": prefix()}
+    router, up = upstreams("a", "b")
+    up["a"].forever(503)
+    dirs = [tmp_path / "x", tmp_path / "y"]
+    for d in dirs:
+        d.mkdir()
+    async with gateway(dirs[0], router, up, ROUTES, breaker=BREAKER, state=state, attempts=1,
+                       clock=clock) as one, \
+            gateway(dirs[1], router, up, ROUTES, breaker=BREAKER, state=state, attempts=1,
+                    clock=clock) as two:
+        for _ in range(2):
+            await one.submit(Call("chat_a", chat()))
+        await one.fallbacks.breakers.sync()
+        await two.fallbacks.breakers.sync()
+        assert two.fallbacks.breakers.get("a").state == "open"
+        await _until_closed_in_redis(one)  # Redis' own clock runs its open key: expire it now
+        await clock.advance(10)  # and the cooldown is over on both replicas
+        up["a"].forever("ok")
+        for gw in (one, two, one, two):
+            await gw.fallbacks.breakers.sync()  # one of them claims the shared probe
+        granted = [gw for gw in (one, two) if gw.fallbacks.breakers.get("a")._granted]
+        assert len(granted) == 1
+        holder, waiter = granted[0], two if granted[0] is one else one
+        sent = up["a"].count
+        assert answered_by((await waiter.submit(Call("chat_a", chat()))).result) == "b"
+        assert up["a"].count == sent  # the other waits for the probe
+        assert answered_by((await holder.submit(Call("chat_a", chat()))).result) == "a"
+        assert up["a"].count == sent + 1 and holder.fallbacks.breakers.get("a").state == "closed"
+        await holder.fallbacks.breakers.sync()  # its report frees the probe
+        await waiter.fallbacks.breakers.sync()
+        assert answered_by((await waiter.submit(Call("chat_a", chat()))).result) == "a"
+        assert waiter.fallbacks.breakers.get("a").state == "closed"
+
+
+async def _until_closed_in_redis(gw):
+    """Redis' own clock runs the open key's time to live (10 s in BREAKER), not the test's: drop it."""
+    store = gw.fallbacks.breakers.store
+    await store.r.delete(store._keys("a")[1])

@@ -18,11 +18,18 @@ from redis.exceptions import RedisError
 from multiplexer.core.policy import BreakerPolicy
 from multiplexer.core.state import StateUnavailable
 
-# KEYS: fails, open. ARGV: window_ms, allowed_fails, cooldown_ms, failed (1/0), member.
-# Returns the milliseconds the breaker stays open (0: closed).
+# KEYS: fails, open, probe. ARGV: window_ms, allowed_fails, cooldown_ms, failed (1/0), member,
+# probe (1/0). Returns the milliseconds the breaker stays open (0: closed).
 REPORT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[6] == '1' then
+  redis.call('DEL', KEYS[3])
+  if ARGV[4] == '1' then
+    redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
+    return tonumber(ARGV[3])
+  end
+end
 if ARGV[4] ~= '1' then
   redis.call('DEL', KEYS[1])
   return 0
@@ -54,18 +61,26 @@ class RedisBreakers:
 
     def _keys(self, name: str) -> list[str]:
         base = f"{self.prefix}:{{b:{_tag(name)}}}"
-        return [f"{base}:fails", f"{base}:open"]
+        return [f"{base}:fails", f"{base}:open", f"{base}:probe"]
 
-    async def report(self, name: str, policy: BreakerPolicy, failed: bool) -> float:
+    async def report(self, name: str, policy: BreakerPolicy, failed: bool, probe: bool) -> float:
         self._seq += 1
         member = f"{id(self):x}:{self._seq}"
         args: list[Any] = [int(policy.window_s * 1000), policy.allowed_fails,
-                           int(policy.cooldown_s * 1000), 1 if failed else 0, member]
+                           int(policy.cooldown_s * 1000), 1 if failed else 0, member, 1 if probe else 0]
         try:
             ms = await self._report(keys=self._keys(name), args=args)
         except (RedisError, OSError) as e:
             raise StateUnavailable(f"{type(e).__name__}: {e}") from e
         return max(int(ms), 0) / 1000.0
+
+    async def claim_probe(self, name: str, policy: BreakerPolicy) -> bool:
+        """SET NX with the cooldown as its lease: a probe whose replica died frees itself."""
+        try:
+            return bool(await self.r.set(self._keys(name)[2], "1", nx=True,
+                                         px=int(policy.cooldown_s * 1000)))
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(f"{type(e).__name__}: {e}") from e
 
     async def open_for(self, names: list[str]) -> list[float]:
         if not names:

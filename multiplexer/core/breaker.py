@@ -30,7 +30,8 @@ STATES: tuple[State, ...] = ("closed", "open", "half_open")
 
 
 class Breaker:
-    __slots__ = ("_fails", "_on_change", "_probing", "_until", "clock", "name", "policy")
+    __slots__ = ("_fails", "_granted", "_on_change", "_probing", "_until", "clock", "name", "policy",
+                 "shared")
 
     def __init__(self, name: str, policy: BreakerPolicy, clock: Clock,
                  on_change: Callable[[str, State], None] | None = None) -> None:
@@ -41,6 +42,10 @@ class Breaker:
         self._until: float | None = None  # None: closed; else open until then, half-open after
         self._probing = False
         self._on_change = on_change
+        # shared by replicas: half-open admits its probe only once this replica holds the shared
+        # probe (``Breakers.sync`` claims it), so one probe goes at a time across all of them
+        self.shared = False
+        self._granted = False
 
     @property
     def state(self) -> State:
@@ -55,23 +60,34 @@ class Breaker:
     def may_pass(self) -> bool:
         """Whether ``allow`` would let a call through now (no probe is claimed)."""
         until = self._until
-        return until is None or (self.clock.now() >= until and not self._probing)
+        return until is None or (self.clock.now() >= until and not self._probing
+                                 and (self._granted or not self.shared))
+
+    def wants_probe(self) -> bool:
+        """Shared and half-open with no probe held: ``Breakers.sync`` should claim one."""
+        until = self._until
+        return (self.shared and until is not None and self.clock.now() >= until
+                and not self._probing and not self._granted)
+
+    def grant(self) -> None:
+        """This replica holds the shared probe: the next call may go."""
+        self._granted = True
 
     def allow(self) -> bool:
         """Whether a call may go to this endpoint now; half-open lets one probe through."""
         until = self._until
         if until is None:
             return True
-        if self.clock.now() < until or self._probing:
+        if self.clock.now() < until or self._probing or (self.shared and not self._granted):
             return False
-        self._probing = True
+        self._probing, self._granted = True, False
         self._changed("half_open")
         return True
 
     def success(self) -> None:
         """A call reached the endpoint and it answered (a caller's own error counts here too)."""
         if self._until is not None and (self._probing or self.clock.now() >= self._until):
-            self._until, self._probing = None, False
+            self._until, self._probing, self._granted = None, False, False
             self._fails.clear()
             self._changed("closed")
 
@@ -93,8 +109,11 @@ class Breaker:
         return False
 
     def release(self) -> None:
-        """A probe ended without a verdict (its caller went): the next call may probe."""
-        self._probing = False
+        """A probe ended without a verdict (its caller went): the next call may probe (shared:
+        this replica still holds the shared probe)."""
+        if self._probing:
+            self._probing = False
+            self._granted = self.shared
 
     def opened_elsewhere(self, seconds: float) -> None:
         """Another replica opened it: open here for what is left of its cooldown."""
@@ -105,7 +124,7 @@ class Breaker:
             self._open(until)
 
     def _open(self, until: float) -> None:
-        self._until, self._probing = until, False
+        self._until, self._probing, self._granted = until, False, False
         self._fails.clear()
         self._changed("open")
 
@@ -119,8 +138,12 @@ class Breaker:
 class BreakerStore(Protocol):
     """Breaker state shared by replicas (``backends/redis_breaker.py``)."""
 
-    async def report(self, name: str, policy: BreakerPolicy, failed: bool) -> float:
-        """A failure (or a probe's success) of ``name``; seconds the shared breaker stays open."""
+    async def report(self, name: str, policy: BreakerPolicy, failed: bool, probe: bool) -> float:
+        """A failure, or a probe's result, of ``name``; seconds the shared breaker stays open."""
+        ...
+
+    async def claim_probe(self, name: str, policy: BreakerPolicy) -> bool:
+        """Hold ``name``'s one probe across replicas (until its report, or a cooldown)."""
         ...
 
     async def open_for(self, names: list[str]) -> list[float]:
@@ -148,13 +171,15 @@ class Breakers:
         self._on_change = on_change
         self.all: dict[str, Breaker] = {}
         self._policies = dict(policies)
-        self._reports: list[tuple[str, bool]] = []
+        self._reports: list[tuple[str, bool, bool]] = []
         self._wake = anyio.Event()
+        self._lock = anyio.Lock()  # one round at a time (the background loop's, or a caller's)
         for name, policy in policies.items():
             self.add(name, policy)
 
     def add(self, name: str, policy: BreakerPolicy) -> Breaker:
         breaker = self.all[name] = Breaker(name, policy, self.clock, self._on_change)
+        breaker.shared = self.store is not None
         self._policies[name] = policy
         return breaker
 
@@ -172,7 +197,7 @@ class Breakers:
         else:
             breaker.success()
         if self.store is not None and (failed or probe):
-            self._reports.append((name, failed))
+            self._reports.append((name, failed, probe))
             self._wake.set()
 
     async def sync(self) -> None:
@@ -180,14 +205,21 @@ class Breakers:
         store = self.store
         if store is None:
             return
+        async with self._lock:
+            await self._round(store)
+
+    async def _round(self, store: BreakerStore) -> None:
         reports, self._reports = self._reports, []
         try:
-            for name, failed in reports:
-                left = await store.report(name, self._policies[name], failed)
+            for name, failed, probe in reports:
+                left = await store.report(name, self._policies[name], failed, probe)
                 self.all[name].opened_elsewhere(left)
             names = list(self.all)
             for name, left in zip(names, await store.open_for(names), strict=True):
                 self.all[name].opened_elsewhere(left)
+            for name, breaker in list(self.all.items()):
+                if breaker.wants_probe() and await store.claim_probe(name, self._policies[name]):
+                    breaker.grant()
         except StateUnavailable as e:  # the local breakers still work
             log.warning("shared breaker state unavailable: %s", e)
 
@@ -195,7 +227,6 @@ class Breakers:
         """Keep the shared state and this replica's breakers in step (the gateway's lifetime)."""
         while True:
             await self.sync()
-            with anyio.move_on_after(self.poll_s):
-                await self._wake.wait()
+            await self.clock.wait_event(self._wake, self.clock.now() + self.poll_s)
             if self._wake.is_set():
                 self._wake = anyio.Event()
