@@ -319,3 +319,19 @@ async def test_metrics_count_attempts_fallbacks_and_breaker_states_by_config_nam
     assert ('multiplexer_fallbacks_total{from_route="chat_a",reason="server_error",to_route="chat_b"} 1.0'
             in lines)
     assert 'multiplexer_breaker_state{endpoint="a"} 0.0' in lines
+
+
+async def test_a_batch_mode_call_falls_back_only_at_submission(tmp_path):
+    router, up = upstreams("a", "b")
+    routes = {"batch_a": {"provider": "a", "operation": "chat", "mode": "batch", "params": {"model": "m"},
+                          "fallbacks": ["chat_b"], "on": ["server_error", "overloaded", "breaker_open"]},
+              "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes, breaker={"allowed_fails": 1, "window_s": 9,
+                                                                "cooldown_s": 9}) as gw:
+        call = Call("batch_a", chat(), identity="k")
+        plan = gw.admit(call)
+        assert plan.attempts.on == ("overloaded", "breaker_open")  # never after a job holds it
+        assert plan.attempts.context == [] and "budget" not in plan.item.options
+        gw.fallbacks.breakers.get("a").failure()  # open: refused at submission, so it moves on
+        out = await gw.submit(Call("batch_a", chat(), identity="k"))
+    assert answered_by(out.result) == "b" and up["a"].count == 0

@@ -41,6 +41,8 @@ from multiplexer.gateway.tickets import Ticket
 log = logging.getLogger(__name__)
 
 _STATE_VALUE = {"closed": 0, "open": 1, "half_open": 2}
+# what a ``mode: batch`` call may fall back on: refusals before a batch job accepted it
+AT_SUBMISSION = ("overloaded", "breaker_open")
 
 
 class Attempts:
@@ -167,13 +169,19 @@ class Fallbacks:
             budget.reserve = min(len(queue), max_attempts - 1)
             item.options[BUDGET] = budget
         call.route = name
+        reasons = tuple(on if on is not None else DEFAULT_FALLBACK_ON)
+        if resolved.route.mode == "batch":  # a batch job's call falls back only at submission:
+            reasons = tuple(r for r in reasons if r in AT_SUBMISSION)  # never once a job holds it
+            context = []
+            if budget is not None:
+                item.options.pop(BUDGET, None)
+                budget = None
         sink = item.options.get(STREAM)
         if not isinstance(sink, ChunkSink):
             sink = None
         elif queue or context:
             sink.hold = True
-        return Attempts(call, name, queue, context,
-                        tuple(on if on is not None else DEFAULT_FALLBACK_ON), budget, plan.span, sink)
+        return Attempts(call, name, queue, context, reasons, budget, plan.span, sink)
 
     def may_run(self, t: Ticket, plan: Plan) -> bool:
         """Before the first attempt is queued: False when its breaker is open (the call then
@@ -222,17 +230,18 @@ class Fallbacks:
         started = self._started.pop(id(t), None)
         error = outcome.error
         reason = reason_of(error) if error is not None else None
+        if error is None and started is not None:
+            seconds = self.gw.clock.now() - started
+            self.latency[name] = seconds if name not in self.latency else \
+                self.latency[name] + 0.2 * (seconds - self.latency[name])
         breaker = self.breakers.get(route.provider)
-        if error is None:
-            if started is not None:
-                seconds = self.gw.clock.now() - started
-                self.latency[name] = seconds if name not in self.latency else \
-                    self.latency[name] + 0.2 * (seconds - self.latency[name])
+        if breaker is None or route.mode == "batch":
+            pass  # no breaker, or a batch job's result: it says nothing of the endpoint's health now
+        elif error is None:
             self.breakers.record(route.provider, False)
         elif withdraw or (reason in (None, "overloaded", "breaker_open")
                           and error.code != Code.UPSTREAM_ERROR):
-            if breaker is not None:  # no verdict on the endpoint (a cancel, a deadline, our queue)
-                breaker.release()
+            breaker.release()  # no verdict on the endpoint (a cancel, a deadline, our own queue)
         else:
             self.breakers.record(route.provider, reason in UNWELL)
         result = "ok" if error is None else "withdrawn" if withdraw else reason or "client_error"
