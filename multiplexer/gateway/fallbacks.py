@@ -192,7 +192,7 @@ class Fallbacks:
         if breaker is not None and not breaker.allow():
             error = self._open_error(plan.route.provider, breaker.retry_after())
             self.metrics.attempts.labels(att.route, "breaker_open").inc()
-            if not self._next(t, att, error, "breaker_open"):
+            if "breaker_open" not in att.on or not self._next(t, att, error, "breaker_open"):
                 self._final(att)
                 t.attempts = None  # answered as it is: no attempt of it ran
                 self.gw._finish(t, Outcome.fail(error))
@@ -301,6 +301,8 @@ class Fallbacks:
             breaker = self.breakers.get(route.provider)
             if breaker is not None and not breaker.allow():
                 self.metrics.attempts.labels(name, "breaker_open").inc()
+                if "breaker_open" not in att.on:
+                    return False
                 came_from, reason = name, "breaker_open"
                 continue
             item = self._item(t, att, name, route)
