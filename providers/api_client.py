@@ -16,8 +16,10 @@ from typing import Any, TypeVar
 
 import httpx
 
+from multiplexer.core.attempts import budgets, spend, tries
 from multiplexer.core.call import Item, Outcome
-from multiplexer.core.errors import RpcError, upstream_error
+from multiplexer.core.errors import RpcError, upstream_error, upstream_unavailable
+from multiplexer.core.failures import UNWELL, reason_of
 from multiplexer.core.gather import gather
 from multiplexer.core.jsonrpc import dumps
 from multiplexer.core.limiter import upstream_request
@@ -26,7 +28,7 @@ from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
 from multiplexer.transport.http1 import Http1Transport
 
-from .endpoints import Endpoints
+from .endpoints import BreakerOpen, Endpoints
 from .health import CONNECT_FAILURES, ConnectionHealth
 from .http_util import classify, make_client
 from .ratelimit_headers import Parser, apply, wait_hint
@@ -67,6 +69,10 @@ class ApiClient:
 
     async def start(self) -> None:
         conf = self.ctx.config
+        if self.endpoints is not None and conf.breaker is not None and self.ctx.breakers is not None:
+            for ep in self.endpoints.all:  # one breaker per endpoint, in the gateway's set
+                ep.breaker = self.ctx.breakers.get(f"{self.name}@{ep.base}") or \
+                    self.ctx.breakers.add(f"{self.name}@{ep.base}", conf.breaker)
         connections = max(conf.limits.concurrency * 2, 8)
         self._transport = self.ctx.transport or Http1Transport(connections)
         self._client = make_client(conf.timeout_ms / 1000, connections, headers=self._headers,
@@ -201,28 +207,53 @@ class ApiClient:
         endpoints when there are several."""
         retry = self.ctx.config.retry
         endpoints = None if path.startswith(PINNED) else self.endpoints
+        found = budgets()  # calls with fallbacks: one budget of requests over all their routes
 
         async def attempt() -> T:
-            await upstream_request()  # each try is one upstream request: charged by its lane
-            endpoint = await endpoints.take() if endpoints is not None else None
-            if endpoints is None or endpoint is None:
+            if endpoints is None:
+                await upstream_request()  # each try is one upstream request: charged by its lane
+                if found:
+                    spend(found)
                 return await send(None)
+            try:
+                endpoint = await endpoints.take()
+            except BreakerOpen as e:  # no request goes: the route's fallback takes the call
+                raise self._breaker_open(e.retry_after) from None
+            await upstream_request()
+            if found:
+                spend(found)
             connected = False
+            unwell: bool | None = None  # None: no verdict (cancelled)
             try:
                 result = await send(endpoint.base)
-                connected = True
+                connected, unwell = True, False
                 return result
             except Exception as e:
                 connected = not isinstance(e.__context__, CONNECT_FAILURES)
+                unwell = isinstance(e, Retryable) or (
+                    isinstance(e, RpcError) and reason_of(e) in UNWELL)
                 raise
             finally:
                 endpoints.done(endpoint, connected)
+                if endpoint.breaker is not None and self.ctx.breakers is not None:
+                    if unwell is None:
+                        endpoint.breaker.release()
+                    else:
+                        self.ctx.breakers.record(endpoint.breaker.name, unwell)
 
         return await with_retries(
-            attempt, clock=self.ctx.clock, deadline=deadline, attempts=retry.attempts,
+            attempt, clock=self.ctx.clock, deadline=deadline,
+            attempts=tries(retry.attempts, found) if found else retry.attempts,
             base_wait=retry.base_wait_ms / 1000, max_wait=retry.max_wait_ms / 1000,
             on_retry=lambda e: self.ctx.metrics.retries.labels(self.name).inc(),
         )
+
+    def _breaker_open(self, retry_after: float) -> RpcError:
+        error = upstream_unavailable(self.name, f"circuit breaker open for every endpoint of "
+                                                f"{self.name}; none takes calls for {retry_after:.1f} s")
+        assert error.data is not None
+        error.data.update(breaker="open", retry_after=round(max(retry_after, 0.001), 3))
+        return error
 
     async def json(self, method: str, path: str, *, idempotent: bool, deadline: float | None,
                    **kwargs: Any) -> Any:

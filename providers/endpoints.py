@@ -7,6 +7,10 @@ flight (optionally at most ``endpoint_concurrency`` each). After
 ``endpoint_retry_s`` the next request to it is the probe, and one that succeeds
 puts it back. A request that could not connect is retried elsewhere (it never
 reached the server). The limits stay the provider's: one account, many endpoints.
+With a ``breaker`` on the provider each endpoint also has a circuit breaker (``core/breaker.py``,
+``<provider>@<base_url>``): an open one takes no requests, a half-open one takes one probe, and
+when every endpoint's breaker is open the request fails at once as ``breaker_open`` (the
+route's fallback takes it).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import anyio
 from pydantic import BaseModel, Field, model_validator
 
+from multiplexer.core.breaker import Breaker
 from multiplexer.core.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -40,6 +45,14 @@ class EndpointSettings(BaseModel):
         return self
 
 
+class BreakerOpen(Exception):
+    """Every endpoint's breaker is open: nothing to send to for ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"every endpoint's circuit breaker is open for {retry_after:.1f} s")
+        self.retry_after = retry_after
+
+
 @dataclass(slots=True, eq=False)
 class Endpoint:
     base: str
@@ -47,6 +60,7 @@ class Endpoint:
     failures: int = 0
     down_until: float | None = None  # None: healthy
     probing: bool = False
+    breaker: Breaker | None = None
 
 
 class Endpoints:
@@ -64,6 +78,8 @@ class Endpoints:
     def _usable(self, ep: Endpoint, now: float) -> bool:
         if self.cap is not None and ep.outstanding >= self.cap:
             return False
+        if ep.breaker is not None and not ep.breaker.may_pass():
+            return False
         if ep.down_until is None:
             return True
         return now >= ep.down_until and not ep.probing  # one probe at a time
@@ -73,6 +89,8 @@ class Endpoints:
         while True:
             now = self.clock.now()
             usable = [ep for ep in self.all if self._usable(ep, now)]
+            if not usable and all(ep.breaker is not None and ep.breaker.state == "open" for ep in self.all):
+                raise BreakerOpen(min(ep.breaker.retry_after() for ep in self.all if ep.breaker))
             if not usable and not any(ep.down_until is None for ep in self.all) and self.cap is None:
                 usable = [min(self.all, key=lambda ep: ep.down_until or 0.0)]  # all down: try one anyway
             if usable:  # a due probe first; else fewest in flight, ties in turn
@@ -82,6 +100,8 @@ class Endpoints:
                                                 (self.all.index(e) - self._turn) % n))
                 if ep.down_until is not None:
                     ep.probing = True
+                if ep.breaker is not None:
+                    ep.breaker.allow()  # half-open: this request is the probe
                 ep.outstanding += 1
                 return ep
             if self._freed.is_set():  # one event for all waiters, renewed once it fired

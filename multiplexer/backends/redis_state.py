@@ -128,6 +128,12 @@ class RedisState:
     def live_replicas(self) -> int:
         return self._live
 
+    def breaker_store(self) -> Any:
+        """Circuit breakers shared by the replicas (``core/breaker.SharesBreakers``)."""
+        from .redis_breaker import RedisBreakers
+
+        return RedisBreakers(self.r, self.prefix)
+
     # -- provider limits -------------------------------------------------------------
     async def acquire(self, provider: str, lease_id: str, tokens: int,
                       spec: LimitSpec) -> tuple[float, str]:

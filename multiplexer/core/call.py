@@ -89,6 +89,12 @@ class Call:
     # before the call counts as answered: a result the face cannot send counts as the error it
     # becomes, not as ok. Its exceptions are the gateway's to catch. None: the outcome as it is.
     shape: Callable[[Outcome], Outcome] | None = None
+    # The route that served the call, set by the gateway when it may differ from ``method`` (a
+    # model group, a fallback): faces say it (``x-multiplexer-route``). None: ``method``'s route.
+    route: str | None = None
+    # The caller asked to be told that route (JSON-RPC ``_meta.want_route``): ``_meta.route`` on
+    # its result, ``data.route`` on its error.
+    want_route: bool = False
 
 
 @dataclass(slots=True, eq=False)

@@ -127,6 +127,12 @@ def uncharged() -> Iterator[None]:
         _UPSTREAM.reset(token)
 
 
+def current_items() -> Sequence[Item]:
+    """The items of the lane batch whose requests are being sent now (empty outside one)."""
+    upstream = _UPSTREAM.get()
+    return upstream.items if upstream is not None else ()
+
+
 async def upstream_request() -> None:
     """Before each upstream request (first try, next chunk, retry): the charge the lane handed in."""
     upstream = _UPSTREAM.get()

@@ -105,6 +105,19 @@ class Metrics:
             "multiplexer_events", "Notable events (device fallback, restarts, ...)",
             ["component", "event"], registry=r,
         )
+        # fallbacks and circuit breakers (docs/fallbacks.md); labels are config names only
+        self.attempts = Counter(
+            "multiplexer_attempts", "Attempts of calls with fallbacks or breakers, by route and "
+            "result (ok, a fallback reason, or client_error)", ["route", "result"], registry=r,
+        )
+        self.fallbacks = Counter(
+            "multiplexer_fallbacks", "Calls moved to another route, by the route left, the one "
+            "tried next and why", ["from_route", "to_route", "reason"], registry=r,
+        )
+        self.breaker_state = Gauge(
+            "multiplexer_breaker_state", "Circuit breakers: 0 closed, 1 open, 2 half-open",
+            ["endpoint"], registry=r,
+        )
         # moved by every call and request: plain numbers, no lock (core/plain_metrics.py)
         self.call_seconds = Timings(
             "multiplexer_call_duration_seconds", "Seconds from a call's admission to its answer",

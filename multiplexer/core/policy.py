@@ -56,6 +56,22 @@ class RetryPolicy(Strict):
     max_wait_ms: float = Field(default=5_000, ge=0)
 
 
+class BreakerPolicy(Strict):
+    """A circuit breaker on a provider's endpoint (and on each of its ``base_urls``)."""
+
+    allowed_fails: int = Field(default=3, ge=1, description="failures within window_s that open it")
+    window_s: float = Field(default=30.0, gt=0, description="the window failures are counted in")
+    cooldown_s: float = Field(default=20.0, gt=0,
+                              description="open this long; then one probe call decides (half-open)")
+
+
+# What a call may fall back on (``on:``); an integer there is an upstream HTTP status.
+FallbackReason = Literal["rate_limit", "server_error", "connection", "timeout", "malformed",
+                         "overloaded", "breaker_open"]
+DEFAULT_FALLBACK_ON: tuple[FallbackReason, ...] = (
+    "rate_limit", "server_error", "connection", "timeout", "malformed", "overloaded", "breaker_open")
+
+
 class ProviderConfig(BaseModel):
     """Common keys; the rest belong to the provider kind (its ``Settings``, checked at load)."""
 
@@ -66,6 +82,8 @@ class ProviderConfig(BaseModel):
     limits: Limits = Field(default_factory=Limits)
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     timeout_ms: float = Field(default=60_000, gt=0)
+    breaker: BreakerPolicy | None = Field(
+        default=None, description="a circuit breaker: while open, calls go to their fallback at once")
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -96,7 +114,40 @@ class RouteConfig(BaseModel):
     input_schema: dict[str, Any] | None = None
     # Model names a ``/v1`` request may ask for to reach this route (OpenAI/Anthropic faces).
     models: list[str] = Field(default_factory=list)
+    # Fallbacks (docs/fallbacks.md): other routes tried in order when this one fails in a way
+    # another provider may not.
+    fallbacks: list[str] = Field(
+        default_factory=list, description="routes tried in order when this one fails (429 after "
+        "its retries, 5xx, connection failures, timeouts); their own fallbacks follow theirs")
+    context_window_fallbacks: list[str] = Field(
+        default_factory=list, description="routes tried in order when the upstream refuses the "
+        "prompt as too long for its context window")
+    on: list[FallbackReason | int] | None = Field(
+        default=None, description="what falls back (default: rate_limit, server_error, connection, "
+        "timeout, malformed, overloaded, breaker_open); an integer is an upstream HTTP status")
+    max_attempts: int = Field(
+        default=3, ge=1, description="upstream requests of one call over all its routes, retries "
+        "included (with fallbacks or set here)")
 
     @property
     def extra(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+
+class GroupConfig(Strict):
+    """One public model name served by several routes (``groups:``)."""
+
+    routes: list[str] = Field(min_length=1, description="the routes that serve the group's name")
+    strategy: Literal["least_busy", "weighted", "latency", "cost"] = Field(
+        default="least_busy", description="which route a call tries first: fewest calls in flight, "
+        "at random by weights, lowest recent latency (cost: needs prices, refused at load for now)")
+    weights: dict[str, float] = Field(
+        default_factory=dict, description="strategy weighted: a route's weight (default 1)")
+    fallbacks: list[str] = Field(
+        default_factory=list, description="routes tried after every route of the group failed")
+    context_window_fallbacks: list[str] = Field(
+        default_factory=list, description="routes tried when the prompt is too long for the group")
+    on: list[FallbackReason | int] | None = Field(
+        default=None, description="what moves to the next route (as on a route)")
+    max_attempts: int = Field(default=3, ge=1, description="upstream requests of one call, all "
+                              "routes and retries together")

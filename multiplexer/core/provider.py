@@ -57,6 +57,9 @@ class ProviderContext:
     store_url: str | None = None  # batch jobs in PostgreSQL (shared by replicas) instead of store_path
     store_lease_s: float = 30.0  # with store_url: how long a replica's claim on a batch lasts
     store_schema: str = "multiplexer"  # with store_url: the PostgreSQL schema of the job tables
+    # The gateway's circuit breakers (``core/breaker.Breakers``): a provider with ``base_urls`` and
+    # a ``breaker`` adds one per endpoint there (``<provider>@<base_url>``). None: no breakers.
+    breakers: Any = None
 
 
 class Provider:

@@ -1,7 +1,8 @@
-"""Method name -> route: exact names first, then the longest wildcard prefix."""
+"""Method name -> route: exact names first, then model groups, then the longest wildcard prefix."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from multiplexer.core.errors import method_not_found
@@ -13,11 +14,16 @@ class Resolved:
     name: str  # the route's config key (``tools_*`` for wildcard routes)
     route: RouteConfig
     upstream_method: str
+    group: str | None = None  # the model group the caller named (its first route here)
 
 
 class Router:
-    def __init__(self, routes: dict[str, RouteConfig]) -> None:
+    def __init__(self, routes: dict[str, RouteConfig],
+                 groups: Mapping[str, list[str]] | None = None) -> None:
         self.exact = {k: v for k, v in routes.items() if not k.endswith("*")}
+        # a group's name resolves to its first route; the gateway's fallbacks pick the one it tries
+        self.groups = {g: Resolved(names[0], routes[names[0]], routes[names[0]].method or names[0], g)
+                       for g, names in (groups or {}).items()}
         self.prefixes = sorted(
             ((k[:-1], k, v) for k, v in routes.items() if k.endswith("*")),
             key=lambda t: -len(t[0]),
@@ -27,6 +33,9 @@ class Router:
         route = self.exact.get(method)
         if route is not None:
             return Resolved(method, route, route.method or method)
+        group = self.groups.get(method)
+        if group is not None:
+            return group
         for prefix, name, route in self.prefixes:
             if method.startswith(prefix) and len(method) > len(prefix):
                 rest = method[len(prefix):]

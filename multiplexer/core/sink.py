@@ -15,12 +15,19 @@ class ChunkSink:
     """``send`` / ``send_nowait`` / ``close`` of the face's stream; ``first`` runs once, as the
     first chunk is handed over (before it is sent, so a reader gone still counts it)."""
 
-    __slots__ = ("_first", "_stream")
+    __slots__ = ("_first", "_stream", "hold")
 
     def __init__(self, stream: MemoryObjectSendStream[Any],
                  first: Callable[[], None] | None = None) -> None:
         self._stream = stream
-        self._first = first
+        self._first: Callable[[], None] | None = first or _nothing
+        # a call that may still fall back keeps its reader's stream open while nothing was sent
+        self.hold = False
+
+    @property
+    def started(self) -> bool:
+        """Whether a chunk has been handed to the reader (then the call can no longer fall back)."""
+        return self._first is None
 
     def _started(self) -> None:
         first, self._first = self._first, None
@@ -38,7 +45,9 @@ class ChunkSink:
         self._stream.send_nowait(chunk)
 
     def close(self) -> None:
-        """The reader sees the end of the stream."""
+        """The reader sees the end of the stream (not yet while ``hold``ing an unstarted one)."""
+        if self.hold and self._first is not None:
+            return
         self._stream.close()
 
     def __enter__(self) -> ChunkSink:
@@ -47,3 +56,7 @@ class ChunkSink:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _nothing() -> None:
+    pass

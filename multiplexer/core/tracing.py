@@ -58,6 +58,13 @@ class Tracer:
     def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
         """The call's one outcome; ``slot`` is the item it waited on (its own or a shared one)."""
 
+    def attempt(self, span: Any, route: str, number: int) -> Any:
+        """A call with fallbacks starts its ``number``-th attempt, on ``route``: a child span."""
+        return None
+
+    def end_attempt(self, attempt: Any, result: str, outcome: Outcome) -> None:
+        """That attempt ended: ``result`` is ``ok`` or why it failed (a fallback reason)."""
+
     def batch(self, lane: str, pending: Sequence[Pending], now: float
               ) -> contextlib.AbstractContextManager[None]:
         """Around one upstream execution of a batch; current while it runs, so ``inject``

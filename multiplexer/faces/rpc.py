@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from multiplexer.core.call import Outcome
-from multiplexer.core.errors import internal_error
+from multiplexer.core.errors import RpcError, internal_error
 from multiplexer.core.jsonrpc import Decoded, Entry, decode, dumps, error_response, response
 from multiplexer.faces.access import Note, note_rpc
 from multiplexer.gateway.gateway import Gateway
@@ -47,10 +47,25 @@ async def handle_body(gateway: Gateway, body: bytes, identity: str | None = None
 
 def _encoded(entry: Entry, outcome: Outcome | None) -> bytes:
     """One reply's JSON; a result the provider encoded already is spliced in, not encoded again."""
-    if entry.error is None and outcome is not None and outcome.ok and outcome.result_json is not None:
+    if outcome is not None and entry.call is not None and entry.call.want_route:
+        outcome = with_route(outcome, entry.call.route or entry.call.method)
+    elif entry.error is None and outcome is not None and outcome.ok and outcome.result_json is not None:
         return b'{"jsonrpc":"2.0","result":' + outcome.result_json + b',"id":' + dumps(entry.id) + b"}"
     reply = _reply(entry, outcome)
     try:
         return dumps(reply)
     except (TypeError, ValueError):  # a result that is not valid JSON (NaN, bytes, ...): this call only
         return dumps(error_response(reply.get("id"), internal_error("result is not valid JSON")))
+
+
+def with_route(outcome: Outcome, route: str) -> Outcome:
+    """The outcome with the route that served it (``_meta.want_route``): ``_meta.route`` on an
+    object result, ``data.route`` on an error; other results stay as they are."""
+    if outcome.error is not None:
+        e = outcome.error
+        return Outcome.fail(RpcError(e.code, e.message, {**(e.data or {}), "route": route}))
+    result = outcome.result
+    if not isinstance(result, dict):
+        return outcome
+    meta = result.get("_meta")
+    return Outcome({**result, "_meta": {**(meta if isinstance(meta, dict) else {}), "route": route}})

@@ -40,6 +40,7 @@ class Plan:
     item: Item | None = None
     dedup_key: Hashable | None = None
     span: Any = None  # the call's trace span, when calls are traced
+    attempts: Any = None  # gateway/fallbacks.Attempts: the call may move on to other routes
 
 
 def route_item(resolved: Resolved, params: Any, *, identity: str | None,

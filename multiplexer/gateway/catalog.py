@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from multiplexer.core.policy import RouteConfig
+from multiplexer.core.policy import GroupConfig, RouteConfig
 from multiplexer.core.provider import Provider, ToolSource, ToolSpec
 
 
 async def route_tools(routes: Mapping[str, RouteConfig], providers: Mapping[str, Provider],
-                      builtins: Iterable[ToolSpec]) -> list[ToolSpec]:
-    """Gateway methods first, then exact routes from config and wildcard routes from their provider."""
+                      builtins: Iterable[ToolSpec],
+                      groups: Mapping[str, GroupConfig] | None = None) -> list[ToolSpec]:
+    """Gateway methods first, then exact routes from config and wildcard routes from their
+    provider, then model groups (each one tool, described as its first route)."""
     tools: list[ToolSpec] = list(builtins)
     for name, route in routes.items():
         if name.endswith("*"):
@@ -26,4 +28,10 @@ async def route_tools(routes: Mapping[str, RouteConfig], providers: Mapping[str,
                 route.description or f"{route.operation} via {route.provider}",
                 route.input_schema or {"type": "object", "additionalProperties": True},
             ))
+    for name, group in (groups or {}).items():
+        first = routes[group.routes[0]]
+        tools.append(ToolSpec(
+            name, first.description or f"{first.operation} via model group {name} "
+                                       f"({', '.join(group.routes)})",
+            first.input_schema or {"type": "object", "additionalProperties": True}))
     return tools

@@ -20,11 +20,13 @@ from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_valid
 from multiplexer.access.entries import KeyEntry, TeamEntry, entry
 from multiplexer.core.paths import ConfigPath, context_for
 from multiplexer.core.policy import (
+    GroupConfig,
     ProviderConfig,
     Quota,
     RouteConfig,
     Strict,
 )
+from multiplexer.gateway import chains
 from multiplexer.gateway.config_errors import hint, problems
 from multiplexer.gateway.kind_keys import kind_problems
 
@@ -184,6 +186,9 @@ class Config(Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    groups: dict[str, GroupConfig] = Field(
+        default_factory=dict, description="model groups: one public name served by several routes "
+        "(docs/fallbacks.md)")
 
     # The config file's folder: relative paths in the file start there (None: the working folder).
     _base_dir: Path | None = PrivateAttr(default=None)
@@ -204,6 +209,9 @@ class Config(Strict):
                                  f"({hint(route.provider, self.providers)})")
             if "*" in name and not name.endswith("*"):
                 raise ValueError(f"routes.{name}: a wildcard may only end a route name")
+        lines = chains.problems(self.routes, self.groups)  # fallbacks and groups
+        if lines:
+            raise ValueError("\n  ".join(lines))
         return self
 
 

@@ -35,6 +35,7 @@ from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.gateway.admission import Plan, route_item
 from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
+from multiplexer.gateway.fallbacks import Fallbacks
 from multiplexer.gateway.flights import CachedOutcome
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
 from multiplexer.gateway.telemetry import tracer_for
@@ -73,7 +74,7 @@ class Gateway:
         self.tracer = tracer if tracer is not None else tracer_for(config.telemetry)
         self.clock = clock or MonotonicClock()
         self.metrics = metrics or Metrics()
-        self.router = Router(config.routes)
+        self.router = Router(config.routes, {g: c.routes for g, c in config.groups.items()})
         self.providers: dict[str, Provider] = dict(providers or {})
         self.limiters: dict[str, Limiter] = {}
         self.lanes: dict[tuple[str, str | None], Lane] = {}
@@ -82,6 +83,7 @@ class Gateway:
         # single flight: joined here, or claimed across the replicas that share the state
         self.flights = flights_for(self.state, self.clock, self.metrics, self.start_background)
         self.quotas = quotas_for(config, self.clock, self.state, self.metrics)
+        self.fallbacks = Fallbacks(self)  # fallbacks, model groups, circuit breakers
         self.listeners: list[Any] = []
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
@@ -114,7 +116,7 @@ class Gateway:
                         store_path=Path(self.config.store.path), notify=self.notify,
                         store_url=self.config.store.url, store_lease_s=self.config.store.lease_s,
                         store_schema=self.config.store.schema_,
-                        tracer=self.tracer,
+                        tracer=self.tracer, breakers=self.fallbacks.breakers,
                     )
                     self.providers[name] = cls(ctx)
                 provider = self.providers[name]
@@ -130,6 +132,8 @@ class Gateway:
                         self._tg.start_soon(limiter.run)
                 if isinstance(self.quotas, SharedQuotas):
                     self._tg.start_soon(self.quotas.run)
+                if self.fallbacks.shared:
+                    self._tg.start_soon(self.fallbacks.breakers.run)
             for rname, route in self.config.routes.items():
                 self._lane_for(rname, route)
         except BaseException:
@@ -273,6 +277,8 @@ class Gateway:
                 plan.claim = self._claim(call.identity, 0)  # jobs.* count like any call
                 return plan
             resolved = self.router.resolve(call.method)
+            if resolved.group is not None:  # a model group: the route its strategy tries first
+                resolved = self.fallbacks.pick(resolved)
             plan.label = resolved.name
             route = plan.route = resolved.route
             timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
@@ -292,6 +298,8 @@ class Gateway:
             if call.sink is not None:
                 self._streamable(resolved.name, route, provider)
                 item.options[STREAM] = ChunkSink(call.sink, self._first_chunk(resolved.name, span))
+            if resolved.group is not None or resolved.name in self.fallbacks.watched:
+                plan.attempts = self.fallbacks.attempts(plan, resolved)
             provider.prepare(route, item)
             if call.sink is not None:  # a stream rides alone and is never shared
                 item.group = _tagged(item.group, "stream")
@@ -331,11 +339,13 @@ class Gateway:
             else:
                 route, item = plan.route, plan.item
                 assert route is not None and item is not None
-                ticket.lane = lane = self._lane_for(plan.label, route)
-                if plan.dedup_key is None:
-                    ticket.pending = lane.submit(item)
-                else:
-                    self._join_or_submit(ticket, plan, route, item, lane, plan.dedup_key)
+                ticket.attempts = plan.attempts
+                if plan.attempts is None or self.fallbacks.may_run(ticket, plan):
+                    ticket.lane = lane = self._lane_for(plan.label, route)
+                    if plan.dedup_key is None:
+                        ticket.pending = lane.submit(item)
+                    else:
+                        self._join_or_submit(ticket, plan, route, item, lane, plan.dedup_key)
         except RpcError as e:
             self.quotas.refund(grant)
             self._finish(ticket, Outcome.fail(e))
@@ -420,6 +430,8 @@ class Gateway:
         """Give a ticket its one outcome and release what it held."""
         if t.outcome is not None:
             return
+        if t.attempts is not None and self.fallbacks.settle(t, outcome, withdraw):
+            return  # the call moved on to its next route
         answer = outcome if t.shape is None or outcome.error is not None else self._shaped(t, outcome)
         t.outcome = answer
         if t.span is not None:
@@ -478,4 +490,4 @@ class Gateway:
     async def list_tools(self) -> list[ToolSpec]:
         """Every route as a tool: exact routes from config, wildcard routes from their provider."""
         builtins = [spec for _, spec in self.methods.values()]
-        return await route_tools(self.config.routes, self.providers, builtins)
+        return await route_tools(self.config.routes, self.providers, builtins, self.config.groups)

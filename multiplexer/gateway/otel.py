@@ -104,6 +104,18 @@ class OtelTracer(Tracer):
                 span.set_attribute(key, value)
         span.end()
 
+    def attempt(self, span: Any, route: str, number: int) -> Any:
+        return self._tracer.start_span(
+            f"attempt {route}", context=trace.set_span_in_context(span), kind=SpanKind.INTERNAL,
+            attributes={"multiplexer.route": route, "multiplexer.attempt": number})
+
+    def end_attempt(self, attempt: Any, result: str, outcome: Outcome) -> None:
+        attempt.set_attribute("multiplexer.attempt.result", result)
+        if outcome.error is not None:
+            attempt.set_attribute("error.type", str(outcome.error.code))
+            attempt.set_status(Status(StatusCode.ERROR, outcome.error.message))
+        attempt.end()
+
     # -- batches ---------------------------------------------------------------
     @contextlib.contextmanager
     def batch(self, lane: str, pending: Sequence[Pending], now: float) -> Iterator[None]:

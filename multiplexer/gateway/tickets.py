@@ -52,6 +52,7 @@ class Ticket:
     shape: Callable[[Outcome], Outcome] | None = None  # the face's last step (``Call.shape``)
     started: float = 0.0  # the clock's time at admission
     in_flight: Level | None = None  # its route's in-flight count, while it is counted there
+    attempts: Any = None  # gateway/fallbacks.Attempts: its walk over fallback routes
 
     def __call__(self) -> None:
         """Done-callback of the pending it waits on (a bound object, not a closure per call)."""
@@ -99,10 +100,11 @@ async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> Non
     heapq.heapify(deadlines)
     left = len(waiting)
     while True:
-        for t in ready:
+        for t in ready:  # (a fallback's next attempt may join ``ready`` while it is walked)
             if t.outcome is None:
                 finish(t, t.pending.future.outcome())  # type: ignore[union-attr]
-                left -= 1
+                if t.outcome is not None:  # else it moved on to a fallback route
+                    left -= 1
         ready.clear()
         now = clock.now()
         while deadlines and deadlines[0][0] <= now:

@@ -178,7 +178,7 @@ class Batches:
                 early.append((n, record.custom_ids[n], e.status, self.surfaces[endpoint].error_body(
                     e.status, e.error, e.param, e.code)))
                 continue
-            provider = self.gateway.providers[self.gateway.config.routes[name].provider]
+            provider = self.gateway.providers[self.gateway.resolve(name).route.provider]
             # a line translated to another API (Gemini) goes through its route, which answers in
             # the caller's shape (a mode: batch route still takes it to the vendor's batch API)
             if isinstance(provider, BatchCapable) and shape is None:

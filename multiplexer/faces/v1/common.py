@@ -91,6 +91,8 @@ class V1:
             if not name.endswith("*"):
                 for model in route.models:
                     self.models.setdefault(model, name)
+        for group in gateway.config.groups:  # a model group's name is a public model
+            self.models[group] = group
 
     def route_for(self, model: Any) -> tuple[str, RouteConfig]:
         """The route a request's ``model`` selects: one that lists it, or the route of that name."""
@@ -101,7 +103,7 @@ class V1:
                                           else None)
         if name is None:
             raise self.unknown_model(model)
-        return name, routes[name]
+        return name, self.gateway.resolve(name).route  # a group's: its first route
 
     def unknown_model(self, model: str) -> HttpError:
         error = RpcError(Code.NOT_FOUND, f"The model '{model}' does not exist",
@@ -112,7 +114,7 @@ class V1:
         """What route ``name`` answers (``chat``, ``embed``, ``call``, ...), asked of its kind once."""
         found = self._serves.get(name)
         if found is None:
-            route = self.gateway.config.routes[name]
+            route = self.gateway.resolve(name).route
             provider = self.gateway.providers[route.provider]
             ctx = getattr(provider, "ctx", None)  # a stand-in made without one (tests) has none
             found = self._serves[name] = type(provider).answers(route, getattr(ctx, "settings", None))
@@ -127,7 +129,7 @@ class V1:
     def require_operation(self, name: str, operation: str, model: Any, what: str) -> None:
         """400 unless route ``name``'s provider has an upstream path for ``operation`` (an endpoint
         that asks for an operation other than the route's, like ``/v1/responses``)."""
-        provider = self.gateway.providers[self.gateway.config.routes[name].provider]
+        provider = self.gateway.providers[self.gateway.resolve(name).route.provider]
         if operation not in getattr(provider, "paths", {}):
             raise HttpError(400, invalid_params(f"model {model!r} is served by route {name}, whose "
                                                 f"provider has no {what}"), param="model")

@@ -93,6 +93,7 @@ class Endpoint:
             outcome = await self.v1.submit(call)
         if outcome is None:
             return  # nobody is left to answer
+        headers.append(route_header(call))  # also on an error: ``headers`` is the request's base
         if outcome.error is not None:
             raise http_error(outcome.error, self.surface)
         assert outcome.result_json is not None
@@ -104,16 +105,28 @@ class Endpoint:
         def error_event(e: HttpError) -> bytes:
             return encode(error_body(e))
 
-        route = self.v1.gateway.config.routes[call.method]
+        route = self.v1.gateway.resolve(call.method).route  # a group's: its first route
         note = note_of(scope)
         if note is not None:
             note.route = call.method
         if route.timeout_ms is None and call.timeout_ms is None:
             call.timeout_ms = STREAM_TIMEOUT_MS
 
-        await stream_call(self.v1.submit, call, scope, receive, send,
-                          lambda: headers + self.v1.quota_headers(call.identity), self.surface,
-                          encode=encode, error_event=error_event, tail=tail)
+        try:
+            await stream_call(self.v1.submit, call, scope, receive, send,
+                              lambda: [*headers, route_header(call), *self.v1.quota_headers(call.identity)],
+                              self.surface, encode=encode, error_event=error_event, tail=tail)
+        except HttpError:  # failed before its first chunk: the error says where it was tried last
+            headers.append(route_header(call))
+            raise
+
+
+ROUTE_HEADER = b"x-multiplexer-route"
+
+
+def route_header(call: Call) -> tuple[bytes, bytes]:
+    """Where the call was served (or tried last): a fallback's or a model group's route."""
+    return ROUTE_HEADER, (call.route or call.method).encode("ascii", "replace")
 
 
 def encoded(outcome: Outcome) -> Outcome:

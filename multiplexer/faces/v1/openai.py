@@ -136,10 +136,12 @@ class Models(Endpoint):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
-        routes = self.v1.gateway.config.routes
+        gateway = self.v1.gateway
         created = int(time.time())
         data = [{"id": model, "object": "model", "created": created,
-                 "owned_by": routes[route].provider} for model, route in self.v1.models.items()]
+                 "owned_by": "multiplexer" if route in gateway.config.groups
+                 else gateway.config.routes[route].provider}
+                for model, route in self.v1.models.items()]
         wanted = scope.get("path_params", {}).get("model")
         if wanted is None:
             await send_json(send, 200, {"object": "list", "data": data}, headers)

@@ -1,0 +1,367 @@
+"""The attempt loop: a call that fails in a way another route may not moves to the next route.
+
+Routing above routes. A plan names an ordered list of routes (a route's ``fallbacks``, a model
+group's routes in its strategy's order); each attempt is a call on one lane with its own limits,
+dedup and batching. The loop runs on the caller's ticket, with no task of its own: when an
+attempt's outcome arrives, ``settle`` either starts the next attempt on the same ticket or
+lets the gateway answer the call (exactly once, under its own id).
+
+- Fallback on 429 (after the route's own retries), 5xx, connection failures, timeouts,
+  malformed replies, a full queue and an open breaker (``on:`` narrows or widens the set);
+  a context-length refusal goes to ``context_window_fallbacks`` only; a caller's own error
+  never falls back.
+- One budget per call (``max_attempts``) counts upstream requests over all routes, retries
+  included (``core/attempts.py``).
+- A stream falls back only while nothing has reached its client (``ChunkSink.started``).
+- Circuit breakers (``core/breaker.py``) per provider: an open one sends the call straight on.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Hashable
+from typing import Any
+
+from multiplexer.core.attempts import BUDGET, Budget
+from multiplexer.core.breaker import Breakers, SharesBreakers, State
+from multiplexer.core.call import Call, Item, Outcome
+from multiplexer.core.errors import Code, RpcError, upstream_unavailable
+from multiplexer.core.failures import UNWELL, matches, reason_of
+from multiplexer.core.logs import LogFanout
+from multiplexer.core.policy import DEFAULT_FALLBACK_ON, GroupConfig, RouteConfig
+from multiplexer.core.provider import STREAM, Streamer
+from multiplexer.core.router import Resolved
+from multiplexer.core.sink import ChunkSink
+from multiplexer.core.tracing import TraceSlot
+from multiplexer.gateway.admission import Plan, route_item
+from multiplexer.gateway.chains import context_fallbacks, expand, plain_fallbacks
+from multiplexer.gateway.tickets import Ticket
+
+log = logging.getLogger(__name__)
+
+_STATE_VALUE = {"closed": 0, "open": 1, "half_open": 2}
+# what a ``mode: batch`` call may fall back on: refusals before a batch job accepted it
+AT_SUBMISSION = ("overloaded", "breaker_open")
+
+
+class Attempts:
+    """One call's walk over its routes."""
+
+    __slots__ = ("budget", "call", "context", "mark", "number", "on", "queue", "route", "sink",
+                 "span", "trace", "tried")
+
+    def __init__(self, call: Call, route: str, queue: list[str], context: list[str],
+                 on: tuple[str | int, ...], budget: Budget | None, span: Any,
+                 sink: ChunkSink | None) -> None:
+        self.call = call
+        self.route = route  # the route of the attempt under way
+        self.queue = queue  # routes still to try on a fallback reason
+        self.context = context  # ... and on a context-length refusal
+        self.on = on
+        self.budget = budget  # None: no cap beyond each route's retry policy
+        self.span = span
+        self.sink = sink  # a streamed call's sink, shared by its attempts
+        self.tried: list[tuple[str, str]] = []  # (route, why it moved on)
+        self.mark = 0  # the budget's requests spent when the attempt under way began
+        self.number = 0  # attempts begun
+        self.trace: Any = None  # the attempt's span, when calls are traced
+
+
+def tagged(group: Hashable, tag: Hashable) -> tuple[Hashable, ...]:
+    return (*group, tag) if isinstance(group, tuple) else (group, tag)
+
+
+def own_model(route: RouteConfig, params: Any) -> Any:
+    """The params for a route the caller did not name: the route's own model, unless the
+    caller's model is one the route lists."""
+    if not isinstance(params, dict):
+        return params
+    model = route.params.get("model") or (route.models[0] if route.models else None)
+    if model is None or params.get("model") in route.models:
+        return params
+    return {**params, "model": model}
+
+
+class Fallbacks:
+    """The gateway's fallbacks, model groups and breakers."""
+
+    def __init__(self, gateway: Any) -> None:
+        """``gateway``: the ``Gateway`` that owns this (its lanes, providers, metrics, ``_finish``)."""
+        self.gw = gateway
+        config = gateway.config
+        self.routes = config.routes
+        self.groups: dict[str, GroupConfig] = dict(config.groups)
+        self.metrics = gateway.metrics
+        # a provider with base_urls has a breaker per endpoint instead (providers/endpoints.py)
+        policies = {name: p.breaker for name, p in config.providers.items()
+                    if p.breaker is not None and not p.extra.get("base_urls")}
+        state = gateway.state
+        store = state.breaker_store() if isinstance(state, SharesBreakers) and policies else None
+        self.breakers = Breakers(policies, gateway.clock, store, self._breaker_changed)
+        for name in policies:
+            self.metrics.breaker_state.labels(name).set(0)
+        # routes whose calls walk: fallbacks, an explicit max_attempts, or a provider with a breaker
+        self.watched = {name for name, r in self.routes.items()
+                        if r.fallbacks or r.context_window_fallbacks or "max_attempts" in r.model_fields_set
+                        or r.provider in policies}
+        self.busy: dict[str, int] = {}  # attempts in flight per route (least_busy)
+        self.latency: dict[str, float] = {}  # recent seconds per route (latency)
+        self._started: dict[int, float] = {}
+
+    @property
+    def shared(self) -> bool:
+        return self.breakers.store is not None
+
+    def _breaker_changed(self, name: str, state: State) -> None:
+        self.metrics.breaker_state.labels(name).set(_STATE_VALUE[state])
+        self.gw.notify("breaker", {"endpoint": name, "state": state})
+
+    # -- admission ---------------------------------------------------------------
+    def order(self, group: GroupConfig) -> list[str]:
+        """A group's routes in the order its strategy tries them; open breakers last."""
+        names = list(group.routes)
+        if group.strategy == "weighted":
+            names = _weighted_order(names, group.weights)
+        elif group.strategy == "latency":
+            names.sort(key=lambda n: self.latency.get(n, 0.0))
+        else:  # least_busy; ties keep the config's order
+            names.sort(key=lambda n: self.busy.get(n, 0))
+        open_last = [n for n in names if not self._may_try(n)]
+        return [n for n in names if n not in open_last] + open_last
+
+    def _may_try(self, name: str) -> bool:
+        breaker = self.breakers.get(self.routes[name].provider)
+        return breaker is None or breaker.state != "open"
+
+    def pick(self, resolved: Resolved) -> Resolved:
+        """The route a call to a model group tries first."""
+        assert resolved.group is not None
+        first = self.order(self.groups[resolved.group])[0]
+        route = self.routes[first]
+        return Resolved(first, route, route.method or first, resolved.group)
+
+    def attempts(self, plan: Plan, resolved: Resolved) -> Attempts | None:
+        """The walk of a call whose route falls back, is a group's, or has a breaker; it also
+        gives a group's pick its own model. None: the call is a plain one."""
+        group = self.groups.get(resolved.group) if resolved.group is not None else None
+        if group is None and resolved.name not in self.watched:
+            return None
+        call, item = plan.call, plan.item
+        assert item is not None
+        name = resolved.name
+        if group is not None:
+            item.params = own_model(resolved.route, item.params)
+            rest = [n for n in self.order(group) if n != name]
+            queue = expand([*rest, *group.fallbacks], self.routes, plain_fallbacks, {name})
+            context = expand(group.context_window_fallbacks, self.routes, context_fallbacks, {name})
+            on, max_attempts = group.on, group.max_attempts
+        else:
+            route = resolved.route
+            queue = expand(route.fallbacks, self.routes, plain_fallbacks, {name})
+            context = expand(route.context_window_fallbacks, self.routes, context_fallbacks, {name})
+            on, max_attempts = route.on, route.max_attempts
+        capped = bool(queue or context) or (
+            group is None and "max_attempts" in resolved.route.model_fields_set)
+        budget = None
+        if capped:
+            budget = Budget(max_attempts)
+            budget.reserve = min(len(queue), max_attempts - 1)
+            item.options[BUDGET] = budget
+        call.route = name
+        reasons = tuple(on if on is not None else DEFAULT_FALLBACK_ON)
+        if resolved.route.mode == "batch":  # a batch job's call falls back only at submission:
+            reasons = tuple(r for r in reasons if r in AT_SUBMISSION)  # never once a job holds it
+            context = []
+            if budget is not None:
+                item.options.pop(BUDGET, None)
+                budget = None
+        sink = item.options.get(STREAM)
+        if not isinstance(sink, ChunkSink):
+            sink = None
+        elif queue or context:
+            sink.hold = True
+        return Attempts(call, name, queue, context, reasons, budget, plan.span, sink)
+
+    def may_run(self, t: Ticket, plan: Plan) -> bool:
+        """Before the first attempt is queued: False when its breaker is open (the call then
+        went on to its next route, or failed fast)."""
+        att = t.attempts
+        assert att is not None and plan.route is not None
+        breaker = self.breakers.get(plan.route.provider)
+        if breaker is not None and not breaker.allow():
+            error = self._open_error(plan.route.provider, breaker.retry_after())
+            self.metrics.attempts.labels(att.route, "breaker_open").inc()
+            if "breaker_open" not in att.on or not self._next(t, att, error, "breaker_open"):
+                self._final(att)
+                t.attempts = None  # answered as it is: no attempt of it ran
+                self.gw._finish(t, Outcome.fail(error))
+            return False
+        self._began(att.route, t)
+        return True
+
+    @staticmethod
+    def _open_error(provider: str, retry_after: float) -> RpcError:
+        error = upstream_unavailable(provider, f"circuit breaker open for {provider}; "
+                                               f"no call goes there for {retry_after:.1f} s")
+        assert error.data is not None
+        error.data.update(breaker="open", retry_after=round(max(retry_after, 0.001), 3))
+        return error
+
+    def _began(self, name: str, t: Ticket) -> None:
+        att = t.attempts
+        assert att is not None
+        att.number += 1
+        if att.budget is not None:
+            att.mark = att.budget.spent
+        if att.span is not None:
+            att.trace = self.gw.tracer.attempt(att.span, name, att.number)
+        self.busy[name] = self.busy.get(name, 0) + 1
+        self._started[id(t)] = self.gw.clock.now()
+
+    # -- the loop ----------------------------------------------------------------
+    def settle(self, t: Ticket, outcome: Outcome, withdraw: bool) -> bool:
+        """An attempt ended: True when the next one is under way (the call is not answered)."""
+        att = t.attempts
+        assert att is not None
+        name = att.route
+        route = self.routes[name]
+        self.busy[name] = max(self.busy.get(name, 1) - 1, 0)
+        started = self._started.pop(id(t), None)
+        error = outcome.error
+        reason = reason_of(error) if error is not None else None
+        if error is None and started is not None:
+            seconds = self.gw.clock.now() - started
+            self.latency[name] = seconds if name not in self.latency else \
+                self.latency[name] + 0.2 * (seconds - self.latency[name])
+        breaker = self.breakers.get(route.provider)
+        if breaker is None or route.mode == "batch":
+            pass  # no breaker, or a batch job's result: it says nothing of the endpoint's health now
+        elif error is None:
+            self.breakers.record(route.provider, False)
+        elif withdraw or (reason in (None, "overloaded", "breaker_open")
+                          and error.code != Code.UPSTREAM_ERROR):
+            breaker.release()  # no verdict on the endpoint (a cancel, a deadline, our own queue)
+        else:
+            self.breakers.record(route.provider, reason in UNWELL)
+        result = "ok" if error is None else "withdrawn" if withdraw else reason or "client_error"
+        self.metrics.attempts.labels(name, result).inc()
+        if att.trace is not None:
+            self.gw.tracer.end_attempt(att.trace, result, outcome)
+            att.trace = None
+        if error is None or withdraw or not self._may_move(t, att, error, reason):
+            self._final(att)
+            return False
+        if att.budget is not None and att.budget.spent == att.mark and reason != "overloaded":
+            att.budget.spend()  # a provider without a retry loop: the attempt was one request
+        self._leave(t)
+        if self._next(t, att, error, reason or "status"):
+            return True
+        self._final(att)
+        return False
+
+    def _may_move(self, t: Ticket, att: Attempts, error: RpcError, reason: str | None) -> bool:
+        if self.gw.clock.now() >= t.deadline:
+            return False
+        if att.budget is not None and att.budget.left <= 0:
+            return False
+        if att.sink is not None and att.sink.started:
+            return False  # the client has bytes of this answer: never another provider's
+        if reason == "context_window":
+            return bool(att.context)
+        return bool(att.queue) and matches(error, reason, att.on)
+
+    def _leave(self, t: Ticket) -> None:
+        """Let go of what the failed attempt held: its shared flight, its fanouts."""
+        gw = self.gw
+        if t.key is not None and t.pending is not None:
+            gw.flights.release(t.key, t.pending)
+        t.key = t.cache_ttl = None
+        if t.progress is not None:
+            t.progress[0].remove(t.progress[1])
+            t.progress = None
+        if t.log is not None:
+            t.log[0].remove(t.log[1])
+            t.log = None
+
+    def _next(self, t: Ticket, att: Attempts, error: RpcError, reason: str) -> bool:
+        """Queue the next route that may run; False when none is left."""
+        queue = att.context if reason == "context_window" else att.queue
+        came_from = att.route
+        while queue:
+            name = queue.pop(0)
+            route = self.routes[name]
+            if att.budget is not None:
+                att.budget.reserve = min(len(att.queue), max(att.budget.left - 1, 0))
+            provider = self.gw.providers[route.provider]
+            if att.sink is not None and not isinstance(provider, Streamer):
+                continue
+            self.metrics.fallbacks.labels(came_from, name, reason).inc()
+            att.tried.append((came_from, reason))
+            breaker = self.breakers.get(route.provider)
+            if breaker is not None and not breaker.allow():
+                self.metrics.attempts.labels(name, "breaker_open").inc()
+                if "breaker_open" not in att.on:
+                    return False
+                came_from, reason = name, "breaker_open"
+                continue
+            item = self._item(t, att, name, route)
+            try:
+                lane = self.gw._lane_for(name, route)
+                pending = lane.submit(item)
+            except RpcError as e:
+                self.metrics.attempts.labels(name, reason_of(e) or "client_error").inc()
+                came_from, reason = name, reason_of(e) or "overloaded"
+                continue
+            att.route = att.call.route = name
+            t.pending, t.lane = pending, lane
+            self._began(name, t)
+            if t.waiter is not None:  # settling: wake it when this attempt ends
+                pending.future.add_done_callback(t)
+            return True
+        return False
+
+    def _item(self, t: Ticket, att: Attempts, name: str, route: RouteConfig) -> Item:
+        """The call's item on another route, as admission would have made it there."""
+        call, gw = att.call, self.gw
+        resolved = Resolved(name, route, route.method or name)
+        item = route_item(resolved, own_model(route, call.params), identity=call.identity,
+                          operation=call.operation, priority=call.priority, deadline=t.deadline,
+                          notification=call.notification)
+        if call.progress is not None:
+            item.options["progress"] = call.progress
+        if call.log is not None:
+            item.options["log"] = LogFanout([call.log])
+        if att.budget is not None:
+            item.options[BUDGET] = att.budget
+        if att.span is not None:
+            item.trace = TraceSlot(att.span)
+            gw.tracer.routed(att.span, item, route.provider, gw.config.providers[route.provider].kind)
+        provider = gw.providers[route.provider]
+        if att.sink is not None:
+            item.options[STREAM] = att.sink
+        provider.prepare(route, item)
+        if att.sink is not None:
+            item.group = tagged(item.group, "stream")
+        elif route.mode == "batch" and call.identity is not None:
+            item.group = tagged(item.group, call.identity)
+        return item
+
+    @staticmethod
+    def _final(att: Attempts) -> None:
+        """The call is answered now: a stream held open for a fallback closes."""
+        if att.sink is not None and att.sink.hold:
+            att.sink.hold = False
+            att.sink.close()
+
+
+def _weighted_order(names: list[str], weights: dict[str, float]) -> list[str]:
+    """Names drawn one by one at random by weight (default 1): the first is the pick."""
+    left = list(names)
+    out: list[str] = []
+    while left:
+        chosen = random.choices(left, [weights.get(n, 1.0) for n in left])[0]
+        out.append(chosen)
+        left.remove(chosen)
+    return out
+
