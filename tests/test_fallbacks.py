@@ -335,3 +335,19 @@ async def test_a_batch_mode_call_falls_back_only_at_submission(tmp_path):
         gw.fallbacks.breakers.get("a").failure()  # open: refused at submission, so it moves on
         out = await gw.submit(Call("batch_a", chat(), identity="k"))
     assert answered_by(out.result) == "b" and up["a"].count == 0
+
+
+def test_a_chain_never_mixes_a_kind_with_its_own_body_and_one_without() -> None:
+    """A `/v1` body is translated for the chain's first route: a Gemini route cannot fall back to
+    an OpenAI one (or join its group), since the body sent would be in the wrong API."""
+    from multiplexer.gateway.config import ConfigError, parse_config
+
+    data = {"providers": {"g": {"kind": "gemini", "api_key": "x"}, "o": {"kind": "openai", "api_key": "x"}},
+            "routes": {"a": {"provider": "g", "operation": "chat", "fallbacks": ["b"]},
+                       "b": {"provider": "o", "operation": "chat"}}}
+    with pytest.raises(ConfigError, match="a fallback must take the same body"):
+        parse_config(data)
+    del data["routes"]["a"]["fallbacks"]
+    data["groups"] = {"m": {"routes": ["a", "b"]}}
+    with pytest.raises(ConfigError, match="a fallback must take the same body"):
+        parse_config(data)

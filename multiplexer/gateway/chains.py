@@ -67,11 +67,23 @@ def _cycle(routes: Mapping[str, RouteConfig], links: Links) -> list[str] | None:
     return None
 
 
-def problems(routes: Mapping[str, RouteConfig], groups: Mapping[str, GroupConfig]) -> list[str]:
-    """Every mistake in the fallbacks and groups, one line each (empty: none)."""
-    lines: list[str] = []
+# Kinds whose own request body is neither OpenAI's nor Anthropic's: a `/v1` body is translated
+# for the first route of a chain, so every route of it must take the same body.
+OWN_BODY = {"gemini"}
 
-    def check(where: str, names: list[str], operation: str | None) -> None:
+
+def problems(routes: Mapping[str, RouteConfig], groups: Mapping[str, GroupConfig],
+             kinds: Mapping[str, str] | None = None) -> list[str]:
+    """Every mistake in the fallbacks and groups, one line each (empty: none). ``kinds``:
+    provider name -> kind, to keep kinds with bodies of their own out of mixed chains."""
+    lines: list[str] = []
+    kinds = kinds or {}
+
+    def body(route: RouteConfig) -> str:
+        kind = kinds.get(route.provider, "")
+        return kind if kind in OWN_BODY else "common"
+
+    def check(where: str, names: list[str], operation: str | None, first: RouteConfig | None = None) -> None:
         for name in names:
             route = routes.get(name)
             if route is None or name.endswith("*"):
@@ -80,6 +92,10 @@ def problems(routes: Mapping[str, RouteConfig], groups: Mapping[str, GroupConfig
             elif operation is not None and route.operation != operation:
                 lines.append(f"{where}: route {name!r} answers {route.operation!r}, not "
                              f"{operation!r} (a fallback must answer in the same API)")
+            elif first is not None and body(route) != body(first):
+                lines.append(f"{where}: route {name!r} (kind {kinds.get(route.provider)}) takes "
+                             f"another request body than provider {first.provider!r} (kind "
+                             f"{kinds.get(first.provider)}): a fallback must take the same body")
         if len(set(names)) != len(names):
             lines.append(f"{where}: a route is named twice")
 
@@ -91,7 +107,7 @@ def problems(routes: Mapping[str, RouteConfig], groups: Mapping[str, GroupConfig
             if name.endswith("*"):
                 lines.append(f"routes.{name}.{key}: a wildcard route cannot fall back")
                 continue
-            check(f"routes.{name}.{key}", names, route.operation)
+            check(f"routes.{name}.{key}", names, route.operation, route)
             if name in names:
                 lines.append(f"routes.{name}.{key}: a route cannot fall back to itself")
     for key, links in (("fallbacks", plain_fallbacks), ("context_window_fallbacks", context_fallbacks)):
@@ -104,9 +120,9 @@ def problems(routes: Mapping[str, RouteConfig], groups: Mapping[str, GroupConfig
             lines.append(f"{where}: a route has the same name (a group's name is a public model)")
         first = routes.get(group.routes[0])
         operation = first.operation if first is not None else None
-        check(f"{where}.routes", group.routes, operation)
-        check(f"{where}.fallbacks", group.fallbacks, operation)
-        check(f"{where}.context_window_fallbacks", group.context_window_fallbacks, operation)
+        check(f"{where}.routes", group.routes, operation, first)
+        check(f"{where}.fallbacks", group.fallbacks, operation, first)
+        check(f"{where}.context_window_fallbacks", group.context_window_fallbacks, operation, first)
         if group.strategy == "cost":
             lines.append(f"{where}.strategy: 'cost' needs model prices, which this version does "
                          "not have yet; use least_busy, weighted or latency")

@@ -209,7 +209,8 @@ class Config(Strict):
                                  f"({hint(route.provider, self.providers)})")
             if "*" in name and not name.endswith("*"):
                 raise ValueError(f"routes.{name}: a wildcard may only end a route name")
-        lines = chains.problems(self.routes, self.groups)  # fallbacks and groups
+        kinds = {name: p.kind for name, p in self.providers.items()}
+        lines = chains.problems(self.routes, self.groups, kinds)  # fallbacks and groups
         if lines:
             raise ValueError("\n  ".join(lines))
         return self

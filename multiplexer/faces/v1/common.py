@@ -123,7 +123,7 @@ class V1:
     def translation(self, name: str, endpoint: str) -> Translation | None:
         """How route ``name``'s provider takes ``endpoint``'s body, when its own API differs
         (the ``Translates`` capability: Gemini); None when it takes the body as it is."""
-        provider = self.gateway.providers[self.gateway.config.routes[name].provider]
+        provider = self.gateway.providers[self.gateway.resolve(name).route.provider]
         return provider.translation(endpoint) if isinstance(provider, Translates) else None
 
     def require_operation(self, name: str, operation: str, model: Any, what: str) -> None:
