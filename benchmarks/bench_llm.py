@@ -272,6 +272,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 if streaming and await streams(gw, chat) else None, gateway.pid))
         else:
             print("(no /v1 row: the gateway does not serve /v1/chat/completions yet)")
+        if args.dashboard_only:
+            return await dashboard_phase(paths[0], paths[2], args) if len(paths) > 2 else []
         results = compared(await measure(paths, args))
         if args.sdk and len(paths) > 2:
             results += await measure_sdk(fake, gw, gateway.pid, args)
@@ -299,6 +301,7 @@ async def dashboard_phase(direct: Target, gateway: Target, args: argparse.Namesp
     subscriber, reading every snapshot) against none open: rounds alternate the two states, each
     round measures direct and the gateway call by call, as ``latencies`` does."""
     seq: dict[bool, list[list[float]]] = {False: [[], []], True: [[], []]}
+    cpu, wall, calls = {False: 0.0, True: 0.0}, {False: 0.0, True: 0.0}, {False: 0, True: 0}
     frames = 0
     per_round = max(50, args.sequential // ROUNDS)
 
@@ -324,7 +327,11 @@ async def dashboard_phase(direct: Target, gateway: Target, args: argparse.Namesp
                             opened = anyio.Event()
                             tg.start_soon(page, http, opened)
                             await opened.wait()
+                    cpu_before, t = cpu_seconds(gateway.pid), time.perf_counter()
                     d, g = await latencies([direct, gateway], per_round)
+                    cpu[watched] += cpu_seconds(gateway.pid) - cpu_before
+                    wall[watched] += time.perf_counter() - t
+                    calls[watched] += len(g)
                     seq[watched][0] += d
                     seq[watched][1] += g
                     tg.cancel_scope.cancel()
@@ -335,13 +342,16 @@ async def dashboard_phase(direct: Target, gateway: Target, args: argparse.Namesp
         out.append({"name": name, "p50_ms": percentile(g, 0.5) * 1e3, "p99_ms": percentile(g, 0.99) * 1e3,
                     "added_p50_ms": (percentile(g, 0.5) - percentile(d, 0.5)) * 1e3,
                     "direct_p50_ms": percentile(d, 0.5) * 1e3, "calls_per_s": None,
-                    "proxy_cpu_ms_per_call": None})
+                    "proxy_cpu_ms_per_call": cpu[watched] / calls[watched] * 1e3,
+                    "gateway_cpu_share": cpu[watched] / wall[watched]})
     out[1]["dashboard_added_p50_ms"] = out[1]["added_p50_ms"] - out[0]["added_p50_ms"]
     out[1]["dashboard_frames"] = frames
     out[0]["snapshot_ms"] = snapshot_ms
     print(f"dashboard phase: {frames} snapshots read by {args.dashboards} pages; one /ui/api/state "
           f"took {snapshot_ms:.1f} ms; added p50 with {args.dashboards} pages open vs none: "
-          f"{out[1]['dashboard_added_p50_ms']:+.3f} ms (floor: +0.05 ms)")
+          f"{out[1]['dashboard_added_p50_ms']:+.3f} ms (floor: +0.05 ms); gateway CPU "
+          f"{out[0]['gateway_cpu_share']:.1%} of a core with none open, "
+          f"{out[1]['gateway_cpu_share']:.1%} with {args.dashboards}")
     return out
 
 
@@ -422,6 +432,8 @@ def main() -> None:
                         help="skip the rows with the official OpenAI SDK as the client")
     parser.add_argument("--dashboards", type=int, default=10,
                         help="dashboard pages (stream subscribers) open in the dashboard phase (0: skip it)")
+    parser.add_argument("--dashboard-only", action="store_true",
+                        help="only the dashboard phase")
     parser.add_argument("--transport", action="store_true",
                         help="also the lean transport alone vs httpx's pool")
     args = parser.parse_args()

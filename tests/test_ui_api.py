@@ -196,3 +196,19 @@ async def test_a_caller_key_sees_its_own_jobs_only(tmp_path: Any) -> None:
     assert sum(panel["items"].values()) == 3
     for state, n in panel["items"].items():
         assert n == m[("multiplexer_batch_items", (("state", state),))]
+
+
+async def test_a_failing_panel_says_so_and_the_others_still_answer(monkeypatch: Any) -> None:
+    from multiplexer.faces.ui import panels
+
+    async def broken(view: Any) -> dict[str, Any]:
+        raise OSError("the store went away")
+
+    monkeypatch.setitem(panels.PANELS, "limits", (broken, False))
+    async with serving(echo_config(admin_key=ADMIN)) as (_, http):
+        r = await http.get("/ui/api/state", headers=AS_ADMIN)
+        assert r.status_code == 200
+        body = r.json()["panels"]
+        assert body["limits"] == {"configured": True, "error": "OSError: the store went away"}
+        assert body["routes"]["totals"]["calls"] == 0
+        assert (await frames(http, 1, AS_ADMIN))[0].count(b"the store went away") == 1

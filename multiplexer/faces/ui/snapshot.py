@@ -9,6 +9,7 @@ cost one snapshot per tick, and none costs nothing.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,8 @@ from multiplexer.faces.ui.samples import Samples
 from multiplexer.gateway.gateway import Gateway
 
 Who = str | None  # None: the admin's view; else a caller key's identity (its own view)
+log = logging.getLogger("multiplexer.faces")
+_FAILING: dict[str, str] = {}  # panel -> the error it last logged
 
 
 async def snapshot(gateway: Gateway, admin: bool, identity: str | None = None) -> dict[str, Any]:
@@ -30,7 +33,18 @@ async def snapshot(gateway: Gateway, admin: bool, identity: str | None = None) -
     scrape of /metrics is)."""
     await gateway.metrics.refresh()
     view = View(gateway, Samples(gateway.metrics.registry), admin, identity)
-    panels = {name: await fn(view) for name, (fn, callers) in PANELS.items() if admin or callers}
+    panels: dict[str, Any] = {}
+    for name, (fn, callers) in PANELS.items():
+        if admin or callers:
+            try:
+                panels[name] = await fn(view)
+            except Exception as e:  # one panel's source failing (a store gone): that panel says so
+                panels[name] = {"configured": True, "error": f"{type(e).__name__}: {e}"}
+                if _FAILING.get(name) != panels[name]["error"]:  # logged once per new failure
+                    log.exception("dashboard panel %s failed", name)
+                _FAILING[name] = panels[name]["error"]
+            else:
+                _FAILING.pop(name, None)
     return finite({"version": VERSION, "at": time.time(),
                    "view": "admin" if admin else "key", "identity": identity, "panels": panels})
 

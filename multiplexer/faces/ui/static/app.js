@@ -114,7 +114,7 @@ function chart(el, series) {
     width, height: 150, legend: {live: false},
     scales: {x: {time: true}},
     axes: [{stroke: "#8591a0", grid: {stroke: "#262c35"}}, {stroke: "#8591a0", grid: {stroke: "#262c35"}, size: 45}],
-    series: [{}, ...series.map(([label, stroke]) => ({label, stroke, width: 1.5}))],
+    series: [{}, ...series.map(([label, stroke]) => ({label, stroke, width: 1.5, points: {show: false}}))],
   }, [[], ...series.map(() => [])], el);
 }
 function drawCharts() {
@@ -166,7 +166,6 @@ const status = (s) => `<span class="${s === "up" ? "ok" : s === "failing" ? "bad
 
 function kpis(p) {
   const r = p.routes;
-  if (!r) { $("#kpis").innerHTML = ""; return; }
   const items = [
     ["calls/s", num(rate((h) => h.calls), 1)],
     ["upstream req/s", num(rate((h) => h.upstream), 1)],
@@ -261,14 +260,14 @@ function render(s) {
   for (const name of ["routes", "limits", "mcp", "local", "state", "breakers", "spend", "jobs"]) show(name, name in p);
   $("#kpis").hidden = !p.routes;
   document.querySelectorAll(".charts").forEach((el) => { if (el.parentElement === $("#main")) el.hidden = !p.routes; });
-  kpis(p);
-  if (p.routes) { routesPanel(p.routes); drawCharts(); }
-  if (p.limits) limitsPanel(p.limits);
-  if (p.jobs) jobsPanel(p.jobs, admin);
-  if (p.mcp) mcpPanel(p.mcp);
-  if (p.local) localPanel(p.local);
-  if (p.state) statePanel(p.state);
-  for (const name of ["spend", "breakers"]) if (p[name] && !p[name].configured) body(name, empty(p[name].detail));
+  const renderers = {routes: routesPanel, limits: limitsPanel, jobs: (j) => jobsPanel(j, admin), mcp: mcpPanel,
+                     local: localPanel, state: statePanel};
+  for (const [name, panel] of Object.entries(p)) {
+    if (panel.error) body(name, `<div class="err">this panel failed: ${esc(panel.error)}</div>`);
+    else if (panel.configured === false) body(name, empty(panel.detail));
+    else if (renderers[name]) renderers[name](panel);
+  }
+  if (p.routes && !p.routes.error) { kpis(p); drawCharts(); }
   $("#status").textContent = "live · " + new Date(s.at * 1000).toLocaleTimeString();
 }
 
