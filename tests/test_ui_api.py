@@ -212,3 +212,28 @@ async def test_a_failing_panel_says_so_and_the_others_still_answer(monkeypatch: 
         assert body["limits"] == {"configured": True, "error": "OSError: the store went away"}
         assert body["routes"]["totals"]["calls"] == 0
         assert (await frames(http, 1, AS_ADMIN))[0].count(b"the store went away") == 1
+
+
+async def test_open_streams_end_when_the_server_stops() -> None:
+    """A dashboard left open does not hold the shutdown for the grace period."""
+    ended = anyio.Event()
+    got: list[bytes] = []
+
+    async def watch(http: httpx.AsyncClient, first: anyio.Event) -> None:
+        async with http.stream("GET", "/ui/api/stream", headers=AS_ADMIN) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    got.append(line.encode())
+                    first.set()
+        ended.set()  # the server closed the stream: the body ended, no error
+
+    async with httpx.AsyncClient(timeout=30) as http, anyio.create_task_group() as tg:
+        with anyio.fail_after(4):  # well inside the 5 s grace period an open stream would hold
+            async with running(echo_config(admin_key=ADMIN), port=0) as (gw, url):
+                http.base_url = httpx.URL(url)
+                first = anyio.Event()
+                tg.start_soon(watch, http, first)
+                await first.wait()
+                assert gw.faces["ui"].subscribers == 1
+            await ended.wait()
+    assert len(got) >= 1
