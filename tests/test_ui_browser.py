@@ -19,8 +19,10 @@ import pytest
 from pydantic import SecretStr
 
 from multiplexer.access.admin import ENV
-from multiplexer.gateway.config import load_config
+from multiplexer.gateway.config import load_config, parse_config
 from multiplexer.server import running
+from tests.remote_helpers import fakes
+from tests.test_v1_openai import KEY, v1_config
 
 pytestmark = pytest.mark.anyio
 ADMIN = "adm-" + "b" * 28
@@ -149,3 +151,51 @@ async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any) -> No
         finally:
             await browser.close()
     assert json.dumps(state)  # the snapshot the page was compared with is plain JSON
+
+
+async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch: Any) -> None:
+    """An open batch job on the fake OpenAI upstream: the admin sees it with its progress bar and
+    the store's totals; its owner's key sees its own jobs panel only; another key sees none."""
+    executable = chromium()
+    from playwright.async_api import async_playwright
+
+    monkeypatch.delenv(ENV, raising=False)
+    async with fakes() as f:
+        data = v1_config(f, tmp_path, admin_key=ADMIN)
+        data["server"]["api_keys"]["bob"] = "bob-key-0123456789abcdef"
+        data["routes"]["chat_batch"] = {"provider": "oai", "operation": "chat", "mode": "batch"}
+        async with (
+            running(parse_config(data), port=0) as (_, url),
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+            async_playwright() as pw,
+        ):
+            submit = {"jsonrpc": "2.0", "id": 1, "method": "jobs.submit", "params": {
+                "more": True, "calls": [{"method": "chat_batch", "params": {
+                    "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}}] * 4}}
+            job = (await http.post("/rpc", json=submit, headers={"authorization": f"Bearer {KEY}"})).json()
+            job_id = job["result"]["job_id"]
+            browser = await pw.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+            try:
+                page = await browser.new_page(viewport={"width": 1400, "height": 900})
+                await page.goto(f"{url}/ui#key={ADMIN}")
+                await shown(page, {"jobs.open": "1"})
+                row = page.locator("#panel-jobs tr", has_text=job_id)
+                assert await row.locator(".bar").count() == 1  # its progress bar
+                assert "client" in (await row.text_content() or "")
+                await page.locator('[data-panel="jobs"]').screenshot(path=str(tmp_path / "jobs-admin.png"))
+
+                own = await browser.new_page(viewport={"width": 1400, "height": 900})
+                await own.goto(f"{url}/ui#key={KEY}")
+                await own.wait_for_selector(f"#panel-jobs tr:has-text('{job_id}')")
+                assert "key alice" in (await own.text_content("#who") or "")
+                for hidden in ("routes", "limits", "mcp", "local", "state", "breakers"):
+                    assert not await own.locator(f"#panel-{hidden}").is_visible(), hidden
+                assert await own.locator("#panel-spend").is_visible()
+                await own.locator('[data-panel="jobs"]').screenshot(path=str(tmp_path / "jobs-own.png"))
+
+                other = await browser.new_page()
+                await other.goto(f"{url}/ui#key=bob-key-0123456789abcdef")
+                await other.wait_for_selector("#panel-jobs .empty")
+                assert job_id not in (await other.text_content("#panel-jobs") or "")
+            finally:
+                await browser.close()
