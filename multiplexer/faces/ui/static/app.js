@@ -164,12 +164,17 @@ function progress(c, total) {
 const codes = (o) => Object.entries(o || {}).map(([k, n]) => `<span class="bad">${esc(k)}</span>×${n}`).join(" ") || `<span class="dim">0</span>`;
 const status = (s) => `<span class="${s === "up" ? "ok" : s === "failing" ? "bad" : "warn"}">${esc(s)}</span>`;
 
+function liveRatio() {
+  const calls = rate((h) => h.calls), ups = rate((h) => h.upstream);
+  return calls && ups ? num(calls / ups, 2) : "–";
+}
 function kpis(p) {
   const r = p.routes;
   const items = [
     ["calls/s", num(rate((h) => h.calls), 1)],
     ["upstream req/s", num(rate((h) => h.upstream), 1)],
-    ["calls per upstream request", v("ratio", r.totals.ratio == null ? "–" : num(r.totals.ratio, 2))],
+    ["calls per upstream request: since start, now",
+     v("ratio", r.totals.ratio == null ? "–" : num(r.totals.ratio, 2)) + `<span class="dim"> · ${liveRatio()}</span>`],
     ["errors/s", num(rate((h) => h.errors), 2)],
     ["calls", v("calls", r.totals.calls)],
     ["upstream requests", v("upstream_requests", r.totals.upstream_requests)],
