@@ -9,7 +9,9 @@ the gateway (shipped defaults: no limits or batching set) in its own:
 - the same for the Responses API (``/v1/responses``), in its own phase against the fake's;
 - the same for a LiteLLM proxy on the same upstream, when ``litellm`` (``litellm[proxy]``)
   is on PATH or in $LITELLM_BIN and $LITELLM_MASTER_KEY is set;
-- ``--transport``: the lean transport alone against httpx's own pool, in this process.
+- ``--transport``: the lean transport alone against httpx's own pool, in this process;
+- the dashboard's cost: added p50 through ``/v1`` with ten dashboard pages open (ten
+  ``/ui/api/stream`` subscribers) against none open, in alternating rounds (``--dashboards``).
 Clients are lean h11 connections (benchmarks/_h11.py), one per concurrent worker: they cost
 little CPU, so on a small machine the gateway's own CPU shows in full. Two more rows measure
 it as applications call it: 64 tasks sharing one official ``openai.AsyncOpenAI`` client,
@@ -41,7 +43,7 @@ from multiplexer.transport.http1 import Http1Transport
 
 MODEL = "gpt-bench"
 CONFIG = """
-server: {{host: 127.0.0.1, port: {port}}}
+server: {{host: 127.0.0.1, port: {port}, admin_key: {admin}}}
 store: {{path: {store}}}
 providers:
   oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench}}
@@ -56,6 +58,7 @@ model_list:
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}
 ROUNDS = 4
 JSON = {"content-type": "application/json", "authorization": "Bearer sk-bench"}
+ADMIN = "bench-admin-key-0123456789"  # the dashboard phase's streams
 
 Call = Callable[[Conn], Awaitable[Reply]]
 
@@ -257,7 +260,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         conf = Path(tmp) / "gateway.yaml"
         conf.write_text(CONFIG.format(port=gw_port, fake=fake_port, store=Path(tmp) / "jobs.db",
-                                      model=MODEL))
+                                      model=MODEL, admin=ADMIN))
         stack.enter_context(child(fake_args, f"{fake}/"))
         gateway = stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
                                             f"{gw}/healthz"))
@@ -269,6 +272,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 if streaming and await streams(gw, chat) else None, gateway.pid))
         else:
             print("(no /v1 row: the gateway does not serve /v1/chat/completions yet)")
+        if args.dashboard_only:
+            return await dashboard_phase(paths[0], paths[2], args) if len(paths) > 2 else []
         results = compared(await measure(paths, args))
         if args.sdk and len(paths) > 2:
             results += await measure_sdk(fake, gw, gateway.pid, args)
@@ -277,6 +282,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                      Target("gateway /v1/responses", gw, responses_call(), responses_call(True),
                             gateway.pid)]
             results += compared(await measure(phase, args))
+        if args.dashboards and len(paths) > 2:
+            results += await dashboard_phase(paths[0], paths[2], args)
         program = litellm_program()
         if program is None:
             print("(no LiteLLM row: needs litellm on PATH or $LITELLM_BIN, and $LITELLM_MASTER_KEY)")
@@ -287,6 +294,66 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             again[0]["name"] = "direct (LiteLLM phase)"
             results += again
     return results
+
+
+async def dashboard_phase(direct: Target, gateway: Target, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Added p50 through the gateway with ``args.dashboards`` pages open (each a /ui/api/stream
+    subscriber, reading every snapshot) against none open: rounds alternate the two states, each
+    round measures direct and the gateway call by call, as ``latencies`` does."""
+    seq: dict[bool, list[list[float]]] = {False: [[], []], True: [[], []]}
+    cpu, wall, calls = {False: 0.0, True: 0.0}, {False: 0.0, True: 0.0}, {False: 0, True: 0}
+    frames = 0
+    rounds = 4 * ROUNDS  # short rounds: a shared host's drift hits both states alike
+    per_round = max(50, args.sequential // rounds)
+
+    async def page(http: httpx.AsyncClient, opened: anyio.Event) -> None:
+        nonlocal frames
+        async with http.stream("GET", "/ui/api/stream", headers={"authorization": f"Bearer {ADMIN}"}) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    frames += 1
+                    opened.set()
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=None,
+                                 limits=httpx.Limits(max_connections=args.dashboards + 1)) as http:
+        t = time.perf_counter()
+        await http.get("/ui/api/state", headers={"authorization": f"Bearer {ADMIN}"})
+        snapshot_ms = (time.perf_counter() - t) * 1e3
+        for _ in range(rounds):
+            for watched in (False, True):
+                async with anyio.create_task_group() as tg:
+                    if watched:
+                        for _ in range(args.dashboards):
+                            opened = anyio.Event()
+                            tg.start_soon(page, http, opened)
+                            await opened.wait()
+                    cpu_before, t = cpu_seconds(gateway.pid), time.perf_counter()
+                    d, g = await latencies([direct, gateway], per_round)
+                    cpu[watched] += cpu_seconds(gateway.pid) - cpu_before
+                    wall[watched] += time.perf_counter() - t
+                    calls[watched] += len(g)
+                    seq[watched][0] += d
+                    seq[watched][1] += g
+                    tg.cancel_scope.cancel()
+    out = []
+    for watched in (False, True):
+        d, g = seq[watched]
+        name = f"gateway /v1, {args.dashboards} dashboards open" if watched else "gateway /v1, no dashboard"
+        out.append({"name": name, "p50_ms": percentile(g, 0.5) * 1e3, "p99_ms": percentile(g, 0.99) * 1e3,
+                    "added_p50_ms": (percentile(g, 0.5) - percentile(d, 0.5)) * 1e3,
+                    "direct_p50_ms": percentile(d, 0.5) * 1e3, "calls_per_s": None,
+                    "proxy_cpu_ms_per_call": cpu[watched] / calls[watched] * 1e3,
+                    "gateway_cpu_share": cpu[watched] / wall[watched]})
+    out[1]["dashboard_added_p50_ms"] = out[1]["added_p50_ms"] - out[0]["added_p50_ms"]
+    out[1]["dashboard_frames"] = frames
+    out[0]["snapshot_ms"] = snapshot_ms
+    print(f"dashboard phase: {frames} snapshots read by {args.dashboards} pages; one /ui/api/state "
+          f"took {snapshot_ms:.1f} ms; added p50 with {args.dashboards} pages open vs none: "
+          f"{out[1]['dashboard_added_p50_ms']:+.3f} ms (floor: +0.05 ms); gateway CPU "
+          f"{out[0]['gateway_cpu_share']:.1%} of a core with none open, "
+          f"{out[1]['gateway_cpu_share']:.1%} with {args.dashboards}")
+    return out
 
 
 def compared(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -364,6 +431,10 @@ def main() -> None:
                         help="model time the fake adds to every answer")
     parser.add_argument("--no-sdk", dest="sdk", action="store_false",
                         help="skip the rows with the official OpenAI SDK as the client")
+    parser.add_argument("--dashboards", type=int, default=10,
+                        help="dashboard pages (stream subscribers) open in the dashboard phase (0: skip it)")
+    parser.add_argument("--dashboard-only", action="store_true",
+                        help="only the dashboard phase")
     parser.add_argument("--transport", action="store_true",
                         help="also the lean transport alone vs httpx's pool")
     args = parser.parse_args()
@@ -374,7 +445,8 @@ def main() -> None:
         rows.append([
             r["name"], f"{r['p50_ms']:.3f}" if "p50_ms" in r else "",
             f"{r['added_p50_ms']:+.3f}" if "added_p50_ms" in r else "",
-            f"{r['calls_per_s']:,.0f}", f"{r['ratio']:.2f}x" if "ratio" in r else "1.00x",
+            "" if r["calls_per_s"] is None else f"{r['calls_per_s']:,.0f}",
+            f"{r['ratio']:.2f}x" if "ratio" in r else "" if r["calls_per_s"] is None else "1.00x",
             "" if first is None else f"{first:.3f}",
             f"{r['added_first_chunk_ms']:+.3f}" if "added_first_chunk_ms" in r else "",
             "" if r["proxy_cpu_ms_per_call"] is None else f"{r['proxy_cpu_ms_per_call']:.3f}",

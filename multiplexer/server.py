@@ -20,6 +20,7 @@ from multiplexer.faces.http import create_app
 from multiplexer.faces.jobs import attach_jobs
 from multiplexer.faces.mcp.http import mount_mcp
 from multiplexer.faces.server_protocol import GatewayHttpProtocol
+from multiplexer.faces.ui import close_streams, ui_routes
 from multiplexer.faces.v1 import v1_routes
 from multiplexer.gateway import heap
 from multiplexer.gateway.config import Config, ConfigError
@@ -131,13 +132,19 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
             attach_jobs(gw)
             auth = Authenticator(config.server.api_keys)  # one for every face: /rpc, /v1, /mcp
             mcp_routes, lifespan = mount_mcp(gw, auth)
-            routes = v1_routes(gw, auth) + mcp_routes + admin_routes(gw, AdminKey(config.server.admin_key))
+            admin = AdminKey(config.server.admin_key)
+            routes = v1_routes(gw, auth) + mcp_routes + admin_routes(gw, admin)
+            if config.server.ui:
+                routes += ui_routes(gw, admin, auth)
             app = create_app(gw, routes, lifespan, auth)
             gw.faces["app"] = app  # what is mounted, for those who enumerate it
             heap.serving(gw)  # before the first call: no full pauses on start-up's heap after
             async with serve_asgi(app, sock, lifespan=lifespan is not None,
                                   keepalive_s=config.server.keepalive_s) as url:
-                yield gw, url
+                try:
+                    yield gw, url
+                finally:
+                    close_streams(gw)  # open dashboards end now, not after the grace period
     finally:
         sock.close()
 

@@ -130,6 +130,25 @@ class LocalProvider(Provider):
         if pool is not None:
             await pool.__aexit__(None, None, None)
 
+    def describe(self) -> dict[str, Any]:
+        """The ``Describes`` capability (the dashboard): each model's device, budget and counts
+        (cumulative: a reader takes rates from two readings)."""
+        if self.pool is None:
+            return {"models": {}, "detail": self._missing}
+        models: dict[str, Any] = {}
+        for name, h in self.pool.handles.items():
+            st, budget, loaded = h.stats, h.budget, h.loaded
+            models[name] = {
+                "task": h.task, "stage": h.stage, "error": h.error,
+                "device": str(loaded.device) if loaded is not None else None,
+                "dtype": str(loaded.dtype).removeprefix("torch.") if loaded is not None else None,
+                "max_rows": budget.max_rows, "max_tokens": budget.max_tokens,
+                "max_padding": budget.max_padding, "batches": st.batches, "rows": st.rows,
+                "real_tokens": st.real_tokens, "padded_tokens": st.padded_tokens,
+                "busy_s": round(st.busy_s, 6), "padding_share": round(st.padding_waste, 6),
+            }
+        return {"models": models}
+
     def _event(self, model: str, event: str) -> None:
         """Counted at once; listeners hear it on the event loop (OOM and budget events come from
         the forward pass's worker thread, and listeners set anyio events)."""

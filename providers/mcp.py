@@ -90,6 +90,13 @@ class McpProvider(Provider):
         """The ``Readiness`` capability: its session supervisor's state and last error."""
         return self.session.readiness()
 
+    def describe(self) -> dict[str, Any]:
+        """The ``Describes`` capability (the dashboard): transport, protocol era, tools, connections."""
+        s = self.session
+        status, error = s.readiness()
+        return {"transport": self.settings.transport, "era": s.era, "status": status, "error": error,
+                "tools": len(s.tools), "connects": s.connects, "failures": s.failures}
+
     def _session_event(self, event: str) -> None:
         metrics = self.ctx.metrics
         metrics.events.labels(f"mcp:{self.name}", event).inc()

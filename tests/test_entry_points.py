@@ -23,7 +23,8 @@ from tests.test_v1_openai import KEY, v1_config
 pytestmark = pytest.mark.anyio
 
 # Not a caller's request: probes for load balancers and the metrics scraper (no key asked).
-UNKEYED = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
+UNKEYED = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics"),
+           ("GET", "/")}  # "/": a redirect to the dashboard's page
 # The operator's endpoints: the admin key, not a caller's key (tests/test_admin.py enumerates them).
 ADMIN_PREFIXES = ("/admin/", "/ui")
 # MCP protocol bookkeeping served from the session or the gateway's own catalog, no upstream work.

@@ -188,6 +188,11 @@ class TokenBucket:
             wait = span
         return wait + need / self.rate if self.rate > 0 else math.inf
 
+    def available(self, now: float) -> float:
+        """What may be charged now (refilled to ``now``): the dashboard's reading of the bucket."""
+        self._refill(now)
+        return self.level
+
     def consume(self, amount: float, now: float) -> None:
         self._refill(now)
         self.level -= amount

@@ -178,6 +178,15 @@ class Readiness(Protocol):
     def readiness(self) -> tuple[Literal["up", "starting", "failing"], str | None]: ...
 
 
+@runtime_checkable
+class Describes(Protocol):
+    """Says what an operator's dashboard shows about the provider beyond its lane and limits
+    (an MCP upstream's era and tools, a local model's device and budget): plain JSON values,
+    read on the event loop, cheap (no I/O)."""
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 STREAM = "_stream"  # item.options key: the sink of a streamed call (set by the gateway only)
 
 

@@ -80,6 +80,9 @@ class ServerConfig(Strict):
     admin_key: SecretStr | None = Field(
         default=None, description="the master key of `/admin/` and the dashboard (or sha256:<hex> of"
         " it; MULTIPLEXER_MASTER_KEY wins); unset: nothing admin is served")
+    ui: bool = Field(default=True, description="serve the dashboard: `/ui` (the page, its files),"
+                     " `/ui/api/state` and `/ui/api/stream` (admin key or a caller's own view), `/`"
+                     " redirecting to `/ui`; docs/dashboard.md")
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
     mcp: McpServerConfig = Field(default_factory=McpServerConfig)

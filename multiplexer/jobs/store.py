@@ -124,6 +124,13 @@ class JobStore(V1Tables):
         return [JobRow(*r) for r in rows]
 
     @_locked
+    def open_jobs(self, limit: int) -> list[JobRow]:
+        """The jobs not ended yet, every caller's, newest first (the dashboard)."""
+        rows = self._x(f"SELECT * FROM jobs WHERE state IN {_OPEN} ORDER BY created DESC LIMIT ?",
+                       (limit,)).fetchall()
+        return [JobRow(*r) for r in rows]
+
+    @_locked
     def idle_open_jobs(self, before: float) -> list[str]:
         """Jobs still open whose last change is older than ``before`` (wall time)."""
         rows = self._x("SELECT id FROM jobs WHERE state='open' AND updated < ?", (before,))

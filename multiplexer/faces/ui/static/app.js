@@ -1,0 +1,283 @@
+// The dashboard: one fetch() stream of /ui/api/stream (Server-Sent Events; fetch, because
+// EventSource cannot send the bearer header), rendered panel by panel. No framework, no build.
+"use strict";
+
+const KEY = "multiplexer.key";
+const WINDOW_S = 120;     // the charts' span
+const RATE_SPAN_S = 2;    // rates over the last two seconds of snapshots
+const $ = (sel) => document.querySelector(sel);
+const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
+const num = (v, d = 0) => v == null ? "–" : Number(v).toFixed(d);
+const v = (name, text, cls = "") => `<span data-v="${esc(name)}" class="${cls}">${esc(text)}</span>`;
+const sum = (o) => Object.values(o || {}).reduce((a, b) => a + b, 0);
+
+// -- the key: #key=... in the fragment (never sent to the server), else the login form ----------
+function takeFragmentKey() {
+  const m = location.hash.match(/^#key=(.+)$/);
+  if (m) {
+    sessionStorage.setItem(KEY, decodeURIComponent(m[1]));
+    window.history.replaceState(null, "", location.pathname + location.search);
+  }
+}
+function showLogin(message) {
+  $("#main").hidden = true; $("#logout").hidden = true; $("#login").hidden = false;
+  $("#login-error").textContent = message || "";
+  $("#key").focus();
+}
+$("#login").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const key = $("#key").value.trim();
+  if (!key) return;
+  sessionStorage.setItem(KEY, key);
+  $("#key").value = "";
+  connect();
+});
+$("#logout").addEventListener("click", () => { sessionStorage.removeItem(KEY); stop(); showLogin(); });
+
+// -- the stream ---------------------------------------------------------------------------------
+let aborter = null;
+function stop() { if (aborter) aborter.abort(); aborter = null; setConn("off", "not connected"); }
+function setConn(state, text) { $("#conn").className = "dot " + state; $("#status").textContent = text; }
+
+async function connect() {
+  stop();
+  const key = sessionStorage.getItem(KEY);
+  if (!key) { showLogin(); return; }
+  const mine = aborter = new AbortController();
+  setConn("wait", "connecting");
+  let retry = 1000;
+  while (aborter === mine) {
+    try {
+      const r = await fetch("/ui/api/stream", {headers: {authorization: "Bearer " + key}, signal: mine.signal, cache: "no-store"});
+      if (r.status === 401 || r.status === 404) {
+        let why = r.status === 401 ? "refused: not a valid key" : "the dashboard's API is off";
+        try { why = (await r.json()).error.message; } catch (_) { /* the status says enough */ }
+        sessionStorage.removeItem(KEY); aborter = null; setConn("off", "refused"); showLogin(why); return;
+      }
+      if (!r.ok) throw new Error("HTTP " + r.status);
+      $("#login").hidden = true; $("#main").hidden = false; $("#logout").hidden = false;
+      setConn("on", "live"); retry = 1000;
+      const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buf = "";
+      for (;;) {
+        const {value, done} = await reader.read();
+        if (done) break;
+        buf += value;
+        let cut;
+        while ((cut = buf.indexOf("\n\n")) >= 0) {
+          const frame = buf.slice(0, cut); buf = buf.slice(cut + 2);
+          const data = frame.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+          if (data) render(JSON.parse(data));
+        }
+      }
+    } catch (e) {
+      if (aborter !== mine) return;
+    }
+    setConn("wait", "reconnecting");
+    await new Promise((ok) => setTimeout(ok, retry));
+    retry = Math.min(retry * 2, 10000);
+  }
+}
+
+// -- rates from consecutive snapshots -----------------------------------------------------------
+const past = [];  // {at, calls, upstream, errors, routes: {name: calls}, lanes: {name: items}, tokens: {model: n}}
+function remember(s) {
+  const p = s.panels, r = p.routes;
+  const h = {at: s.at, routes: {}, tokens: {}};
+  if (r) {
+    h.calls = r.totals.calls; h.upstream = r.totals.upstream_requests; h.errors = sum(r.totals.errors);
+    for (const x of r.routes) h.routes[x.route] = x.ok + sum(x.errors);
+    h.queued = r.lanes.reduce((a, l) => a + l.queued, 0);
+    h.inflight = r.lanes.reduce((a, l) => a + l.in_flight, 0);
+  }
+  for (const pr of (p.local && p.local.providers) || []) {
+    for (const [m, x] of Object.entries(pr.models || {})) h.tokens[pr.provider + "/" + m] = x.real_tokens;
+  }
+  past.push(h);
+  while (past.length && past[0].at < s.at - WINDOW_S) past.shift();
+}
+function rate(get) {
+  const last = past[past.length - 1];
+  let first = null;
+  for (const h of past) if (h.at >= last.at - RATE_SPAN_S - 0.01) { first = h; break; }
+  if (!first || first === last || last.at === first.at) return null;
+  const a = get(first), b = get(last);
+  if (a == null || b == null) return null;
+  return Math.max(0, (b - a) / (last.at - first.at));
+}
+
+// -- charts (uPlot) -----------------------------------------------------------------------------
+let rateChart = null, queueChart = null;
+function chart(el, series) {
+  const width = Math.max(300, el.clientWidth || 600);
+  return new uPlot({
+    width, height: 150, legend: {live: false},
+    scales: {x: {time: true}},
+    axes: [{stroke: "#8591a0", grid: {stroke: "#262c35"}}, {stroke: "#8591a0", grid: {stroke: "#262c35"}, size: 45}],
+    series: [{}, ...series.map(([label, stroke]) => ({label, stroke, width: 1.5, points: {show: false}}))],
+  }, [[], ...series.map(() => [])], el);
+}
+function drawCharts() {
+  if (!past.length || past[past.length - 1].calls === undefined) return;
+  if (!rateChart) {
+    rateChart = chart($("#chart-rate"), [["calls/s", "#58a6ff"], ["upstream req/s", "#d2a8ff"]]);
+    queueChart = chart($("#chart-queue"), [["queued", "#d29922"], ["in flight", "#3fb950"]]);
+  }
+  const xs = [], calls = [], ups = [], qs = [], fl = [];
+  for (let i = 1; i < past.length; i++) {
+    const a = past[i - 1], b = past[i], dt = b.at - a.at;
+    if (dt <= 0) continue;
+    xs.push(b.at); calls.push((b.calls - a.calls) / dt); ups.push((b.upstream - a.upstream) / dt);
+    qs.push(b.queued); fl.push(b.inflight);
+  }
+  rateChart.setData([xs, calls, ups]);
+  queueChart.setData([xs, qs, fl]);
+}
+
+// -- panels -------------------------------------------------------------------------------------
+const table = (heads, rows) => `<table><tr>${heads.map((h) => `<th>${h}</th>`).join("")}</tr>${rows.join("")}</table>`;
+const empty = (text) => `<div class="empty">${esc(text)}</div>`;
+function body(name, html) { const el = $(`#panel-${name} .body`); if (el) el.innerHTML = html; }
+function show(name, on) { const el = $(`#panel-${name}`); if (el) el.hidden = !on; }
+
+function hist(buckets) {
+  const rows = buckets.filter(([, n]) => n > 0);
+  if (!rows.length) return `<span class="dim">–</span>`;
+  const max = Math.max(...rows.map(([, n]) => n)), w = 16;
+  const bars = rows.map(([le, n], i) => {
+    const h = Math.max(1, Math.round(22 * n / max));
+    return `<rect x="${i * w}" y="${24 - h}" width="${w - 2}" height="${h}"><title>≤${esc(le)}: ${n} batches</title></rect>` +
+      `<text x="${i * w}" y="33">${esc(le)}</text>`;
+  }).join("");
+  return `<svg class="hist" width="${rows.length * w}" height="34">${bars}</svg>`;
+}
+function useBar(used, limit) {
+  if (!limit) return `<span class="dim">no limit</span>`;
+  const share = Math.min(1, Math.max(0, used / limit));
+  const cls = share >= 0.95 ? "full" : share >= 0.7 ? "hot" : "";
+  return `<div class="bar" title="${num(used, 1)} of ${num(limit)}"><i class="use ${cls}" style="width:${(share * 100).toFixed(1)}%"></i></div>`;
+}
+function progress(c, total) {
+  const t = Math.max(total, 1), w = (n) => (100 * n / t).toFixed(1) + "%";
+  return `<div class="bar"><i class="done" style="width:${w(c.done)}"></i><i class="failed" style="width:${w(c.failed)}"></i><i class="running" style="width:${w(c.running)}"></i></div>`;
+}
+const codes = (o) => Object.entries(o || {}).map(([k, n]) => `<span class="bad">${esc(k)}</span>×${n}`).join(" ") || `<span class="dim">0</span>`;
+const status = (s) => `<span class="${s === "up" ? "ok" : s === "failing" ? "bad" : "warn"}">${esc(s)}</span>`;
+
+function liveRatio() {
+  const calls = rate((h) => h.calls), ups = rate((h) => h.upstream);
+  return calls && ups ? num(calls / ups, 2) : "–";
+}
+function kpis(p) {
+  const r = p.routes;
+  const items = [
+    ["calls/s", num(rate((h) => h.calls), 1)],
+    ["upstream req/s", num(rate((h) => h.upstream), 1)],
+    ["calls per upstream request: since start, now",
+     v("ratio", r.totals.ratio == null ? "–" : num(r.totals.ratio, 2)) + `<span class="dim"> · ${liveRatio()}</span>`],
+    ["errors/s", num(rate((h) => h.errors), 2)],
+    ["calls", v("calls", r.totals.calls)],
+    ["upstream requests", v("upstream_requests", r.totals.upstream_requests)],
+    ["queued", v("queued", r.lanes.reduce((a, l) => a + l.queued, 0))],
+    ["in flight", v("in_flight", r.lanes.reduce((a, l) => a + l.in_flight, 0))],
+  ];
+  $("#kpis").innerHTML = items.map(([l, n]) => `<div class="kpi"><div class="n">${n}</div><div class="l">${l}</div></div>`).join("");
+}
+
+function routesPanel(r) {
+  const routes = r.routes.map((x) => `<tr><td>${esc(x.route)}</td><td>${num(rate((h) => h.routes[x.route]), 1)}</td>` +
+    `<td>${v(`route.${x.route}.ok`, x.ok)}</td><td>${codes(x.errors)}</td><td>${v(`route.${x.route}.in_flight`, x.in_flight)}</td>` +
+    `<td>${v(`route.${x.route}.p50_ms`, num(x.latency.p50_ms, 2))}</td><td>${v(`route.${x.route}.p99_ms`, num(x.latency.p99_ms, 2))}</td></tr>`);
+  const lanes = r.lanes.map((l) => `<tr><td>${esc(l.lane)}</td><td>${v(`lane.${l.lane}.queued`, l.queued)}</td>` +
+    `<td>${v(`lane.${l.lane}.in_flight`, l.in_flight)}</td><td>${v(`lane.${l.lane}.batches`, l.batches)}</td><td>${v(`lane.${l.lane}.items`, l.items)}</td>` +
+    `<td>${l.batches ? num(l.items / l.batches, 1) : "–"}</td><td class="l">${hist(l.batch_sizes)}</td>` +
+    `<td class="l">${l.held_by ? `<span class="warn">${esc(l.held_by)}</span>` : ""}${codes(l.rejections).replace(/^<span class="dim">0<\/span>$/, "")}</td></tr>`);
+  const provs = r.providers.map((x) => {
+    const calls = r.lanes.filter((l) => l.provider === x.provider).reduce((a, l) => a + l.items, 0);
+    return `<tr><td>${esc(x.provider)}</td><td>${v(`provider.${x.provider}.upstream_requests`, x.upstream_requests)}</td>` +
+      `<td>${x.upstream_batches}</td><td>${x.upstream_requests ? num(calls / x.upstream_requests, 2) : "–"}</td><td>${x.retries}</td><td>${codes(x.errors)}</td></tr>`;
+  });
+  body("routes", `<div class="charts" style="grid-template-columns:1fr 1fr;margin:0">` +
+    `<div>${table(["route", "calls/s", "ok", "errors by code", "in flight", "p50 ms", "p99 ms"], routes)}` +
+    `<div class="dim">latency: since start, from the histogram in /metrics</div></div>` +
+    `<div>${table(["lane", "queued", "in flight", "batches", "items", "items/batch", "batch sizes", "held / refused"], lanes)}` +
+    `<h3>providers</h3>${table(["provider", "upstream req", "batches", "items/req", "retries", "errors"], provs)}</div></div>`);
+}
+
+function limitsPanel(l) {
+  const rows = l.providers.map((x) => {
+    const b = (k) => x[k] ? `${useBar(x[k].used, x[k].limit)}<span class="dim">${num(x[k].used)}/${num(x[k].limit)}${x[k].learned ? " learned" : ""}</span>` : `<span class="dim">–</span>`;
+    const c = x.concurrency || {};
+    const held = Object.entries(x.held || {}).map(([lane, lim]) => `${esc(lane)}: <span class="warn">${esc(lim)}</span>`).join(" ");
+    return `<tr><td>${esc(x.provider)}${x.shared ? ` <span class="dim">shared</span>` : ""}</td><td class="l">${b("rpm")}</td><td class="l">${b("tpm")}</td>` +
+      `<td class="l">${c.limit ? useBar(c.in_flight, c.limit) : ""}${v(`limit.${x.provider}.in_flight`, c.in_flight ?? 0)}<span class="dim">/${c.limit ?? "∞"}</span></td>` +
+      `<td>${x.paused_s ? `<span class="bad">${num(x.paused_s, 1)}s</span>` : ""}${held}${x.waiting ? ` (${x.waiting} waiting)` : ""}</td><td>${codes(x.rejections).replace(/^<span class="dim">0<\/span>$/, "")}</td></tr>`;
+  });
+  body("limits", table(["provider", "rpm", "tpm", "concurrency", "waits", "refused"], rows));
+}
+
+function jobsPanel(j, admin) {
+  if (!j.configured) return body("jobs", empty(j.detail));
+  const head = admin ? `<div>${v("jobs.open", j.open)} open · items: pending ${j.items.pending ?? 0}, running ${j.items.running ?? 0}, done ${j.items.done ?? 0}, failed ${j.items.failed ?? 0} · MCP tasks listed ${j.mcp_tasks}</div>` : "";
+  const rows = j.jobs.map((x) => `<tr><td>${esc(x.job_id)}</td><td class="l">${esc(x.source)}</td><td class="l">${esc(x.state)}</td>` +
+    `<td class="l">${progress(x.counts, x.total)}</td><td>${x.counts.done}/${x.counts.failed}/${x.counts.pending + x.counts.running}</td>` +
+    `<td class="l">${x.batches.map((b) => `${esc(b.provider)}:${esc(b.remote_status || b.state)}`).join(" ")}</td></tr>`);
+  body("jobs", head + (rows.length ? table(["job", "source", "state", "progress", "done/failed/pending", "remote batches"], rows) : empty("no open jobs")));
+}
+
+function mcpPanel(m) {
+  if (!m.configured) return body("mcp", empty(m.detail));
+  const rows = m.upstreams.map((u) => `<tr><td>${esc(u.provider)}</td><td>${status(u.status)}</td><td class="l">${esc(u.era || "–")}</td>` +
+    `<td class="l">${esc(u.transport || "")}</td><td>${v(`mcp.${u.provider}.tools`, u.tools ?? 0)}</td><td>${u.connects ?? 0}</td><td>${u.disconnects}</td>` +
+    `<td class="err">${esc(u.error || "")}</td></tr>`);
+  body("mcp", table(["upstream", "status", "era", "transport", "tools", "connects", "drops", "last error"], rows));
+}
+
+function localPanel(l) {
+  if (!l.configured) return body("local", empty(l.detail));
+  const rows = [];
+  for (const p of l.providers) {
+    const models = Object.entries(p.models || {});
+    if (!models.length) rows.push(`<tr><td>${esc(p.provider)}</td><td>${status(p.status)}</td><td class="err" colspan="6">${esc(p.detail || p.error || "")}</td></tr>`);
+    for (const [name, m] of models) {
+      rows.push(`<tr><td>${esc(p.provider)}/${esc(name)}</td><td>${status(m.stage === "ready" ? "up" : m.error ? "failing" : m.stage)}</td>` +
+        `<td class="l">${esc(m.device || "–")} ${esc(m.dtype || "")}</td><td>${m.max_rows}×${m.max_tokens}</td>` +
+        `<td>${num(rate((h) => h.tokens[p.provider + "/" + name]), 0)}</td><td>${v(`local.${name}.batches`, m.batches)}</td>` +
+        `<td>${num(100 * m.padding_share, 1)}%</td><td>${p.oom_splits}</td></tr>`);
+    }
+  }
+  body("local", table(["model", "status", "device", "budget rows×tokens", "tokens/s", "batches", "padding", "OOM splits"], rows));
+}
+
+function statePanel(s) {
+  const st = s.state, store = s.store;
+  const deg = Object.entries(st.degraded || {}).map(([k, n]) => `${esc(k)} ${n}`).join(", ");
+  const rows = [`<tr><td>shared state</td><td class="l">${esc(st.mode)}</td><td>${st.reachable ? status("up") : status("failing")}</td><td>${v("state.replicas", st.replicas)}</td><td class="err">${esc(st.error || "")}${deg ? " local decisions: " + deg : ""}</td></tr>`];
+  if (store) rows.push(`<tr><td>job store</td><td class="l">${esc(store.mode)}</td><td>${store.reachable ? status("up") : status("failing")}</td><td></td><td class="err">${esc(store.error || "")}</td></tr>`);
+  body("state", table(["part", "mode", "reachable", "replicas", ""], rows));
+}
+
+function render(s) {
+  remember(s);
+  const p = s.panels, admin = s.view === "admin";
+  document.body.dataset.tick = s.tick;
+  $("#who").textContent = (admin ? "admin" : "key " + s.identity) + " · v" + s.version;
+  for (const name of ["routes", "limits", "mcp", "local", "state", "breakers", "spend", "jobs"]) show(name, name in p);
+  $("#kpis").hidden = !p.routes;
+  document.querySelectorAll(".charts").forEach((el) => { if (el.parentElement === $("#main")) el.hidden = !p.routes; });
+  const renderers = {routes: routesPanel, limits: limitsPanel, jobs: (j) => jobsPanel(j, admin), mcp: mcpPanel,
+                     local: localPanel, state: statePanel};
+  for (const [name, panel] of Object.entries(p)) {
+    if (panel.error) body(name, `<div class="err">this panel failed: ${esc(panel.error)}</div>`);
+    else if (panel.configured === false) body(name, empty(panel.detail));
+    else if (renderers[name]) renderers[name](panel);
+  }
+  if (p.routes && !p.routes.error) { kpis(p); drawCharts(); }
+  $("#status").textContent = "live · " + new Date(s.at * 1000).toLocaleTimeString();
+}
+
+window.addEventListener("resize", () => {
+  for (const [c, el] of [[rateChart, "#chart-rate"], [queueChart, "#chart-queue"]]) if (c) c.setSize({width: $(el).clientWidth, height: 150});
+});
+takeFragmentKey();
+connect();

@@ -1,0 +1,239 @@
+"""The dashboard's JSON (`/ui/api/state`) and stream (`/ui/api/stream`): who may read them, that
+their numbers are `/metrics`'s, and that streams share one snapshot per tick.
+
+The page itself is driven in a real browser in tests/test_ui_browser.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from multiplexer.access.admin import ENV
+from multiplexer.faces.ui.samples import quantile
+from multiplexer.gateway.config import parse_config
+from multiplexer.server import running
+from tests.remote_helpers import fakes
+from tests.test_v1_openai import KEY, v1_config
+
+pytestmark = pytest.mark.anyio
+ADMIN = "adm-" + "u" * 28
+BOB = "bob-key-0123456789abcdef"
+AS_ADMIN = {"authorization": f"Bearer {ADMIN}"}
+API = ("/ui/api/state", "/ui/api/stream")
+
+
+def echo_config(**server: Any) -> Any:
+    return parse_config({"server": server, "providers": {"e": {"kind": "echo",
+                                                               "batch": {"max_items": 8, "max_wait_ms": 2}}},
+                         "routes": {"echo": {"provider": "e"}}})
+
+
+@pytest.fixture(autouse=True)
+def _no_env_key(monkeypatch: Any) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+
+
+@asynccontextmanager
+async def serving(config: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    async with running(config, port=0) as (gw, url), httpx.AsyncClient(base_url=url, timeout=30) as http:
+        yield gw, http
+
+
+async def frames(http: httpx.AsyncClient, n: int, headers: dict[str, str]) -> list[bytes]:
+    """The first ``n`` snapshots of a stream, as sent."""
+    out: list[bytes] = []
+    async with http.stream("GET", "/ui/api/stream", headers=headers) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:].encode())
+                if len(out) == n:
+                    break
+    return out
+
+
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_the_page_and_its_files_need_no_key_and_hold_no_data() -> None:
+    async with serving(echo_config(admin_key=ADMIN)) as (_, http):
+        root = await http.get("/", follow_redirects=False)
+        assert root.status_code == 307 and root.headers["location"] == "/ui"
+        page = await http.get("/ui")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert '<script src="/ui/static/app.js">' in page.text and "http" not in page.text.split("<body>")[0]
+        for name, kind in [("app.js", "text/javascript"), ("app.css", "text/css"),
+                           ("uplot.iife.min.js", "text/javascript"), ("uplot-LICENSE.txt", "text/plain")]:
+            r = await http.get(f"/ui/static/{name}")
+            assert r.status_code == 200 and r.headers["content-type"].startswith(kind), name
+        assert (await http.get("/ui/static/../server.py")).status_code == 404
+        assert (await http.get("/ui/static/nope.js")).json()["error"]["code"] == 404
+
+
+async def test_the_api_and_the_stream_answer_only_a_key() -> None:
+    async with serving(echo_config(admin_key=ADMIN, api_keys={"alice": KEY})) as (_, http):
+        for path in API:
+            for headers in ({}, {"authorization": "Bearer wrong-key-0123456789"},
+                            {"authorization": "Basic x"}):
+                r = await http.get(path, headers=headers)
+                assert r.status_code == 401, (path, headers)
+                assert r.json()["error"]["type"] == "unauthorized"
+                assert r.headers["www-authenticate"] == "Bearer"
+        admin = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()
+        assert admin["view"] == "admin" and admin["identity"] is None
+        assert set(admin["panels"]) == {"routes", "limits", "jobs", "mcp", "local", "state", "spend",
+                                        "breakers"}
+        own = (await http.get("/ui/api/state", headers={"authorization": f"Bearer {KEY}"})).json()
+        assert own["view"] == "key" and own["identity"] == "alice"
+        assert set(own["panels"]) == {"jobs", "spend"}  # a caller sees nothing of the others
+        assert admin["panels"]["spend"] == {"configured": False, "detail": admin["panels"]["spend"]["detail"]}
+
+
+async def test_without_any_key_the_api_is_off_and_says_how_to_turn_it_on() -> None:
+    async with serving(echo_config()) as (_, http):
+        for path in API:
+            r = await http.get(path)
+            assert r.status_code == 404 and "server.admin_key" in r.json()["error"]["message"]
+        assert (await http.get("/ui")).status_code == 200  # the page, to say so
+
+
+async def test_server_ui_false_mounts_nothing() -> None:
+    async with serving(echo_config(admin_key=ADMIN, ui=False)) as (_, http):
+        for path in ("/", "/ui", "/ui/static/app.js", *API):
+            assert (await http.get(path, headers=AS_ADMIN)).status_code == 404, path
+
+
+async def test_every_number_equals_metrics() -> None:
+    async with serving(echo_config(admin_key=ADMIN)) as (_, http):
+        body = [{"jsonrpc": "2.0", "id": i, "method": "echo", "params": {"i": i}} for i in range(20)]
+        assert len((await http.post("/rpc", json=body)).json()) == 20
+        await http.post("/rpc", json={"jsonrpc": "2.0", "id": 1, "method": "nope"})
+        state = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()["panels"]
+        m = scrape((await http.get("/metrics")).text)
+
+    routes = {r["route"]: r for r in state["routes"]["routes"]}
+    ok = m[("multiplexer_calls_total", (("outcome", "ok"), ("route", "echo")))]
+    assert routes["echo"]["ok"] == ok == 20
+    assert routes["(no route)"]["errors"] == {"-32601": 1}
+    latency = routes["echo"]["latency"]
+    assert latency["count"] == m[("multiplexer_call_duration_seconds_count", (("route", "echo"),))] == 20
+    buckets = sorted((float(dict(k[1])["le"]), v) for k, v in m.items()
+                     if k[0] == "multiplexer_call_duration_seconds_bucket" and ("route", "echo") in k[1])
+    assert latency["p50_ms"] == round(quantile(0.5, buckets) * 1000, 3)  # type: ignore[operator]
+    assert latency["p99_ms"] == round(quantile(0.99, buckets) * 1000, 3)  # type: ignore[operator]
+
+    lane = next(x for x in state["routes"]["lanes"] if x["lane"] == "e")
+    assert lane["batches"] == m[("multiplexer_batch_size_count", (("provider", "e"),))]
+    assert lane["items"] == m[("multiplexer_batch_size_sum", (("provider", "e"),))] == 20
+    assert sum(n for _, n in lane["batch_sizes"]) == lane["batches"] < 20  # calls shared batches
+    provider = next(x for x in state["routes"]["providers"] if x["provider"] == "e")
+    assert provider["upstream_requests"] == m[("multiplexer_upstream_requests_total", (("provider", "e"),))]
+    totals = state["routes"]["totals"]
+    assert totals["calls"] == 21 and totals["ratio"] == round(21 / provider["upstream_requests"], 3)
+    limits = next(x for x in state["limits"]["providers"] if x["provider"] == "e")
+    assert limits["concurrency"]["in_flight"] == 0 and limits["rpm"] is None
+    assert state["state"]["state"] == {"mode": "local", "reachable": True, "replicas": 1, "degraded": {}}
+
+
+async def test_streams_share_one_snapshot_per_tick_and_build_none_unwatched() -> None:
+    async with serving(echo_config(admin_key=ADMIN)) as (gw, http):
+        ticks = gw.faces["ui"]
+        ticks.interval_s = 0.05
+        got: list[list[bytes]] = [[] for _ in range(5)]
+
+        async def watch(i: int) -> None:
+            got[i] = await frames(http, 4, AS_ADMIN)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(watch, i)
+        by_tick: dict[int, set[bytes]] = {}
+        for stream in got:
+            ticks_seen = [json.loads(f)["tick"] for f in stream]
+            assert ticks_seen == sorted(set(ticks_seen))  # one snapshot per tick, in order
+            for f in stream:
+                by_tick.setdefault(json.loads(f)["tick"], set()).add(f)
+        assert all(len(bodies) == 1 for bodies in by_tick.values())  # the same bytes for everyone
+        assert ticks.built == len(by_tick) < 20  # five streams, one build per tick
+        await anyio.sleep(0.01)
+        assert ticks.subscribers == 0 and ticks.views == {}
+        built = ticks.built
+        await anyio.sleep(0.2)  # four ticks with nobody watching
+        assert ticks.built == built
+
+
+async def test_a_caller_key_sees_its_own_jobs_only(tmp_path: Any) -> None:
+    async with fakes() as f:
+        data = v1_config(f, tmp_path, admin_key=ADMIN)
+        data["server"]["api_keys"]["bob"] = BOB
+        data["routes"]["chat_batch"] = {"provider": "oai", "operation": "chat", "mode": "batch"}
+        async with serving(parse_config(data)) as (_, http):
+            submit = {"jsonrpc": "2.0", "id": 1, "method": "jobs.submit", "params": {
+                "more": True, "calls": [{"method": "chat_batch", "params": {
+                    "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}}] * 3}}
+            job = (await http.post("/rpc", json=submit, headers={"authorization": f"Bearer {KEY}"})).json()
+            job_id = job["result"]["job_id"]
+            alice = (await http.get("/ui/api/state", headers={"authorization": f"Bearer {KEY}"})).json()
+            bob = (await http.get("/ui/api/state", headers={"authorization": f"Bearer {BOB}"})).json()
+            admin = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()
+            m = scrape((await http.get("/metrics")).text)
+    mine = alice["panels"]["jobs"]["jobs"]
+    assert [j["job_id"] for j in mine] == [job_id] and mine[0]["total"] == 3
+    assert sum(mine[0]["counts"].values()) == 3
+    assert bob["panels"]["jobs"]["jobs"] == [] and "open" not in bob["panels"]["jobs"]
+    panel = admin["panels"]["jobs"]
+    assert [j["job_id"] for j in panel["jobs"]] == [job_id] and panel["jobs"][0]["identity"] == "alice"
+    assert panel["open"] == m[("multiplexer_batch_jobs_open", ())] == 1
+    assert sum(panel["items"].values()) == 3
+    for state, n in panel["items"].items():
+        assert n == m[("multiplexer_batch_items", (("state", state),))]
+
+
+async def test_a_failing_panel_says_so_and_the_others_still_answer(monkeypatch: Any) -> None:
+    from multiplexer.faces.ui import panels
+
+    async def broken(view: Any) -> dict[str, Any]:
+        raise OSError("the store went away")
+
+    monkeypatch.setitem(panels.PANELS, "limits", (broken, False))
+    async with serving(echo_config(admin_key=ADMIN)) as (_, http):
+        r = await http.get("/ui/api/state", headers=AS_ADMIN)
+        assert r.status_code == 200
+        body = r.json()["panels"]
+        assert body["limits"] == {"configured": True, "error": "OSError: the store went away"}
+        assert body["routes"]["totals"]["calls"] == 0
+        assert (await frames(http, 1, AS_ADMIN))[0].count(b"the store went away") == 1
+
+
+async def test_open_streams_end_when_the_server_stops() -> None:
+    """A dashboard left open does not hold the shutdown for the grace period."""
+    ended = anyio.Event()
+    got: list[bytes] = []
+
+    async def watch(http: httpx.AsyncClient, first: anyio.Event) -> None:
+        async with http.stream("GET", "/ui/api/stream", headers=AS_ADMIN) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    got.append(line.encode())
+                    first.set()
+        ended.set()  # the server closed the stream: the body ended, no error
+
+    async with httpx.AsyncClient(timeout=30) as http, anyio.create_task_group() as tg:
+        with anyio.fail_after(4):  # well inside the 5 s grace period an open stream would hold
+            async with running(echo_config(admin_key=ADMIN), port=0) as (gw, url):
+                http.base_url = httpx.URL(url)
+                first = anyio.Event()
+                tg.start_soon(watch, http, first)
+                await first.wait()
+                assert gw.faces["ui"].subscribers == 1
+            await ended.wait()
+    assert len(got) >= 1
