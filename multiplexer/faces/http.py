@@ -115,13 +115,18 @@ def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
                             status_code=503 if gateway.closing else 200)
 
     async def readyz(request: Request) -> Response:
-        status, body = await readiness(gateway)
+        siblings = gateway.faces.get("workers")  # serve --workers N: every worker's readiness
+        status, body = await (siblings.readiness() if siblings else readiness(gateway))
         return JSONResponse(body, status_code=status)
 
     async def metrics(request: Request) -> Response:
-        await gateway.metrics.refresh()
-        return Response(gateway.metrics.render(),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        siblings = gateway.faces.get("workers")  # serve --workers N: every worker's, summed
+        if siblings is not None:
+            text = await siblings.metrics()
+        else:
+            await gateway.metrics.refresh()
+            text = gateway.metrics.render()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return [
         Route("/rpc", RpcEndpoint(gateway, auth), methods=["POST"]),
