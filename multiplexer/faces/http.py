@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -111,8 +112,11 @@ def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
             for lane in gateway.lanes.values()
         }
         status = "shutting_down" if gateway.closing else "ok"
-        return JSONResponse({"status": status, "lanes": lanes},
-                            status_code=503 if gateway.closing else 200)
+        body: dict[str, object] = {"status": status, "lanes": lanes}
+        siblings = gateway.faces.get("workers")
+        if siblings is not None:  # serve --workers N: which worker answered
+            body["worker"] = {"index": siblings.slot.index, "pid": os.getpid()}
+        return JSONResponse(body, status_code=503 if gateway.closing else 200)
 
     async def readyz(request: Request) -> Response:
         siblings = gateway.faces.get("workers")  # serve --workers N: every worker's readiness
