@@ -31,8 +31,8 @@ import anyio.abc
 from multiplexer.core.metrics_sum import sum_expositions
 from multiplexer.faces.ready import readiness
 from multiplexer.gateway.gateway import Gateway
+from multiplexer.jobs.stores import WORKER_ENV
 
-WORKER_ENV = "MULTIPLEXER_WORKER"
 ASK_TIMEOUT_S = 2.0  # a sibling slower than this counts as not answering
 _MAX_REQUEST = 64
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
