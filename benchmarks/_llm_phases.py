@@ -160,8 +160,9 @@ async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
         seq = await latencies(paths, args.features_calls)
         await anyio.sleep(0.5)  # the last spans' export
         exports = _Sink.exports
-    out = [{"name": p.name, "p50_ms": percentile(s, 0.5) * 1e3, "p90_ms": percentile(s, 0.9) * 1e3}
-           for p, s in zip(paths, seq, strict=True)]
+    out: list[dict[str, Any]] = [
+        {"name": p.name, "p50_ms": percentile(s, 0.5) * 1e3, "p90_ms": percentile(s, 0.9) * 1e3}
+        for p, s in zip(paths, seq, strict=True)]
     for r in out[1:]:
         r["added_p50_ms"] = r["p50_ms"] - out[0]["p50_ms"]
     out[2]["over_off_ms"] = out[2]["p50_ms"] - out[1]["p50_ms"]

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -74,9 +74,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workers_arg(value: str) -> int | str:
+def _workers_arg(value: str) -> int | Literal["auto"]:
     if value == "auto":
-        return value
+        return "auto"
     try:
         count = int(value)
     except ValueError:
