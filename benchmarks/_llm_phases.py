@@ -68,7 +68,7 @@ async def run_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
     fake_port = free_port()
     fake = f"http://127.0.0.1:{fake_port}"
     fake_args = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
-                 "--latency-ms", "50", "--requests-per-window", "1000000000"]
+                 "--latency-ms", "50", "--requests-per-window", "1000000000", "--keepalive-s", "600"]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         stack.enter_context(child(fake_args, f"{fake}/"))
         paths = [Target("direct (upstream +50 ms)", fake, openai_call(CHAT_PATH))]
@@ -142,7 +142,7 @@ async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
     fake_port = free_port()
     fake = f"http://127.0.0.1:{fake_port}"
     fake_args = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
-                 "--requests-per-window", "1000000000"]
+                 "--requests-per-window", "1000000000", "--keepalive-s", "600"]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         receiver = stack.enter_context(otlp_receiver())
         stack.enter_context(child(fake_args, f"{fake}/"))
