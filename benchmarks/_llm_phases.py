@@ -149,10 +149,9 @@ async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
         off, off_url = gateway_config(tmp, "off", fake_port)
         on, on_url = gateway_config(tmp, "on", fake_port, server=", api_keys: {bench: sk-bench}",
                                     extra=f"telemetry: {{otlp_endpoint: '{receiver}'}}\n")
-        env = {"OTEL_BSP_SCHEDULE_DELAY": "200"}
-        for conf, url in ((off, off_url), (on, on_url)):
+        for conf, url in ((off, off_url), (on, on_url)):  # the span processor's defaults
             stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
-                                      f"{url}/healthz", env=env))
+                                      f"{url}/healthz"))
         paths = [Target("direct", fake, openai_call(CHAT_PATH)),
                  Target("gateway, all off", off_url, openai_call(CHAT_PATH)),
                  Target("gateway, traces (OTLP) + API key on", on_url, openai_call(CHAT_PATH))]
