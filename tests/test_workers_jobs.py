@@ -3,6 +3,7 @@ that claims it (``multiplexer/jobs/sqlite_shared.py``), as replicas do on Postgr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,51 @@ def test_a_worker_opens_the_shared_store_and_a_lone_gateway_the_plain_one(
     worker = stores.acquire(tmp_path / "worker.db", lease_s=12)
     assert isinstance(worker, SharedSqliteStore) and worker.shared and worker.lease_s == 12
     stores.release(worker)
+
+
+@pytest.mark.anyio
+async def test_a_killed_workers_batch_part_is_adopted_and_submitted_once(tmp_path: Path) -> None:
+    """Two workers on one SQLite file: the worker that took a job is killed with its batch
+    upstream; the other adopts the part once its lease ran out, the job ends with every result,
+    and the batch was created upstream once."""
+    import signal
+
+    import anyio
+    import yaml
+
+    from tests.remote_helpers import fakes, remote_config_data, reply_text, user
+    from tests.test_workers import connections_to_both, supervised
+
+    async with fakes(polls_to_complete=10**9) as f:
+        data = remote_config_data(f, tmp_path)
+        data["server"] = {"port": 0, "grace_period_s": 1, "access_log": False}
+        data["store"]["lease_s"] = 2
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump(data))
+        async with supervised(config) as (_, url, log):
+            conns = await connections_to_both(url, 8)
+            (client, victim), (other, _) = conns[0], next(c for c in conns if c[1] != conns[0][1])
+            calls = [{"method": "chat", "params": {"model": "gpt-test", **user(f"j{i}")}} for i in range(6)]
+            body = {"jsonrpc": "2.0", "method": "jobs.submit", "params": {"calls": calls}, "id": 1}
+            job_id = (await client.post(f"{url}/rpc", json=body)).json()["result"]["job_id"]
+
+            async def status() -> dict[str, object]:
+                ask = {"jsonrpc": "2.0", "method": "jobs.status", "params": {"job_id": job_id}, "id": 2}
+                return (await other.post(f"{url}/rpc", json=ask)).json()["result"]
+
+            with anyio.fail_after(30):  # the batch is created upstream and recorded
+                while not any(b["remote_id"] for b in (await status())["batches"]):  # type: ignore[attr-defined]
+                    await anyio.sleep(0.02)
+            os.kill(victim, signal.SIGKILL)
+            await log.wait_for("exited with code -9: starting it again")
+            f.openai.polls_to_complete = 1  # the batch may finish now
+            with anyio.fail_after(60):
+                while not (await status())["done"]:
+                    await anyio.sleep(0.05)
+            ask = {"jsonrpc": "2.0", "method": "jobs.results", "params": {"job_id": job_id}, "id": 3}
+            results = (await other.post(f"{url}/rpc", json=ask)).json()["result"]["results"]
+            for c, _ in conns:
+                await c.aclose()
+        assert f.openai.requests["/v1/batches"] == 1  # adopted, never submitted again
+        assert sorted(reply_text(r["result"]) for r in results) == sorted(
+            f"echo: j{i}" for i in range(6))
