@@ -88,6 +88,7 @@ class Supervisor:
         self.stop = anyio.Event()
         self.stopping = False
         self.failed: str | None = None
+        self._starting: anyio.CancelScope | None = None  # the start of the workers, while on
         self.codes: dict[int, int] = {}
 
     def url(self) -> str:
@@ -104,11 +105,12 @@ class Supervisor:
     async def _run(self) -> int:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._on_signal, signals)
-                async with anyio.create_task_group() as starting:
-                    for index in range(self.plan.count):
-                        starting.start_soon(tg.start, self._keep, index)
-                if self.failed is None and not self.stopping:
+                with anyio.CancelScope() as self._starting:  # a signal now stops the start
+                    tg.start_soon(self._on_signal, signals)
+                    async with anyio.create_task_group() as starting:
+                        for index in range(self.plan.count):
+                            starting.start_soon(tg.start, self._keep, index)
+                if not self.stop.is_set():
                     pids = ", ".join(str(self.live[i].pid) for i in sorted(self.live))
                     log.info("multiplexer listening on %s (%d workers, pids %s)", self.url(),
                              self.plan.count, pids)
@@ -118,7 +120,8 @@ class Supervisor:
         if self.failed is not None:
             log.error("%s", self.failed)
             return 1
-        unclean = {i: c for i, c in sorted(self.codes.items()) if c != 0}
+        # -SIGTERM: a worker stopped before it could serve (so before it had anything to drain)
+        unclean = {i: c for i, c in sorted(self.codes.items()) if c not in (0, -signal.SIGTERM)}
         if unclean:
             log.error("workers that did not stop cleanly (index: exit code): %s", unclean)
             return 1
@@ -129,6 +132,8 @@ class Supervisor:
         async for sig in signals:
             log.info("received %s: draining %d workers", signal.Signals(sig).name, len(self.live))
             self.stop.set()
+            if self._starting is not None:  # workers still starting are stopped with the others
+                self._starting.cancel()
             return
 
     async def _drain(self) -> None:

@@ -35,7 +35,7 @@ from tests.fakes.serve import serve_app
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parent.parent
-START_S = 60.0  # the most a set of workers may take to come up on a busy 2-core host
+START_S = 180.0  # the most a set of workers may take to come up on a busy 2-core host (imports)
 
 
 class Upstream:
