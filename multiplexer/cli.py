@@ -49,6 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.stdio:
         from multiplexer.faces.mcp.stdio import serve_stdio
 
+        config.server.workers = 1  # one process on stdin/stdout: it enforces the whole limits
         anyio.run(serve_stdio, config)
         return 0
     if args.workers is not None:
@@ -124,7 +125,9 @@ def _demo(args: argparse.Namespace) -> int:
     from multiplexer.demo import run_demo
 
     logging.getLogger("multiplexer.access").setLevel(logging.WARNING)  # the demo prints its own lines
-    return anyio.run(run_demo, load_config(args.config), args.port)
+    config = load_config(args.config)
+    config.server.workers = 1  # the demo is one process
+    return anyio.run(run_demo, config, args.port)
 
 
 def _examples(*lines: str) -> str:
