@@ -437,7 +437,18 @@ def main() -> None:
                         help="only the dashboard phase")
     parser.add_argument("--transport", action="store_true",
                         help="also the lean transport alone vs httpx's pool")
+    parser.add_argument("--workers-phase", action="store_true",
+                        help="also: upstream +50 ms, 256 callers, --workers 1 vs auto vs direct")
+    parser.add_argument("--workers-calls", type=int, default=12_000)
+    parser.add_argument("--features-phase", action="store_true",
+                        help="also: traces and an API key on vs all off, sequential")
+    parser.add_argument("--features-calls", type=int, default=2000)
+    parser.add_argument("--only-phases", action="store_true",
+                        help="run only the phases asked for, not the main comparison")
     args = parser.parse_args()
+    if args.only_phases:
+        phases(args, {"args": vars(args)})
+        return
     results = anyio.run(run, args)
     rows = []
     for r in results:
@@ -466,6 +477,19 @@ def main() -> None:
                     [[t["name"], f"{t['p50_ms']:.3f}", f"{t['calls_per_s']:,.0f}",
                       f"{t['calls_per_s'] / base['calls_per_s']:.2f}x"] for t in transports]))
         saved["transports"] = transports
+    phases(args, saved)
+
+
+def phases(args: argparse.Namespace, saved: dict[str, Any]) -> None:
+    """The workers and features phases (benchmarks/_llm_phases.py), then the saved results."""
+    from benchmarks._llm_phases import print_features, print_workers, run_features, run_workers
+
+    if args.workers_phase:
+        saved["workers"] = anyio.run(run_workers, args)
+        print_workers(saved["workers"], args.workers_calls // 3 * 3)
+    if args.features_phase:
+        saved["features"] = anyio.run(run_features, args)
+        print_features(saved["features"], args.features_calls)
     save("bench_llm", saved)
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -33,7 +33,8 @@ def _run(fn: Any, *args: Any) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from multiplexer.server import ServeError, serve_forever  # uvicorn and the faces: only here
+        from multiplexer.faces.siblings import worker_slot
+        from multiplexer.server import ServeError, check_bind, serve_forever  # uvicorn, faces: only here
     except ImportError as e:  # a broken install must not start a gateway that lacks a face
         raise CliError(f"cannot load the server and its faces ({type(e).__name__}: {e}); "
                        "reinstall the package (pip install -e .)") from None
@@ -48,13 +49,42 @@ def _serve(args: argparse.Namespace) -> int:
     if args.stdio:
         from multiplexer.faces.mcp.stdio import serve_stdio
 
+        config.server.workers = 1  # one process on stdin/stdout: it enforces the whole limits
         anyio.run(serve_stdio, config)
         return 0
+    if args.workers is not None:
+        config.server.workers = _workers_arg(args.workers)
+    slot = worker_slot()
+    if slot is not None:  # one worker of `serve --workers N`
+        config.server.workers = slot.count  # the share of the limits it enforces
+    elif config.server.worker_count() > 1:
+        from multiplexer.workers import Plan, supervise
+
+        check_bind(config, args.host or config.server.host)
+        plan = Plan(args.config, args.host or config.server.host,
+                    config.server.port if args.port is None else args.port,
+                    config.server.worker_count(), config.server.grace_period_s, args.verbose)
+        try:
+            return supervise(plan)
+        except ServeError as e:
+            raise CliError(str(e)) from None
     try:
-        _run(lambda: serve_forever(config, host=args.host, port=args.port))
+        _run(lambda: serve_forever(config, host=args.host, port=args.port, slot=slot))
     except ServeError as e:
         raise CliError(str(e)) from None
     return 0
+
+
+def _workers_arg(value: str) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise CliError(f"--workers: expected a whole number >= 1, or auto; got {value!r}")
+    return count
 
 
 def _call(args: argparse.Namespace) -> int:
@@ -95,7 +125,9 @@ def _demo(args: argparse.Namespace) -> int:
     from multiplexer.demo import run_demo
 
     logging.getLogger("multiplexer.access").setLevel(logging.WARNING)  # the demo prints its own lines
-    return anyio.run(run_demo, load_config(args.config), args.port)
+    config = load_config(args.config)
+    config.server.workers = 1  # the demo is one process
+    return anyio.run(run_demo, config, args.port)
 
 
 def _examples(*lines: str) -> str:
@@ -129,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="address to bind (default: the config's server.host)")
     serve.add_argument("--port", type=int, default=None, help="port (default: the config's server.port)")
     serve.add_argument("--stdio", action="store_true", help="speak MCP on stdin/stdout instead of HTTP")
+    serve.add_argument("--workers", default=None, metavar="N",
+                       help="gateway processes on the one port, or auto: one per core "
+                            "(default: the config's server.workers, 1)")
     serve.set_defaults(fn=_serve)
 
     call = command("call", "make one call to a running gateway",

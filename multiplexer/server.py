@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +22,7 @@ from multiplexer.faces.jobs import attach_jobs
 from multiplexer.faces.mcp.http import mount_mcp
 from multiplexer.faces.server_protocol import GatewayHttpProtocol
 from multiplexer.faces.ui import close_streams, ui_routes
+from multiplexer.faces.siblings import Slot, among_siblings
 from multiplexer.faces.v1 import v1_routes
 from multiplexer.gateway import heap
 from multiplexer.gateway.config import Config, ConfigError
@@ -102,13 +104,17 @@ def check_bind(config: Config, host: str) -> None:
     )
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to (host, port); ``reuse_port``: shared with the other workers of
+    ``serve --workers N``, each binding its own (SO_REUSEPORT: the kernel spreads connections)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
     # and without it Nagle + delayed ACK add ~40 ms to every small response.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError as e:
         sock.close()
@@ -120,12 +126,17 @@ def bind(host: str, port: int) -> socket.socket:
 
 @asynccontextmanager
 async def running(config: Config, *, host: str | None = None, port: int | None = None,
-                  gateway: Gateway | None = None) -> AsyncIterator[tuple[Gateway, str]]:
-    """Gateway + HTTP server in this event loop; yields (gateway, base_url). Port 0 = ephemeral."""
+                  gateway: Gateway | None = None, slot: Slot | None = None,
+                  ) -> AsyncIterator[tuple[Gateway, str]]:
+    """Gateway + HTTP server in this event loop; yields (gateway, base_url). Port 0 = ephemeral.
+    ``slot``: this process is one worker of ``serve --workers N`` (multiplexer/workers.py)."""
     host = host or config.server.host
     port = config.server.port if port is None else port
     check_bind(config, host)
-    sock = bind(host, port)
+    if slot is not None and slot.fd is not None:  # the supervisor's socket (no SO_REUSEPORT)
+        sock = socket.socket(fileno=slot.fd)
+    else:
+        sock = bind(host, port, reuse_port=slot is not None)
     gw = gateway or Gateway(config)
     try:
         async with gw:
@@ -139,8 +150,9 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
             app = create_app(gw, routes, lifespan, auth)
             gw.faces["app"] = app  # what is mounted, for those who enumerate it
             heap.serving(gw)  # before the first call: no full pauses on start-up's heap after
-            async with serve_asgi(app, sock, lifespan=lifespan is not None,
-                                  keepalive_s=config.server.keepalive_s) as url:
+            async with among_siblings(slot, gw), serve_asgi(
+                    app, sock, lifespan=lifespan is not None,
+                    keepalive_s=config.server.keepalive_s) as url:
                 try:
                     yield gw, url
                 finally:
@@ -150,11 +162,15 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
 
 
 async def serve_forever(config: Config, *, host: str | None = None, port: int | None = None,
-                        on_ready: Any = None) -> None:
+                        on_ready: Any = None, slot: Slot | None = None) -> None:
     """Serve until SIGTERM or SIGINT, then drain within the grace period and return."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with running(config, host=host, port=port) as (gw, url):
-            log.info("multiplexer listening on %s", url)
+        async with running(config, host=host, port=port, slot=slot) as (gw, url):
+            if slot is None:
+                log.info("multiplexer listening on %s", url)
+            else:
+                log.info("worker %d (pid %d) serving on %s", slot.index, os.getpid(), url)
+                slot.tell_ready()
             if on_ready is not None:
                 await on_ready(gw, url)
             async for sig in signals:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -111,17 +112,25 @@ def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
             for lane in gateway.lanes.values()
         }
         status = "shutting_down" if gateway.closing else "ok"
-        return JSONResponse({"status": status, "lanes": lanes},
-                            status_code=503 if gateway.closing else 200)
+        body: dict[str, object] = {"status": status, "lanes": lanes}
+        siblings = gateway.faces.get("workers")
+        if siblings is not None:  # serve --workers N: which worker answered
+            body["worker"] = {"index": siblings.slot.index, "pid": os.getpid()}
+        return JSONResponse(body, status_code=503 if gateway.closing else 200)
 
     async def readyz(request: Request) -> Response:
-        status, body = await readiness(gateway)
+        siblings = gateway.faces.get("workers")  # serve --workers N: every worker's readiness
+        status, body = await (siblings.readiness() if siblings else readiness(gateway))
         return JSONResponse(body, status_code=status)
 
     async def metrics(request: Request) -> Response:
-        await gateway.metrics.refresh()
-        return Response(gateway.metrics.render(),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        siblings = gateway.faces.get("workers")  # serve --workers N: every worker's, summed
+        if siblings is not None:
+            text = await siblings.metrics()
+        else:
+            await gateway.metrics.refresh()
+            text = gateway.metrics.render()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return [
         Route("/rpc", RpcEndpoint(gateway, auth), methods=["POST"]),

@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
@@ -96,6 +96,26 @@ class ServerConfig(Strict):
         "within a second more (uvicorn's timeout_keep_alive). Above the 60 s idle timeout of common "
         "clients and load balancers, so they close first: a server closing as a client reuses the "
         "connection loses that request")
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        default=1, description="`multiplexer serve`: gateway processes sharing the one port (auto: one "
+        "per core this process may run on). Above 1, without state.url, each enforces its share of "
+        "every limit and quota (docs/workers.md); 1: one process, no supervisor")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"expected a whole number of processes >= 1, or auto; got {value!r}")
+
+    def worker_count(self) -> int:
+        """``workers`` as a number: ``auto`` is the cores this process may run on."""
+        if self.workers != "auto":
+            return self.workers
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # no affinity on this platform
+            return max(1, os.cpu_count() or 1)
 
     @model_validator(mode="after")
     def _known_teams(self) -> ServerConfig:

@@ -82,7 +82,8 @@ class Gateway:
         self.state = open_state(config.state)  # None: in-process state, one gateway
         # single flight: joined here, or claimed across the replicas that share the state
         self.flights = flights_for(self.state, self.clock, self.metrics, self.start_background)
-        self.quotas = quotas_for(config, self.clock, self.state, self.metrics)
+        self.share = config.server.worker_count()  # processes that split the limits apart
+        self.quotas = quotas_for(config, self.clock, self.state, self.metrics, self.share)
         self.fallbacks = Fallbacks(self)  # fallbacks, model groups, circuit breakers
         self.listeners: list[Any] = []
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
@@ -105,7 +106,7 @@ class Gateway:
             for name, pconf in list(self.config.providers.items()):
                 cls = type(self.providers[name]) if name in self.providers else provider_class(pconf.kind)
                 pconf = self.config.providers[name] = with_kind_defaults(pconf, cls)
-                limiter = limiter_for(name, pconf, self.clock, self.state, self.metrics)
+                limiter = limiter_for(name, pconf, self.clock, self.state, self.metrics, self.share)
                 self.limiters[name] = limiter
                 if name not in self.providers:
                     settings = cls.Settings.model_validate(pconf.extra,

@@ -76,10 +76,9 @@ class OtelTracer(Tracer):
                                        attributes=attributes)
 
     def routed(self, span: Any, item: Item, provider: str, provider_kind: str) -> None:
-        span.set_attribute("multiplexer.route", item.route)
-        span.set_attribute("multiplexer.provider", provider)
-        for key, value in _gen_ai_request(item, provider_kind).items():
-            span.set_attribute(key, value)
+        # one set_attributes per hook: the SDK takes its lock and checks the span once, not per key
+        span.set_attributes({"multiplexer.route": item.route, "multiplexer.provider": provider,
+                             **_gen_ai_request(item, provider_kind)})
         op, model = GEN_AI_OPERATIONS.get(item.operation), _model(item)
         if op is not None and model is not None and not span.name.startswith("tools/call"):
             span.update_name(f"{op} {model}")
@@ -92,16 +91,17 @@ class OtelTracer(Tracer):
             span.set_attribute("gen_ai.response.time_to_first_chunk", seconds)
 
     def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
+        attributes: dict[str, Any] = {}
         if slot is not None and slot.batch is not None:
             span.add_link(slot.batch.get_span_context(), {"multiplexer.link": "batch"})
-            span.set_attribute("multiplexer.batch.size", slot.batch_size)
-            span.set_attribute("multiplexer.wait_ms", round(slot.wait_s * 1000, 3))
+            attributes["multiplexer.batch.size"] = slot.batch_size
+            attributes["multiplexer.wait_ms"] = round(slot.wait_s * 1000, 3)
         if outcome.error is not None:
-            span.set_attribute("error.type", str(outcome.error.code))
+            attributes["error.type"] = str(outcome.error.code)
             span.set_status(Status(StatusCode.ERROR, outcome.error.message))
         elif isinstance(outcome.result, dict):
-            for key, value in _gen_ai_response(outcome.result).items():
-                span.set_attribute(key, value)
+            attributes.update(_gen_ai_response(outcome.result))
+        span.set_attributes(attributes)
         span.end()
 
     def attempt(self, span: Any, route: str, number: int) -> Any:

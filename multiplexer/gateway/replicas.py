@@ -9,7 +9,7 @@ from __future__ import annotations
 from multiplexer.core.clock import Clock
 from multiplexer.core.limiter import Limiter, RateLimiter
 from multiplexer.core.metrics import Metrics
-from multiplexer.core.policy import ProviderConfig
+from multiplexer.core.policy import Limits, ProviderConfig, Quota
 from multiplexer.core.quota import Quotas
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.shared_quota import SharedQuotas
@@ -28,20 +28,52 @@ def open_state(config: StateConfig) -> SharedState | None:
                timeout_s=config.timeout_ms / 1000.0)
 
 
+def _part(amount: int, share: int) -> int:
+    """A whole-number limit split over ``share`` processes: never more than the limit in all,
+    except that each keeps at least 1 (a limit below the worker count: docs/workers.md)."""
+    return max(1, amount // share)
+
+
+def share_of_limits(limits: Limits, share: int) -> Limits:
+    """One worker's part of a provider's limits when ``share`` workers enforce them apart."""
+    if share <= 1:
+        return limits
+    return limits.model_copy(update={
+        "rpm": None if limits.rpm is None else limits.rpm / share,
+        "tpm": None if limits.tpm is None else limits.tpm / share,
+        "concurrency": _part(limits.concurrency, share)})
+
+
+def share_of_quota(quota: Quota, share: int) -> Quota:
+    """One worker's part of a key's quota when ``share`` workers enforce it apart."""
+    if share <= 1:
+        return quota
+    return quota.model_copy(update={
+        "rpm": None if quota.rpm is None else quota.rpm / share,
+        "concurrency": None if quota.concurrency is None else _part(quota.concurrency, share),
+        "batch_calls_per_day": None if quota.batch_calls_per_day is None
+        else _part(quota.batch_calls_per_day, share)})
+
+
 def limiter_for(name: str, pconf: ProviderConfig, clock: Clock, state: SharedState | None,
-                metrics: Metrics) -> Limiter:
-    """The provider's one limiter (rpm, tpm, concurrency), in this process or shared."""
+                metrics: Metrics, share: int = 1) -> Limiter:
+    """The provider's one limiter (rpm, tpm, concurrency), in this process or shared. ``share``:
+    the worker processes of this gateway (``server.workers``); without shared state each
+    enforces its part of the limits, never the whole."""
     limits = pconf.limits
     if state is None:
+        limits = share_of_limits(limits, share)
         return RateLimiter(clock, limits.rpm, limits.tpm, limits.concurrency)
     spec = LimitSpec(limits.rpm or 0.0, limits.tpm or 0.0, limits.concurrency)
     return SharedLimiter(clock, name, spec, state, on_degraded=metrics.state_degraded_count)
 
 
-def quotas_for(config: Config, clock: Clock, state: SharedState | None, metrics: Metrics) -> Quotas:
+def quotas_for(config: Config, clock: Clock, state: SharedState | None, metrics: Metrics,
+               share: int = 1) -> Quotas:
+    """The keys' quotas, in this process (each worker's part of them) or shared."""
     quotas = config.server.quotas
     if state is None or not quotas:
-        return Quotas(clock, quotas)
+        return Quotas(clock, {key: share_of_quota(q, share) for key, q in quotas.items()})
     return SharedQuotas(clock, quotas, state, fail_open=config.state.on_failure == "open",
                         degraded=metrics.state_degraded_count)
 

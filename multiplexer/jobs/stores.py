@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from .store import JobStore
 
 _shared: dict[Any, tuple[JobStore, int]] = {}
+WORKER_ENV = "MULTIPLEXER_WORKER"  # set by `serve --workers N`'s supervisor in each worker
+
+
+def sqlite_shared() -> bool:
+    """Whether this process is one of several workers on one SQLite file (each part driven by
+    the one worker that claims it: ``sqlite_shared.py``)."""
+    return bool(os.environ.get(WORKER_ENV))
 
 
 def acquire(path: str | Path, url: str | None = None, lease_s: float = 30.0,
@@ -22,6 +30,10 @@ def acquire(path: str | Path, url: str | None = None, lease_s: float = 30.0,
             from .pg_store import PgJobStore  # psycopg only where store.url asks for it
 
             store = PgJobStore(url, lease_s, schema=schema)
+        elif sqlite_shared():
+            from .sqlite_shared import SharedSqliteStore
+
+            store = SharedSqliteStore(key, lease_s)
         else:
             store = JobStore(key)
     _shared[key] = (store, refs + 1)

@@ -26,7 +26,7 @@ from multiplexer.core.jobrows import NewItem, custom_id
 from multiplexer.core.jobs import count_jobs, end_if_done, new_job_id
 from multiplexer.core.provider import ProviderContext
 from multiplexer.jobs.store import JobStore, LeaseLost
-from multiplexer.jobs.stores import acquire, release
+from multiplexer.jobs.stores import acquire, release, sqlite_shared
 
 from .backend import (
     BatchApiSettings,
@@ -88,8 +88,8 @@ class JobManager(PartDriver):
         self._stack = stack
         if self.ctx.store_url is not None or self.ctx.store_path.exists():
             await self.resume()
-        if self.ctx.store_url is not None and self.store().shared:
-            self._tg.start_soon(self._adopt_forever)
+        if (self.ctx.store_url is not None or sqlite_shared()) and self.store().shared:
+            self._tg.start_soon(self._adopt_forever)  # replicas, or the workers of one gateway
 
     async def aclose(self) -> None:
         if self._tg is not None:

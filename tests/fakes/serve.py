@@ -33,11 +33,12 @@ KINDS = ("openai", "anthropic", "gemini", "azure_openai", "mistral")
 
 
 @contextlib.asynccontextmanager
-async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0,
+                    keepalive_s: float = 5.0) -> AsyncIterator[str]:
     """Serve `app` until the block exits; yields its base URL, e.g. `http://127.0.0.1:54321`."""
     sock = bind(host, port)
     try:
-        async with serve_asgi(app, sock) as url:
+        async with serve_asgi(app, sock, keepalive_s=keepalive_s) as url:
             yield url
     finally:
         sock.close()
@@ -76,7 +77,8 @@ async def _serve(targets: list[tuple[str, str, int]], args: argparse.Namespace) 
     """Every fake at once, each URL printed only once it accepts connections (scripts wait on it)."""
     async with contextlib.AsyncExitStack() as stack:
         for kind, host, port in targets:
-            url = await stack.enter_async_context(serve_app(_app(kind, args), host, port))
+            url = await stack.enter_async_context(serve_app(_app(kind, args), host, port,
+                                                            args.keepalive_s))
             print(f"fake {kind} API on {url}", flush=True)
         await anyio.sleep_forever()
 
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency-ms", type=float, default=0.0, help="model time per answer")
     parser.add_argument("--requests-per-window", type=int, default=None,
                         help="the request limit the headers report (per 60 s window)")
+    parser.add_argument("--keepalive-s", type=float, default=5.0,
+                        help="an idle client connection is closed after this (benchmarks: long)")
     args = parser.parse_args(argv)
     if args.config is not None:
         try:

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 
 from multiplexer.jobs.store import JobStore
-from multiplexer.jobs.stores import acquire, release
+from multiplexer.jobs.stores import acquire, release, sqlite_shared
 
 
 @dataclass
@@ -129,8 +129,9 @@ class V1Store:
         return self._store is not None
 
     def shared(self) -> bool:
-        """Whether other gateways share the store (``store.url``)."""
-        return self._where[1] is not None
+        """Whether other gateways share the store (``store.url``), or other workers of this one
+        its SQLite file (``serve --workers N``)."""
+        return self._where[1] is not None or sqlite_shared()
 
     def exists(self) -> bool:
         """Whether there is a store to read: shared, opened here, or a SQLite file on disk (a

@@ -1,0 +1,179 @@
+"""Two more phases of ``bench_llm`` (``--workers-phase``, ``--features-phase``), each against its
+own baseline in the same run.
+
+- **workers**: an upstream that takes 50 ms per chat call, 256 concurrent callers, through
+  ``multiplexer serve --workers 1`` and ``--workers auto`` and straight to the upstream: calls/s,
+  the ratio, and the proxy's CPU per call (the supervisor and all its workers).
+- **features**: sequential chat calls through a gateway with everything off, and one with
+  OTLP traces (to a local receiver, which counts what it got) and an API key on, paths taking
+  turns call by call; the added p50 of everything on over everything off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from benchmarks._procs import child, free_port, percentile, table
+
+GATEWAY = """
+server: {{host: 127.0.0.1, port: {port}, access_log: false{server}}}
+store: {{path: {store}}}
+providers:
+  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
+         limits: {{concurrency: 512, max_queue: 100000}}}}
+routes:
+  chat: {{provider: oai, operation: chat, models: [gpt-bench]}}
+{extra}"""
+CHAT_PATH = "/v1/chat/completions"
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+
+
+def wait_ready(url: str, timeout: float = 90.0) -> None:
+    """Until ``/readyz`` says 200 (with workers: every one of them)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} never became ready")
+
+
+def gateway_config(tmp: str, name: str, fake_port: int, server: str = "",
+                   extra: str = "") -> tuple[Path, str]:
+    port = free_port()
+    conf = Path(tmp) / f"{name}.yaml"
+    conf.write_text(GATEWAY.format(port=port, fake=fake_port, store=Path(tmp) / f"{name}.db",
+                                   server=server, extra=extra))
+    return conf, f"http://127.0.0.1:{port}"
+
+
+async def run_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from benchmarks.bench_llm import Target, cpu_seconds, openai_call, throughput
+
+    fake_port = free_port()
+    fake = f"http://127.0.0.1:{fake_port}"
+    fake_args = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
+                 "--latency-ms", "50", "--requests-per-window", "1000000000", "--keepalive-s", "600"]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        stack.enter_context(child(fake_args, f"{fake}/"))
+        paths = [Target("direct (upstream +50 ms)", fake, openai_call(CHAT_PATH))]
+        for workers in ("1", "auto"):
+            conf, url = gateway_config(tmp, f"w{workers}", fake_port)
+            proc = stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf),
+                                              "--workers", workers], f"{url}/healthz"))
+            wait_ready(url)
+            paths.append(Target(f"gateway --workers {workers}", url, openai_call(CHAT_PATH), pid=proc.pid))
+        elapsed, cpu = [0.0] * len(paths), [0.0] * len(paths)
+        rounds, per_round = 3, args.workers_calls // 3
+        load = load_average()
+        for _ in range(rounds):  # the paths take turns, so a busy moment hits each alike
+            for i, p in enumerate(paths):
+                before = cpu_seconds(p.pid)
+                elapsed[i] += await throughput(p.url, p.call, 256, per_round)
+                cpu[i] += cpu_seconds(p.pid) - before
+    n = rounds * per_round
+    out = [{"name": p.name, "calls_per_s": n / e, "proxy_cpu_ms_per_call": c / n * 1e3 if p.pid else None}
+           for p, e, c in zip(paths, elapsed, cpu, strict=True)]
+    for r in out:
+        r["vs_direct"] = r["calls_per_s"] / out[0]["calls_per_s"]
+    out[2]["vs_workers_1"] = out[2]["calls_per_s"] / out[1]["calls_per_s"]
+    out[0]["load"] = load
+    return out
+
+
+def print_workers(rows: list[dict[str, Any]], calls: int) -> None:
+    print(f"\nworkers: chat calls, upstream +50 ms, {calls:,} calls by 256 concurrent callers; "
+          f"{rows[0]['load']} (at the start)")
+    print(table(["path", "calls/s", "vs direct", "vs --workers 1", "proxy CPU ms/call"],
+                [[r["name"], f"{r['calls_per_s']:,.0f}", f"{r['vs_direct']:.2f}x",
+                  f"{r['vs_workers_1']:.2f}x" if "vs_workers_1" in r else "",
+                  "" if r["proxy_cpu_ms_per_call"] is None else f"{r['proxy_cpu_ms_per_call']:.3f}"]
+                 for r in rows]))
+    print("floor: --workers auto >= 1.15x --workers 1 (2 cores shared with the callers and the upstream)")
+
+
+class _Sink(BaseHTTPRequestHandler):
+    """An OTLP/HTTP receiver that takes every export and counts it."""
+
+    exports = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        type(self).exports += 1
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def otlp_receiver() -> Any:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+    with contextlib.ExitStack() as stack:
+        import threading
+
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        stack.callback(server.shutdown)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+
+
+async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from benchmarks.bench_llm import Target, latencies, openai_call
+
+    fake_port = free_port()
+    fake = f"http://127.0.0.1:{fake_port}"
+    fake_args = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
+                 "--requests-per-window", "1000000000", "--keepalive-s", "600"]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        receiver = stack.enter_context(otlp_receiver())
+        stack.enter_context(child(fake_args, f"{fake}/"))
+        off, off_url = gateway_config(tmp, "off", fake_port)
+        on, on_url = gateway_config(tmp, "on", fake_port, server=", api_keys: {bench: sk-bench}",
+                                    extra=f"telemetry: {{otlp_endpoint: '{receiver}'}}\n")
+        for conf, url in ((off, off_url), (on, on_url)):  # the span processor's defaults
+            stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
+                                      f"{url}/healthz"))
+        paths = [Target("direct", fake, openai_call(CHAT_PATH)),
+                 Target("gateway, all off", off_url, openai_call(CHAT_PATH)),
+                 Target("gateway, traces (OTLP) + API key on", on_url, openai_call(CHAT_PATH))]
+        load = load_average()
+        seq = await latencies(paths, args.features_calls)
+        await anyio.sleep(0.5)  # the last spans' export
+        exports = _Sink.exports
+    out: list[dict[str, Any]] = [
+        {"name": p.name, "p50_ms": percentile(s, 0.5) * 1e3, "p90_ms": percentile(s, 0.9) * 1e3}
+        for p, s in zip(paths, seq, strict=True)]
+    for r in out[1:]:
+        r["added_p50_ms"] = r["p50_ms"] - out[0]["p50_ms"]
+    out[2]["over_off_ms"] = out[2]["p50_ms"] - out[1]["p50_ms"]
+    out[0]["load"], out[0]["otlp_exports"] = load, exports
+    return out
+
+
+def print_features(rows: list[dict[str, Any]], calls: int) -> None:
+    print(f"\nfeatures on vs off: {calls:,} sequential chat calls per path, taking turns; "
+          f"{rows[0]['load']}; OTLP exports received: {rows[0]['otlp_exports']}")
+    print(table(["path", "p50 (ms)", "p90 (ms)", "added p50 vs direct (ms)", "on over off (ms)"],
+                [[r["name"], f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}",
+                  f"{r['added_p50_ms']:+.3f}" if "added_p50_ms" in r else "",
+                  f"{r['over_off_ms']:+.3f}" if "over_off_ms" in r else ""] for r in rows]))
+    print("floors: on over off <= 0.15 ms; added p50 with everything on <= 1.0x direct p50")
