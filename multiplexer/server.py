@@ -21,8 +21,8 @@ from multiplexer.faces.http import create_app
 from multiplexer.faces.jobs import attach_jobs
 from multiplexer.faces.mcp.http import mount_mcp
 from multiplexer.faces.server_protocol import GatewayHttpProtocol
-from multiplexer.faces.ui import close_streams, ui_routes
 from multiplexer.faces.siblings import Slot, among_siblings
+from multiplexer.faces.ui import close_streams, ui_routes
 from multiplexer.faces.v1 import v1_routes
 from multiplexer.gateway import heap
 from multiplexer.gateway.config import Config, ConfigError
