@@ -366,3 +366,27 @@ def test_the_worker_environment_round_trips() -> None:
 
     slot = Slot(1, 4, "/tmp/x", fd=None, ready_fd=7)
     assert Slot(**json.loads(slot.to_env())) == slot
+
+
+async def test_with_shared_state_the_workers_hold_the_whole_quota_together(tmp_path: Path) -> None:
+    """state.url: the workers are replicas on one port; the key's rpm 4 holds for both together
+    (4 of 40 pass, spread over both workers), not a share each."""
+    from tests.redis_helpers import prefix, redis_url
+
+    config = write_config(tmp_path, None, {"api_keys": {"k": "secret-key"}, "quotas": {"k": {"rpm": 4}}})
+    data = yaml.safe_load(config.read_text())
+    data["state"] = {"url": redis_url(), "prefix": prefix()}
+    config.write_text(yaml.safe_dump(data))
+    async with supervised(config) as (_, url, _log):
+        conns = await connections_to_both(url, 40)
+        passed: list[int] = []
+        for i, (client, pid) in enumerate(conns):
+            reply = (await client.post(f"{url}/rpc", json=rpc("echo", {"i": i}, i),
+                                       headers={"authorization": "Bearer secret-key"})).json()
+            if "result" in reply:
+                passed.append(pid)
+            else:
+                assert reply["error"]["code"] == -32003, reply
+        for client, _ in conns:
+            await client.aclose()
+    assert len(passed) == 4
