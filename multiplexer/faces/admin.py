@@ -72,7 +72,13 @@ def _status(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
     return [admin_route(admin, "/admin/whoami", whoami, ["GET"])]
 
 
-MOUNTS: Mounts = [_status]
+def _keys(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
+    from multiplexer.faces.admin_keys import mount_keys
+
+    return mount_keys(gateway, admin)
+
+
+MOUNTS: Mounts = [_status, _keys]
 
 
 def admin_routes(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:

@@ -1,10 +1,12 @@
-"""Client authentication: bearer API keys compared in constant time, mapped to identities."""
+"""Client authentication: bearer API keys mapped to identities, by digest: the YAML's compared in
+constant time, the store's (``access.directory``) found by one dict lookup."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
 from collections.abc import Mapping
+from typing import Any
 
 from pydantic import SecretStr
 
@@ -14,10 +16,11 @@ from multiplexer.core.errors import Code, RpcError
 
 
 class Authenticator:
-    def __init__(self, api_keys: Mapping[str, SecretStr | KeyEntry]) -> None:
+    def __init__(self, api_keys: Mapping[str, SecretStr | KeyEntry], directory: Any = None) -> None:
         self._keys = [(name, digest(secret)) for name, value in api_keys.items()
                       if (secret := entry(value).key.get_secret_value())]
-        self.enabled = bool(api_keys)
+        self.directory = directory if directory is not None and directory.enabled else None
+        self.enabled = bool(api_keys) or self.directory is not None
 
     def identify(self, authorization: str | None) -> str | None:
         """The identity for a header value; raises -32005 when keys are on and it is not valid."""
@@ -30,6 +33,8 @@ class Authenticator:
             raise RpcError(Code.UNAUTHORIZED, "Unauthorized",
                            {"detail": "malformed Authorization header"})
         given = given_digest(token.strip())
+        if self.directory is not None and (stored := self.directory.identify(given)) is not None:
+            return stored  # type: ignore[no-any-return]
         found = None
         for name, key in self._keys:  # check every key: no early exit timing
             if hmac.compare_digest(given, key):

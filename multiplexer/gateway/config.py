@@ -18,6 +18,7 @@ import yaml
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 
 from multiplexer.access.entries import KeyEntry, TeamEntry, entry
+from multiplexer.access.settings import KeyStoreSettings, OAuthSettings, VirtualServer
 from multiplexer.core.paths import ConfigPath, context_for
 from multiplexer.core.policy import (
     ProviderConfig,
@@ -78,6 +79,10 @@ class ServerConfig(Strict):
     admin_key: SecretStr | None = Field(
         default=None, description="the master key of `/admin/` and the dashboard (or sha256:<hex> of"
         " it; MULTIPLEXER_MASTER_KEY wins); unset: nothing admin is served")
+    key_store: KeyStoreSettings = Field(default_factory=KeyStoreSettings,
+                                        description="keys and teams as data (/admin/keys, docs/keys.md)")
+    oauth: OAuthSettings | None = Field(default=None, description="OAuth 2.1 bearer tokens on /mcp "
+                                        "(the gateway as a resource server); unset: API keys only")
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
     mcp: McpServerConfig = Field(default_factory=McpServerConfig)
@@ -184,6 +189,8 @@ class Config(Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    mcp_servers: dict[str, VirtualServer] = Field(
+        default_factory=dict, description="virtual MCP servers: /mcp/NAME exposes just their tools")
 
     # The config file's folder: relative paths in the file start there (None: the working folder).
     _base_dir: Path | None = PrivateAttr(default=None)

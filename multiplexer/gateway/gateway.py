@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 
+from multiplexer.access.compose import directory_for, keys_running
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import Clock, MonotonicClock, remaining
@@ -82,6 +83,7 @@ class Gateway:
         # single flight: joined here, or claimed across the replicas that share the state
         self.flights = flights_for(self.state, self.clock, self.metrics, self.start_background)
         self.quotas = quotas_for(config, self.clock, self.state, self.metrics)
+        self.keys = directory_for(config, self.quotas.quotas)  # YAML and stored keys, their access
         self.listeners: list[Any] = []
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
@@ -121,6 +123,7 @@ class Gateway:
                 await provider.start()
                 stack.push_async_callback(provider.aclose)
                 self.started.add(name)
+            await stack.enter_async_context(keys_running(self.keys, self.config))
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
             if self.state is not None:
@@ -273,6 +276,8 @@ class Gateway:
                 plan.claim = self._claim(call.identity, 0)  # jobs.* count like any call
                 return plan
             resolved = self.router.resolve(call.method)
+            if call.identity is not None:
+                self.check_access(call.identity, resolved.name, call.params, call.face)
             plan.label = resolved.name
             route = plan.route = resolved.route
             timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
@@ -306,6 +311,12 @@ class Gateway:
             log.exception("call %s failed inside the gateway", call.method)
             plan.error = internal_error(type(e).__name__)
         return plan
+
+    def check_access(self, identity: str, route: str, params: Any, face: str) -> None:
+        """Raise why this key may not use this route or model (its team's and its own globs)."""
+        rules = self.keys.rules.get(identity)
+        if rules is not None and (refusal := rules.refusal(route, params, face)) is not None:
+            raise refusal
 
     def _claim(self, identity: str | None, batch_calls: int) -> Claim | None:
         """What a call asks of its key's quota; None for keyless callers and keys without one."""

@@ -39,8 +39,10 @@ def limiter_for(name: str, pconf: ProviderConfig, clock: Clock, state: SharedSta
 
 
 def quotas_for(config: Config, clock: Clock, state: SharedState | None, metrics: Metrics) -> Quotas:
-    quotas = config.server.quotas
-    if state is None or not quotas:
+    from multiplexer.access.compose import keyed_quotas
+
+    quotas = dict(config.server.quotas)  # stored keys' limits join these while the gateway runs
+    if state is None or not (quotas or keyed_quotas(config)):
         return Quotas(clock, quotas)
     return SharedQuotas(clock, quotas, state, fail_open=config.state.on_failure == "open",
                         degraded=metrics.state_degraded_count)
