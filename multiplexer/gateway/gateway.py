@@ -277,7 +277,7 @@ class Gateway:
                 return plan
             resolved = self.router.resolve(call.method)
             if call.identity is not None:
-                self.check_access(call.identity, resolved.name, call.params, call.face)
+                self.check_access(call.identity, call.method, call.params, call.face)
             plan.label = resolved.name
             route = plan.route = resolved.route
             timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
@@ -313,7 +313,8 @@ class Gateway:
         return plan
 
     def check_access(self, identity: str, route: str, params: Any, face: str) -> None:
-        """Raise why this key may not use this route or model (its team's and its own globs)."""
+        """Raise why this key may not call ``route`` (a method or tool name, as called) or the model
+        its params name: its team's globs and its own (``access.rules``)."""
         rules = self.keys.rules.get(identity)
         if rules is not None and (refusal := rules.refusal(route, params, face)) is not None:
             raise refusal

@@ -12,8 +12,8 @@ goes to ``exchange.SingleExchange``, which serves it in the request's own task
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
@@ -58,8 +58,10 @@ class McpEndpoint:
 
     def __init__(self, face: McpFace, manager: StreamableHTTPSessionManager, auth: Authenticator,
                  allowed_origins: list[str], max_body: int, max_batch: int,
-                 max_sessions_per_key: int | None = None) -> None:
+                 max_sessions_per_key: int | None = None,
+                 admits: Callable[[str | None], bool] | None = None) -> None:
         self.face = face
+        self.admits = admits  # a virtual server's keys and teams; None: every authenticated caller
         # The one read of the manager's private state: what it entered ``app.lifespan`` for.
         self.exchange = SingleExchange(face.server, manager.handle_request, lambda: manager._lifespan_state)
         self.max_sessions_per_key = max_sessions_per_key
@@ -88,6 +90,12 @@ class McpEndpoint:
             return
         if note is not None:
             note.key = identity
+        if self.admits is not None and not self.admits(identity):
+            refusal = RpcError(Code.RATE_LIMITED, "Permission denied",
+                               {"reason": "permission_denied",
+                                "detail": "this key may not use this MCP server"})
+            await rpc_error(403, refusal)(scope, receive, send)
+            return
         scope = dict(scope)
         scope[IDENTITY_SCOPE_KEY] = identity
         if identity is not None:
@@ -180,9 +188,32 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[BaseRoute], Any]:
-    """Routes for the HTTP app and the lifespan that runs the session manager."""
+    """Routes for the HTTP app and the lifespan that runs the session managers: the gateway's MCP
+    server at ``server.mcp.path``, and each virtual server (``mcp_servers``) under it."""
+    from multiplexer.faces.mcp.virtual import virtual_faces
+
+    path = gateway.config.server.mcp.path
+    mounts = [mount_one(gateway, authenticator, path, McpFace(gateway), None, "mcp")]
+    for name, face, admits in virtual_faces(gateway):
+        mounts.append(mount_one(gateway, authenticator, f"{path.rstrip('/')}/{name}", face, admits,
+                                f"mcp/{name}"))
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            for _, running in mounts:
+                await stack.enter_async_context(running())
+            yield
+
+    return [route for routes, _ in mounts for route in routes], lifespan
+
+
+def mount_one(gateway: Gateway, authenticator: Authenticator, path: str, face: McpFace,
+              admits: Callable[[str | None], bool] | None, name: str
+              ) -> tuple[list[BaseRoute], Callable[[], AbstractAsyncContextManager[None]]]:
+    """One MCP server at ``path``: its routes, and what runs while the app does."""
     server = gateway.config.server
-    face = gateway.faces["mcp"] = McpFace(gateway)
+    gateway.faces[name] = face
     manager = StreamableHTTPSessionManager(
         app=face.server,
         max_request_body_size=server.max_body_bytes,
@@ -191,15 +222,15 @@ def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[Base
         security_settings=None,  # Origin is checked above against server.mcp.allowed_origins
     )
     endpoint = McpEndpoint(face, manager, authenticator, server.mcp.allowed_origins,
-                           server.max_body_bytes, server.max_batch_items, server.mcp.max_sessions_per_key)
+                           server.max_body_bytes, server.max_batch_items, server.mcp.max_sessions_per_key,
+                           admits)
 
     @asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
+    async def running() -> AsyncIterator[None]:
         async with manager.run(), face.running(), endpoint.exchange.running():
             yield
 
     # POST listed on its own so ``ExactPaths`` sends it straight here, past Starlette's stack; the
     # route for every method keeps the SDK's answers to the rest (a 405 with its body).
-    routes: list[BaseRoute] = [Route(server.mcp.path, endpoint, methods=["POST"]),
-                               Route(server.mcp.path, endpoint)]
-    return routes, lifespan
+    routes: list[BaseRoute] = [Route(path, endpoint, methods=["POST"]), Route(path, endpoint)]
+    return routes, running

@@ -33,7 +33,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
 from multiplexer.core.call import Outcome
-from multiplexer.core.errors import RpcError
+from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.jsonrpc import META_KEYS, call_from
 from multiplexer.core.logs import LEVELS, LogSink
 from multiplexer.core.provider import McpUpstream, ToolSpec
@@ -96,9 +96,16 @@ class _GatewayServer(Server[Any]):
                                        "prompts": prompts if caps.prompts else None})
 
 
+def _everything(name: str) -> bool:
+    return True
+
+
 class McpFace:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, only: Callable[[str], bool] | None = None,
+                 only_prefix: Callable[[str], bool] | None = None) -> None:
         self.gateway = gateway
+        self.only = only  # a virtual server's tools (faces/mcp/virtual.py); None: every tool
+        self.only_prefix = only_prefix
         self.catalog = ToolCatalog()
         self.bus = InMemorySubscriptionBus()
         self.listen = ListenHandler(self.bus)
@@ -110,7 +117,7 @@ class McpFace:
         self._changed: set[str] = set()  # list-change events waiting for the broadcaster
         self._upstream_kinds: dict[type, bool] = {}  # provider class -> is an McpUpstream
         self._wake: anyio.Event | None = None  # made in ``running``, inside the event loop
-        self.upstream = UpstreamCatalog(gateway, self.cache_hint)
+        self.upstream = UpstreamCatalog(gateway, self.cache_hint, self.may_use_prefix)
         self.server = _GatewayServer(
             "multiplexer", version=__version__,
             instructions="Every route of this gateway is a tool; calls are batched, limited and shared.",
@@ -273,9 +280,27 @@ class McpFace:
             specs.append(spec)
         return specs
 
+    def may_use(self, ctx: ServerRequestContext[Any, Any]) -> Callable[[str], bool]:
+        """Which tools this caller may see and call: its key's globs, and the virtual server's."""
+        rules = self.gateway.keys.rules_of(identity_of(ctx))
+        only = self.only
+        if rules is None and only is None:
+            return _everything
+        return lambda name: (rules is None or rules.tool_ok(name)) and (only is None or only(name))
+
+    def may_use_prefix(self, ctx: ServerRequestContext[Any, Any]) -> Callable[[str], bool]:
+        """The same for an upstream's resources and prompts, by its wildcard route's prefix."""
+        rules = self.gateway.keys.rules_of(identity_of(ctx))
+        only = self.only_prefix
+        if rules is None and only is None:
+            return _everything
+        return lambda prefix: (rules is None or rules.prefix_ok(prefix)) and (
+            only is None or only(prefix))
+
     async def list_tools(self, ctx: ServerRequestContext[Any, Any],
                          params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
-        tools = self.catalog.build(await self.specs())
+        allowed = self.may_use(ctx)
+        tools = self.catalog.build([s for s in await self.specs() if allowed(s.name)])
         return types.ListToolsResult(tools=tools, **self.cache_hint(self._tools_ttl_ms()))
 
     def cache_hint(self, ttl_ms: int | None = None) -> dict[str, Any]:
@@ -300,6 +325,8 @@ class McpFace:
         if len(params.name) == MAX_NAME and params.name not in self.catalog.aliases:
             self.catalog.build(await self.specs())  # a client calling a short alias it never listed
         method = self.catalog.resolve(params.name)
+        if not self.may_use(ctx)(method):  # as if it did not exist
+            raise protocol_error(RpcError(Code.METHOD_NOT_FOUND, "Method not found"), params.name)  # type: ignore[misc]
         raw_meta = (ctx.params or {}).get("_meta")
         meta = {k: v for k, v in raw_meta.items() if k in META_KEYS} if isinstance(raw_meta, dict) else {}
         try:

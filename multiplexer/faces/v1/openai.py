@@ -28,14 +28,15 @@ from multiplexer.faces.v1.requests import (
 )
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+          403: "permission_denied", 409: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error"}
 
 
 def openai_error(status: int, error: RpcError, param: str | None, code: str | None) -> dict[str, Any]:
     """``{"error": {message, type, param, code}}``: what the OpenAI SDK reads into its exception."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     if code is None:
-        code = {401: "invalid_api_key", 429: "rate_limit_exceeded"}.get(status)
+        code = {401: "invalid_api_key", 403: "permission_denied", 429: "rate_limit_exceeded"}.get(status)
     return {"error": {"message": message_of(error), "type": kind, "param": param, "code": code}}
 
 
@@ -135,7 +136,8 @@ class Models(Endpoint):
         routes = self.v1.gateway.config.routes
         created = int(time.time())
         data = [{"id": model, "object": "model", "created": created,
-                 "owned_by": routes[route].provider} for model, route in self.v1.models.items()]
+                 "owned_by": routes[route].provider} for model, route in self.v1.models.items()
+                if self.v1.visible(identity, model, route)]
         wanted = scope.get("path_params", {}).get("model")
         if wanted is None:
             await send_json(send, 200, {"object": "list", "data": data}, headers)
