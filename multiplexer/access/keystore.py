@@ -216,21 +216,30 @@ class PgKeyStore(KeyStore):
     shared = True
 
     def __init__(self, url: str, schema: str) -> None:
+        self.url, self.schema = url, schema
+        self._lock = threading.RLock()
+        self._sql: dict[str, str] = {}
+        self._conn = self._connect(create=True)
+
+    def _connect(self, create: bool = False) -> Any:
         from psycopg import sql
 
         from multiplexer.jobs.pg_connect import connect
 
-        self._lock = threading.RLock()
-        self._conn = connect(url)
-        self._sql: dict[str, str] = {}
-        name = sql.Identifier(schema)
-        with self._conn.transaction():
-            self._conn.execute("SELECT pg_advisory_xact_lock(7338)")  # one replica creates the tables
-            self._conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name))
-            self._conn.execute(sql.SQL("SET search_path TO {}").format(name))
-            self._conn.execute(TABLES)
+        conn = connect(self.url)
+        name = sql.Identifier(self.schema)
+        with conn.transaction():
+            if create:
+                conn.execute("SELECT pg_advisory_xact_lock(7338)")  # one replica creates the tables
+                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name))
+            conn.execute(sql.SQL("SET search_path TO {}").format(name))
+            if create:
+                conn.execute(TABLES)
+        return conn
 
     def _x(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        if self._conn.closed:  # the server went away and came back: a new connection
+            self._conn = self._connect()
         out = self._sql.get(sql)
         if out is None:
             out = self._sql[sql] = sql.replace("?", "%s")

@@ -5,6 +5,7 @@ and describes itself as OpenAPI from the same pydantic models that validate the 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from multiplexer.core.version import VERSION
 from multiplexer.faces.admin import admin_error, admin_route
 from multiplexer.gateway.gateway import Gateway
 
+log = logging.getLogger(__name__)
 OFF = "the key store is off (server.key_store.enabled: false)"
 ACTOR_HEADER = "x-admin-actor"
 
@@ -90,6 +92,10 @@ def mount_keys(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
                 if e.code == Code.NOT_FOUND:
                     return admin_error(404, (e.data or {}).get("detail", e.message))
                 raise
+            except Exception as e:  # the store failed: the change may not have happened
+                log.warning("admin %s %s failed: %s", request.method, request.url.path,
+                            str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+                return admin_error(503, "the key store is unreachable; try again")
 
         return run
 
