@@ -27,6 +27,8 @@ from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.policy import Quota
 
 log = logging.getLogger(__name__)
+MAX_BOUND = 10_000  # OAuth subjects remembered (the oldest forgotten first; the next call binds again)
+NOTHING = Rules(models=((),), routes=((),), tools=((),))
 LIMIT_FIELDS = ("models", "routes", "tools", "rpm", "tpm", "concurrency", "budget_usd", "metadata")
 
 
@@ -65,6 +67,7 @@ class KeyDirectory:
         self.entries: dict[str, KeyEntry] = {}  # stored identity -> its key as a KeyEntry
         self.stored_teams: dict[str, TeamEntry] = {}
         self.rules: dict[str, Rules] = {}  # identity -> its rules (absent: may use everything)
+        self.bound: dict[str, str | None] = {}  # OAuth identities seen -> their team claim
         self.admin: Any = None  # the admin API's operations (access.admin_ops.KeyAdmin) while running
         self.version = 0  # loads so far (tests wait on it)
         self.loaded_at: float | None = None  # wall time of the last good load
@@ -104,6 +107,19 @@ class KeyDirectory:
 
     def rules_of(self, identity: str | None) -> Rules | None:
         return self.rules.get(identity) if identity is not None else None
+
+    def bind(self, identity: str, team: str | None) -> None:
+        """An OAuth caller (``oauth:<sub>``) gets its team's access; one without a known team may
+        use nothing (a token's claim never widens what the config grants)."""
+        if len(self.bound) >= MAX_BOUND and identity not in self.bound:
+            self.bound.pop(next(iter(self.bound)))
+        self.bound[identity] = team
+        known = self.team(team)
+        rules = NOTHING if known is None else Rules.of(known)
+        if rules is None:
+            self.rules.pop(identity, None)
+        else:
+            self.rules[identity] = rules
 
     # -- building ------------------------------------------------------------------------
     def _limits(self, identity: str, key: KeyEntry) -> Quota | None:
@@ -155,6 +171,8 @@ class KeyDirectory:
                 else:
                     self.quotas[identity] = quota
         self.stored, self.entries = stored, entries
+        for identity, team in list(self.bound.items()):  # a team's change reaches OAuth callers too
+            self.bind(identity, team)
         self._static_limits()  # a YAML key's team may be a stored one
         self.loaded_at = self.wall()
         self.version += 1

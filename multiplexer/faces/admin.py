@@ -75,7 +75,7 @@ def _status(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
 def _keys(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
     from multiplexer.faces.admin_keys import mount_keys
 
-    return mount_keys(gateway, admin)
+    return mount_keys(gateway, admin, admin_route, admin_error)
 
 
 MOUNTS: Mounts = [_status, _keys]

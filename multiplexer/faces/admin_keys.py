@@ -32,7 +32,6 @@ from multiplexer.access.api import (
 )
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.version import VERSION
-from multiplexer.faces.admin import admin_error, admin_route
 from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,9 @@ def _limit(request: Request) -> int:
 Handler = Callable[[KeyAdmin, Request], Awaitable[Response]]
 
 
-def mount_keys(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
+def mount_keys(gateway: Gateway, admin: AdminKey, admin_route: Callable[..., BaseRoute],
+               admin_error: Callable[..., Response]) -> list[BaseRoute]:
+    """The routes, made with the admin face's guard (``admin_route``) and error body (``admin_error``)."""
     def with_ops(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
             ops = gateway.keys.admin
