@@ -218,3 +218,46 @@ async def test_a_virtual_server_shows_only_its_tools_to_its_keys(gw: Any) -> Non
                 await client.call_tool("tools_pid", {})
     async with mcp_http_client(url + "/mcp/reds", key=red) as client:
         assert "tools_pid" in [t.name for t in (await client.list_tools()).tools]
+
+
+async def test_the_admin_api_describes_itself_as_openapi(gw: Any) -> None:
+    _, url, _ = gw
+    async with httpx.AsyncClient(base_url=url) as http:
+        doc = (await http.get("/admin/openapi.json", headers=A)).json()
+        assert (await http.get("/admin/openapi.json")).status_code == 401
+    assert {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops} == {
+        ("POST", "/admin/keys"), ("GET", "/admin/keys"), ("GET", "/admin/keys/{id}"),
+        ("PATCH", "/admin/keys/{id}"), ("POST", "/admin/keys/{id}/rotate"), ("DELETE", "/admin/keys/{id}"),
+        ("POST", "/admin/teams"), ("GET", "/admin/teams"), ("PATCH", "/admin/teams/{id}"),
+        ("GET", "/admin/audit")}
+    created = doc["components"]["schemas"]["KeyCreated"]["properties"]
+    assert {"id", "key", "prefix", "models", "tools", "budget_usd"} <= set(created)
+    validator = pytest.importorskip("openapi_spec_validator")
+    validator.validate(doc)
+
+
+def test_config_keys_carry_their_teams_rules_limits_and_expiry() -> None:
+    from multiplexer.access.compose import directory_for
+    from multiplexer.core.errors import RpcError
+    from multiplexer.faces.auth import Authenticator
+
+    cfg = parse_config({
+        "server": {"teams": {"red": {"routes": ["echo", "other"], "rpm": 60, "concurrency": 4}},
+                   "api_keys": {"old": {"key": "old-key-0123456789", "expires_at": "2001-01-01T00:00:00Z"},
+                                "bob": {"key": "bob-key-0123456789", "team": "red", "routes": ["echo*"],
+                                        "rpm": 600}},
+                   "key_store": {"enabled": False}},
+        "providers": {"e": {"kind": "echo"}}, "routes": {"echo": {"provider": "e"}}})
+    quotas: dict[str, Any] = {}
+    directory = directory_for(cfg, quotas)
+    auth = Authenticator(cfg.server.api_keys, directory)
+    assert auth.identify("Bearer bob-key-0123456789") == "bob"
+    with pytest.raises(RpcError, match="Unauthorized") as expired:
+        auth.identify("Bearer old-key-0123456789")
+    assert expired.value.data == {"detail": "key expired"}
+    rules = directory.rules_of("bob")
+    assert rules is not None and rules.refusal("echo", {}, "rpc") is None
+    assert rules.refusal("other", {}, "rpc") is not None  # the team allows it, the key does not
+    assert rules.refusal("echo2", {}, "rpc") is not None  # the key allows it, the team does not
+    assert (quotas["bob"].rpm, quotas["bob"].concurrency) == (60, 4)  # narrowed by the team
+    assert directory.rules_of("old") is None and "old" not in quotas

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +21,8 @@ class Authenticator:
     def __init__(self, api_keys: Mapping[str, SecretStr | KeyEntry], directory: Any = None) -> None:
         self._keys = [(name, digest(secret)) for name, value in api_keys.items()
                       if (secret := entry(value).key.get_secret_value())]
+        self._expires = {name: e.expires_at.timestamp() for name, value in api_keys.items()
+                         if (e := entry(value)).expires_at is not None}
         self.directory = directory if directory is not None and directory.enabled else None
         self.enabled = bool(api_keys) or self.directory is not None
 
@@ -41,6 +45,8 @@ class Authenticator:
                 found = name
         if found is None:
             raise RpcError(Code.UNAUTHORIZED, "Unauthorized", {"detail": "unknown key"})
+        if self._expires and time.time() >= self._expires.get(found, math.inf):
+            raise RpcError(Code.UNAUTHORIZED, "Unauthorized", {"detail": "key expired"})
         return found
 
 

@@ -203,6 +203,14 @@ class Config(Strict):
         """The validation context for the kinds' settings: their relative paths are the file's."""
         return context_for(self._base_dir)
 
+    @field_validator("mcp_servers")
+    @classmethod
+    def _path_names(cls, servers: dict[str, VirtualServer]) -> dict[str, VirtualServer]:
+        for name in servers:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ValueError(f"mcp_servers.{name}: a name is one path segment (letters, digits, _.-)")
+        return servers
+
     @model_validator(mode="after")
     def _routes_name_providers(self) -> Config:
         for name, route in self.routes.items():

@@ -309,7 +309,8 @@ class McpFace:
         The lists are the same for every caller, but behind API keys they are not for strangers.
         """
         limit = self.gateway.config.server.mcp.list_ttl_ms
-        scope = "private" if self.gateway.config.server.api_keys else "public"
+        server = self.gateway.config.server  # behind keys (per-key listings), never for strangers
+        scope = "private" if server.api_keys or server.oauth or self.gateway.keys.enabled else "public"
         return {"ttl_ms": limit if ttl_ms is None else min(ttl_ms, limit), "cache_scope": scope}
 
     def _tools_ttl_ms(self) -> int | None:
