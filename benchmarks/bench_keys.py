@@ -78,12 +78,58 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+def micro(stored_keys: int) -> list[dict[str, Any]]:
+    """The key check alone, in this process (µs per call, the best of 7 repeats: the machine's
+    other load shows least): the bearer to an identity, then the admission rules on it."""
+    import timeit
+
+    from multiplexer.access.directory import KeyDirectory
+    from multiplexer.access.keystore import KeyRow
+    from multiplexer.access.rules import Rules
+    from multiplexer.access.secrets import digest
+    from multiplexer.faces.auth import Authenticator
+    from multiplexer.gateway.config import parse_config
+
+    cfg = parse_config({"server": {"api_keys": {"yaml": YAML_KEY}, "key_store": {"enabled": True}}})
+    directory = KeyDirectory(cfg.server.api_keys, {}, {}, cfg.server.key_store)
+    directory.store = object()  # type: ignore[assignment]  # on, without a database: rows installed below
+    rows = [KeyRow(f"key_{i:016x}", "k", "mx-", digest(f"mx-stored-{i}").hex(), None,
+                   {"models": [MODEL]} if i == 0 else {}, None, 0.0, 0.0) for i in range(stored_keys)]
+    directory.install(rows, [])
+    auth = Authenticator(cfg.server.api_keys, directory)
+    rules = directory.rules_of("key_0000000000000000")
+    assert isinstance(rules, Rules)
+    params = {"model": MODEL, "messages": []}
+    cases = {
+        "config key: identify": lambda: auth.identify(f"Bearer {YAML_KEY}"),
+        f"stored key (of {stored_keys:,}): identify": lambda: auth.identify("Bearer mx-stored-1"),
+        "stored key: identify + model globs": lambda: (auth.identify("Bearer mx-stored-0"),
+                                                       rules.refusal("chat", params, "v1")),
+    }
+    out = []
+    for name, fn in cases.items():
+        n = 20_000
+        best = min(timeit.repeat(fn, number=n, repeat=7)) / n
+        out.append({"name": name, "us": best * 1e6})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sequential", type=int, default=2000)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--stored", type=int, default=10_000, help="stored keys in the micro phase")
+    parser.add_argument("--micro-only", action="store_true", help="only the in-process key check")
     args = parser.parse_args()
+    checks = micro(args.stored)
+    base = checks[0]["us"]
+    print("the key check in process (best of 7 x 20,000 calls)")
+    print(table(["check", "µs per call", "vs config key (µs)"],
+                [[c["name"], f"{c['us']:.2f}", f"{c['us'] - base:+.2f}"] for c in checks]))
+    if args.micro_only:
+        save("bench_keys", {"args": vars(args), "micro": checks})
+        return
     results = anyio.run(run, args)
     print(f"chat calls via /v1/chat/completions; {args.sequential} sequential per row, interleaved; "
           f"{args.calls:,} by {args.clients} concurrent clients")
@@ -94,7 +140,7 @@ def main() -> None:
                   f"{r['vs_config_key_ms']:+.3f}" if "vs_config_key_ms" in r else "",
                   f"{r['calls_per_s']:,.0f}"] for r in results]))
     print("floor: a stored key within +0.05 ms of a config key")
-    save("bench_keys", {"args": vars(args), "results": json.loads(json.dumps(results))})
+    save("bench_keys", {"args": vars(args), "micro": checks, "results": json.loads(json.dumps(results))})
 
 
 if __name__ == "__main__":

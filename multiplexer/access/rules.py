@@ -7,6 +7,8 @@ the check per call is a few ``fnmatch`` on a name, and a key without rules costs
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -16,17 +18,47 @@ from multiplexer.core.errors import Code, RpcError, method_not_found
 DENIED = "permission_denied"
 
 
-def _passes(layers: tuple[tuple[str, ...], ...], name: str) -> bool:
-    return all(any(fnmatchcase(name, glob) for glob in globs) for globs in layers)
+MEMO = 4096  # names remembered per list (model names come from clients: bounded)
 
 
-@dataclass(frozen=True, slots=True)
+class Layers:
+    """One list's layers, each compiled to one regex; answers remembered per name."""
+
+    __slots__ = ("_memo", "_patterns", "globs")
+
+    def __init__(self, globs: tuple[tuple[str, ...], ...]) -> None:
+        self.globs = globs
+        # a layer with no globs matches nothing: "(?!)"
+        self._patterns = [re.compile("|".join(fnmatch.translate(g) for g in layer) or "(?!)")
+                          for layer in globs]
+        self._memo: dict[str, bool] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.globs)
+
+    def passes(self, name: str) -> bool:
+        found = self._memo.get(name)
+        if found is None:
+            found = all(p.match(name) is not None for p in self._patterns)
+            if len(self._memo) >= MEMO:
+                self._memo.clear()
+            self._memo[name] = found
+        return found
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Rules:
     """The layers (team's, then key's) of each list; empty: that list restricts nothing."""
 
-    models: tuple[tuple[str, ...], ...] = ()
-    routes: tuple[tuple[str, ...], ...] = ()
-    tools: tuple[tuple[str, ...], ...] = ()
+    models: Layers
+    routes: Layers
+    tools: Layers
+
+    def __init__(self, models: tuple[tuple[str, ...], ...] = (), routes: tuple[tuple[str, ...], ...] = (),
+                 tools: tuple[tuple[str, ...], ...] = ()) -> None:
+        object.__setattr__(self, "models", Layers(models))
+        object.__setattr__(self, "routes", Layers(routes))
+        object.__setattr__(self, "tools", Layers(tools))
 
     @classmethod
     def of(cls, *accesses: Any) -> Rules | None:
@@ -45,20 +77,25 @@ class Rules:
 
     def model_ok(self, *names: str | None) -> bool:
         """A model passes when the route's name or the model it asks for does."""
-        return not self.models or any(n is not None and _passes(self.models, n) for n in names)
+        if not self.models.globs:
+            return True
+        for name in names:  # noqa: SIM110 - a loop: no generator per call on the hot path
+            if name is not None and self.models.passes(name):
+                return True
+        return False
 
     def route_ok(self, name: str) -> bool:
-        return not self.routes or _passes(self.routes, name)
+        return not self.routes.globs or self.routes.passes(name)
 
     def tool_ok(self, name: str) -> bool:
         """An MCP tool is a route under another name: both lists apply."""
-        return (not self.tools or _passes(self.tools, name)) and self.route_ok(name)
+        return (not self.tools.globs or self.tools.passes(name)) and self.route_ok(name)
 
     def prefix_ok(self, prefix: str) -> bool:
         """Whether any tool under a wildcard route's ``prefix`` may pass (its resources, prompts)."""
-        def some(layers: tuple[tuple[str, ...], ...]) -> bool:
+        def some(layers: Layers) -> bool:
             return all(any(g.startswith(prefix) or fnmatchcase(prefix, g) or g.startswith("*")
-                           for g in globs) for globs in layers)
+                           for g in globs) for globs in layers.globs)
         return some(self.tools) and some(self.routes)
 
     def refusal(self, route: str, params: Any, face: str) -> RpcError | None:
@@ -72,7 +109,7 @@ class Rules:
             return denied(f"this key may not use route {route!r}", route=route)
         if model is not None and not self.model_ok(route, model):
             return denied(f"this key may not use model {model!r}", model=model)
-        if model is None and self.models and face == "v1" and not self.model_ok(route):
+        if model is None and self.models.globs and face == "v1" and not self.model_ok(route):
             return denied(f"this key may not use model {route!r}", model=route)
         return None
 
