@@ -43,6 +43,10 @@ def _at(wall: float | None) -> datetime | None:
     return None if wall is None else datetime.fromtimestamp(wall, UTC)
 
 
+def _when(wall: float) -> datetime:
+    return datetime.fromtimestamp(wall, UTC)
+
+
 def _wall(at: datetime | None) -> float | None:
     if at is None:
         return None
@@ -55,14 +59,14 @@ def not_found(what: str, name: str) -> RpcError:
 
 def key_out(row: KeyRow, cls: type[KeyOut] = KeyOut, **extra: Any) -> Any:
     return cls(id=row.id, name=row.name, prefix=row.prefix, team=row.team,
-               expires_at=_at(row.expires_at), created_at=_at(row.created), updated_at=_at(row.updated),
+               expires_at=_at(row.expires_at), created_at=_when(row.created), updated_at=_when(row.updated),
                revoked_at=_at(row.revoked_at), old_key_valid_until=_at(row.old_valid_until),
                **row.access, **extra)
 
 
 def team_out(row: TeamRow) -> TeamOut:
-    return TeamOut(id=row.id, name=row.id, created_at=_at(row.created),  # type: ignore[arg-type]
-                   updated_at=_at(row.updated), **row.access)  # type: ignore[arg-type]
+    return TeamOut(id=row.id, name=row.id, created_at=_when(row.created), updated_at=_when(row.updated),
+                   **row.access)
 
 
 class KeyAdmin:
@@ -190,5 +194,5 @@ class KeyAdmin:
 
     async def audit(self, limit: int, target: str | None) -> list[AuditOut]:
         rows = await self.store.run(self.store.audit, limit, target)
-        return [AuditOut(id=r.id, at=_at(r.at), actor=r.actor, action=r.action,  # type: ignore[arg-type]
+        return [AuditOut(id=r.id, at=_when(r.at), actor=r.actor, action=r.action,
                          target=r.target, detail=r.detail) for r in rows]
