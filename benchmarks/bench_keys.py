@@ -87,11 +87,13 @@ def micro(stored_keys: int) -> list[dict[str, Any]]:
     from multiplexer.access.keystore import KeyRow
     from multiplexer.access.rules import Rules
     from multiplexer.access.secrets import digest
+    from multiplexer.core.clock import MonotonicClock
+    from multiplexer.core.quota import Quotas
     from multiplexer.faces.auth import Authenticator
     from multiplexer.gateway.config import parse_config
 
     cfg = parse_config({"server": {"api_keys": {"yaml": YAML_KEY}, "key_store": {"enabled": True}}})
-    directory = KeyDirectory(cfg.server.api_keys, {}, {}, cfg.server.key_store)
+    directory = KeyDirectory(cfg.server.api_keys, {}, Quotas(MonotonicClock(), {}), cfg.server.key_store)
     directory.store = object()  # type: ignore[assignment]  # on, without a database: rows installed below
     rows = [KeyRow(f"key_{i:016x}", "k", "mx-", digest(f"mx-stored-{i}").hex(), None,
                    {"models": [MODEL]} if i == 0 else {}, None, 0.0, 0.0) for i in range(stored_keys)]

@@ -248,8 +248,12 @@ def test_config_keys_carry_their_teams_rules_limits_and_expiry() -> None:
                                         "rpm": 600}},
                    "key_store": {"enabled": False}},
         "providers": {"e": {"kind": "echo"}}, "routes": {"echo": {"provider": "e"}}})
-    quotas: dict[str, Any] = {}
-    directory = directory_for(cfg, quotas)
+    from multiplexer.core.clock import ManualClock
+    from multiplexer.core.quota import Quotas
+
+    limits = Quotas(ManualClock(), {})
+    quotas = limits.quotas
+    directory = directory_for(cfg, limits)
     auth = Authenticator(cfg.server.api_keys, directory)
     assert auth.identify("Bearer bob-key-0123456789") == "bob"
     with pytest.raises(RpcError, match="Unauthorized") as expired:
@@ -261,3 +265,18 @@ def test_config_keys_carry_their_teams_rules_limits_and_expiry() -> None:
     assert rules.refusal("echo2", {}, "rpc") is not None  # the key allows it, the team does not
     assert (quotas["bob"].rpm, quotas["bob"].concurrency) == (60, 4)  # narrowed by the team
     assert directory.rules_of("old") is None and "old" not in quotas
+
+
+async def test_a_stored_keys_rpm_joins_the_per_key_quotas(gw: Any) -> None:
+    gateway, url, _ = gw
+    async with httpx.AsyncClient(base_url=url) as http:
+        made = await new_key(http, rpm=1)
+        assert gateway.quotas.limits(made["id"]).rpm == 1
+        assert "result" in await rpc(http, made["key"])
+        error = (await rpc(http, made["key"]))["error"]
+        assert error["code"] == -32003 and error["data"]["limit"] == "rpm"
+        await http.patch(f"/admin/keys/{made['id']}", json={"rpm": 600}, headers=A)
+        assert gateway.quotas.limits(made["id"]).rpm == 600
+        assert "result" in await rpc(http, made["key"])  # a new bucket at the new rate
+        await http.patch(f"/admin/keys/{made['id']}", json={"rpm": None}, headers=A)
+        assert gateway.quotas.limits(made["id"]) is None

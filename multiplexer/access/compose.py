@@ -15,7 +15,7 @@ from multiplexer.access.directory import KeyDirectory
 from multiplexer.access.entries import entry
 from multiplexer.access.invalidation import Invalidation
 from multiplexer.access.keystore import open_store
-from multiplexer.core.policy import Quota
+from multiplexer.core.quota import Quotas
 
 
 def key_store_on(config: Any) -> bool:
@@ -33,7 +33,7 @@ def keyed_quotas(config: Any) -> bool:
         t.rpm is not None or t.concurrency is not None for t in config.server.teams.values())
 
 
-def directory_for(config: Any, quotas: dict[str, Quota]) -> KeyDirectory:
+def directory_for(config: Any, quotas: Quotas) -> KeyDirectory:
     return KeyDirectory(config.server.api_keys, config.server.teams, quotas, config.server.key_store)
 
 

@@ -54,15 +54,15 @@ def narrowed(key: int | float | None, team: int | float | None) -> Any:
 
 class KeyDirectory:
     def __init__(self, api_keys: Mapping[str, SecretStr | KeyEntry], teams: Mapping[str, TeamEntry],
-                 quotas: dict[str, Quota], settings: KeyStoreSettings | None = None,
+                 quotas: Any, settings: KeyStoreSettings | None = None,
                  store: KeyStore | None = None, wall: Callable[[], float] = time.time) -> None:
         self.settings = settings or KeyStoreSettings()
         self.store = store
         self.wall = wall
         self.static: dict[str, KeyEntry] = {name: entry(v) for name, v in api_keys.items()}
         self.static_teams = dict(teams)
-        self.quotas = quotas  # the gateway's per-key quotas: stored keys' limits join them
-        self._configured = set(quotas)  # server.quotas entries: never overwritten
+        self.quotas = quotas  # the gateway's per-key quotas (core.quota.Quotas): keys' limits join them
+        self._configured = set(quotas.quotas)  # server.quotas entries: never overwritten
         self.stored: dict[bytes, Live] = {}
         self.entries: dict[str, KeyEntry] = {}  # stored identity -> its key as a KeyEntry
         self.stored_teams: dict[str, TeamEntry] = {}
@@ -137,7 +137,7 @@ class KeyDirectory:
                 self.rules[name] = rules
             quota = self._limits(name, key)
             if quota is not None and name not in self._configured:
-                self.quotas[name] = quota
+                self.quotas.set_limits(name, quota)
 
     def install(self, keys: list[KeyRow], teams: list[TeamRow]) -> None:
         """Swap in a new snapshot of the store (called on the event loop: no await inside)."""
@@ -157,7 +157,7 @@ class KeyDirectory:
         for identity in set(self.entries) - set(entries):
             self.rules.pop(identity, None)
             if identity not in self._configured:
-                self.quotas.pop(identity, None)
+                self.quotas.set_limits(identity, None)
         for identity, key in entries.items():
             rules = Rules.of(self.team(key.team), key)
             if rules is None:
@@ -165,11 +165,7 @@ class KeyDirectory:
             else:
                 self.rules[identity] = rules
             if identity not in self._configured:
-                quota = self._limits(identity, key)
-                if quota is None:
-                    self.quotas.pop(identity, None)
-                else:
-                    self.quotas[identity] = quota
+                self.quotas.set_limits(identity, self._limits(identity, key))
         self.stored, self.entries = stored, entries
         for identity, team in list(self.bound.items()):  # a team's change reaches OAuth callers too
             self.bind(identity, team)

@@ -83,7 +83,7 @@ class Gateway:
         # single flight: joined here, or claimed across the replicas that share the state
         self.flights = flights_for(self.state, self.clock, self.metrics, self.start_background)
         self.quotas = quotas_for(config, self.clock, self.state, self.metrics)
-        self.keys = directory_for(config, self.quotas.quotas)  # YAML and stored keys, their access
+        self.keys = directory_for(config, self.quotas)  # YAML and stored keys, their access
         self.listeners: list[Any] = []
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
