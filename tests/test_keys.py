@@ -156,6 +156,8 @@ async def test_v1_models_and_calls_show_only_the_keys_models(gw: Any) -> None:
         h = {"authorization": f"Bearer {key}"}
         listed = (await http.get("/v1/models", headers=h)).json()["data"]
         assert sorted(m["id"] for m in listed) == ["mock-gpt", "mock-gpt-2"]
+        hidden = await http.get("/v1/models/mock-claude", headers=h)
+        assert hidden.status_code == 404 and "mock-claude" not in str(hidden.json()["error"].get("known"))
         ask = [{"role": "user", "content": "hi"}]
         r = await http.post("/v1/chat/completions", json={"model": "mock-gpt", "messages": ask}, headers=h)
         assert r.status_code == 200, r.text

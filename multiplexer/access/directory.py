@@ -108,9 +108,11 @@ class KeyDirectory:
     def rules_of(self, identity: str | None) -> Rules | None:
         return self.rules.get(identity) if identity is not None else None
 
-    def bind(self, identity: str, team: str | None) -> None:
+    def bind(self, identity: str, team: str | None, force: bool = False) -> None:
         """An OAuth caller (``oauth:<sub>``) gets its team's access; one without a known team may
         use nothing (a token's claim never widens what the config grants)."""
+        if identity in self.bound and self.bound[identity] == team and not force:
+            return  # bound already (each request of a token binds: nothing is rebuilt)
         if len(self.bound) >= MAX_BOUND and identity not in self.bound:
             self.bound.pop(next(iter(self.bound)))
         self.bound[identity] = team
@@ -168,7 +170,7 @@ class KeyDirectory:
                 self.quotas.set_limits(identity, self._limits(identity, key))
         self.stored, self.entries = stored, entries
         for identity, team in list(self.bound.items()):  # a team's change reaches OAuth callers too
-            self.bind(identity, team)
+            self.bind(identity, team, force=True)
         self._static_limits()  # a YAML key's team may be a stored one
         self.loaded_at = self.wall()
         self.version += 1

@@ -10,6 +10,7 @@ is ``oauth:<sub>``; the claim ``team_claim`` names the team whose access it gets
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ from multiplexer.access.settings import OAuthSettings
 ALGORITHMS = ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"]
 REFETCH_S = 10.0  # an unknown kid refetches the key set at most this often (a flood cannot hammer it)
 LEEWAY_S = 30
+MAX_VERIFIED = 10_000
 
 
 class TokenVerifier:
@@ -42,6 +44,7 @@ class TokenVerifier:
         self._refreshed = -1e18  # ... and of the last one an unknown kid asked for
         self._lock = anyio.Lock()
         self.fetches = 0
+        self._verified: dict[bytes, TokenIdentity] = {}  # sha256(token) -> its caller, until exp
         claims: dict[str, Any] = {"iss": {"essential": True, "value": settings.issuer},
                                   "aud": {"essential": True, "value": settings.audience},
                                   "exp": {"essential": True}}
@@ -81,6 +84,20 @@ class TokenVerifier:
             return self._keys
 
     async def verify(self, token: str) -> TokenIdentity:
+        """The token's caller; a token verified before is answered from memory until it expires
+        (a client sends the same token with every request)."""
+        key = hashlib.sha256(token.encode()).digest()
+        known = self._verified.get(key)
+        if known is not None and (known.expires_at is None or known.expires_at > self.wall()):
+            return known
+        found = await self._verify(token)
+        if len(self._verified) >= MAX_VERIFIED:
+            self._verified.clear()
+        if found.expires_at is not None:  # an introspected token without exp is asked again each time
+            self._verified[key] = found
+        return found
+
+    async def _verify(self, token: str) -> TokenIdentity:
         claims = await (self._jwt(token) if self.settings.jwks_url else self._introspect(token))
         scopes = frozenset(str(claims.get("scope", "")).split())
         missing = [s for s in self.settings.scopes if s not in scopes]

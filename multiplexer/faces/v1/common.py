@@ -109,9 +109,11 @@ class V1:
         rules = self.gateway.keys.rules_of(identity)
         return rules is None or (rules.route_ok(route) and rules.model_ok(route, model))
 
-    def unknown_model(self, model: str) -> HttpError:
+    def unknown_model(self, model: str, identity: str | None = None) -> HttpError:
+        """404 naming the models there are (those ``identity`` may see, when it is known)."""
+        known = sorted(m for m, r in self.models.items() if identity is None or self.visible(identity, m, r))
         error = RpcError(Code.NOT_FOUND, f"The model '{model}' does not exist",
-                         {"model": model, "known": sorted(self.models)})
+                         {"model": model, "known": known})
         return HttpError(404, error, param="model", code="model_not_found")
 
     def serves(self, name: str) -> str:

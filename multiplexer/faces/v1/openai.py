@@ -144,5 +144,5 @@ class Models(Endpoint):
             return
         found = next((m for m in data if m["id"] == wanted), None)
         if found is None:
-            raise self.v1.unknown_model(wanted)
+            raise self.v1.unknown_model(wanted, identity)
         await send_json(send, 200, found, headers)
