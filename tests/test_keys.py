@@ -231,7 +231,8 @@ async def test_the_admin_api_describes_itself_as_openapi(gw: Any) -> None:
         ("POST", "/admin/keys"), ("GET", "/admin/keys"), ("GET", "/admin/keys/{id}"),
         ("PATCH", "/admin/keys/{id}"), ("POST", "/admin/keys/{id}/rotate"), ("DELETE", "/admin/keys/{id}"),
         ("POST", "/admin/teams"), ("GET", "/admin/teams"), ("PATCH", "/admin/teams/{id}"),
-        ("GET", "/admin/audit")}
+        ("POST", "/admin/mcp-servers"), ("GET", "/admin/mcp-servers"), ("PATCH", "/admin/mcp-servers/{id}"),
+        ("DELETE", "/admin/mcp-servers/{id}"), ("GET", "/admin/audit")}
     created = doc["components"]["schemas"]["KeyCreated"]["properties"]
     assert {"id", "key", "prefix", "models", "tools", "budget_usd"} <= set(created)
     validator = pytest.importorskip("openapi_spec_validator")
@@ -282,3 +283,37 @@ async def test_a_stored_keys_rpm_joins_the_per_key_quotas(gw: Any) -> None:
         assert "result" in await rpc(http, made["key"])  # a new bucket at the new rate
         await http.patch(f"/admin/keys/{made['id']}", json={"rpm": None}, headers=A)
         assert gateway.quotas.limits(made["id"]) is None
+
+
+async def test_a_virtual_server_made_through_the_admin_api(gw: Any) -> None:
+    _, url, _ = gw
+    async with httpx.AsyncClient(base_url=url) as http:
+        await team(http, "green")
+        green = (await new_key(http, team="green"))["key"]
+        other = (await new_key(http))["key"]
+        r = await http.post("/admin/mcp-servers", json={"name": "adders", "tools": ["tools_add"],
+                                                        "teams": ["green"]}, headers=A)
+        assert r.status_code == 201, r.text
+        taken = await http.post("/admin/mcp-servers", json={"name": "mini", "tools": ["x"]}, headers=A)
+        assert taken.status_code == 409  # a config server's name
+        listed = (await http.get("/admin/mcp-servers", headers=A)).json()["data"]
+        assert [s["name"] for s in listed] == ["adders"]
+        ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        r = await http.post("/mcp/adders", json=ping, headers={"authorization": f"Bearer {other}",
+                                                               "accept": "application/json"})
+        assert r.status_code == 403
+        for mode in ("auto", "legacy"):
+            async with mcp_http_client(url + "/mcp/adders", mode, key=green) as client:
+                assert [t.name for t in (await client.list_tools()).tools] == ["tools_add"]
+                with pytest.raises(MCPError, match="Unknown tool"):
+                    await client.call_tool("tools_echo", {"text": "x"})
+        r = await http.patch("/admin/mcp-servers/adders", json={"tools": ["tools_add", "tools_echo"]},
+                             headers=A)
+        assert r.status_code == 200 and r.json()["tools"] == ["tools_add", "tools_echo"]
+        async with mcp_http_client(url + "/mcp/adders", key=green) as client:
+            assert sorted(t.name for t in (await client.list_tools()).tools) == ["tools_add", "tools_echo"]
+        assert (await http.delete("/admin/mcp-servers/adders", headers=A)).status_code == 200
+        r = await http.post("/mcp/adders", json=ping, headers={"authorization": f"Bearer {green}",
+                                                               "accept": "application/json"})
+        assert r.status_code == 404 and "no MCP server 'adders'" in r.text
+        assert (await http.delete("/admin/mcp-servers/adders", headers=A)).status_code == 404

@@ -16,6 +16,9 @@ from multiplexer.access.api import (
     KeyIn,
     KeyOut,
     KeyPatch,
+    McpServerIn,
+    McpServerOut,
+    McpServerPatch,
     Rotated,
     RotateIn,
     TeamIn,
@@ -67,6 +70,11 @@ def key_out(row: KeyRow, cls: type[KeyOut] = KeyOut, **extra: Any) -> Any:
 def team_out(row: TeamRow) -> TeamOut:
     return TeamOut(id=row.id, name=row.id, created_at=_when(row.created), updated_at=_when(row.updated),
                    **row.access)
+
+
+def server_out(row: TeamRow) -> McpServerOut:
+    return McpServerOut(id=row.id, name=row.id, created_at=_when(row.created),
+                        updated_at=_when(row.updated), **row.access)
 
 
 class KeyAdmin:
@@ -191,6 +199,41 @@ class KeyAdmin:
         await self.store.run(self.store.save_team, row, self._audit(actor, "teams.update", team_id, given))
         await self._changed(f"team {team_id}")
         return team_out(row)
+
+    # -- virtual MCP servers -------------------------------------------------------------------
+    async def create_server(self, body: McpServerIn, actor: str, configured: set[str]) -> McpServerOut:
+        if body.name in configured:
+            raise Conflict(f"MCP server {body.name!r} is defined in the config (mcp_servers)")
+        now = self.wall()
+        row = TeamRow(body.name, body.model_dump(mode="json", exclude={"name"}), now, now)
+        audit = self._audit(actor, "mcp_servers.create", body.name, body.model_dump(mode="json"))
+        if not await self.store.run(self.store.add_server, row, audit):
+            raise Conflict(f"MCP server {body.name!r} exists")
+        await self._changed(f"mcp server {body.name}")
+        return server_out(row)
+
+    async def list_servers(self) -> list[McpServerOut]:
+        return [server_out(r) for r in await self.store.run(self.store.servers)]
+
+    async def update_server(self, name: str, patch: McpServerPatch, actor: str) -> McpServerOut:
+        row = next((r for r in await self.store.run(self.store.servers) if r.id == name), None)
+        if row is None:
+            raise not_found("MCP server", name)
+        given = patch.model_dump(mode="json", exclude_unset=True)
+        if given.get("tools", []) is None:
+            raise invalid_params("tools may not be null", param="tools")
+        row.access.update({k: v if v is not None else [] for k, v in given.items()})
+        row.updated = self.wall()
+        await self.store.run(self.store.save_server, row,
+                             self._audit(actor, "mcp_servers.update", name, given))
+        await self._changed(f"mcp server {name}")
+        return server_out(row)
+
+    async def delete_server(self, name: str, actor: str) -> None:
+        audit = self._audit(actor, "mcp_servers.delete", name, {})
+        if not await self.store.run(self.store.delete_server, name, audit):
+            raise not_found("MCP server", name)
+        await self._changed(f"mcp server {name}")
 
     async def audit(self, limit: int, target: str | None) -> list[AuditOut]:
         rows = await self.store.run(self.store.audit, limit, target)

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from multiplexer.access.entries import Access
+from multiplexer.access.settings import VirtualServer
 from multiplexer.core.policy import BudgetUsd, Strict
 
 
@@ -95,12 +96,32 @@ class TeamOut(Access):
     updated_at: datetime
 
 
+class McpServerIn(VirtualServer):
+    """``POST /admin/mcp-servers``: ``/mcp/{name}`` serves just these tools to these keys."""
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
+
+
+class McpServerPatch(Strict):
+    tools: list[str] | None = None
+    keys: list[str] | None = None
+    teams: list[str] | None = None
+
+
+class McpServerOut(VirtualServer):
+    id: str
+    name: str
+    created_at: datetime
+    updated_at: datetime
+
+
 class AuditOut(BaseModel):
     id: str
     at: datetime
     actor: str = Field(description="who: the admin key's holder, as the X-Admin-Actor header names them")
     action: str = Field(description="what: keys.create, keys.update, keys.rotate, keys.revoke, "
-                        "teams.create, teams.update")
+                        "teams.create, teams.update, mcp_servers.create, mcp_servers.update, "
+                        "mcp_servers.delete")
     target: str | None = None
     detail: dict[str, Any] = Field(default_factory=dict, description="the fields given (never a key)")
 

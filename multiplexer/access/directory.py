@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from pydantic import SecretStr
 from multiplexer.access.entries import Access, KeyEntry, TeamEntry, entry
 from multiplexer.access.keystore import KeyRow, KeyStore, TeamRow
 from multiplexer.access.rules import Rules
-from multiplexer.access.settings import KeyStoreSettings
+from multiplexer.access.settings import KeyStoreSettings, VirtualServer
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.policy import Quota
 
@@ -66,6 +66,7 @@ class KeyDirectory:
         self.stored: dict[bytes, Live] = {}
         self.entries: dict[str, KeyEntry] = {}  # stored identity -> its key as a KeyEntry
         self.stored_teams: dict[str, TeamEntry] = {}
+        self.servers: dict[str, VirtualServer] = {}  # virtual MCP servers made through the admin API
         self.rules: dict[str, Rules] = {}  # identity -> its rules (absent: may use everything)
         self.bound: dict[str, str | None] = {}  # OAuth identities seen -> their team claim
         self.admin: Any = None  # the admin API's operations (access.admin_ops.KeyAdmin) while running
@@ -141,9 +142,10 @@ class KeyDirectory:
             if quota is not None and name not in self._configured:
                 self.quotas.set_limits(name, quota)
 
-    def install(self, keys: list[KeyRow], teams: list[TeamRow]) -> None:
+    def install(self, keys: list[KeyRow], teams: list[TeamRow], servers: Sequence[TeamRow] = ()) -> None:
         """Swap in a new snapshot of the store (called on the event loop: no await inside)."""
         self.stored_teams = {t.id: TeamEntry.model_validate(t.access) for t in teams}
+        self.servers = {s.id: VirtualServer.model_validate(s.access) for s in servers}
         stored: dict[bytes, Live] = {}
         entries: dict[str, KeyEntry] = {}
         for row in keys:
@@ -182,8 +184,9 @@ class KeyDirectory:
         """Read the store once and install what it holds (raises when it is unreachable)."""
         assert self.store is not None
         store = self.store
-        keys, teams = await store.run(lambda: (store.keys(live_only=True), store.teams()))
-        self.install(keys, teams)
+        keys, teams, servers = await store.run(
+            lambda: (store.keys(live_only=True), store.teams(), store.servers()))
+        self.install(keys, teams, servers)
 
     async def wait_version(self, version: int) -> None:
         """Until at least ``version`` loads happened (tests, and a write's own replica)."""

@@ -36,6 +36,9 @@ CREATE TABLE IF NOT EXISTS access_audit (
   id TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL,
   target TEXT, detail TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS access_audit_at ON access_audit(at DESC, id DESC);
+CREATE TABLE IF NOT EXISTS access_mcp_servers (
+  id TEXT PRIMARY KEY, spec TEXT NOT NULL, created DOUBLE PRECISION NOT NULL,
+  updated DOUBLE PRECISION NOT NULL);
 """
 KEY_COLUMNS = ("id", "name", "prefix", "digest", "team", "access", "expires_at", "created",
                "updated", "revoked_at", "old_digest", "old_valid_until")
@@ -190,6 +193,38 @@ class KeyStore:
             self._x("UPDATE access_teams SET access=?, updated=? WHERE id=?",
                     (json.dumps(row.access), row.updated, row.id))
             self._audit(audit)
+
+    # -- virtual MCP servers (their specs as JSON: tools, keys, teams) --------------------------
+    @locked
+    def add_server(self, row: TeamRow, audit: AuditRow) -> bool:
+        """False when a server of that name exists."""
+        with self._tx():
+            if self._x("SELECT 1 FROM access_mcp_servers WHERE id=?", (row.id,)).fetchone():
+                return False
+            self._x("INSERT INTO access_mcp_servers VALUES (?,?,?,?)",
+                    (row.id, json.dumps(row.access), row.created, row.updated))
+            self._audit(audit)
+        return True
+
+    @locked
+    def servers(self) -> list[TeamRow]:
+        rows = self._x("SELECT id, spec, created, updated FROM access_mcp_servers ORDER BY id").fetchall()
+        return [TeamRow(r[0], json.loads(r[1]), r[2], r[3]) for r in rows]
+
+    @locked
+    def save_server(self, row: TeamRow, audit: AuditRow) -> None:
+        with self._tx():
+            self._x("UPDATE access_mcp_servers SET spec=?, updated=? WHERE id=?",
+                    (json.dumps(row.access), row.updated, row.id))
+            self._audit(audit)
+
+    @locked
+    def delete_server(self, server_id: str, audit: AuditRow) -> bool:
+        with self._tx():
+            gone = self._x("DELETE FROM access_mcp_servers WHERE id=?", (server_id,)).rowcount > 0
+            if gone:
+                self._audit(audit)
+        return gone
 
     # -- audit -------------------------------------------------------------------------------
     def _audit(self, row: AuditRow) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -94,8 +95,7 @@ class Rules:
     def prefix_ok(self, prefix: str) -> bool:
         """Whether any tool under a wildcard route's ``prefix`` may pass (its resources, prompts)."""
         def some(layers: Layers) -> bool:
-            return all(any(g.startswith(prefix) or fnmatchcase(prefix, g) or g.startswith("*")
-                           for g in globs) for globs in layers.globs)
+            return all(prefix_matches(globs, prefix) for globs in layers.globs)
         return some(self.tools) and some(self.routes)
 
     def refusal(self, route: str, params: Any, face: str) -> RpcError | None:
@@ -112,6 +112,15 @@ class Rules:
         if model is None and self.models.globs and face == "v1" and not self.model_ok(route):
             return denied(f"this key may not use model {route!r}", model=route)
         return None
+
+
+def glob_matches(globs: Sequence[str], name: str) -> bool:
+    return any(fnmatchcase(name, g) for g in globs)
+
+
+def prefix_matches(globs: Sequence[str], prefix: str) -> bool:
+    """Whether any of ``globs`` may match a name under ``prefix`` (a wildcard route's tools)."""
+    return any(g.startswith(prefix) or fnmatchcase(prefix, g) or g.startswith("*") for g in globs)
 
 
 def denied(detail: str, **extra: Any) -> RpcError:

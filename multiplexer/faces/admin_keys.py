@@ -24,6 +24,9 @@ from multiplexer.access.api import (
     KeyOut,
     KeyPatch,
     Listing,
+    McpServerIn,
+    McpServerOut,
+    McpServerPatch,
     Rotated,
     RotateIn,
     TeamIn,
@@ -132,6 +135,22 @@ def mount_keys(gateway: Gateway, admin: AdminKey, admin_route: Callable[..., Bas
         patch = await _body(request, TeamPatch)
         return _json(await ops.update_team(request.path_params["id"], patch, _actor(request)))
 
+    async def create_server(ops: KeyAdmin, request: Request) -> Response:
+        body = await _body(request, McpServerIn)
+        made = await ops.create_server(body, _actor(request), set(gateway.config.mcp_servers))
+        return _json(made, 201)
+
+    async def list_servers(ops: KeyAdmin, request: Request) -> Response:
+        return _json(await ops.list_servers())
+
+    async def update_server(ops: KeyAdmin, request: Request) -> Response:
+        patch = await _body(request, McpServerPatch)
+        return _json(await ops.update_server(request.path_params["id"], patch, _actor(request)))
+
+    async def delete_server(ops: KeyAdmin, request: Request) -> Response:
+        await ops.delete_server(request.path_params["id"], _actor(request))
+        return JSONResponse({"id": request.path_params["id"], "deleted": True})
+
     async def audit(ops: KeyAdmin, request: Request) -> Response:
         return _json(await ops.audit(_limit(request), request.query_params.get("target")))
 
@@ -151,9 +170,18 @@ def mount_keys(gateway: Gateway, admin: AdminKey, admin_route: Callable[..., Bas
         route("/admin/teams", create_team, "POST"),
         route("/admin/teams", list_teams, "GET"),
         route("/admin/teams/{id}", update_team, "PATCH"),
+        route("/admin/mcp-servers", create_server, "POST"),
+        route("/admin/mcp-servers", list_servers, "GET"),
+        route("/admin/mcp-servers/{id}", update_server, "PATCH"),
+        route("/admin/mcp-servers/{id}", delete_server, "DELETE"),
         route("/admin/audit", audit, "GET"),
         admin_route(admin, "/admin/openapi.json", openapi, ["GET"]),
     ]
+
+
+class Deleted(BaseModel):
+    id: str
+    deleted: bool
 
 
 # (method, path, summary, request model, status, response model, listed)
@@ -168,6 +196,12 @@ OPERATIONS: list[tuple[str, str, str, type[BaseModel] | None, int, type[BaseMode
     ("post", "/admin/teams", "Create a team", TeamIn, 201, TeamOut, False),
     ("get", "/admin/teams", "List teams", None, 200, TeamOut, True),
     ("patch", "/admin/teams/{id}", "Update a team's defaults", TeamPatch, 200, TeamOut, False),
+    ("post", "/admin/mcp-servers", "Create a virtual MCP server at /mcp/{name}", McpServerIn, 201,
+     McpServerOut, False),
+    ("get", "/admin/mcp-servers", "List the virtual MCP servers made here", None, 200, McpServerOut, True),
+    ("patch", "/admin/mcp-servers/{id}", "Change a virtual MCP server's tools, keys or teams",
+     McpServerPatch, 200, McpServerOut, False),
+    ("delete", "/admin/mcp-servers/{id}", "Delete a virtual MCP server", None, 200, Deleted, False),
     ("get", "/admin/audit", "Admin actions, newest first (?limit=, ?target=)", None, 200, AuditOut, True),
 ]
 

@@ -67,7 +67,7 @@ class McpEndpoint:
     def __init__(self, face: McpFace, manager: StreamableHTTPSessionManager, auth: Authenticator,
                  allowed_origins: list[str], max_body: int, max_batch: int,
                  max_sessions_per_key: int | None = None,
-                 admits: Callable[[str | None], bool] | None = None,
+                 admits: Callable[[str | None, Any], bool] | None = None,
                  oauth: TokenVerifier | None = None) -> None:
         self.face = face
         self.oauth = oauth  # server.oauth: bearer JWTs (or introspected tokens) besides API keys
@@ -105,7 +105,7 @@ class McpEndpoint:
             return
         if note is not None:
             note.key = identity
-        if self.admits is not None and not self.admits(identity):
+        if self.admits is not None and not self.admits(identity, scope):
             refusal = RpcError(Code.RATE_LIMITED, "Permission denied",
                                {"reason": "permission_denied",
                                 "detail": "this key may not use this MCP server"})
@@ -246,7 +246,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[BaseRoute], Any]:
     """Routes for the HTTP app and the lifespan that runs the session managers: the gateway's MCP
     server at ``server.mcp.path``, and each virtual server (``mcp_servers``) under it."""
-    from multiplexer.faces.mcp.virtual import virtual_faces
+    from multiplexer.access.compose import key_store_on
+    from multiplexer.faces.mcp.virtual import StoredServers, stored_face, virtual_faces
 
     path = gateway.config.server.mcp.path
     settings = gateway.config.server.oauth
@@ -262,6 +263,10 @@ def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[Base
     for name, face, admits in virtual_faces(gateway):
         mounts.append(mount_one(gateway, authenticator, f"{path.rstrip('/')}/{name}", face, admits,
                                 f"mcp/{name}", oauth))
+    if key_store_on(gateway.config):  # virtual servers made through the admin API, after the config's
+        face, admits = stored_face(gateway)
+        mounts.append(mount_one(gateway, authenticator, f"{path.rstrip('/')}/{{name}}", face, admits,
+                                "mcp/*", oauth, wrap=lambda app: StoredServers(gateway, app)))
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -281,7 +286,8 @@ def mount_mcp(gateway: Gateway, authenticator: Authenticator) -> tuple[list[Base
 
 
 def mount_one(gateway: Gateway, authenticator: Authenticator, path: str, face: McpFace,
-              admits: Callable[[str | None], bool] | None, name: str, oauth: TokenVerifier | None = None
+              admits: Callable[[str | None, Any], bool] | None, name: str,
+              oauth: TokenVerifier | None = None, wrap: Callable[[Any], Any] | None = None
               ) -> tuple[list[BaseRoute], Callable[[], AbstractAsyncContextManager[None]]]:
     """One MCP server at ``path``: its routes, and what runs while the app does."""
     server = gateway.config.server
@@ -304,5 +310,6 @@ def mount_one(gateway: Gateway, authenticator: Authenticator, path: str, face: M
 
     # POST listed on its own so ``ExactPaths`` sends it straight here, past Starlette's stack; the
     # route for every method keeps the SDK's answers to the rest (a 405 with its body).
-    routes: list[BaseRoute] = [Route(path, endpoint, methods=["POST"]), Route(path, endpoint)]
+    app: Any = endpoint if wrap is None else wrap(endpoint)
+    routes: list[BaseRoute] = [Route(path, app, methods=["POST"]), Route(path, app)]
     return routes, running

@@ -100,12 +100,19 @@ def _everything(name: str) -> bool:
     return True
 
 
+def _nothing(name: str) -> bool:
+    return False
+
+
 class McpFace:
     def __init__(self, gateway: Gateway, only: Callable[[str], bool] | None = None,
-                 only_prefix: Callable[[str], bool] | None = None) -> None:
+                 only_prefix: Callable[[str], bool] | None = None,
+                 per_request: Callable[[Any], tuple[Callable[[str], bool], Callable[[str], bool]] | None]
+                 | None = None) -> None:
         self.gateway = gateway
         self.only = only  # a virtual server's tools (faces/mcp/virtual.py); None: every tool
         self.only_prefix = only_prefix
+        self.per_request = per_request  # ... or the request's own (servers made over the admin API)
         self.catalog = ToolCatalog()
         self.bus = InMemorySubscriptionBus()
         self.listen = ListenHandler(self.bus)
@@ -284,6 +291,9 @@ class McpFace:
         """Which tools this caller may see and call: its key's globs, and the virtual server's."""
         rules = self.gateway.keys.rules_of(identity_of(ctx))
         only = self.only
+        if self.per_request is not None:
+            picked = self.per_request(ctx)
+            only = picked[0] if picked is not None else _nothing
         if rules is None and only is None:
             return _everything
         return lambda name: (rules is None or rules.tool_ok(name)) and (only is None or only(name))
@@ -292,6 +302,9 @@ class McpFace:
         """The same for an upstream's resources and prompts, by its wildcard route's prefix."""
         rules = self.gateway.keys.rules_of(identity_of(ctx))
         only = self.only_prefix
+        if self.per_request is not None:
+            picked = self.per_request(ctx)
+            only = picked[1] if picked is not None else _nothing
         if rules is None and only is None:
             return _everything
         return lambda prefix: (rules is None or rules.prefix_ok(prefix)) and (

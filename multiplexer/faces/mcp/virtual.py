@@ -4,25 +4,27 @@ so serves a different tool set to each client; a caller's own key rules still ap
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from fnmatch import fnmatchcase
+from typing import Any
 
+from starlette.types import Receive, Scope, Send
+
+from multiplexer.access.rules import glob_matches, prefix_matches
 from multiplexer.access.settings import VirtualServer
+from multiplexer.core.errors import Code, RpcError
+from multiplexer.faces.http import rpc_error
 from multiplexer.faces.mcp.server import McpFace
 from multiplexer.gateway.gateway import Gateway
+
+VIRTUAL_SCOPE_KEY = "multiplexer.virtual_server"
+Admits = Callable[[str | None, Any], bool]  # (identity, the request's scope) -> may connect
 
 
 def tools_of(server: VirtualServer) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
     """(tool name -> exposed, wildcard route prefix -> any of its tools exposed)."""
     globs = tuple(server.tools)
-
-    def tool(name: str) -> bool:
-        return any(fnmatchcase(name, g) for g in globs)
-
-    def prefix(prefix: str) -> bool:
-        return any(g.startswith(prefix) or fnmatchcase(prefix, g) for g in globs)
-
-    return tool, prefix
+    return functools.partial(glob_matches, globs), functools.partial(prefix_matches, globs)
 
 
 def admits(gateway: Gateway, server: VirtualServer) -> Callable[[str | None], bool] | None:
@@ -42,9 +44,55 @@ def admits(gateway: Gateway, server: VirtualServer) -> Callable[[str | None], bo
     return check
 
 
-def virtual_faces(gateway: Gateway) -> list[tuple[str, McpFace, Callable[[str | None], bool] | None]]:
-    out = []
+def virtual_faces(gateway: Gateway) -> list[tuple[str, McpFace, Admits | None]]:
+    out: list[tuple[str, McpFace, Admits | None]] = []
     for name, server in gateway.config.mcp_servers.items():
         tool, prefix = tools_of(server)
-        out.append((name, McpFace(gateway, only=tool, only_prefix=prefix), admits(gateway, server)))
+        check = admits(gateway, server)
+        out.append((name, McpFace(gateway, only=tool, only_prefix=prefix),
+                    None if check is None else _by_identity(check)))
     return out
+
+
+def _by_identity(check: Callable[[str | None], bool]) -> Admits:
+    return lambda identity, scope: check(identity)
+
+
+def stored_face(gateway: Gateway) -> tuple[McpFace, Admits]:
+    """One MCP server for every virtual server made through the admin API (``/mcp/{name}``): the
+    request's server, put on its scope by ``StoredServers``, says which tools and callers."""
+
+    def serving(scope: Any) -> VirtualServer | None:
+        found = scope.get(VIRTUAL_SCOPE_KEY) if isinstance(scope, dict) else None
+        return found if isinstance(found, VirtualServer) else None
+
+    def only(ctx: Any) -> tuple[Callable[[str], bool], Callable[[str], bool]] | None:
+        server = serving(getattr(ctx.request, "scope", None))
+        return tools_of(server) if server is not None else None
+
+    def check(identity: str | None, scope: Any) -> bool:
+        server = serving(scope)
+        if server is None:
+            return False
+        allowed = admits(gateway, server)
+        return allowed is None or allowed(identity)
+
+    return McpFace(gateway, per_request=only), check
+
+
+class StoredServers:
+    """``/mcp/{name}``: the stored virtual server of that name (404 when there is none) onto the
+    request's scope, then the shared endpoint."""
+
+    def __init__(self, gateway: Gateway, endpoint: Any) -> None:
+        self.gateway = gateway
+        self.endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        name = scope.get("path_params", {}).get("name", "")
+        server = self.gateway.keys.servers.get(name)
+        if server is None:
+            error = RpcError(Code.NOT_FOUND, "Not Found", {"detail": f"no MCP server {name!r}"})
+            await rpc_error(404, error)(scope, receive, send)
+            return
+        await self.endpoint({**scope, VIRTUAL_SCOPE_KEY: server}, receive, send)
