@@ -160,3 +160,40 @@ async def test_a_token_is_refused_by_the_sdk_client_too(gateway: Any, issuer: An
         async with mcp_http_client(url + "/mcp", key=keys.token("https://other.example/mcp")) as client:
             await client.list_tools()
     assert "401" in repr(refused.value) or "Unauthorized" in repr(refused.value)
+
+
+async def test_opaque_tokens_are_introspected(monkeypatch: Any) -> None:
+    """Without a JWKS, the authorization server's RFC 7662 endpoint says who a token is for."""
+    monkeypatch.delenv(ENV, raising=False)
+    port = free_port()
+    audience = f"http://127.0.0.1:{port}/mcp"
+    tokens = {"good": {"active": True, "sub": "bo", "aud": audience, "team": "red", "scope": "mcp",
+                       "exp": int(time.time()) + 60},
+              "revoked": {"active": False},
+              "elsewhere": {"active": True, "sub": "bo", "aud": "https://other.example", "scope": "mcp",
+                            "exp": int(time.time()) + 60}}
+
+    async def introspect(request: Request) -> JSONResponse:
+        form = await request.form()
+        return JSONResponse(tokens.get(str(form.get("token")), {"active": False}))
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        async with serve_asgi(Starlette(routes=[Route("/introspect", introspect, methods=["POST"])]),
+                              sock) as issuer_url:
+            config = parse_config({
+                "server": {"teams": {"red": {"tools": ["echo"]}},
+                           "oauth": {"issuer": ISSUER, "audience": audience, "scopes": ["mcp"],
+                                     "introspection_url": issuer_url + "/introspect"}},
+                "providers": {"e": {"kind": "echo"}},
+                "routes": {"echo": {"provider": "e"}, "secret": {"provider": "e"}}})
+            async with running(config, host="127.0.0.1", port=port) as (_, url):
+                async with mcp_http_client(url + "/mcp", key="good") as client:
+                    assert [t.name for t in (await client.list_tools()).tools] == ["echo"]
+                async with httpx.AsyncClient() as http:
+                    for token in ("revoked", "elsewhere"):
+                        r = await http.post(url + "/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+                                            headers={"authorization": f"Bearer {token}"})
+                        assert r.status_code == 401 and challenge_of(r)["error"] == "invalid_token"
+    finally:
+        sock.close()
