@@ -51,6 +51,7 @@ from multiplexer.faces.mcp.tools import (
     to_tool,
     wrap_result,
 )
+from multiplexer.faces.mcp.visibility import Visibility
 from multiplexer.faces.unexpected import unexpected
 from multiplexer.gateway.gateway import Gateway
 
@@ -96,23 +97,11 @@ class _GatewayServer(Server[Any]):
                                        "prompts": prompts if caps.prompts else None})
 
 
-def _everything(name: str) -> bool:
-    return True
-
-
-def _nothing(name: str) -> bool:
-    return False
-
-
 class McpFace:
-    def __init__(self, gateway: Gateway, only: Callable[[str], bool] | None = None,
-                 only_prefix: Callable[[str], bool] | None = None,
-                 per_request: Callable[[Any], tuple[Callable[[str], bool], Callable[[str], bool]] | None]
-                 | None = None) -> None:
+    def __init__(self, gateway: Gateway, visibility: Visibility | None = None) -> None:
         self.gateway = gateway
-        self.only = only  # a virtual server's tools (faces/mcp/virtual.py); None: every tool
-        self.only_prefix = only_prefix
-        self.per_request = per_request  # ... or the request's own (servers made over the admin API)
+        # what each caller may see and call: its key's rules (and a virtual server's tools)
+        self.visibility = visibility or Visibility(gateway.keys)
         self.catalog = ToolCatalog()
         self.bus = InMemorySubscriptionBus()
         self.listen = ListenHandler(self.bus)
@@ -288,27 +277,10 @@ class McpFace:
         return specs
 
     def may_use(self, ctx: ServerRequestContext[Any, Any]) -> Callable[[str], bool]:
-        """Which tools this caller may see and call: its key's globs, and the virtual server's."""
-        rules = self.gateway.keys.rules_of(identity_of(ctx))
-        only = self.only
-        if self.per_request is not None:
-            picked = self.per_request(ctx)
-            only = picked[0] if picked is not None else _nothing
-        if rules is None and only is None:
-            return _everything
-        return lambda name: (rules is None or rules.tool_ok(name)) and (only is None or only(name))
+        return self.visibility.tools(identity_of(ctx), ctx)
 
     def may_use_prefix(self, ctx: ServerRequestContext[Any, Any]) -> Callable[[str], bool]:
-        """The same for an upstream's resources and prompts, by its wildcard route's prefix."""
-        rules = self.gateway.keys.rules_of(identity_of(ctx))
-        only = self.only_prefix
-        if self.per_request is not None:
-            picked = self.per_request(ctx)
-            only = picked[1] if picked is not None else _nothing
-        if rules is None and only is None:
-            return _everything
-        return lambda prefix: (rules is None or rules.prefix_ok(prefix)) and (
-            only is None or only(prefix))
+        return self.visibility.prefixes(identity_of(ctx), ctx)
 
     async def list_tools(self, ctx: ServerRequestContext[Any, Any],
                          params: types.PaginatedRequestParams | None) -> types.ListToolsResult:

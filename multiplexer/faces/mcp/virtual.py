@@ -15,6 +15,7 @@ from multiplexer.access.settings import VirtualServer
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.faces.http import rpc_error
 from multiplexer.faces.mcp.server import McpFace
+from multiplexer.faces.mcp.visibility import Visibility
 from multiplexer.gateway.gateway import Gateway
 
 VIRTUAL_SCOPE_KEY = "multiplexer.virtual_server"
@@ -49,7 +50,7 @@ def virtual_faces(gateway: Gateway) -> list[tuple[str, McpFace, Admits | None]]:
     for name, server in gateway.config.mcp_servers.items():
         tool, prefix = tools_of(server)
         check = admits(gateway, server)
-        out.append((name, McpFace(gateway, only=tool, only_prefix=prefix),
+        out.append((name, McpFace(gateway, Visibility(gateway.keys, tool, prefix)),
                     None if check is None else _by_identity(check)))
     return out
 
@@ -77,7 +78,7 @@ def stored_face(gateway: Gateway) -> tuple[McpFace, Admits]:
         allowed = admits(gateway, server)
         return allowed is None or allowed(identity)
 
-    return McpFace(gateway, per_request=only), check
+    return McpFace(gateway, Visibility(gateway.keys, per_request=only)), check
 
 
 class StoredServers:
