@@ -193,6 +193,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: the packaged one)")
     demo.add_argument("--port", type=int, default=0, help="port (default: any free one)")
     demo.set_defaults(fn=_demo)
+
+    from multiplexer.admin_cli import add_commands  # keys and teams over the admin API
+
+    add_commands(command)
     return parser
 
 

@@ -15,6 +15,7 @@ import anyio
 import uvicorn
 
 from multiplexer.access.admin import AdminKey
+from multiplexer.access.compose import key_store_on
 from multiplexer.faces.admin import admin_routes
 from multiplexer.faces.auth import Authenticator, is_loopback
 from multiplexer.faces.http import create_app
@@ -93,7 +94,7 @@ def check_bind(config: Config, host: str) -> None:
     """The one check of the address actually bound (from config or ``--host``): without API keys
     only loopback, unless the config says otherwise."""
     server = config.server
-    if server.api_keys or is_loopback(host):
+    if server.api_keys or is_loopback(host) or key_store_on(config):
         return
     if server.allow_public_without_keys:
         log.warning("serving %s without API keys", host)
@@ -141,7 +142,7 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
     try:
         async with gw:
             attach_jobs(gw)
-            auth = Authenticator(config.server.api_keys)  # one for every face: /rpc, /v1, /mcp
+            auth = Authenticator(config.server.api_keys, gw.keys)  # one for every face: /rpc, /v1, /mcp
             mcp_routes, lifespan = mount_mcp(gw, auth)
             admin = AdminKey(config.server.admin_key)
             routes = v1_routes(gw, auth) + mcp_routes + admin_routes(gw, admin)

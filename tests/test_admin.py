@@ -24,7 +24,8 @@ KEY = "caller-key-0123456789"
 
 
 def config(admin_key: str | None) -> Any:
-    server: dict[str, Any] = {"api_keys": {"alice": KEY}}
+    # keys in the store are tests/test_keys.py's: here no database is opened
+    server: dict[str, Any] = {"api_keys": {"alice": KEY}, "key_store": {"enabled": False}}
     if admin_key is not None:
         server["admin_key"] = admin_key
     return parse_config({"server": server, "providers": {"e": {"kind": "echo"}},

@@ -18,17 +18,18 @@ class Access(Strict):
                                      " use (unset: all, or the team's)")
     routes: list[str] | None = Field(default=None, description="glob patterns of routes (methods)")
     tools: list[str] | None = Field(default=None, description="glob patterns of MCP tools")
-    rpm: float | None = Field(default=None, gt=0)
-    tpm: float | None = Field(default=None, gt=0)
-    concurrency: int | None = Field(default=None, ge=1)
-    budget_usd: BudgetUsd | None = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    rpm: float | None = Field(default=None, gt=0, description="calls per minute (a key: the smaller "
+                              "of its own and its team's)")
+    tpm: float | None = Field(default=None, gt=0, description="tokens per minute (kept; not yet enforced)")
+    concurrency: int | None = Field(default=None, ge=1, description="calls at once")
+    budget_usd: BudgetUsd | None = Field(default=None, description="spend caps in US dollars")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="free-form, shown by the admin API")
 
 
 class KeyEntry(Access):
     key: SecretStr = Field(description="the bearer key, or sha256:<hex> of it")
-    team: str | None = None
-    expires_at: datetime | None = None
+    team: str | None = Field(default=None, description="its team (in config: one of server.teams)")
+    expires_at: datetime | None = Field(default=None, description="refused from then on")
 
 
 class TeamEntry(Access):

@@ -55,6 +55,17 @@ class Quotas:
         self._active: dict[str, int] = {}
         self._batch: dict[str, tuple[int, int]] = {}  # identity -> (UTC day, calls charged that day)
 
+    def set_limits(self, identity: str, quota: Quota | None) -> None:
+        """A key's quota changed while the gateway runs (keys in the store): its rpm bucket starts
+        again at the new rate; slots held stay held and are released as usual."""
+        if quota is None:
+            self.quotas.pop(identity, None)
+        elif self.quotas.get(identity) != quota:
+            self.quotas[identity] = quota
+        else:
+            return
+        self._buckets.pop(identity, None)
+
     def limits(self, identity: str | None) -> Quota | None:
         return self.quotas.get(identity) if identity is not None else None
 

@@ -20,7 +20,7 @@ from multiplexer.gateway.gateway import Gateway
 Endpoint = Callable[[Request], Awaitable[Response]]
 STATUS: dict[int, int] = {Code.NOT_FOUND: 404, Code.UNAUTHORIZED: 401, Code.INVALID_PARAMS: 400}
 TYPES = {404: "not_found", 401: "unauthorized", 400: "invalid_request", 403: "forbidden",
-         409: "conflict"}
+         409: "conflict", 503: "unavailable"}
 
 
 def admin_error(status: int, message: str, detail: Any = None) -> JSONResponse:
@@ -72,7 +72,13 @@ def _status(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
     return [admin_route(admin, "/admin/whoami", whoami, ["GET"])]
 
 
-MOUNTS: Mounts = [_status]
+def _keys(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
+    from multiplexer.faces.admin_keys import mount_keys
+
+    return mount_keys(gateway, admin, admin_route, admin_error)
+
+
+MOUNTS: Mounts = [_status, _keys]
 
 
 def admin_routes(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:

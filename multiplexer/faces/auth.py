@@ -1,10 +1,14 @@
-"""Client authentication: bearer API keys compared in constant time, mapped to identities."""
+"""Client authentication: bearer API keys mapped to identities, by digest: the YAML's compared in
+constant time, the store's (``access.directory``) found by one dict lookup."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
+import time
 from collections.abc import Mapping
+from typing import Any
 
 from pydantic import SecretStr
 
@@ -14,10 +18,13 @@ from multiplexer.core.errors import Code, RpcError
 
 
 class Authenticator:
-    def __init__(self, api_keys: Mapping[str, SecretStr | KeyEntry]) -> None:
+    def __init__(self, api_keys: Mapping[str, SecretStr | KeyEntry], directory: Any = None) -> None:
         self._keys = [(name, digest(secret)) for name, value in api_keys.items()
                       if (secret := entry(value).key.get_secret_value())]
-        self.enabled = bool(api_keys)
+        self._expires = {name: e.expires_at.timestamp() for name, value in api_keys.items()
+                         if (e := entry(value)).expires_at is not None}
+        self.directory = directory if directory is not None and directory.enabled else None
+        self.enabled = bool(api_keys) or self.directory is not None
 
     def identify(self, authorization: str | None) -> str | None:
         """The identity for a header value; raises -32005 when keys are on and it is not valid."""
@@ -30,12 +37,16 @@ class Authenticator:
             raise RpcError(Code.UNAUTHORIZED, "Unauthorized",
                            {"detail": "malformed Authorization header"})
         given = given_digest(token.strip())
+        if self.directory is not None and (stored := self.directory.identify(given)) is not None:
+            return stored  # type: ignore[no-any-return]
         found = None
         for name, key in self._keys:  # check every key: no early exit timing
             if hmac.compare_digest(given, key):
                 found = name
         if found is None:
             raise RpcError(Code.UNAUTHORIZED, "Unauthorized", {"detail": "unknown key"})
+        if self._expires and time.time() >= self._expires.get(found, math.inf):
+            raise RpcError(Code.UNAUTHORIZED, "Unauthorized", {"detail": "key expired"})
         return found
 
 

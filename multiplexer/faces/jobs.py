@@ -145,6 +145,8 @@ class JobFace:
         if method in self.gateway.methods:
             raise invalid_params(f"{method} cannot run inside a batch job")
         resolved = self.gateway.resolve(method)
+        if identity is not None:
+            self.gateway.check_access(identity, method, params, "jobs")
         route = resolved.route
         manager = self.managers.get(route.provider)
         if manager is None:

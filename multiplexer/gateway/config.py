@@ -18,6 +18,7 @@ import yaml
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 
 from multiplexer.access.entries import KeyEntry, TeamEntry, entry
+from multiplexer.access.settings import KeyStoreSettings, OAuthSettings, VirtualServer
 from multiplexer.core.paths import ConfigPath, context_for
 from multiplexer.core.policy import (
     GroupConfig,
@@ -83,6 +84,10 @@ class ServerConfig(Strict):
     ui: bool = Field(default=True, description="serve the dashboard: `/ui` (the page, its files),"
                      " `/ui/api/state` and `/ui/api/stream` (admin key or a caller's own view), `/`"
                      " redirecting to `/ui`; docs/dashboard.md")
+    key_store: KeyStoreSettings = Field(default_factory=KeyStoreSettings,
+                                        description="keys and teams as data (/admin/keys, docs/keys.md)")
+    oauth: OAuthSettings | None = Field(default=None, description="OAuth 2.1 bearer tokens on /mcp "
+                                        "(the gateway as a resource server); unset: API keys only")
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
     mcp: McpServerConfig = Field(default_factory=McpServerConfig)
@@ -212,6 +217,8 @@ class Config(Strict):
     groups: dict[str, GroupConfig] = Field(
         default_factory=dict, description="model groups: one public name served by several routes "
         "(docs/fallbacks.md)")
+    mcp_servers: dict[str, VirtualServer] = Field(
+        default_factory=dict, description="virtual MCP servers: /mcp/NAME exposes just their tools")
 
     # The config file's folder: relative paths in the file start there (None: the working folder).
     _base_dir: Path | None = PrivateAttr(default=None)
@@ -223,6 +230,14 @@ class Config(Strict):
     def paths_context(self) -> dict[str, Any] | None:
         """The validation context for the kinds' settings: their relative paths are the file's."""
         return context_for(self._base_dir)
+
+    @field_validator("mcp_servers")
+    @classmethod
+    def _path_names(cls, servers: dict[str, VirtualServer]) -> dict[str, VirtualServer]:
+        for name in servers:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ValueError(f"mcp_servers.{name}: a name is one path segment (letters, digits, _.-)")
+        return servers
 
     @model_validator(mode="after")
     def _routes_name_providers(self) -> Config:

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 
+from multiplexer.access.compose import directory_for, keys_running
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import Clock, MonotonicClock, remaining
@@ -85,6 +86,7 @@ class Gateway:
         self.share = config.server.worker_count()  # processes that split the limits apart
         self.quotas = quotas_for(config, self.clock, self.state, self.metrics, self.share)
         self.fallbacks = Fallbacks(self)  # fallbacks, model groups, circuit breakers
+        self.keys = directory_for(config, self.quotas)  # YAML and stored keys, their access
         self.listeners: list[Any] = []
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
@@ -124,6 +126,7 @@ class Gateway:
                 await provider.start()
                 stack.push_async_callback(provider.aclose)
                 self.started.add(name)
+            await stack.enter_async_context(keys_running(self.keys, self.config))
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
             if self.state is not None:
@@ -278,6 +281,8 @@ class Gateway:
                 plan.claim = self._claim(call.identity, 0)  # jobs.* count like any call
                 return plan
             resolved = self.router.resolve(call.method)
+            if call.identity is not None:
+                self.check_access(call.identity, call.method, call.params, call.face)
             if resolved.group is not None:  # a model group: the route its strategy tries first
                 resolved = self.fallbacks.pick(resolved)
             plan.label = resolved.name
@@ -315,6 +320,13 @@ class Gateway:
             log.exception("call %s failed inside the gateway", call.method)
             plan.error = internal_error(type(e).__name__)
         return plan
+
+    def check_access(self, identity: str, route: str, params: Any, face: str) -> None:
+        """Raise why this key may not call ``route`` (a method or tool name, as called) or the model
+        its params name: its team's globs and its own (``access.rules``)."""
+        rules = self.keys.rules.get(identity)
+        if rules is not None and (refusal := rules.refusal(route, params, face)) is not None:
+            raise refusal
 
     def _claim(self, identity: str | None, batch_calls: int) -> Claim | None:
         """What a call asks of its key's quota; None for keyless callers and keys without one."""

@@ -71,8 +71,10 @@ def limiter_for(name: str, pconf: ProviderConfig, clock: Clock, state: SharedSta
 def quotas_for(config: Config, clock: Clock, state: SharedState | None, metrics: Metrics,
                share: int = 1) -> Quotas:
     """The keys' quotas, in this process (each worker's part of them) or shared."""
-    quotas = config.server.quotas
-    if state is None or not quotas:
+    from multiplexer.access.compose import keyed_quotas
+
+    quotas = dict(config.server.quotas)  # stored keys' limits join these while the gateway runs
+    if state is None or not (quotas or keyed_quotas(config)):
         return Quotas(clock, {key: share_of_quota(q, share) for key, q in quotas.items()})
     return SharedQuotas(clock, quotas, state, fail_open=config.state.on_failure == "open",
                         degraded=metrics.state_degraded_count)

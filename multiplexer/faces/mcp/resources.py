@@ -42,29 +42,35 @@ class UpstreamCatalog:
     """The MCP face's resources/* and prompts/* handlers."""
 
     def __init__(self, gateway: Gateway,
-                 hint: Callable[[int | None], dict[str, Any]] = lambda ttl_ms: {}) -> None:
+                 hint: Callable[[int | None], dict[str, Any]] = lambda ttl_ms: {},
+                 visible: Callable[[Any], Callable[[str], bool]] | None = None) -> None:
         self.gateway = gateway
+        # ctx -> which wildcard routes' prefixes this caller may see (its key, a virtual server)
+        self._visible = visible
         self._hint = hint  # cache hints for listings (ttlMs, cacheScope), given the upstreams' own
         self._owners: dict[str, str] = {}  # resource URI -> provider, from the last resources/list
         self._duplicates: set[str] = set()  # URIs already warned about
 
-    def mcp_routes(self, capability: type[S]) -> list[tuple[str, S]]:
-        """(prefix, provider) of each wildcard route whose provider has ``capability``, in config order."""
+    def mcp_routes(self, capability: type[S], ctx: Any = None) -> list[tuple[str, S]]:
+        """(prefix, provider) of each wildcard route whose provider has ``capability``, in config
+        order; with ``ctx``, only those its caller may see."""
+        visible = self._visible(ctx) if self._visible is not None and ctx is not None else None
         routes: list[tuple[str, S]] = []
         for name, route in self.gateway.config.routes.items():
             provider = self.gateway.providers[route.provider]
-            if name.endswith("*") and isinstance(provider, capability):
+            if name.endswith("*") and isinstance(provider, capability) and (
+                    visible is None or visible(name[:-1])):
                 routes.append((name[:-1], provider))
         return routes
 
-    def mcp_providers(self, capability: type[S]) -> list[S]:
+    def mcp_providers(self, capability: type[S], ctx: Any = None) -> list[S]:
         """Each of those upstreams once, in route order: the order that settles duplicate URIs."""
-        return list({p.name: p for _, p in self.mcp_routes(capability)}.values())
+        return list({p.name: p for _, p in self.mcp_routes(capability, ctx)}.values())
 
-    async def _gather(self, method: str, capability: type[S], fetch: Callable[[S], Awaitable[Listing]]
-                      ) -> list[tuple[S, Listing]]:
+    async def _gather(self, method: str, capability: type[S], fetch: Callable[[S], Awaitable[Listing]],
+                      ctx: Any = None) -> list[tuple[S, Listing]]:
         """Every upstream's listing, fetched at once; one that fails is left out, not fatal to the rest."""
-        providers = self.mcp_providers(capability)
+        providers = self.mcp_providers(capability, ctx)
 
         async def one(provider: S) -> Listing:
             try:
@@ -98,7 +104,7 @@ class UpstreamCatalog:
                              params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
         owners: dict[str, str] = {}
         resources: list[types.Resource] = []
-        gathered = await self._gather("resources/list", RESOURCES, lambda p: p.list_resources())
+        gathered = await self._gather("resources/list", RESOURCES, lambda p: p.list_resources(), ctx)
         for provider, listed in gathered:
             for item in listed:
                 if self._claim(owners, item["uri"], provider.name):
@@ -112,7 +118,7 @@ class UpstreamCatalog:
         owners: dict[str, str] = {}
         templates: list[types.ResourceTemplate] = []
         gathered = await self._gather("resources/templates/list", RESOURCES,
-                                      lambda p: p.list_resource_templates())
+                                      lambda p: p.list_resource_templates(), ctx)
         for provider, listed in gathered:
             for item in listed:
                 if self._claim(owners, item["uriTemplate"], provider.name):
@@ -130,7 +136,7 @@ class UpstreamCatalog:
         uri = str(params.uri)
         owner = self._owners.get(uri)
         failure: RpcError | None = None
-        for provider in self.mcp_providers(RESOURCES):
+        for provider in self.mcp_providers(RESOURCES, ctx):
             if owner is not None and provider.name != owner:
                 continue
             try:
@@ -146,10 +152,10 @@ class UpstreamCatalog:
 
     async def list_prompts(self, ctx: ServerRequestContext[Any, Any],
                            params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
-        gathered = await self._gather("prompts/list", PROMPTS, lambda p: p.list_prompts())
+        gathered = await self._gather("prompts/list", PROMPTS, lambda p: p.list_prompts(), ctx)
         listed = {provider.name: items for provider, items in gathered}
         prompts: dict[str, types.Prompt] = {}
-        for prefix, provider in self.mcp_routes(PROMPTS):
+        for prefix, provider in self.mcp_routes(PROMPTS, ctx):
             for item in listed[provider.name]:
                 name = prefix + item["name"]
                 prompts.setdefault(name, types.Prompt.model_validate({**item, "name": name}))
@@ -159,7 +165,7 @@ class UpstreamCatalog:
                          ) -> types.GetPromptResult:
         """The longest matching prefix picks the upstream, as the router does for tools."""
         name = params.name
-        for prefix, provider in sorted(self.mcp_routes(PROMPTS), key=lambda route: -len(route[0])):
+        for prefix, provider in sorted(self.mcp_routes(PROMPTS, ctx), key=lambda route: -len(route[0])):
             if name.startswith(prefix) and len(name) > len(prefix):
                 try:
                     return types.GetPromptResult.model_validate(

@@ -33,7 +33,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
 from multiplexer.core.call import Outcome
-from multiplexer.core.errors import RpcError
+from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.jsonrpc import META_KEYS, call_from
 from multiplexer.core.logs import LEVELS, LogSink
 from multiplexer.core.provider import McpUpstream, ToolSpec
@@ -51,6 +51,7 @@ from multiplexer.faces.mcp.tools import (
     to_tool,
     wrap_result,
 )
+from multiplexer.faces.mcp.visibility import Visibility
 from multiplexer.faces.unexpected import unexpected
 from multiplexer.gateway.gateway import Gateway
 
@@ -97,8 +98,10 @@ class _GatewayServer(Server[Any]):
 
 
 class McpFace:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, visibility: Visibility | None = None) -> None:
         self.gateway = gateway
+        # what each caller may see and call: its key's rules (and a virtual server's tools)
+        self.visibility = visibility or Visibility(gateway.keys)
         self.catalog = ToolCatalog()
         self.bus = InMemorySubscriptionBus()
         self.listen = ListenHandler(self.bus)
@@ -110,7 +113,7 @@ class McpFace:
         self._changed: set[str] = set()  # list-change events waiting for the broadcaster
         self._upstream_kinds: dict[type, bool] = {}  # provider class -> is an McpUpstream
         self._wake: anyio.Event | None = None  # made in ``running``, inside the event loop
-        self.upstream = UpstreamCatalog(gateway, self.cache_hint)
+        self.upstream = UpstreamCatalog(gateway, self.cache_hint, self.may_use_prefix)
         self.server = _GatewayServer(
             "multiplexer", version=__version__,
             instructions="Every route of this gateway is a tool; calls are batched, limited and shared.",
@@ -273,9 +276,16 @@ class McpFace:
             specs.append(spec)
         return specs
 
+    def may_use(self, ctx: ServerRequestContext[Any, Any]) -> Callable[[str], bool]:
+        return self.visibility.tools(identity_of(ctx), ctx)
+
+    def may_use_prefix(self, ctx: ServerRequestContext[Any, Any]) -> Callable[[str], bool]:
+        return self.visibility.prefixes(identity_of(ctx), ctx)
+
     async def list_tools(self, ctx: ServerRequestContext[Any, Any],
                          params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
-        tools = self.catalog.build(await self.specs())
+        allowed = self.may_use(ctx)
+        tools = self.catalog.build([s for s in await self.specs() if allowed(s.name)])
         return types.ListToolsResult(tools=tools, **self.cache_hint(self._tools_ttl_ms()))
 
     def cache_hint(self, ttl_ms: int | None = None) -> dict[str, Any]:
@@ -284,7 +294,8 @@ class McpFace:
         The lists are the same for every caller, but behind API keys they are not for strangers.
         """
         limit = self.gateway.config.server.mcp.list_ttl_ms
-        scope = "private" if self.gateway.config.server.api_keys else "public"
+        server = self.gateway.config.server  # behind keys (per-key listings), never for strangers
+        scope = "private" if server.api_keys or server.oauth or self.gateway.keys.enabled else "public"
         return {"ttl_ms": limit if ttl_ms is None else min(ttl_ms, limit), "cache_scope": scope}
 
     def _tools_ttl_ms(self) -> int | None:
@@ -300,6 +311,8 @@ class McpFace:
         if len(params.name) == MAX_NAME and params.name not in self.catalog.aliases:
             self.catalog.build(await self.specs())  # a client calling a short alias it never listed
         method = self.catalog.resolve(params.name)
+        if not self.may_use(ctx)(method):  # as if it did not exist
+            raise protocol_error(RpcError(Code.METHOD_NOT_FOUND, "Method not found"), params.name)  # type: ignore[misc]
         raw_meta = (ctx.params or {}).get("_meta")
         meta = {k: v for k, v in raw_meta.items() if k in META_KEYS} if isinstance(raw_meta, dict) else {}
         try:

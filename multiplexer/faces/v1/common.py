@@ -46,6 +46,8 @@ def status_of(error: RpcError, overloaded: int = 503) -> int:
         if isinstance(status, int) and 400 <= status <= 599 and status not in (401, 403):
             return status  # the upstream's own verdict on this call's body
         return 502  # a bad gateway key upstream, or no status at all, is the gateway's fault
+    if error.code == Code.RATE_LIMITED and data.get("reason") == "permission_denied":
+        return 403  # the key may not use this model or route (access.rules)
     return {
         Code.PARSE_ERROR: 400, Code.INVALID_REQUEST: 400, Code.INVALID_PARAMS: 400,
         Code.METHOD_NOT_FOUND: 404, Code.NOT_FOUND: 404, Code.UNAUTHORIZED: 401,
@@ -105,9 +107,16 @@ class V1:
             raise self.unknown_model(model)
         return name, self.gateway.resolve(name).route  # a group's: its first route
 
-    def unknown_model(self, model: str) -> HttpError:
+    def visible(self, identity: str | None, model: str, route: str) -> bool:
+        """Whether ``/v1/models`` shows this model to this key (its models and routes globs)."""
+        rules = self.gateway.keys.rules_of(identity)
+        return rules is None or (rules.route_ok(route) and rules.model_ok(route, model))
+
+    def unknown_model(self, model: str, identity: str | None = None) -> HttpError:
+        """404 naming the models there are (those ``identity`` may see, when it is known)."""
+        known = sorted(m for m, r in self.models.items() if identity is None or self.visible(identity, m, r))
         error = RpcError(Code.NOT_FOUND, f"The model '{model}' does not exist",
-                         {"model": model, "known": sorted(self.models)})
+                         {"model": model, "known": known})
         return HttpError(404, error, param="model", code="model_not_found")
 
     def serves(self, name: str) -> str:
@@ -192,8 +201,9 @@ class V1:
         return out
 
     async def submit(self, call: Call) -> Outcome:
+        call.face = "v1"  # a key's models are checked against the model this face was asked for
         if self.gateway.tracer.enabled:
-            call.face, call.trace = "v1", REQUEST_TRACE.get()
+            call.trace = REQUEST_TRACE.get()
         return await self.gateway.submit(call)
 
 

@@ -28,14 +28,15 @@ from multiplexer.faces.v1.requests import (
 )
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+          403: "permission_denied", 409: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error"}
 
 
 def openai_error(status: int, error: RpcError, param: str | None, code: str | None) -> dict[str, Any]:
     """``{"error": {message, type, param, code}}``: what the OpenAI SDK reads into its exception."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     if code is None:
-        code = {401: "invalid_api_key", 429: "rate_limit_exceeded"}.get(status)
+        code = {401: "invalid_api_key", 403: "permission_denied", 429: "rate_limit_exceeded"}.get(status)
     return {"error": {"message": message_of(error), "type": kind, "param": param, "code": code}}
 
 
@@ -141,12 +142,12 @@ class Models(Endpoint):
         data = [{"id": model, "object": "model", "created": created,
                  "owned_by": "multiplexer" if route in gateway.config.groups
                  else gateway.config.routes[route].provider}
-                for model, route in self.v1.models.items()]
+                for model, route in self.v1.models.items() if self.v1.visible(identity, model, route)]
         wanted = scope.get("path_params", {}).get("model")
         if wanted is None:
             await send_json(send, 200, {"object": "list", "data": data}, headers)
             return
         found = next((m for m in data if m["id"] == wanted), None)
         if found is None:
-            raise self.v1.unknown_model(wanted)
+            raise self.v1.unknown_model(wanted, identity)
         await send_json(send, 200, found, headers)

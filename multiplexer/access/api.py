@@ -1,0 +1,131 @@
+"""The admin API's bodies, in and out, as pydantic models: validation and the OpenAPI schema."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from multiplexer.access.entries import Access
+from multiplexer.access.settings import VirtualServer
+from multiplexer.core.policy import BudgetUsd, Strict
+
+
+class KeyIn(Access):
+    """``POST /admin/keys``."""
+
+    name: str = Field(min_length=1, max_length=200, description="what the key is for (not unique)")
+    team: str | None = Field(default=None, description="a team whose defaults the key narrows")
+    expires_at: datetime | None = Field(default=None, description="refused from then on")
+
+
+class KeyPatch(Strict):
+    """``PATCH /admin/keys/{id}``: only the fields given change (null clears one)."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    team: str | None = None
+    models: list[str] | None = None
+    routes: list[str] | None = None
+    tools: list[str] | None = None
+    rpm: float | None = Field(default=None, gt=0)
+    tpm: float | None = Field(default=None, gt=0)
+    concurrency: int | None = Field(default=None, ge=1)
+    budget_usd: BudgetUsd | None = None
+    expires_at: datetime | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class KeyOut(BaseModel):
+    id: str
+    name: str
+    prefix: str = Field(description="the key's first characters, for telling keys apart")
+    team: str | None = None
+    models: list[str] | None = None
+    routes: list[str] | None = None
+    tools: list[str] | None = None
+    rpm: float | None = None
+    tpm: float | None = None
+    concurrency: int | None = None
+    budget_usd: BudgetUsd | None = None
+    expires_at: datetime | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    created_at: datetime
+    updated_at: datetime
+    revoked_at: datetime | None = None
+    old_key_valid_until: datetime | None = None
+
+
+class KeyCreated(KeyOut):
+    key: str = Field(description="the key itself: shown this once, kept only as its hash")
+
+
+class RotateIn(Strict):
+    grace_s: float | None = Field(default=None, ge=0, description="how long the old key stays valid "
+                                  "(unset: server.key_store.grace_s; 0: not at all)")
+
+
+class Rotated(BaseModel):
+    id: str
+    key: str = Field(description="the new key: shown this once")
+    prefix: str
+    old_key_valid_until: datetime | None
+
+
+class TeamIn(Access):
+    """``POST /admin/teams``: a team's defaults, which its keys narrow."""
+
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:-]+$")
+
+
+class TeamPatch(Strict):
+    models: list[str] | None = None
+    routes: list[str] | None = None
+    tools: list[str] | None = None
+    rpm: float | None = Field(default=None, gt=0)
+    tpm: float | None = Field(default=None, gt=0)
+    concurrency: int | None = Field(default=None, ge=1)
+    budget_usd: BudgetUsd | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class TeamOut(Access):
+    id: str
+    name: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class McpServerIn(VirtualServer):
+    """``POST /admin/mcp-servers``: ``/mcp/{name}`` serves just these tools to these keys."""
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_.-]+$")
+
+
+class McpServerPatch(Strict):
+    tools: list[str] | None = None
+    keys: list[str] | None = None
+    teams: list[str] | None = None
+
+
+class McpServerOut(VirtualServer):
+    id: str
+    name: str
+    created_at: datetime
+    updated_at: datetime
+
+
+class AuditOut(BaseModel):
+    id: str
+    at: datetime
+    actor: str = Field(description="who: the admin key's holder, as the X-Admin-Actor header names them")
+    action: str = Field(description="what: keys.create, keys.update, keys.rotate, keys.revoke, "
+                        "teams.create, teams.update, mcp_servers.create, mcp_servers.update, "
+                        "mcp_servers.delete")
+    target: str | None = None
+    detail: dict[str, Any] = Field(default_factory=dict, description="the fields given (never a key)")
+
+
+class Listing(BaseModel):
+    object: str = "list"
+    data: list[Any]

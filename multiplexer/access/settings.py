@@ -1,0 +1,47 @@
+"""The config of keys as data, virtual MCP servers and OAuth: what ``gateway/config.py`` mounts."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from multiplexer.core.policy import Strict
+
+
+class KeyStoreSettings(Strict):
+    """Keys and teams kept in the job store's database and managed through ``/admin/keys``."""
+
+    enabled: bool | None = Field(
+        default=None, description="consult stored keys (unset: on when an admin key is set, the only"
+        " way to create them); when on, every call needs a key")
+    ttl_s: float = Field(default=30.0, gt=0, description="each replica reloads the stored keys this "
+                         "often even without an invalidation through state.url")
+    stale_s: float = Field(default=300.0, gt=0, description="a replica that cannot reach the store "
+                           "keeps serving the keys it last loaded this long, then refuses stored keys")
+    grace_s: float = Field(default=86400.0, ge=0, description="default time a rotated key stays "
+                           "valid (POST /admin/keys/{id}/rotate may say otherwise)")
+
+
+class VirtualServer(Strict):
+    """An MCP server of its own at ``/mcp/NAME``: just these tools, for just these callers."""
+
+    tools: list[str] = Field(description="glob patterns of the gateway's tool names it exposes")
+    keys: list[str] = Field(default_factory=list, description="key names (or stored key ids) that may "
+                            "connect; with teams unset too: every key")
+    teams: list[str] = Field(default_factory=list, description="teams whose keys may connect")
+
+
+class OAuthSettings(Strict):
+    """The gateway as an OAuth 2.1 resource server on ``/mcp`` (the MCP authorization spec)."""
+
+    issuer: str = Field(description="the authorization server (its `iss`), listed in the metadata")
+    audience: str = Field(description="what a token's `aud` must hold: this gateway's /mcp URL")
+    jwks_url: str | None = Field(default=None, description="the issuer's JSON Web Key Set")
+    introspection_url: str | None = Field(
+        default=None, description="RFC 7662 endpoint, for opaque tokens (used when no jwks_url)")
+    team_claim: str = Field(default="team", description="the claim naming the caller's team")
+    scopes: list[str] = Field(default_factory=list, description="scopes every token must carry "
+                              "(listed in the metadata as scopes_supported)")
+    resource: str | None = Field(default=None, description="the resource URL in the metadata "
+                                 "(unset: the audience)")
+    jwks_ttl_s: float = Field(default=600.0, gt=0, description="how long the key set is cached; "
+                              "an unknown kid refetches it at once (at most every 10 s)")
