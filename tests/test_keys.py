@@ -317,3 +317,21 @@ async def test_a_virtual_server_made_through_the_admin_api(gw: Any) -> None:
                                                                "accept": "application/json"})
         assert r.status_code == 404 and "no MCP server 'adders'" in r.text
         assert (await http.delete("/admin/mcp-servers/adders", headers=A)).status_code == 404
+
+
+async def test_callers_need_a_key_once_the_store_has_issued_one(tmp_path: Path, monkeypatch: Any) -> None:
+    """An admin key alone (for /admin/ and the dashboard) leaves callers without a key served, as
+    without api_keys; the first key the store issues ends that, and a revoked one keeps it ended
+    (a gateway started later on the same store too)."""
+    monkeypatch.delenv(ENV, raising=False)
+    config = parse_config(keys_config(tmp_path / "jobs.db"))
+    body = {"jsonrpc": "2.0", "id": 1, "method": "echo", "params": {"a": 1}}
+    async with running(config, port=0) as (gateway, url), httpx.AsyncClient(base_url=url) as http:
+        assert (await http.post("/rpc", json=body)).json()["result"] == {"a": 1}
+        made = await new_key(http)
+        await gateway.keys.wait_version(gateway.keys.version)
+        refused = (await http.post("/rpc", json=body))
+        assert refused.status_code == 401, refused.text
+        assert (await http.delete(f"/admin/keys/{made['id']}", headers=A)).status_code == 200
+    async with running(config, port=0) as (_, url), httpx.AsyncClient(base_url=url) as http:
+        assert (await http.post("/rpc", json=body)).status_code == 401

@@ -71,6 +71,9 @@ class KeyDirectory:
         self.bound: dict[str, str | None] = {}  # OAuth identities seen -> their team claim
         self.admin: Any = None  # the admin API's operations (access.admin_ops.KeyAdmin) while running
         self.version = 0  # loads so far (tests wait on it)
+        # a key was ever created in the store (revoked ones count): from then on every call needs
+        # a key; before, callers without one are served as they were without api_keys
+        self.issued = False
         self.loaded_at: float | None = None  # wall time of the last good load
         self._changed: anyio.Event | None = None  # made inside the event loop, when first needed
         self._loaded: anyio.Event | None = None
@@ -148,6 +151,7 @@ class KeyDirectory:
         self.servers = {s.id: VirtualServer.model_validate(s.access) for s in servers}
         stored: dict[bytes, Live] = {}
         entries: dict[str, KeyEntry] = {}
+        self.issued = self.issued or bool(keys)
         for row in keys:
             if row.revoked_at is not None:
                 continue
@@ -185,7 +189,7 @@ class KeyDirectory:
         assert self.store is not None
         store = self.store
         keys, teams, servers = await store.run(
-            lambda: (store.keys(live_only=True), store.teams(), store.servers()))
+            lambda: (store.keys(), store.teams(), store.servers()))  # revoked ones too: issued
         self.install(keys, teams, servers)
 
     async def wait_version(self, version: int) -> None:

@@ -12,7 +12,7 @@ class KeyStoreSettings(Strict):
 
     enabled: bool | None = Field(
         default=None, description="consult stored keys (unset: on when an admin key is set, the only"
-        " way to create them); when on, every call needs a key")
+        " way to create them); once the store has issued a key, every call needs one")
     ttl_s: float = Field(default=30.0, gt=0, description="each replica reloads the stored keys this "
                          "often even without an invalidation through state.url")
     stale_s: float = Field(default=300.0, gt=0, description="a replica that cannot reach the store "

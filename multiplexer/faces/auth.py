@@ -24,7 +24,12 @@ class Authenticator:
         self._expires = {name: e.expires_at.timestamp() for name, value in api_keys.items()
                          if (e := entry(value)).expires_at is not None}
         self.directory = directory if directory is not None and directory.enabled else None
-        self.enabled = bool(api_keys) or self.directory is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a caller needs a key: the config names some, or the store has issued one (an
+        admin key alone, for `/admin/` and the dashboard, leaves keyless callers served)."""
+        return bool(self._keys) or (self.directory is not None and self.directory.issued)
 
     def identify(self, authorization: str | None) -> str | None:
         """The identity for a header value; raises -32005 when keys are on and it is not valid."""
