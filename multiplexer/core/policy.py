@@ -34,6 +34,19 @@ class BudgetUsd(Strict):
                                    description="a share of a period's cap: logged and counted once")
 
 
+class Price(Strict):
+    """A model's price in US dollars where genai-prices has none or the deal differs (local models,
+    self-hosted endpoints, negotiated rates); unset token kinds cost what input costs."""
+
+    input_per_mtok: Decimal = Field(default=Decimal(0), ge=0, description="per million input tokens")
+    output_per_mtok: Decimal = Field(default=Decimal(0), ge=0, description="per million output tokens")
+    cached_input_per_mtok: Decimal | None = Field(
+        default=None, ge=0, description="per million prompt-cache reads (unset: the input price)")
+    cache_write_per_mtok: Decimal | None = Field(
+        default=None, ge=0, description="per million prompt-cache writes (unset: the input price)")
+    per_call: Decimal = Field(default=Decimal(0), ge=0, description="added to every call")
+
+
 class BatchPolicy(Strict):
     max_items: int = Field(default=1, ge=1)
     max_wait_ms: float = Field(default=0.0, ge=0)
@@ -67,6 +80,11 @@ class ProviderConfig(BaseModel):
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     timeout_ms: float = Field(default=60_000, gt=0)
 
+    price: Price | None = Field(default=None, description="this price instead of genai-prices'")
+    batch_discount: float | None = Field(
+        default=None, ge=0, le=1, description="share taken off the price of calls sent through the "
+        "batch API (unset: 0.5 for kind openai and anthropic, else 0)")
+
     @property
     def extra(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -96,6 +114,11 @@ class RouteConfig(BaseModel):
     input_schema: dict[str, Any] | None = None
     # Model names a ``/v1`` request may ask for to reach this route (OpenAI/Anthropic faces).
     models: list[str] = Field(default_factory=list)
+
+    price: Price | None = Field(default=None, description="this price instead of genai-prices'")
+    batch_discount: float | None = Field(
+        default=None, ge=0, le=1, description="share taken off the price of calls sent through the "
+        "batch API (unset: 0.5 for kind openai and anthropic, else 0)")
 
     @property
     def extra(self) -> dict[str, Any]:

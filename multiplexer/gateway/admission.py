@@ -40,6 +40,7 @@ class Plan:
     item: Item | None = None
     dedup_key: Hashable | None = None
     span: Any = None  # the call's trace span, when calls are traced
+    reservation: Any = None  # what a budget reserved for it (money/budgets.py), settled as it ends
 
 
 def route_item(resolved: Resolved, params: Any, *, identity: str | None,

@@ -27,6 +27,7 @@ from multiplexer.core.policy import (
 )
 from multiplexer.gateway.config_errors import hint, problems
 from multiplexer.gateway.kind_keys import kind_problems
+from multiplexer.money.settings import BudgetsConfig, SpendConfig
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -184,6 +185,8 @@ class Config(Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    spend: SpendConfig = Field(default_factory=SpendConfig, description="what calls cost, saved and spent")
+    budgets: BudgetsConfig = Field(default_factory=BudgetsConfig, description="how budget_usd caps count")
 
     # The config file's folder: relative paths in the file start there (None: the working folder).
     _base_dir: Path | None = PrivateAttr(default=None)

@@ -37,6 +37,7 @@ from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.flights import CachedOutcome
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
+from multiplexer.gateway.spend import money_for, reserve_budgets, shared_how
 from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, settle
 
@@ -82,6 +83,7 @@ class Gateway:
         # single flight: joined here, or claimed across the replicas that share the state
         self.flights = flights_for(self.state, self.clock, self.metrics, self.start_background)
         self.quotas = quotas_for(config, self.clock, self.state, self.metrics)
+        self.money = money_for(config, self.clock, self.metrics, self.state)  # None: not priced
         self.listeners: list[Any] = []
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
@@ -123,6 +125,9 @@ class Gateway:
                 self.started.add(name)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
+            if self.money is not None:  # spend written and budgets settled off the call path
+                stack.push_async_callback(self.money.aclose)
+                self._tg.start_soon(self.money.run)
             if self.state is not None:
                 self._tg.start_soon(self.state.heartbeat_forever)
                 for limiter in self.limiters.values():
@@ -230,8 +235,12 @@ class Gateway:
         plans = [self.admit(call) for call in calls]
         if any(p.claim is not None for p in plans):
             grants = await self.quotas.decide([p.claim for p in plans])
+            if self.money is not None:
+                await reserve_budgets(self.money, self.quotas, plans, grants)
             tickets = [self.enqueue(p, g) for p, g in zip(plans, grants, strict=True)]
         else:
+            if self.money is not None:
+                await reserve_budgets(self.money, self.quotas, plans, [FREE] * len(plans))
             tickets = [self.enqueue(p, FREE) for p in plans]
         try:
             handlers = [t for t in tickets if t.handler is not None and t.outcome is None]
@@ -320,6 +329,8 @@ class Gateway:
         call = plan.call
         ticket = Ticket(plan.label, call.identity, plan.deadline, started=plan.started)
         ticket.span, ticket.grant = plan.span, grant
+        if self.money is not None:
+            ticket.plan = plan
         if call.shape is not None:
             ticket.shape = call.shape
         if plan.error is not None or grant.refusal is not None:
@@ -356,6 +367,7 @@ class Gateway:
         cached = self.cache.get(key)
         if cached is not None:
             self.metrics.dedup_hits.labels(plan.label, "cache").inc()
+            ticket.shared = "cache"
             if span is not None:
                 self.tracer.shared(span, "cache")
             self._finish(ticket, cached)
@@ -368,6 +380,7 @@ class Gateway:
             shared = pending.item  # the queue drops it once every caller's deadline has passed
             shared.deadline = None if shared.deadline is None else max(shared.deadline, ticket.deadline)
             self.metrics.dedup_hits.labels(plan.label, "inflight").inc()
+            ticket.shared = "dedup"
             if span is not None:
                 self.tracer.shared(span, "inflight")
             fan = pending.item.options.get("progress")
@@ -421,6 +434,9 @@ class Gateway:
         if t.outcome is not None:
             return
         answer = outcome if t.shape is None or outcome.error is not None else self._shaped(t, outcome)
+        if t.plan is not None and self.money is not None:  # its cost, its saving, its budget settled
+            answer = self.money.finish(t.plan, outcome, answer, shared_how(t.shared, outcome))
+            t.plan = None
         t.outcome = answer
         if t.span is not None:
             self.tracer.end_call(t.span, t.pending.item.trace if t.pending is not None else None,

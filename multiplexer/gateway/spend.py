@@ -1,0 +1,64 @@
+"""Composing the money side (``spend:``, ``budgets:``, ``price:``) into a gateway, and the budget
+decision of admission's second stage. Kept out of ``gateway.py``: with ``spend.enabled: false``
+none of it runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from multiplexer.core.clock import Clock
+from multiplexer.core.metrics import Metrics
+from multiplexer.core.quota import Grant, Quotas
+from multiplexer.core.state import SharedState
+from multiplexer.gateway.admission import Plan
+from multiplexer.gateway.config import Config
+from multiplexer.money.budgets import Reservation, Scope, budgets_of_config, team_of_config
+from multiplexer.money.ledger import Money
+from multiplexer.money.prices import Prices
+
+
+def money_for(config: Config, clock: Clock, metrics: Metrics, state: SharedState | None) -> Money | None:
+    if not config.spend.enabled:
+        return None
+    keys, teams = config.server.api_keys, config.server.teams
+
+    def budgets_of(identity: str | None) -> list[Scope]:
+        """The budgets a caller answers to (the key store, when there is one, extends this)."""
+        return budgets_of_config(identity, keys, teams)
+
+    def team_of(identity: str | None) -> str | None:
+        return team_of_config(identity, keys)
+
+    counters = None
+    make = getattr(state, "budget_counters", None)
+    if make is not None:
+        counters = make()  # one Redis script: every replica decides on the same counters
+    return Money(config.spend, config.budgets, Prices(config.providers, config.routes), clock, metrics,
+                 budgets_of=budgets_of, team_of=team_of, store_path=config.store.path,
+                 store_url=config.store.url, store_schema=config.store.schema_, counters=counters)
+
+
+async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],
+                          grants: Sequence[Grant]) -> None:
+    """Admission's budget decision, after the quotas': each admitted plan that a budget covers
+    reserves the most it can cost, or is refused (``plan.error``, its quota charge given back)
+    before anything is sent."""
+    todo = [i for i, p in enumerate(plans) if p.error is None and p.item is not None
+            and grants[i].refusal is None and money.budgets.applies(p.call.identity)]
+    if not todo:
+        return
+    decided = await money.budgets.reserve([plans[i] for i in todo])
+    for i, d in zip(todo, decided, strict=True):
+        if isinstance(d, Reservation):
+            plans[i].reservation = d
+        elif d is not None:
+            plans[i].error = d
+            quotas.refund(grants[i])
+
+
+def shared_how(ticket_shared: str | None, outcome: Any) -> str | None:
+    """How a caller shared another's execution: joined here, or an answer another replica ran."""
+    if ticket_shared is not None:
+        return ticket_shared
+    return getattr(outcome, "shared", None)
