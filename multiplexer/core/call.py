@@ -104,6 +104,8 @@ class Call:
     # before the call counts as answered: a result the face cannot send counts as the error it
     # becomes, not as ok. Its exceptions are the gateway's to catch. None: the outcome as it is.
     shape: Callable[[Outcome], Outcome] | None = None
+    # The caller asked for the call's cost with its result (``_meta.want_cost: true``).
+    want_cost: bool = False
 
 
 @dataclass(slots=True, eq=False)

@@ -18,7 +18,7 @@ from multiplexer.core.tracing import TRACE_KEYS, trace_carrier
 _NO_ID = object()
 # The only ``_meta`` keys that steer the gateway; any other key is dropped, never interpreted
 # (a client must not switch on, say, retries of a call that is not safe to repeat).
-META_KEYS = {"priority", "timeout_ms", "idempotency_key", *TRACE_KEYS}
+META_KEYS = {"priority", "timeout_ms", "idempotency_key", "want_cost", *TRACE_KEYS}
 
 
 @dataclass(slots=True)
@@ -128,6 +128,11 @@ def call_from(method: str, params: Any, meta: dict[str, Any], identity: str | No
     if key is not None and not isinstance(key, str):
         raise invalid_params("_meta.idempotency_key must be a string")
     call = Call(method, params, priority, timeout_ms, key, identity)
+    want_cost = meta.get("want_cost")
+    if want_cost is not None:
+        if not isinstance(want_cost, bool):
+            raise invalid_params("_meta.want_cost must be true or false")
+        call.want_cost = want_cost
     if "traceparent" in meta:
         call.trace = trace_carrier(meta)
     return call

@@ -102,6 +102,10 @@ class OtelTracer(Tracer):
         elif isinstance(outcome.result, dict):
             for key, value in _gen_ai_response(outcome.result).items():
                 span.set_attribute(key, value)
+        if outcome.error is None and outcome.cost is not None:  # what the call cost and saved, in USD
+            span.set_attribute("multiplexer.cost_usd", float(outcome.cost))
+            if outcome.saved:
+                span.set_attribute("multiplexer.saved_usd", float(outcome.saved))
         span.end()
 
     # -- batches ---------------------------------------------------------------

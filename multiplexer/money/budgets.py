@@ -22,8 +22,9 @@ from zoneinfo import ZoneInfo
 
 import anyio
 
-from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError, rate_limited
 from multiplexer.core.policy import BudgetUsd
+from multiplexer.core.state import StateUnavailable
 from multiplexer.money.prices import MTOK, Prices
 from multiplexer.money.settings import BudgetsConfig
 
@@ -256,7 +257,12 @@ class Budgets:
             counters = self.counters_for(scopes, wall)
             if not counters:
                 continue
-            refused, spent, alerts = await self.counters.reserve(counters, amount)
+            try:
+                refused, spent, alerts = await self.counters.reserve(counters, amount)
+            except StateUnavailable:  # no budget can be checked: nothing is sent (closed)
+                out[i] = rate_limited("budget_unavailable", 1.0,
+                                      detail="the shared budget state is unreachable")
+                continue
             if refused:
                 c = counters[refused - 1]
                 self.on_refused(c.scope, c.period)

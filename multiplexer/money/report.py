@@ -15,6 +15,15 @@ def usd_text(amount: Decimal) -> bytes:
     return text.encode()
 
 
+def cost_meta(outcome: Any) -> dict[str, str | None]:
+    """``{"cost_usd": "0.0000021", "saved_usd": ...}`` for a result's ``_meta`` (null: unknown)."""
+    cost, saved = outcome.cost, outcome.saved
+    meta: dict[str, str | None] = {"cost_usd": None if cost is None else usd_text(cost).decode()}
+    if saved:
+        meta["saved_usd"] = usd_text(saved).decode()
+    return meta
+
+
 def table(body: dict[str, Any], groups: Sequence[str]) -> str:
     """``GET /admin/spend``'s body as an aligned text table with a total line."""
     head = [*groups, "calls", "cost_usd", "saved_usd", "unknown_cost_calls"]
