@@ -48,6 +48,20 @@ providers:
 routes:
   chat: {{provider: oai, operation: chat, models: [{model}]}}
 """
+# The money phase: the same gateway with a key, its model priced and a budget on the key (every
+# call priced, recorded for the spend store and reserved/settled against the budget), and with
+# ``spend.enabled: false``; both measured in one phase against direct.
+MONEY_CONFIG = """
+server: {{host: 127.0.0.1, port: {port}, api_keys: {{bench: {key}}}}}
+store: {{path: {store}}}
+spend: {{enabled: {enabled}}}
+providers:
+  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
+        price: {{input_per_mtok: 2.5, output_per_mtok: 10, cached_input_per_mtok: 1.25}}}}
+routes:
+  chat: {{provider: oai, operation: chat, models: [{model}]}}
+"""
+MONEY_KEY_ON = '{key: sk-bench, budget_usd: {daily: 1000000, monthly: 10000000}}'
 LITELLM_CONFIG = """
 model_list:
   - model_name: {model}
@@ -277,6 +291,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                      Target("gateway /v1/responses", gw, responses_call(), responses_call(True),
                             gateway.pid)]
             results += compared(await measure(phase, args))
+        if args.money:
+            results += await money_phase(stack, paths[0], fake_port, tmp, args)
         program = litellm_program()
         if program is None:
             print("(no LiteLLM row: needs litellm on PATH or $LITELLM_BIN, and $LITELLM_MASTER_KEY)")
@@ -287,6 +303,27 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             again[0]["name"] = "direct (LiteLLM phase)"
             results += again
     return results
+
+
+async def money_phase(stack: contextlib.ExitStack, direct: Target, fake_port: int, tmp: str,
+                      args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Prices, spend and budgets off and on, two gateways in one phase against direct."""
+    chat = "/v1/chat/completions"
+    targets = [direct]
+    for name, enabled, key in (("gateway /v1, money off", "false", "sk-bench"),
+                               ("gateway /v1, money on", "true", MONEY_KEY_ON)):
+        port = free_port()
+        conf = Path(tmp) / f"money-{enabled}.yaml"
+        conf.write_text(MONEY_CONFIG.format(port=port, fake=fake_port, store=Path(tmp) / f"m-{enabled}.db",
+                                            model=MODEL, enabled=enabled, key=key))
+        proc = stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
+                                         f"http://127.0.0.1:{port}/healthz"))
+        targets.append(Target(name, f"http://127.0.0.1:{port}", openai_call(chat), None, proc.pid))
+    rows = compared(await measure(targets, args))
+    rows[0]["name"] = "direct (money phase)"
+    off, on = rows[1], rows[2]
+    on["money_added_p50_ms"] = on["p50_ms"] - off["p50_ms"]
+    return rows
 
 
 def compared(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -364,6 +401,8 @@ def main() -> None:
                         help="model time the fake adds to every answer")
     parser.add_argument("--no-sdk", dest="sdk", action="store_false",
                         help="skip the rows with the official OpenAI SDK as the client")
+    parser.add_argument("--no-money", dest="money", action="store_false",
+                        help="skip the phase with prices, spend and budgets off vs on")
     parser.add_argument("--transport", action="store_true",
                         help="also the lean transport alone vs httpx's pool")
     args = parser.parse_args()
@@ -385,6 +424,10 @@ def main() -> None:
                  "vs direct", "first chunk p50 (ms)", "added first chunk (ms)",
                  "proxy CPU ms/call"], rows))
     print("floors: added p50 < 1 ms (/rpc, /v1); throughput >= 0.9x direct; added first chunk < 2 ms")
+    money = [r for r in results if "money_added_p50_ms" in r]
+    if money:
+        print(f"money on vs off (same run): added p50 {money[0]['money_added_p50_ms']:+.3f} ms "
+              "(floor: +0.05 ms)")
     saved: dict[str, Any] = {"args": vars(args), "results": results}
     if args.transport:
         transports = anyio.run(run_transports, args)

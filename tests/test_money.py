@@ -296,3 +296,26 @@ async def test_budget_refusals_in_each_faces_shape(tmp_path: Path) -> None:
         assert f.openai.requests["/v1/chat/completions"] == sent  # nothing was sent once refused
         metrics = (await client.get("/metrics")).text
         assert 'multiplexer_budget_refusals_total{period="daily",scope="key"} 3.0' in metrics
+
+
+async def test_auto_mode_sends_a_patient_call_to_the_batch_api_and_books_the_saving(tmp_path: Path) -> None:
+    routes = {"auto": {"provider": "oai", "operation": "chat", "mode": "auto", "max_latency_s": 90_000,
+                       "params": {"model": "gpt-4o-mini"}}}
+    async with fakes() as f:
+        data = config(f, tmp_path)
+        data["routes"].update(routes)
+        data["providers"]["oai"]["batch_poll_interval_s"] = 0.01
+        async with running(parse_config(data), port=0) as (gw, url), \
+                httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEY}"}, timeout=30) as client:
+            msg = {"messages": [{"role": "user", "content": "hello there"}]}
+            # its route allows a day: the batch API (24h window), at half price
+            r = (await client.post("/rpc", json=rpc("auto", msg, want_cost=True))).json()
+            assert r["result"]["choices"][0]["message"]["content"] == "echo: hello there"
+            assert len(f.openai.batches) == 1 and f.openai.requests["/v1/chat/completions"] == 0
+            assert r["result"]["_meta"] == {"cost_usd": "0.00000105", "saved_usd": "0.00000105"}
+            # this caller needs an answer within a second: now, at the full price
+            r = (await client.post("/rpc", json=rpc("auto", msg, want_cost=True, timeout_ms=1000))).json()
+            assert r["result"]["_meta"] == {"cost_usd": "0.0000021"}
+            assert len(f.openai.batches) == 1 and f.openai.requests["/v1/chat/completions"] == 1
+            total = (await spend(client, group_by="route"))["rows"][0]
+            assert total["calls"] == 2 and total["saved_by"]["batch"] == pytest.approx(0.00000105)

@@ -105,7 +105,12 @@ class RouteConfig(BaseModel):
     cache_ttl_s: float | None = Field(default=None, gt=0)
     timeout_ms: float | None = Field(default=None, gt=0)
     priority: int = 0
-    mode: Literal["sync", "batch"] = "sync"
+    mode: Literal["sync", "batch", "auto"] = Field(
+        default="sync", description="sync: each call now; batch: as batch jobs; auto: through the "
+        "provider's batch API when the call's deadline (_meta.timeout_ms, else max_latency_s) allows "
+        "its completion window, else now")
+    max_latency_s: float | None = Field(
+        default=None, gt=0, description="mode: auto: how long a call that names no deadline may take")
     # MCP clients that opt into the tasks extension get a task handle instead of a held request
     # (always so for mode: batch; this asks for it on a sync route of a provider with a batch API).
     task: bool = False

@@ -37,7 +37,7 @@ from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.flights import CachedOutcome
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
-from multiplexer.gateway.spend import money_for, reserve_budgets, shared_how
+from multiplexer.gateway.spend import deadline_mode, money_for, reserve_budgets, shared_how
 from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, settle
 
@@ -283,6 +283,9 @@ class Gateway:
                 return plan
             resolved = self.router.resolve(call.method)
             plan.label = resolved.name
+            auto = resolved.route.mode == "auto"
+            if auto:  # the batch API or now, by the call's deadline
+                resolved = deadline_mode(resolved, call.timeout_ms, self.providers[resolved.route.provider])
             route = plan.route = resolved.route
             timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
             plan.deadline = plan.started + timeout_ms / 1000.0
@@ -307,6 +310,8 @@ class Gateway:
             else:
                 if route.mode == "batch" and call.identity is not None:
                     item.group = _tagged(item.group, call.identity)  # one job per owner (jobs.*)
+                if auto and route.mode == "batch":  # never in one upstream batch with its sync calls
+                    item.group = _tagged(item.group, "batch")
                 plan.dedup_key = self._dedup_key(call, route, item, provider)
             plan.claim = self._claim(call.identity, 1 if route.mode == "batch" else 0)
         except RpcError as e:

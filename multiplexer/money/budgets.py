@@ -200,12 +200,23 @@ class Budgets:
         self.on_refused, self.on_alert = on_refused, on_alert
         self._changes: list[tuple[str, int]] = []
         self._wake = anyio.Event()
+        self._counters: dict[Any, list[Counter]] = {}
 
     def applies(self, identity: str | None) -> bool:
         return bool(self.budgets_of(identity))
 
     def counters_for(self, scopes: list[Scope], wall: float) -> list[Counter]:
+        """The counters of ``scopes`` in the current periods (made once per caller and day)."""
         p = self.periods.at(wall)
+        key = (tuple((s, n, id(b)) for s, n, b in scopes), p.day)
+        found = self._counters.get(key)
+        if found is None:
+            if len(self._counters) >= 10_000:
+                self._counters.clear()
+            found = self._counters[key] = self._make_counters(scopes, wall, p)
+        return found
+
+    def _make_counters(self, scopes: list[Scope], wall: float, p: Periods) -> list[Counter]:
         out = []
         for scope, name, budget in scopes:
             for period in PERIODS:
