@@ -263,6 +263,9 @@ async def measure(paths: list[Target], args: argparse.Namespace) -> list[dict[st
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.only_money:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+            return await money_phase(stack, tmp, args)
     fake_port, gw_port = free_port(), free_port()
     fake, gw = f"http://127.0.0.1:{fake_port}", f"http://127.0.0.1:{gw_port}"
     fake_args = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
@@ -292,7 +295,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             gateway.pid)]
             results += compared(await measure(phase, args))
         if args.money:
-            results += await money_phase(stack, paths[0], fake_port, tmp, args)
+            results += await money_phase(stack, tmp, args)
         program = litellm_program()
         if program is None:
             print("(no LiteLLM row: needs litellm on PATH or $LITELLM_BIN, and $LITELLM_MASTER_KEY)")
@@ -305,11 +308,17 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-async def money_phase(stack: contextlib.ExitStack, direct: Target, fake_port: int, tmp: str,
+async def money_phase(stack: contextlib.ExitStack, tmp: str,
                       args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Prices, spend and budgets off and on, two gateways in one phase against direct."""
+    """Prices, spend and budgets off and on, two gateways in one phase against direct, on an
+    upstream of their own (the earlier phases' gateway keeps its connections to theirs)."""
     chat = "/v1/chat/completions"
-    targets = [direct]
+    fake_port = free_port()
+    fake = f"http://127.0.0.1:{fake_port}"
+    stack.enter_context(child(["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
+                               "--latency-ms", str(args.upstream_ms), "--requests-per-window", "1000000000"],
+                              f"{fake}/"))
+    targets = [Target("direct", fake, openai_call(chat))]
     for name, enabled, key in (("gateway /v1, money off", "false", "sk-bench"),
                                ("gateway /v1, money on", "true", MONEY_KEY_ON)):
         port = free_port()
@@ -403,6 +412,7 @@ def main() -> None:
                         help="skip the rows with the official OpenAI SDK as the client")
     parser.add_argument("--no-money", dest="money", action="store_false",
                         help="skip the phase with prices, spend and budgets off vs on")
+    parser.add_argument("--only-money", action="store_true", help="only the money phase")
     parser.add_argument("--transport", action="store_true",
                         help="also the lean transport alone vs httpx's pool")
     args = parser.parse_args()

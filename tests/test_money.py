@@ -58,7 +58,8 @@ def test_openai_cached_tokens_cost_by_hand() -> None:
                    "prompt_tokens_details": {"cached_tokens": 1000}})
     assert t is not None
     # 1000 plain input x $2.5 + 1000 cached x $1.25 + 500 output x $10, per million
-    assert rates.cost(t) == (1000 * Decimal("2.5") + 1000 * Decimal("1.25") + 500 * 10) / M == Decimal("0.00875")
+    by_hand = (1000 * Decimal("2.5") + 1000 * Decimal("1.25") + 500 * 10) / M
+    assert rates.cost(t) == by_hand == Decimal("0.00875")
     assert rates.uncached(t) - rates.cost(t) == Decimal("0.00125")  # what the prompt cache saved
 
 
@@ -101,7 +102,8 @@ def test_a_batch_line_costs_half_and_saves_the_rest() -> None:
     line = {"id": "msg_1", "usage": {"input_tokens": 100, "output_tokens": 200,
                                      "cache_read_input_tokens": 2000, "cache_creation_input_tokens": 1000}}
     provider = Outcome(line)
-    answer = m.bill(plan("r", "claude", {"model": "claude-sonnet-4-5"}, mode="batch"), provider, provider, None)
+    batch = plan("r", "claude", {"model": "claude-sonnet-4-5"}, mode="batch")
+    answer = m.bill(batch, provider, provider, None)
     assert answer is not provider  # the caller's own outcome
     assert answer.cost == Decimal("0.003825")  # 0.00765 at half price
     # alone and synchronously, cache reads billed as input: (2100x3 + 1000x3.75 + 200x15) / 1e6
@@ -155,10 +157,12 @@ def config(f: Any, tmp_path: Path, **extra: Any) -> dict[str, Any]:
 
 @asynccontextmanager
 async def gateway(tmp_path: Path, **extra: Any):
-    async with fakes() as f, running(parse_config(config(f, tmp_path, **extra)), port=0) as (gw, url):
-        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEY}"},
-                                     timeout=30) as client:
-            yield f, gw, client
+    async with (
+        fakes() as f,
+        running(parse_config(config(f, tmp_path, **extra)), port=0) as (gw, url),
+        httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEY}"}, timeout=30) as client,
+    ):
+        yield f, gw, client
 
 
 def chat(text: str, **more: Any) -> dict[str, Any]:
@@ -183,7 +187,8 @@ async def test_cost_header_rpc_meta_and_the_report(tmp_path: Path) -> None:
         assert r.status_code == 200
         usage = r.json()["usage"]
         # gpt-4o-mini: $0.15 in, $0.60 out per million
-        expected = (usage["prompt_tokens"] * Decimal("0.15") + usage["completion_tokens"] * Decimal("0.6")) / M
+        expected = (usage["prompt_tokens"] * Decimal("0.15")
+                    + usage["completion_tokens"] * Decimal("0.6")) / M
         assert Decimal(r.headers["x-multiplexer-cost-usd"]) == expected == Decimal("0.0000021")
         assert "x-multiplexer-saved-usd" not in r.headers
         r = await client.post("/rpc", json=rpc("chat", chat("hello there"), want_cost=True))
@@ -214,7 +219,7 @@ async def test_cost_header_rpc_meta_and_the_report(tmp_path: Path) -> None:
 
 
 async def test_a_stream_is_priced_from_its_final_usage(tmp_path: Path) -> None:
-    async with gateway(tmp_path) as (_, gw, client):
+    async with gateway(tmp_path) as (_, _, client):
         async with client.stream("POST", "/v1/chat/completions",
                                  json=chat("one two three", stream=True)) as r:
             assert r.status_code == 200
@@ -222,11 +227,12 @@ async def test_a_stream_is_priced_from_its_final_usage(tmp_path: Path) -> None:
                 pass
         report = await spend(client, group_by="route")
         # prompt 3 words, reply "echo: one two three" 4 words
-        assert report["rows"][0]["cost_usd"] == pytest.approx(float((3 * Decimal("0.15") + 4 * Decimal("0.6")) / M))
+        by_hand = (3 * Decimal("0.15") + 4 * Decimal("0.6")) / M
+        assert report["rows"][0]["cost_usd"] == pytest.approx(float(by_hand))
 
 
 async def test_a_dedup_burst_and_a_cache_hit_show_their_savings(tmp_path: Path) -> None:
-    async with gateway(tmp_path) as (f, gw, client):
+    async with gateway(tmp_path) as (f, _, client):
         body = {"messages": [{"role": "user", "content": "same words"}]}
 
         async def one(i: int, out: list[Any]) -> None:
@@ -254,7 +260,7 @@ async def test_a_dedup_burst_and_a_cache_hit_show_their_savings(tmp_path: Path) 
 
 async def test_spend_command_prints_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    async with gateway(tmp_path) as (_, gw, client):
+    async with gateway(tmp_path) as (_, _, client):
         await client.post("/v1/chat/completions", json=chat("hello there"))
         url = str(client.base_url).rstrip("/")
         monkeypatch.setenv("MULTIPLEXER_MASTER_KEY", ADMIN)
@@ -272,7 +278,7 @@ BUDGET = {"api_keys": {"alice": {"key": KEY, "budget_usd": {"daily": "0.00001"}}
 
 
 async def test_budget_refusals_in_each_faces_shape(tmp_path: Path) -> None:
-    async with gateway(tmp_path, **BUDGET) as (f, gw, client):
+    async with gateway(tmp_path, **BUDGET) as (f, _, client):
         first = await client.post("/v1/chat/completions", json=chat("hello there", max_tokens=10))
         assert first.status_code == 200
         sent = f.openai.requests["/v1/chat/completions"]
@@ -305,8 +311,9 @@ async def test_auto_mode_sends_a_patient_call_to_the_batch_api_and_books_the_sav
         data = config(f, tmp_path)
         data["routes"].update(routes)
         data["providers"]["oai"]["batch_poll_interval_s"] = 0.01
-        async with running(parse_config(data), port=0) as (gw, url), \
-                httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEY}"}, timeout=30) as client:
+        auth = {"authorization": f"Bearer {KEY}"}
+        async with running(parse_config(data), port=0) as (_, url), \
+                httpx.AsyncClient(base_url=url, headers=auth, timeout=30) as client:
             msg = {"messages": [{"role": "user", "content": "hello there"}]}
             # its route allows a day: the batch API (24h window), at half price
             r = (await client.post("/rpc", json=rpc("auto", msg, want_cost=True))).json()

@@ -27,7 +27,8 @@ FIGURES: dict[str, Any] = {}  # what the run measured, printed for the closing n
 
 def config(f: Any, tmp_path: Path, i: int, url: str, pre: str) -> Any:
     return parse_config({
-        "server": {"api_keys": {"alice": {"key": "k-alice-0123456789", "budget_usd": {"total": str(BUDGET)}}}},
+        "server": {"api_keys": {"alice": {"key": "k-alice-0123456789",
+                                          "budget_usd": {"total": str(BUDGET)}}}},
         "state": {"url": url, "prefix": pre},
         "store": {"path": str(tmp_path / f"r{i}.db")},
         "providers": {"oai": {"kind": "openai", "base_url": f.openai_url + "/v1", "api_key": "sk-up",

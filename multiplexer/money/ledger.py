@@ -70,9 +70,19 @@ class Money:
         """The writer and the settler, for the gateway's lifetime."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.budgets.run)
+            pruned = ""
             while True:
                 await self.clock.sleep_until(self.clock.now() + self.config.flush_interval_s)
                 await self.flush()
+                today = datetime.fromtimestamp(self.clock.wall(), self.zone).date()
+                if self.config.retention_days is not None and self.store is not None \
+                        and pruned != today.isoformat():
+                    pruned = today.isoformat()
+                    first = (today - timedelta(days=self.config.retention_days)).isoformat()
+                    try:
+                        await anyio.to_thread.run_sync(self.store.prune, first)
+                    except Exception:
+                        log.exception("old spend could not be deleted")
 
     async def flush(self) -> None:
         """Write what was recorded since the last flush (one batch), and settle budgets."""
