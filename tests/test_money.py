@@ -326,3 +326,23 @@ async def test_auto_mode_sends_a_patient_call_to_the_batch_api_and_books_the_sav
             assert len(f.openai.batches) == 1 and f.openai.requests["/v1/chat/completions"] == 1
             total = (await spend(client, group_by="route"))["rows"][0]
             assert total["calls"] == 2 and total["saved_by"]["batch"] == pytest.approx(0.00000105)
+
+
+async def test_packed_embeddings_book_the_upstream_requests_they_saved(tmp_path: Path) -> None:
+    async with fakes() as f:
+        data = config(f, tmp_path)
+        data["routes"]["embed"] = {"provider": "oai", "operation": "embeddings",
+                                   "batch": {"max_items": 8, "max_wait_ms": 200, "eager": False},
+                                   "params": {"model": "text-embedding-3-small"}}
+        auth = {"authorization": f"Bearer {KEY}"}
+        async with running(parse_config(data), port=0) as (_, url), \
+                httpx.AsyncClient(base_url=url, headers=auth, timeout=30) as client:
+            r = await client.post("/rpc", json=[rpc("embed", {"input": f"text number {i}"}, rid=i)
+                                                for i in range(8)])
+            assert all("result" in x for x in r.json())
+            sent = f.openai.requests["/v1/embeddings"]
+            assert sent < 8
+            total = (await spend(client, group_by="route"))["rows"][0]
+            assert total["calls"] == 8 and total["upstream_requests_saved"] == pytest.approx(8 - sent)
+            # text-embedding-3-small: $0.02 per million; 3 words each
+            assert total["cost_usd"] == pytest.approx(8 * 3 * 0.02 / 1e6)

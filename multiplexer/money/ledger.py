@@ -109,7 +109,7 @@ class Money:
         sums: dict[tuple[str, str, str, str, str], list[int]] = {}
         days: dict[int, str] = {}
         teams: dict[str | None, str] = {}
-        for at, key, route, _provider, model, cost, saved, how, prompt_saved in records:
+        for at, key, route, _provider, model, cost, saved, how, prompt_saved, requests_saved in records:
             minute = int(at // 60)  # a zone's midnight falls on a whole minute
             day = days.get(minute)
             if day is None:
@@ -134,6 +134,8 @@ class Money:
                     row[column] += n - (nanos(prompt_saved) if how == BATCH and prompt_saved else 0)
             if prompt_saved and how != INFLIGHT and how != CACHE:
                 row[7] += nanos(prompt_saved)
+            if requests_saved:
+                row[8] += round(requests_saved * 1000)
         return [(*g, *s) for g, s in sums.items()]
 
     async def report(self, group_by: Sequence[str], since: date | None, until: date | None) -> dict[str, Any]:
@@ -159,6 +161,7 @@ def _sums(values: Sequence[Any]) -> dict[str, Any]:
     v = dict(zip(SUMS, values, strict=True))
     return {"calls": int(v["calls"] or 0), "cost_usd": _usd(v["cost"]), "saved_usd": _usd(v["saved"]),
             "unknown_cost_calls": int(v["unknown_calls"] or 0),
+            "upstream_requests_saved": round(int(v["requests_saved"] or 0) / 1000, 3),
             "saved_by": {"batch": _usd(v["saved_batch"]), "dedup": _usd(v["saved_dedup"]),
                          "cache": _usd(v["saved_cache"]), "prompt_cache": _usd(v["saved_prompt_cache"])}}
 

@@ -27,8 +27,9 @@ SYNC, BATCH, INFLIGHT, CACHE = "sync", "batch", "dedup", "cache"
 MAX_PENDING = 1_000_000  # records waiting for the writer; beyond this they are counted as dropped
 
 
-# (wall time, key, route, provider, model, cost or None, saved, how, prompt-cache saved)
-Record = tuple[float, str | None, str, str, str, Decimal | None, Decimal, str, Decimal]
+# (wall time, key, route, provider, model, cost or None, saved, how, prompt-cache saved,
+#  upstream requests saved: 1 for a shared call, a packed call's part of those its batch saved)
+Record = tuple[float, str | None, str, str, str, Decimal | None, Decimal, str, Decimal, float]
 
 
 class MoneyMetrics:
@@ -117,9 +118,14 @@ class Meter:
                 m.child(m.spend, route.provider, plan.label).inc(float(cost))
             if saved:
                 m.child(m.saved, plan.label, how if how != SYNC else "prompt_cache").inc(float(saved))
+        if shared is not None:
+            requests_saved = 1.0
+        else:
+            share = item.options.get("upstream_share")
+            requests_saved = 1.0 - share if isinstance(share, float) else 0.0
         if len(self.records) < MAX_PENDING:
             self.records.append((self.clock.wall(), item.identity, plan.label, route.provider,
-                                 model or "", cost, saved, how, cache_saved))
+                                 model or "", cost, saved, how, cache_saved, requests_saved))
         else:
             m.dropped.inc()
         return answer

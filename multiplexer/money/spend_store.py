@@ -4,7 +4,7 @@ One row per (day, key, team, route, model) holds running sums: calls, cost, what
 (and by what), calls of unknown cost. The writer adds a batch of such sums at a time, so the
 database sees one statement per group and flush, never one per call. SQLite (``store.path``)
 for one gateway, PostgreSQL (``store.url``, schema ``store.schema``) shared by replicas.
-Amounts are integer nano-dollars.
+Amounts are integer nano-dollars; ``requests_saved`` counts thousandths of upstream requests.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 
 GROUPS = ("key", "team", "route", "model", "day")
 SUMS = ("calls", "cost", "saved", "unknown_calls", "saved_batch", "saved_dedup", "saved_cache",
-        "saved_prompt_cache")
+        "saved_prompt_cache", "requests_saved")
 COLUMNS = ("day", "key", "team", "route", "model", *SUMS)
 # key and team are '' for keyless callers and keys without a team (a primary key has no NULLs)
 TABLE = """CREATE TABLE IF NOT EXISTS {t} (
   day TEXT NOT NULL, key TEXT NOT NULL, team TEXT NOT NULL, route TEXT NOT NULL, model TEXT NOT NULL,
   calls BIGINT NOT NULL, cost BIGINT NOT NULL, saved BIGINT NOT NULL, unknown_calls BIGINT NOT NULL,
   saved_batch BIGINT NOT NULL, saved_dedup BIGINT NOT NULL, saved_cache BIGINT NOT NULL,
-  saved_prompt_cache BIGINT NOT NULL,
+  saved_prompt_cache BIGINT NOT NULL, requests_saved BIGINT NOT NULL,
   PRIMARY KEY (day, key, team, route, model))"""
 
 Row = tuple[Any, ...]  # COLUMNS in order
