@@ -109,8 +109,9 @@ def test_a_batch_line_costs_half_and_saves_the_rest() -> None:
     # alone and synchronously, cache reads billed as input: (2100x3 + 1000x3.75 + 200x15) / 1e6
     assert answer.saved == Decimal("0.01305") - Decimal("0.003825")
     (record,) = m.take()
-    assert record[5:8] == (Decimal("0.003825"), answer.saved, "batch")
-    assert record[8] == Decimal("0.00540")  # of which the prompt cache
+    pico = 10**12  # the ledger counts integer pico-dollars
+    assert record[5:8] == (3_825_000_000, (Decimal("0.01305") - Decimal("0.003825")) * pico, "batch")
+    assert record[8] == Decimal("0.00540") * pico  # of which the prompt cache
 
 
 def test_a_shared_call_costs_nothing_and_saves_all() -> None:

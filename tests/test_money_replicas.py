@@ -29,7 +29,7 @@ def config(f: Any, tmp_path: Path, i: int, url: str, pre: str) -> Any:
     return parse_config({
         "server": {"api_keys": {"alice": {"key": "k-alice-0123456789",
                                           "budget_usd": {"total": str(BUDGET)}}}},
-        "state": {"url": url, "prefix": pre},
+        "state": {"url": url, "prefix": pre, "timeout_ms": 10_000},  # a busy test host is slow
         "store": {"path": str(tmp_path / f"r{i}.db")},
         "providers": {"oai": {"kind": "openai", "base_url": f.openai_url + "/v1", "api_key": "sk-up",
                               "retry": {"attempts": 1}}},

@@ -49,11 +49,17 @@ async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],
     """Admission's budget decision, after the quotas': each admitted plan that a budget covers
     reserves the most it can cost, or is refused (``plan.error``, its quota charge given back)
     before anything is sent."""
-    todo = [i for i, p in enumerate(plans) if p.error is None and p.item is not None
-            and grants[i].refusal is None and money.budgets.applies(p.call.identity)]
+    budgets_of = money.budgets.budgets_of
+    todo, scopes = [], []
+    for i, p in enumerate(plans):
+        if p.error is None and p.item is not None and grants[i].refusal is None:
+            found = budgets_of(p.call.identity)
+            if found:
+                todo.append(i)
+                scopes.append(found)
     if not todo:
         return
-    decided = await money.budgets.reserve([plans[i] for i in todo])
+    decided = await money.budgets.reserve([plans[i] for i in todo], scopes)
     for i, d in zip(todo, decided, strict=True):
         if isinstance(d, Reservation):
             plans[i].reservation = d

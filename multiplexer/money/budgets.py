@@ -25,12 +25,13 @@ import anyio
 from multiplexer.core.errors import Code, RpcError, rate_limited
 from multiplexer.core.policy import BudgetUsd
 from multiplexer.core.state import StateUnavailable
-from multiplexer.money.prices import MTOK, Prices
+from multiplexer.money.prices import Prices
 from multiplexer.money.settings import BudgetsConfig
 
 log = logging.getLogger(__name__)
 
 NANO = Decimal(1_000_000_000)
+SETTLE_EVERY_S = 0.02  # settlements in the shared state go at most this often, in one run
 PERIODS = ("daily", "monthly", "total")
 Scope = tuple[str, str, BudgetUsd]  # ("key" | "team", its name, its budget)
 
@@ -128,9 +129,14 @@ class LocalCounters:
         return 0, 0, alerts
 
     async def settle(self, changes: Sequence[tuple[str, int]]) -> None:
+        self.settle_now(changes)
+
+    def settle_now(self, changes: Sequence[tuple[str, int]]) -> None:
         for key, delta in changes:
             if key in self.spent:
                 self.spent[key] += delta
+        if len(self.expires) < 64:
+            return
         now = self.wall()
         for key in [k for k, t in self.expires.items() if t < now]:
             self.spent.pop(key, None)
@@ -249,19 +255,21 @@ class Budgets:
         inp = max(int(estimate or 0) - (given or 0), 1)
         n = params.get("n") if isinstance(params, dict) else None
         n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-        most = (inp * max(rates.input, rates.cache_write) + n * out * rates.output) / MTOK + rates.per_call
+        pico = inp * max(rates.p_input, rates.p_write) + n * out * rates.p_output + rates.p_call
         if item.options.get("mode") == "batch":
-            most *= 1 - self.prices.batch_discount(plan.label, route.provider)
-        return nanos(most)
+            num, den = self.prices.batch_kept(plan.label, route.provider)
+            pico = pico * num // den
+        return -(-pico // 1000)  # nano-dollars, rounded up
 
-    async def reserve(self, plans: Sequence[Any]) -> list[Reservation | RpcError | None]:
-        """Each plan's reservation, refusal, or None (no budget applies, or nothing to reserve)."""
+    async def reserve(self, plans: Sequence[Any],
+                      scopes_of: Sequence[list[Scope]]) -> list[Reservation | RpcError | None]:
+        """Each plan's reservation, refusal, or None (nothing to reserve: its model has no price)
+        under its budgets (``scopes_of``, one list per plan, from ``budgets_of``)."""
         out: list[Reservation | RpcError | None] = [None] * len(plans)
         wall = self.wall()
+        local = self.counters if isinstance(self.counters, LocalCounters) else None
         for i, plan in enumerate(plans):
-            scopes = self.budgets_of(plan.call.identity)
-            if not scopes:
-                continue
+            scopes = scopes_of[i]
             amount = self.most(plan)
             if amount is None:
                 continue
@@ -269,7 +277,8 @@ class Budgets:
             if not counters:
                 continue
             try:
-                refused, spent, alerts = await self.counters.reserve(counters, amount)
+                refused, spent, alerts = local.reserve_now(counters, amount) if local is not None \
+                    else await self.counters.reserve(counters, amount)
             except StateUnavailable:  # no budget can be checked: nothing is sent (closed)
                 out[i] = rate_limited("budget_unavailable", 1.0,
                                       detail="the shared budget state is unreachable")
@@ -296,14 +305,20 @@ class Budgets:
         if cost is None:
             return
         delta = nanos(cost) - r.amount
-        if delta:
-            self._changes.extend((c.key, delta) for c in r.counters)
+        if not delta:
+            return
+        if isinstance(self.counters, LocalCounters):  # in this process: at once, nothing to send
+            self.counters.settle_now([(c.key, delta) for c in r.counters])
+            return
+        self._changes.extend((c.key, delta) for c in r.counters)
+        if not self._changes[len(r.counters):]:  # the first since the last batch went
             self._wake.set()
 
     async def run(self) -> None:
         """Send the settlements of ended calls, a batch at a time, for the gateway's lifetime."""
         while True:
             await self._wake.wait()
+            await anyio.sleep(SETTLE_EVERY_S)  # a batch: the calls ending meanwhile go in one script run
             self._wake = anyio.Event()
             await self.flush()
 

@@ -19,7 +19,7 @@ import anyio
 from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
-from multiplexer.money.budgets import Budgets, Counters, LocalCounters, Scope, nanos
+from multiplexer.money.budgets import Budgets, Counters, LocalCounters, Scope
 from multiplexer.money.meter import BATCH, CACHE, INFLIGHT, Meter, MoneyMetrics, Record
 from multiplexer.money.prices import Prices
 from multiplexer.money.settings import BudgetsConfig, SpendConfig
@@ -105,7 +105,7 @@ class Money:
                 await anyio.to_thread.run_sync(self.store.close)
 
     def rows(self, records: Sequence[Record]) -> list[tuple[Any, ...]]:
-        """Records summed by (day, key, team, route, model)."""
+        """Records summed by (day, key, team, route, model); pico-dollars summed, then nano."""
         sums: dict[tuple[str, str, str, str, str], list[int]] = {}
         days: dict[int, str] = {}
         teams: dict[str | None, str] = {}
@@ -125,18 +125,21 @@ class Money:
             if cost is None:
                 row[3] += 1
             else:
-                row[1] += nanos(cost)
+                row[1] += cost
             if saved:
-                n = nanos(saved)
-                row[2] += n
+                row[2] += saved
                 column = _HOW_COLUMN.get(how)
                 if column is not None:
-                    row[column] += n - (nanos(prompt_saved) if how == BATCH and prompt_saved else 0)
+                    row[column] += saved - (prompt_saved if how == BATCH else 0)
             if prompt_saved and how != INFLIGHT and how != CACHE:
-                row[7] += nanos(prompt_saved)
+                row[7] += prompt_saved
             if requests_saved:
-                row[8] += round(requests_saved * 1000)
-        return [(*g, *s) for g, s in sums.items()]
+                row[8] += round(requests_saved * 1_000_000)
+        out = []
+        for g, s in sums.items():  # pico-dollars to nano, requests to thousandths
+            out.append((*g, s[0], *(-(-v // 1000) for v in s[1:3]), s[3], *(-(-v // 1000) for v in s[4:8]),
+                        -(-s[8] // 1000)))
+        return out
 
     async def report(self, group_by: Sequence[str], since: date | None, until: date | None) -> dict[str, Any]:
         """``GET /admin/spend``'s body: rows by the groups asked for, and the total."""

@@ -12,7 +12,6 @@ another's execution (joined in flight, or answered from the cache) the whole cos
 
 from __future__ import annotations
 
-from decimal import Decimal
 from typing import Any
 
 from prometheus_client import Counter
@@ -20,7 +19,7 @@ from prometheus_client import Counter
 from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
-from multiplexer.money.prices import ZERO, Prices, tokens_of
+from multiplexer.money.prices import Prices, tokens_of, usd_of
 
 # What a call's saving came from (the ledger's and /metrics' ``how``): a fixed set.
 SYNC, BATCH, INFLIGHT, CACHE = "sync", "batch", "dedup", "cache"
@@ -28,8 +27,9 @@ MAX_PENDING = 1_000_000  # records waiting for the writer; beyond this they are 
 
 
 # (wall time, key, route, provider, model, cost or None, saved, how, prompt-cache saved,
-#  upstream requests saved: 1 for a shared call, a packed call's part of those its batch saved)
-Record = tuple[float, str | None, str, str, str, Decimal | None, Decimal, str, Decimal, float]
+#  upstream requests saved: 1 for a shared call, a packed call's part of those its batch saved);
+# amounts in integer pico-dollars
+Record = tuple[float, str | None, str, str, str, int | None, int, str, int, float]
 
 
 class MoneyMetrics:
@@ -73,7 +73,8 @@ class Meter:
         shared with other callers); answers of calls that are not priced come back as they are.
 
         ``plan``: the call's admission ``Plan``; ``outcome``: the provider's; ``shared``: how this
-        caller shared another's execution (``dedup``, ``cache``) or None."""
+        caller shared another's execution (``dedup``, ``cache``) or None. Integer pico-dollars
+        throughout; ``Decimal`` only for what the caller reads."""
         item, route = plan.item, plan.route
         if item is None or route is None:
             return answer
@@ -81,8 +82,8 @@ class Meter:
         model = params.get("model") if isinstance(params, dict) else None
         model = model if isinstance(model, str) else None
         rates = self.prices.rates(plan.label, route.provider, model)
-        cost: Decimal | None
-        saved = cache_saved = ZERO
+        cost: int | None
+        saved = cache_saved = 0
         how = shared or SYNC
         if rates is None:
             if model is None:
@@ -90,34 +91,38 @@ class Meter:
             cost = None
         else:
             result = outcome.built()
-            tokens = tokens_of(result.get("usage")) if isinstance(result, dict) else None
+            tokens = tokens_of(result.get("usage")) if type(result) is dict else None
             if tokens is None:
-                cost = rates.per_call if rates.input == rates.output == ZERO else None
-                alone = cost or ZERO
+                cost = None if rates.priced_tokens else rates.p_call
+                alone = cost or 0
             else:
-                cost = rates.cost(tokens)
-                alone = rates.uncached(tokens)
+                cost = rates.pico(tokens)
+                alone = rates.pico_uncached(tokens)
                 cache_saved = alone - cost
             if cost is not None:
                 if shared is not None:
-                    cost, saved, cache_saved = ZERO, alone, ZERO
+                    cost, saved, cache_saved = 0, alone, 0
                 elif item.options.get("mode") == "batch":
                     how = BATCH
-                    cost = cost * (1 - self.prices.batch_discount(plan.label, route.provider))
+                    num, den = self.prices.batch_kept(plan.label, route.provider)
+                    cost = cost * num // den
                     saved = alone - cost
                 else:
                     saved = cache_saved
         if answer is outcome:  # the provider's outcome may be every sharer's: this caller's own
             answer = outcome.copy()
-        answer.cost, answer.saved = cost, saved if saved else None
+        if cost is not None:
+            answer.cost = usd_of(cost)
+            if saved:
+                answer.saved = usd_of(saved)
         m = self.metrics
         if cost is None:
             m.child(m.unknown, plan.label).inc()
         else:
             if cost:
-                m.child(m.spend, route.provider, plan.label).inc(float(cost))
+                m.child(m.spend, route.provider, plan.label).inc(cost / 1e12)
             if saved:
-                m.child(m.saved, plan.label, how if how != SYNC else "prompt_cache").inc(float(saved))
+                m.child(m.saved, plan.label, how if how != SYNC else "prompt_cache").inc(saved / 1e12)
         if shared is not None:
             requests_saved = 1.0
         else:

@@ -36,9 +36,22 @@ class Tokens:
     cache_write: int = 0
 
 
+PICO = Decimal(10) ** 12  # amounts are counted in integer pico-dollars: exact, and int-fast
+
+
+def to_pico(usd_per_mtok: Decimal) -> int:
+    """A per-million-token price as pico-dollars per token (exact to $0.000001 per million)."""
+    return int((usd_per_mtok * PICO / MTOK).to_integral_value())
+
+
+def usd_of(pico: int) -> Decimal:
+    return Decimal(pico).scaleb(-12)
+
+
 @dataclass(frozen=True, slots=True)
 class Rates:
-    """Dollars per million tokens of each kind, plus a fixed amount per call."""
+    """Dollars per million tokens of each kind, plus a fixed amount per call; the same as integer
+    pico-dollars per token (``p_*``), which is what each call's arithmetic uses."""
 
     input: Decimal
     output: Decimal
@@ -46,6 +59,33 @@ class Rates:
     cache_write: Decimal
     per_call: Decimal = ZERO
     source: str = "config"
+    p_input: int = 0
+    p_output: int = 0
+    p_read: int = 0
+    p_write: int = 0
+    p_call: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value in (("p_input", self.input), ("p_output", self.output), ("p_read", self.cache_read),
+                            ("p_write", self.cache_write)):
+            object.__setattr__(self, name, to_pico(value))
+        object.__setattr__(self, "p_call", int((self.per_call * PICO).to_integral_value()))
+
+    def pico(self, t: Tokens) -> int:
+        """What ``t`` costs at these rates, synchronous, in pico-dollars."""
+        plain = t.input - t.cache_read - t.cache_write
+        return ((plain if plain > 0 else 0) * self.p_input + t.cache_read * self.p_read
+                + t.cache_write * self.p_write + t.output * self.p_output + self.p_call)
+
+    def pico_uncached(self, t: Tokens) -> int:
+        """What ``t`` would cost had its prompt-cache reads been billed as plain input."""
+        plain = t.input - t.cache_write
+        return ((plain if plain > 0 else 0) * self.p_input + t.cache_write * self.p_write
+                + t.output * self.p_output + self.p_call)
+
+    @property
+    def priced_tokens(self) -> bool:
+        return bool(self.p_input or self.p_output)
 
     @classmethod
     def of(cls, price: Price) -> Rates:
@@ -55,16 +95,11 @@ class Rates:
                    inp if write is None else write, price.per_call)
 
     def cost(self, t: Tokens) -> Decimal:
-        """What ``t`` costs at these rates (synchronous, no discount)."""
-        plain = max(t.input - t.cache_read - t.cache_write, 0)
-        return (plain * self.input + t.cache_read * self.cache_read + t.cache_write * self.cache_write
-                + t.output * self.output) / MTOK + self.per_call
+        """What ``t`` costs at these rates (synchronous, no discount), in dollars."""
+        return usd_of(self.pico(t))
 
     def uncached(self, t: Tokens) -> Decimal:
-        """What ``t`` would cost had its prompt-cache reads been billed as plain input."""
-        plain = max(t.input - t.cache_write, 0)
-        return (plain * self.input + t.cache_write * self.cache_write + t.output * self.output) / MTOK \
-            + self.per_call
+        return usd_of(self.pico_uncached(t))
 
 
 def _int(value: Any) -> int:
@@ -133,6 +168,7 @@ class Prices:
         self.providers = providers
         self.routes = routes
         self._resolved: dict[tuple[str, str, str], Rates | None] = {}
+        self._kept: dict[tuple[str, str], tuple[int, int]] = {}
 
     def rates(self, route: str, provider: str, model: str | None) -> Rates | None:
         """The rates a call on ``route`` (served by ``provider``) pays for ``model``."""
@@ -162,6 +198,15 @@ class Prices:
             return None  # local models, MCP servers, JSON-RPC upstreams: priced only by config
         api_url = base_url if isinstance(base_url, str) and pid not in base_url else None
         return (catalog_rates(model, None, api_url) if api_url else None) or catalog_rates(model, pid, None)
+
+    def batch_kept(self, route: str, provider: str) -> tuple[int, int]:
+        """(numerator, denominator) of the share of the price a batch call pays, for int math."""
+        key = (route, provider)
+        found = self._kept.get(key)
+        if found is None:
+            kept = (1 - self.batch_discount(route, provider)).as_integer_ratio()
+            found = self._kept[key] = (kept[0], kept[1])
+        return found
 
     def batch_discount(self, route: str, provider: str) -> Decimal:
         """The share taken off a call that went through the provider's batch API."""
