@@ -347,3 +347,32 @@ async def test_packed_embeddings_book_the_upstream_requests_they_saved(tmp_path:
             assert total["calls"] == 8 and total["upstream_requests_saved"] == pytest.approx(8 - sent)
             # text-embedding-3-small: $0.02 per million; 3 words each
             assert total["cost_usd"] == pytest.approx(8 * 3 * 0.02 / 1e6)
+
+
+async def test_a_daily_budget_alerts_once_and_starts_again_at_midnight(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from multiplexer.core.policy import BudgetUsd
+    from multiplexer.money.budgets import Budgets, LocalCounters
+    from multiplexer.money.settings import BudgetsConfig
+
+    # 2026-12-03 23:00 in Paris (22:00 UTC)
+    clock = ManualClock(wall=1_796_335_200.0)
+    alerts: list[tuple[str, str]] = []
+    cap = BudgetUsd(daily=Decimal("0.001"), alert_at=0.5)
+    budgets = Budgets(BudgetsConfig(timezone="Europe/Paris"), prices(), LocalCounters(clock.wall),
+                      lambda identity: [("key", "alice", cap)], clock.wall,
+                      lambda scope, period: None, lambda scope, period: alerts.append((scope, period)))
+    p = plan("r", "oai", {"model": "gpt-4o", "max_tokens": 100, "messages": []})
+    p.item.tokens = 110  # type: ignore[union-attr]
+    most = budgets.most(p)
+    assert most == (10 * 2500 + 100 * 10_000) * 1000 // 1000  # 10 in, 100 out at gpt-4o's prices, nano
+    decided = []
+    for _ in range(3):
+        decided += await budgets.reserve([p], [[("key", "alice", cap)]])
+    assert [type(d).__name__ for d in decided] == ["Reservation", "RpcError", "RpcError"]
+    assert alerts == [("key", "daily")] and "budget alert" in caplog.text
+    refusal = decided[1]
+    assert refusal.data["reset"] == "2026-12-03T23:00:00Z"  # midnight in Paris  # type: ignore[union-attr]
+    await clock.advance(3600)  # a new day in Paris: a new counter
+    (again,) = await budgets.reserve([p], [[("key", "alice", cap)]])
+    assert type(again).__name__ == "Reservation" and alerts == [("key", "daily"), ("key", "daily")]

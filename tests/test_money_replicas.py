@@ -75,3 +75,29 @@ async def test_a_budget_holds_on_three_replicas_under_64_callers(tmp_path: Path)
                    budget=str(BUDGET), one_reservation=str(usd(reservation)),
                    one_call=str(ok[0].cost))
     print("budget across replicas:", FIGURES)
+
+
+async def test_shared_counters_refuse_settle_and_alert_once_per_period() -> None:
+    from multiplexer.backends.redis_state import RedisState
+    from multiplexer.money.budgets import Counter
+
+    url, pre = redis_url(), prefix()
+    a, b = RedisState(url, prefix=pre), RedisState(url, prefix=pre)
+    await a.start()
+    await b.start()
+    try:
+        ca, cb = a.budget_counters(), b.budget_counters()
+        day = Counter("key:alice:daily:2026-12-03", limit=1000, alert=800, ttl_ms=60_000, scope="key",
+                      name="alice", period="daily", reset=None)
+        team = Counter("team:t:total:all", limit=10_000, alert=0, ttl_ms=0, scope="team", name="t",
+                       period="total", reset=None)
+        assert await ca.reserve([day, team], 700) == (0, 0, [])
+        assert await cb.reserve([day, team], 700) == (0, 0, [0])  # crossed 800 of 1000: alert, once
+        assert (await ca.reserve([day, team], 1))[:2] == (1, 1400)  # the day's cap is reached: refused
+        await cb.settle([(day.key, -600), (team.key, -600)])  # the calls cost less than reserved
+        assert await ca.reserve([day, team], 100) == (0, 0, [])  # room again; no second alert
+        await ca.settle([("key:gone:daily:2026-01-01", -5)])  # a period that ended: nothing created
+        assert await a.r.exists(ca.prefix + "key:gone:daily:2026-01-01") == 0
+    finally:
+        await a.aclose()
+        await b.aclose()
