@@ -27,10 +27,16 @@ def money_for(config: Config, clock: Clock, metrics: Metrics, state: SharedState
     if not config.spend.enabled:
         return None
     keys, teams = config.server.api_keys, config.server.teams
+    known: dict[str | None, list[Scope]] = {}  # the config's budgets do not change while it runs
 
     def budgets_of(identity: str | None) -> list[Scope]:
         """The budgets a caller answers to (the key store, when there is one, extends this)."""
-        return budgets_of_config(identity, keys, teams)
+        found = known.get(identity)
+        if found is None:
+            if len(known) >= 100_000:
+                known.clear()
+            found = known[identity] = budgets_of_config(identity, keys, teams)
+        return found
 
     def team_of(identity: str | None) -> str | None:
         return team_of_config(identity, keys)

@@ -296,15 +296,15 @@ class Budgets:
             out[i] = Reservation(counters, amount)
         return out
 
-    def settle(self, r: Reservation, cost: Decimal | None) -> None:
-        """The call ended costing ``cost`` (None: unknown, the reservation stands; 0 when it never
-        ran): its counters move by the difference, in the background."""
+    def settle(self, r: Reservation, cost: int | None) -> None:
+        """The call ended costing ``cost`` pico-dollars (None: unknown, the reservation stands; 0
+        when it failed or never ran): its counters move by the difference."""
         if r.settled:
             return
         r.settled = True
         if cost is None:
             return
-        delta = nanos(cost) - r.amount
+        delta = -(-cost // 1000) - r.amount
         if not delta:
             return
         if isinstance(self.counters, LocalCounters):  # in this process: at once, nothing to send

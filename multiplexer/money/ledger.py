@@ -53,11 +53,12 @@ class Money:
     def finish(self, plan: Any, outcome: Outcome, answer: Outcome, shared: str | None) -> Outcome:
         """A call's last step: its answer priced (when it succeeded) and its budget reservation
         settled to what it cost (nothing, when it failed or never ran)."""
+        cost: int | None = 0
         if answer.error is None:
-            answer = self.meter.bill(plan, outcome, answer, shared)
+            answer, cost = self.meter.price(plan, outcome, answer, shared)
         reservation = plan.reservation
         if reservation is not None:
-            self.budgets.settle(reservation, answer.cost if answer.error is None else Decimal(0))
+            self.budgets.settle(reservation, cost)
         return answer
 
     def open_store(self) -> SpendStore:

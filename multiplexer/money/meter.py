@@ -12,9 +12,12 @@ another's execution (joined in flight, or answered from the cache) the whole cos
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
@@ -33,18 +36,17 @@ Record = tuple[float, str | None, str, str, str, int | None, int, str, int, floa
 
 
 class MoneyMetrics:
-    """The spend counters, on the gateway's registry; label values are routes and providers from
-    the config and the fixed ``how`` set, never a client's string."""
+    """The money counters, on the gateway's registry. Spend, savings and unknown-cost calls are
+    plain sums the meter adds to (no lock, no label lookup per call), read by ``/metrics`` at
+    scrape time; label values are routes and providers from the config and the fixed ``how``
+    set, never a client's string."""
 
     def __init__(self, metrics: Metrics) -> None:
         r = metrics.registry
-        self.spend = Counter("multiplexer_spend_usd", "Cost of answered calls in US dollars",
-                             ["provider", "route"], registry=r)
-        self.saved = Counter("multiplexer_saved_usd", "What the gateway saved on answered calls, by"
-                             " what saved it (batch, dedup, cache, prompt_cache)", ["route", "how"],
-                             registry=r)
-        self.unknown = Counter("multiplexer_unknown_cost_calls", "Answered calls on a model nobody"
-                               " prices (cost unknown, never counted as 0)", ["route"], registry=r)
+        self.spend: dict[tuple[str, str], float] = {}  # (provider, route) -> USD
+        self.saved: dict[tuple[str, str], float] = {}  # (route, how) -> USD
+        self.unknown: dict[str, int] = {}  # route -> calls
+        r.register(_Sums(self))
         self.budget_refused = Counter("multiplexer_budget_refusals", "Calls refused by a budget",
                                       ["scope", "period"], registry=r)
         self.budget_alerts = Counter("multiplexer_budget_alerts", "Budgets that crossed their "
@@ -61,6 +63,27 @@ class MoneyMetrics:
         return found
 
 
+class _Sums(Collector):
+    def __init__(self, m: MoneyMetrics) -> None:
+        self.m = m
+
+    def collect(self) -> Iterator[Metric]:
+        spend = CounterMetricFamily("multiplexer_spend_usd", "Cost of answered calls in US dollars",
+                                    labels=["provider", "route"])
+        for labels, value in list(self.m.spend.items()):
+            spend.add_metric(labels, value)
+        saved = CounterMetricFamily("multiplexer_saved_usd", "What the gateway saved on answered calls,"
+                                    " by what saved it (batch, dedup, cache, prompt_cache)",
+                                    labels=["route", "how"])
+        for labels, value in list(self.m.saved.items()):
+            saved.add_metric(labels, value)
+        unknown = CounterMetricFamily("multiplexer_unknown_cost_calls", "Answered calls on a model "
+                                      "nobody prices (cost unknown, never counted as 0)", labels=["route"])
+        for route, n in list(self.m.unknown.items()):
+            unknown.add_metric([route], n)
+        return iter([spend, saved, unknown])
+
+
 class Meter:
     def __init__(self, prices: Prices, clock: Clock, metrics: MoneyMetrics) -> None:
         self.prices = prices
@@ -69,6 +92,10 @@ class Meter:
         self.records: list[Record] = []
 
     def bill(self, plan: Any, outcome: Outcome, answer: Outcome, shared: str | None) -> Outcome:
+        return self.price(plan, outcome, answer, shared)[0]
+
+    def price(self, plan: Any, outcome: Outcome, answer: Outcome,
+              shared: str | None) -> tuple[Outcome, int | None]:
         """The caller's answer with its cost and saving (a copy where the provider's outcome is
         shared with other callers); answers of calls that are not priced come back as they are.
 
@@ -77,7 +104,7 @@ class Meter:
         throughout; ``Decimal`` only for what the caller reads."""
         item, route = plan.item, plan.route
         if item is None or route is None:
-            return answer
+            return answer, None
         params = item.params
         model = params.get("model") if isinstance(params, dict) else None
         model = model if isinstance(model, str) else None
@@ -87,7 +114,7 @@ class Meter:
         how = shared or SYNC
         if rates is None:
             if model is None:
-                return answer  # no model and no price: not a metered call (a tool, a JSON-RPC method)
+                return answer, None  # no model and no price: not metered (a tool, a JSON-RPC method)
             cost = None
         else:
             result = outcome.built()
@@ -117,12 +144,14 @@ class Meter:
                 answer.saved = usd_of(saved)
         m = self.metrics
         if cost is None:
-            m.child(m.unknown, plan.label).inc()
+            m.unknown[plan.label] = m.unknown.get(plan.label, 0) + 1
         else:
             if cost:
-                m.child(m.spend, route.provider, plan.label).inc(cost / 1e12)
+                key = (route.provider, plan.label)
+                m.spend[key] = m.spend.get(key, 0.0) + cost / 1e12
             if saved:
-                m.child(m.saved, plan.label, how if how != SYNC else "prompt_cache").inc(saved / 1e12)
+                key = (plan.label, how if how != SYNC else "prompt_cache")
+                m.saved[key] = m.saved.get(key, 0.0) + saved / 1e12
         if shared is not None:
             requests_saved = 1.0
         else:
@@ -133,7 +162,7 @@ class Meter:
                                  model or "", cost, saved, how, cache_saved, requests_saved))
         else:
             m.dropped.inc()
-        return answer
+        return answer, cost
 
     def take(self) -> list[Record]:
         """The records since the last take (the writer's batch)."""

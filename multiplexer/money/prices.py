@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from multiplexer.core.policy import Price, ProviderConfig, RouteConfig
 
@@ -25,8 +25,7 @@ PROVIDER_IDS = {"openai": "openai", "anthropic": "anthropic"}
 MAX_RESOLVED = 4096  # models are client strings on /rpc: the lookup cache stays bounded
 
 
-@dataclass(frozen=True, slots=True)
-class Tokens:
+class Tokens(NamedTuple):
     """A call's usage in one shape: ``input`` is all input, prompt-cache reads and writes included
     (genai-prices' convention); ``cache_read`` and ``cache_write`` are the parts of it that were."""
 
