@@ -61,6 +61,11 @@ class Money:
             self.budgets.settle(reservation, cost)
         return answer
 
+    async def _store(self) -> SpendStore:
+        if self.store is not None:
+            return self.store
+        return await anyio.to_thread.run_sync(self.open_store)
+
     def open_store(self) -> SpendStore:
         if self.store is None:
             path, url, schema = self._store_args
@@ -94,7 +99,7 @@ class Money:
                 return
             rows = self.rows(records)
             try:
-                store = self.store or await anyio.to_thread.run_sync(self.open_store)
+                store = await self._store()
                 await anyio.to_thread.run_sync(store.add, rows)
             except Exception:
                 log.exception("spend could not be written (%d calls); /metrics counts it", len(records))
@@ -148,7 +153,7 @@ class Money:
         today = datetime.fromtimestamp(self.clock.wall(), self.zone).date()
         first = (since or date(1970, 1, 1)).isoformat()
         last = (until or today + timedelta(days=1)).isoformat()
-        store = self.store or await anyio.to_thread.run_sync(self.open_store)
+        store = await self._store()
         rows = await anyio.to_thread.run_sync(store.query, list(group_by), first, last)
         total = await anyio.to_thread.run_sync(store.query, [], first, last)
         n = len(group_by)

@@ -54,7 +54,8 @@ class SpendStore:
     def __init__(self, path: str | Path) -> None:
         self.table = "spend"
         self._lock = threading.Lock()
-        self.conn = sqlite3.connect(str(path), timeout=30, check_same_thread=False, isolation_level=None)
+        self.conn: Any = sqlite3.connect(str(path), timeout=30, check_same_thread=False,
+                                         isolation_level=None)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute(TABLE.format(t=self.table))
 
@@ -92,7 +93,7 @@ class PgSpendStore(SpendStore):
 
         self.table = f"{schema}.spend"
         self._lock = threading.Lock()
-        self.conn = connect(url)
+        self.conn: Any = connect(url)
         self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
         self.conn.execute(TABLE.format(t=self.table))
 
