@@ -84,7 +84,7 @@ class Gateway:
         self.flights = flights_for(self.state, self.clock, self.metrics, self.start_background)
         self.quotas = quotas_for(config, self.clock, self.state, self.metrics)
         self.money = money_for(config, self.clock, self.metrics, self.state)  # None: not priced
-        self.listeners: list[Any] = []
+        self.listeners: list[Any] = [] if self.money is None else [self.money.on_event]
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None

@@ -66,6 +66,12 @@ class Money:
             return self.store
         return await anyio.to_thread.run_sync(self.open_store)
 
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        """A gateway listener: a client's batch job's lines are priced as they finish."""
+        if event == "batch_results":
+            self.meter.lines(data.get("identity"), data.get("provider", ""), bool(data.get("batch")),
+                             data.get("lines") or [])
+
     def open_store(self) -> SpendStore:
         if self.store is None:
             path, url, schema = self._store_args

@@ -164,6 +164,34 @@ class Meter:
             m.dropped.inc()
         return answer, cost
 
+    def lines(self, identity: str | None, provider: str, batch: bool,
+              lines: list[tuple[str, str | None, Any]]) -> None:
+        """A client's batch job's finished lines (route, model, usage): each priced and recorded
+        like a call, at the batch price when they went through the batch API."""
+        m = self.metrics
+        wall = self.clock.wall()
+        for route, model, usage in lines:
+            rates = self.prices.rates(route, provider, model)
+            tokens = tokens_of(usage)
+            if rates is None or tokens is None:
+                if model is not None:
+                    m.unknown[route] = m.unknown.get(route, 0) + 1
+                    self.records.append((wall, identity, route, provider, model, None, 0, BATCH, 0, 0.0))
+                continue
+            alone = rates.pico_uncached(tokens)
+            cost = full = rates.pico(tokens)
+            if batch:
+                num, den = self.prices.batch_kept(route, provider)
+                cost = full * num // den
+            saved = alone - cost
+            if cost:
+                m.spend[(provider, route)] = m.spend.get((provider, route), 0.0) + cost / 1e12
+            if saved:
+                how = BATCH if batch else "prompt_cache"
+                m.saved[(route, how)] = m.saved.get((route, how), 0.0) + saved / 1e12
+            self.records.append((wall, identity, route, provider, model or "", cost, saved,
+                                 BATCH if batch else SYNC, alone - full, 0.0))
+
     def take(self) -> list[Record]:
         """The records since the last take (the writer's batch)."""
         records, self.records = self.records, []
