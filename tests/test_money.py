@@ -376,3 +376,16 @@ async def test_a_daily_budget_alerts_once_and_starts_again_at_midnight(
     await clock.advance(3600)  # a new day in Paris: a new counter
     (again,) = await budgets.reserve([p], [[("key", "alice", cap)]])
     assert type(again).__name__ == "Reservation" and alerts == [("key", "daily"), ("key", "daily")]
+
+
+async def test_mcp_results_carry_the_cost_when_asked(tmp_path: Path) -> None:
+    from tests.mcp_helpers import mcp_http_client
+
+    async with gateway(tmp_path) as (_, _, client):
+        url = str(client.base_url).rstrip("/") + "/mcp"
+        async with mcp_http_client(url, key=KEY) as mcp:
+            args = chat("hello there")
+            asked = await mcp.call_tool("chat", args, meta={"want_cost": True})
+            assert not asked.is_error and (asked.meta or {}).get("cost_usd") == "0.0000021"
+            plain = await mcp.call_tool("chat", args)
+            assert not plain.is_error and not (plain.meta or {}).get("cost_usd")
