@@ -47,7 +47,8 @@ def money_for(config: Config, clock: Clock, metrics: Metrics, state: SharedState
         counters = make()  # one Redis script: every replica decides on the same counters
     return Money(config.spend, config.budgets, Prices(config.providers, config.routes), clock, metrics,
                  budgets_of=budgets_of, team_of=team_of, store_path=config.store.path,
-                 store_url=config.store.url, store_schema=config.store.schema_, counters=counters)
+                 store_url=config.store.url, store_schema=config.store.schema_, counters=counters,
+                 fail_open=config.state.on_failure == "open")
 
 
 async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],

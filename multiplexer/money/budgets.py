@@ -195,7 +195,7 @@ class Budgets:
     def __init__(self, config: BudgetsConfig, prices: Prices, counters: Counters,
                  budgets_of: Callable[[str | None], list[Scope]], wall: Callable[[], float],
                  on_refused: Callable[[str, str], None], on_alert: Callable[[str, str], None],
-                 prefix: str = "") -> None:
+                 prefix: str = "", fail_open: bool = False) -> None:
         self.config = config
         self.prices = prices
         self.counters = counters
@@ -203,6 +203,7 @@ class Budgets:
         self.wall = wall
         self.periods = Periods(config.timezone)
         self.prefix = prefix
+        self.fail_open = fail_open  # the shared state unreachable: admit (open) or refuse (closed)
         self.on_refused, self.on_alert = on_refused, on_alert
         self._changes: list[tuple[str, int]] = []
         self._wake = anyio.Event()
@@ -267,34 +268,54 @@ class Budgets:
         under its budgets (``scopes_of``, one list per plan, from ``budgets_of``)."""
         out: list[Reservation | RpcError | None] = [None] * len(plans)
         wall = self.wall()
-        local = self.counters if isinstance(self.counters, LocalCounters) else None
+        asks: list[tuple[int, list[Counter], int]] = []
         for i, plan in enumerate(plans):
-            scopes = scopes_of[i]
             amount = self.most(plan)
             if amount is None:
                 continue
-            counters = self.counters_for(scopes, wall)
-            if not counters:
-                continue
-            try:
-                refused, spent, alerts = local.reserve_now(counters, amount) if local is not None \
-                    else await self.counters.reserve(counters, amount)
-            except StateUnavailable:  # no budget can be checked: nothing is sent (closed)
-                out[i] = rate_limited("budget_unavailable", 1.0,
-                                      detail="the shared budget state is unreachable")
-                continue
-            if refused:
-                c = counters[refused - 1]
-                self.on_refused(c.scope, c.period)
-                out[i] = budget_refusal(c, spent, wall)
-                continue
-            for k in alerts:
-                c = counters[k]
-                self.on_alert(c.scope, c.period)
-                log.warning("budget alert: %s %s has spent %s%% of its %s budget of $%s", c.scope, c.name,
-                            int(Decimal(c.alert) * 100 / Decimal(c.limit)), c.period, usd(c.limit))
-            out[i] = Reservation(counters, amount)
+            counters = self.counters_for(scopes_of[i], wall)
+            if counters:
+                asks.append((i, counters, amount))
+        if isinstance(self.counters, LocalCounters):  # in this process: decided at once, in order
+            for i, counters, amount in asks:
+                out[i] = self._decided(counters, amount, self.counters.reserve_now(counters, amount), wall)
+            return out
+        limiter = anyio.CapacityLimiter(16)  # an array's reservations, a few round trips at once
+
+        async def one(i: int, counters: list[Counter], amount: int) -> None:
+            async with limiter:
+                try:
+                    answer = await self.counters.reserve(counters, amount)
+                except StateUnavailable:
+                    out[i] = None if self.fail_open else rate_limited(
+                        "budget_unavailable", 1.0, detail="the shared budget state is unreachable")
+                    return
+                out[i] = self._decided(counters, amount, answer, wall)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for ask in asks:
+                    tg.start_soon(one, *ask)
+        except BaseException:  # the caller went away: what was reserved for it is given back
+            for r in out:
+                if isinstance(r, Reservation):
+                    self.settle(r, 0)
+            raise
         return out
+
+    def _decided(self, counters: list[Counter], amount: int, answer: tuple[int, int, list[int]],
+                 wall: float) -> Reservation | RpcError:
+        refused, spent, alerts = answer
+        if refused:
+            c = counters[refused - 1]
+            self.on_refused(c.scope, c.period)
+            return budget_refusal(c, spent, wall)
+        for k in alerts:
+            c = counters[k]
+            self.on_alert(c.scope, c.period)
+            log.warning("budget alert: %s %s has spent %s%% of its %s budget of $%s", c.scope, c.name,
+                        int(Decimal(c.alert) * 100 / Decimal(c.limit)), c.period, usd(c.limit))
+        return Reservation(counters, amount)
 
     def settle(self, r: Reservation, cost: int | None) -> None:
         """The call ended costing ``cost`` pico-dollars (None: unknown, the reservation stands; 0

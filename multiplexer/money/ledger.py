@@ -34,7 +34,8 @@ class Money:
     def __init__(self, spend: SpendConfig, budgets: BudgetsConfig, prices: Prices, clock: Clock,
                  metrics: Metrics, *, budgets_of: Callable[[str | None], list[Scope]],
                  team_of: Callable[[str | None], str | None], store_path: Any, store_url: str | None,
-                 store_schema: str, counters: Counters | None = None, prefix: str = "") -> None:
+                 store_schema: str, counters: Counters | None = None, prefix: str = "",
+                 fail_open: bool = False) -> None:
         self.config = spend
         self.clock = clock
         self.metrics = MoneyMetrics(metrics)
@@ -45,7 +46,7 @@ class Money:
             budgets, prices, counters or LocalCounters(clock.wall), budgets_of, clock.wall,
             lambda scope, period: self.metrics.child(self.metrics.budget_refused, scope, period).inc(),
             lambda scope, period: self.metrics.child(self.metrics.budget_alerts, scope, period).inc(),
-            prefix)
+            prefix, fail_open)
         self._store_args = (store_path, store_url, store_schema)
         self.store: SpendStore | None = None
         self._lock = anyio.Lock()
