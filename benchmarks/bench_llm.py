@@ -50,6 +50,20 @@ providers:
 routes:
   chat: {{provider: oai, operation: chat, models: [{model}]}}
 """
+# The money phase: the same gateway with a key, its model priced and a budget on the key (every
+# call priced, recorded for the spend store and reserved/settled against the budget), and with
+# ``spend.enabled: false``; both measured in one phase against direct.
+MONEY_CONFIG = """
+server: {{host: 127.0.0.1, port: {port}, api_keys: {{bench: {key}}}}}
+store: {{path: {store}}}
+spend: {{enabled: {enabled}}}
+providers:
+  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
+        price: {{input_per_mtok: 2.5, output_per_mtok: 10, cached_input_per_mtok: 1.25}}}}
+routes:
+  chat: {{provider: oai, operation: chat, models: [{model}]}}
+"""
+MONEY_KEY_ON = '{key: sk-bench, budget_usd: {daily: 1000000, monthly: 10000000}}'
 LITELLM_CONFIG = """
 model_list:
   - model_name: {model}
@@ -252,6 +266,9 @@ async def measure(paths: list[Target], args: argparse.Namespace) -> list[dict[st
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.only_money:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+            return await money_phase(stack, tmp, args)
     fake_port, gw_port = free_port(), free_port()
     fake, gw = f"http://127.0.0.1:{fake_port}", f"http://127.0.0.1:{gw_port}"
     fake_args = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
@@ -284,6 +301,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             results += compared(await measure(phase, args))
         if args.dashboards and len(paths) > 2:
             results += await dashboard_phase(paths[0], paths[2], args)
+        if args.money:
+            results += await money_phase(stack, tmp, args)
         program = litellm_program()
         if program is None:
             print("(no LiteLLM row: needs litellm on PATH or $LITELLM_BIN, and $LITELLM_MASTER_KEY)")
@@ -354,6 +373,31 @@ async def dashboard_phase(direct: Target, gateway: Target, args: argparse.Namesp
           f"{out[0]['gateway_cpu_share']:.1%} of a core with none open, "
           f"{out[1]['gateway_cpu_share']:.1%} with {args.dashboards}")
     return out
+async def money_phase(stack: contextlib.ExitStack, tmp: str,
+                      args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Prices, spend and budgets off and on, two gateways in one phase against direct, on an
+    upstream of their own (the earlier phases' gateway keeps its connections to theirs)."""
+    chat = "/v1/chat/completions"
+    fake_port = free_port()
+    fake = f"http://127.0.0.1:{fake_port}"
+    stack.enter_context(child(["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
+                               "--latency-ms", str(args.upstream_ms), "--requests-per-window", "1000000000"],
+                              f"{fake}/"))
+    targets = [Target("direct", fake, openai_call(chat))]
+    for name, enabled, key in (("gateway /v1, money off", "false", "sk-bench"),
+                               ("gateway /v1, money on", "true", MONEY_KEY_ON)):
+        port = free_port()
+        conf = Path(tmp) / f"money-{enabled}.yaml"
+        conf.write_text(MONEY_CONFIG.format(port=port, fake=fake_port, store=Path(tmp) / f"m-{enabled}.db",
+                                            model=MODEL, enabled=enabled, key=key))
+        proc = stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
+                                         f"http://127.0.0.1:{port}/healthz"))
+        targets.append(Target(name, f"http://127.0.0.1:{port}", openai_call(chat), None, proc.pid))
+    rows = compared(await measure(targets, args))
+    rows[0]["name"] = "direct (money phase)"
+    off, on = rows[1], rows[2]
+    on["money_added_p50_ms"] = on["p50_ms"] - off["p50_ms"]
+    return rows
 
 
 def compared(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -435,6 +479,9 @@ def main() -> None:
                         help="dashboard pages (stream subscribers) open in the dashboard phase (0: skip it)")
     parser.add_argument("--dashboard-only", action="store_true",
                         help="only the dashboard phase")
+    parser.add_argument("--no-money", dest="money", action="store_false",
+                        help="skip the phase with prices, spend and budgets off vs on")
+    parser.add_argument("--only-money", action="store_true", help="only the money phase")
     parser.add_argument("--transport", action="store_true",
                         help="also the lean transport alone vs httpx's pool")
     parser.add_argument("--workers-phase", action="store_true",
@@ -468,6 +515,10 @@ def main() -> None:
                  "vs direct", "first chunk p50 (ms)", "added first chunk (ms)",
                  "proxy CPU ms/call"], rows))
     print("floors: added p50 < 1 ms (/rpc, /v1); throughput >= 0.9x direct; added first chunk < 2 ms")
+    money = [r for r in results if "money_added_p50_ms" in r]
+    if money:
+        print(f"money on vs off (same run): added p50 {money[0]['money_added_p50_ms']:+.3f} ms "
+              "(floor: +0.05 ms)")
     saved: dict[str, Any] = {"args": vars(args), "results": results}
     if args.transport:
         transports = anyio.run(run_transports, args)

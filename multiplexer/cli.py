@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any, Literal
 
@@ -115,6 +116,35 @@ def _call(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spend(args: argparse.Namespace) -> int:
+    import httpx
+
+    from multiplexer.money.report import table
+    from multiplexer.sdk.client import gateway_url
+
+    key = os.environ.get("MULTIPLEXER_MASTER_KEY")
+    if not key:
+        raise CliError("set MULTIPLEXER_MASTER_KEY to the gateway's admin key")
+    try:
+        url = gateway_url(args.url)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    query = {k: v for k, v in (("group_by", args.by), ("since", args.since), ("until", args.until)) if v}
+    try:
+        reply = httpx.get(f"{url}/admin/spend", params=query, timeout=30,
+                          headers={"authorization": f"Bearer {key}"})
+    except httpx.HTTPError as e:
+        raise CliError(f"cannot reach the gateway at {url} ({type(e).__name__}: {e})") from None
+    if reply.status_code != 200:
+        try:
+            message = reply.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = reply.text[:200]
+        raise CliError(f"GET /admin/spend: {reply.status_code} {message}")
+    print(table(reply.json(), [g for g in args.by.split(",") if g]))
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     config = load_config(args.file)
     print(f"{args.file}: ok ({len(config.providers)} providers, {len(config.routes)} routes)")
@@ -177,6 +207,19 @@ def _parser() -> argparse.ArgumentParser:
                       help="the gateway (default: $MULTIPLEXER_URL, else http://127.0.0.1:8080)")
     call.add_argument("--api-key", default=None, help="the caller's key (default: $MULTIPLEXER_API_KEY)")
     call.set_defaults(fn=_call)
+
+    spend = command("spend", "what keys spent and the gateway saved",
+                    "Spend and savings from a running gateway (GET /admin/spend with\n"
+                    "$MULTIPLEXER_MASTER_KEY), as a table with a total line.",
+                    "multiplexer spend --by key,route --since 2026-12-01",
+                    "multiplexer spend --by model,day --url gw.internal:8080")
+    spend.add_argument("--by", default="key",
+                       help="comma-separated groups among key, team, route, model, day (default: key)")
+    spend.add_argument("--since", default=None, help="first day, ISO (2026-12-01); default: all")
+    spend.add_argument("--until", default=None, help="last day, ISO; default: today")
+    spend.add_argument("--url", default=None,
+                       help="the gateway (default: $MULTIPLEXER_URL, else http://127.0.0.1:8080)")
+    spend.set_defaults(fn=_spend)
 
     check = command("check-config", "validate a config file",
                     "Validate a config file: its count of providers and routes, or what is wrong (exit 2).",

@@ -176,6 +176,10 @@ class OpenAIProvider(LlmProvider):
         base = {k: v for k, v in items[0].params.items() if k != "input"}
         chunks = pack(per_item, self.settings.max_inputs, self.settings.max_batch_tokens)
         scatter = Scatter(per_item)
+        if len(items) > len(chunks):  # each call's share of the requests sent (the savings ledger)
+            share = len(chunks) / len(items)
+            for item in items:
+                item.options["upstream_share"] = share
 
         async def run(chunk: Chunk) -> None:  # one request each: the lane charges every one
             owners = [items[s.item] for s in chunk.spans]

@@ -38,8 +38,8 @@ def test_contract_config_loads(tmp_path: Path) -> None:
     assert config.providers["calc"].extra == {"url": "http://127.0.0.1:9001/"}
 
 
-JSONRPC_KEYS = ("batch, batch_arrays, batch_arrays_reprobe_s, breaker, headers, kind, limits, retry, "
-                "timeout_ms, transport, url")
+JSONRPC_KEYS = ("batch, batch_arrays, batch_arrays_reprobe_s, batch_discount, breaker, headers, kind, "
+                "limits, price, retry, timeout_ms, transport, url")
 
 
 @pytest.mark.parametrize("data,expected", [

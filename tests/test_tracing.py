@@ -388,3 +388,17 @@ async def test_every_v1_stream_records_its_first_chunk_and_whole_calls_do_not(tm
         first = span.attributes["gen_ai.response.time_to_first_chunk"]
         assert 0 <= first <= (span.end_time - span.start_time) / 1e9
         assert ttfc(page, route)[0] == 1.0
+
+
+async def test_a_priced_call_carries_its_cost_on_its_span(tmp_path, spans):
+    tracer, exporter = spans
+    router = respx.MockRouter(base_url=BASE)
+    router.post("/chat/completions").mock(return_value=httpx.Response(200, json=chat_reply("hi")))
+    async with gateway(tmp_path, tracer, router) as gw:
+        out = await gw.submit(Call("chat", {"model": "gpt-4o",
+                                            "messages": [{"role": "user", "content": "q"}]}))
+    assert out.ok
+    [call] = by_kind(exporter, SpanKind.SERVER)
+    # 5 input and 2 output tokens at gpt-4o's $2.50 and $10 per million
+    assert call.attributes["multiplexer.cost_usd"] == pytest.approx(0.0000325)
+    assert call.attributes["gen_ai.usage.input_tokens"] == 5

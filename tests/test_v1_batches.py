@@ -356,3 +356,22 @@ async def fails_then_resumes(gw: Any, client: Any, rows: list[dict[str, Any]]) -
     batches.store.add_results = store_results
     done = await until_ended(client, batch.id)  # resumed by the gateway's own pass
     assert done.status == "completed" and done.request_counts.completed == 3
+
+
+async def test_batch_lines_are_priced_at_the_batch_price(tmp_path):
+    from decimal import Decimal
+
+    async with gateway(tmp_path) as (_, gw, client):
+        rows = [line(f"q{i}", {"model": "gpt-4o-mini", "messages": ask("hello there")}) for i in range(4)]
+        upload = await client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        assert (await until_ended(client, batch.id)).status == "completed"
+        await gw.money.flush()
+        report = await gw.money.report(["key", "route", "model"], None, None)
+        (row,) = report["rows"]
+        # 2 words in, 3 out at gpt-4o-mini's $0.15 / $0.60 per million, half price, 4 lines
+        one = (2 * Decimal("0.15") + 3 * Decimal("0.6")) / 1_000_000
+        assert (row["key"], row["route"], row["model"], row["calls"]) == ("alice", "chat", "gpt-4o-mini", 4)
+        assert row["cost_usd"] == pytest.approx(float(4 * one / 2))
+        assert row["saved_by"]["batch"] == pytest.approx(float(4 * one / 2))

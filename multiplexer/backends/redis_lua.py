@@ -200,3 +200,35 @@ if r then return {1, r} end
 if redis.call('GET', KEYS[1]) == ARGV[1] then return {0} end
 return {-1}
 """
+
+# Budgets (money/budgets.py): one key per cap and period, integer nano-dollars.
+# KEYS: the caller's counters.  ARGV: amount, then per key: limit, alert (0: none), ttl_ms (0: kept).
+# Refused while any counter has reached its limit: {index, spend}; else every counter grows by
+# amount and {0, 0, alerts...}: the indexes whose alert share was crossed now (once per period).
+BUDGET_RESERVE = r"""
+local amount = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  local spent = tonumber(redis.call('GET', KEYS[i]) or '0')
+  if spent >= tonumber(ARGV[3 * i - 1]) then return {i, spent} end
+end
+local out = {0, 0}
+for i = 1, #KEYS do
+  local spent = redis.call('INCRBY', KEYS[i], amount)
+  local alert, ttl = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) end
+  if alert > 0 and spent >= alert and redis.call('SET', KEYS[i] .. ':alerted', '1', 'NX', 'PX',
+                                                 math.max(ttl, 1000) ) then
+    out[#out + 1] = i - 1
+  end
+end
+return out
+"""
+
+# KEYS: counters.  ARGV: a delta per key (a settlement: the cost minus the reservation).
+# A counter whose period ended is gone: nothing is added to it.
+BUDGET_SETTLE = r"""
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], tonumber(ARGV[i])) end
+end
+return 0
+"""

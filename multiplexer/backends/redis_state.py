@@ -177,6 +177,12 @@ class RedisState:
         key = f"{self.prefix}:{{q:{_tag(identity)}}}:batch:{day}"
         return int(await self._call(self._batch, [key], [calls, allowed]))
 
+    def budget_counters(self) -> Any:
+        """Budget counters on this state's server (money/budgets.py decides with them)."""
+        from multiplexer.backends.redis_budget import RedisBudgetCounters
+
+        return RedisBudgetCounters(self.r, self.prefix)
+
     # -- single flight and the result cache ----------------------------------------------
     def _flight(self, key: str, token: str = "") -> list[str]:
         base = f"{self.prefix}:{{f:{key}}}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -24,10 +25,12 @@ class Outcome:
     over ``later`` instead of ``result``: it builds the result on its first read, so a
     call answered from ``result_json`` alone never builds it (an embedding's 384
     floats as Python objects cost the worker thread their making and the event loop
-    their freeing). Read-only once made.
+    their freeing). Read-only once made, but for ``cost`` and ``saved``: what this caller's call
+    cost and what the gateway saved on it, in US dollars (None: unknown or not priced), set by
+    the gateway on the caller's own outcome as it is answered.
     """
 
-    __slots__ = ("_later", "_result", "error", "result_json")
+    __slots__ = ("_later", "_result", "cost", "error", "result_json", "saved")
 
     def __init__(self, result: Any = None, error: RpcError | None = None,
                  result_json: bytes | None = None, *, later: Callable[[], Any] | None = None) -> None:
@@ -35,6 +38,8 @@ class Outcome:
         self._later = later
         self.error = error
         self.result_json = result_json
+        self.cost: Decimal | None = None
+        self.saved: Decimal | None = None
 
     @property
     def result(self) -> Any:
@@ -42,6 +47,16 @@ class Outcome:
         if later is not None:  # two first reads at once build equal results; either is kept
             self._result, self._later = later(), None
         return self._result
+
+    def built(self) -> Any:
+        """The result if it is built (a provider's ``later`` one is not built for this)."""
+        return None if self._later is not None else self._result
+
+    def copy(self) -> Outcome:
+        """The same answer as an outcome of its own (a caller's cost on a shared execution)."""
+        twin = Outcome(self._result, self.error, self.result_json, later=self._later)
+        twin.cost, twin.saved = self.cost, self.saved
+        return twin
 
     @property
     def ok(self) -> bool:
@@ -95,6 +110,8 @@ class Call:
     # The caller asked to be told that route (JSON-RPC ``_meta.want_route``): ``_meta.route`` on
     # its result, ``data.route`` on its error.
     want_route: bool = False
+    # The caller asked for the call's cost with its result (``_meta.want_cost: true``).
+    want_cost: bool = False
 
 
 @dataclass(slots=True, eq=False)

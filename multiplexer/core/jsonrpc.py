@@ -18,7 +18,7 @@ from multiplexer.core.tracing import TRACE_KEYS, trace_carrier
 _NO_ID = object()
 # The only ``_meta`` keys that steer the gateway; any other key is dropped, never interpreted
 # (a client must not switch on, say, retries of a call that is not safe to repeat).
-META_KEYS = {"priority", "timeout_ms", "idempotency_key", "want_route", *TRACE_KEYS}
+META_KEYS = {"priority", "timeout_ms", "idempotency_key", "want_route", "want_cost", *TRACE_KEYS}
 
 
 @dataclass(slots=True)
@@ -132,6 +132,11 @@ def call_from(method: str, params: Any, meta: dict[str, Any], identity: str | No
     if not isinstance(want_route, bool):
         raise invalid_params("_meta.want_route must be a boolean")
     call.want_route = want_route
+    want_cost = meta.get("want_cost")
+    if want_cost is not None:
+        if not isinstance(want_cost, bool):
+            raise invalid_params("_meta.want_cost must be true or false")
+        call.want_cost = want_cost
     if "traceparent" in meta:
         call.trace = trace_carrier(meta)
     return call

@@ -34,6 +34,19 @@ class BudgetUsd(Strict):
                                    description="a share of a period's cap: logged and counted once")
 
 
+class Price(Strict):
+    """A model's price in US dollars where genai-prices has none or the deal differs (local models,
+    self-hosted endpoints, negotiated rates); unset token kinds cost what input costs."""
+
+    input_per_mtok: Decimal = Field(default=Decimal(0), ge=0, description="per million input tokens")
+    output_per_mtok: Decimal = Field(default=Decimal(0), ge=0, description="per million output tokens")
+    cached_input_per_mtok: Decimal | None = Field(
+        default=None, ge=0, description="per million prompt-cache reads (unset: the input price)")
+    cache_write_per_mtok: Decimal | None = Field(
+        default=None, ge=0, description="per million prompt-cache writes (unset: the input price)")
+    per_call: Decimal = Field(default=Decimal(0), ge=0, description="added to every call")
+
+
 class BatchPolicy(Strict):
     max_items: int = Field(default=1, ge=1)
     max_wait_ms: float = Field(default=0.0, ge=0)
@@ -85,6 +98,11 @@ class ProviderConfig(BaseModel):
     breaker: BreakerPolicy | None = Field(
         default=None, description="a circuit breaker: while open, calls go to their fallback at once")
 
+    price: Price | None = Field(default=None, description="this price instead of genai-prices'")
+    batch_discount: float | None = Field(
+        default=None, ge=0, le=1, description="share taken off the price of calls sent through the "
+        "batch API (unset: 0.5 for kind openai and anthropic, else 0)")
+
     @property
     def extra(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -105,7 +123,12 @@ class RouteConfig(BaseModel):
     cache_ttl_s: float | None = Field(default=None, gt=0)
     timeout_ms: float | None = Field(default=None, gt=0)
     priority: int = 0
-    mode: Literal["sync", "batch"] = "sync"
+    mode: Literal["sync", "batch", "auto"] = Field(
+        default="sync", description="sync: each call now; batch: as batch jobs; auto: through the "
+        "provider's batch API when the call's deadline (_meta.timeout_ms, else max_latency_s) allows "
+        "its completion window, else now")
+    max_latency_s: float | None = Field(
+        default=None, gt=0, description="mode: auto: how long a call that names no deadline may take")
     # MCP clients that opt into the tasks extension get a task handle instead of a held request
     # (always so for mode: batch; this asks for it on a sync route of a provider with a batch API).
     task: bool = False
@@ -128,6 +151,11 @@ class RouteConfig(BaseModel):
     max_attempts: int = Field(
         default=3, ge=1, description="upstream requests of one call over all its routes, retries "
         "included (with fallbacks or set here)")
+
+    price: Price | None = Field(default=None, description="this price instead of genai-prices'")
+    batch_discount: float | None = Field(
+        default=None, ge=0, le=1, description="share taken off the price of calls sent through the "
+        "batch API (unset: 0.5 for kind openai and anthropic, else 0)")
 
     @property
     def extra(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from starlette.routing import BaseRoute, Route
 from multiplexer.access.admin import AdminKey
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.version import VERSION
+from multiplexer.faces.spend import spend_endpoint
 from multiplexer.gateway.gateway import Gateway
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -78,7 +79,11 @@ def _keys(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
     return mount_keys(gateway, admin, admin_route, admin_error)
 
 
-MOUNTS: Mounts = [_status, _keys]
+def _spend(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
+    return [admin_route(admin, "/admin/spend", spend_endpoint(gateway), ["GET"])]
+
+
+MOUNTS: Mounts = [_status, _keys, _spend]
 
 
 def admin_routes(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:

@@ -7,6 +7,7 @@ from multiplexer.core.errors import RpcError, internal_error
 from multiplexer.core.jsonrpc import Decoded, Entry, decode, dumps, error_response, response
 from multiplexer.faces.access import Note, note_rpc
 from multiplexer.gateway.gateway import Gateway
+from multiplexer.money.report import cost_meta
 
 
 def _reply(entry: Entry, outcome: Outcome | None) -> dict:
@@ -45,8 +46,19 @@ async def handle_body(gateway: Gateway, body: bytes, identity: str | None = None
     return b"[" + b",".join(parts) + b"]" if decoded.batch else parts[0]
 
 
+def with_cost(outcome: Outcome) -> Outcome:
+    """The result with ``_meta.cost_usd`` (and ``saved_usd``) where it is an object."""
+    result = outcome.result
+    if not isinstance(result, dict):
+        return outcome
+    meta = result.get("_meta")
+    return Outcome({**result, "_meta": {**(meta if isinstance(meta, dict) else {}), **cost_meta(outcome)}})
+
+
 def _encoded(entry: Entry, outcome: Outcome | None) -> bytes:
     """One reply's JSON; a result the provider encoded already is spliced in, not encoded again."""
+    if entry.call is not None and entry.call.want_cost and outcome is not None and outcome.ok:
+        outcome = with_cost(outcome)
     if outcome is not None and entry.call is not None and entry.call.want_route:
         outcome = with_route(outcome, entry.call.route or entry.call.method)
     elif entry.error is None and outcome is not None and outcome.ok and outcome.result_json is not None:

@@ -41,6 +41,7 @@ class Plan:
     dedup_key: Hashable | None = None
     span: Any = None  # the call's trace span, when calls are traced
     attempts: Any = None  # gateway/fallbacks.Attempts: the call may move on to other routes
+    reservation: Any = None  # what a budget reserved for it (money/budgets.py), settled as it ends
 
 
 def route_item(resolved: Resolved, params: Any, *, identity: str | None,

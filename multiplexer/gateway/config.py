@@ -30,6 +30,7 @@ from multiplexer.core.policy import (
 from multiplexer.gateway import chains
 from multiplexer.gateway.config_errors import hint, problems
 from multiplexer.gateway.kind_keys import kind_problems
+from multiplexer.money.settings import BudgetsConfig, SpendConfig
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -219,6 +220,8 @@ class Config(Strict):
         "(docs/fallbacks.md)")
     mcp_servers: dict[str, VirtualServer] = Field(
         default_factory=dict, description="virtual MCP servers: /mcp/NAME exposes just their tools")
+    spend: SpendConfig = Field(default_factory=SpendConfig, description="what calls cost, saved and spent")
+    budgets: BudgetsConfig = Field(default_factory=BudgetsConfig, description="how budget_usd caps count")
 
     # The config file's folder: relative paths in the file start there (None: the working folder).
     _base_dir: Path | None = PrivateAttr(default=None)

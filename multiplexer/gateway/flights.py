@@ -34,10 +34,18 @@ class CachedOutcome(Outcome):
     """An answer from the shared cache: a replica keeps it no longer than it had left there."""
 
     __slots__ = ("ttl_s",)
+    shared = "cache"  # what the caller's call saved: all of it (money/meter.py)
 
     def __init__(self, result: Any, ttl_s: float) -> None:
         super().__init__(result=result)
         self.ttl_s = ttl_s
+
+
+class Followed(Outcome):
+    """The answer of the identical call another replica ran: this caller's call cost nothing."""
+
+    __slots__ = ()
+    shared = "dedup"
 
 
 def flight_key(key: Hashable) -> str:
@@ -177,5 +185,5 @@ class SharedFlights(Flights):
                 queue(lane, p)
                 return True
             if ready:
-                p.future.set(Outcome(result=value))
+                p.future.set(Followed(result=value))
         return True

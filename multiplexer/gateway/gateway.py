@@ -39,6 +39,7 @@ from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.fallbacks import Fallbacks
 from multiplexer.gateway.flights import CachedOutcome
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
+from multiplexer.gateway.spend import deadline_mode, money_for, reserve_budgets, shared_how
 from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, settle
 
@@ -87,7 +88,8 @@ class Gateway:
         self.quotas = quotas_for(config, self.clock, self.state, self.metrics, self.share)
         self.fallbacks = Fallbacks(self)  # fallbacks, model groups, circuit breakers
         self.keys = directory_for(config, self.quotas)  # YAML and stored keys, their access
-        self.listeners: list[Any] = []
+        self.money = money_for(config, self.clock, self.metrics, self.state, self.keys)  # None: unpriced
+        self.listeners: list[Any] = [] if self.money is None else [self.money.on_event]
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -129,6 +131,9 @@ class Gateway:
             await stack.enter_async_context(keys_running(self.keys, self.config))
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
+            if self.money is not None:  # spend written and budgets settled off the call path
+                stack.push_async_callback(self.money.aclose)
+                self._tg.start_soon(self.money.run)
             if self.state is not None:
                 self._tg.start_soon(self.state.heartbeat_forever)
                 for limiter in self.limiters.values():
@@ -238,8 +243,12 @@ class Gateway:
         plans = [self.admit(call) for call in calls]
         if any(p.claim is not None for p in plans):
             grants = await self.quotas.decide([p.claim for p in plans])
+            if self.money is not None:
+                await reserve_budgets(self.money, self.quotas, plans, grants)
             tickets = [self.enqueue(p, g) for p, g in zip(plans, grants, strict=True)]
         else:
+            if self.money is not None:
+                await reserve_budgets(self.money, self.quotas, plans, [FREE] * len(plans))
             tickets = [self.enqueue(p, FREE) for p in plans]
         try:
             handlers = [t for t in tickets if t.handler is not None and t.outcome is None]
@@ -286,6 +295,9 @@ class Gateway:
             if resolved.group is not None:  # a model group: the route its strategy tries first
                 resolved = self.fallbacks.pick(resolved)
             plan.label = resolved.name
+            auto = resolved.route.mode == "auto"
+            if auto:  # the batch API or now, by the call's deadline
+                resolved = deadline_mode(resolved, call.timeout_ms, self.providers[resolved.route.provider])
             route = plan.route = resolved.route
             timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
             plan.deadline = plan.started + timeout_ms / 1000.0
@@ -312,6 +324,8 @@ class Gateway:
             else:
                 if route.mode == "batch" and call.identity is not None:
                     item.group = _tagged(item.group, call.identity)  # one job per owner (jobs.*)
+                if auto and route.mode == "batch":  # never in one upstream batch with its sync calls
+                    item.group = _tagged(item.group, "batch")
                 plan.dedup_key = self._dedup_key(call, route, item, provider)
             plan.claim = self._claim(call.identity, 1 if route.mode == "batch" else 0)
         except RpcError as e:
@@ -341,6 +355,8 @@ class Gateway:
         call = plan.call
         ticket = Ticket(plan.label, call.identity, plan.deadline, started=plan.started)
         ticket.span, ticket.grant = plan.span, grant
+        if self.money is not None:
+            ticket.plan = plan
         if call.shape is not None:
             ticket.shape = call.shape
         if plan.error is not None or grant.refusal is not None:
@@ -379,6 +395,7 @@ class Gateway:
         cached = self.cache.get(key)
         if cached is not None:
             self.metrics.dedup_hits.labels(plan.label, "cache").inc()
+            ticket.shared = "cache"
             if span is not None:
                 self.tracer.shared(span, "cache")
             self._finish(ticket, cached)
@@ -391,6 +408,7 @@ class Gateway:
             shared = pending.item  # the queue drops it once every caller's deadline has passed
             shared.deadline = None if shared.deadline is None else max(shared.deadline, ticket.deadline)
             self.metrics.dedup_hits.labels(plan.label, "inflight").inc()
+            ticket.shared = "dedup"
             if span is not None:
                 self.tracer.shared(span, "inflight")
             fan = pending.item.options.get("progress")
@@ -446,6 +464,9 @@ class Gateway:
         if t.attempts is not None and self.fallbacks.settle(t, outcome, withdraw):
             return  # the call moved on to its next route
         answer = outcome if t.shape is None or outcome.error is not None else self._shaped(t, outcome)
+        if t.plan is not None and self.money is not None:  # its cost, its saving, its budget settled
+            answer = self.money.finish(t.plan, outcome, answer, shared_how(t.shared, outcome))
+            t.plan = None
         t.outcome = answer
         if t.span is not None:
             self.tracer.end_call(t.span, t.pending.item.trace if t.pending is not None else None,

@@ -101,6 +101,10 @@ class OtelTracer(Tracer):
             span.set_status(Status(StatusCode.ERROR, outcome.error.message))
         elif isinstance(outcome.result, dict):
             attributes.update(_gen_ai_response(outcome.result))
+        if outcome.error is None and outcome.cost is not None:  # what the call cost and saved, in USD
+            attributes["multiplexer.cost_usd"] = float(outcome.cost)
+            if outcome.saved:
+                attributes["multiplexer.saved_usd"] = float(outcome.saved)
         span.set_attributes(attributes)
         span.end()
 

@@ -53,6 +53,8 @@ class Ticket:
     started: float = 0.0  # the clock's time at admission
     in_flight: Level | None = None  # its route's in-flight count, while it is counted there
     attempts: Any = None  # gateway/fallbacks.Attempts: its walk over fallback routes
+    plan: Any = None  # its admission plan, when calls are priced (``spend.enabled``)
+    shared: str | None = None  # how it shared another's execution: ``dedup``, ``cache``
 
     def __call__(self) -> None:
         """Done-callback of the pending it waits on (a bound object, not a closure per call)."""

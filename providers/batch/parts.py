@@ -298,12 +298,14 @@ class PartDriver:
         unfinished: set[int] = set()
         buf: list[tuple[int, str, Any, Any]] = []
         stop = cancelled("batch job cancelled").to_dict()
+        done: list[tuple[int, Any]] = []
         async for line in self.backend.results(status):
             idx = by_id.pop(line.custom_id, None)
             if idx is None:
                 continue
             if line.kind == "succeeded":
                 buf.append((idx, "succeeded", line.result, None))
+                done.append((idx, line.result))
             elif line.kind == "errored":
                 err = line.error or upstream_error(self.name, "batch request failed")
                 buf.append((idx, "failed", None, err.to_dict()))
@@ -316,7 +318,40 @@ class PartDriver:
                 buf = []
         if buf:
             await st.run(st.record, part.job_id, buf)
+        await self._announce(part, done, batch=True)
         return unfinished
+
+    async def _announce(self, part: PartRow, done: list[tuple[int, Any]], batch: bool) -> None:
+        """Tell the listeners what a client's job (``jobs.submit``, ``/v1/batches``) used, line by
+        line, for its cost: ``batch_results`` with (route, model, usage) per line. A route's own
+        jobs (``mode: batch``) are priced with their calls, not here."""
+        if not done:
+            return
+        try:
+            await self._announce_lines(part, done, batch)
+        except Exception:  # the results are kept; only their cost goes uncounted
+            log.exception("%s: the cost of job %s's lines could not be announced", self.name, part.job_id)
+
+    async def _announce_lines(self, part: PartRow, done: list[tuple[int, Any]], batch: bool) -> None:
+        st = self.store()
+        job = await st.run(st.job, part.job_id)
+        if job is None or job.source == "route":
+            return
+        items = {r.idx: r for r in await st.run(st.part_items, part.id)}
+        lines = []
+        for idx, result in done:
+            row = items.get(idx)
+            if row is None:
+                continue
+            try:
+                params = json.loads(row.params or "null")
+            except ValueError:
+                params = None
+            model = params.get("model") if isinstance(params, dict) else None
+            usage = result.get("usage") if isinstance(result, dict) else None
+            lines.append((row.route or "", model if isinstance(model, str) else None, usage))
+        self.ctx.notify("batch_results", {"job_id": part.job_id, "provider": self.name,
+                                          "identity": job.identity, "batch": batch, "lines": lines})
 
     async def _run_sync(self, part: PartRow) -> None:
         """No batch API: the same items through the synchronous endpoint, results kept as they come."""
@@ -334,9 +369,12 @@ class PartDriver:
                 buf.clear()
                 await st.run(st.record, part.job_id, chunk)
 
+        done: list[tuple[int, Any]] = []
+
         async def on_result(idx: int, outcome: Outcome) -> None:
             if outcome.ok:
                 buf.append((idx, "succeeded", outcome.result, None))
+                done.append((idx, outcome.result))
             else:
                 assert outcome.error is not None
                 buf.append((idx, "failed", None, outcome.error.to_dict()))
@@ -351,5 +389,6 @@ class PartDriver:
                 self._scopes.pop(part.id, None)
                 with anyio.CancelScope(shield=True):
                     await flush()
+                    await self._announce(part, done, batch=False)
         error = cancelled("batch job cancelled") if scope.cancelled_caught else None
         await self._end_part(part, error, "cancelled" if error else "completed")

@@ -54,6 +54,7 @@ from multiplexer.faces.mcp.tools import (
 from multiplexer.faces.mcp.visibility import Visibility
 from multiplexer.faces.unexpected import unexpected
 from multiplexer.gateway.gateway import Gateway
+from multiplexer.money.report import cost_meta
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +332,10 @@ class McpFace:
         if upstream:
             call.log = self._log_sink(ctx, raw_meta)
         outcome = await self.gateway.submit(call)
-        return self._result(params.name, outcome, upstream)
+        result = self._result(params.name, outcome, upstream)
+        if call.want_cost and outcome.ok and isinstance(result, types.CallToolResult):
+            result.meta = {**(result.meta or {}), **cost_meta(outcome)}
+        return result
 
     # -- upstream log messages ------------------------------------------------------
     async def set_log_level(self, ctx: ServerRequestContext[Any, Any],

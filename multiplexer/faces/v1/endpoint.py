@@ -25,6 +25,7 @@ from multiplexer.faces.v1.common import (
     send_error,
 )
 from multiplexer.faces.v1.sse import Encode, stream_call
+from multiplexer.money.report import usd_text
 
 # A stream may run long: without a route timeout it gets the SDKs' own 10 minutes, not the
 # server's default for whole calls.
@@ -97,7 +98,8 @@ class Endpoint:
         if outcome.error is not None:
             raise http_error(outcome.error, self.surface)
         assert outcome.result_json is not None
-        await send_encoded(send, 200, outcome.result_json, headers + self.v1.quota_headers(call.identity))
+        await send_encoded(send, 200, outcome.result_json,
+                           headers + self.v1.quota_headers(call.identity) + money_headers(outcome))
 
     async def stream(self, call: Call, scope: Scope, receive: Receive, send: Send,
                      headers: list[tuple[bytes, bytes]], encode: Encode,
@@ -127,6 +129,17 @@ ROUTE_HEADER = b"x-multiplexer-route"
 def route_header(call: Call) -> tuple[bytes, bytes]:
     """Where the call was served (or tried last): a fallback's or a model group's route."""
     return ROUTE_HEADER, (call.route or call.method).encode("ascii", "replace")
+
+
+def money_headers(outcome: Outcome) -> list[tuple[bytes, bytes]]:
+    """``x-multiplexer-cost-usd`` where the call's cost is known, ``x-multiplexer-saved-usd`` where
+    the gateway saved something on it (decimal strings, US dollars)."""
+    if outcome.cost is None:
+        return []
+    out = [(b"x-multiplexer-cost-usd", usd_text(outcome.cost))]
+    if outcome.saved:
+        out.append((b"x-multiplexer-saved-usd", usd_text(outcome.saved)))
+    return out
 
 
 def encoded(outcome: Outcome) -> Outcome:

@@ -35,6 +35,8 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
 def openai_error(status: int, error: RpcError, param: str | None, code: str | None) -> dict[str, Any]:
     """``{"error": {message, type, param, code}}``: what the OpenAI SDK reads into its exception."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    if status == 429 and (error.data or {}).get("limit") == "budget_usd":
+        kind = code = "insufficient_quota"  # what OpenAI answers when an account's quota is spent
     if code is None:
         code = {401: "invalid_api_key", 403: "permission_denied", 429: "rate_limit_exceeded"}.get(status)
     return {"error": {"message": message_of(error), "type": kind, "param": param, "code": code}}

@@ -1,0 +1,45 @@
+"""``GET /admin/spend``: spend and savings summed by key, team, route, model and/or day.
+
+``?group_by=key,route&since=2026-12-01&until=2026-12-03`` (ISO dates, both included, in
+``budgets.timezone``); the body is ``{"rows": [{<groups>, calls, cost_usd, saved_usd,
+unknown_cost_calls, saved_by}], "total": {...}}``. Behind the admin key like every ``/admin/``."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import date
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from multiplexer.core.errors import Code, RpcError, invalid_params
+from multiplexer.gateway.gateway import Gateway
+from multiplexer.money.spend_store import GROUPS
+
+
+def _day(request: Request, name: str) -> date | None:
+    raw = request.query_params.get(name)
+    if raw in (None, ""):
+        return None
+    try:
+        return date.fromisoformat(raw)
+    except ValueError:
+        raise invalid_params(f"{name} must be an ISO date (2026-12-01), not {raw!r}") from None
+
+
+def spend_endpoint(gateway: Gateway) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint; ``faces/admin.py`` mounts it behind the admin key."""
+
+    async def spend(request: Request) -> Response:
+        money = gateway.money
+        if money is None:
+            raise RpcError(Code.NOT_FOUND, "Not found", {"detail": "spend is off (spend.enabled: false)"})
+        raw = request.query_params.get("group_by", "key")
+        groups = [g.strip() for g in raw.split(",") if g.strip()]
+        unknown = [g for g in groups if g not in GROUPS]
+        if unknown or len(set(groups)) != len(groups):
+            raise invalid_params(f"group_by takes distinct names among {', '.join(GROUPS)}; got {raw!r}")
+        since, until = _day(request, "since"), _day(request, "until")
+        return JSONResponse(await money.report(groups, since, until))
+
+    return spend

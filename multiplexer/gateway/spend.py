@@ -1,0 +1,129 @@
+"""Composing the money side (``spend:``, ``budgets:``, ``price:``) into a gateway, and the budget
+decision of admission's second stage. Kept out of ``gateway.py``: with ``spend.enabled: false``
+none of it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from multiplexer.core.clock import Clock
+from multiplexer.core.metrics import Metrics
+from multiplexer.core.policy import RouteConfig
+from multiplexer.core.provider import BatchCapable, Provider
+from multiplexer.core.quota import Grant, Quotas
+from multiplexer.core.router import Resolved
+from multiplexer.core.state import SharedState
+from multiplexer.gateway.admission import Plan
+from multiplexer.gateway.config import Config
+from multiplexer.money.budgets import Reservation, Scope, budgets_of_config, team_of_config
+from multiplexer.money.ledger import Money
+from multiplexer.money.prices import Prices
+
+
+class _Lookup:
+    """A directory's lookup with the ``get`` that the config's dicts have."""
+
+    def __init__(self, find: Any) -> None:
+        self.get = find
+
+
+def money_for(config: Config, clock: Clock, metrics: Metrics, state: SharedState | None,
+              directory: Any = None) -> Money | None:
+    """``directory``: the keys (``access.directory.KeyDirectory``: the YAML's and the store's);
+    without one, the config's keys alone."""
+    if not config.spend.enabled:
+        return None
+    keys: Any = config.server.api_keys
+    teams: Any = config.server.teams
+    if directory is not None:  # stored keys too: looked up as the config's are
+        keys, teams = _Lookup(directory.entry), _Lookup(directory.team)
+    known: dict[str | None, list[Scope]] = {}
+    seen = [getattr(directory, "version", 0)]
+
+    def budgets_of(identity: str | None) -> list[Scope]:
+        """The budgets a caller answers to: its key's and its team's, stored or configured."""
+        version = getattr(directory, "version", 0)
+        if version != seen[0] or len(known) >= 100_000:  # the store changed: look again
+            known.clear()
+            seen[0] = version
+        found = known.get(identity)
+        if found is None:
+            found = known[identity] = budgets_of_config(identity, keys, teams)
+        return found
+
+    def team_of(identity: str | None) -> str | None:
+        return team_of_config(identity, keys)
+
+    counters = None
+    make = getattr(state, "budget_counters", None)
+    if make is not None:
+        counters = make()  # one Redis script: every replica decides on the same counters
+    return Money(config.spend, config.budgets, Prices(config.providers, config.routes), clock, metrics,
+                 budgets_of=budgets_of, team_of=team_of, store_path=config.store.path,
+                 store_url=config.store.url, store_schema=config.store.schema_, counters=counters,
+                 fail_open=config.state.on_failure == "open")
+
+
+async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],
+                          grants: Sequence[Grant]) -> None:
+    """Admission's budget decision, after the quotas': each admitted plan that a budget covers
+    reserves the most it can cost, or is refused (``plan.error``, its quota charge given back)
+    before anything is sent."""
+    budgets_of = money.budgets.budgets_of
+    todo, scopes = [], []
+    for i, p in enumerate(plans):
+        if p.error is None and p.item is not None and grants[i].refusal is None:
+            found = budgets_of(p.call.identity)
+            if found:
+                todo.append(i)
+                scopes.append(found)
+    if not todo:
+        return
+    decided = await money.budgets.reserve([plans[i] for i in todo], scopes)
+    for i, d in zip(todo, decided, strict=True):
+        if isinstance(d, Reservation):
+            plans[i].reservation = d
+        elif d is not None:
+            plans[i].error = d
+            quotas.refund(grants[i])
+
+
+def shared_how(ticket_shared: str | None, outcome: Any) -> str | None:
+    """How a caller shared another's execution: joined here, or an answer another replica ran."""
+    if ticket_shared is not None:
+        return ticket_shared
+    return getattr(outcome, "shared", None)
+
+
+_WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_AS_MODE: dict[tuple[int, str], RouteConfig] = {}  # an auto route as batch or sync, made once
+
+
+def completion_window_s(provider: Provider) -> float | None:
+    """The provider's batch completion window in seconds (``batch_completion_window: 24h``);
+    None when it has no batch API."""
+    if not isinstance(provider, BatchCapable):
+        return None
+    raw = getattr(getattr(provider, "settings", None), "batch_completion_window", "24h")
+    m = _WINDOW.match(str(raw))
+    return float(m.group(1)) * _UNIT[m.group(2)] if m else None
+
+
+def deadline_mode(resolved: Resolved, timeout_ms: float | None, provider: Provider) -> Resolved:
+    """``mode: auto``: the route as ``mode: batch`` for a call whose deadline (its own, else the
+    route's ``max_latency_s``) allows the provider's completion window, as ``sync`` otherwise."""
+    route = resolved.route
+    window = completion_window_s(provider)
+    allowed = timeout_ms / 1000.0 if timeout_ms is not None else route.max_latency_s
+    mode = "batch" if window is not None and allowed is not None and allowed >= window else "sync"
+    as_mode = _AS_MODE.get((id(route), mode))
+    if as_mode is None:
+        update: dict[str, Any] = {"mode": mode}
+        if mode == "batch" and route.timeout_ms is None and route.max_latency_s is not None:
+            update["timeout_ms"] = route.max_latency_s * 1000.0  # a job's call waits its window
+        as_mode = _AS_MODE[(id(route), mode)] = route.model_copy(update=update)
+    return dataclasses.replace(resolved, route=as_mode)

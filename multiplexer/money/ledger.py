@@ -1,0 +1,185 @@
+"""The money side of one gateway: the meter, budgets, and the writer that keeps the spend.
+
+``Money`` is built from the config by the gateway; its ``run`` task (in the gateway's task
+group) writes what the meter recorded every ``spend.flush_interval_s`` and sends budget
+settlements as calls end. ``report`` answers ``GET /admin/spend``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import date, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import anyio
+
+from multiplexer.core.call import Outcome
+from multiplexer.core.clock import Clock
+from multiplexer.core.metrics import Metrics
+from multiplexer.money.budgets import Budgets, Counters, LocalCounters, Scope
+from multiplexer.money.meter import BATCH, CACHE, INFLIGHT, Meter, MoneyMetrics, Record
+from multiplexer.money.prices import Prices
+from multiplexer.money.settings import BudgetsConfig, SpendConfig
+from multiplexer.money.spend_store import GROUPS, SUMS, PgSpendStore, SpendStore
+
+log = logging.getLogger(__name__)
+
+_HOW_COLUMN = {BATCH: 4, INFLIGHT: 5, CACHE: 6}  # index in SUMS of the saved_<how> sum
+
+
+class Money:
+    def __init__(self, spend: SpendConfig, budgets: BudgetsConfig, prices: Prices, clock: Clock,
+                 metrics: Metrics, *, budgets_of: Callable[[str | None], list[Scope]],
+                 team_of: Callable[[str | None], str | None], store_path: Any, store_url: str | None,
+                 store_schema: str, counters: Counters | None = None, prefix: str = "",
+                 fail_open: bool = False) -> None:
+        self.config = spend
+        self.clock = clock
+        self.metrics = MoneyMetrics(metrics)
+        self.meter = Meter(prices, clock, self.metrics)
+        self.team_of = team_of
+        self.zone = ZoneInfo(budgets.timezone)
+        self.budgets = Budgets(
+            budgets, prices, counters or LocalCounters(clock.wall), budgets_of, clock.wall,
+            lambda scope, period: self.metrics.child(self.metrics.budget_refused, scope, period).inc(),
+            lambda scope, period: self.metrics.child(self.metrics.budget_alerts, scope, period).inc(),
+            prefix, fail_open)
+        self._store_args = (store_path, store_url, store_schema)
+        self.store: SpendStore | None = None
+        self._lock = anyio.Lock()
+
+    def finish(self, plan: Any, outcome: Outcome, answer: Outcome, shared: str | None) -> Outcome:
+        """A call's last step: its answer priced (when it succeeded) and its budget reservation
+        settled to what it cost (nothing, when it failed or never ran)."""
+        cost: int | None = 0
+        if answer.error is None:
+            answer, cost = self.meter.price(plan, outcome, answer, shared)
+        reservation = plan.reservation
+        if reservation is not None:
+            self.budgets.settle(reservation, cost)
+        return answer
+
+    async def _store(self) -> SpendStore:
+        if self.store is not None:
+            return self.store
+        return await anyio.to_thread.run_sync(self.open_store)
+
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        """A gateway listener: a client's batch job's lines are priced as they finish."""
+        if event == "batch_results":
+            self.meter.lines(data.get("identity"), data.get("provider", ""), bool(data.get("batch")),
+                             data.get("lines") or [])
+
+    def open_store(self) -> SpendStore:
+        if self.store is None:
+            path, url, schema = self._store_args
+            self.store = PgSpendStore(url, schema) if url else SpendStore(path)
+        return self.store
+
+    async def run(self) -> None:
+        """The writer and the settler, for the gateway's lifetime."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.budgets.run)
+            pruned = ""
+            while True:
+                await self.clock.sleep_until(self.clock.now() + self.config.flush_interval_s)
+                await self.flush()
+                today = datetime.fromtimestamp(self.clock.wall(), self.zone).date()
+                if self.config.retention_days is not None and self.store is not None \
+                        and pruned != today.isoformat():
+                    pruned = today.isoformat()
+                    first = (today - timedelta(days=self.config.retention_days)).isoformat()
+                    try:
+                        await anyio.to_thread.run_sync(self.store.prune, first)
+                    except Exception:
+                        log.exception("old spend could not be deleted")
+
+    async def flush(self) -> None:
+        """Write what was recorded since the last flush (one batch), and settle budgets."""
+        await self.budgets.flush()
+        async with self._lock:
+            records = self.meter.take()
+            if not records:
+                return
+            rows = self.rows(records)
+            try:
+                store = await self._store()
+                await anyio.to_thread.run_sync(store.add, rows)
+            except Exception:
+                log.exception("spend could not be written (%d calls); /metrics counts it", len(records))
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.flush()
+            if self.store is not None:
+                await anyio.to_thread.run_sync(self.store.close)
+
+    def rows(self, records: Sequence[Record]) -> list[tuple[Any, ...]]:
+        """Records summed by (day, key, team, route, model); pico-dollars summed, then nano."""
+        sums: dict[tuple[str, str, str, str, str], list[int]] = {}
+        days: dict[int, str] = {}
+        teams: dict[str | None, str] = {}
+        for at, key, route, _provider, model, cost, saved, how, prompt_saved, requests_saved in records:
+            minute = int(at // 60)  # a zone's midnight falls on a whole minute
+            day = days.get(minute)
+            if day is None:
+                day = days[minute] = datetime.fromtimestamp(at, self.zone).strftime("%Y-%m-%d")
+            team = teams.get(key)
+            if team is None:
+                team = teams[key] = self.team_of(key) or ""
+            group = (day, key or "", team, route, model)
+            row = sums.get(group)
+            if row is None:
+                row = sums[group] = [0] * len(SUMS)
+            row[0] += 1
+            if cost is None:
+                row[3] += 1
+            else:
+                row[1] += cost
+            if saved:
+                row[2] += saved
+                column = _HOW_COLUMN.get(how)
+                if column is not None:
+                    row[column] += saved - (prompt_saved if how == BATCH else 0)
+            if prompt_saved and how != INFLIGHT and how != CACHE:
+                row[7] += prompt_saved
+            if requests_saved:
+                row[8] += round(requests_saved * 1_000_000)
+        out = []
+        for g, s in sums.items():  # pico-dollars to nano, requests to thousandths
+            out.append((*g, s[0], *(-(-v // 1000) for v in s[1:3]), s[3], *(-(-v // 1000) for v in s[4:8]),
+                        -(-s[8] // 1000)))
+        return out
+
+    async def report(self, group_by: Sequence[str], since: date | None, until: date | None) -> dict[str, Any]:
+        """``GET /admin/spend``'s body: rows by the groups asked for, and the total."""
+        await self.flush()  # what this replica has not written yet counts too
+        today = datetime.fromtimestamp(self.clock.wall(), self.zone).date()
+        first = (since or date(1970, 1, 1)).isoformat()
+        last = (until or today + timedelta(days=1)).isoformat()
+        store = await self._store()
+        rows = await anyio.to_thread.run_sync(store.query, list(group_by), first, last)
+        total = await anyio.to_thread.run_sync(store.query, [], first, last)
+        n = len(group_by)
+        return {"rows": [{**{g: (v if v != "" else None) for g, v in zip(group_by, r[:n], strict=True)},
+                          **_sums(r[n:])} for r in rows],
+                "total": _sums(total[0] if total else (0,) * len(SUMS))}
+
+
+def _usd(n: Any) -> float:
+    return float(Decimal(int(n or 0)) / Decimal(1_000_000_000))
+
+
+def _sums(values: Sequence[Any]) -> dict[str, Any]:
+    v = dict(zip(SUMS, values, strict=True))
+    return {"calls": int(v["calls"] or 0), "cost_usd": _usd(v["cost"]), "saved_usd": _usd(v["saved"]),
+            "unknown_cost_calls": int(v["unknown_calls"] or 0),
+            "upstream_requests_saved": round(int(v["requests_saved"] or 0) / 1000, 3),
+            "saved_by": {"batch": _usd(v["saved_batch"]), "dedup": _usd(v["saved_dedup"]),
+                         "cache": _usd(v["saved_cache"]), "prompt_cache": _usd(v["saved_prompt_cache"])}}
+
+
+__all__ = ["GROUPS", "Money"]

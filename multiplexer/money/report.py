@@ -1,0 +1,45 @@
+"""Amounts as text: the answer headers, ``_meta.cost_usd`` and ``multiplexer spend``'s table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from decimal import Decimal
+from typing import Any
+
+QUANTUM = Decimal("0.000000001")  # a nano-dollar: finer than any provider bills
+
+
+def usd_text(amount: Decimal) -> bytes:
+    """``0.000125``: a plain decimal string (no exponent), to the nano-dollar."""
+    text = format(amount.quantize(QUANTUM).normalize(), "f")
+    return text.encode()
+
+
+def cost_meta(outcome: Any) -> dict[str, str | None]:
+    """``{"cost_usd": "0.0000021", "saved_usd": ...}`` for a result's ``_meta`` (null: unknown)."""
+    cost, saved = outcome.cost, outcome.saved
+    meta: dict[str, str | None] = {"cost_usd": None if cost is None else usd_text(cost).decode()}
+    if saved:
+        meta["saved_usd"] = usd_text(saved).decode()
+    return meta
+
+
+def table(body: dict[str, Any], groups: Sequence[str]) -> str:
+    """``GET /admin/spend``'s body as an aligned text table with a total line."""
+    head = [*groups, "calls", "cost_usd", "saved_usd", "unknown_cost_calls"]
+
+    def sums(r: dict[str, Any]) -> list[str]:
+        return [str(r.get("calls", 0)), f"{r.get('cost_usd', 0):.6f}", f"{r.get('saved_usd', 0):.6f}",
+                str(r.get("unknown_cost_calls", 0))]
+
+    lines = [[str(r.get(g) if r.get(g) is not None else "-") for g in groups] + sums(r)
+             for r in body.get("rows", [])]
+    lines.append((["total", *[""] * (len(groups) - 1)] if groups else []) + sums(body.get("total", {})))
+    widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
+    numeric = len(groups)
+
+    def fmt(row: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i >= numeric else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+
+    return "\n".join([fmt(head), *(fmt(r) for r in lines)])

@@ -1,0 +1,39 @@
+"""The spend table, in SQLite and PostgreSQL: batches add up, reports group and filter by day."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from multiplexer.money.spend_store import PgSpendStore, SpendStore
+from tests.pg_helpers import throwaway_schema
+
+ROW = ("2026-12-01", "alice", "research", "chat", "gpt-4o", 2, 5000, 1000, 0, 0, 1000, 0, 0, 1000)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SpendStore]:
+    if request.param == "sqlite":
+        s = SpendStore(tmp_path / "jobs.db")
+        yield s
+        s.close()
+        return
+    with throwaway_schema() as (url, schema, _):
+        s = PgSpendStore(url, schema)
+        yield s
+        s.close()
+
+
+def test_batches_add_up_and_reports_group_by_day(store: SpendStore) -> None:
+    other = ("2026-12-02", "bob", "", "embed", "text-embedding-3-small", 1, 20, 0, 1, 0, 0, 0, 0, 500)
+    store.add([ROW, other])
+    store.add([ROW])  # the same group again: summed, not a second row
+    assert store.query(["key"], "2026-12-01", "2026-12-02") == [
+        ("alice", 4, 10000, 2000, 0, 0, 2000, 0, 0, 2000), ("bob", 1, 20, 0, 1, 0, 0, 0, 0, 500)]
+    assert store.query(["team", "route"], "2026-12-02", "2026-12-02") == [
+        ("", "embed", 1, 20, 0, 1, 0, 0, 0, 0, 500)]
+    assert store.query([], "2026-11-01", "2026-11-30") == [(None,) * 9]
+    store.prune("2026-12-02")
+    assert [r[0] for r in store.query(["day"], "2026-01-01", "2026-12-31")] == ["2026-12-02"]
