@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any, Literal
 
 import anyio
@@ -157,6 +159,11 @@ def _demo(args: argparse.Namespace) -> int:
     logging.getLogger("multiplexer.access").setLevel(logging.WARNING)  # the demo prints its own lines
     config = load_config(args.config)
     config.server.workers = 1  # the demo is one process
+    if "path" not in config.store.model_fields_set and config.store.url is None:
+        # a show, not a deployment: its jobs and spend go to a folder of its own, not the one it ran in
+        with tempfile.TemporaryDirectory(prefix="multiplexer-demo-") as tmp:
+            config.store.path = Path(tmp) / "multiplexer.db"
+            return anyio.run(run_demo, config, args.port)
     return anyio.run(run_demo, config, args.port)
 
 

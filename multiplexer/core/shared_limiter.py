@@ -55,8 +55,7 @@ class SharedLimiter(RateLimiter):
         self._local_in_flight = 0
         self._settle_send, self._settle_recv = anyio.create_memory_object_stream[Permit](math.inf)
         self._orphans: set[str] = set()  # slots a timed-out acquire may hold there: freed on return
-        self._turn = anyio.Lock()  # the one waiter of this replica that asks the shared state
-        self._waiters = 0
+        self._turn = anyio.Lock()  # the one caller of this replica that asks the shared state
 
     # -- what the lane and providers call (sync) ------------------------------------
     def delay(self, requests: int, tokens: int) -> tuple[float, str]:
@@ -102,21 +101,14 @@ class SharedLimiter(RateLimiter):
         return lease
 
     async def _acquire(self, tokens: int, slot: bool, on_wait: OnWait | None) -> Permit:
-        """Ask the shared state at once when none of this replica's callers waits; else queue
-        for the turn. One waiter per replica polls: a waiter each would wake together at every
-        refill and all but one ask again, a herd that grows with the callers and, on a busy
-        machine, stalls the replicas and then lets the saved-up tokens go in a burst."""
+        """One caller of this replica at a time asks the shared state, in arrival order (the lock
+        is fair). A waiter each would wake together at every refill and all but one ask again: a
+        herd that grows with the callers and, on a busy machine, stalled the replicas and then
+        let the saved-up tokens go in a burst. The cost: a replica's acquires follow each other,
+        one round trip apart (thousands a second; each is a batch's, not a call's)."""
         lease_id = self._prefix + str(next(self._ids))
-        if not self._waiters:
-            asked = await self._ask(lease_id, tokens, slot)
-            if isinstance(asked, Permit):
-                return asked
-        self._waiters += 1
-        try:
-            async with self._turn:
-                return await self._wait_turn(lease_id, tokens, slot, on_wait)
-        finally:
-            self._waiters -= 1
+        async with self._turn:
+            return await self._wait_turn(lease_id, tokens, slot, on_wait)
 
     async def _ask(self, lease_id: str, tokens: int, slot: bool) -> Permit | tuple[float, str] | None:
         """One round trip: the permit, or how long to wait and for which limit; None while the
