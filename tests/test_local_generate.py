@@ -99,7 +99,10 @@ async def test_a_short_request_joins_and_leaves_while_a_long_one_runs(lm_dir: Pa
         engine.listeners.remove(on_step)
     assert 2 in rows
     assert short_req.tokens == short_alone.tokens and long_req.tokens == long_alone.tokens
-    assert long_req.finish_reason == "length" and len(long_req.tokens) == 60
+    # as it ends alone: at its 60 tokens, or at an end-of-text the tiny model may reach first (the
+    # trained tokenizer orders words of equal count differently from one process to the next)
+    assert long_req.finish_reason == long_alone.finish_reason
+    assert long_req.finish_reason == "stop" or len(long_req.tokens) == 60
 
 
 async def test_sampling_with_a_seed_is_reproducible_alone_or_batched(lm_dir: Path) -> None:

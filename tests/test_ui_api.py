@@ -94,8 +94,9 @@ async def test_the_api_and_the_stream_answer_only_a_key() -> None:
                                         "breakers"}
         own = (await http.get("/ui/api/state", headers={"authorization": f"Bearer {KEY}"})).json()
         assert own["view"] == "key" and own["identity"] == "alice"
-        assert set(own["panels"]) == {"jobs", "spend"}  # a caller sees nothing of the others
-        assert admin["panels"]["spend"] == {"configured": False, "detail": admin["panels"]["spend"]["detail"]}
+        assert set(own["panels"]) == {"jobs"}  # a caller sees nothing of the others
+        assert admin["panels"]["breakers"] == {"configured": False,
+                                               "detail": admin["panels"]["breakers"]["detail"]}
 
 
 async def test_without_any_key_the_api_is_off_and_says_how_to_turn_it_on() -> None:
@@ -142,6 +143,25 @@ async def test_every_number_equals_metrics() -> None:
     limits = next(x for x in state["limits"]["providers"] if x["provider"] == "e")
     assert limits["concurrency"]["in_flight"] == 0 and limits["rpm"] is None
     assert state["state"]["state"] == {"mode": "local", "reachable": True, "replicas": 1, "degraded": {}}
+    assert state["spend"]["configured"] is True and state["spend"]["routes"] == []  # echo is not priced
+
+
+async def test_the_spend_panel_equals_metrics(tmp_path: Any) -> None:
+    config = parse_config({
+        "server": {"admin_key": ADMIN}, "store": {"path": str(tmp_path / "jobs.db")},
+        "providers": {"m": {"kind": "mock", "price": {"input_per_mtok": 1000, "output_per_mtok": 2000}}},
+        "routes": {"chat": {"provider": "m", "operation": "chat", "models": ["mock-gpt"]}}})
+    async with serving(config) as (_, http):
+        for i in range(3):
+            r = await http.post("/v1/chat/completions", json={
+                "model": "mock-gpt", "messages": [{"role": "user", "content": f"hello {i}"}]})
+            assert float(r.headers["x-multiplexer-cost-usd"]) > 0
+        spend = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()["panels"]["spend"]
+        m = scrape((await http.get("/metrics")).text)
+    [row] = spend["routes"]
+    assert row["route"] == "chat" and row["unknown_cost_calls"] == 0
+    assert row["cost_usd"] == m[("multiplexer_spend_usd_total", (("provider", "m"), ("route", "chat")))] > 0
+    assert spend["cost_usd"] == row["cost_usd"] and spend["saved_usd"] == 0
 
 
 async def test_streams_share_one_snapshot_per_tick_and_build_none_unwatched() -> None:

@@ -134,7 +134,8 @@ async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any) -> No
                 await element.screenshot(path=str(shots / f"{name}.png"))
                 assert (shots / f"{name}.png").stat().st_size > 1000, name
             await page.screenshot(path=str(shots / "page.png"), full_page=True)
-            assert "not configured" in (await page.text_content("#panel-spend") or "")
+            assert "calls of unknown cost" in (await page.text_content("#panel-spend") or "")
+            assert "no fallbacks" in (await page.text_content("#panel-breakers") or "")
             print(f"screenshots in {shots}")
 
             # a link with the key in its fragment logs in too; the fragment leaves the address bar
@@ -188,9 +189,8 @@ async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch:
                 await own.goto(f"{url}/ui#key={KEY}")
                 await own.wait_for_selector(f"#panel-jobs tr:has-text('{job_id}')")
                 assert "key alice" in (await own.text_content("#who") or "")
-                for hidden in ("routes", "limits", "mcp", "local", "state", "breakers"):
+                for hidden in ("routes", "limits", "mcp", "local", "state", "breakers", "spend"):
                     assert not await own.locator(f"#panel-{hidden}").is_visible(), hidden
-                assert await own.locator("#panel-spend").is_visible()
                 await own.locator('[data-panel="jobs"]').screenshot(path=str(tmp_path / "jobs-own.png"))
 
                 other = await browser.new_page()

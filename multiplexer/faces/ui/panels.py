@@ -231,16 +231,43 @@ async def state(view: View) -> dict[str, Any]:
     return out
 
 
-@panel("spend", callers=True)
+@panel("spend")
 async def spend(view: View) -> dict[str, Any]:
-    """Spend and savings by key, route and day: shown once prices and a ledger exist."""
-    return not_configured("spend and savings are not configured (no price table or ledger)")
+    """What calls cost and what the gateway saved, by route, from the counters `/metrics` has
+    (cumulative since start; `GET /admin/spend` has them by key, team, model and day)."""
+    if getattr(view.gateway, "money", None) is None:
+        return not_configured("calls are not priced (spend.enabled: false)")
+    s = view.samples
+    cost = s.by("multiplexer_spend_usd_total", "route")
+    saved = s.by("multiplexer_saved_usd_total", "route")
+    unknown = s.by("multiplexer_unknown_cost_calls_total", "route")
+    routes = [{"route": r, "cost_usd": cost.get(r, 0.0), "saved_usd": saved.get(r, 0.0),
+               "unknown_cost_calls": int(unknown.get(r, 0))}
+              for r in sorted(set(cost) | set(saved) | set(unknown))]
+    return {"configured": True, "cost_usd": sum(cost.values()), "saved_usd": sum(saved.values()),
+            "saved_by": s.by("multiplexer_saved_usd_total", "how"),
+            "unknown_cost_calls": int(sum(unknown.values())), "routes": routes}
 
 
 @panel("breakers")
 async def breakers(view: View) -> dict[str, Any]:
-    """Circuit breakers of fallback routes: shown once fallbacks exist."""
-    return not_configured("no fallbacks or circuit breakers are configured")
+    """Circuit breakers by endpoint (0 closed, 1 open, 2 half-open), fallbacks taken and attempts
+    by result: the `/metrics` series of docs/fallbacks.md."""
+    gw, s = view.gateway, view.samples
+    configured = bool(gw.config.groups) or any(
+        r.fallbacks or r.context_window_fallbacks for r in gw.config.routes.values()) or any(
+        p.breaker is not None for p in gw.config.providers.values())
+    if not configured:
+        return not_configured("no fallbacks, model groups or circuit breakers are configured")
+    states = {0: "closed", 1: "open", 2: "half_open"}
+    return {"configured": True,
+            "breakers": {e: states.get(int(v), str(v))
+                         for e, v in sorted(s.by("multiplexer_breaker_state", "endpoint").items())},
+            "fallbacks": [{"from": labels.get("from_route", ""), "to": labels.get("to_route", ""),
+                           "reason": labels.get("reason", ""), "calls": int(v)}
+                          for labels, v in s.rows("multiplexer_fallbacks_total")],
+            "attempts": {f"{labels.get('route', '')}:{labels.get('result', '')}": int(v)
+                         for labels, v in s.rows("multiplexer_attempts_total")}}
 
 
 def finite(value: Any) -> Any:

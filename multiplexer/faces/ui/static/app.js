@@ -257,6 +257,24 @@ function statePanel(s) {
   body("state", table(["part", "mode", "reachable", "replicas", ""], rows));
 }
 
+function spendPanel(m) {
+  const usd = (x) => "$" + num(x, 6);
+  const how = Object.entries(m.saved_by || {}).map(([k, x]) => `${esc(k)} ${usd(x)}`).join(", ");
+  const rows = m.routes.map((r) => `<tr><td>${esc(r.route)}</td><td>${v(`spend.${r.route}.cost`, usd(r.cost_usd))}</td>` +
+    `<td>${usd(r.saved_usd)}</td><td>${r.unknown_cost_calls}</td></tr>`);
+  body("spend", `<div>${v("spend.cost", usd(m.cost_usd))} spent · ${v("spend.saved", usd(m.saved_usd))} saved` +
+    `${how ? " (" + how + ")" : ""} · ${m.unknown_cost_calls} calls of unknown cost</div>` +
+    (rows.length ? table(["route", "cost", "saved", "unknown cost"], rows) : empty("no calls answered yet")));
+}
+
+function breakersPanel(b) {
+  const st = (x) => x === "closed" ? `<span class="ok">closed</span>` : x === "open" ? `<span class="bad">open</span>` : `<span class="warn">${esc(x)}</span>`;
+  const rows = Object.entries(b.breakers).map(([e, x]) => `<tr><td>${esc(e)}</td><td>${st(x)}</td></tr>`);
+  const fb = b.fallbacks.map((f) => `<tr><td>${esc(f.from)} → ${esc(f.to)}</td><td class="l">${esc(f.reason)}</td><td>${f.calls}</td></tr>`);
+  body("breakers", (rows.length ? table(["endpoint", "breaker"], rows) : empty("no breaker has seen a call yet")) +
+    `<h3>fallbacks taken</h3>` + (fb.length ? table(["from → to", "reason", "calls"], fb) : empty("none yet")));
+}
+
 function render(s) {
   remember(s);
   const p = s.panels, admin = s.view === "admin";
@@ -266,7 +284,7 @@ function render(s) {
   $("#kpis").hidden = !p.routes;
   document.querySelectorAll(".charts").forEach((el) => { if (el.parentElement === $("#main")) el.hidden = !p.routes; });
   const renderers = {routes: routesPanel, limits: limitsPanel, jobs: (j) => jobsPanel(j, admin), mcp: mcpPanel,
-                     local: localPanel, state: statePanel};
+                     local: localPanel, state: statePanel, spend: spendPanel, breakers: breakersPanel};
   for (const [name, panel] of Object.entries(p)) {
     if (panel.error) body(name, `<div class="err">this panel failed: ${esc(panel.error)}</div>`);
     else if (panel.configured === false) body(name, empty(panel.detail));
