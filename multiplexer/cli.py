@@ -162,7 +162,7 @@ def _demo(args: argparse.Namespace) -> int:
     if "path" not in config.store.model_fields_set and config.store.url is None:
         # a show, not a deployment: its jobs and spend go to a folder of its own, not the one it ran in
         with tempfile.TemporaryDirectory(prefix="multiplexer-demo-") as tmp:
-            config.store.path = Path(tmp) / "multiplexer.db"
+            config.store.path = str(Path(tmp) / "multiplexer.db")
             return anyio.run(run_demo, config, args.port)
     return anyio.run(run_demo, config, args.port)
 
