@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from .fencing import fence, fence_writes
 from .pg_connect import connect
-from .store import ITEMS, JobStore, LeaseLost, _locked
+from .store import ITEMS, JobStore, _locked
 from .v1_tables import V1_TABLES
 
 TABLES = """
@@ -45,7 +46,6 @@ CREATE INDEX IF NOT EXISTS parts_job ON parts(job_id);
 _DIALECT = [(re.compile(r"\bIS \?"), "IS NOT DISTINCT FROM ?"),
             (re.compile(r"LENGTH\(CAST\(params AS BLOB\)\)"), "OCTET_LENGTH(params)")]
 # Writes about a part's remote batch: only the replica holding the part's current epoch may make them.
-_FENCED = {"mark_submitting", "mark_submitted", "set_remote_status", "finish_part"}
 
 
 def _pg(sql: str) -> str:
@@ -163,38 +163,10 @@ class PgJobStore(JobStore):
         return sorted(r[0] for r in rows)
 
     def _fence(self, part_id: str) -> None:
-        """Let the write through if this replica holds the part's current epoch, or if no live
-        replica drives it and this one's claim is not stale (a cancel from any replica); else
-        ``LeaseLost``."""
+        """The part's claim row (locked for this transaction), judged by ``fencing.fence``."""
         row = self._x("SELECT owner, epoch, lease_until FROM parts WHERE id=? FOR UPDATE",
                       (part_id,)).fetchone()
-        if row is None:
-            return
-        owner, epoch, until = row
-        mine = self._claims.get(part_id)
-        if owner == self.owner and epoch == mine:
-            return
-        # a claim of ours at an older epoch: another replica has claimed the part since (even
-        # if it has handed it back or let it lapse), so this write is stale
-        if (mine is None or mine == epoch) and (owner is None or until is None or until < self.wall()):
-            return
-        self._claims.pop(part_id, None)
-        raise LeaseLost(part_id)
+        fence(row, part_id, self.owner, self._claims, self.wall())
 
 
-def _fenced(name: str) -> Callable[..., Any]:
-    plain = getattr(JobStore, name)
-
-    @_locked
-    def method(self: PgJobStore, part_id: str, *args: Any) -> Any:
-        with self._tx():
-            self._fence(part_id)
-            return plain(self, part_id, *args)
-
-    method.__name__ = name
-    method.__doc__ = f"{plain.__doc__ or name}; only while this replica holds the part's epoch."
-    return method
-
-
-for _name in _FENCED:
-    setattr(PgJobStore, _name, _fenced(_name))
+fence_writes(PgJobStore, "replica")

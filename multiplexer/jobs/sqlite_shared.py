@@ -18,16 +18,15 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
+from .fencing import fence, fence_writes
 from .locked import locked as _locked
-from .store import JobStore, LeaseLost
+from .store import JobStore
 
 CLAIMS = """
 CREATE TABLE IF NOT EXISTS part_claims (
   part_id TEXT PRIMARY KEY, owner TEXT, lease_until REAL, epoch INTEGER NOT NULL DEFAULT 0);
 """
-_FENCED = ("mark_submitting", "mark_submitted", "set_remote_status", "finish_part")
 
 
 class SharedSqliteStore(JobStore):
@@ -129,35 +128,10 @@ class SharedSqliteStore(JobStore):
         return sorted(out)
 
     def _fence(self, part_id: str) -> None:
-        """Let the write through if this worker holds the part's current epoch, or if no live
-        worker drives it and this one's claim is not stale; else ``LeaseLost``."""
+        """The part's claim row (locked for this transaction), judged by ``fencing.fence``."""
         row = self._x("SELECT owner, epoch, lease_until FROM part_claims WHERE part_id=?",
                       (part_id,)).fetchone()
-        if row is None:
-            return
-        owner, epoch, until = row
-        mine = self._claims.get(part_id)
-        if owner == self.owner and epoch == mine:
-            return
-        if (mine is None or mine == epoch) and (owner is None or until is None or until < self.wall()):
-            return
-        self._claims.pop(part_id, None)
-        raise LeaseLost(part_id)
+        fence(row, part_id, self.owner, self._claims, self.wall())
 
 
-def _fenced(name: str) -> Callable[..., Any]:
-    plain = getattr(JobStore, name)
-
-    @_locked
-    def method(self: SharedSqliteStore, part_id: str, *args: Any) -> Any:
-        with self._tx():
-            self._fence(part_id)
-            return plain(self, part_id, *args)
-
-    method.__name__ = name
-    method.__doc__ = f"{plain.__doc__ or name}; only while this worker holds the part's epoch."
-    return method
-
-
-for _name in _FENCED:
-    setattr(SharedSqliteStore, _name, _fenced(_name))
+fence_writes(SharedSqliteStore, "worker")
