@@ -12,12 +12,12 @@ from multiplexer.core.errors import invalid_params
 from multiplexer.core.foreign import ChunkConverter
 
 from .gemini_shapes import (
-    FILTERED,
     answer_text,
     blocked,
     call_id,
     candidate,
-    declaration,
+    declarations,
+    ending,
     function_calls,
     generation_config,
     inline_image,
@@ -114,14 +114,7 @@ def messages_request(body: dict[str, Any]) -> dict[str, Any]:
     out["generationConfig"] = generation_config(body, KNOBS)
     tools = body.get("tools")
     if tools:
-        if not isinstance(tools, list):
-            raise invalid_params("'tools' must be an array", param="tools")
-        decls = []
-        for tool in tools:
-            if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
-                raise invalid_params("Gemini routes take custom (client) tools only", param="tools")
-            decls.append(declaration(tool.get("name"), tool.get("description"), tool.get("input_schema"),
-                                     "tools"))
+        decls = declarations(tools, _custom_tool, "Gemini routes take custom (client) tools only")
         out["tools"] = [{"functionDeclarations": decls}]
     tool_config = _tool_config(body.get("tool_choice"))
     if tool_config is not None:
@@ -129,15 +122,15 @@ def messages_request(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _custom_tool(tool: Any) -> tuple[Any, Any, Any] | None:
+    if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+        return None
+    return tool.get("name"), tool.get("description"), tool.get("input_schema")
+
+
 # -- Gemini response -> Anthropic message ----------------------------------------------------
 def stop_reason(reason: Any, called: bool) -> str | None:
-    if reason is None:
-        return None
-    if called:
-        return "tool_use"
-    if reason == "MAX_TOKENS":
-        return "max_tokens"
-    return "refusal" if reason in FILTERED else "end_turn"
+    return ending(reason, called, ("tool_use", "max_tokens", "refusal", "end_turn"))
 
 
 def message_usage(result: Any) -> dict[str, Any]:

@@ -15,13 +15,13 @@ from multiplexer.core.errors import invalid_params
 from multiplexer.core.foreign import ChunkConverter
 
 from .gemini_shapes import (
-    FILTERED,
     answer_text,
     arguments_object,
     blocked,
     call_id,
     candidate,
-    declaration,
+    declarations,
+    ending,
     function_calls,
     generation_config,
     inline_image,
@@ -142,14 +142,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
         out["generationConfig"] = config
     tools = body.get("tools")
     if tools:
-        if not isinstance(tools, list):
-            raise invalid_params("'tools' must be an array", param="tools")
-        decls = []
-        for tool in tools:
-            fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-            if not isinstance(fn, dict):
-                raise invalid_params("Gemini routes take function tools only", param="tools")
-            decls.append(declaration(fn.get("name"), fn.get("description"), fn.get("parameters"), "tools"))
+        decls = declarations(tools, _function_tool, "Gemini routes take function tools only")
         out["tools"] = [{"functionDeclarations": decls}]
     tool_config = _tool_config(body.get("tool_choice"))
     if tool_config is not None:
@@ -157,15 +150,16 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _function_tool(tool: Any) -> tuple[Any, Any, Any] | None:
+    fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    if not isinstance(fn, dict):
+        return None
+    return fn.get("name"), fn.get("description"), fn.get("parameters")
+
+
 # -- Gemini response -> OpenAI chat ----------------------------------------------------------
 def finish_reason(reason: Any, called: bool) -> str | None:
-    if reason is None:
-        return None
-    if called:
-        return "tool_calls"
-    if reason == "MAX_TOKENS":
-        return "length"
-    return "content_filter" if reason in FILTERED else "stop"
+    return ending(reason, called, ("tool_calls", "length", "content_filter", "stop"))
 
 
 def chat_usage(result: Any) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from multiplexer.core.errors import invalid_params
@@ -148,6 +149,34 @@ def usage_total(body: Any) -> int | None:
         return total
     numbers = usage_numbers(body)
     return None if numbers is None else numbers[0] + numbers[1]
+
+
+def ending(reason: Any, called: bool, words: tuple[str, str, str, str]) -> str | None:
+    """A ``finishReason`` in the caller's API: ``words`` are its (tool call, length, filtered,
+    done); None while the answer goes on."""
+    if reason is None:
+        return None
+    tool, length, filtered, done = words
+    if called:
+        return tool
+    if reason == "MAX_TOKENS":
+        return length
+    return filtered if reason in FILTERED else done
+
+
+def declarations(tools: Any, spec: Callable[[Any], tuple[Any, Any, Any] | None],
+                 refusal: str) -> list[dict[str, Any]]:
+    """``functionDeclarations`` from the caller's ``tools``; ``spec`` takes one tool to its (name,
+    description, schema), None for a kind Gemini cannot call (``refusal`` says which it takes)."""
+    if not isinstance(tools, list):
+        raise invalid_params("'tools' must be an array", param="tools")
+    decls = []
+    for tool in tools:
+        found = spec(tool)
+        if found is None:
+            raise invalid_params(refusal, param="tools")
+        decls.append(declaration(*found, "tools"))
+    return decls
 
 
 def generation_config(body: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
