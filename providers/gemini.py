@@ -14,17 +14,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import anyio
-import httpx
-from httpx_sse import EventSource, SSEError
 from pydantic import Field, SecretStr
 
 from multiplexer.core.call import Item, Outcome
-from multiplexer.core.errors import RpcError, cancelled, invalid_params, upstream_error, upstream_unavailable
+from multiplexer.core.errors import RpcError, invalid_params
 from multiplexer.core.foreign import Translation
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import ProviderContext
-from multiplexer.core.sink import ChunkSink
 
 from .api_client import ApiClient, item_error
 from .batch.backend import BatchApiSettings
@@ -177,46 +173,28 @@ class GeminiProvider(LlmProvider):
         return Outcome(result=reply)
 
     # -- streaming (the ``Streamer`` capability) --------------------------------------------
-    async def stream(self, item: Item, sink: ChunkSink) -> Outcome:
-        """``streamGenerateContent?alt=sse``: each event is a partial ``GenerateContentResponse``;
-        the stream is whole once a candidate names its finish reason (or the prompt was blocked)."""
-        params = item.params
-        body = {k: v for k, v in params.items() if k not in ("model", "stream")}
-        path = self.path(params["model"], ":streamGenerateContent") + "?alt=sse"
-        try:
-            response = await self.api.request("POST", path, json=body, idempotent=False,
-                                              deadline=item.deadline, stream=True)
-        except RpcError as e:
-            return Outcome.fail(e)
-        usage: dict[str, Any] = {}
-        ended = False
-        try:
-            async for sse in EventSource(response).aiter_sse():
-                try:
-                    data = sse.json()
-                except ValueError:
-                    return Outcome.fail(upstream_error(self.name, "malformed stream event (not JSON)"))
-                if not isinstance(data, dict):
-                    continue
-                if data.get("error") is not None:
-                    return Outcome.fail(item_error(self.name, data, None))
-                if isinstance(data.get("usageMetadata"), dict):
-                    usage = data["usageMetadata"]
-                ended = ended or finished(data)
-                await sink.send(data)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return Outcome.fail(cancelled("the client stopped reading the stream"))
-        except SSEError as e:
-            return Outcome.fail(upstream_error(self.name, f"malformed stream: {e}"))
-        except httpx.HTTPError as e:  # the upstream went mid-stream: what was sent cannot be sent again
-            broke = f"the stream broke off: {type(e).__name__}: {e}"
-            return Outcome.fail(upstream_unavailable(self.name, broke))
-        finally:
-            await response.aclose()
-        if not ended:
-            return Outcome.fail(upstream_unavailable(self.name, "the stream ended before its last event"))
-        self.correct(item.tokens, {"usageMetadata": usage})
-        return Outcome(result={"usageMetadata": usage})
+    usage_key = "usageMetadata"
+
+    def stream_path(self, item: Item) -> str:
+        """``streamGenerateContent?alt=sse``: each event is a partial ``GenerateContentResponse``."""
+        return self.path(item.params["model"], ":streamGenerateContent") + "?alt=sse"
+
+    def stream_request(self, item: Item) -> dict[str, Any]:
+        return {k: v for k, v in item.params.items() if k not in ("model", "stream")}
+
+    def stream_event(self, item: Item, event: str, data: dict[str, Any],
+                     usage: dict[str, Any]) -> bool:
+        """An error event fails the call; each event's ``usageMetadata`` replaces the last."""
+        if data.get("error") is not None:
+            raise item_error(self.name, data, None)
+        if isinstance(data.get("usageMetadata"), dict):
+            usage.clear()
+            usage.update(data["usageMetadata"])
+        return True
+
+    def stream_end(self, item: Item, event: str, data: dict[str, Any]) -> bool:
+        """Whole once a candidate names its finish reason, or the prompt was blocked."""
+        return finished(data)
 
 
 def finished(chunk: dict[str, Any]) -> bool:

@@ -142,6 +142,12 @@ class LlmProvider(Provider):
             self.ctx.limiter.correct_tokens(estimated, actual)
 
     # -- streaming (the ``Streamer`` capability) ----------------------------------------
+    usage_key = "usage"  # where a body reports its usage (Gemini: usageMetadata)
+
+    def stream_path(self, item: Item) -> str:
+        """The upstream path of a streamed call."""
+        return self.op_path(item.operation, item.params.get("model"))
+
     def stream_request(self, item: Item) -> dict[str, Any]:
         """The upstream body of a streamed call."""
         return {**item.params, "stream": True}
@@ -161,8 +167,7 @@ class LlmProvider(Provider):
         """One streamed request; each upstream event goes to ``sink`` as it arrives. Closing
         the response (a cancelled call, a reader gone) ends the upstream stream."""
         try:
-            path = self.op_path(item.operation, item.params.get("model"))
-            response = await self.api.request("POST", path,
+            response = await self.api.request("POST", self.stream_path(item),
                                               json=self.stream_request(item), idempotent=False,
                                               deadline=item.deadline, stream=True)
         except RpcError as e:
@@ -196,5 +201,5 @@ class LlmProvider(Provider):
             await response.aclose()
         if not ended:
             return Outcome.fail(upstream_unavailable(self.name, "the stream ended before its last event"))
-        self.correct(item.tokens, {"usage": usage})
-        return Outcome(result={"usage": usage})
+        self.correct(item.tokens, {self.usage_key: usage})
+        return Outcome(result={self.usage_key: usage})
