@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from multiplexer.jobs.store import transaction
+
 T = TypeVar("T")
 
 TABLES = """
@@ -110,15 +112,8 @@ class KeyStore:
     def _x(self, sql: str, args: Sequence[Any] = ()) -> Any:
         return self._db.execute(sql, args)
 
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[None]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+    def _tx(self) -> contextlib.AbstractContextManager[None]:
+        return transaction(self._db)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args))

@@ -56,6 +56,19 @@ _OPEN = "('open','running','cancelling')"  # the job states before its end
 _INTERNAL = -32603  # a failed item's code where its stored error has none
 
 
+
+@contextlib.contextmanager
+def transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """One SQLite transaction (autocommit connection): the write lock taken at once, committed
+    when the block ends, rolled back if it raises."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
 class LeaseLost(Exception):
     """This replica no longer owns the part (its lease ran out and another replica took it)."""
 
@@ -83,16 +96,8 @@ class JobStore(V1Tables):
         with self._lock:
             self._db.close()
 
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[None]:
-        """One transaction: committed when the block ends, rolled back if it raises."""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+    def _tx(self) -> contextlib.AbstractContextManager[None]:
+        return transaction(self._db)
 
     def _x(self, sql: str, args: Sequence[Any] = ()) -> Any:
         return self._db.execute(sql, args)
