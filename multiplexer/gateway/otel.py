@@ -24,19 +24,23 @@ convention covers batching or dedup:
 from __future__ import annotations
 
 import contextlib
+import random
+import time
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.core.version import VERSION
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
     from multiplexer.core.batching import Pending
 
@@ -48,14 +52,94 @@ PROVIDER_NAMES = {"openai": "openai", "anthropic": "anthropic"}
 _REQUEST_PARAMS = {"max_tokens": "gen_ai.request.max_tokens",
                    "max_output_tokens": "gen_ai.request.max_tokens",  # the Responses API's name
                    "temperature": "gen_ai.request.temperature", "top_p": "gen_ai.request.top_p"}
+_SAMPLED, _NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
+_UNSET = Status(StatusCode.UNSET)
+_bits = random.getrandbits
+
+
+class _Span(ReadableSpan):
+    """A span recorded by the call path itself: a ``ReadableSpan`` (what span processors and
+    exporters take) filled in place, then handed to the processor when it ends.
+
+    Why not the SDK's own spans: each one takes a lock per attribute call, builds bounded
+    attribute maps and checks limits, about 130 µs per call for the three hooks a call runs
+    (measured on the 2-core host), all on the event loop. These spans hold a plain dict and
+    cost a few microseconds; encoding and export stay on the span processor's thread."""
+
+    def __init__(self, tracer: OtelTracer, name: str, context: SpanContext,
+                 parent: SpanContext | None, kind: SpanKind, attributes: dict[str, Any],
+                 links: list[Link]) -> None:
+        # ReadableSpan.__init__ would build an empty Resource per span: the fields are set here
+        self._name, self._context, self._parent, self._kind = name, context, parent, kind
+        self._attributes, self._links, self._events = attributes, links, ()
+        self._resource, self._instrumentation_scope = tracer.resource, tracer.scope
+        self._instrumentation_info = None
+        self._status = _UNSET
+        self._start_time, self._end_time = time.time_ns(), None
+        self._processor = tracer.processor
+
+    def is_recording(self) -> bool:
+        return self._end_time is None
+
+    def update_name(self, name: str) -> None:
+        self._name = name
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self._attributes[key] = value
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self._attributes.update(attributes)
+
+    def add_link(self, context: SpanContext, attributes: dict[str, Any] | None = None) -> None:
+        self._links.append(Link(context, attributes))
+
+    def set_status(self, status: Status) -> None:
+        self._status = status
+
+    def end(self) -> None:
+        if self._end_time is None:
+            self._end_time = time.time_ns()
+            self._processor.on_end(self)
+
+
+def _new_context(trace_id: int, flags: TraceFlags, state: Any = None) -> SpanContext:
+    span_id = _bits(64) or 1
+    return SpanContext(trace_id, span_id, False, flags, state)
 
 
 class OtelTracer(Tracer):
+    """The gateway's hooks as OpenTelemetry spans, recorded by ``_Span`` and handed to the span
+    processors of ``provider`` (an SDK ``TracerProvider``: its sampler, resource and
+    processors; the exporter is configured there, as usual)."""
+
     enabled = True
 
-    def __init__(self, provider: TracerProvider | None = None) -> None:
+    def __init__(self, provider: TracerProvider) -> None:
         self._provider = provider
-        self._tracer = trace.get_tracer("multiplexer", VERSION, tracer_provider=provider)
+        sdk = provider.get_tracer("multiplexer", VERSION)
+        self.processor: SpanProcessor = sdk.span_processor
+        self.sampler = sdk.sampler
+        self.resource = sdk.resource
+        self.scope = InstrumentationScope("multiplexer", VERSION)
+
+    def _child(self, name: str, parent: _Span, kind: SpanKind, attributes: dict[str, Any],
+               links: list[Link] | None = None) -> _Span:
+        pc = parent._context
+        return _Span(self, name, _new_context(pc.trace_id, pc.trace_flags, pc.trace_state), pc, kind,
+                     attributes, links or [])
+
+    def _root(self, name: str, kind: SpanKind, attributes: dict[str, Any], links: list[Link],
+              parent_context: Any) -> _Span:
+        """A span whose parent is remote, or the current OTel span (the MCP SDK's), or none:
+        the sampler decides, as the SDK's tracer would."""
+        parent = trace.get_current_span(parent_context).get_span_context()
+        trace_id = parent.trace_id if parent.is_valid else (_bits(128) or 1)
+        decision = self.sampler.should_sample(parent_context, trace_id, name, kind, attributes, links)
+        flags = _SAMPLED if decision.decision.is_sampled() else _NOT_SAMPLED
+        if decision.attributes:
+            attributes.update(decision.attributes)
+        return _Span(self, name, _new_context(trace_id, flags, decision.trace_state),
+                     parent if parent.is_valid else None, kind, attributes, links)
 
     # -- calls -----------------------------------------------------------------
     def start_call(self, call: Call) -> Any:
@@ -72,11 +156,9 @@ class OtelTracer(Tracer):
             attributes.update({"rpc.system": "jsonrpc", "rpc.method": call.method})
         if call.identity is not None:
             attributes["multiplexer.key"] = call.identity
-        return self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
-                                       attributes=attributes)
+        return self._root(name, SpanKind.SERVER, attributes, [], parent)
 
     def routed(self, span: Any, item: Item, provider: str, provider_kind: str) -> None:
-        # one set_attributes per hook: the SDK takes its lock and checks the span once, not per key
         span.set_attributes({"multiplexer.route": item.route, "multiplexer.provider": provider,
                              **_gen_ai_request(item, provider_kind)})
         op, model = GEN_AI_OPERATIONS.get(item.operation), _model(item)
@@ -91,9 +173,9 @@ class OtelTracer(Tracer):
             span.set_attribute("gen_ai.response.time_to_first_chunk", seconds)
 
     def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
-        attributes: dict[str, Any] = {}
+        attributes = span._attributes
         if slot is not None and slot.batch is not None:
-            span.add_link(slot.batch.get_span_context(), {"multiplexer.link": "batch"})
+            span.add_link(slot.batch._context, {"multiplexer.link": "batch"})
             attributes["multiplexer.batch.size"] = slot.batch_size
             attributes["multiplexer.wait_ms"] = round(slot.wait_s * 1000, 3)
         if outcome.error is not None:
@@ -105,13 +187,11 @@ class OtelTracer(Tracer):
             attributes["multiplexer.cost_usd"] = float(outcome.cost)
             if outcome.saved:
                 attributes["multiplexer.saved_usd"] = float(outcome.saved)
-        span.set_attributes(attributes)
         span.end()
 
     def attempt(self, span: Any, route: str, number: int) -> Any:
-        return self._tracer.start_span(
-            f"attempt {route}", context=trace.set_span_in_context(span), kind=SpanKind.INTERNAL,
-            attributes={"multiplexer.route": route, "multiplexer.attempt": number})
+        return self._child(f"attempt {route}", span, SpanKind.INTERNAL,
+                           {"multiplexer.route": route, "multiplexer.attempt": number})
 
     def end_attempt(self, attempt: Any, result: str, outcome: Outcome) -> None:
         attempt.set_attribute("multiplexer.attempt.result", result)
@@ -137,16 +217,17 @@ class OtelTracer(Tracer):
             if model is not None:
                 attributes["gen_ai.request.model"] = model
         name = f"{op} {model}" if op is not None and model is not None else first.method
+        links = [Link(p.item.trace.span._context) for p in traced]
         # one caller: its trace holds the upstream request; several: a trace of its own
-        parent = (trace.set_span_in_context(traced[0].item.trace.span)
-                  if len(pending) == 1 and callers == 1 and traced else otel_context.Context())
-        span = self._tracer.start_span(
-            name, context=parent, kind=SpanKind.CLIENT, attributes=attributes,
-            links=[Link(p.item.trace.span.get_span_context()) for p in traced])
+        if len(pending) == 1 and callers == 1 and traced:
+            span = self._child(name, traced[0].item.trace.span, SpanKind.CLIENT, attributes, links)
+        else:
+            span = self._root(name, SpanKind.CLIENT, attributes, links, otel_context.Context())
         for p in traced:
             slot = p.item.trace
             slot.batch, slot.batch_size, slot.wait_s = span, len(pending), max(0.0, now - p.enqueued)
-        token = otel_context.attach(trace.set_span_in_context(span))
+        # current while the provider runs: ``inject`` and the MCP SDK's propagation read it
+        token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(span._context)))
         try:
             yield
         except BaseException as e:
@@ -160,8 +241,7 @@ class OtelTracer(Tracer):
         propagate.inject(carrier)
 
     def close(self) -> None:
-        if self._provider is not None:
-            self._provider.shutdown()
+        self._provider.shutdown()
 
 
 def _model(item: Item) -> str | None:
@@ -208,7 +288,7 @@ def _gen_ai_response(result: dict[str, Any]) -> dict[str, Any]:
         choices, list) else [result.get("stop_reason")]
     reasons = [r for r in reasons if isinstance(r, str)]
     if reasons:
-        out["gen_ai.response.finish_reasons"] = reasons
+        out["gen_ai.response.finish_reasons"] = tuple(reasons)  # as the SDK keeps a sequence
     return out
 
 
