@@ -207,7 +207,7 @@ class Budgets:
         self.on_refused, self.on_alert = on_refused, on_alert
         self._changes: list[tuple[str, int]] = []
         self._wake = anyio.Event()
-        self._counters: dict[Any, list[Counter]] = {}
+        self._counters: dict[int, tuple[list[Scope], str, list[Counter]]] = {}
 
     def applies(self, identity: str | None) -> bool:
         return bool(self.budgets_of(identity))
@@ -215,12 +215,15 @@ class Budgets:
     def counters_for(self, scopes: list[Scope], wall: float) -> list[Counter]:
         """The counters of ``scopes`` in the current periods (made once per caller and day)."""
         p = self.periods.at(wall)
-        key = (tuple((s, n, id(b)) for s, n, b in scopes), p.day)
-        found = self._counters.get(key)
-        if found is None:
-            if len(self._counters) >= 10_000:
-                self._counters.clear()
-            found = self._counters[key] = self._make_counters(scopes, wall, p)
+        # by the scopes list's identity: ``budgets_of`` hands out one list per caller until the
+        # keys change (the list is kept in the entry, so its id cannot be reused meanwhile)
+        held = self._counters.get(id(scopes))
+        if held is not None and held[0] is scopes and held[1] == p.day:
+            return held[2]
+        if len(self._counters) >= 10_000:
+            self._counters.clear()
+        found = self._make_counters(scopes, wall, p)
+        self._counters[id(scopes)] = (scopes, p.day, found)
         return found
 
     def _make_counters(self, scopes: list[Scope], wall: float, p: Periods) -> list[Counter]:
