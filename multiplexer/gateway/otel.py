@@ -55,6 +55,7 @@ _REQUEST_PARAMS = {"max_tokens": "gen_ai.request.max_tokens",
 _SAMPLED, _NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
 _UNSET = Status(StatusCode.UNSET)
 _bits = random.getrandbits
+_SCOPE = ("multiplexer", VERSION)
 
 
 class _Span(ReadableSpan):
@@ -96,10 +97,24 @@ class _Span(ReadableSpan):
     def set_status(self, status: Status) -> None:
         self._status = status
 
+    def compact(self) -> tuple[Any, ...]:
+        """The span as ``span_export.compact`` makes it, from the fields (no copies: it ended)."""
+        s = self._status
+        return (self._name, _ids(self._context), _ids(self._parent), self._kind.value, self._start_time,
+                self._end_time, self._attributes,
+                [(_ids(link.context), link.attributes) for link in self._links], [],
+                s.status_code.value, s.description, _SCOPE)
+
     def end(self) -> None:
         if self._end_time is None:
             self._end_time = time.time_ns()
             self._processor.on_end(self)
+
+
+def _ids(c: SpanContext | None) -> tuple[int, int, int, list[tuple[str, str]] | None] | None:
+    if c is None:
+        return None
+    return c.trace_id, c.span_id, int(c.trace_flags), list(c.trace_state.items()) if c.trace_state else None
 
 
 def _new_context(trace_id: int, flags: TraceFlags, state: Any = None) -> SpanContext:
@@ -120,7 +135,7 @@ class OtelTracer(Tracer):
         self.processor: SpanProcessor = sdk.span_processor
         self.sampler = sdk.sampler
         self.resource = sdk.resource
-        self.scope = InstrumentationScope("multiplexer", VERSION)
+        self.scope = InstrumentationScope(*_SCOPE)
 
     def _child(self, name: str, parent: _Span, kind: SpanKind, attributes: dict[str, Any],
                links: list[Link] | None = None) -> _Span:
@@ -293,12 +308,13 @@ def _gen_ai_response(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def exporting_tracer(endpoint: str | None, service_name: str | None) -> OtelTracer:
-    """A tracer that batches spans to an OTLP/HTTP collector; also the process's global
-    provider, so the MCP SDK's own spans go to the same place."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    """A tracer whose spans an exporting child process sends to an OTLP/HTTP collector
+    (``span_export``); also the process's global provider, so the MCP SDK's own spans go to
+    the same place."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from multiplexer.gateway.span_export import ProcessSpanProcessor
 
     resource = Resource.create({"service.version": VERSION})  # with OTEL_RESOURCE_ATTRIBUTES, ...
     if service_name:
@@ -308,6 +324,6 @@ def exporting_tracer(endpoint: str | None, service_name: str | None) -> OtelTrac
     if endpoint is not None and not endpoint.rstrip("/").endswith("/v1/traces"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    provider.add_span_processor(ProcessSpanProcessor(endpoint, dict(resource.attributes)))
     trace.set_tracer_provider(provider)
     return OtelTracer(provider)
