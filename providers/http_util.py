@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import email.utils
+import functools
 import math
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -68,6 +69,11 @@ def parse_duration(value: str | None) -> float | None:
     """OpenAI reset durations: ``12ms``, ``6s``, ``1m30s``, ``2h0m0s``."""
     if not value:
         return None
+    return _duration(value)
+
+
+@functools.lru_cache(maxsize=4096)  # two per upstream answer, and the values repeat
+def _duration(value: str) -> float | None:
     value = value.strip()
     pos, total = 0, 0.0
     scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
