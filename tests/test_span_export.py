@@ -172,3 +172,22 @@ def test_a_queue_full_of_spans_drops_the_newest_and_counts_them(monkeypatch) -> 
         assert len(processor.queue) == 3 and processor.dropped == 2
     provider.shutdown()
     assert not processor.queue
+
+
+def test_an_unreachable_collector_holds_shutdown_at_most_the_drain_time() -> None:
+    import time
+
+    from multiplexer.gateway.span_export import DRAIN_S
+
+    closed = free_port()  # nothing listens: every export attempt is refused and retried
+    processor = ProcessSpanProcessor(f"http://127.0.0.1:{closed}/v1/traces", {}, restart_s=0.0)
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    one_call(OtelTracer(provider))
+    assert processor.force_flush()
+    child = processor.child
+    started = time.monotonic()
+    provider.shutdown()
+    assert child is not None and child.returncode is not None
+    assert time.monotonic() - started < DRAIN_S + 2  # the child gave up, it was not killed
+    assert child.returncode == 0

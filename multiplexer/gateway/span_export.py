@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import pickle
+import queue
 import signal
 import struct
 import subprocess
@@ -38,6 +39,7 @@ MAX_QUEUE = 8192  # spans waiting for the sender; beyond this they are dropped a
 BATCH = 512  # spans per frame
 FLUSH_S = 0.5  # the longest a span waits in the queue
 RESTART_S = 5.0  # the least time between two starts of the child
+DRAIN_S = 3.0  # after the gateway closes the pipe, the most the child spends sending what is left
 _LEN = struct.Struct("!I")
 
 Compact = tuple[Any, ...]
@@ -172,7 +174,7 @@ class ProcessSpanProcessor(SpanProcessor):
         try:
             if child.stdin is not None:
                 child.stdin.close()
-            child.wait(10)
+            child.wait(DRAIN_S + 2)
         except (OSError, subprocess.TimeoutExpired):
             child.kill()
             child.wait()
@@ -206,7 +208,8 @@ def _read(stream: IO[bytes], n: int) -> bytes | None:
 
 
 def main(argv: list[str]) -> int:
-    """Read frames of compact spans from stdin until EOF; export each frame."""
+    """Export the frames of compact spans read from stdin until EOF, then whatever is left of
+    them for up to ``DRAIN_S`` (an unreachable collector must not hold the gateway's exit)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway ends it by closing the pipe
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -216,14 +219,23 @@ def main(argv: list[str]) -> int:
     resource = Resource(json.loads(argv[1]))
     exporter = OTLPSpanExporter(endpoint=endpoint)
     stdin = os.fdopen(sys.stdin.fileno(), "rb", buffering=1 << 16)
-    try:
-        while (head := _read(stdin, _LEN.size)) is not None:
-            frame = _read(stdin, _LEN.unpack(head)[0])
-            if frame is None:
-                break
+    frames: queue.Queue[bytes | None] = queue.Queue()
+    drained = threading.Event()
+
+    def export_all() -> None:
+        while (frame := frames.get()) is not None:
             exporter.export([rebuild(c, resource) for c in pickle.loads(frame)])
-    finally:
-        exporter.shutdown()
+        drained.set()
+
+    threading.Thread(target=export_all, name="export", daemon=True).start()
+    while (head := _read(stdin, _LEN.size)) is not None:
+        frame = _read(stdin, _LEN.unpack(head)[0])
+        if frame is None:
+            break
+        frames.put(frame)
+    frames.put(None)
+    drained.wait(DRAIN_S)
+    exporter.shutdown()  # ends a retry still waiting on the collector
     return 0
 
 
