@@ -15,14 +15,14 @@ import httpx
 import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the otel extra is not installed")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import TracerProvider
 
-from benchmarks._procs import child, free_port  # noqa: E402
-from multiplexer.core.call import Call, Item, Outcome  # noqa: E402
-from multiplexer.core.tracing import TraceSlot  # noqa: E402
-from multiplexer.gateway.otel import OtelTracer  # noqa: E402
-from multiplexer.gateway.span_export import ProcessSpanProcessor  # noqa: E402
+from benchmarks._procs import child, free_port
+from multiplexer.core.call import Call, Item, Outcome
+from multiplexer.core.tracing import TraceSlot
+from multiplexer.gateway.otel import OtelTracer
+from multiplexer.gateway.span_export import ProcessSpanProcessor
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -36,7 +36,7 @@ class Receiver:
         got = self.requests
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 got.put(ExportTraceServiceRequest.FromString(body))
                 self.send_response(200)
@@ -87,7 +87,8 @@ routes:
   chat: {{provider: oai, operation: chat, models: [gpt-test]}}
 """)
     url = f"http://127.0.0.1:{port}"
-    with child(["-m", "tests.fakes.serve", "openai", "--port", str(fake_port)], f"http://127.0.0.1:{fake_port}/"), \
+    fake = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port)]
+    with child(fake, f"http://127.0.0.1:{fake_port}/"), \
             child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{url}/healthz"):
         for n in range(3):
             reply = httpx.post(f"{url}/v1/chat/completions", headers={"traceparent": TRACEPARENT},
@@ -161,7 +162,8 @@ def test_a_queue_full_of_spans_drops_the_newest_and_counts_them(monkeypatch) -> 
     from multiplexer.gateway import span_export
 
     monkeypatch.setattr(span_export, "MAX_QUEUE", 3)
-    processor = ProcessSpanProcessor(None, {}, program=[sys.executable, "-c", "import sys; sys.stdin.buffer.read()"])
+    sink = [sys.executable, "-c", "import sys; sys.stdin.buffer.read()"]
+    processor = ProcessSpanProcessor(None, {}, program=sink)
     processor._stop = True  # the sender thread stops at its next wake: the queue only fills
     provider = TracerProvider()
     provider.add_span_processor(processor)
@@ -191,3 +193,34 @@ def test_an_unreachable_collector_holds_shutdown_at_most_the_drain_time() -> Non
     assert child is not None and child.returncode is not None
     assert time.monotonic() - started < DRAIN_S + 2  # the child gave up, it was not killed
     assert child.returncode == 0
+
+
+def test_other_libraries_spans_cross_the_pipe_whole() -> None:
+    """The MCP SDK's spans (the SDK's own span objects) go through the same processor."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.trace import Link, SpanKind, StatusCode
+
+    from multiplexer.gateway.span_export import compact, rebuild
+
+    provider = TracerProvider()
+    tracer = provider.get_tracer("mcp", "9.9")
+    with tracer.start_as_current_span("linked") as first:
+        pass
+    span = tracer.start_span("tools/call x", kind=SpanKind.SERVER, attributes={"a": 1, "b": ("x", "y")},
+                             links=[Link(first.get_span_context(), {"why": "batch"})])
+    span.add_event("exception", {"exception.type": "ValueError"})
+    span.set_status(StatusCode.ERROR, "boom")
+    span.end()
+    import pickle
+
+    back = rebuild(pickle.loads(pickle.dumps(compact(span))), Resource({"service.name": "s"}))
+    assert (back.name, back.kind, back.context.span_id, back.context.trace_id) == (
+        "tools/call x", SpanKind.SERVER, span.context.span_id, span.context.trace_id)
+    assert dict(back.attributes) == {"a": 1, "b": ("x", "y")}
+    assert [(link.context.span_id, dict(link.attributes)) for link in back.links] == [
+        (first.get_span_context().span_id, {"why": "batch"})]
+    assert [(e.name, dict(e.attributes)) for e in back.events] == [
+        ("exception", {"exception.type": "ValueError"})]
+    assert back.status.status_code == StatusCode.ERROR and back.status.description == "boom"
+    assert (back.start_time, back.end_time) == (span.start_time, span.end_time)
+    assert back.instrumentation_scope.name == "mcp" and back.resource.attributes["service.name"] == "s"
