@@ -67,7 +67,8 @@ def test_job_life_cycle(any_store):
     assert st.record("job", [(0, "succeeded", {"ok": 0}, None), (1, "failed", None, {"code": -1})]) == 2
     # a late duplicate never overwrites a finished item
     assert st.record("job", [(0, "failed", None, {"code": -2})]) == 0
-    assert st.page("job", 0, 2) == [(0, "succeeded", {"ok": 0}, None), (1, "failed", None, {"code": -1})]
+    assert st.page("job", 0, 2) == [(0, "succeeded", {"ok": 0}, None, "r"),
+                                    (1, "failed", None, {"code": -1}, "r")]
     assert st.finish_job_if_done("job") is None
     st.finish_part("part1", "completed", None)
     assert st.fail_open("job", {"code": -3}, "part2") == 2
