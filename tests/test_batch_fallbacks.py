@@ -206,27 +206,66 @@ async def test_the_move_is_in_the_store_and_a_restart_finishes_on_the_fallback(t
     assert len(f.a.batches) == 1 and len(f.b.batches) == 1
 
 
-def test_reroute_moves_only_unfinished_items_of_the_part_and_only_once(tmp_path):
-    from multiplexer.core.jobrows import NewItem
-    from multiplexer.jobs.store import JobStore
+# -- model groups on /v1/batches ---------------------------------------------------------------
+def group_config(f: Two, tmp_path: Path, **group: Any) -> dict[str, Any]:
+    data = config(f, tmp_path)
+    del data["routes"]["chat_a"]["fallbacks"]
+    data["routes"]["chat_a"]["mode"] = "batch"  # a line moved to it goes to its batch API
+    data["groups"] = {"gpt-x": {"routes": ["chat_a", "chat_b"], **group}}
+    return data
 
-    st = JobStore(tmp_path / "s.db")
-    try:
-        st.create_job("job", None, "client", "running")
-        st.add_items("job", [NewItem(i, "a", "chat_a", "chat", "m", {"n": i}, {}, 1, f"job-{i}")
-                             for i in range(3)])
-        st.create_parts("job", "a", 0, [("p1", [0, 1, 2])])
-        st.record("job", [(0, "succeeded", {"ok": 1}, None)])
-        moves = [NewItem(i, "b", "chat_b", "chat", "m", {"n": i, "model": "gpt-b"}, {"live": True}, 1,
-                         f"job-{i}", split='"live"') for i in range(3)]
-        assert st.reroute("p1", "job", moves) == 2  # item 0 succeeded: it stays
-        assert st.reroute("p1", "job", moves) == 0  # out of the part now: never moved twice
-        assert st.jobs_with_unplanned("b") == ["job"] and st.jobs_with_unplanned("a") == []
-        assert [r[0] for r in st.unplanned("job", "b")] == [1, 2]
-        st.create_parts("job", "b", 0, [("p2", [1, 2])])
-        assert st.part_live("p2") and not st.part_live("p1")
-        assert [(i, route) for i, *_, route in st.page("job", 0, 3)] == [(0, "chat_a"), (1, "chat_b"),
-                                                                        (2, "chat_b")]
-        assert json.loads(st.part_items("p2")[0].params) == {"n": 1, "model": "gpt-b"}
-    finally:
-        st.close()
+
+async def batch_of(url: str, prompts: list[str]) -> dict[str, str]:
+    """A /v1/batches batch of ``prompts`` on model gpt-x, to its end: custom_id -> answer text."""
+    openai = pytest.importorskip("openai")
+    import anyio
+
+    rows = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "gpt-x", "messages": [{"role": "user", "content": p}]}}
+            for i, p in enumerate(prompts)]
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as client:
+        upload = await client.files.create(
+            file=("in.jsonl", b"".join(json.dumps(r).encode() + b"\n" for r in rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        with anyio.fail_after(30):
+            while batch.status not in ("completed", "failed", "cancelled", "expired"):
+                await anyio.sleep(0.02)  # polled as an SDK user does; the end is asserted, not timed
+                batch = await client.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.output_file_id is not None
+        content = (await client.files.content(batch.output_file_id)).content
+    out = {}
+    for raw in content.splitlines():
+        row = json.loads(raw)
+        out[row["custom_id"]] = reply_text(row["response"]["body"])
+    return out
+
+
+async def test_a_group_line_takes_the_strategys_route_and_the_groups_fallback(tmp_path):
+    """least_busy picks chat_b (chat_a is busy); b's batch fails whole, so the group's other
+    route answers every line, each under its own custom_id."""
+    prompts = [f"q{i}" for i in range(5)]
+    async with two_apis() as f:
+        f.b.force_status = "failed"
+        async with running(parse_config(group_config(f, tmp_path)), port=0) as (gw, url):
+            gw.fallbacks.busy["chat_a"] = 1
+            out = await batch_of(url, prompts)
+    assert out == {f"c{i}": f"echo: {p}" for i, p in enumerate(prompts)}
+    assert [x["body"]["model"] for x in f.batch_lines(f.b)] == ["gpt-b"] * 5  # the pick's own model
+    assert [x["body"]["model"] for x in f.batch_lines(f.a)] == ["gpt-a"] * 5
+    assert len(f.a.batches) == 1 and len(f.b.batches) == 1
+
+
+async def test_a_weighted_group_splits_a_batchs_lines_over_its_routes(tmp_path):
+    import random
+
+    prompts = [f"q{i}" for i in range(20)]
+    random.seed(39)
+    async with two_apis() as f:
+        data = group_config(f, tmp_path, strategy="weighted", weights={"chat_a": 1, "chat_b": 1})
+        async with running(parse_config(data), port=0) as (_, url):
+            out = await batch_of(url, prompts)
+    assert out == {f"c{i}": f"echo: {p}" for i, p in enumerate(prompts)}
+    on_a, on_b = f.batch_lines(f.a), f.batch_lines(f.b)
+    assert on_a and on_b and len(on_a) + len(on_b) == len(prompts)  # each line sent once
+    assert {x["body"]["model"] for x in on_a} == {"gpt-a"} and {x["body"]["model"] for x in on_b} == {"gpt-b"}

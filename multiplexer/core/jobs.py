@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 
 from multiplexer.core.call import Item
-from multiplexer.core.jobrows import JobRow, NewItem, PartRow
+from multiplexer.core.jobrows import ItemRow, JobRow, NewItem, PartRow
 from multiplexer.core.metrics import UNROUTED, Metrics, code_label
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,12 @@ class JobStore(Protocol):
     def job_parts(self, job_id: str) -> list[PartRow]: ...
 
     def add_items(self, job_id: str, items: Any) -> int: ...
+
+    def part_items(self, part_id: str, pending_only: bool = False) -> list[ItemRow]: ...
+
+    def reroute(self, part_id: str, job_id: str, moves: Sequence[NewItem]) -> int:
+        """Move a part's unfinished items, unplanned, to their fallback route (``moves``); how many."""
+        ...
 
     def append_items(self, job_id: str, items: Sequence[NewItem]) -> int | None:
         """Items numbered from 0, placed after the job's total at once; None: the job is not open."""
