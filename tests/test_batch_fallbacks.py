@@ -93,6 +93,7 @@ async def test_a_job_whose_batch_fails_whole_is_answered_by_the_fallback_batch(t
         text = gw_metrics(gw)
     assert answers(results) == [("chat_b", f"echo: {p}") for p in prompts]
     assert len(f.a.batches) == 1 and len(f.b.batches) == 1  # resubmitted once, as one batch
+    assert f.a.requests["/v1/files"] == 1 and f.b.requests["/v1/files"] == 1  # one upload each
     sent = f.batch_lines(f.b)
     assert sorted(x["body"]["messages"][0]["content"] for x in sent) == prompts
     assert {x["body"]["model"] for x in sent} == {"gpt-b"}  # the fallback route's own model
@@ -184,7 +185,24 @@ async def test_a_batch_mode_call_whose_batch_fails_whole_is_answered_by_the_fall
             outcomes = await gw.submit_many(calls)
     assert [reply_text(o.result) for o in outcomes] == [f"echo: {p}" for p in prompts]
     assert [c.route for c in calls] == ["chat_b"] * 3
-    assert len(f.a.batches) == 1 and f.b.requests["/v1/chat/completions"] == 3
+    assert len(f.a.batches) == 1 and f.a.requests["/v1/chat/completions"] == 0
+    assert f.b.requests["/v1/chat/completions"] == 3 and f.b.batches == {}
+
+
+async def test_the_first_fallback_route_that_can_take_them_gets_them(tmp_path):
+    """chat_b's breaker is open: the items skip it for chat_c (on b's API, its own model)."""
+    async with two_apis(force_status="failed") as f:
+        data = config(f, tmp_path)
+        data["providers"]["b"]["breaker"] = {"allowed_fails": 1, "window_s": 60, "cooldown_s": 600}
+        data["providers"]["c"] = {"kind": "openai", "base_url": f.b_url, "api_key": "kc", **FAST}
+        data["routes"]["chat_a"]["fallbacks"] = ["chat_b", "chat_c"]
+        data["routes"]["chat_c"] = {"provider": "c", "operation": "chat", "params": {"model": "gpt-c"},
+                                    "mode": "batch"}
+        async with gateway(data) as (gw, events):
+            gw.fallbacks.breakers.get("b").failure()
+            results = await run_job(gw, events, "chat_a", ["x", "y"])
+    assert answers(results) == [("chat_c", "echo: x"), ("chat_c", "echo: y")]
+    assert [x["body"]["model"] for x in f.batch_lines(f.b)] == ["gpt-c", "gpt-c"]
 
 
 async def test_the_move_is_in_the_store_and_a_restart_finishes_on_the_fallback(tmp_path):
