@@ -128,10 +128,11 @@ class Fallbacks:
             names.sort(key=lambda n: self.latency.get(n, 0.0))
         else:  # least_busy; ties keep the config's order
             names.sort(key=lambda n: self.busy.get(n, 0))
-        open_last = [n for n in names if not self._may_try(n)]
+        open_last = [n for n in names if not self.may_try(n)]
         return [n for n in names if n not in open_last] + open_last
 
-    def _may_try(self, name: str) -> bool:
+    def may_try(self, name: str) -> bool:
+        """Whether route ``name``'s breaker lets a call try it (it is not open)."""
         breaker = self.breakers.get(self.routes[name].provider)
         return breaker is None or breaker.state != "open"
 

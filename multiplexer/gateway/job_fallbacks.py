@@ -14,7 +14,6 @@ request at a time under its limits. Items that succeeded, or failed on their own
 from __future__ import annotations
 
 import json
-import logging
 from collections import defaultdict
 from typing import Any
 
@@ -26,8 +25,6 @@ from multiplexer.core.router import Resolved
 from multiplexer.gateway.admission import route_item
 from multiplexer.gateway.fallbacks import own_model
 
-log = logging.getLogger(__name__)
-
 
 class JobFallbacks:
     """The gateway's ``core/jobs.JobFallback``: handed to every provider in its context."""
@@ -36,16 +33,17 @@ class JobFallbacks:
         """``gateway``: the ``Gateway`` (its routes, providers, breakers and metrics)."""
         self.gw = gateway
 
-    def manager(self, name: str) -> BatchJobs | None:
-        """The job manager of route ``name``'s provider, if it runs batch jobs and may be tried."""
-        route = self.gw.config.routes.get(name)
-        if route is None:
-            return None
-        provider = self.gw.providers.get(route.provider)
-        if not isinstance(provider, BatchCapable):
-            return None
-        breaker = self.gw.fallbacks.breakers.get(route.provider)
-        return None if breaker is not None and breaker.state == "open" else provider.jobs
+    def taker(self, chain: list[Any]) -> tuple[str, BatchJobs] | None:
+        """The first route of ``chain`` that takes job items now, and its provider's job manager:
+        one whose provider runs batch jobs, its breaker not open."""
+        for name in chain:
+            route = self.gw.config.routes.get(name) if isinstance(name, str) else None
+            if route is None:
+                continue
+            provider = self.gw.providers.get(route.provider)
+            if isinstance(provider, BatchCapable) and self.gw.fallbacks.may_try(name):
+                return name, provider.jobs
+        return None
 
     async def __call__(self, store: JobStore, part: PartRow) -> int:
         rows: list[ItemRow] = await store.run(store.part_items, part.id, True)
@@ -60,11 +58,10 @@ class JobFallbacks:
             chain = options.get(FALLBACK_ROUTES)
             if not isinstance(chain, list):
                 continue
-            name = next((n for n in chain if isinstance(n, str) and self.manager(n) is not None), None)
-            if name is None:
+            taker = self.taker(chain)
+            if taker is None:
                 continue
-            manager = self.manager(name)
-            assert manager is not None
+            name, manager = taker
             moves.append(manager.new_item(part.job_id, row.idx, self._item(row, name, job.identity)))
             targets[id(manager)] = manager
             counts[(row.route or "", name)] += 1
