@@ -85,27 +85,31 @@ def answers(results: list[dict[str, Any]]) -> list[tuple[str, Any]]:
             for r in results]
 
 
+def gw_metrics(gw: Gateway) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(gw.metrics.registry).decode()
+
+
 @pytest.mark.parametrize("ending", ["failed", "cancelled"])
 async def test_a_job_whose_batch_fails_whole_is_answered_by_the_fallback_batch(tmp_path, ending):
     prompts = ["p0", "p1", "p2"]
-    async with two_apis(force_status=ending) as f, gateway(config(f, tmp_path)) as (gw, events):
-        results = await run_job(gw, events, "chat_a", prompts)
-        text = gw_metrics(gw)
+    async with two_apis(force_status=ending) as f:
+        data = config(f, tmp_path)
+        data["routes"]["chat_a"]["params"]["max_tokens"] = 5
+        data["routes"]["chat_b"]["params"]["max_tokens"] = 7
+        async with gateway(data) as (gw, events):
+            results = await run_job(gw, events, "chat_a", prompts)
+            text = gw_metrics(gw)
     assert answers(results) == [("chat_b", f"echo: {p}") for p in prompts]
     assert len(f.a.batches) == 1 and len(f.b.batches) == 1  # resubmitted once, as one batch
     assert f.a.requests["/v1/files"] == 1 and f.b.requests["/v1/files"] == 1  # one upload each
     sent = f.batch_lines(f.b)
     assert sorted(x["body"]["messages"][0]["content"] for x in sent) == prompts
-    assert {x["body"]["model"] for x in sent} == {"gpt-b"}  # the fallback route's own model
+    assert {(x["body"]["model"], x["body"]["max_tokens"]) for x in sent} == {("gpt-b", 7)}  # chat_b's own
     assert f.b.requests["/v1/chat/completions"] == 0
     assert ('multiplexer_fallbacks_total{from_route="chat_a",reason="batch_failed",to_route="chat_b"} 3.0'
             in text)
-
-
-def gw_metrics(gw: Gateway) -> str:
-    from prometheus_client import generate_latest
-
-    return generate_latest(gw.metrics.registry).decode()
 
 
 async def test_a_live_fallback_route_answers_each_item_once_on_its_live_endpoint(tmp_path):

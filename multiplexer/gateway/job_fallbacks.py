@@ -75,9 +75,15 @@ class JobFallbacks:
         return moved
 
     def _item(self, row: ItemRow, name: str, identity: str | None) -> Item:
-        """The stored item as route ``name`` makes it: its own model, its options and mode."""
+        """The stored item as route ``name`` makes it: its own model, params, options and mode."""
         route = self.gw.config.routes[name]
-        params = own_model(route, json.loads(row.params or "null"))
+        params = json.loads(row.params or "null")
+        origin = self.gw.config.routes.get(row.route or "")
+        if isinstance(params, dict) and origin is not None:
+            # a value the first route put in (not the caller) gives way to this route's own
+            params = {k: v for k, v in params.items()
+                      if not (k in route.params and k in origin.params and origin.params[k] == v)}
+        params = own_model(route, params)
         item = route_item(Resolved(name, route, route.method or name), params, identity=identity,
                           operation=row.operation)
         item.options[FELL_BACK] = row.route
