@@ -67,7 +67,8 @@ def test_job_life_cycle(any_store):
     assert st.record("job", [(0, "succeeded", {"ok": 0}, None), (1, "failed", None, {"code": -1})]) == 2
     # a late duplicate never overwrites a finished item
     assert st.record("job", [(0, "failed", None, {"code": -2})]) == 0
-    assert st.page("job", 0, 2) == [(0, "succeeded", {"ok": 0}, None), (1, "failed", None, {"code": -1})]
+    assert st.page("job", 0, 2) == [(0, "succeeded", {"ok": 0}, None, "r"),
+                                    (1, "failed", None, {"code": -1}, "r")]
     assert st.finish_job_if_done("job") is None
     st.finish_part("part1", "completed", None)
     assert st.fail_open("job", {"code": -3}, "part2") == 2
@@ -379,3 +380,41 @@ def test_enqueued_counts_the_providers_unended_batches_and_their_tokens(any_stor
     assert st.enqueued("p", "b") == (1, 0, 6)
     assert st.unplanned_tokens("job", "p") == {6: 3}
     assert st.part_operation("c") == "chat" and st.part_operation("nope") is None
+
+
+def test_reroute_moves_only_unfinished_items_of_the_part_and_only_once(any_store):
+    """A part whose batch failed whole: its unfinished items go, unplanned, to the fallback's
+    provider in one write; the succeeded one stays; a second move finds nothing."""
+    st = any_store
+    st.create_job("job", None, "client", "running")
+    st.add_items("job", [new(i, "a") for i in range(3)])
+    st.create_parts("job", "a", 0, [("p1", [0, 1, 2])])
+    st.record("job", [(0, "succeeded", {"ok": 1}, None)])
+    moves = [NewItem(i, "b", "chat_b", "chat", "m", {"n": i, "model": "gpt-b"}, {"live": True}, 1,
+                     f"job-{i}", split='"live"') for i in range(3)]
+    assert st.reroute("p1", "job", moves) == 2
+    assert st.reroute("p1", "job", moves) == 0  # out of the part now: never moved twice
+    assert st.jobs_with_unplanned("b") == ["job"] and st.jobs_with_unplanned("a") == []
+    assert [r[0] for r in st.unplanned("job", "b")] == [1, 2]
+    st.create_parts("job", "b", 0, [("p2", [1, 2])])
+    assert st.part_live("p2") and not st.part_live("p1")
+    assert [(i, route) for i, *_, route in st.page("job", 0, 3)] == [(0, "r"), (1, "chat_b"), (2, "chat_b")]
+    assert json.loads(st.part_items("p2")[0].params) == {"n": 1, "model": "gpt-b"}
+
+
+def test_a_stale_replica_cannot_move_a_parts_items():
+    from multiplexer.jobs.store import LeaseLost
+
+    wall = Wall()
+    with throwaway_db() as url:
+        a, b = two_replicas_on_one_part(url, wall)
+        assert a.claim_part("part")
+        wall.t += 31  # a paused past its lease: b took the part over
+        assert b.claim_part("part")
+        moved = NewItem(0, "q", "r2", "chat", "m", {}, {}, 1, "job-0")
+        with pytest.raises(LeaseLost):
+            a.reroute("part", "job", [moved])
+        assert b.part_items("part")[0].route == "r"  # nothing moved
+        assert b.reroute("part", "job", [moved]) == 1
+        a.close()
+        b.close()

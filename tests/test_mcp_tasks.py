@@ -154,7 +154,7 @@ async def cancel_survived(client: McpHttp, gw: Gateway, task_id: str) -> None:
         return job is not None and job.state == "done"
 
     await wait_until(ended)
-    ((_, state, result, error),) = store.page(job_id, int(idx), 1)
+    ((_, state, result, error, _),) = store.page(job_id, int(idx), 1)
     assert (state, result, error["code"], error["data"]) == (
         "failed", None, -32004, {"detail": "task cancelled"})
 

@@ -4,8 +4,10 @@ One reason per error, from its code and data (never from the provider's kind):
 ``rate_limit`` (429/529 after the route's retries, or this gateway's own limit), ``server_error``
 (5xx), ``connection`` (never reached or lost the upstream), ``timeout`` (the upstream request
 timed out), ``malformed`` (a reply that is not the API's), ``overloaded`` (the lane's queue is
-full), ``breaker_open``, ``context_window`` (the prompt is too long for the model), or None: the
-caller's own error (400, 401, 403, 404, 422), a cancel, the call's deadline; those never fall back.
+full), ``breaker_open``, ``batch_failed`` (a remote batch failed whole: its status failed,
+expired or cancelled by the vendor, or its submission refused), ``context_window`` (the prompt is
+too long for the model), or None: the caller's own error (400, 401, 403, 404, 422), a cancel,
+the call's deadline; those never fall back.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def reason_of(error: RpcError) -> str | None:
     """Why ``error`` happened, as a fallback reason; None for the caller's own errors."""
     data = error.data or {}
     code = error.code
+    if data.get("batch_failed") is True:
+        return "batch_failed"
     if code == Code.UPSTREAM_ERROR:
         status = data.get("upstream_status")
         detail = str(data.get("detail", ""))

@@ -14,12 +14,19 @@ from typing import Any, Protocol, TypeVar
 import anyio
 
 from multiplexer.core.call import Item
-from multiplexer.core.jobrows import JobRow, NewItem, PartRow
+from multiplexer.core.jobrows import ItemRow, JobRow, NewItem, PartRow
 from multiplexer.core.metrics import UNROUTED, Metrics, code_label
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Keys of a job item's stored options. FALLBACK_ROUTES: the routes its items may be resubmitted to,
+# once, when their remote batch fails whole (absent: none; a moved item has none left); FELL_BACK:
+# the route it was moved from; LIVE: it runs on its provider's live endpoint, not its batch API.
+FALLBACK_ROUTES = "fallback_routes"
+FELL_BACK = "fell_back_from"
+LIVE = "live"
 
 
 def new_job_id() -> str:
@@ -70,15 +77,31 @@ class JobStore(Protocol):
 
     def add_items(self, job_id: str, items: Any) -> int: ...
 
+    def part_items(self, part_id: str, pending_only: bool = False) -> list[ItemRow]: ...
+
+    def reroute(self, part_id: str, job_id: str, moves: Sequence[NewItem]) -> int:
+        """Move a part's unfinished items, unplanned, to their fallback route (``moves``); how many."""
+        ...
+
     def append_items(self, job_id: str, items: Sequence[NewItem]) -> int | None:
         """Items numbered from 0, placed after the job's total at once; None: the job is not open."""
         ...
 
-    def page(self, job_id: str, cursor: int, limit: int) -> list[tuple[int, str, Any, Any]]: ...
+    def page(self, job_id: str, cursor: int, limit: int) -> list[tuple[int, str, Any, Any, str | None]]:
+        """(idx, state, result, error, the route that ran it) from ``cursor``, in order."""
+        ...
 
     def record(self, job_id: str, rows: Sequence[tuple[int, str, Any, Any]]) -> int:
         """Store (idx, state, result, error) for items not already finished; how many it stored."""
         ...
+
+
+class JobFallback(Protocol):
+    """Resubmit the unfinished items of a part whose remote batch failed whole to their first
+    fallback route that takes them (the gateway's ``gateway/job_fallbacks.py``): how many moved.
+    Called by the part's driver before it fails what is left."""
+
+    async def __call__(self, store: JobStore, part: PartRow) -> int: ...
 
 
 class BatchJobs(Protocol):

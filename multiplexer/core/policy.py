@@ -80,9 +80,10 @@ class BreakerPolicy(Strict):
 
 # What a call may fall back on (``on:``); an integer there is an upstream HTTP status.
 FallbackReason = Literal["rate_limit", "server_error", "connection", "timeout", "malformed",
-                         "overloaded", "breaker_open"]
+                         "overloaded", "breaker_open", "batch_failed"]
 DEFAULT_FALLBACK_ON: tuple[FallbackReason, ...] = (
-    "rate_limit", "server_error", "connection", "timeout", "malformed", "overloaded", "breaker_open")
+    "rate_limit", "server_error", "connection", "timeout", "malformed", "overloaded", "breaker_open",
+    "batch_failed")
 
 
 class ProviderConfig(BaseModel):
@@ -147,7 +148,8 @@ class RouteConfig(BaseModel):
         "prompt as too long for its context window")
     on: list[FallbackReason | int] | None = Field(
         default=None, description="what falls back (default: rate_limit, server_error, connection, "
-        "timeout, malformed, overloaded, breaker_open); an integer is an upstream HTTP status")
+        "timeout, malformed, overloaded, breaker_open, batch_failed); an integer is an upstream "
+        "HTTP status")
     max_attempts: int = Field(
         default=3, ge=1, description="upstream requests of one call over all its routes, retries "
         "included (with fallbacks or set here)")

@@ -60,6 +60,9 @@ class ProviderContext:
     # The gateway's circuit breakers (``core/breaker.Breakers``): a provider with ``base_urls`` and
     # a ``breaker`` adds one per endpoint there (``<provider>@<base_url>``). None: no breakers.
     breakers: Any = None
+    # Where a job's items go when their remote batch fails whole (``core/jobs.JobFallback``); None:
+    # they fail with it.
+    job_fallback: Any = None
 
 
 class Provider:

@@ -21,10 +21,11 @@ import anyio
 from multiplexer.core.call import Call, Item
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.jobrows import JobRow, NewItem, custom_id
-from multiplexer.core.jobs import BatchJobs, JobStore, end_if_done, new_job_id
+from multiplexer.core.jobs import FALLBACK_ROUTES, BatchJobs, JobStore, end_if_done, new_job_id
 from multiplexer.core.jsonrpc import is_unicode
 from multiplexer.core.provider import BatchCapable, ToolSpec
 from multiplexer.gateway.admission import route_item
+from multiplexer.gateway.fallbacks import own_model
 from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
@@ -147,12 +148,21 @@ class JobFace:
         resolved = self.gateway.resolve(method)
         if identity is not None:
             self.gateway.check_access(identity, method, params, "jobs")
+        routes = self.gateway.config.routes
+        # a group's line takes the route its strategy picks (of those with batch support), as a
+        # live call would; its fallbacks: where it goes if its remote batch fails whole
+        resolved, fallbacks = self.gateway.fallbacks.for_job(
+            resolved, lambda name: routes[name].provider in self.managers)
         route = resolved.route
         manager = self.managers.get(route.provider)
         if manager is None:
             raise invalid_params(f"route {resolved.name!r} has no batch support "
                                  f"(provider {route.provider!r})")
+        if resolved.group is not None:
+            params = own_model(route, params)
         item = route_item(resolved, params, identity=identity, operation=operation)
+        if fallbacks:
+            item.options[FALLBACK_ROUTES] = fallbacks
         self.gateway.providers[route.provider].prepare(route, item)
         return manager, item
 
@@ -318,11 +328,11 @@ class JobFace:
         st = self.store()
         rows = await st.run(st.page, job.id, cursor, limit)
         out = []
-        for idx, state, result, error in rows:
+        for idx, state, result, error, route in rows:
             if state == "succeeded":
-                out.append({"index": idx, "status": "succeeded", "result": result})
+                out.append({"index": idx, "status": "succeeded", "result": result, "route": route})
             elif state == "failed":
-                out.append({"index": idx, "status": "failed", "error": error})
+                out.append({"index": idx, "status": "failed", "error": error, "route": route})
             else:
                 out.append({"index": idx, "status": "pending"})
         last = rows[-1][0] if rows else cursor - 1

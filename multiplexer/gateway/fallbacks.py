@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from multiplexer.core.attempts import BUDGET, Budget
@@ -41,8 +41,9 @@ from multiplexer.gateway.tickets import Ticket
 log = logging.getLogger(__name__)
 
 _STATE_VALUE = {"closed": 0, "open": 1, "half_open": 2}
-# what a ``mode: batch`` call may fall back on: refusals before a batch job accepted it
-AT_SUBMISSION = ("overloaded", "breaker_open")
+# what a ``mode: batch`` call may fall back on: refusals before a batch job accepted it, and its
+# remote batch failing whole (once per call: never a second resubmission)
+AT_SUBMISSION = ("overloaded", "breaker_open", "batch_failed")
 
 
 class Attempts:
@@ -127,10 +128,11 @@ class Fallbacks:
             names.sort(key=lambda n: self.latency.get(n, 0.0))
         else:  # least_busy; ties keep the config's order
             names.sort(key=lambda n: self.busy.get(n, 0))
-        open_last = [n for n in names if not self._may_try(n)]
+        open_last = [n for n in names if not self.may_try(n)]
         return [n for n in names if n not in open_last] + open_last
 
-    def _may_try(self, name: str) -> bool:
+    def may_try(self, name: str) -> bool:
+        """Whether route ``name``'s breaker lets a call try it (it is not open)."""
         breaker = self.breakers.get(self.routes[name].provider)
         return breaker is None or breaker.state != "open"
 
@@ -140,6 +142,26 @@ class Fallbacks:
         first = self.order(self.groups[resolved.group])[0]
         route = self.routes[first]
         return Resolved(first, route, route.method or first, resolved.group)
+
+    def for_job(self, resolved: Resolved, takes: Callable[[str], bool]) -> tuple[Resolved, list[str]]:
+        """A batch job's item: its route (for a group, the first in its strategy's order that
+        ``takes`` job items, as a live call's pick) and the routes it may be resubmitted to, once,
+        when its remote batch fails whole (empty: none, by ``on`` or ``max_attempts: 1``)."""
+        group = self.groups.get(resolved.group) if resolved.group is not None else None
+        if group is not None:
+            order = self.order(group)
+            name = next((n for n in order if takes(n)), order[0])
+            route = self.routes[name]
+            resolved = Resolved(name, route, route.method or name, resolved.group)
+            queue = [*(n for n in order if n != name), *group.fallbacks]
+            on, max_attempts = group.on, group.max_attempts
+        else:
+            name, route = resolved.name, resolved.route
+            queue = list(route.fallbacks)
+            on, max_attempts = route.on, route.max_attempts
+        if max_attempts < 2 or "batch_failed" not in (on if on is not None else DEFAULT_FALLBACK_ON):
+            return resolved, []
+        return resolved, expand(queue, self.routes, plain_fallbacks, {name})
 
     def attempts(self, plan: Plan, resolved: Resolved) -> Attempts | None:
         """The walk of a call whose route falls back, is a group's, or has a breaker; it also
@@ -170,8 +192,9 @@ class Fallbacks:
             item.options[BUDGET] = budget
         call.route = name
         reasons = tuple(on if on is not None else DEFAULT_FALLBACK_ON)
-        if resolved.route.mode == "batch":  # a batch job's call falls back only at submission:
-            reasons = tuple(r for r in reasons if r in AT_SUBMISSION)  # never once a job holds it
+        if resolved.route.mode == "batch":  # a batch job's call falls back only at submission, or
+            reasons = tuple(r for r in reasons if r in AT_SUBMISSION  # once when its batch failed
+                            and (r != "batch_failed" or max_attempts > 1))
             context = []
             if budget is not None:
                 item.options.pop(BUDGET, None)
@@ -269,6 +292,8 @@ class Fallbacks:
             return False  # the client has bytes of this answer: never another provider's
         if reason == "context_window":
             return bool(att.context)
+        if reason == "batch_failed" and any(why == "batch_failed" for _, why in att.tried):
+            return False  # a call's failed batch is resubmitted once
         return bool(att.queue) and matches(error, reason, att.on)
 
     def _leave(self, t: Ticket) -> None:

@@ -38,6 +38,7 @@ from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.fallbacks import Fallbacks
 from multiplexer.gateway.flights import CachedOutcome
+from multiplexer.gateway.job_fallbacks import JobFallbacks
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
 from multiplexer.gateway.spend import deadline_mode, money_for, reserve_budgets, shared_how
 from multiplexer.gateway.telemetry import tracer_for
@@ -87,6 +88,7 @@ class Gateway:
         self.share = config.server.worker_count()  # processes that split the limits apart
         self.quotas = quotas_for(config, self.clock, self.state, self.metrics, self.share)
         self.fallbacks = Fallbacks(self)  # fallbacks, model groups, circuit breakers
+        self.job_fallbacks = JobFallbacks(self)  # a job's items out of a batch that failed whole
         self.keys = directory_for(config, self.quotas)  # YAML and stored keys, their access
         self.money = money_for(config, self.clock, self.metrics, self.state, self.keys)  # None: unpriced
         self.listeners: list[Any] = [] if self.money is None else [self.money.on_event]
@@ -122,6 +124,7 @@ class Gateway:
                         store_url=self.config.store.url, store_lease_s=self.config.store.lease_s,
                         store_schema=self.config.store.schema_,
                         tracer=self.tracer, breakers=self.fallbacks.breakers,
+                        job_fallback=self.job_fallbacks,
                     )
                     self.providers[name] = cls(ctx)
                 provider = self.providers[name]

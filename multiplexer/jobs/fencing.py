@@ -13,7 +13,7 @@ from typing import Any
 from .locked import locked
 from .store import JobStore, LeaseLost
 
-FENCED = ("mark_submitting", "mark_submitted", "set_remote_status", "finish_part")
+FENCED = ("mark_submitting", "mark_submitted", "set_remote_status", "finish_part", "reroute")
 
 
 def fence(row: Sequence[Any] | None, part_id: str, driver: str, claims: dict[str, int],

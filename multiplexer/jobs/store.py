@@ -53,6 +53,7 @@ CREATE INDEX IF NOT EXISTS jobs_ended ON jobs(state, updated);
 
 
 _OPEN = "('open','running','cancelling')"  # the job states before its end
+LIVE_SPLIT = '"live"'  # the split key of items moved to a route's live endpoint: a part of their own
 _INTERNAL = -32603  # a failed item's code where its stored error has none
 
 
@@ -350,13 +351,15 @@ class JobStore(V1Tables):
         return self._x(sql, args).rowcount
 
     @_locked
-    def page(self, job_id: str, cursor: int, limit: int) -> list[tuple[int, str, Any, Any]]:
+    def page(self, job_id: str, cursor: int, limit: int) -> list[tuple[int, str, Any, Any, str | None]]:
+        """(idx, state, result, error, route) from ``cursor``: the route is the one that ran it."""
         rows = self._x(
-            "SELECT idx, state, result, error FROM items WHERE job_id=? AND idx>=? "
+            "SELECT idx, state, result, error, route FROM items WHERE job_id=? AND idx>=? "
             "ORDER BY idx LIMIT ?", (job_id, cursor, limit)).fetchall()
-        results = loads_many([r for _, _, r, _ in rows])
-        errors = loads_many([e for _, _, _, e in rows])
-        return [(i, s, r, e) for (i, s, _, _), r, e in zip(rows, results, errors, strict=True)]
+        results = loads_many([r for _, _, r, _, _ in rows])
+        errors = loads_many([e for _, _, _, e, _ in rows])
+        return [(i, s, r, e, route)
+                for (i, s, _, _, route), r, e in zip(rows, results, errors, strict=True)]
 
     @_locked
     def outcomes(self, job_id: str, count: int) -> list[tuple[str, Any, Any]]:
@@ -382,6 +385,28 @@ class JobStore(V1Tables):
                            (part_id, job_id, provider, attempt, now, now))
                 self._xm("UPDATE items SET part_id=?, state='queued' WHERE job_id=? AND idx=?",
                                ((part_id, job_id, i) for i in idxs))
+
+    @_locked
+    def reroute(self, part_id: str, job_id: str, moves: Sequence[NewItem]) -> int:
+        """Take unfinished items out of a part whose remote batch failed whole and put them, unplanned,
+        on their fallback route (``moves``: each item as that route makes it), in one transaction:
+        the new provider's manager plans them, now or on its resume after a restart. How many moved."""
+        with self._tx():
+            cur = self._xm(
+                "UPDATE items SET provider=?, route=?, operation=?, method=?, params=?, options=?, "
+                "tokens=?, split=?, part_id=NULL, state='queued' WHERE job_id=? AND idx=? "
+                "AND part_id=? AND state NOT IN ('succeeded','failed')",
+                ((n.provider, n.route, n.operation, n.method, dumps(n.params), dumps(n.options),
+                  n.tokens, n.split, job_id, n.idx, part_id) for n in moves))
+            moved = int(cur.rowcount)
+            self._x("UPDATE jobs SET updated=? WHERE id=?", (self.wall(), job_id))
+        return moved
+
+    @_locked
+    def part_live(self, part_id: str) -> bool:
+        """Whether the part's items run on the live endpoint (moved there from a failed batch)."""
+        return self._x("SELECT 1 FROM items WHERE part_id=? AND split=? LIMIT 1",
+                       (part_id, LIVE_SPLIT)).fetchone() is not None
 
     @_locked
     def part(self, part_id: str) -> PartRow | None:

@@ -23,9 +23,9 @@ import anyio
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, cancelled, internal_error
 from multiplexer.core.jobrows import NewItem, custom_id
-from multiplexer.core.jobs import count_jobs, end_if_done, new_job_id
+from multiplexer.core.jobs import LIVE, count_jobs, end_if_done, new_job_id
 from multiplexer.core.provider import ProviderContext
-from multiplexer.jobs.store import JobStore, LeaseLost
+from multiplexer.jobs.store import LIVE_SPLIT, JobStore, LeaseLost
 from multiplexer.jobs.stores import acquire, release, sqlite_shared
 
 from .backend import (
@@ -135,7 +135,9 @@ class JobManager(PartDriver):
     # -- jobs ------------------------------------------------------------------
     def new_item(self, job_id: str, idx: int, item: Item) -> NewItem:
         split = None
-        if self.backend is not None and isinstance(item.params, dict):
+        if item.options.get(LIVE):  # moved from a failed batch to a live route: parts of its own
+            split = LIVE_SPLIT
+        elif self.backend is not None and isinstance(item.params, dict):
             split = json.dumps(self.backend.split_key(item.operation, item.params), default=str)
         return NewItem(idx=idx, provider=self.name, route=item.route, operation=item.operation,
                        method=item.method, params=item.params, options=item.options,

@@ -125,6 +125,8 @@ class PartDriver:
         if part.state == "submitted" and part.remote_id == "sync":
             return False
         st = self.store()
+        if await st.run(st.part_live, part.id):
+            return False  # moved from a failed batch to a route's live endpoint
         operations = operations_of(self.backend)
         if operations is None:
             return True
@@ -135,15 +137,38 @@ class PartDriver:
         return min(self.settings.batch_poll_interval_s * 2 ** max(tries - 1, 0), 300.0)
 
     async def _end_part(self, part: PartRow, error: RpcError | None, status: str | None = None,
-                        detail: str | None = None) -> None:
-        """Fail what is still open in the part (if ``error``), close it, maybe close the job."""
+                        detail: str | None = None, whole: bool = False) -> None:
+        """Fail what is still open in the part (if ``error``), close it, maybe close the job.
+        ``whole``: the remote batch failed as a whole (its status, or its submission refused):
+        the error says so (``batch_failed``), and the items with a fallback route go there first."""
         st = self.store()
+        if error is not None and whole:
+            error = RpcError(error.code, error.message, {**(error.data or {}), "batch_failed": True})
+            await self._fall_back(part)
         if error is not None:
             await st.run(st.fail_open, part.job_id, error.to_dict(), part.id)
             log.info("%s: batch job %s: part %s failed (%s): %s", self.name, part.job_id, part.id,
                      status or "-", (error.data or {}).get("detail", error.message))
         await st.run(st.finish_part, part.id, status, detail)
         await self._finish_job(part.job_id)
+
+    async def _fall_back(self, part: PartRow) -> None:
+        """Resubmit the part's unfinished items to their fallback routes (``ctx.job_fallback``);
+        what it moves is written to the store first, so a restart plans it on the new route."""
+        hook = self.ctx.job_fallback
+        if hook is None or await self._cancelling(part.job_id):
+            return
+        try:
+            moved = await hook(self.store(), part)
+        except LeaseLost:
+            raise
+        except Exception:  # the items fail with the batch, as they would without a fallback
+            log.exception("%s: batch part %s: its items could not fall back", self.name, part.id)
+            return
+        if moved:
+            log.info("%s: batch job %s: %d request(s) of failed part %s resubmitted to their fallback "
+                     "route", self.name, part.job_id, moved, part.id)
+            self.ctx.metrics.events.labels(self.name, "batch_fell_back").inc(moved)
 
     async def _submit(self, part: PartRow) -> str | None:
         """Create the remote batch exactly once; after an unclear failure, look before retrying."""
@@ -199,7 +224,7 @@ class PartDriver:
                     await self._sleep(self._backoff(quota_waits))
                     continue
                 if _rejected(e):
-                    await self._end_part(part, e, "rejected")
+                    await self._end_part(part, e, "rejected", whole=True)
                     return None
                 log.warning("%s: batch submit failed (%s); will retry", self.name, e.message)
                 last = e
@@ -207,7 +232,7 @@ class PartDriver:
             await st.run(st.mark_submitted, part.id, remote)
             return await self._submitted(part, remote)
         await self._end_part(part, last or upstream_error(self.name, "batch submission failed"),
-                             "unsubmitted")
+                             "unsubmitted", whole=True)
         return None
 
     async def _submitted(self, part: PartRow, remote: str) -> str:
@@ -251,7 +276,7 @@ class PartDriver:
             detail = status.detail or "batch failed"
             await self._end_part(part, upstream_error(self.name, detail, batch_id=status.remote_id,
                                                       batch_status=status.status),
-                                 status.status, detail)
+                                 status.status, detail, whole=True)
             return
         unfinished: set[int] = set()
         for tries in range(COLLECT_TRIES):
@@ -275,8 +300,10 @@ class PartDriver:
             leftover -= missing
         if not leftover:
             await self._end_part(part, None, status.status)
-        elif status.terminal == "cancelled" or await self._cancelling(part.job_id):
+        elif await self._cancelling(part.job_id):
             await self._end_part(part, cancelled("batch job cancelled"), status.status)
+        elif status.terminal == "cancelled":  # by the vendor, not by the job's owner
+            await self._end_part(part, cancelled("batch job cancelled"), status.status, whole=True)
         elif self.settings.batch_resubmit_expired and part.attempt == 0:
             log.info("%s: %d request(s) of %s did not run; resubmitting once", self.name,
                      len(leftover), status.remote_id)
@@ -287,7 +314,7 @@ class PartDriver:
             await self._end_part(part, upstream_error(
                 self.name, f"the batch expired before this request ran{again}",
                 batch_id=status.remote_id, batch_status=status.status, expired=True),
-                status.status)
+                status.status, whole=True)
 
     async def _read_results(self, part: PartRow, status: RemoteStatus,
                             rows: list[tuple[int, str]]) -> set[int]:

@@ -222,7 +222,7 @@ class TaskFace:
 
     async def _status(self, job: JobRow, idx: int, version: str) -> tuple[str, dict[str, Any]]:
         st = self.jobs.store()
-        _, state, result, error = (await st.run(st.page, job.id, idx, 1))[0]
+        _, state, result, error, _ = (await st.run(st.page, job.id, idx, 1))[0]
         if state == "succeeded":
             return "completed", {"result": tool_result(wrap_result(result), version)}
         if state != "failed":

@@ -178,15 +178,22 @@ class Batches:
                 early.append((n, record.custom_ids[n], e.status, self.surfaces[endpoint].error_body(
                     e.status, e.error, e.param, e.code)))
                 continue
-            provider = self.gateway.providers[self.gateway.resolve(name).route.provider]
             # a line translated to another API (Gemini) goes through its route, which answers in
             # the caller's shape (a mode: batch route still takes it to the vendor's batch API)
-            if isinstance(provider, BatchCapable) and shape is None:
+            if self._batchable(name) and shape is None:
                 job_calls.append({"method": name, "params": params})
                 record.job_lines.append(n)
             else:
                 record.lane_lines.append(n)
         return early, job_calls
+
+    def _batchable(self, name: str) -> bool:
+        """Whether the line's route (for a model group, one of its routes: the job picks which by
+        the group's strategy) is on a provider with a batch API."""
+        gw = self.gateway
+        resolved = gw.resolve(name)
+        names = gw.config.groups[resolved.group].routes if resolved.group is not None else [resolved.name]
+        return any(isinstance(gw.providers[gw.config.routes[n].provider], BatchCapable) for n in names)
 
     # -- lane lines ---------------------------------------------------------------------------
     def start(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> None:
