@@ -870,3 +870,68 @@ async def test_a_timed_out_acquire_runs_locally_and_its_shared_slot_is_freed_lat
     assert state.settled == [permit.id]
     await limiter.free_orphans()
     assert state.settled == [permit.id]  # once
+
+
+async def test_a_batch_call_a_lane_refuses_after_its_shared_flight_won_gives_back_its_batch_charge():
+    """As on one gateway: a deduplicable batch call whose claim this replica won, then refused by
+    its lane (closed here, a full queue alike), never ran, so its batch charge goes back."""
+    from multiplexer.core.errors import Code
+
+    config = parse_config({
+        "state": {"url": redis_url(), "prefix": prefix()},
+        "server": {"quotas": {"alice": {"batch_calls_per_day": 5}}},
+        "providers": {"p": {"kind": "echo", "batch": {"max_items": 1}}},
+        "routes": {"r": {"provider": "p", "mode": "batch", "dedup": True, "dedup_scope": "global"}},
+    })
+    async with Gateway(config) as gw:
+        for lane in gw.lanes.values():
+            lane.close()
+        refused = [await gw.submit(Call("r", {"i": i}, identity="alice")) for i in range(2)]
+        day = int(gw.clock.wall() // 86_400)
+        left = await gw.state.batch_charge("alice", day, 6, 5)  # type: ignore[union-attr]
+    assert [o.error.code for o in refused] == [Code.SHUTTING_DOWN] * 2  # type: ignore[union-attr]
+    assert left == 5  # refused, reporting all 5 left today: none was used
+
+
+class Unanswered:
+    """A shared state whose claims never answer (Redis slow to reply)."""
+
+    lease_s = 30.0
+
+    async def claim(self, key: str, token: str) -> tuple[str, object]:
+        await anyio.sleep_forever()
+        raise AssertionError("never answers")
+
+
+async def test_a_call_timed_out_in_a_shared_flight_reports_the_stage_it_was_in():
+    """The deadline's ``stage`` says where the call was: still claiming its key, waiting for the
+    replica that runs it, or running here as the flight's leader."""
+    config = dedup_config(redis_url(), prefix())
+    runs: list[str] = []
+    gate = anyio.Event()
+    clock = ManualClock()
+    out: dict[str, object] = {}
+    async with Gateway(config, clock=clock, providers={"p": Counting(runs, gate)}) as g1, \
+            Gateway(config, clock=clock, providers={"p": Counting(runs, gate)}) as g2, \
+            Gateway(config, clock=clock, providers={"p": Counting(runs, gate)}) as g3:
+        g3.flights.state = Unanswered()  # type: ignore[attr-defined]
+
+        async def call(name: str, gw: Gateway) -> None:
+            out[name] = await gw.submit(Call("r", {"x": 9}, timeout_ms=1000))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call, "leader", g1)
+                while not runs:  # g1 won the key and runs the call
+                    await anyio.sleep(0.01)
+                tg.start_soon(call, "follower", g2)
+                tg.start_soon(call, "claiming", g3)
+                while g2.metrics.dedup_hits.labels("r", "replica")._value.get() < 1:
+                    await anyio.sleep(0.01)  # until g2 waits on g1's flight
+                await anyio.wait_all_tasks_blocked()
+                await clock.advance(2.0)  # every deadline passes
+                while len(out) < 3:
+                    await anyio.sleep(0.01)
+                gate.set()
+    stages = {name: o.error.data["stage"] for name, o in out.items()}  # type: ignore[attr-defined]
+    assert stages == {"leader": "running", "follower": "replica", "claiming": "claiming"}

@@ -23,7 +23,10 @@ class Pending:
     enqueued: float
     future: Future = field(default_factory=Future)
     waiters: int = 1
-    state: str = "queued"  # queued (in the queue) -> running (taken from it) -> done
+    state: str = "queued"  # queued (in the queue) -> running (taken from it) -> done; a shared
+    # flight's callers' before that: claiming (its key, in the shared state), or replica (waiting
+    # for the replica that runs it)
+    via: Pending | None = None  # a shared flight this replica won: its own pending on the lane
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -53,14 +53,22 @@ def flight_key(key: Hashable) -> str:
     return canonical(repr(key))
 
 
+class Unsent(Outcome):
+    """A lane's refusal of a shared flight's run: it never ran, so its callers' batch charges
+    go back (as a refusal of ``Lane.submit`` inside ``Gateway.enqueue`` does)."""
+
+    __slots__ = ()
+
+
 def queue(lane: Lane, p: Pending) -> None:
     """Queue ``p`` on its lane unless its callers have gone; a refusal is its outcome."""
     if p.future.done():
         return
+    p.state = "queued"
     try:
         lane.submit(p.item, p)
     except RpcError as e:
-        p.future.set(Outcome.fail(e))
+        p.future.set(Unsent(error=e))
 
 
 async def first_of(a: Future, b: Future) -> None:
@@ -104,7 +112,8 @@ class SharedFlights(Flights):
         self._spawn = spawn
 
     def run(self, key: Hashable, item: Item, lane: Lane, cache_ttl_s: float) -> Pending:
-        pending = Pending(item, self.clock.now())  # queued on the lane once its claim is won
+        # queued on the lane once its claim is won
+        pending = Pending(item, self.clock.now(), state="claiming")
         self._spawn(self._fly, pending, lane, flight_key(key), cache_ttl_s)
         return pending
 
@@ -119,6 +128,7 @@ class SharedFlights(Flights):
         token = secrets.token_hex(8)
         shared = False
         while not p.future.done():
+            p.state = "claiming"
             try:
                 kind, value = await self.state.claim(key, token)
             except StateUnavailable:
@@ -135,6 +145,7 @@ class SharedFlights(Flights):
             if kind == "cached":
                 p.future.set(CachedOutcome(*value))
                 return
+            p.state = "replica"
             if await self._follow(p, lane, key, value):
                 return
 
@@ -142,7 +153,7 @@ class SharedFlights(Flights):
         """Run it here (its own pending on the lane) while keeping the claim alive; publish its
         result, or free the key, before its callers have it: then a replica that asks next finds
         it. Its callers giving up ends the run and frees the key at once."""
-        run = Pending(p.item, self.clock.now())
+        run = p.via = Pending(p.item, self.clock.now())
         try:
             queue(lane, run)
             async with anyio.create_task_group() as tg:

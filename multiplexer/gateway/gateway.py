@@ -37,7 +37,7 @@ from multiplexer.gateway.admission import Plan, route_item
 from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.fallbacks import Fallbacks
-from multiplexer.gateway.flights import CachedOutcome
+from multiplexer.gateway.flights import CachedOutcome, Unsent
 from multiplexer.gateway.job_fallbacks import JobFallbacks
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
 from multiplexer.gateway.spend import deadline_mode, money_for, reserve_budgets, shared_how
@@ -466,6 +466,8 @@ class Gateway:
             return
         if t.attempts is not None and self.fallbacks.settle(t, outcome, withdraw):
             return  # the call moved on to its next route
+        if isinstance(outcome, Unsent):  # its lane refused the shared flight it won: it never ran
+            self.quotas.refund(t.grant)
         answer = outcome if t.shape is None or outcome.error is not None else self._shaped(t, outcome)
         if t.plan is not None and self.money is not None:  # its cost, its saving, its budget settled
             answer = self.money.finish(t.plan, outcome, answer, shared_how(t.shared, outcome))

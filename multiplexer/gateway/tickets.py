@@ -77,10 +77,15 @@ class Waiter:
 def deadline_error(t: Ticket) -> RpcError:
     """The timeout of a call whose deadline came first, with the stage it found the call in:
     ``rate_limit`` (and the limit) when it never reached the upstream for want of a token or a
-    slot, else ``queued`` or ``running``."""
+    slot, else ``queued`` or ``running``; a shared flight's, ``claiming`` its key or waiting on
+    the ``replica`` that runs it (its run here, once it won the key, is its stage)."""
     p, lane = t.pending, t.lane
     if p is None or lane is None:
         return timeout_error("queued")
+    if p.via is not None:
+        p = p.via
+    if p.state in ("claiming", "replica"):
+        return timeout_error(p.state)
     held = p.item.held if p.state == "running" else lane.holding() if p.state == "queued" else None
     if held is not None:
         return timeout_error("rate_limit", limit=held, provider=lane.provider)

@@ -41,7 +41,7 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     conf = gateway.config.store
     store = V1Store(Path(conf.path), conf.url, conf.lease_s, conf.schema_)
     batches = Batches(v1, store, surfaces_for(OPENAI, ANTHROPIC))
-    gateway.start_background(batches.run, Path(conf.path).exists() or conf.url is not None)
+    gateway.start_background(batches.runner.run, Path(conf.path).exists() or conf.url is not None)
     if gateway.config.store.retention_s is not None:
         gateway.start_background(batches.purge_forever, gateway.config.store.retention_s)
     gateway.faces["v1_batches"] = batches

@@ -3,11 +3,10 @@ job system.
 
 A batch's input file holds one request per line. Lines whose route is on a provider with a
 batch API become one job (``jobs.submit``, the provider's own batch API underneath); the other
-lines (local models, providers without one) run through their lanes in the background, a page
-at a time, their results inserted as they finish (a page's rows; the record is never rewritten),
-and one gateway runs them at a time: a restarted gateway, or another replica once the runner's
-hold lapses, runs the rest. Output and error files are built on request, one line per
-``custom_id``, in OpenAI's format.
+lines (local models, providers without one) run through their lanes on the job engine's runner
+(``multiplexer/jobs/line_runner.py``: pages, the hold one gateway has on a batch, resuming),
+which this face tells what a line is as a call and what an outcome is as a result line. Output
+and error files are built on request, one line per ``custom_id``, in OpenAI's format.
 """
 
 from __future__ import annotations
@@ -23,17 +22,15 @@ from typing import Any
 import anyio
 
 from multiplexer.core.call import Call, Outcome
-from multiplexer.core.errors import Code, RpcError, internal_error, invalid_params
+from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.provider import BatchCapable
 from multiplexer.faces.v1.common import V1, HttpError, Surface, http_error
-from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, operation_for, plan
+from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, Shape, operation_for, plan
 from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
+from multiplexer.jobs.line_runner import LineRunner, Refused, Row
 
 log = logging.getLogger(__name__)
 ENDED = ("completed", "failed", "cancelled")
-PAGE = 16  # lane lines admitted at once: a 50,000-line file must not flood the queues, and the
-# event loop answers other requests between pages (a page's answers arrive together: with 64
-# mock embeddings a page held it ~40 ms, with 16 ~20 ms, and the batch ran no slower)
 CHUNK = 256  # results file lines built (on a worker thread) and sent at once
 MAX_LINES = 50_000
 
@@ -110,7 +107,7 @@ class Batches:
         self.gateway = v1.gateway
         self.store = store
         self.surfaces = surfaces  # endpoint -> error dialect for its lines
-        self.live: dict[str, tuple[BatchRecord, anyio.CancelScope]] = {}
+        self.runner = LineRunner(self.gateway, store, self._line, self._answer, self._bodies)
 
     # -- creation ----------------------------------------------------------------------------
     async def create(self, identity: str | None, body: dict[str, Any]) -> BatchRecord:
@@ -152,25 +149,24 @@ class Batches:
             if outcome.error is not None:
                 raise http_error(outcome.error, self.surfaces[endpoint])
             record.job_id = outcome.result["job_id"]
-        scope = anyio.CancelScope()
-        if record.lane_lines:  # live before it is stored: no resume pass starts a second runner
-            self.live[record.id] = (record, scope)
+        # live before it is stored: no resume pass starts a second runner
+        scope = self.runner.reserve(record) if record.lane_lines else None
         try:
             await self.store.create_batch(record, early, requests)
         except BaseException:
             self.live.pop(record.id, None)
             raise
-        if record.lane_lines:
-            self.gateway.start_background(self._run_lanes, record, bodies, scope)
+        if scope is not None:
+            self.runner.start(record, bodies, scope)
         return record
 
     def _sort_lines(self, record: BatchRecord, bodies: list[dict[str, Any]],
-                    ) -> tuple[list[tuple[int, str, int, Any]], list[dict[str, Any]]]:
+                    ) -> tuple[list[Row], list[dict[str, Any]]]:
         """Each line to the job (its calls returned), the lanes, or refused at once (its result
         returned), noted in ``record``."""
         endpoint = record.endpoint
         job_calls = []
-        early: list[tuple[int, str, int, Any]] = []  # lines refused at once: their results
+        early: list[Row] = []  # lines refused at once: their results
         for n, line in enumerate(bodies):
             try:
                 name, params, shape = plan(self.v1, endpoint, line)
@@ -195,168 +191,36 @@ class Batches:
         names = gw.config.groups[resolved.group].routes if resolved.group is not None else [resolved.name]
         return any(isinstance(gw.providers[gw.config.routes[n].provider], BatchCapable) for n in names)
 
-    # -- lane lines ---------------------------------------------------------------------------
-    def start(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> None:
-        scope = anyio.CancelScope()
-        self.live[record.id] = (record, scope)
-        self.gateway.start_background(self._run_lanes, record, bodies, scope)
+    # -- lane lines: run by the job engine's runner, in this API's shapes ---------------------
+    def _line(self, record: BatchRecord, body: dict[str, Any]) -> tuple[Call, Shape | None]:
+        """A lane line's call, and the shaper of its result (``LineRunner``'s ``Plan``)."""
+        try:
+            name, params, shape = plan(self.v1, record.endpoint, body)
+        except HttpError as e:
+            raise Refused(e.error) from None
+        return Call(name, params, identity=record.owner,
+                    operation=operation_for(record.endpoint, shape)), shape
+
+    def _answer(self, record: BatchRecord, outcome: Outcome, shape: Shape | None) -> tuple[int, Any]:
+        """A lane line's outcome as (HTTP status, body) of its API (``LineRunner``'s ``Answer``)."""
+        if outcome.error is not None:
+            entry = error_entry(self.surfaces[record.endpoint], outcome.error)
+            return entry["status"], entry["body"]
+        return 200, shape(outcome.result) if shape else outcome.result
+
+    @property
+    def live(self) -> dict[str, tuple[BatchRecord, anyio.CancelScope]]:
+        """Batches whose lane lines run here."""
+        return self.runner.live
 
     async def _run_lanes(self, record: BatchRecord, bodies: list[dict[str, Any]],
                          scope: anyio.CancelScope) -> None:
-        """Run the batch's lane lines without a result, while this gateway holds the batch (a
-        replica that held it and died lets go once its hold runs out)."""
-        held = False
-        try:
-            with scope:
-                try:
-                    held = await self.store.hold(record.id)
-                except Exception:  # the store is away: a later resume pass runs them
-                    log.exception("batch %s: could not take its lane lines", record.id)
-                if not held:
-                    return  # another gateway runs them
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._keep_holding, record.id, tg.cancel_scope)
-                    await self._run_pages(record, bodies)
-                    tg.cancel_scope.cancel()
-        finally:
-            self.live.pop(record.id, None)
-            if held:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await self.store.release(record.id)
-                    except Exception:  # the store is away: the hold lapses by itself
-                        log.exception("batch %s: could not let go of its lane lines", record.id)
-
-    async def _keep_holding(self, batch_id: str, scope: anyio.CancelScope) -> None:
-        while True:
-            await anyio.sleep(self.store.lease_s / 3)
-            try:
-                kept = await self.store.hold(batch_id)
-            except Exception:  # the store is away for now: asked again at the next renewal
-                log.exception("batch %s: could not renew its hold", batch_id)
-                continue
-            if not kept:
-                log.info("batch %s: cancelled, or taken over by another gateway: its lane "
-                         "lines stop here", batch_id)
-                scope.cancel()
-                return
-
-    async def _run_pages(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> None:
-        surface = self.surfaces[record.endpoint]
-        try:
-            todo = await self._unfinished(record)
-        except Exception:  # the store is away: a later resume pass runs them
-            log.exception("batch %s: could not read its unfinished lane lines", record.id)
-            return
-        cids = record.custom_ids
-        try:
-            for start in range(0, len(todo), PAGE):
-                page, calls, shapes = [], [], []
-                rows: list[tuple[int, str, int, Any]] = []
-                for n in todo[start:start + PAGE]:
-                    try:
-                        name, params, shape = plan(self.v1, record.endpoint, bodies[n])
-                    except HttpError as e:  # the config changed under a resumed batch
-                        rows.append((n, cids[n], *self._row(error_entry(surface, e.error))))
-                        continue
-                    page.append(n)
-                    calls.append(Call(name, params, identity=record.owner,
-                                      operation=operation_for(record.endpoint, shape)))
-                    shapes.append(shape)
-                outcomes = await self._patiently(calls)
-                stopping = False
-                for n, shape, o in zip(page, shapes, outcomes, strict=True):
-                    if o.error is not None and o.error.code == Code.SHUTTING_DOWN:
-                        stopping = True  # it did not run: the restarted gateway runs it
-                        continue
-                    rows.append((n, cids[n], *self._row(self._entry(o, shape, surface))))
-                await self.store.add_results(record.id, rows)
-                if stopping:
-                    break
-        except Exception as e:  # every line still ends: as failed
-            log.exception("batch %s: running its lane lines failed", record.id)
-            status, body = self._row(error_entry(surface, internal_error(type(e).__name__)))
-            try:
-                await self.store.add_results(record.id, [(n, cids[n], status, body) for n in todo])
-            except Exception:  # the store is away too: a later resume pass runs them
-                log.exception("batch %s: could not record its failed lane lines", record.id)
-
-    @staticmethod
-    def _row(entry: dict[str, Any]) -> tuple[int, Any]:
-        return entry["status"], entry["body"]
-
-    async def _patiently(self, calls: list[Call]) -> list[Outcome]:
-        """Run a page of calls; those refused for the moment (the owner's quota, a full queue)
-        wait their ``retry_after`` and go again: a batch has 24 hours, not a live caller."""
-        outcomes: list[Outcome] = [Outcome()] * len(calls)
-        todo = list(range(len(calls)))
-        while todo:
-            done = await self.gateway.submit_many([calls[i] for i in todo])
-            waits = []
-            for i, o in zip(todo, done, strict=True):
-                outcomes[i] = o
-                if o.error is not None and o.error.code in (Code.RATE_LIMITED, Code.OVERLOADED):
-                    after = (o.error.data or {}).get("retry_after")
-                    if isinstance(after, int | float) and 0 <= after <= 3600:
-                        waits.append((i, after))
-            todo = [i for i, _ in waits]
-            if todo:
-                await self.gateway.clock.sleep_until(
-                    self.gateway.clock.now() + max(a for _, a in waits))
-        return outcomes
-
-    @staticmethod
-    def _entry(outcome: Outcome, shape: Any, surface: Surface) -> dict[str, Any]:
-        if outcome.error is not None:
-            return error_entry(surface, outcome.error)
-        return {"status": 200, "body": shape(outcome.result) if shape else outcome.result}
-
-    async def _unfinished(self, record: BatchRecord) -> list[int]:
-        """Its lane lines without a result yet."""
-        done = await self.store.done_lines(record.id)
-        return [n for n in (await self.store.load_lines(record)).lane_lines if n not in done]
-
-    async def _owed(self, record: BatchRecord) -> bool:
-        """Whether a batch still owes some lane lines a run: neither cancelled nor failed whole."""
-        if record.cancelled_at is not None or record.errors:
-            return False
-        return (await self.store.result_counts(record.id))[0] < record.own_total
+        """Run a stored batch's lane lines here and now (``LineRunner.run_lines``)."""
+        await self.runner.run_lines(record, bodies, scope)
 
     async def resume(self) -> None:
-        """Run the lane lines a stopped gateway (or a replica that died) left unfinished (the
-        job part resumes by itself)."""
-        for batch_id in await self.store.owed():
-            if batch_id in self.live:
-                continue
-            record = await self.store.batch(batch_id, None, everyone=True)
-            if record is None:
-                continue
-            bodies = await self._bodies(record)
-            if bodies is not None and record.id not in self.live:  # not made meanwhile
-                self.start(record, bodies)
-
-    async def run(self, resume: bool) -> None:
-        """For the gateway's lifetime: resume the lane lines a stopped gateway left (where a
-        store is there to hold them), then every ``store.lease_s`` those left without a runner:
-        a replica's that died (once its hold has run out), or a runner's here that the store
-        failed under. The store is let go at the end."""
-        try:
-            if resume:
-                await self.resume()
-            while True:
-                await anyio.sleep(self.store.lease_s)
-                if not (self.store.shared() or self.store.opened()):
-                    continue  # no batch yet: the SQLite file is not made for nothing
-                try:
-                    await self.resume()
-                except Exception:  # the database is away for now: asked again on the next pass
-                    log.exception("resuming batches failed")
-        finally:
-            with anyio.CancelScope(shield=True):
-                with anyio.move_on_after(5):
-                    while self.live:  # the runners let go of their batches first
-                        await anyio.sleep(0.01)
-                await anyio.to_thread.run_sync(self.store.close)
+        """Start the lane lines that no gateway runs (``LineRunner.resume``)."""
+        await self.runner.resume()
 
     async def _bodies(self, record: BatchRecord) -> list[dict[str, Any]] | None:
         """A batch's request bodies, in line order: its kept requests (a message batch's, or
@@ -376,7 +240,7 @@ class Batches:
         bodies should the gateway restart, so they are kept beside each such batch."""
         for batch_id in await self.store.reading(owner, file_id):
             record = await self.store.batch(batch_id, owner)
-            if record is not None and await self._owed(record):
+            if record is not None and await self.runner.owes(record):
                 bodies = await self._bodies(record)
                 if bodies is not None:
                     await self.store.put_requests(
@@ -429,9 +293,7 @@ class Batches:
         if record.job_id is not None:
             await self.gateway.submit(Call("jobs.cancel", {"job_id": record.job_id},
                                            identity=record.owner))
-        live = self.live.get(record.id)
-        if live is not None:
-            live[1].cancel()
+        self.runner.stop(record.id)
         await self.store.update(record, "cancelled_at")
 
     async def delete(self, record: BatchRecord) -> None:
@@ -512,9 +374,8 @@ class Batches:
         if record.errors:
             status, completed, failed, ended = "failed", 0, 0, True
         else:
-            # counts, not results: a poll must not page through 50,000 answers
-            own, completed = await self.store.result_counts(record.id)
-            failed = own - completed
+            lanes = await self.runner.counts(record)  # counts, not results
+            completed, failed = lanes.succeeded, lanes.ended - lanes.succeeded
             job_done = True
             if record.job_id is not None:
                 job = await self._job(record, "jobs.status")
@@ -522,11 +383,7 @@ class Batches:
                     completed += job["counts"]["succeeded"]
                     failed += job["counts"]["failed"]
                     job_done = job["done"]
-            # its lane lines run here, or on another replica that holds the batch
-            elsewhere = self.store.shared() and (record.held_until or 0) > time.time()
-            lanes_done = record.id not in self.live and not elsewhere and (
-                record.cancelled_at is not None or own >= record.own_total)
-            ended = job_done and lanes_done
+            ended = job_done and lanes.done
             if record.cancelled_at is not None:
                 status = "cancelled" if ended else "cancelling"
             else:

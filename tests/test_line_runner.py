@@ -1,0 +1,144 @@
+"""The job engine's line runner on its own: no face, no database, a stub gateway. What a line is
+as a call and what an outcome is as a row come from the callables a face would hand in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pytest
+
+from multiplexer.core.call import Call, Outcome
+from multiplexer.core.clock import ManualClock
+from multiplexer.core.errors import invalid_params, rate_limited, shutting_down
+from multiplexer.jobs.line_runner import LineRunner, Refused, Row
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class Record:
+    id: str
+    custom_ids: list[str]
+    lane_lines: list[int]
+    own_total: int
+    cancelled_at: int | None = None
+    errors: list[dict[str, Any]] | None = None
+    held_until: float | None = None
+
+
+@dataclass
+class Store:
+    """Rows and holds in memory, as the job store keeps them."""
+
+    lease_s: float = 30.0
+    rows: dict[int, Row] = field(default_factory=dict)
+    holds: list[str] = field(default_factory=list)
+
+    def shared(self) -> bool:
+        return False
+
+    def opened(self) -> bool:
+        return True
+
+    def close(self) -> None: ...
+
+    async def batch(self, batch_id: str, owner: str | None, *, everyone: bool = False) -> Record | None:
+        return None
+
+    async def load_lines(self, record: Record) -> Record:
+        return record
+
+    async def owed(self) -> list[str]:
+        return []
+
+    async def hold(self, batch_id: str) -> bool:
+        self.holds.append(batch_id)
+        return True
+
+    async def release(self, batch_id: str) -> None:
+        self.holds.remove(batch_id)
+
+    async def add_results(self, batch_id: str, rows: Sequence[Row]) -> None:
+        for row in rows:
+            self.rows.setdefault(row[0], row)
+
+    async def done_lines(self, batch_id: str) -> set[int]:
+        return set(self.rows)
+
+    async def result_counts(self, batch_id: str) -> tuple[int, int]:
+        return len(self.rows), sum(1 for r in self.rows.values() if r[2] == 200)
+
+
+class Gateway:
+    """Answers ``x * 10``; ``busy`` is rate limited for 5 s once; ``late`` meets a stopping lane."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.sent: list[list[Any]] = []
+        self.limited = False
+
+    async def submit_many(self, calls: Sequence[Call]) -> list[Outcome]:
+        self.sent.append([c.params["x"] for c in calls])
+        out = []
+        for c in calls:
+            if c.method == "busy" and not self.limited:
+                self.limited = True
+                out.append(Outcome.fail(rate_limited("rpm", 5.0)))
+            elif c.method == "late":
+                out.append(Outcome.fail(shutting_down()))
+            else:
+                out.append(Outcome(result=c.params["x"] * 10))
+        return out
+
+    def start_background(self, fn: Any, *args: Any) -> None:
+        raise AssertionError("not used here")
+
+
+def plan(record: Record, body: dict[str, Any]) -> tuple[Call, Any]:
+    if "x" not in body:
+        raise Refused(invalid_params("no x"))
+    return Call(body.get("method", "r"), {"x": body["x"]}), "shaped"
+
+
+def answer(record: Record, outcome: Outcome, how: Any) -> tuple[int, Any]:
+    if outcome.error is not None:
+        return 400, {"error": outcome.error.message}
+    return 200, {how: outcome.result}
+
+
+async def no_bodies(record: Record) -> list[dict[str, Any]] | None:
+    return None
+
+
+async def test_the_runner_runs_the_lines_without_a_row_and_waits_out_a_rate_limit():
+    clock = ManualClock()
+    store, gw = Store(), Gateway(clock)
+    store.rows[0] = (0, "a", 200, {"saved": True})  # ran before a restart: not again
+    bodies = [{"x": 0}, {"x": 1, "method": "busy"}, {}, {"x": 3}]
+    record = Record("b1", ["a", "b", "c", "d"], [0, 1, 2, 3], 4)
+    runner = LineRunner(gw, store, plan, answer, no_bodies)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run_lines, record, bodies, runner.reserve(record))
+        await anyio.wait_all_tasks_blocked()
+        assert gw.sent == [[1, 3]] and "b1" in runner.live  # line 1 waits its retry_after
+        await clock.advance(5.0)
+    assert gw.sent == [[1, 3], [1]]
+    assert store.rows == {0: (0, "a", 200, {"saved": True}), 1: (1, "b", 200, {"shaped": 10}),
+                          2: (2, "c", 400, {"error": "Invalid params"}),
+                          3: (3, "d", 200, {"shaped": 30})}
+    assert runner.live == {} and store.holds == []  # its hold let go
+    counts = await runner.counts(record)
+    assert (counts.ended, counts.succeeded, counts.done) == (4, 3, True)
+    assert not await runner.owes(record)
+
+
+async def test_lines_a_stopping_gateway_did_not_run_are_left_without_a_row():
+    store, gw = Store(), Gateway(ManualClock())
+    record = Record("b2", ["a", "b"], [0, 1], 2)
+    runner = LineRunner(gw, store, plan, answer, no_bodies)
+    await runner.run_lines(record, [{"x": 1}, {"x": 2, "method": "late"}], runner.reserve(record))
+    assert store.rows == {0: (0, "a", 200, {"shaped": 10})}
+    assert await runner.owes(record) and not (await runner.counts(record)).done
