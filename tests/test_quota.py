@@ -108,8 +108,8 @@ def test_tpm_settles_to_the_usage_once_and_a_refund_gives_it_all_back() -> None:
     over = Quotas(clock, {"k": Quota(tpm=100)})
     big = over.decide_here(Claim("k", tokens=30))
     over.release(big, 500)  # it used far more than asked: the key owes the difference
-    refused = over.decide_here(Claim("k", tokens=1))
-    assert refused.refusal is not None and refused.refusal.data["retry_after"] == pytest.approx(240.6)  # 401 at 100 a minute
+    refused = over.decide_here(Claim("k", tokens=1))  # it lacks 401: 240.6 s at 100 a minute
+    assert refused.refusal is not None and refused.refusal.data["retry_after"] == pytest.approx(240.6)
 
 
 def test_a_call_refused_by_tpm_takes_no_rpm_token_or_slot() -> None:

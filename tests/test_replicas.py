@@ -702,7 +702,8 @@ class SlowQuota:
         self.asked = 0
         self.released: list[str] = []
 
-    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> object:
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str,
+                    **tpm: object) -> object:
         from multiplexer.core.state import QuotaDecision
 
         self.asked += 1
@@ -710,7 +711,7 @@ class SlowQuota:
             await anyio.sleep_forever()
         return QuotaDecision(0.0, "", None, 0.0)
 
-    async def quota_release(self, identity: str, lease_id: str) -> None:
+    async def quota_release(self, identity: str, lease_id: str, *tokens: object) -> None:
         self.released.append(lease_id)
 
 
@@ -766,7 +767,8 @@ async def test_a_call_cancelled_while_its_slot_is_taken_frees_the_slot():
 class Flapping(SlowQuota):
     """The shared state times out on the first decision of an array and refuses the second."""
 
-    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> object:
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str,
+                    **tpm: object) -> object:
         from multiplexer.core.state import QuotaDecision, StateUnavailable
 
         self.asked += 1

@@ -58,8 +58,12 @@ def status_of(error: RpcError, overloaded: int = 503) -> int:
 
 
 def message_of(error: RpcError) -> str:
-    """``Invalid params: 'messages' must be ...``: the code's name and the precise detail."""
-    detail = (error.data or {}).get("detail")
+    """``Invalid params: 'messages' must be ...``: the code's name and the precise detail; a
+    quota's refusal names its limit (``Rate limited: tpm``), which the body has no field for."""
+    data = error.data or {}
+    detail = data.get("detail")
+    if not (isinstance(detail, str) and detail) and error.code == Code.RATE_LIMITED:
+        detail = data.get("limit")
     return f"{error.message}: {detail}" if isinstance(detail, str) and detail else error.message
 
 
