@@ -13,7 +13,7 @@ import pytest
 
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import ManualClock
-from multiplexer.core.errors import Code
+from multiplexer.core.errors import Code, upstream_error
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import Provider
 from multiplexer.gateway.config import parse_config
@@ -37,18 +37,19 @@ class Metered(Provider):
 
     async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
         self.ran += len(items)
-        return [Outcome(result={"usage": {"prompt_tokens": i.params["used"], "completion_tokens": 0}}
-                        if "used" in i.params else {}) for i in items]
+        return [Outcome.fail(upstream_error("p", "refused")) if i.params.get("fail")
+                else Outcome(result={"usage": {"prompt_tokens": i.params["used"], "completion_tokens": 0}}
+                             if "used" in i.params else {}) for i in items]
 
 
-def tpm_config(**state: Any) -> Any:
+def tpm_config(dedup: bool = False, **state: Any) -> Any:
     """alice's key asks 500 tokens a minute, her team 100: the smaller holds."""
     return parse_config({
         "server": {"api_keys": {"alice": {"key": "k-alice", "team": "red", "tpm": 500}},
                    "teams": {"red": {"tpm": 100}}},
         **({"state": state} if state else {}),
         "providers": {"p": {"kind": "echo", "batch": {"max_items": 1}}},
-        "routes": {"r": {"provider": "p"}},
+        "routes": {"r": {"provider": "p", "dedup": dedup}},
     })
 
 
@@ -78,6 +79,19 @@ async def test_a_keys_tpm_charges_estimates_refills_and_settles_to_usage() -> No
         assert not (await gw.submit_many(calls({"estimate": 1})))[0].ok
         bob = await gw.submit(Call("r", {"estimate": 10_000}))  # no key, no tpm: never asked
         assert bob.ok
+
+
+async def test_a_shared_answer_costs_no_tokens_and_a_failed_call_keeps_its_estimate() -> None:
+    clock, provider = ManualClock(), Metered()
+    async with Gateway(tpm_config(dedup=True), clock=clock, providers={"p": provider}) as gw:
+        same = [Call("r", {"estimate": 40, "used": 30}, identity="alice") for _ in range(2)]
+        assert all(o.ok for o in await gw.submit_many(same)) and provider.ran == 1
+        # the one that ran is settled to its 30, the one that joined it to 0: 70 left
+        failed = await gw.submit_many(calls({"estimate": 40, "fail": True}))
+        assert failed[0].error is not None and failed[0].error.code == Code.UPSTREAM_ERROR
+        # its 40 stand (it may have used them upstream): 30 left
+        assert (await gw.submit_many(calls({"estimate": 30})))[0].ok
+        assert not (await gw.submit_many(calls({"estimate": 1})))[0].ok
 
 
 async def test_a_keys_tpm_is_shared_by_the_replicas() -> None:

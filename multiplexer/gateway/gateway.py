@@ -57,10 +57,13 @@ def with_kind_defaults(pconf: ProviderConfig, cls: type[Provider]) -> ProviderCo
 
 
 def used_tokens(outcome: Outcome, shared: str | None) -> int | None:
-    """The tokens a call used, as its answer's usage says (None: unknown, its estimate stands);
-        0 when it failed or shared another's execution, which cost it none."""
-    if outcome.error is not None or shared is not None:
+    """The tokens a call used, as its answer's usage says; 0 when it shared another's execution,
+    which cost it none; None when unknown (a failure too: it may have used them upstream), and
+    its estimate stands, as a provider's own tpm counts it."""
+    if shared is not None:
         return 0
+    if outcome.error is not None:
+        return None
     result = outcome.built()
     tokens = tokens_of(result.get("usage")) if type(result) is dict else None
     return None if tokens is None else tokens.input + tokens.output
