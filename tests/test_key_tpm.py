@@ -100,14 +100,14 @@ async def test_a_keys_tpm_is_shared_by_the_replicas() -> None:
             Gateway(config, providers={"p": Metered()}) as g2:
         assert (await g1.submit_many(calls({"estimate": 40})))[0].ok
         assert (await g2.submit_many(calls({"estimate": 40})))[0].ok
-        third = (await g1.submit_many(calls({"estimate": 40})))[0]
-        assert third.error is not None and third.error.data["limit"] == "tpm"
-        assert 11 < third.error.data["retry_after"] <= 12.0  # both replicas' 80 of the 100
+        third = (await g1.submit_many(calls({"estimate": 40})))[0].error
+        assert third is not None and third.data is not None and third.data["limit"] == "tpm"
+        assert 11 < third.data["retry_after"] <= 12.0  # both replicas' 80 of the 100
         # a call that used nothing of its 15 gives them back to every replica as it ends
         assert (await g2.submit_many(calls({"estimate": 15, "used": 0})))[0].ok
         assert (await g1.submit_many(calls({"estimate": 20})))[0].ok  # 20 left, not 5
-        refused = (await g2.submit_many(calls({"estimate": 20})))[0]
-        assert refused.error is not None and refused.error.data["limit"] == "tpm"
+        refused = (await g2.submit_many(calls({"estimate": 20})))[0].error
+        assert refused is not None and refused.data is not None and refused.data["limit"] == "tpm"
 
 
 # -- the refusal on each face --------------------------------------------------------------------
