@@ -100,6 +100,8 @@ async def test_a_keys_tpm_is_shared_by_the_replicas() -> None:
             Gateway(config, providers={"p": Metered()}) as g2:
         assert (await g1.submit_many(calls({"estimate": 40})))[0].ok
         assert (await g2.submit_many(calls({"estimate": 40})))[0].ok
+        window = g2.quotas.window("alice", "tpm")  # its headers: as g2's decision left the bucket
+        assert window is not None and window[0] == 100 and 20 <= window[1] < 21  # type: ignore[operator]
         third = (await g1.submit_many(calls({"estimate": 40})))[0].error
         assert third is not None and third.data is not None and third.data["limit"] == "tpm"
         assert 11 < third.data["retry_after"] <= 12.0  # both replicas' 80 of the 100
@@ -131,7 +133,13 @@ async def refused_after_one(http: httpx.AsyncClient, path: str, body: dict[str, 
                             headers: dict[str, str]) -> httpx.Response:
     """The first call goes (the whole bucket, then settled to 2 of it: 8 left); the second is
     charged 101 again and waits for the 2 it lacks (12 s at 10 a minute)."""
-    assert (await http.post(path, json=body, headers=headers)).status_code == 200
+    first = await http.post(path, json=body, headers=headers)
+    assert first.status_code == 200
+    if path.startswith("/v1"):  # the key's tpm as the last decision, then the settlement, left it
+        assert first.headers["x-ratelimit-limit-tokens"] == "10"
+        assert first.headers["x-ratelimit-remaining-tokens"] == "8"
+        assert 11 < float(first.headers["x-ratelimit-reset-tokens"].rstrip("s")) <= 12
+        assert "x-ratelimit-limit-requests" not in first.headers  # no rpm quota
     return await http.post(path, json=body, headers=headers)
 
 

@@ -157,12 +157,12 @@ class RedisState:
     # -- per-key quotas ----------------------------------------------------------------
     async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str, *,
                     tpm: float = 0.0, tokens: int = 0) -> QuotaDecision:
-        wait, which, level, at = await self._call(
+        wait, which, level, at, tokens_level = await self._call(
             self._acquire, self._keys("q", identity),
             [rpm, tpm, concurrency, self.lease_s, lease_id, tokens])
-        level = _text(level)
+        level, tokens_level = _text(level), _text(tokens_level)
         return QuotaDecision(float(wait), _text(which), float(level) if level else None,
-                             float(at))
+                             float(at), float(tokens_level) if tokens_level else None)
 
     async def quota_release(self, identity: str, lease_id: str, token_delta: int = 0,
                             tpm: float = 0.0) -> None:

@@ -177,18 +177,20 @@ class Quotas:
         if seen_day == day:
             self._batch[grant.identity] = (day, max(0, used - calls))
 
-    def rpm_state(self, identity: str | None) -> tuple[float, float | None, float | None] | None:
-        """(limit, remaining, seconds until full) of the caller's rpm quota; None without one.
-        Remaining and reset are None where this process does not hold the bucket (shared quotas)."""
+    def window(self, identity: str | None,
+               kind: str = "rpm") -> tuple[float, float | None, float | None] | None:
+        """(limit, remaining, seconds until full) of the caller's ``rpm`` or ``tpm`` quota; None
+        without one. Remaining and reset are None where this process does not hold the bucket
+        (shared quotas)."""
         quota = self.limits(identity)
-        if quota is None or quota.rpm is None:
+        limit = None if quota is None else quota.rpm if kind == "rpm" else quota.tpm
+        if limit is None:
             return None
-        bucket = self._buckets.get(identity)  # type: ignore[arg-type]
+        bucket = (self._buckets if kind == "rpm" else self._tokens).get(identity)  # type: ignore[arg-type]
         if bucket is None:
-            return quota.rpm, None, None
-        bucket.delay(0, self.clock.now())  # refill to now
-        left = max(bucket.level, 0.0)
-        return quota.rpm, left, (quota.rpm - left) / bucket.rate if bucket.rate else 0.0
+            return limit, None, None
+        left = max(bucket.available(self.clock.now()), 0.0)
+        return limit, left, (limit - left) / bucket.rate if bucket.rate else 0.0
 
     async def admit(self, identity: str | None) -> Grant:
         """One call's grant for callers outside the gateway's call path (MCP resources and

@@ -6,7 +6,8 @@ slots are leases, renewed while their calls run and freed in the background when
 the shared state is unreachable the decision is closed (``-32003`` limit ``quota_unavailable``)
 unless ``state.on_failure: open``, which decides that claim on this replica's own counters; both
 are counted as degraded. Each decision also brings back the key's rpm bucket as it left it,
-which is what the ``/v1`` faces' ``x-ratelimit-*`` headers show (``rpm_state``). A key's tpm is
+and its tpm bucket, which is what the ``/v1`` faces' ``x-ratelimit-*`` headers show (``window``).
+A key's tpm is
 checked and charged in the same round trip as its rpm token; the settlement to the real usage
 goes with the freeing of the call's slot, in one round trip off the call's path.
 """
@@ -38,8 +39,9 @@ class SharedQuotas(Quotas):
         # (identity, lease or "", tokens to charge beyond the estimate) of calls that ended
         self._ended: list[tuple[str, str, int]] = []
         self._refunds: list[tuple[str, int, int]] = []  # (identity, UTC day, calls) charged to undo
-        # identity -> (rpm level, shared-state time, local time) of its latest shared decision
-        self._seen: dict[str, tuple[float, float, float]] = {}
+        # (identity, rpm | tpm) -> (bucket level, shared-state time, local time) of its latest
+        # shared decision
+        self._seen: dict[tuple[str, str], tuple[float, float, float]] = {}
         self._wake = anyio.Event()
         self._parallel = anyio.CapacityLimiter(16)  # round trips of one array at once
 
@@ -105,16 +107,18 @@ class SharedQuotas(Quotas):
             decision = await self.state.quota(identity, quota.rpm or 0.0, quota.concurrency or 0, lease,
                                               tpm=quota.tpm or 0.0, tokens=tokens)
         except StateUnavailable:
-            self._seen.pop(identity, None)  # this replica's own bucket decides meanwhile
+            self._seen.pop((identity, "rpm"), None)  # this replica's own buckets decide meanwhile
+            self._seen.pop((identity, "tpm"), None)
             return self._unavailable()
         except BaseException:  # cancelled in the round trip: the slot may be taken; free it (any
             self._ended.append((identity, lease, 0))  # tokens it took stand: their reply is lost)
             self._wake.set()
             raise
-        if decision.level is not None:
-            seen = self._seen.get(identity)
-            if seen is None or seen[1] <= decision.at:  # the latest of an array decided at once
-                self._seen[identity] = (decision.level, decision.at, self.clock.now())
+        for kind, level in (("rpm", decision.level), ("tpm", decision.tokens_level)):
+            if level is not None:
+                seen = self._seen.get((identity, kind))
+                if seen is None or seen[1] <= decision.at:  # the latest of an array decided at once
+                    self._seen[(identity, kind)] = (level, decision.at, self.clock.now())
         if decision.wait > 0:
             which = decision.limit
             return rate_limited(which, decision.wait if which != "concurrency" else 0.05,
@@ -145,18 +149,20 @@ class SharedQuotas(Quotas):
         grant.batch = (day, calls, True)
         return None
 
-    def rpm_state(self, identity: str | None) -> tuple[float, float | None, float | None] | None:
-        """The rpm bucket as the last shared decision for this key left it, refilled to now on
-        this replica's clock: the headers cost no round trip of their own. Calls made through
-        other replicas since then show from this replica's next decision on."""
+    def window(self, identity: str | None,
+               kind: str = "rpm") -> tuple[float, float | None, float | None] | None:
+        """The rpm or tpm bucket as the last shared decision for this key left it, refilled to
+        now on this replica's clock: the headers cost no round trip of their own. Calls made (and
+        tokens settled) through any replica since then show from this replica's next decision on."""
         quota = self.limits(identity)
-        seen = self._seen.get(identity) if identity else None
-        if quota is None or quota.rpm is None or seen is None:
-            return super().rpm_state(identity)
+        limit = None if quota is None else quota.rpm if kind == "rpm" else quota.tpm
+        seen = self._seen.get((identity, kind)) if identity else None
+        if limit is None or seen is None:
+            return super().window(identity, kind)
         level, _, taken = seen
-        rate = quota.rpm / 60.0
-        left = min(quota.rpm, max(level, 0.0) + max(0.0, self.clock.now() - taken) * rate)
-        return quota.rpm, left, (quota.rpm - left) / rate
+        rate = limit / 60.0
+        left = min(limit, max(level, 0.0) + max(0.0, self.clock.now() - taken) * rate)
+        return limit, left, (limit - left) / rate
 
     def _shared(self, grant: Grant) -> bool:
         """The grant's slot and tokens were taken in the shared state (not here, degraded)."""

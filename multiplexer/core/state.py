@@ -45,6 +45,7 @@ class QuotaDecision:
     limit: str  # the limit that holds it (rpm, tpm or concurrency); "" when admitted
     level: float | None  # requests left in the rpm bucket after the decision; None without rpm
     at: float  # when it was taken, on the shared state's clock (orders concurrent decisions)
+    tokens_level: float | None = None  # tokens left in the tpm bucket; None without tpm
 
 
 class SharedState(Protocol):

@@ -192,16 +192,22 @@ class V1:
         return body
 
     def quota_headers(self, identity: str | None) -> list[tuple[bytes, bytes]]:
-        """The caller's own rpm quota as ``x-ratelimit-*`` (OpenAI's names and formats); a
-        quota shared by replicas shows as its last shared decision left it (no round trip)."""
-        state = self.gateway.quotas.rpm_state(identity)
-        if state is None:
+        """The caller's own rpm and tpm quotas as ``x-ratelimit-*`` (OpenAI's names and formats);
+        a quota shared by replicas shows as its last shared decision left it (no round trip)."""
+        quotas = self.gateway.quotas
+        quota = quotas.limits(identity)
+        if quota is None:
             return []
-        limit, left, reset = state
-        out = [(b"x-ratelimit-limit-requests", str(int(limit)).encode())]
-        if left is not None and reset is not None:
-            out += [(b"x-ratelimit-remaining-requests", str(int(left)).encode()),
-                    (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode())]
+        out: list[tuple[bytes, bytes]] = []
+        for kind, unit in (("rpm", b"requests"), ("tpm", b"tokens")):
+            state = quotas.window(identity, kind)
+            if state is None:
+                continue
+            limit, left, reset = state
+            out.append((b"x-ratelimit-limit-" + unit, str(int(limit)).encode()))
+            if left is not None and reset is not None:
+                out += [(b"x-ratelimit-remaining-" + unit, str(int(left)).encode()),
+                        (b"x-ratelimit-reset-" + unit, f"{reset:.3f}s".encode())]
         return out
 
     async def submit(self, call: Call) -> Outcome:
