@@ -199,8 +199,8 @@ class V1:
         if quota is None:
             return []
         out: list[tuple[bytes, bytes]] = []
-        for kind, unit in (("rpm", b"requests"), ("tpm", b"tokens")):
-            state = quotas.window(identity, kind)
+        for kind, unit, limit in (("rpm", b"requests", quota.rpm), ("tpm", b"tokens", quota.tpm)):
+            state = None if limit is None else quotas.window(identity, kind)
             if state is None:
                 continue
             limit, left, reset = state
