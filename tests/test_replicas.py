@@ -872,3 +872,27 @@ async def test_a_timed_out_acquire_runs_locally_and_its_shared_slot_is_freed_lat
     assert state.settled == [permit.id]
     await limiter.free_orphans()
     assert state.settled == [permit.id]  # once
+
+
+class Down(SlowQuota):
+    """A shared state that never answers a quota decision."""
+
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str,
+                    **tpm: object) -> object:
+        from multiplexer.core.state import StateUnavailable
+
+        raise StateUnavailable("down")
+
+
+async def test_a_keys_tpm_decided_here_while_the_shared_state_is_down_and_quotas_fail_open():
+    from multiplexer.core.policy import Quota
+    from multiplexer.core.quota import LOCAL
+    from multiplexer.core.shared_quota import SharedQuotas
+
+    quotas = SharedQuotas(ManualClock(), {"alice": Quota(tpm=100)}, Down(),  # type: ignore[arg-type]
+                          fail_open=True, degraded=lambda part: None)
+    first, second = await quotas.decide([Claim("alice", tokens=60), Claim("alice", tokens=60)])
+    assert first.refusal is None and (first.slot, first.tokens) == (LOCAL, 60)
+    assert second.refusal is not None and second.refusal.data["limit"] == "tpm"
+    quotas.release(first, 10)  # settled on this replica's own bucket: 90 left
+    assert (await quotas.decide([Claim("alice", tokens=60)]))[0].refusal is None
