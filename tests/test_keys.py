@@ -285,6 +285,21 @@ async def test_a_stored_keys_rpm_joins_the_per_key_quotas(gw: Any) -> None:
         assert gateway.quotas.limits(made["id"]) is None
 
 
+async def test_a_stored_keys_tpm_narrowed_by_its_team_joins_the_per_key_quotas(gw: Any) -> None:
+    """A stored team's tpm caps its key's; each echo call is estimated at 1 token and reports no
+    usage, so its estimate stands: two of 2, then a -32003 ``limit: tpm``."""
+    gateway, url, _ = gw
+    async with httpx.AsyncClient(base_url=url) as http:
+        await team(http, "tpm-team", tpm=2)
+        made = await new_key(http, team="tpm-team", tpm=50)
+        assert gateway.quotas.limits(made["id"]).tpm == 2
+        assert "result" in await rpc(http, made["key"], i=1)
+        assert "result" in await rpc(http, made["key"], i=2)
+        error = (await rpc(http, made["key"], i=3))["error"]
+        assert error["code"] == -32003 and error["data"]["limit"] == "tpm"
+        assert error["data"]["retry_after"] > 29  # 1 token at 2 a minute
+
+
 async def test_a_virtual_server_made_through_the_admin_api(gw: Any) -> None:
     _, url, _ = gw
     async with httpx.AsyncClient(base_url=url) as http:

@@ -71,3 +71,61 @@ async def test_an_array_gets_one_grant_per_claim_in_order() -> None:
     assert [g.refusal is None for g in grants] == [True, True, True, False]
     assert grants[1] is FREE
     assert grants[3].refusal is not None and grants[3].refusal.data["limit"] == "concurrency"
+
+
+@pytest.mark.anyio
+async def test_tpm_charges_the_estimate_and_refills_over_the_minute() -> None:
+    """tpm 100, calls estimated at 40 tokens: two go, the third waits for the 20 it lacks (12 s at
+    100 a minute); once the window has refilled it goes again."""
+    clock = ManualClock()
+    quotas = Quotas(clock, {"k": Quota(tpm=100)})
+    first, second = quotas.decide_here(Claim("k", tokens=40)), quotas.decide_here(Claim("k", tokens=40))
+    assert (first.refusal, second.refusal, first.tokens) == (None, None, 40)
+    third = quotas.decide_here(Claim("k", tokens=40))
+    assert third.refusal is not None and third.refusal.code == Code.RATE_LIMITED
+    assert third.refusal.data == {"limit": "tpm", "retry_after": 12.0, "identity": "k"}
+    await clock.advance(11.9)
+    assert quotas.decide_here(Claim("k", tokens=40)).refusal is not None
+    await clock.advance(0.1)
+    assert quotas.decide_here(Claim("k", tokens=40)).refusal is None
+    assert quotas.decide_here(Claim("k")).refusal is None  # no estimate: nothing asked of tpm
+
+
+def test_tpm_settles_to_the_usage_once_and_a_refund_gives_it_all_back() -> None:
+    clock = ManualClock()
+    quotas = Quotas(clock, {"k": Quota(tpm=100)})
+    a, b = quotas.decide_here(Claim("k", tokens=40)), quotas.decide_here(Claim("k", tokens=40))
+    assert quotas.decide_here(Claim("k", tokens=40)).refusal is not None  # 20 left
+    quotas.release(a, 10)  # it used 10 of its 40: 30 back
+    quotas.release(a, 0)  # settled once: nothing more moves
+    c = quotas.decide_here(Claim("k", tokens=40))  # 50 left
+    assert c.refusal is None
+    quotas.refund(c)  # refused after its decision (a budget): all 40 back
+    quotas.release(c, 40)
+    quotas.release(b)  # usage unknown: its estimate stands
+    assert quotas.decide_here(Claim("k", tokens=50)).refusal is None  # 50 left: 100 - 10 - 40
+    assert quotas.decide_here(Claim("k", tokens=1)).refusal is not None
+    over = Quotas(clock, {"k": Quota(tpm=100)})
+    big = over.decide_here(Claim("k", tokens=30))
+    over.release(big, 500)  # it used far more than asked: the key owes the difference
+    refused = over.decide_here(Claim("k", tokens=1))  # it lacks 401: 240.6 s at 100 a minute
+    assert refused.refusal is not None and refused.refusal.data["retry_after"] == pytest.approx(240.6)
+
+
+def test_a_call_refused_by_tpm_takes_no_rpm_token_or_slot() -> None:
+    quotas = Quotas(ManualClock(), {"k": Quota(rpm=2, tpm=50, concurrency=2)})
+    held = quotas.decide_here(Claim("k", tokens=50))
+    refused = quotas.decide_here(Claim("k", tokens=50))
+    assert refused.refusal is not None and refused.refusal.data["limit"] == "tpm"
+    quotas.release(held, 0)  # it used nothing: all 50 back, its slot free
+    assert quotas.decide_here(Claim("k", tokens=50)).refusal is None  # the second rpm token
+    third = quotas.decide_here(Claim("k")).refusal
+    assert third is not None and third.data == {"limit": "rpm", "retry_after": 30.0, "identity": "k"}
+
+
+def test_a_workers_part_of_a_keys_tpm() -> None:
+    from multiplexer.gateway.replicas import share_of_quota
+
+    quotas = Quotas(ManualClock(), {}, lambda q: share_of_quota(q, 4))
+    quotas.set_limits("k", Quota(rpm=40, tpm=1000))  # a key's own limits (YAML or stored)
+    assert (quotas.quotas["k"].rpm, quotas.quotas["k"].tpm) == (10, 250)

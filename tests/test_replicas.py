@@ -702,7 +702,8 @@ class SlowQuota:
         self.asked = 0
         self.released: list[str] = []
 
-    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> object:
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str,
+                    **tpm: object) -> object:
         from multiplexer.core.state import QuotaDecision
 
         self.asked += 1
@@ -710,7 +711,7 @@ class SlowQuota:
             await anyio.sleep_forever()
         return QuotaDecision(0.0, "", None, 0.0)
 
-    async def quota_release(self, identity: str, lease_id: str) -> None:
+    async def quota_release(self, identity: str, lease_id: str, *tokens: object) -> None:
         self.released.append(lease_id)
 
 
@@ -766,7 +767,8 @@ async def test_a_call_cancelled_while_its_slot_is_taken_frees_the_slot():
 class Flapping(SlowQuota):
     """The shared state times out on the first decision of an array and refuses the second."""
 
-    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str) -> object:
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str,
+                    **tpm: object) -> object:
         from multiplexer.core.state import QuotaDecision, StateUnavailable
 
         self.asked += 1
@@ -935,3 +937,27 @@ async def test_a_call_timed_out_in_a_shared_flight_reports_the_stage_it_was_in()
                 gate.set()
     stages = {name: o.error.data["stage"] for name, o in out.items()}  # type: ignore[attr-defined]
     assert stages == {"leader": "running", "follower": "replica", "claiming": "claiming"}
+
+
+class Down(SlowQuota):
+    """A shared state that never answers a quota decision."""
+
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str,
+                    **tpm: object) -> object:
+        from multiplexer.core.state import StateUnavailable
+
+        raise StateUnavailable("down")
+
+
+async def test_a_keys_tpm_decided_here_while_the_shared_state_is_down_and_quotas_fail_open():
+    from multiplexer.core.policy import Quota
+    from multiplexer.core.quota import LOCAL
+    from multiplexer.core.shared_quota import SharedQuotas
+
+    quotas = SharedQuotas(ManualClock(), {"alice": Quota(tpm=100)}, Down(),  # type: ignore[arg-type]
+                          fail_open=True, degraded=lambda part: None)
+    first, second = await quotas.decide([Claim("alice", tokens=60), Claim("alice", tokens=60)])
+    assert first.refusal is None and (first.slot, first.tokens) == (LOCAL, 60)
+    assert second.refusal is not None and second.refusal.data["limit"] == "tpm"
+    quotas.release(first, 10)  # settled on this replica's own bucket: 90 left
+    assert (await quotas.decide([Claim("alice", tokens=60)]))[0].refusal is None

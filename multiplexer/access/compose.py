@@ -28,9 +28,10 @@ def key_store_on(config: Any) -> bool:
 def keyed_quotas(config: Any) -> bool:
     """Whether per-key quotas may exist beyond ``server.quotas`` (keys with their own limits)."""
     return key_store_on(config) or any(
-        e.rpm is not None or e.concurrency is not None
+        e.rpm is not None or e.tpm is not None or e.concurrency is not None
         for e in map(entry, config.server.api_keys.values())) or any(
-        t.rpm is not None or t.concurrency is not None for t in config.server.teams.values())
+        t.rpm is not None or t.tpm is not None or t.concurrency is not None
+        for t in config.server.teams.values())
 
 
 def directory_for(config: Any, quotas: Quotas) -> KeyDirectory:

@@ -5,7 +5,7 @@ once when any replica changes a key (``Invalidation`` through ``state.url``), so
 key is one SHA-256 of the bearer and one dict lookup, never a store round trip. A replica that
 cannot reach the store keeps its last snapshot for ``stale_s``, then refuses stored keys; a key
 it never loaded is refused throughout. Budgets and quotas read a key through ``entry`` and
-``team``, whichever source it came from; its rpm and concurrency join the per-key quotas.
+``team``, whichever source it came from; its rpm, tpm and concurrency join the per-key quotas.
 """
 
 from __future__ import annotations
@@ -131,10 +131,11 @@ class KeyDirectory:
     def _limits(self, identity: str, key: KeyEntry) -> Quota | None:
         team = self.team(key.team)
         rpm = narrowed(key.rpm, team.rpm if team else None)
+        tpm = narrowed(key.tpm, team.tpm if team else None)
         concurrency = narrowed(key.concurrency, team.concurrency if team else None)
-        if rpm is None and concurrency is None:
+        if rpm is None and tpm is None and concurrency is None:
             return None
-        return Quota(rpm=rpm, concurrency=concurrency)
+        return Quota(rpm=rpm, tpm=tpm, concurrency=concurrency)
 
     def _static_limits(self) -> None:
         for name, key in self.static.items():

@@ -20,7 +20,9 @@ class Access(Strict):
     tools: list[str] | None = Field(default=None, description="glob patterns of MCP tools")
     rpm: float | None = Field(default=None, gt=0, description="calls per minute (a key: the smaller "
                               "of its own and its team's)")
-    tpm: float | None = Field(default=None, gt=0, description="tokens per minute (kept; not yet enforced)")
+    tpm: float | None = Field(default=None, gt=0, description="tokens per minute: a call's estimate "
+                              "charged at admission, settled to its usage (a key: the smaller of "
+                              "its own and its team's)")
     concurrency: int | None = Field(default=None, ge=1, description="calls at once")
     budget_usd: BudgetUsd | None = Field(default=None, description="spend caps in US dollars")
     metadata: dict[str, Any] = Field(default_factory=dict, description="free-form, shown by the admin API")

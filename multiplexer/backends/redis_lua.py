@@ -62,7 +62,8 @@ end
 """
 
 # KEYS: rpm bucket, tpm bucket, in-flight ZSET.  ARGV: rpm, tpm, concurrency, lease_s, lease id, tokens
-# Returns {wait, limit that holds it, rpm bucket level after ('' without one), Redis time}
+# Returns {wait, limit that holds it, rpm bucket level after ('' without one), Redis time,
+#          tpm bucket level after ('' without one)}
 ACQUIRE = COMMON + r"""
 local now = now_s()
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -82,12 +83,13 @@ if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - lease)
   if wait == 0 and redis.call('ZCARD', KEYS[3]) >= conc then wait, which = 0.001, 'concurrency' end
 end
--- the rpm bucket's level after this decision and the time it was taken: a key's quota
+-- the buckets' levels after this decision and the time it was taken: a key's quota
 -- headers come from this reply, with no round trip of their own
 local function reply(w, why)
-  local level = ''
+  local level, tlevel = '', ''
   if rb then level = f(rb.l) end
-  return {w, why, level, f(now)}
+  if tb then tlevel = f(tb.l) end
+  return {w, why, level, f(now), tlevel}
 end
 if wait > 0 then return reply(string.format('%.6f', wait), which) end
 if rb then rb.l = rb.l - 1; save(KEYS[1], rb) end

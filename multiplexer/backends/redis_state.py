@@ -155,20 +155,22 @@ class RedisState:
         await self._call(self._renew, self._keys("p", provider)[2:], list(lease_ids))
 
     # -- per-key quotas ----------------------------------------------------------------
-    async def quota(self, identity: str, rpm: float, concurrency: int,
-                    lease_id: str) -> QuotaDecision:
-        wait, which, level, at = await self._call(
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str, *,
+                    tpm: float = 0.0, tokens: int = 0) -> QuotaDecision:
+        wait, which, level, at, tokens_level = await self._call(
             self._acquire, self._keys("q", identity),
-            [rpm, 0, concurrency, self.lease_s, lease_id, 0])
-        level = _text(level)
+            [rpm, tpm, concurrency, self.lease_s, lease_id, tokens])
+        level, tokens_level = _text(level), _text(tokens_level)
         return QuotaDecision(float(wait), _text(which), float(level) if level else None,
-                             float(at))
+                             float(at), float(tokens_level) if tokens_level else None)
 
-    async def quota_release(self, identity: str, lease_id: str) -> None:
-        await self.settle_keys(self._keys("q", identity), lease_id)
+    async def quota_release(self, identity: str, lease_id: str, token_delta: int = 0,
+                            tpm: float = 0.0) -> None:
+        await self.settle_keys(self._keys("q", identity), lease_id, token_delta, tpm)
 
-    async def settle_keys(self, keys: list[str], lease_id: str) -> None:
-        await self._call(self._settle, keys, [0, 0, lease_id, 0])
+    async def settle_keys(self, keys: list[str], lease_id: str, token_delta: int = 0,
+                          tpm: float = 0.0) -> None:
+        await self._call(self._settle, keys, [0, tpm, lease_id, token_delta])
 
     async def quota_renew(self, identity: str, lease_ids: Sequence[str]) -> None:
         await self._call(self._renew, self._keys("q", identity)[2:], list(lease_ids))

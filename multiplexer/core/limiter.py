@@ -197,6 +197,12 @@ class TokenBucket:
         self._refill(now)
         self.level -= amount
 
+    def correct(self, delta: float, now: float) -> None:
+        """Charge ``delta`` more (or give back, when negative) once a charge's real amount is
+        known; what is given back never fills the bucket past its capacity."""
+        self._refill(now)
+        self.level = min(self.capacity, self.level - delta)
+
     def observe(self, limit: float | None, remaining: float, reset_in: float, now: float) -> None:
         """Follow what the upstream reports, both ways: its limit, ``remaining`` now, full
         again after ``reset_in``."""
@@ -291,7 +297,7 @@ class RateLimiter:
     def correct_tokens(self, estimated: int, actual: int) -> None:
         """Charge (or refund) the difference once the upstream reports real usage."""
         if self.tokens is not None and actual != estimated:
-            self.tokens.consume(actual - estimated, self.clock.now())
+            self.tokens.correct(actual - estimated, self.clock.now())
 
     def pause(self, seconds: float) -> None:
         self.paused_until = max(self.paused_until, self.clock.now() + seconds)

@@ -18,6 +18,9 @@ class Strict(BaseModel):
 
 class Quota(Strict):
     rpm: float | None = Field(default=None, gt=0)
+    tpm: float | None = Field(
+        default=None, gt=0,
+        description="tokens per minute: each call charged its estimate at admission, settled to its usage")
     concurrency: int | None = Field(default=None, ge=1)
     batch_calls_per_day: int | None = Field(
         default=None, ge=1,

@@ -42,9 +42,10 @@ class QuotaDecision:
     """A key's admission in the shared state, and its rpm bucket as the decision left it."""
 
     wait: float  # 0: admitted; else seconds until it would be
-    limit: str  # the limit that holds it (rpm or concurrency); "" when admitted
+    limit: str  # the limit that holds it (rpm, tpm or concurrency); "" when admitted
     level: float | None  # requests left in the rpm bucket after the decision; None without rpm
     at: float  # when it was taken, on the shared state's clock (orders concurrent decisions)
+    tokens_level: float | None = None  # tokens left in the tpm bucket; None without tpm
 
 
 class SharedState(Protocol):
@@ -84,12 +85,17 @@ class SharedState(Protocol):
         """Keep the slots of calls still running (a dead replica's expire after ``lease_s``)."""
         ...
 
-    async def quota(self, identity: str, rpm: float, concurrency: int,
-                    lease_id: str) -> QuotaDecision:
-        """Admit one call for a key under its rpm and concurrency, all in one round trip."""
+    async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str, *,
+                    tpm: float = 0.0, tokens: int = 0) -> QuotaDecision:
+        """Admit one call for a key under its rpm, concurrency and (charging ``tokens``) tpm, all
+        or none, in one round trip."""
         ...
 
-    async def quota_release(self, identity: str, lease_id: str) -> None: ...
+    async def quota_release(self, identity: str, lease_id: str, token_delta: int = 0,
+                            tpm: float = 0.0) -> None:
+        """Free the call's slot (``lease_id``, "" none) and charge ``token_delta`` more (or give
+        it back) to the key's tpm bucket."""
+        ...
 
     async def quota_renew(self, identity: str, lease_ids: Sequence[str]) -> None: ...
 

@@ -43,6 +43,7 @@ from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, q
 from multiplexer.gateway.spend import deadline_mode, money_for, reserve_budgets, shared_how
 from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, settle
+from multiplexer.money.prices import tokens_of
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,19 @@ def with_kind_defaults(pconf: ProviderConfig, cls: type[Provider]) -> ProviderCo
     if default is None or "concurrency" in pconf.limits.model_fields_set:
         return pconf
     return pconf.model_copy(update={"limits": pconf.limits.model_copy(update={"concurrency": default})})
+
+
+def used_tokens(outcome: Outcome, shared: str | None) -> int | None:
+    """The tokens a call used, as its answer's usage says; 0 when it shared another's execution,
+    which cost it none; None when unknown (a failure too: it may have used them upstream), and
+    its estimate stands, as a provider's own tpm counts it."""
+    if shared is not None:
+        return 0
+    if outcome.error is not None:
+        return None
+    result = outcome.built()
+    tokens = tokens_of(result.get("usage")) if type(result) is dict else None
+    return None if tokens is None else tokens.input + tokens.output
 
 
 def _tagged(group: Hashable, tag: Hashable) -> tuple[Hashable, ...]:
@@ -330,7 +344,7 @@ class Gateway:
                 if auto and route.mode == "batch":  # never in one upstream batch with its sync calls
                     item.group = _tagged(item.group, "batch")
                 plan.dedup_key = self._dedup_key(call, route, item, provider)
-            plan.claim = self._claim(call.identity, 1 if route.mode == "batch" else 0)
+            plan.claim = self._claim(call.identity, 1 if route.mode == "batch" else 0, item.tokens)
         except RpcError as e:
             plan.error = e
         except Exception as e:
@@ -345,11 +359,15 @@ class Gateway:
         if rules is not None and (refusal := rules.refusal(route, params, face)) is not None:
             raise refusal
 
-    def _claim(self, identity: str | None, batch_calls: int) -> Claim | None:
-        """What a call asks of its key's quota; None for keyless callers and keys without one."""
-        if identity is None or identity not in self.quotas.quotas:
+    def _claim(self, identity: str | None, batch_calls: int, tokens: int = 0) -> Claim | None:
+        """What a call asks of its key's quota; None for keyless callers and keys without one.
+        ``tokens``: the estimate its provider made (``Item.tokens``, what its lane charges to the
+        provider's tpm), asked only of a key with tpm."""
+        quota = self.quotas.quotas.get(identity) if identity is not None else None
+        if quota is None:
             return None
-        return Claim(identity, call=True, batch_calls=batch_calls)
+        return Claim(identity, call=True, batch_calls=batch_calls,
+                     tokens=tokens if quota.tpm is not None else 0)
 
     def enqueue(self, plan: Plan, grant: Grant) -> Ticket:
         """Stage three, the only one with effects: answer from the cache, join an identical call
@@ -493,7 +511,10 @@ class Gateway:
                     if isinstance(outcome, CachedOutcome):
                         ttl = min(ttl, outcome.ttl_s)
                     self.cache.put(t.key, outcome, ttl)  # the provider's: each caller shapes its own
-        self.quotas.release(t.grant)
+        if t.grant.tokens:  # a key with tpm: its charge settled to what the call used
+            self.quotas.release(t.grant, used_tokens(outcome, shared_how(t.shared, outcome)))
+        else:
+            self.quotas.release(t.grant)
         code = "ok" if answer.error is None else code_label(answer.error.code)
         self.metrics.call_answered(t.label, code, self.clock.now() - t.started)
         if t.in_flight is not None:

@@ -50,6 +50,7 @@ def share_of_quota(quota: Quota, share: int) -> Quota:
         return quota
     return quota.model_copy(update={
         "rpm": None if quota.rpm is None else quota.rpm / share,
+        "tpm": None if quota.tpm is None else quota.tpm / share,
         "concurrency": None if quota.concurrency is None else _part(quota.concurrency, share),
         "batch_calls_per_day": None if quota.batch_calls_per_day is None
         else _part(quota.batch_calls_per_day, share)})
@@ -70,12 +71,13 @@ def limiter_for(name: str, pconf: ProviderConfig, clock: Clock, state: SharedSta
 
 def quotas_for(config: Config, clock: Clock, state: SharedState | None, metrics: Metrics,
                share: int = 1) -> Quotas:
-    """The keys' quotas, in this process (each worker's part of them) or shared."""
+    """The keys' quotas, in this process (each worker's part of them: the config's and those the
+    keys bring, stored ones too) or shared."""
     from multiplexer.access.compose import keyed_quotas
 
     quotas = dict(config.server.quotas)  # stored keys' limits join these while the gateway runs
     if state is None or not (quotas or keyed_quotas(config)):
-        return Quotas(clock, {key: share_of_quota(q, share) for key, q in quotas.items()})
+        return Quotas(clock, quotas, None if share <= 1 else lambda q: share_of_quota(q, share))
     return SharedQuotas(clock, quotas, state, fail_open=config.state.on_failure == "open",
                         degraded=metrics.state_degraded_count)
 

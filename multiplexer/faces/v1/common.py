@@ -58,8 +58,12 @@ def status_of(error: RpcError, overloaded: int = 503) -> int:
 
 
 def message_of(error: RpcError) -> str:
-    """``Invalid params: 'messages' must be ...``: the code's name and the precise detail."""
-    detail = (error.data or {}).get("detail")
+    """``Invalid params: 'messages' must be ...``: the code's name and the precise detail; a
+    quota's refusal names its limit (``Rate limited: tpm``), which the body has no field for."""
+    data = error.data or {}
+    detail = data.get("detail")
+    if not (isinstance(detail, str) and detail) and error.code == Code.RATE_LIMITED:
+        detail = data.get("limit")
     return f"{error.message}: {detail}" if isinstance(detail, str) and detail else error.message
 
 
@@ -195,16 +199,22 @@ class V1:
         return body
 
     def quota_headers(self, identity: str | None) -> list[tuple[bytes, bytes]]:
-        """The caller's own rpm quota as ``x-ratelimit-*`` (OpenAI's names and formats); a
-        quota shared by replicas shows as its last shared decision left it (no round trip)."""
-        state = self.gateway.quotas.rpm_state(identity)
-        if state is None:
+        """The caller's own rpm and tpm quotas as ``x-ratelimit-*`` (OpenAI's names and formats);
+        a quota shared by replicas shows as its last shared decision left it (no round trip)."""
+        quotas = self.gateway.quotas
+        quota = quotas.limits(identity)
+        if quota is None:
             return []
-        limit, left, reset = state
-        out = [(b"x-ratelimit-limit-requests", str(int(limit)).encode())]
-        if left is not None and reset is not None:
-            out += [(b"x-ratelimit-remaining-requests", str(int(left)).encode()),
-                    (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode())]
+        out: list[tuple[bytes, bytes]] = []
+        for kind, unit, limit in (("rpm", b"requests", quota.rpm), ("tpm", b"tokens", quota.tpm)):
+            state = None if limit is None else quotas.window(identity, kind)
+            if state is None:
+                continue
+            limit, left, reset = state
+            out.append((b"x-ratelimit-limit-" + unit, str(int(limit)).encode()))
+            if left is not None and reset is not None:
+                out += [(b"x-ratelimit-remaining-" + unit, str(int(left)).encode()),
+                        (b"x-ratelimit-reset-" + unit, f"{reset:.3f}s".encode())]
         return out
 
     async def submit(self, call: Call) -> Outcome:
