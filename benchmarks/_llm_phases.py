@@ -70,7 +70,7 @@ async def run_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
     fake_args = ["-m", "tests.fakes.serve", "openai", "--port", str(fake_port),
                  "--latency-ms", "50", "--requests-per-window", "1000000000", "--keepalive-s", "600"]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        stack.enter_context(child(fake_args, f"{fake}/"))
+        upstream = stack.enter_context(child(fake_args, f"{fake}/"))
         paths = [Target("direct (upstream +50 ms)", fake, openai_call(CHAT_PATH))]
         for workers in ("1", "auto"):
             conf, url = gateway_config(tmp, f"w{workers}", fake_port)
@@ -79,19 +79,26 @@ async def run_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
             wait_ready(url)
             paths.append(Target(f"gateway --workers {workers}", url, openai_call(CHAT_PATH), pid=proc.pid))
         elapsed, cpu = [0.0] * len(paths), [0.0] * len(paths)
+        others = [0.0] * len(paths)  # the callers' (this process) and the upstream's CPU
         rounds, per_round = 3, args.workers_calls // 3
         load = load_average()
         for _ in range(rounds):  # the paths take turns, so a busy moment hits each alike
             for i, p in enumerate(paths):
-                before = cpu_seconds(p.pid)
+                before, side = cpu_seconds(p.pid), time.process_time() + cpu_seconds(upstream.pid)
                 elapsed[i] += await throughput(p.url, p.call, 256, per_round)
                 cpu[i] += cpu_seconds(p.pid) - before
+                others[i] += time.process_time() + cpu_seconds(upstream.pid) - side
     n = rounds * per_round
-    out = [{"name": p.name, "calls_per_s": n / e, "proxy_cpu_ms_per_call": c / n * 1e3 if p.pid else None}
-           for p, e, c in zip(paths, elapsed, cpu, strict=True)]
+    cores = os.cpu_count() or 1
+    out = [{"name": p.name, "calls_per_s": n / e, "proxy_cpu_ms_per_call": c / n * 1e3 if p.pid else None,
+            "others_cpu_ms_per_call": o / n * 1e3,
+            # what the machine allows when every core is busy: cores over all CPU one call takes
+            "ceiling_calls_per_s": cores / ((c + o) / n)}
+           for p, e, c, o in zip(paths, elapsed, cpu, others, strict=True)]
     for r in out:
         r["vs_direct"] = r["calls_per_s"] / out[0]["calls_per_s"]
     out[2]["vs_workers_1"] = out[2]["calls_per_s"] / out[1]["calls_per_s"]
+    out[2]["ceiling_vs_workers_1"] = out[2]["ceiling_calls_per_s"] / out[1]["calls_per_s"]
     out[0]["load"] = load
     return out
 
@@ -99,12 +106,17 @@ async def run_workers(args: argparse.Namespace) -> list[dict[str, Any]]:
 def print_workers(rows: list[dict[str, Any]], calls: int) -> None:
     print(f"\nworkers: chat calls, upstream +50 ms, {calls:,} calls by 256 concurrent callers; "
           f"{rows[0]['load']} (at the start)")
-    print(table(["path", "calls/s", "vs direct", "vs --workers 1", "proxy CPU ms/call"],
+    print(table(["path", "calls/s", "vs direct", "vs --workers 1", "proxy CPU ms/call",
+                 "callers + upstream CPU ms/call", "all cores busy: calls/s"],
                 [[r["name"], f"{r['calls_per_s']:,.0f}", f"{r['vs_direct']:.2f}x",
                   f"{r['vs_workers_1']:.2f}x" if "vs_workers_1" in r else "",
-                  "" if r["proxy_cpu_ms_per_call"] is None else f"{r['proxy_cpu_ms_per_call']:.3f}"]
+                  "" if r["proxy_cpu_ms_per_call"] is None else f"{r['proxy_cpu_ms_per_call']:.3f}",
+                  f"{r['others_cpu_ms_per_call']:.3f}", f"{r['ceiling_calls_per_s']:,.0f}"]
                  for r in rows]))
-    print("floor: --workers auto >= 1.15x --workers 1 (2 cores shared with the callers and the upstream)")
+    auto = rows[2]
+    print(f"floor: --workers auto >= 1.15x --workers 1 ({os.cpu_count()} cores shared with the callers and "
+          f"the upstream); with every core busy at this CPU per call, --workers auto could reach at most "
+          f"{auto['ceiling_vs_workers_1']:.2f}x --workers 1 on this machine")
 
 
 class _Sink(BaseHTTPRequestHandler):
