@@ -156,7 +156,8 @@ async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any) -> No
 
 async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch: Any) -> None:
     """An open batch job on the fake OpenAI upstream: the admin sees it with its progress bar and
-    the store's totals; its owner's key sees its own jobs panel only; another key sees none."""
+    the store's totals; its owner's key sees its own jobs and spend panels only, the spend as its
+    JSON has it; another key sees no job and no spend."""
     executable = chromium()
     from playwright.async_api import async_playwright
 
@@ -165,6 +166,8 @@ async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch:
         data = v1_config(f, tmp_path, admin_key=ADMIN)
         data["server"]["api_keys"]["bob"] = "bob-key-0123456789abcdef"
         data["routes"]["chat_batch"] = {"provider": "oai", "operation": "chat", "mode": "batch"}
+        data["providers"]["oai"]["price"] = {"input_per_mtok": 1000, "output_per_mtok": 2000}
+        data["server"]["api_keys"]["alice"] = {"key": KEY, "budget_usd": {"daily": "1"}}
         async with (
             running(parse_config(data), port=0) as (_, url),
             httpx.AsyncClient(base_url=url, timeout=30) as http,
@@ -175,6 +178,13 @@ async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch:
                     "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}}] * 4}}
             job = (await http.post("/rpc", json=submit, headers={"authorization": f"Bearer {KEY}"})).json()
             job_id = job["result"]["job_id"]
+            as_alice = {"authorization": f"Bearer {KEY}"}
+            for i in range(2):  # priced calls of alice's own
+                r = await http.post("/v1/chat/completions", headers=as_alice, json={
+                    "model": "gpt-4o-mini", "messages": [{"role": "user", "content": f"hi {i}"}]})
+                assert float(r.headers["x-multiplexer-cost-usd"]) > 0
+            mine = (await http.get("/ui/api/state", headers=as_alice)).json()["panels"]["spend"]
+            assert mine["today"]["calls"] == 2 and mine["today"]["cost_usd"] > 0
             browser = await pw.chromium.launch(executable_path=executable, args=["--no-sandbox"])
             try:
                 page = await browser.new_page(viewport={"width": 1400, "height": 900})
@@ -189,13 +199,20 @@ async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch:
                 await own.goto(f"{url}/ui#key={KEY}")
                 await own.wait_for_selector(f"#panel-jobs tr:has-text('{job_id}')")
                 assert "key alice" in (await own.text_content("#who") or "")
-                for hidden in ("routes", "limits", "mcp", "local", "state", "breakers", "spend"):
+                for hidden in ("routes", "limits", "mcp", "local", "state", "breakers"):
                     assert not await own.locator(f"#panel-{hidden}").is_visible(), hidden
+                await shown(own, {"spend.own.today.cost": f"${mine['today']['cost_usd']:.6f}",
+                                  "spend.own.month.cost": f"${mine['this_month']['cost_usd']:.6f}",
+                                  "spend.own.today.calls": "2",
+                                  "spend.own.budget.daily": f"${mine['budgets'][0]['spent_usd']:.6f}"})
+                assert "chat" in (await own.text_content("#panel-spend") or "")
                 await own.locator('[data-panel="jobs"]').screenshot(path=str(tmp_path / "jobs-own.png"))
+                await own.locator('[data-panel="spend"]').screenshot(path=str(tmp_path / "spend-own.png"))
 
                 other = await browser.new_page()
                 await other.goto(f"{url}/ui#key=bob-key-0123456789abcdef")
                 await other.wait_for_selector("#panel-jobs .empty")
                 assert job_id not in (await other.text_content("#panel-jobs") or "")
+                await shown(other, {"spend.own.today.cost": "$0.000000", "spend.own.today.calls": "0"})
             finally:
                 await browser.close()
