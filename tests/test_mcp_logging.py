@@ -236,21 +236,27 @@ def stdio_gateway(tmp_path: Path) -> StdioServerParameters:
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_stdio_clients_get_their_calls_logs(stdio_gateway: StdioServerParameters, mode: str) -> None:
-    for up in ("old", "new"):
-        asked, plain = Recorder(), Recorder()
-        if mode == "auto":  # 2026-07-28
-            async with Client(stdio_gateway, mode=mode, log_level="error", logging_callback=asked) as client:
-                assert client.protocol_version == "2026-07-28"
+    """Each client session (one gateway process) calls both upstreams: ``old`` then ``new``."""
+    ups = ("old", "new")
+    asked, plain = Recorder(), Recorder()
+    if mode == "auto":  # 2026-07-28
+        async with Client(stdio_gateway, mode=mode, log_level="error", logging_callback=asked) as client:
+            assert client.protocol_version == "2026-07-28"
+            for up in ups:
                 await client.call_tool(f"{up}_chatty", {"tag": up})
-            async with Client(stdio_gateway, mode=mode, logging_callback=plain) as client:
+        async with Client(stdio_gateway, mode=mode, logging_callback=plain) as client:
+            for up in ups:
                 await client.call_tool(f"{up}_chatty", {"tag": up})
-            assert (asked.seen, plain.seen) == (chatty(up, "error"), [])
-        else:
-            async with Client(stdio_gateway, mode=mode, logging_callback=asked) as client:
+        assert (asked.seen, plain.seen) == (chatty("old", "error") + chatty("new", "error"), [])
+    else:
+        async with Client(stdio_gateway, mode=mode, logging_callback=asked) as client:
+            for up in ups:  # no level asked yet: everything
                 await client.call_tool(f"{up}_chatty", {"tag": "all"})
-                await client.set_logging_level("error")  # type: ignore[attr-defined]
+            await client.set_logging_level("error")  # type: ignore[attr-defined]
+            for up in ups:
                 await client.call_tool(f"{up}_chatty", {"tag": up})
-            assert asked.seen == chatty("all", "debug", "info", "warning", "error") + chatty(up, "error")
+        every = chatty("all", "debug", "info", "warning", "error")
+        assert asked.seen == every + every + chatty("old", "error") + chatty("new", "error")
 
 
 async def test_a_fanout_filters_per_caller_and_drops_a_caller_that_left() -> None:

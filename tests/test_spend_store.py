@@ -1,4 +1,5 @@
-"""The spend table, in SQLite and PostgreSQL: batches add up, reports group and filter by day."""
+"""The spend table, in SQLite and PostgreSQL: batches add up, reports group and filter by day
+and key."""
 
 from __future__ import annotations
 
@@ -35,5 +36,9 @@ def test_batches_add_up_and_reports_group_by_day(store: SpendStore) -> None:
     assert store.query(["team", "route"], "2026-12-02", "2026-12-02") == [
         ("", "embed", 1, 20, 0, 1, 0, 0, 0, 0, 500)]
     assert store.query([], "2026-11-01", "2026-11-30") == [(None,) * 9]
+    # one key's own rows (a caller's dashboard view): never another key's
+    assert store.query(["route"], "2026-12-01", "2026-12-02", key="bob") == [
+        ("embed", 1, 20, 0, 1, 0, 0, 0, 0, 500)]
+    assert store.query([], "2026-12-01", "2026-12-02", key="carol") == [(None,) * 9]
     store.prune("2026-12-02")
     assert [r[0] for r in store.query(["day"], "2026-01-01", "2026-12-31")] == ["2026-12-02"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from decimal import Decimal
 from typing import Any
 
 import anyio
@@ -94,7 +95,7 @@ async def test_the_api_and_the_stream_answer_only_a_key() -> None:
                                         "breakers"}
         own = (await http.get("/ui/api/state", headers={"authorization": f"Bearer {KEY}"})).json()
         assert own["view"] == "key" and own["identity"] == "alice"
-        assert set(own["panels"]) == {"jobs"}  # a caller sees nothing of the others
+        assert set(own["panels"]) == {"jobs", "spend"}  # a caller sees nothing of the others
         assert admin["panels"]["breakers"] == {"configured": False,
                                                "detail": admin["panels"]["breakers"]["detail"]}
 
@@ -162,6 +163,75 @@ async def test_the_spend_panel_equals_metrics(tmp_path: Any) -> None:
     assert row["route"] == "chat" and row["unknown_cost_calls"] == 0
     assert row["cost_usd"] == m[("multiplexer_spend_usd_total", (("provider", "m"), ("route", "chat")))] > 0
     assert spend["cost_usd"] == row["cost_usd"] and spend["saved_usd"] == 0
+
+
+def priced_keys_config(tmp_path: Any) -> Any:
+    """A priced mock route (whole nano-dollars per token, so sums are exact), two keys (alice with
+    a budget), spend written only when the test says (flush_interval_s: an hour)."""
+    return parse_config({
+        "server": {"admin_key": ADMIN, "api_keys": {
+            "alice": {"key": KEY, "budget_usd": {"daily": "2", "monthly": "10", "total": "50"}},
+            "bob": BOB}},
+        "store": {"path": str(tmp_path / "jobs.db")}, "spend": {"flush_interval_s": 3600},
+        "providers": {"m": {"kind": "mock", "price": {"input_per_mtok": 1000, "output_per_mtok": 2000}}},
+        "routes": {"chat": {"provider": "m", "operation": "chat", "models": ["mock-gpt"]}}})
+
+
+async def spend_calls(http: httpx.AsyncClient, key: str, n: int) -> Decimal:
+    """``n`` priced calls as ``key``: what they cost, from their answers' cost headers."""
+    cost = Decimal(0)
+    for i in range(n):
+        r = await http.post("/v1/chat/completions", headers={"authorization": f"Bearer {key}"}, json={
+            "model": "mock-gpt", "messages": [{"role": "user", "content": f"{key[:3]} says hello {i}"}]})
+        assert r.status_code == 200
+        cost += Decimal(r.headers["x-multiplexer-cost-usd"])
+    return cost
+
+
+async def test_a_caller_key_sees_its_own_spend_only(tmp_path: Any) -> None:
+    async with serving(priced_keys_config(tmp_path)) as (gw, http):
+        alice_cost = await spend_calls(http, KEY, 3)
+        bob_cost = await spend_calls(http, BOB, 1)
+        assert alice_cost > 0 and bob_cost > 0 and alice_cost != bob_cost
+
+        async def view(key: str) -> dict[str, Any]:
+            r = await http.get("/ui/api/state", headers={"authorization": f"Bearer {key}"})
+            return r.json()["panels"]["spend"]  # type: ignore[no-any-return]
+
+        # nothing written yet: the figures come from the writer's buffer
+        assert len(gw.money.meter.records) == 4
+        alice, bob = await view(KEY), await view(BOB)
+        admin = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()["panels"]["spend"]
+        m = scrape((await http.get("/metrics")).text)
+        reads = gw.money.own.reads
+        assert await view(KEY) == alice and gw.money.own.reads == reads  # cached: no second read
+
+        # written: the same figures from the store (nothing counted twice)
+        await gw.money.flush()
+        assert not gw.money.meter.records
+        gw.money.own.ttl_s = 0
+        assert await view(KEY) == alice and await view(BOB) == bob
+        assert gw.money.own.reads == reads + 2
+
+    today = alice["day"]
+    assert alice["month"] == today[:7]
+    for period in ("today", "this_month"):
+        assert alice[period]["cost_usd"] == float(alice_cost) and alice[period]["calls"] == 3
+        assert bob[period]["cost_usd"] == float(bob_cost) and bob[period]["calls"] == 1
+    [row] = alice["routes"]
+    assert (row["route"], row["model"]) == ("chat", "mock-gpt")
+    assert row["today"]["cost_usd"] == row["this_month"]["cost_usd"] == float(alice_cost)
+    spent = float(alice_cost)
+    assert [(b["period"], b["budget_usd"], b["spent_usd"]) for b in alice["budgets"]] == [
+        ("daily", 2.0, spent), ("monthly", 10.0, spent), ("total", 50.0, spent)]
+    assert alice["budgets"][0]["used"] == round(float(alice_cost) / 2, 4)
+    assert alice["budgets"][0]["reset_at"] > 0 and alice["budgets"][2]["reset_at"] is None
+    assert bob["budgets"] == [] and str(float(bob_cost)) not in json.dumps(alice)
+    assert "bob" not in json.dumps(alice)
+    # the admin's panel is as before: /metrics's counters, every key together, by route
+    assert set(admin) == {"configured", "cost_usd", "saved_usd", "saved_by", "unknown_cost_calls", "routes"}
+    assert admin["cost_usd"] == m[("multiplexer_spend_usd_total", (("provider", "m"), ("route", "chat")))]
+    assert admin["cost_usd"] == pytest.approx(float(alice_cost + bob_cost))
 
 
 async def test_streams_share_one_snapshot_per_tick_and_build_none_unwatched() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,25 @@ def chromium() -> str:
     return found
 
 
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Any]:
+    """One Chromium for the module's tests; each page is its own context, closed by its test."""
+    executable = chromium()
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as pw:
+        launched = await pw.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+async def close_pages(browser: Any) -> None:
+    for context in browser.contexts:
+        await context.close()
+
+
 def metric_total(text: str, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,19 +80,14 @@ async def shown(page: Any, expected: dict[str, str], timeout_ms: int = 15_000) -
         arg=expected, timeout=timeout_ms)
 
 
-async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any) -> None:
-    executable = chromium()
-    from playwright.async_api import async_playwright
-
+async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any, browser: Any) -> None:
     monkeypatch.delenv(ENV, raising=False)
     config = load_config(DEFAULT)
     config.server.admin_key = SecretStr(ADMIN)
     async with (
         running(config, host="127.0.0.1", port=0) as (_, url),
         httpx.AsyncClient(base_url=url, timeout=30) as http,
-        async_playwright() as pw,
     ):
-        browser = await pw.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             page = await browser.new_page(viewport={"width": 1500, "height": 1100})
             # without a key: the login form, and the API refuses the page's own fetch
@@ -150,32 +165,37 @@ async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any) -> No
             await link.close()
             await page.close()
         finally:
-            await browser.close()
+            await close_pages(browser)
     assert json.dumps(state)  # the snapshot the page was compared with is plain JSON
 
 
-async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch: Any) -> None:
+async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch: Any, browser: Any) -> None:
     """An open batch job on the fake OpenAI upstream: the admin sees it with its progress bar and
-    the store's totals; its owner's key sees its own jobs panel only; another key sees none."""
-    executable = chromium()
-    from playwright.async_api import async_playwright
-
+    the store's totals; its owner's key sees its own jobs and spend panels only, the spend as its
+    JSON has it; another key sees no job and no spend."""
     monkeypatch.delenv(ENV, raising=False)
     async with fakes() as f:
         data = v1_config(f, tmp_path, admin_key=ADMIN)
         data["server"]["api_keys"]["bob"] = "bob-key-0123456789abcdef"
         data["routes"]["chat_batch"] = {"provider": "oai", "operation": "chat", "mode": "batch"}
+        data["providers"]["oai"]["price"] = {"input_per_mtok": 1000, "output_per_mtok": 2000}
+        data["server"]["api_keys"]["alice"] = {"key": KEY, "budget_usd": {"daily": "1"}}
         async with (
             running(parse_config(data), port=0) as (_, url),
             httpx.AsyncClient(base_url=url, timeout=30) as http,
-            async_playwright() as pw,
         ):
             submit = {"jsonrpc": "2.0", "id": 1, "method": "jobs.submit", "params": {
                 "more": True, "calls": [{"method": "chat_batch", "params": {
                     "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}}] * 4}}
             job = (await http.post("/rpc", json=submit, headers={"authorization": f"Bearer {KEY}"})).json()
             job_id = job["result"]["job_id"]
-            browser = await pw.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+            as_alice = {"authorization": f"Bearer {KEY}"}
+            for i in range(2):  # priced calls of alice's own
+                r = await http.post("/v1/chat/completions", headers=as_alice, json={
+                    "model": "gpt-4o-mini", "messages": [{"role": "user", "content": f"hi {i}"}]})
+                assert float(r.headers["x-multiplexer-cost-usd"]) > 0
+            mine = (await http.get("/ui/api/state", headers=as_alice)).json()["panels"]["spend"]
+            assert mine["today"]["calls"] == 2 and mine["today"]["cost_usd"] > 0
             try:
                 page = await browser.new_page(viewport={"width": 1400, "height": 900})
                 await page.goto(f"{url}/ui#key={ADMIN}")
@@ -189,13 +209,20 @@ async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch:
                 await own.goto(f"{url}/ui#key={KEY}")
                 await own.wait_for_selector(f"#panel-jobs tr:has-text('{job_id}')")
                 assert "key alice" in (await own.text_content("#who") or "")
-                for hidden in ("routes", "limits", "mcp", "local", "state", "breakers", "spend"):
+                for hidden in ("routes", "limits", "mcp", "local", "state", "breakers"):
                     assert not await own.locator(f"#panel-{hidden}").is_visible(), hidden
+                await shown(own, {"spend.own.today.cost": f"${mine['today']['cost_usd']:.6f}",
+                                  "spend.own.month.cost": f"${mine['this_month']['cost_usd']:.6f}",
+                                  "spend.own.today.calls": "2",
+                                  "spend.own.budget.daily": f"${mine['budgets'][0]['spent_usd']:.6f}"})
+                assert "chat" in (await own.text_content("#panel-spend") or "")
                 await own.locator('[data-panel="jobs"]').screenshot(path=str(tmp_path / "jobs-own.png"))
+                await own.locator('[data-panel="spend"]').screenshot(path=str(tmp_path / "spend-own.png"))
 
                 other = await browser.new_page()
                 await other.goto(f"{url}/ui#key=bob-key-0123456789abcdef")
                 await other.wait_for_selector("#panel-jobs .empty")
                 assert job_id not in (await other.text_content("#panel-jobs") or "")
+                await shown(other, {"spend.own.today.cost": "$0.000000", "spend.own.today.calls": "0"})
             finally:
-                await browser.close()
+                await close_pages(browser)

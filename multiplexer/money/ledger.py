@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from datetime import date, datetime, timedelta
-from decimal import Decimal
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -21,9 +20,11 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
 from multiplexer.money.budgets import Budgets, Counters, LocalCounters, Scope
 from multiplexer.money.meter import BATCH, CACHE, INFLIGHT, Meter, MoneyMetrics, Record
+from multiplexer.money.own import KeySpend
 from multiplexer.money.prices import Prices
+from multiplexer.money.report import sums_json
 from multiplexer.money.settings import BudgetsConfig, SpendConfig
-from multiplexer.money.spend_store import GROUPS, SUMS, PgSpendStore, SpendStore
+from multiplexer.money.spend_store import COLUMNS, GROUPS, SUMS, PgSpendStore, SpendStore
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Money:
         self._store_args = (store_path, store_url, store_schema)
         self.store: SpendStore | None = None
         self._lock = anyio.Lock()
+        self.own = KeySpend(self)  # a key's own figures, for its dashboard view
 
     def finish(self, plan: Any, outcome: Outcome, answer: Outcome, shared: str | None) -> Outcome:
         """A call's last step: its answer priced (when it succeeded) and its budget reservation
@@ -87,7 +89,7 @@ class Money:
             while True:
                 await self.clock.sleep_until(self.clock.now() + self.config.flush_interval_s)
                 await self.flush()
-                today = datetime.fromtimestamp(self.clock.wall(), self.zone).date()
+                today = self.today()
                 if self.config.retention_days is not None and self.store is not None \
                         and pruned != today.isoformat():
                     pruned = today.isoformat()
@@ -157,7 +159,7 @@ class Money:
     async def report(self, group_by: Sequence[str], since: date | None, until: date | None) -> dict[str, Any]:
         """``GET /admin/spend``'s body: rows by the groups asked for, and the total."""
         await self.flush()  # what this replica has not written yet counts too
-        today = datetime.fromtimestamp(self.clock.wall(), self.zone).date()
+        today = self.today()
         first = (since or date(1970, 1, 1)).isoformat()
         last = (until or today + timedelta(days=1)).isoformat()
         store = await self._store()
@@ -165,21 +167,32 @@ class Money:
         total = await anyio.to_thread.run_sync(store.query, [], first, last)
         n = len(group_by)
         return {"rows": [{**{g: (v if v != "" else None) for g, v in zip(group_by, r[:n], strict=True)},
-                          **_sums(r[n:])} for r in rows],
-                "total": _sums(total[0] if total else (0,) * len(SUMS))}
+                          **sums_json(r[n:])} for r in rows],
+                "total": sums_json(total[0] if total else (0,) * len(SUMS))}
 
+    async def key_rows(self, identity: str, group_by: Sequence[str], since: date,
+                       until: date) -> list[tuple[Any, ...]]:
+        """One key's sums by ``group_by`` (among day, route, model) over ``since``..``until``: what
+        the store has plus what the writer has not written yet, so the figure is current without a
+        write. Under the writer's lock: no batch is between the buffer and the store meanwhile."""
+        first, last = since.isoformat(), until.isoformat()
+        at = [COLUMNS.index(g) for g in group_by]
+        async with self._lock:
+            pending = self.rows([r for r in self.meter.records if r[1] == identity])
+            store = await self._store()
+            found = await anyio.to_thread.run_sync(store.query, list(group_by), first, last, identity)
+        n = len(group_by)
+        sums = {tuple(r[:n]): [int(v or 0) for v in r[n:]] for r in found}
+        for row in pending:
+            if first <= row[0] <= last:
+                into = sums.setdefault(tuple(row[i] for i in at), [0] * len(SUMS))
+                for i, v in enumerate(row[len(COLUMNS) - len(SUMS):]):
+                    into[i] += v
+        return [(*g, *v) for g, v in sorted(sums.items())]
 
-def _usd(n: Any) -> float:
-    return float(Decimal(int(n or 0)) / Decimal(1_000_000_000))
-
-
-def _sums(values: Sequence[Any]) -> dict[str, Any]:
-    v = dict(zip(SUMS, values, strict=True))
-    return {"calls": int(v["calls"] or 0), "cost_usd": _usd(v["cost"]), "saved_usd": _usd(v["saved"]),
-            "unknown_cost_calls": int(v["unknown_calls"] or 0),
-            "upstream_requests_saved": round(int(v["requests_saved"] or 0) / 1000, 3),
-            "saved_by": {"batch": _usd(v["saved_batch"]), "dedup": _usd(v["saved_dedup"]),
-                         "cache": _usd(v["saved_cache"]), "prompt_cache": _usd(v["saved_prompt_cache"])}}
+    def today(self) -> date:
+        """Today in ``budgets.timezone`` (where a daily budget's midnight is)."""
+        return datetime.fromtimestamp(self.clock.wall(), self.zone).date()
 
 
 __all__ = ["GROUPS", "Money"]

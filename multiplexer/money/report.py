@@ -1,10 +1,13 @@
-"""Amounts as text: the answer headers, ``_meta.cost_usd`` and ``multiplexer spend``'s table."""
+"""Amounts as text: the answer headers, ``_meta.cost_usd``, ``GET /admin/spend``'s sums and
+``multiplexer spend``'s table."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any
+
+from multiplexer.money.spend_store import SUMS
 
 QUANTUM = Decimal("0.000000001")  # a nano-dollar: finer than any provider bills
 
@@ -43,3 +46,19 @@ def table(body: dict[str, Any], groups: Sequence[str]) -> str:
                          for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
 
     return "\n".join([fmt(head), *(fmt(r) for r in lines)])
+
+
+def dollars(nanos: Any) -> float:
+    """Integer nano-dollars (a stored sum, None for none) as dollars."""
+    return float(Decimal(int(nanos or 0)) / Decimal(1_000_000_000))
+
+
+def sums_json(values: Sequence[Any]) -> dict[str, Any]:
+    """A row's SUMS as `GET /admin/spend` writes them: dollars, calls, savings by what saved them."""
+    v = dict(zip(SUMS, values, strict=True))
+    return {"calls": int(v["calls"] or 0), "cost_usd": dollars(v["cost"]), "saved_usd": dollars(v["saved"]),
+            "unknown_cost_calls": int(v["unknown_calls"] or 0),
+            "upstream_requests_saved": round(int(v["requests_saved"] or 0) / 1000, 3),
+            "saved_by": {"batch": dollars(v["saved_batch"]), "dedup": dollars(v["saved_dedup"]),
+                         "cache": dollars(v["saved_cache"]),
+                         "prompt_cache": dollars(v["saved_prompt_cache"])}}

@@ -38,11 +38,11 @@ def _upsert(table: str, mark: str) -> str:
             f"ON CONFLICT (day, key, team, route, model) DO UPDATE SET {adds}")
 
 
-def _query(table: str, group_by: Sequence[str], mark: str) -> str:
+def _query(table: str, group_by: Sequence[str], mark: str, one_key: bool) -> str:
     groups = ", ".join(group_by)
     sums = ", ".join(f"SUM({c})" for c in SUMS)
     head = (f"SELECT {groups + ', ' if groups else ''}{sums} FROM {table} "
-            f"WHERE day >= {mark} AND day <= {mark}")
+            f"WHERE day >= {mark} AND day <= {mark}" + (f" AND key = {mark}" if one_key else ""))
     return head + (f" GROUP BY {groups} ORDER BY {groups}" if groups else "")
 
 
@@ -69,10 +69,13 @@ class SpendStore:
                 raise
             self.conn.execute("COMMIT")
 
-    def query(self, group_by: Sequence[str], since: str, until: str) -> list[Row]:
+    def query(self, group_by: Sequence[str], since: str, until: str, key: str | None = None) -> list[Row]:
+        """Sums by ``group_by`` over days ``since``..``until`` (both included); ``key``: that key's
+        rows only (a caller's own view), else every key's."""
         assert all(g in GROUPS for g in group_by)
+        args = (since, until) if key is None else (since, until, key)
         with self._lock:
-            return list(self.conn.execute(_query(self.table, group_by, self.mark), (since, until)))
+            return list(self.conn.execute(_query(self.table, group_by, self.mark, key is not None), args))
 
     def prune(self, before_day: str) -> None:
         with self._lock:
@@ -101,8 +104,3 @@ class PgSpendStore(SpendStore):
         with self._lock, self.conn.transaction(), self.conn.cursor() as cur:
             # one order for every replica's batch: two batches never wait on each other's rows
             cur.executemany(_upsert(self.table, self.mark), sorted(rows, key=lambda r: r[:5]))
-
-    def query(self, group_by: Sequence[str], since: str, until: str) -> list[Row]:
-        assert all(g in GROUPS for g in group_by)
-        with self._lock:
-            return list(self.conn.execute(_query(self.table, group_by, self.mark), (since, until)))

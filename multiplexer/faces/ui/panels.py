@@ -231,12 +231,18 @@ async def state(view: View) -> dict[str, Any]:
     return out
 
 
-@panel("spend")
+@panel("spend", callers=True)
 async def spend(view: View) -> dict[str, Any]:
     """What calls cost and what the gateway saved, by route, from the counters `/metrics` has
-    (cumulative since start; `GET /admin/spend` has them by key, team, model and day)."""
-    if getattr(view.gateway, "money", None) is None:
+    (cumulative since start; `GET /admin/spend` has them by key, team, model and day). A caller
+    key sees its own: today and this month by route and model, and its budget's use, from the
+    spend store (``money/own.py``; `/metrics` has no key label)."""
+    money = getattr(view.gateway, "money", None)
+    if money is None:
         return not_configured("calls are not priced (spend.enabled: false)")
+    if not view.admin:
+        return await money.own.of(view.identity) if view.identity is not None else \
+            not_configured("a keyless caller has no spend of its own")
     s = view.samples
     cost = s.by("multiplexer_spend_usd_total", "route")
     saved = s.by("multiplexer_saved_usd_total", "route")

@@ -267,6 +267,24 @@ function spendPanel(m) {
     (rows.length ? table(["route", "cost", "saved", "unknown cost"], rows) : empty("no calls answered yet")));
 }
 
+function ownSpendPanel(m) {
+  const usd = (x) => "$" + num(x, 6);
+  const line = (label, t, k) => `<div>${label}: ${v(`spend.own.${k}.cost`, usd(t.cost_usd))} spent · ` +
+    `${v(`spend.own.${k}.saved`, usd(t.saved_usd))} saved · ${v(`spend.own.${k}.calls`, t.calls)} calls` +
+    `${t.unknown_cost_calls ? ` · <span class="warn">${t.unknown_cost_calls} of unknown cost</span>` : ""}</div>`;
+  const caps = m.budgets.map((b) => `<tr><td class="l">${esc(b.period)}</td><td class="l">${useBar(b.spent_usd, b.budget_usd)}</td>` +
+    `<td>${v(`spend.own.budget.${b.period}`, usd(b.spent_usd))}<span class="dim"> of $${esc(b.budget_usd)}</span></td>` +
+    `<td>${b.used == null ? "–" : num(100 * b.used, 1) + "%"}</td>` +
+    `<td class="dim">${b.reset_at ? "resets " + new Date(b.reset_at * 1000).toLocaleString() : "never resets"}</td></tr>`);
+  const rows = m.routes.map((r) => `<tr><td>${esc(r.route)}</td><td class="l">${esc(r.model || "–")}</td>` +
+    `<td>${usd(r.today.cost_usd)}</td><td>${usd(r.this_month.cost_usd)}</td><td>${usd(r.this_month.saved_usd)}</td>` +
+    `<td>${r.this_month.calls}</td><td>${r.this_month.unknown_cost_calls}</td></tr>`);
+  body("spend", line(`today ${esc(m.day)}`, m.today, "today") + line(`month ${esc(m.month)}`, m.this_month, "month") +
+    (caps.length ? table(["budget", "use", "spent", "share", ""], caps) : "") +
+    (rows.length ? table(["route", "model", "today", "month", "saved (month)", "calls", "unknown cost"], rows)
+                 : empty("no priced calls this month")));
+}
+
 function breakersPanel(b) {
   const st = (x) => x === "closed" ? `<span class="ok">closed</span>` : x === "open" ? `<span class="bad">open</span>` : `<span class="warn">${esc(x)}</span>`;
   const rows = Object.entries(b.breakers).map(([e, x]) => `<tr><td>${esc(e)}</td><td>${st(x)}</td></tr>`);
@@ -283,8 +301,10 @@ function render(s) {
   for (const name of ["routes", "limits", "mcp", "local", "state", "breakers", "spend", "jobs"]) show(name, name in p);
   $("#kpis").hidden = !p.routes;
   document.querySelectorAll(".charts").forEach((el) => { if (el.parentElement === $("#main")) el.hidden = !p.routes; });
+  $("#panel-spend").classList.toggle("span2", !admin);  // a key's own: by route and model, wider
   const renderers = {routes: routesPanel, limits: limitsPanel, jobs: (j) => jobsPanel(j, admin), mcp: mcpPanel,
-                     local: localPanel, state: statePanel, spend: spendPanel, breakers: breakersPanel};
+                     local: localPanel, state: statePanel, spend: admin ? spendPanel : ownSpendPanel,
+                     breakers: breakersPanel};
   for (const [name, panel] of Object.entries(p)) {
     if (panel.error) body(name, `<div class="err">this panel failed: ${esc(panel.error)}</div>`);
     else if (panel.configured === false) body(name, empty(panel.detail));
