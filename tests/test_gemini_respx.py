@@ -165,8 +165,10 @@ class BatchApi:
         polls: int = 2,
         prefix: str = "BATCH_STATE_",
         keys_inline: bool = False,
+        until_creates: int = 0,
     ) -> None:
         self.endings, self.polls, self.prefix, self.keys_inline = list(endings), polls, prefix, keys_inline
+        self.until_creates = until_creates  # no batch ends before this many were created
         self.creates: list[dict[str, Any]] = []
         self.starts: list[httpx.Request] = []
         self.files: dict[str, bytes] = {}
@@ -264,7 +266,7 @@ class BatchApi:
         o = self.ops[name]
         o["polls"] += 1
         if o["state"] is None and (
-            o["polls"] >= self.polls or o.get("cancel")
+            (o["polls"] >= self.polls and len(self.creates) >= self.until_creates) or o.get("cancel")
         ):
             o["state"] = "CANCELLED" if o.get("cancel") else o["ending"]
         return httpx.Response(200, json=self.op(name))
@@ -358,7 +360,9 @@ async def test_parts_wait_for_the_models_enqueued_tokens_and_the_job_count(tmp_p
     p = provider(tmp_path, batch_max_requests=2, **settings)
     order: list[str] = []
     with respx.mock(base_url=BASE, assert_all_called=False) as mock:
-        api = BatchApi(mock, ["SUCCEEDED", "SUCCEEDED"])
+        # under the limit both parts go at once: the first may not end before the second is
+        # created, however slowly this host schedules the second's create
+        api = BatchApi(mock, ["SUCCEEDED", "SUCCEEDED"], until_creates=2 if expected[1] == "create" else 0)
         create, poll = api.create, api.poll
 
         def noted_create(request):
