@@ -10,7 +10,7 @@ import pytest
 
 from multiplexer.core.clock import ManualClock
 from multiplexer.core.limiter import Permit, TokenBucket
-from multiplexer.core.shared_limiter import MAX_GRANT, SharedLimiter
+from multiplexer.core.shared_limiter import MAX_GRANT, NEAR_S, SharedLimiter
 from multiplexer.core.state import Granted, LimitSpec
 from tests.test_replicas import close, replicas
 
@@ -221,3 +221,28 @@ async def test_a_waiter_gone_during_the_round_trip_gives_its_grant_back():
     assert len(state.granted) == 3 and len(state.back) == 1 and state.net_by(clock.now()) == 2
     assert len(state.freed) == 1 and state.freed[0] not in (got[0].id, got[2].id)
     assert limiter._held == {got[0].id, got[2].id}
+
+
+async def test_a_waiter_whose_callers_give_up_soon_is_served_after_those_with_time():
+    """Under overload the oldest waiter is the one about to time out: a permit handed to it is
+    mostly a request no one waits for. First in line but within ``NEAR_S`` of its deadline, it
+    goes after the others, and is not starved: it is asked for once they have theirs."""
+    clock = ManualClock()
+    state = Bucket(clock, rpm=60)
+    state.bucket.consume(60, clock.now())  # empty: one request a second from now
+    limiter = SharedLimiter(clock, "p", LimitSpec(rpm=60), state)  # type: ignore[arg-type]
+    order: list[str] = []
+
+    async def one(name: str, deadline: float | None) -> None:
+        await limiter.acquire(0, slot=False, deadline=deadline)
+        order.append(name)
+
+    now = clock.now()
+    async with anyio.create_task_group() as tg:
+        for name, deadline in (("soon", now + 1.0 + NEAR_S / 2), ("later", now + 30.0), ("none", None)):
+            tg.start_soon(one, name, deadline)
+            await anyio.wait_all_tasks_blocked()
+        for _ in range(3):
+            await clock.advance(1.0)
+            await anyio.wait_all_tasks_blocked()
+    assert order == ["later", "none", "soon"]

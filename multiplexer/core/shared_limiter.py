@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 RETRY_SHARED_S = 1.0  # after a failure, decide locally this long before trying the shared state again
 MIN_POLL_S, MAX_POLL_S = 0.001, 0.05  # waiting for a concurrency slot: look again this often
 MAX_GRANT = 64  # waiters one round trip asks for at most
+NEAR_S = 0.1  # a waiter whose callers give up sooner is served after those with more time
 
 
 
@@ -43,6 +44,7 @@ class _Waiter:
     tokens: int
     slot: bool
     on_wait: OnWait | None
+    deadline: float | None
     permit: Permit | None = None
     gone: bool = False  # its caller went away before it was granted
     woken: anyio.Event = field(default_factory=anyio.Event)
@@ -97,7 +99,7 @@ class SharedLimiter(RateLimiter):
     # -- around each batch (async) -------------------------------------------------
     async def ready(self, permit: Permit, on_wait: OnWait | None = None) -> None:
         """The batch's charge in the shared state: a request, its tokens and a slot."""
-        lease = await self.acquire(permit.tokens, on_wait=on_wait)
+        lease = await self.acquire(permit.tokens, on_wait=on_wait, deadline=permit.deadline)
         permit.id, permit.shared, permit.held = lease.id, lease.shared, True
 
     def finish(self, permit: Permit) -> None:
@@ -112,22 +114,24 @@ class SharedLimiter(RateLimiter):
         for k in range(requests):
             await self.acquire(tokens if k == 0 else 0, slot=False, on_wait=on_wait)
 
-    async def acquire(self, tokens: int, *, slot: bool = True, on_wait: OnWait | None = None) -> Permit:
+    async def acquire(self, tokens: int, *, slot: bool = True, on_wait: OnWait | None = None,
+                      deadline: float | None = None) -> Permit:
         """A request, ``tokens`` and (with ``slot``) a concurrency slot; ``on_wait`` is told the
-        limit it waits for, and None once it has them."""
-        lease = await self._acquire(tokens, slot, on_wait)
+        limit it waits for, and None once it has them. ``deadline``: when its callers give up."""
+        lease = await self._acquire(tokens, slot, on_wait, deadline)
         if on_wait is not None:
             on_wait(None)
         return lease
 
-    async def _acquire(self, tokens: int, slot: bool, on_wait: OnWait | None) -> Permit:
+    async def _acquire(self, tokens: int, slot: bool, on_wait: OnWait | None,
+                       deadline: float | None) -> Permit:
         """Waiters queue in arrival order; the first asks the shared state for itself and those
         behind it (up to ``MAX_GRANT``) in one round trip and hands out what it granted, in
         order. A waiter each would wake together at every refill and all but one ask again: a
         herd that grows with the callers and, on a busy machine, stalled the replicas and then
         let the saved-up tokens go in a burst. One round trip for several also leaves no
         permit waiting for a turn of its own while the bucket refills."""
-        w = _Waiter(self._lease_id(), tokens, slot, on_wait)
+        w = _Waiter(self._lease_id(), tokens, slot, on_wait, deadline)
         self._queue.append(w)
         try:
             while w.permit is None:
@@ -164,7 +168,7 @@ class SharedLimiter(RateLimiter):
             self._tell(self._next_limit)
             await self.clock.sleep_until(self._next_at)
             return
-        batch = list(itertools.islice(self._queue, MAX_GRANT))
+        batch = self._front()
         got = await self._ask(batch)
         if got is None:
             if await self._acquire_local(w.tokens, w.slot, w.on_wait):
@@ -179,6 +183,17 @@ class SharedLimiter(RateLimiter):
         if got.limit == "concurrency":  # no telling when a slot frees: look again soon
             wait, self._poll = self._poll, min(self._poll * 2, MAX_POLL_S)
         self._next_at, self._next_limit = self.clock.now() + wait, got.limit
+
+    def _front(self) -> list[_Waiter]:
+        """The waiters to ask for: in order, except that those whose callers give up within
+        ``NEAR_S`` come after the others. A permit handed to one of them is mostly spent on a
+        request that never leaves (its callers gone before it is sent) or that no one waits
+        for; under overload the oldest waiters are exactly those."""
+        soon = self.clock.now() + NEAR_S
+        later = [w for w in self._queue if w.deadline is None or w.deadline > soon]
+        if len(later) < min(len(self._queue), MAX_GRANT):
+            later += [w for w in self._queue if w.deadline is not None and w.deadline <= soon]
+        return later[:MAX_GRANT]
 
     async def _ask(self, batch: list[_Waiter]) -> Granted | None:
         """One round trip for ``batch``; None while the shared state is unreachable. It runs to
