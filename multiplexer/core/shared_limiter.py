@@ -190,10 +190,13 @@ class SharedLimiter(RateLimiter):
         request that never leaves (its callers gone before it is sent) or that no one waits
         for; under overload the oldest waiters are exactly those."""
         soon = self.clock.now() + NEAR_S
-        later = [w for w in self._queue if w.deadline is None or w.deadline > soon]
-        if len(later) < min(len(self._queue), MAX_GRANT):
-            later += [w for w in self._queue if w.deadline is not None and w.deadline <= soon]
-        return later[:MAX_GRANT]
+        later: list[_Waiter] = []
+        near: list[_Waiter] = []
+        for w in self._queue:  # the near ones are the oldest: the scan ends soon after them
+            (later if w.deadline is None or w.deadline > soon else near).append(w)
+            if len(later) == MAX_GRANT:
+                break
+        return (later + near)[:MAX_GRANT]
 
     async def _ask(self, batch: list[_Waiter]) -> Granted | None:
         """One round trip for ``batch``; None while the shared state is unreachable. It runs to
