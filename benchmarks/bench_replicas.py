@@ -289,6 +289,12 @@ async def kill_scenario(up_port: int, up: str, lease_s: float) -> dict[str, Any]
             "max_executions_per_call": max(s["executions"].values()), "lost_with_replica": load.lost}
 
 
+def stamped(action: Any) -> float:
+    """Run ``action``; the time it ended."""
+    action()
+    return time.monotonic()
+
+
 async def redis_down_scenario(up_port: int, up: str, rpm: float) -> dict[str, Any]:
     reset(up)
     server = OwnRedis()
@@ -299,11 +305,11 @@ async def redis_down_scenario(up_port: int, up: str, rpm: float) -> dict[str, An
             async with anyio.create_task_group() as tg:
                 tg.start_soon(load.offer, 5 * rpm / 60, 30.0)
                 await anyio.sleep(8.0)
-                await anyio.to_thread.run_sync(server.stop)  # off the loop: the load goes on
-                down = time.monotonic()
+                # off the loop (the load goes on); each instant is taken in the thread, as it
+                # happens: the loop, busy with the load, may hear of it seconds later
+                down = await anyio.to_thread.run_sync(stamped, server.stop)
                 await anyio.sleep(10.0)
-                await anyio.to_thread.run_sync(server.start)
-                up_again = time.monotonic()
+                up_again = await anyio.to_thread.run_sync(stamped, server.start)
                 await anyio.sleep(6.0)
                 degraded_mid = sum(metric_sum(g.metrics(), "multiplexer_state_degraded_total") for g in gws)
                 await anyio.sleep(6.0)

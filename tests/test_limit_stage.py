@@ -12,6 +12,7 @@ import pytest
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.clock import ManualClock
 from multiplexer.core.errors import Code
+from multiplexer.core.state import Granted
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from tests.test_gateway import Gate
@@ -102,6 +103,7 @@ class Busy:
 
     replica_id = "busy"
     lease_s = 30.0
+    timeout_s = 0.5
 
     def __init__(self) -> None:
         self.asked = 0
@@ -116,9 +118,9 @@ class Busy:
     def live_replicas(self) -> int:
         return 1
 
-    async def acquire(self, *args: object) -> tuple[float, str]:
+    async def acquire_many(self, *args: object) -> Granted:
         self.asked += 1
-        return 60.0, "rpm"
+        return Granted(0, 60.0, "rpm")
 
     async def settle(self, *args: Sequence[object]) -> None: ...
 

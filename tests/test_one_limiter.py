@@ -153,7 +153,7 @@ async def test_a_retry_is_an_upstream_request_and_takes_its_token(tmp_path: Path
 
 
 class CountedState:
-    """A shared state that counts its charges (``acquire``: one request each)."""
+    """A shared state that counts its charges (one request each permit granted)."""
 
     def __init__(self, state: Any) -> None:
         self._state = state
@@ -162,9 +162,10 @@ class CountedState:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._state, name)
 
-    async def acquire(self, *args: Any) -> Any:
-        self.acquired += 1
-        return await self._state.acquire(*args)
+    async def acquire_many(self, *args: Any) -> Any:
+        got = await self._state.acquire_many(*args)
+        self.acquired += got.granted
+        return got
 
 
 async def test_each_upstream_request_takes_one_shared_rpm_token(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from multiplexer.core.call import Call
 from multiplexer.core.clock import ManualClock, MonotonicClock
 from multiplexer.core.quota import Claim
 from multiplexer.core.shared_limiter import SharedLimiter
-from multiplexer.core.state import Learned, LimitSpec
+from multiplexer.core.state import Granted, Learned, LimitSpec
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from tests.redis_helpers import REDIS_URL as REDIS
@@ -473,11 +473,12 @@ class Unreachable:
 
     replica_id = "down"
     lease_s = 30.0
+    timeout_s = 0.5
 
     def live_replicas(self) -> int:
         return 1
 
-    async def acquire(self, *args: object) -> tuple[float, str]:
+    async def acquire_many(self, *args: object) -> Granted:
         from multiplexer.core.state import StateUnavailable
 
         raise StateUnavailable("down")
@@ -555,10 +556,10 @@ class Flaky(Unreachable):
 
     up = True
 
-    async def acquire(self, *args: object) -> tuple[float, str]:
+    async def acquire_many(self, provider: str, asks: list[tuple[str, int]], *args: object) -> Granted:
         if self.up:
-            return 0.0, ""
-        return await super().acquire(*args)
+            return Granted(len(asks), 0.0, "")
+        return await super().acquire_many(provider, asks, *args)
 
 
 async def test_every_redis_outage_starts_this_replicas_share_empty():
@@ -735,33 +736,55 @@ async def test_an_array_cancelled_while_its_quota_is_decided_frees_the_slots_it_
 
 
 class LostReply(Unreachable):
-    """A shared state that takes the slot and then loses its reply (the caller is cancelled
-    while it waits for it); what is settled is recorded."""
+    """A shared state that takes the slots asked for and answers only once the test lets it
+    (never, unless it does); what is settled (lease id, requests given back) is recorded."""
+
+    timeout_s = 0.01  # a round trip past twice this is lost
 
     def __init__(self) -> None:
         self.taken: list[str] = []
-        self.settled: list[str] = []
+        self.settled: list[tuple[str, int]] = []
+        self.answer = anyio.Event()
 
-    async def acquire(self, provider: str, lease_id: str, *args: object) -> tuple[float, str]:
-        self.taken.append(lease_id)
-        await anyio.sleep_forever()
-        raise AssertionError("unreachable")
+    async def acquire_many(self, provider: str, asks: list[tuple[str, int]], *args: object) -> Granted:
+        self.taken += [lease for lease, _ in asks]
+        await self.answer.wait()
+        return Granted(len(asks), 0.0, "")
 
-    async def settle(self, provider: str, lease_id: str, *args: object) -> None:
-        self.settled.append(lease_id)
+    async def settle(self, provider: str, lease_id: str, delta: float, learned: object,
+                     spec: object, requests: int = 0) -> None:
+        self.settled.append((lease_id, requests))
 
 
-async def test_a_call_cancelled_while_its_slot_is_taken_frees_the_slot():
+async def test_a_call_cancelled_while_its_slot_is_taken_gives_its_grant_back():
     """Cancelled during the round trip that takes its concurrency slot (the caller went away):
-    the slot may be taken already, so it is freed at once rather than held until its lease
-    runs out (freeing a slot that was not taken is harmless)."""
+    the round trip ends all the same (it may carry other waiters' grants), and what it granted
+    this caller goes back at once, the slot and the request, rather than held until its lease
+    runs out."""
+    state = LostReply()
+    limiter = SharedLimiter(MonotonicClock(), "p", LimitSpec(rpm=60, concurrency=1), state)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(limiter.acquire, 0)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+        state.answer.set()
+    await limiter.drain()
+    assert len(state.taken) == 1 and state.settled == [(state.taken[0], 1)]
+    assert not limiter._held and not limiter._queue
+
+
+async def test_a_round_trip_that_never_ends_is_lost_and_its_slot_freed_later():
+    """No answer within twice the state's timeout: the slot it may have taken is an orphan,
+    freed once the shared state answers again (the call went away meanwhile)."""
     state = LostReply()
     limiter = SharedLimiter(MonotonicClock(), "p", LimitSpec(concurrency=1), state)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         tg.start_soon(limiter.acquire, 0)
         await anyio.wait_all_tasks_blocked()
         tg.cancel_scope.cancel()
-    assert state.settled == state.taken and len(state.taken) == 1
+    assert state.settled == []
+    await limiter.free_orphans()
+    assert state.settled == [(state.taken[0], 0)] and len(state.taken) == 1
 
 
 class Flapping(SlowQuota):
@@ -800,16 +823,15 @@ class Refilling(Unreachable):
         self.asks = self.in_flight = self.most_in_flight = 0
         self.lease_s = 30.0
 
-    async def acquire(self, provider: str, lease_id: str, *args: object) -> tuple[float, str]:
+    async def acquire_many(self, provider: str, asks: list[tuple[str, int]], *args: object) -> Granted:
         self.asks += 1
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         await anyio.sleep(0)
         self.in_flight -= 1
-        if self.tokens:
-            self.tokens -= 1
-            return 0.0, ""
-        return 0.05, "rpm"
+        granted = min(self.tokens, len(asks))
+        self.tokens -= granted
+        return Granted(granted, 0.0 if self.tokens else 0.05, "" if self.tokens else "rpm")
 
     async def settle(self, *args: object) -> None: ...
 
@@ -836,22 +858,24 @@ async def test_one_waiter_per_replica_asks_the_shared_state_while_a_limit_holds(
             await clock.advance(0.05)
             await anyio.wait_all_tasks_blocked()
         assert got == [0, 1, 2] and state.most_in_flight == 1
-        assert state.asks - first_asks <= 6  # once per refill, and once more after a win
+        assert state.asks - first_asks == 3  # once per refill: its answer says when the next is
         state.tokens = 10**6
         await clock.advance(0.05)
-    assert sorted(got) == list(range(40))
+    assert got == list(range(40)) and state.asks - first_asks == 4  # the rest in one round trip
 
 
 class TimesOut(Unreachable):
     """An acquire whose answer is lost to a timeout (it may have taken the slot)."""
 
     def __init__(self) -> None:
+        self.asked: list[str] = []
         self.settled: list[str] = []
         self.lease_s = 30.0
 
-    async def acquire(self, *args: object) -> tuple[float, str]:
+    async def acquire_many(self, provider: str, asks: list[tuple[str, int]], *args: object) -> Granted:
         from multiplexer.core.state import StateUnavailable
 
+        self.asked += [lease for lease, _ in asks]
         raise StateUnavailable("timeout")
 
     async def settle(self, provider: str, lease_id: str, *args: object) -> None:
@@ -863,15 +887,17 @@ class TimesOut(Unreachable):
 
 async def test_a_timed_out_acquire_runs_locally_and_its_shared_slot_is_freed_later():
     """Taken locally, never held in both places: the slot the lost answer may have taken there
-    is freed once the shared state answers again."""
+    is freed once the shared state answers again (and the call, were it to ask again, asks under
+    a new lease id, which that freeing cannot touch)."""
     state = TimesOut()
     limiter = SharedLimiter(MonotonicClock(), "p", LimitSpec(concurrency=4), state)  # type: ignore[arg-type]
     permit = await limiter.acquire(0)
-    assert not permit.shared and state.settled == []
+    assert not permit.shared and state.settled == [] and len(state.asked) == 1
+    assert permit.id != state.asked[0]
     await limiter.free_orphans()
-    assert state.settled == [permit.id]
+    assert state.settled == state.asked
     await limiter.free_orphans()
-    assert state.settled == [permit.id]  # once
+    assert state.settled == state.asked  # once
 
 
 async def test_a_batch_call_a_lane_refuses_after_its_shared_flight_won_gives_back_its_batch_charge():

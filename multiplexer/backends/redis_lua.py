@@ -61,58 +61,77 @@ local function save(key, b)
 end
 """
 
-# KEYS: rpm bucket, tpm bucket, in-flight ZSET.  ARGV: rpm, tpm, concurrency, lease_s, lease id, tokens
-# Returns {wait, limit that holds it, rpm bucket level after ('' without one), Redis time,
-#          tpm bucket level after ('' without one)}
+# KEYS: rpm bucket, tpm bucket, in-flight ZSET.  ARGV: rpm, tpm, concurrency, lease_s, then per
+# waiter, in the order they wait: lease id ('' takes no concurrency slot), tokens.
+# Grants the waiters in order, each all or none (a request, its tokens, its slot), and stops at
+# the first that must wait: as many single decisions taken at one instant, so together they never
+# admit more than one would. Returns {seconds until the first not granted could go (when all were:
+# one more request, a lower bound), the limit that holds it, rpm bucket level after ('' without
+# one), Redis time, how many were granted, tpm bucket level after ('' without one)}
 ACQUIRE = COMMON + r"""
 local now = now_s()
 local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local lease, id, tokens = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local wait, which = 0, ''
+local lease = tonumber(ARGV[4])
 local rb = load(KEYS[1], rpm, now)
-if rb then
-  local w = delay(rb, 1, now)
-  if w > wait then wait, which = w, 'rpm' end
-end
 local tb = load(KEYS[2], tpm, now)
-if tb and tokens > 0 then
-  local w = delay(tb, tokens, now)
-  if w > wait then wait, which = w, 'tpm' end
-end
+local busy = 0
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - lease)
-  if wait == 0 and redis.call('ZCARD', KEYS[3]) >= conc then wait, which = 0.001, 'concurrency' end
+  busy = redis.call('ZCARD', KEYS[3])
 end
+local function hold(id, tokens)
+  local wait, which = 0, ''
+  if rb then
+    local w = delay(rb, 1, now)
+    if w > wait then wait, which = w, 'rpm' end
+  end
+  if tb and tokens > 0 then
+    local w = delay(tb, tokens, now)
+    if w > wait then wait, which = w, 'tpm' end
+  end
+  if wait == 0 and conc > 0 and id ~= '' and busy >= conc then wait, which = 0.001, 'concurrency' end
+  return wait, which
+end
+local granted, wait, which, spent, slots = 0, 0, '', false, false
+for i = 5, #ARGV, 2 do
+  local id, tokens = ARGV[i], tonumber(ARGV[i + 1])
+  wait, which = hold(id, tokens)
+  if wait > 0 then break end
+  if rb then rb.l = rb.l - 1 end
+  if tb and tokens > 0 then tb.l = tb.l - tokens; spent = true end
+  if conc > 0 and id ~= '' then
+    redis.call('ZADD', KEYS[3], now, id); busy = busy + 1; slots = true
+  end
+  granted = granted + 1
+end
+if wait == 0 then wait, which = hold('', 0) end
+if granted > 0 and rb then save(KEYS[1], rb) end
+if spent then save(KEYS[2], tb) end
+if slots then redis.call('EXPIRE', KEYS[3], 86400) end
 -- the buckets' levels after this decision and the time it was taken: a key's quota
 -- headers come from this reply, with no round trip of their own
-local function reply(w, why)
-  local level, tlevel = '', ''
-  if rb then level = f(rb.l) end
-  if tb then tlevel = f(tb.l) end
-  return {w, why, level, f(now), tlevel}
-end
-if wait > 0 then return reply(string.format('%.6f', wait), which) end
-if rb then rb.l = rb.l - 1; save(KEYS[1], rb) end
-if tb and tokens > 0 then tb.l = tb.l - tokens; save(KEYS[2], tb) end
-if conc > 0 then
-  redis.call('ZADD', KEYS[3], now, id)
-  redis.call('EXPIRE', KEYS[3], 86400)
-end
-return reply('0', '')
+local level, tlevel = '', ''
+if rb then level = f(rb.l) end
+if tb then tlevel = f(tb.l) end
+return {string.format('%.6f', wait), which, level, f(now), granted, tlevel}
 """
 
-# KEYS: rpm, tpm, in-flight.  ARGV: rpm, tpm, lease id ('' none), token delta, then per reading:
-# kind, limit (-1 unknown), remaining, reset_in
+# KEYS: rpm, tpm, in-flight.  ARGV: rpm, tpm, lease id ('' none), token delta, requests given
+# back (granted, never sent), then per reading: kind, limit (-1 unknown), remaining, reset_in
 SETTLE = COMMON + r"""
 local now = now_s()
 local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 if ARGV[3] ~= '' then redis.call('ZREM', KEYS[3], ARGV[3]) end
-local delta = tonumber(ARGV[4])
+local delta, back = tonumber(ARGV[4]), tonumber(ARGV[5])
 if delta ~= 0 then
   local tb = load(KEYS[2], tpm, now)
   if tb then tb.l = math.min(tb.c, tb.l - delta); save(KEYS[2], tb) end
 end
-for i = 5, #ARGV, 4 do
+if back > 0 then
+  local rb = load(KEYS[1], rpm, now)
+  if rb then rb.l = math.min(rb.c, rb.l + back); save(KEYS[1], rb) end
+end
+for i = 6, #ARGV, 4 do
   local key, cfg = KEYS[1], rpm
   if ARGV[i] == 'tokens' then key, cfg = KEYS[2], tpm end
   local limit, remaining, reset = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])

@@ -24,7 +24,7 @@ from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from multiplexer.core.startup import StartupError, os_reason
-from multiplexer.core.state import Learned, LimitSpec, QuotaDecision, StateUnavailable
+from multiplexer.core.state import Granted, Learned, LimitSpec, QuotaDecision, StateUnavailable
 
 from . import redis_lua
 
@@ -137,16 +137,22 @@ class RedisState:
     # -- provider limits -------------------------------------------------------------
     async def acquire(self, provider: str, lease_id: str, tokens: int,
                       spec: LimitSpec) -> tuple[float, str]:
-        reply = await self._call(
-            self._acquire, self._keys("p", provider),
-            [spec.rpm, spec.tpm, spec.concurrency, self.lease_s, lease_id, tokens])
-        return float(reply[0]), _text(reply[1])
+        got = await self.acquire_many(provider, [(lease_id, tokens)], spec)
+        return (0.0, "") if got.granted else (got.wait, got.limit)
+
+    async def acquire_many(self, provider: str, asks: Sequence[tuple[str, int]],
+                           spec: LimitSpec) -> Granted:
+        args: list[Any] = [spec.rpm, spec.tpm, spec.concurrency, self.lease_s]
+        for lease_id, tokens in asks:
+            args += [lease_id, tokens]
+        reply = await self._call(self._acquire, self._keys("p", provider), args)
+        return Granted(int(reply[4]), float(reply[0]), _text(reply[1]))
 
     async def settle(self, provider: str, lease_id: str, token_delta: float,
-                     learned: Sequence[Learned], spec: LimitSpec) -> None:
-        if not lease_id and not token_delta and not learned:
+                     learned: Sequence[Learned], spec: LimitSpec, requests: int = 0) -> None:
+        if not lease_id and not token_delta and not learned and not requests:
             return
-        args: list[Any] = [spec.rpm, spec.tpm, lease_id, token_delta]
+        args: list[Any] = [spec.rpm, spec.tpm, lease_id, token_delta, requests]
         for obs in learned:
             args += [obs.kind, obs.limit if obs.limit else -1, obs.remaining, obs.reset_in]
         await self._call(self._settle, self._keys("p", provider), args)
@@ -157,10 +163,12 @@ class RedisState:
     # -- per-key quotas ----------------------------------------------------------------
     async def quota(self, identity: str, rpm: float, concurrency: int, lease_id: str, *,
                     tpm: float = 0.0, tokens: int = 0) -> QuotaDecision:
-        wait, which, level, at, tokens_level = await self._call(
+        wait, which, level, at, granted, tokens_level = await self._call(
             self._acquire, self._keys("q", identity),
             [rpm, tpm, concurrency, self.lease_s, lease_id, tokens])
         level, tokens_level = _text(level), _text(tokens_level)
+        if granted:
+            wait, which = 0.0, ""
         return QuotaDecision(float(wait), _text(which), float(level) if level else None,
                              float(at), float(tokens_level) if tokens_level else None)
 
@@ -170,7 +178,7 @@ class RedisState:
 
     async def settle_keys(self, keys: list[str], lease_id: str, token_delta: int = 0,
                           tpm: float = 0.0) -> None:
-        await self._call(self._settle, keys, [0, tpm, lease_id, token_delta])
+        await self._call(self._settle, keys, [0, tpm, lease_id, token_delta, 0])
 
     async def quota_renew(self, identity: str, lease_ids: Sequence[str]) -> None:
         await self._call(self._renew, self._keys("q", identity)[2:], list(lease_ids))

@@ -248,6 +248,8 @@ class Lane:
         with anyio.CancelScope() as scope:
             self._scopes[bid] = (scope, batch)
             try:
+                ends = [item.deadline for item in items if item.deadline is not None]
+                permit.deadline = max(ends) if len(ends) == len(items) else None
                 await self.limiter.ready(permit, holding(items))  # shared: the replicas' charge
                 with self._tracer.batch(self.name, batch, started), \
                         charging(Upstream(self.limiter, items)):

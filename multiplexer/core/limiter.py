@@ -45,6 +45,7 @@ class Permit:
     held: bool = False
     id: str = ""
     shared: bool = False
+    deadline: float | None = None  # the last of its callers' deadlines (None: one has none)
 
 
 class Limiter(Protocol):

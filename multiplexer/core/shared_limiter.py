@@ -15,21 +15,39 @@ counts every such decision; the next call tries the shared state again.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import anyio
 
 from multiplexer.core.clock import Clock
 from multiplexer.core.limiter import OnWait, Permit, RateLimiter
-from multiplexer.core.state import Learned, LimitSpec, SharedState, StateUnavailable
+from multiplexer.core.state import Granted, Learned, LimitSpec, SharedState, StateUnavailable
 
 log = logging.getLogger(__name__)
 RETRY_SHARED_S = 1.0  # after a failure, decide locally this long before trying the shared state again
-MAX_POLL_S = 0.05  # a caller waiting for a concurrency slot looks again at least this often
+MIN_POLL_S, MAX_POLL_S = 0.001, 0.05  # waiting for a concurrency slot: look again this often
+MAX_GRANT = 64  # waiters one round trip asks for at most
+NEAR_S = 0.1  # a waiter whose callers give up sooner is served after those with more time
+
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    """One acquire queued on this replica: what it asks for, and its permit once granted."""
+
+    lease_id: str
+    tokens: int
+    slot: bool
+    on_wait: OnWait | None
+    deadline: float | None
+    permit: Permit | None = None
+    gone: bool = False  # its caller went away before it was granted
+    woken: anyio.Event = field(default_factory=anyio.Event)
 
 
 class SharedLimiter(RateLimiter):
@@ -38,7 +56,6 @@ class SharedLimiter(RateLimiter):
         super().__init__(clock, concurrency=spec.concurrency)
         self.name = name
         self.spec = spec
-        self._no_slot = LimitSpec(spec.rpm, spec.tpm, 0)
         self.state = state
         self.shared = True
         self._on_degraded = on_degraded
@@ -53,9 +70,14 @@ class SharedLimiter(RateLimiter):
         self._slots = 0  # degraded: this replica's concurrency share
         self._slot_freed = anyio.Event()
         self._local_in_flight = 0
-        self._settle_send, self._settle_recv = anyio.create_memory_object_stream[Permit](math.inf)
+        self._settle_send, self._settle_recv = anyio.create_memory_object_stream[
+            tuple[Permit, bool]](math.inf)
         self._orphans: set[str] = set()  # slots a timed-out acquire may hold there: freed on return
-        self._turn = anyio.Lock()  # the one caller of this replica that asks the shared state
+        self._queue: deque[_Waiter] = deque()  # acquires not granted yet, in arrival order
+        self._asking = False  # the first of them is taking its turn
+        self._next_at = -math.inf  # when the shared state said the next permit can be had
+        self._next_limit = ""  # and the limit that holds it until then
+        self._poll = MIN_POLL_S
 
     # -- what the lane and providers call (sync) ------------------------------------
     def delay(self, requests: int, tokens: int) -> tuple[float, str]:
@@ -77,7 +99,7 @@ class SharedLimiter(RateLimiter):
     # -- around each batch (async) -------------------------------------------------
     async def ready(self, permit: Permit, on_wait: OnWait | None = None) -> None:
         """The batch's charge in the shared state: a request, its tokens and a slot."""
-        lease = await self.acquire(permit.tokens, on_wait=on_wait)
+        lease = await self.acquire(permit.tokens, on_wait=on_wait, deadline=permit.deadline)
         permit.id, permit.shared, permit.held = lease.id, lease.shared, True
 
     def finish(self, permit: Permit) -> None:
@@ -92,65 +114,138 @@ class SharedLimiter(RateLimiter):
         for k in range(requests):
             await self.acquire(tokens if k == 0 else 0, slot=False, on_wait=on_wait)
 
-    async def acquire(self, tokens: int, *, slot: bool = True, on_wait: OnWait | None = None) -> Permit:
+    async def acquire(self, tokens: int, *, slot: bool = True, on_wait: OnWait | None = None,
+                      deadline: float | None = None) -> Permit:
         """A request, ``tokens`` and (with ``slot``) a concurrency slot; ``on_wait`` is told the
-        limit it waits for, and None once it has them."""
-        lease = await self._acquire(tokens, slot, on_wait)
+        limit it waits for, and None once it has them. ``deadline``: when its callers give up."""
+        lease = await self._acquire(tokens, slot, on_wait, deadline)
         if on_wait is not None:
             on_wait(None)
         return lease
 
-    async def _acquire(self, tokens: int, slot: bool, on_wait: OnWait | None) -> Permit:
-        """One caller of this replica at a time asks the shared state, in arrival order (the lock
-        is fair). A waiter each would wake together at every refill and all but one ask again: a
+    async def _acquire(self, tokens: int, slot: bool, on_wait: OnWait | None,
+                       deadline: float | None) -> Permit:
+        """Waiters queue in arrival order; the first asks the shared state for itself and those
+        behind it (up to ``MAX_GRANT``) in one round trip and hands out what it granted, in
+        order. A waiter each would wake together at every refill and all but one ask again: a
         herd that grows with the callers and, on a busy machine, stalled the replicas and then
-        let the saved-up tokens go in a burst. The cost: a replica's acquires follow each other,
-        one round trip apart (thousands a second; each is a batch's, not a call's)."""
-        lease_id = self._prefix + str(next(self._ids))
-        async with self._turn:
-            return await self._wait_turn(lease_id, tokens, slot, on_wait)
+        let the saved-up tokens go in a burst. One round trip for several also leaves no
+        permit waiting for a turn of its own while the bucket refills."""
+        w = _Waiter(self._lease_id(), tokens, slot, on_wait, deadline)
+        self._queue.append(w)
+        try:
+            while w.permit is None:
+                if self._asking or self._queue[0] is not w:
+                    w.woken = anyio.Event()
+                    await w.woken.wait()
+                    continue
+                self._asking = True
+                try:
+                    await self._turn(w)
+                finally:
+                    self._asking = False
+            await anyio.lowlevel.checkpoint_if_cancelled()  # granted in a shielded round trip
+        except BaseException:
+            if w.permit is not None:  # granted as its caller went away: never used
+                self._give_back(w.permit)
+            raise
+        finally:
+            if w.permit is None:
+                w.gone = True
+                self._queue.remove(w)
+            if self._queue and not self._asking:
+                self._queue[0].woken.set()  # the next asks
+        return w.permit
 
-    async def _ask(self, lease_id: str, tokens: int, slot: bool) -> Permit | tuple[float, str] | None:
-        """One round trip: the permit, or how long to wait and for which limit; None while the
-        shared state is unreachable."""
+    def _lease_id(self) -> str:
+        return self._prefix + str(next(self._ids))
+
+    async def _turn(self, w: _Waiter) -> None:
+        """The first waiter's turn: sleep until the shared state said the next permit can be
+        had, then ask for the waiters at the front (or decide ``w`` alone on this replica's
+        share while the shared state is unreachable)."""
+        if self.clock.now() < self._next_at:
+            self._tell(self._next_limit)
+            await self.clock.sleep_until(self._next_at)
+            return
+        batch = self._front()
+        got = await self._ask(batch)
+        if got is None:
+            if await self._acquire_local(w.tokens, w.slot, w.on_wait):
+                self._queue.remove(w)
+                w.permit = Permit(w.tokens, slot=False, held=w.slot, id=w.lease_id)
+            return
+        for granted in batch[:got.granted]:
+            self._grant(granted)
+        wait = got.wait
+        if got.granted:
+            self._poll = MIN_POLL_S
+        if got.limit == "concurrency":  # no telling when a slot frees: look again soon
+            wait, self._poll = self._poll, min(self._poll * 2, MAX_POLL_S)
+        self._next_at, self._next_limit = self.clock.now() + wait, got.limit
+
+    def _front(self) -> list[_Waiter]:
+        """The waiters to ask for: in order, except that those whose callers give up within
+        ``NEAR_S`` come after the others. A permit handed to one of them is mostly spent on a
+        request that never leaves (its callers gone before it is sent) or that no one waits
+        for; under overload the oldest waiters are exactly those."""
+        soon = self.clock.now() + NEAR_S
+        later: list[_Waiter] = []
+        near: list[_Waiter] = []
+        for w in self._queue:  # the near ones are the oldest: the scan ends soon after them
+            (later if w.deadline is None or w.deadline > soon else near).append(w)
+            if len(later) == MAX_GRANT:
+                break
+        return (later + near)[:MAX_GRANT]
+
+    async def _ask(self, batch: list[_Waiter]) -> Granted | None:
+        """One round trip for ``batch``; None while the shared state is unreachable. It runs to
+        its end even if the asker's caller goes away meanwhile (the others' grants are in it),
+        and counts as lost past twice the state's own timeout. A lost answer may have taken
+        slots there: they are freed once it answers again, and those waiters ask anew with new
+        lease ids (one must never be freed while its call runs)."""
         if self.clock.now() < self._down_until:
             return None
+        asks = [(w.lease_id if w.slot else "", w.tokens) for w in batch]
         try:
-            wait, which = await self.state.acquire(self.name, lease_id, tokens,
-                                                   self.spec if slot else self._no_slot)
-        except StateUnavailable as e:
-            if slot:  # a slow answer may have taken the slot there: this call goes locally instead
-                self._orphans.add(lease_id)
+            with anyio.fail_after(2 * self.state.timeout_s, shield=True):
+                got = await self.state.acquire_many(self.name, asks, self.spec)
+        except (StateUnavailable, TimeoutError) as e:
+            for w in batch:
+                if w.slot:
+                    self._orphans.add(w.lease_id)
+                    w.lease_id = self._lease_id()
             self._degrade(e)
             return None
-        except BaseException:  # cancelled in the round trip: the slot may be taken already
-            if slot:
-                with anyio.CancelScope(shield=True), contextlib.suppress(StateUnavailable):
-                    await self.state.settle(self.name, lease_id, 0.0, [], self.spec)
-            raise
         self._share = 0  # it answers: a later outage starts this replica's share empty
-        if wait > 0:
-            return wait, which
-        if slot:
-            self._held.add(lease_id)
-        return Permit(tokens, slot=False, held=slot, id=lease_id, shared=True)
+        return got
 
-    async def _wait_turn(self, lease_id: str, tokens: int, slot: bool, on_wait: OnWait | None) -> Permit:
-        poll = 0.001
-        while True:
-            asked = await self._ask(lease_id, tokens, slot)
-            if isinstance(asked, Permit):
-                return asked
-            if asked is None:
-                if await self._acquire_local(tokens, slot, on_wait):
-                    return Permit(tokens, slot=False, held=slot, id=lease_id)
-                continue
-            wait, which = asked
-            if which == "concurrency":  # no telling when a slot frees: look again soon
-                poll = wait = min(poll * 2, MAX_POLL_S)
-            if on_wait is not None:
-                on_wait(which)
-            await self.clock.sleep_until(self.clock.now() + wait)
+    def _grant(self, w: _Waiter) -> None:
+        permit = Permit(w.tokens, slot=False, held=w.slot, id=w.lease_id, shared=True)
+        if w.slot:
+            self._held.add(w.lease_id)
+        if w.gone:  # its caller went away during the round trip
+            self._give_back(permit)
+            return
+        self._queue.remove(w)
+        w.permit = permit
+        w.woken.set()
+
+    def _tell(self, limit: str) -> None:
+        """Every waiter learns the limit it waits for (a deadline then names it)."""
+        for w in self._queue:
+            if w.on_wait is not None:
+                w.on_wait(limit)
+
+    def _give_back(self, permit: Permit) -> None:
+        """A permit granted and never used: its slot, request and tokens go back to the shared
+        state (settled off the caller's path, like a release); a local one frees its slot."""
+        if not permit.shared:
+            if permit.held:
+                self.release_soon(permit)
+            return
+        self._held.discard(permit.id)
+        self._settle_send.send_nowait((permit, True))
 
     def release_soon(self, lease: Permit) -> None:
         """Free the slot now; settle with the shared state off the caller's path (``run``)."""
@@ -159,21 +254,25 @@ class SharedLimiter(RateLimiter):
             self._slot_freed.set()
         else:
             self._held.discard(lease.id)
-        self._settle_send.send_nowait(lease)
+        self._settle_send.send_nowait((lease, False))
 
     async def release(self, lease: Permit) -> None:
         """``release_soon`` and wait for the settlement."""
         self.release_soon(lease)
-        await self._settle(await self._settle_recv.receive())
+        await self._settle(*await self._settle_recv.receive())
 
-    async def _settle(self, lease: Permit) -> None:
+    async def _settle(self, lease: Permit, back: bool = False) -> None:
+        """Settle one ended lease (``back``: granted, never used: its request and tokens are
+        refunded too) with the corrections gathered since the last settlement."""
         delta, self._delta = self._delta, 0.0
         learned, self._learned = self._learned, []
         if not lease.shared and self.clock.now() < self._down_until:
             return
+        if back:
+            delta -= lease.tokens
         try:
             await self.state.settle(self.name, lease.id if lease.shared else "", delta, learned,
-                                    self.spec)
+                                    self.spec, requests=int(back))
         except StateUnavailable as e:
             self._degrade(e)  # the slot expires with its lease; the correction is lost
 
@@ -184,15 +283,15 @@ class SharedLimiter(RateLimiter):
                 lease = self._settle_recv.receive_nowait()
             except anyio.WouldBlock:
                 return
-            await self._settle(lease)
+            await self._settle(*lease)
 
     async def run(self) -> None:
         """Settle released leases in order, and keep this replica's slots alive while their
         calls run (a dead replica's expire after ``lease_s``)."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._renew_forever)
-            async for lease in self._settle_recv:
-                await self._settle(lease)
+            async for lease, back in self._settle_recv:
+                await self._settle(lease, back)
 
     async def free_orphans(self) -> None:
         """Free the slots that acquires which timed out may have taken (those calls ran on this

@@ -38,6 +38,15 @@ class Learned:
 
 
 @dataclass(frozen=True, slots=True)
+class Granted:
+    """One round trip's answer for several waiters of a replica, asked in their order."""
+
+    granted: int  # the first ``granted`` were taken, each all or none
+    wait: float  # seconds until the next could be (the first not granted; else a lower bound)
+    limit: str  # the limit that holds it: rpm, tpm or concurrency; "" when none does
+
+
+@dataclass(frozen=True, slots=True)
 class QuotaDecision:
     """A key's admission in the shared state, and its rpm bucket as the decision left it."""
 
@@ -53,6 +62,7 @@ class SharedState(Protocol):
 
     replica_id: str
     lease_s: float
+    timeout_s: float  # a round trip answers, or raises ``StateUnavailable``, within this
 
     async def start(self) -> None: ...
 
@@ -76,9 +86,17 @@ class SharedState(Protocol):
         else (seconds to wait, the limit that holds it: rpm, tpm or concurrency)."""
         ...
 
+    async def acquire_many(self, provider: str, asks: Sequence[tuple[str, int]],
+                           spec: LimitSpec) -> Granted:
+        """``acquire`` for several waiters in one round trip, in order: each ask is (lease id,
+        "" for none: no slot; tokens). Grants from the first on and stops at the first that
+        must wait, whose wait it says (when all were granted: the least a next would wait)."""
+        ...
+
     async def settle(self, provider: str, lease_id: str, token_delta: float,
-                     learned: Sequence[Learned], spec: LimitSpec) -> None:
-        """Free the slot, charge (or refund) ``token_delta``, apply learned limits."""
+                     learned: Sequence[Learned], spec: LimitSpec, requests: int = 0) -> None:
+        """Free the slot, charge (or refund) ``token_delta``, give back ``requests`` granted and
+        never sent, apply learned limits."""
         ...
 
     async def renew(self, provider: str, lease_ids: Sequence[str]) -> None:
