@@ -4,8 +4,9 @@ own baseline in the same run.
 - **workers**: an upstream that takes 50 ms per chat call, 256 concurrent callers, through
   ``multiplexer serve --workers 1`` and ``--workers auto`` and straight to the upstream: calls/s,
   the ratio, and the proxy's CPU per call (the supervisor and all its workers).
-- **features**: sequential chat calls through a gateway with everything off, and one with
-  OTLP traces (to a local receiver, which counts what it got) and an API key on, paths taking
+- **features**: sequential chat calls through a gateway with everything off (no traces, no key,
+  ``spend.enabled: false``), and one as a team runs it: OTLP traces (to a local receiver, which
+  counts what it got), an API key with a budget, and priced calls with spend on, paths taking
   turns call by call; the added p50 of everything on over everything off.
 """
 
@@ -30,11 +31,13 @@ server: {{host: 127.0.0.1, port: {port}, access_log: false{server}}}
 store: {{path: {store}}}
 providers:
   oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
-         limits: {{concurrency: 512, max_queue: 100000}}}}
+         limits: {{concurrency: 512, max_queue: 100000}}{price}}}
 routes:
   chat: {{provider: oai, operation: chat, models: [gpt-bench]}}
 {extra}"""
 CHAT_PATH = "/v1/chat/completions"
+FEATURES_KEY = "{key: sk-bench, budget_usd: {daily: 1000000, monthly: 10000000}}"
+FEATURES_PRICE = ", price: {input_per_mtok: 2.5, output_per_mtok: 10}"
 
 
 def load_average() -> str:
@@ -54,11 +57,11 @@ def wait_ready(url: str, timeout: float = 90.0) -> None:
 
 
 def gateway_config(tmp: str, name: str, fake_port: int, server: str = "",
-                   extra: str = "") -> tuple[Path, str]:
+                   extra: str = "", price: str = "") -> tuple[Path, str]:
     port = free_port()
     conf = Path(tmp) / f"{name}.yaml"
     conf.write_text(GATEWAY.format(port=port, fake=fake_port, store=Path(tmp) / f"{name}.db",
-                                   server=server, extra=extra))
+                                   server=server, extra=extra, price=price))
     return conf, f"http://127.0.0.1:{port}"
 
 
@@ -158,15 +161,16 @@ async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         receiver = stack.enter_context(otlp_receiver())
         stack.enter_context(child(fake_args, f"{fake}/"))
-        off, off_url = gateway_config(tmp, "off", fake_port)
-        on, on_url = gateway_config(tmp, "on", fake_port, server=", api_keys: {bench: sk-bench}",
-                                    extra=f"telemetry: {{otlp_endpoint: '{receiver}'}}\n")
+        off, off_url = gateway_config(tmp, "off", fake_port, extra="spend: {enabled: false}\n")
+        on, on_url = gateway_config(  # a team's setup: traces, a key with a budget, priced calls
+            tmp, "on", fake_port, server=f", api_keys: {{bench: {FEATURES_KEY}}}",
+            extra=f"telemetry: {{otlp_endpoint: '{receiver}'}}\n", price=FEATURES_PRICE)
         for conf, url in ((off, off_url), (on, on_url)):  # the span processor's defaults
             stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
                                       f"{url}/healthz"))
         paths = [Target("direct", fake, openai_call(CHAT_PATH)),
                  Target("gateway, all off", off_url, openai_call(CHAT_PATH)),
-                 Target("gateway, traces (OTLP) + API key on", on_url, openai_call(CHAT_PATH))]
+                 Target("gateway, traces (OTLP) + key + budget + spend on", on_url, openai_call(CHAT_PATH))]
         load = load_average()
         seq = await latencies(paths, args.features_calls)
         await anyio.sleep(0.5)  # the last spans' export

@@ -24,9 +24,11 @@ convention covers batching or dedup:
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 from collections.abc import Iterator, MutableMapping, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
@@ -52,7 +54,9 @@ PROVIDER_NAMES = {"openai": "openai", "anthropic": "anthropic"}
 _REQUEST_PARAMS = {"max_tokens": "gen_ai.request.max_tokens",
                    "max_output_tokens": "gen_ai.request.max_tokens",  # the Responses API's name
                    "temperature": "gen_ai.request.temperature", "top_p": "gen_ai.request.top_p"}
-_SAMPLED, _NOT_SAMPLED = TraceFlags(TraceFlags.SAMPLED), TraceFlags(TraceFlags.DEFAULT)
+_FLAGS = {0: TraceFlags(TraceFlags.DEFAULT), 1: TraceFlags(TraceFlags.SAMPLED)}
+_BATCH: ContextVar[Any] = ContextVar("multiplexer_batch_span", default=None)  # the running batch's
+# _Span, for ``inject``
 _UNSET = Status(StatusCode.UNSET)
 _bits = random.getrandbits
 _SCOPE = ("multiplexer", VERSION)
@@ -65,11 +69,12 @@ class _Span(ReadableSpan):
     Why not the SDK's own spans: each one takes a lock per attribute call, builds bounded
     attribute maps and checks limits, about 130 µs per call for the three hooks a call runs
     (measured on the 2-core host), all on the event loop. These spans hold a plain dict and
-    cost a few microseconds; encoding and export stay on the span processor's thread."""
+    cost a few microseconds; encoding and export stay off the event loop (``span_export``).
+    Each keeps its ids as plain values too (``ids``), so handing it over reads no properties."""
 
-    def __init__(self, tracer: OtelTracer, name: str, context: SpanContext,
-                 parent: SpanContext | None, kind: SpanKind, attributes: dict[str, Any],
-                 links: list[Link]) -> None:
+    def __init__(self, tracer: OtelTracer, name: str, context: SpanContext, ids: Ids,
+                 parent: SpanContext | None, parent_ids: Ids | None, kind: SpanKind,
+                 attributes: dict[str, Any], links: list[Link], link_ids: list[Any]) -> None:
         # ReadableSpan.__init__ would build an empty Resource per span: the fields are set here
         self._name, self._context, self._parent, self._kind = name, context, parent, kind
         self._attributes, self._links, self._events = attributes, links, ()
@@ -77,7 +82,8 @@ class _Span(ReadableSpan):
         self._instrumentation_info = None
         self._status = _UNSET
         self._start_time, self._end_time = time.time_ns(), None
-        self._processor = tracer.processor
+        self._tracer = tracer
+        self.ids, self.parent_ids, self.link_ids = ids, parent_ids, link_ids
 
     def is_recording(self) -> bool:
         return self._end_time is None
@@ -93,6 +99,11 @@ class _Span(ReadableSpan):
 
     def add_link(self, context: SpanContext, attributes: dict[str, Any] | None = None) -> None:
         self._links.append(Link(context, attributes))
+        self.link_ids.append((_ids(context), attributes))
+
+    def link(self, other: _Span, attributes: dict[str, Any] | None = None) -> None:
+        self._links.append(Link(other._context, attributes))
+        self.link_ids.append((other.ids, attributes))
 
     def set_status(self, status: Status) -> None:
         self._status = status
@@ -100,26 +111,33 @@ class _Span(ReadableSpan):
     def compact(self) -> tuple[Any, ...]:
         """The span as ``span_export.compact`` makes it, from the fields (no copies: it ended)."""
         s = self._status
-        return (self._name, _ids(self._context), _ids(self._parent), self._kind.value, self._start_time,
-                self._end_time, self._attributes,
-                [(_ids(link.context), link.attributes) for link in self._links], [],
+        return (self._name, self.ids, self.parent_ids, self._kind.value, self._start_time,
+                self._end_time, self._attributes, self.link_ids, [],
                 s.status_code.value, s.description, _SCOPE)
 
     def end(self) -> None:
         if self._end_time is None:
             self._end_time = time.time_ns()
-            self._processor.on_end(self)
+            take = self._tracer.take
+            if take is None:
+                self._tracer.processor.on_end(self)
+            elif self.ids[2] & 1:  # sampled: straight to the export pipe's queue
+                take(self.compact())
 
 
-def _ids(c: SpanContext | None) -> tuple[int, int, int, list[tuple[str, str]] | None] | None:
+Ids = tuple[int, int, int, "list[tuple[str, str]] | None"]
+
+
+def _ids(c: SpanContext | None) -> Ids | None:
     if c is None:
         return None
     return c.trace_id, c.span_id, int(c.trace_flags), list(c.trace_state.items()) if c.trace_state else None
 
 
-def _new_context(trace_id: int, flags: TraceFlags, state: Any = None) -> SpanContext:
+def _new_context(trace_id: int, flags: int, state: Any = None) -> tuple[SpanContext, Ids]:
     span_id = _bits(64) or 1
-    return SpanContext(trace_id, span_id, False, flags, state)
+    return (SpanContext(trace_id, span_id, False, _FLAGS[flags], state),
+            (trace_id, span_id, flags, list(state.items()) if state else None))
 
 
 class OtelTracer(Tracer):
@@ -129,32 +147,46 @@ class OtelTracer(Tracer):
 
     enabled = True
 
-    def __init__(self, provider: TracerProvider) -> None:
+    def __init__(self, provider: TracerProvider, exporting: Any = None) -> None:
+        """``exporting``: the provider's ``span_export.ProcessSpanProcessor`` when it is the only
+        one, so an ended span goes straight to its queue."""
         self._provider = provider
         sdk = provider.get_tracer("multiplexer", VERSION)
         self.processor: SpanProcessor = sdk.span_processor
+        self.take = exporting.take if exporting is not None else None
         self.sampler = sdk.sampler
+        # the SDK's default sampler (parent-based, always on) decided here without its call
+        self.default_sampler = sampler_is_default(self.sampler)
+        # the default propagators (W3C trace context, and baggage, always empty in a batch):
+        # ``inject`` formats the header itself
+        self.plain_propagation = os.environ.get("OTEL_PROPAGATORS", "tracecontext,baggage").replace(
+            " ", "") in ("tracecontext,baggage", "tracecontext", "baggage,tracecontext")
         self.resource = sdk.resource
         self.scope = InstrumentationScope(*_SCOPE)
 
     def _child(self, name: str, parent: _Span, kind: SpanKind, attributes: dict[str, Any],
-               links: list[Link] | None = None) -> _Span:
-        pc = parent._context
-        return _Span(self, name, _new_context(pc.trace_id, pc.trace_flags, pc.trace_state), pc, kind,
-                     attributes, links or [])
+               links: list[Link] | None = None, link_ids: list[Any] | None = None) -> _Span:
+        pc, pids = parent._context, parent.ids
+        context, ids = _new_context(pids[0], pids[2], pc.trace_state)
+        return _Span(self, name, context, ids, pc, pids, kind, attributes, links or [], link_ids or [])
 
     def _root(self, name: str, kind: SpanKind, attributes: dict[str, Any], links: list[Link],
-              parent_context: Any) -> _Span:
+              link_ids: list[Any], parent_context: Any) -> _Span:
         """A span whose parent is remote, or the current OTel span (the MCP SDK's), or none:
         the sampler decides, as the SDK's tracer would."""
         parent = trace.get_current_span(parent_context).get_span_context()
-        trace_id = parent.trace_id if parent.is_valid else (_bits(128) or 1)
-        decision = self.sampler.should_sample(parent_context, trace_id, name, kind, attributes, links)
-        flags = _SAMPLED if decision.decision.is_sampled() else _NOT_SAMPLED
-        if decision.attributes:
-            attributes.update(decision.attributes)
-        return _Span(self, name, _new_context(trace_id, flags, decision.trace_state),
-                     parent if parent.is_valid else None, kind, attributes, links)
+        valid = parent.is_valid
+        trace_id = parent.trace_id if valid else (_bits(128) or 1)
+        if self.default_sampler:
+            flags, state = (int(parent.trace_flags) & 1, parent.trace_state) if valid else (1, None)
+        else:
+            decision = self.sampler.should_sample(parent_context, trace_id, name, kind, attributes, links)
+            flags, state = (1 if decision.decision.is_sampled() else 0), decision.trace_state
+            if decision.attributes:
+                attributes.update(decision.attributes)
+        context, ids = _new_context(trace_id, flags, state)
+        return _Span(self, name, context, ids, parent if valid else None, _ids(parent) if valid else None,
+                     kind, attributes, links, link_ids)
 
     # -- calls -----------------------------------------------------------------
     def start_call(self, call: Call) -> Any:
@@ -171,7 +203,7 @@ class OtelTracer(Tracer):
             attributes.update({"rpc.system": "jsonrpc", "rpc.method": call.method})
         if call.identity is not None:
             attributes["multiplexer.key"] = call.identity
-        return self._root(name, SpanKind.SERVER, attributes, [], parent)
+        return self._root(name, SpanKind.SERVER, attributes, [], [], parent)
 
     def routed(self, span: Any, item: Item, provider: str, provider_kind: str) -> None:
         span.set_attributes({"multiplexer.route": item.route, "multiplexer.provider": provider,
@@ -190,7 +222,7 @@ class OtelTracer(Tracer):
     def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
         attributes = span._attributes
         if slot is not None and slot.batch is not None:
-            span.add_link(slot.batch._context, {"multiplexer.link": "batch"})
+            span.link(slot.batch, _BATCH_LINK)
             attributes["multiplexer.batch.size"] = slot.batch_size
             attributes["multiplexer.wait_ms"] = round(slot.wait_s * 1000, 3)
         if outcome.error is not None:
@@ -232,31 +264,52 @@ class OtelTracer(Tracer):
             if model is not None:
                 attributes["gen_ai.request.model"] = model
         name = f"{op} {model}" if op is not None and model is not None else first.method
-        links = [Link(p.item.trace.span._context) for p in traced]
+        spans = [p.item.trace.span for p in traced]
+        links = [Link(t._context) for t in spans]
+        link_ids = [(t.ids, None) for t in spans]
         # one caller: its trace holds the upstream request; several: a trace of its own
         if len(pending) == 1 and callers == 1 and traced:
-            span = self._child(name, traced[0].item.trace.span, SpanKind.CLIENT, attributes, links)
+            span = self._child(name, spans[0], SpanKind.CLIENT, attributes, links, link_ids)
         else:
-            span = self._root(name, SpanKind.CLIENT, attributes, links, otel_context.Context())
+            span = self._root(name, SpanKind.CLIENT, attributes, links, link_ids, otel_context.Context())
         for p in traced:
             slot = p.item.trace
             slot.batch, slot.batch_size, slot.wait_s = span, len(pending), max(0.0, now - p.enqueued)
         # current while the provider runs: ``inject`` and the MCP SDK's propagation read it
         token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(span._context)))
+        mine = _BATCH.set(span)
         try:
             yield
         except BaseException as e:
             span.set_status(Status(StatusCode.ERROR, type(e).__name__))
             raise
         finally:
+            _BATCH.reset(mine)
             otel_context.detach(token)
             span.end()
 
     def inject(self, carrier: MutableMapping[str, str]) -> None:
-        propagate.inject(carrier)
+        span = _BATCH.get() if self.plain_propagation else None
+        if span is None:
+            propagate.inject(carrier)
+            return
+        trace_id, span_id, flags, state = span.ids
+        carrier["traceparent"] = f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"
+        if state:
+            carrier["tracestate"] = ",".join(f"{k}={v}" for k, v in state)
 
     def close(self) -> None:
         self._provider.shutdown()
+
+
+_BATCH_LINK = {"multiplexer.link": "batch"}
+
+
+def sampler_is_default(sampler: Any) -> bool:
+    """Whether ``sampler`` decides as the SDK's default: parent-based, always on at the root."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    return bool(sampler.get_description() == ParentBased(ALWAYS_ON).get_description())
 
 
 def _model(item: Item) -> str | None:
@@ -324,6 +377,7 @@ def exporting_tracer(endpoint: str | None, service_name: str | None) -> OtelTrac
     if endpoint is not None and not endpoint.rstrip("/").endswith("/v1/traces"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(ProcessSpanProcessor(endpoint, dict(resource.attributes)))
+    exporting = ProcessSpanProcessor(endpoint, dict(resource.attributes))
+    provider.add_span_processor(exporting)
     trace.set_tracer_provider(provider)
-    return OtelTracer(provider)
+    return OtelTracer(provider, exporting)

@@ -92,12 +92,15 @@ class ProcessSpanProcessor(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        if not span.context.trace_flags.sampled:
-            return
+        if span.context.trace_flags.sampled:
+            self.take(compact(span))
+
+    def take(self, span: Compact) -> None:
+        """A sampled span, compacted (the call path's own spans come straight here)."""
         if len(self.queue) >= MAX_QUEUE:
             self.dropped += 1
             return
-        self.queue.append(compact(span))
+        self.queue.append(span)
         if len(self.queue) >= BATCH:
             self._wake.set()
 
