@@ -155,6 +155,11 @@ def run(tree: Path, lines: int, content: bytes) -> dict[str, Any]:
                 time.sleep(0.25)
                 batch = client.get(f"/v1/batches/{batch['id']}").json()
             t_done = time.perf_counter()
+            if batch["request_counts"]["failed"]:  # say why, while the gateway is there to ask
+                errors = client.get(f"/v1/files/{batch['error_file_id']}/content").text
+                raise RuntimeError(f"{batch['request_counts']}: {errors[:600]}; "
+                                   + (Path(tmp) / "server.log").read_text(errors="replace")
+                                   .partition("Traceback")[2][:3000])
             for path in ("/v1/batches?limit=100", "/v1/files", f"/v1/files/{batch['output_file_id']}"):
                 client.get(path).raise_for_status()  # listings, and the output's size (built whole)
             t_listed = time.perf_counter()
