@@ -7,9 +7,13 @@ the loop beats every 2 ms, and each gap over ``STALL_MS`` between two beats is o
 written as a JSON line: its wall time, the loop thread's CPU time within it (what the loop
 itself spent: a busy machine stretches the wall, not this), the whole process's (the loop
 waiting for the GIL that a worker thread holds shows here), and where the loop thread was,
-sampled every 2 ms by a watchdog thread (``sys._current_frames``), and the time its garbage
-collections took: a stall whose samples sit in the loop's poll, with no CPU, was the machine's,
-not the gateway's.
+sampled every 2 ms by a watchdog thread (``sys._current_frames``), and the time garbage
+collections took: a stall with little CPU whose samples say the loop's thread was runnable (or
+in its poll) was the machine's, not the gateway's.
+
+Only the loop thread's frames are read: walking the worker threads' frames as well (tried)
+made the job store's ``executemany`` fail with ``sqlite3.InterfaceError`` (API misuse) in two
+runs of two, a perturbation no benchmark should add.
 
     python -m benchmarks._loop_watch OUT.jsonl serve --config ...   (the CLI, watched)
 """
@@ -65,7 +69,6 @@ class Watch:
         self.out = out.open("a", buffering=1)
         self.ident = threading.get_ident()  # the loop's thread: the one that starts the watch
         self.native = threading.get_native_id()
-        self.cpu_clock = time.pthread_getcpuclockid(self.ident)
         self.last = time.perf_counter()
         self.last_cpu = time.thread_time()
         self.last_proc = time.process_time()
