@@ -375,3 +375,23 @@ async def test_batch_lines_are_priced_at_the_batch_price(tmp_path):
         assert (row["key"], row["route"], row["model"], row["calls"]) == ("alice", "chat", "gpt-4o-mini", 4)
         assert row["cost_usd"] == pytest.approx(float(4 * one / 2))
         assert row["saved_by"]["batch"] == pytest.approx(float(4 * one / 2))
+
+
+def test_a_file_split_into_lines_a_piece_at_a_time_has_the_lines_of_splitlines(monkeypatch):
+    """The input is split a piece at a time (the GIL is let go between pieces); a piece ends
+    after a newline, so a CR LF, other line breaks and empty lines come out as ``splitlines``'s."""
+    from multiplexer.faces.v1 import batch_run
+
+    breaks = ["\n", "\r\n", "\r", "\x0b", "\x0c", "\x1c", "\x85", "\u2028", "x", "yz", " "]
+    texts = ["", "\n", "\r\n", "a\r\nb", "\n\nq\r", "".join(breaks * 3), "".join(reversed(breaks * 3))]
+    for text in texts:
+        for piece in (1, 2, 3, 5, 64):
+            assert list(batch_run.split_lines(text, piece)) == text.splitlines(), (text, piece)
+    line = json.dumps({"custom_id": "c{}", "url": "/v1/embeddings", "body": {"input": "a\u2028b"}},
+                      ensure_ascii=False)
+    content = "\r\n".join([line.replace("{}", str(i)) for i in range(40)] + ["", "{", "[]"]).encode()
+    whole = batch_run.parse_lines(content, "/v1/embeddings")  # one piece: splitlines itself
+    assert whole[1] and whole[1][0]["line"] == 1  # a raw U+2028 breaks a line, as before
+    for piece in (7, 100):
+        monkeypatch.setattr(batch_run, "PIECE", piece)
+        assert batch_run.parse_lines(content, "/v1/embeddings") == whole
