@@ -129,3 +129,27 @@ def test_a_workers_part_of_a_keys_tpm() -> None:
     quotas = Quotas(ManualClock(), {}, lambda q: share_of_quota(q, 4))
     quotas.set_limits("k", Quota(rpm=40, tpm=1000))  # a key's own limits (YAML or stored)
     assert (quotas.quotas["k"].rpm, quotas.quotas["k"].tpm) == (10, 250)
+
+
+class Refused(Exception):
+    """A face's shape of a refusal."""
+
+    def __init__(self, error: RpcError) -> None:
+        self.error = error
+
+
+@pytest.mark.anyio
+async def test_held_keeps_one_request_for_its_body_and_shapes_only_the_refusal() -> None:
+    quotas = Quotas(ManualClock(), {"k": Quota(concurrency=1)})
+    async with quotas.held("k", Refused) as grant:
+        assert grant.slot == LOCAL
+        with pytest.raises(Refused) as refused:  # the key's one slot is held by the body
+            async with quotas.held("k", Refused):
+                pass
+        assert refused.value.error.data["limit"] == "concurrency"
+    with pytest.raises(RpcError, match="bad"):  # the body's own error passes through as it is
+        async with quotas.held("k", Refused):
+            raise RpcError(Code.INVALID_PARAMS, "bad")
+    async with quotas.held("k", Refused) as grant:  # ... and its slot was released
+        assert grant.slot == LOCAL
+    assert grant.slot is None

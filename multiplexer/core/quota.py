@@ -11,7 +11,8 @@ the provider's ``tpm``) at admission and settled to the usage its answer reports
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from multiplexer.core.clock import Clock
@@ -196,6 +197,22 @@ class Quotas:
         """One call's grant for callers outside the gateway's call path (MCP resources and
         prompts, task lookups); raises the refusal."""
         return _granted((await self.decide([Claim(identity)]))[0])
+
+    @asynccontextmanager
+    async def held(self, identity: str | None,
+                   refused: Callable[[RpcError], Exception]) -> AsyncIterator[Grant]:
+        """One request of the caller's key held while the body runs (a request that submits no
+        call: MCP resources and prompts, task lookups, ``/v1`` files and batch records) and
+        released however it ends. A refusal is raised as ``refused`` makes it, the face's shape;
+        the body's own errors pass through as they are."""
+        try:
+            grant = await self.admit(identity)
+        except RpcError as e:
+            raise refused(e) from None
+        try:
+            yield grant
+        finally:
+            self.release(grant)
 
     async def charge(self, identity: str | None, calls: int) -> Grant:
         """A batch charge for ``calls`` (a ``jobs.submit``'s calls); raises the refusal."""

@@ -6,19 +6,35 @@ nothing changed), ``decide`` (the one place that consults quotas, local or share
 ``Grant`` per plan) and ``enqueue(plan, grant)``, the only step with effects. The jobs
 face builds its items with ``route_item`` too, so a batch job's call is the call a
 live one would be.
+
+``Gateway.admit`` is a short sequence of the steps below, each one decision: a gateway
+method's plan (``method_plan``); the route a caller's call takes (``caller_route``: access,
+a model group's pick, ``mode: auto``, the deadline); its item there (``routed_item``: the
+caller's options, trace slot and stream); what it may share (``sharing``: grouping tags and
+dedup key); what it claims of its key's quota (``claim_of``). Each writes only the plan and
+its item: admission runs once per call, so none allocates beyond what the call needs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from multiplexer.core.call import Call, Item
-from multiplexer.core.errors import RpcError
+from multiplexer.core.clock import Clock
+from multiplexer.core.dedup import canonical
+from multiplexer.core.errors import RpcError, invalid_params
+from multiplexer.core.logs import LogFanout
+from multiplexer.core.metrics import Metrics
 from multiplexer.core.policy import RouteConfig
-from multiplexer.core.quota import Claim
-from multiplexer.core.router import Resolved
+from multiplexer.core.provider import STREAM, Provider, Streamer
+from multiplexer.core.quota import Claim, Quotas
+from multiplexer.core.router import Resolved, Router
+from multiplexer.core.sink import ChunkSink
+from multiplexer.core.tracing import Tracer, TraceSlot
+from multiplexer.gateway.auto_mode import deadline_mode
+from multiplexer.gateway.config import Config
 from multiplexer.gateway.tickets import Handler
 
 
@@ -42,6 +58,7 @@ class Plan:
     span: Any = None  # the call's trace span, when calls are traced
     attempts: Any = None  # gateway/fallbacks.Attempts: the call may move on to other routes
     reservation: Any = None  # what a budget reserved for it (money/budgets.py), settled as it ends
+    auto: bool = False  # ``mode: auto`` chose the route's mode by the call's deadline
 
 
 def route_item(resolved: Resolved, params: Any, *, identity: str | None,
@@ -56,3 +73,150 @@ def route_item(resolved: Resolved, params: Any, *, identity: str | None,
                 method=resolved.upstream_method, params=params,
                 priority=priority or route.priority, deadline=deadline, identity=identity,
                 notification=notification, options={**route.extra, "mode": route.mode})
+
+
+class Picks(Protocol):
+    """The fallbacks' part in admission (``gateway/fallbacks.Fallbacks``)."""
+
+    watched: set[str]  # routes whose calls may move on (fallbacks, breakers, max_attempts)
+
+    def pick(self, resolved: Resolved) -> Resolved: ...
+
+
+class Admits(Protocol):
+    """What the steps read of the gateway they admit for (``Gateway``): its config and parts,
+    never its lanes or its state."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def router(self) -> Router: ...
+    @property
+    def fallbacks(self) -> Picks: ...
+    @property
+    def providers(self) -> dict[str, Provider]: ...
+    @property
+    def quotas(self) -> Quotas: ...
+    @property
+    def tracer(self) -> Tracer: ...
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def check_access(self, identity: str, route: str, params: Any, face: str) -> None: ...
+
+
+def method_plan(gw: Admits, plan: Plan, handler: Handler) -> None:
+    """A gateway method's plan (``jobs.*``): its handler, the server's timeout, and one call of
+    its key's quota, like any call."""
+    call = plan.call
+    plan.label, plan.handler = call.method, handler
+    plan.deadline = plan.started + (call.timeout_ms or gw.config.server.default_timeout_ms) / 1000.0
+    plan.claim = claim_of(gw.quotas, call.identity, 0)
+
+
+def caller_route(gw: Admits, plan: Plan) -> Resolved:
+    """The route this caller's call takes, and its deadline there: the name resolved, the key's
+    access checked, a model group's first route by its strategy, ``mode: auto`` made batch or
+    sync by the call's deadline. Raises the refusal."""
+    call = plan.call
+    resolved = gw.router.resolve(call.method)
+    if call.identity is not None:
+        gw.check_access(call.identity, call.method, call.params, call.face)
+    if resolved.group is not None:
+        resolved = gw.fallbacks.pick(resolved)
+    plan.label = resolved.name
+    if resolved.route.mode == "auto":  # the batch API or now
+        plan.auto = True
+        resolved = deadline_mode(resolved, call.timeout_ms, gw.providers[resolved.route.provider])
+    route = plan.route = resolved.route
+    timeout_ms = call.timeout_ms or route.timeout_ms or gw.config.server.default_timeout_ms
+    plan.deadline = plan.started + timeout_ms / 1000.0
+    return resolved
+
+
+def routed_item(gw: Admits, plan: Plan, resolved: Resolved, provider: Provider) -> Item:
+    """The call's item on its route, with what the caller listens on (progress, log messages,
+    a stream's chunks) and the slot its trace spans hang from."""
+    call, route, span = plan.call, resolved.route, plan.span
+    item = route_item(resolved, call.params, identity=call.identity, operation=call.operation,
+                      priority=call.priority, deadline=plan.deadline, notification=call.notification)
+    if call.progress is not None:
+        item.options["progress"] = call.progress
+    if call.log is not None:
+        item.options["log"] = LogFanout([call.log])
+    if span is not None:
+        item.trace = TraceSlot(span)
+        gw.tracer.routed(span, item, route.provider, gw.config.providers[route.provider].kind)
+    if call.sink is not None:
+        streamable(resolved.name, route, provider)
+        item.options[STREAM] = ChunkSink(call.sink, first_chunk(gw, resolved.name, span))
+    return item
+
+
+def sharing(plan: Plan, item: Item, provider: Provider) -> None:
+    """What the prepared item may share: the batches it may ride in (``item.group`` narrowed)
+    and, where safe, the identical calls it may share one execution with (``plan.dedup_key``)."""
+    call, route = plan.call, plan.route
+    assert route is not None
+    if call.sink is not None:  # a stream rides alone and is never shared
+        item.group = tagged(item.group, "stream")
+        return
+    if route.mode == "batch" and call.identity is not None:
+        item.group = tagged(item.group, call.identity)  # one job per owner (jobs.*)
+    if plan.auto and route.mode == "batch":  # never in one upstream batch with its sync calls
+        item.group = tagged(item.group, "batch")
+    plan.dedup_key = dedup_key(call, route, item, provider)
+
+
+def claim_of(quotas: Quotas, identity: str | None, batch_calls: int, tokens: int = 0) -> Claim | None:
+    """What a call asks of its key's quota; None for keyless callers and keys without one.
+    ``tokens``: the estimate its provider made (``Item.tokens``, what its lane charges to the
+    provider's tpm), asked only of a key with tpm."""
+    quota = quotas.quotas.get(identity) if identity is not None else None
+    if quota is None:
+        return None
+    return Claim(identity, call=True, batch_calls=batch_calls,
+                 tokens=tokens if quota.tpm is not None else 0)
+
+
+def dedup_key(call: Call, route: RouteConfig, item: Item, provider: Provider) -> Hashable | None:
+    """The key identical calls share one execution under; None when they may not."""
+    allowed = route.dedup if route.dedup is not None else (
+        call.idempotency_key is not None or provider.dedup_safe(item)
+    )
+    if not allowed or call.notification:
+        return None
+    scope = None if route.dedup_scope == "global" else call.identity
+    body = call.idempotency_key if call.idempotency_key is not None else canonical(item.params)
+    return (item.route, item.method, scope, body)
+
+
+def tagged(group: Hashable, tag: Hashable) -> tuple[Hashable, ...]:
+    """``group`` narrowed by ``tag``: a tuple extended, any other group (None: the provider lets any
+    calls share a batch) kept whole as the first element, never unpacked."""
+    return (*group, tag) if isinstance(group, tuple) else (group, tag)
+
+
+def streamable(name: str, route: RouteConfig, provider: Provider) -> None:
+    """Raise why a call on this route cannot stream."""
+    if not isinstance(provider, Streamer):
+        raise invalid_params(f"route {name} cannot stream (its provider has no streaming)",
+                             param="stream")
+    if route.mode == "batch":
+        raise invalid_params(f"route {name} runs as batch jobs and cannot stream", param="stream")
+
+
+def first_chunk(gw: Admits, route: str, span: Any) -> Callable[[], None]:
+    """What a stream admitted now does when its first chunk leaves: its time to first chunk
+    in ``/metrics`` and on its span."""
+    start = gw.clock.now()
+
+    def first() -> None:
+        seconds = gw.clock.now() - start
+        gw.metrics.time_to_first_chunk.labels(route).observe(seconds)
+        if span is not None:
+            gw.tracer.first_chunk(span, seconds)
+
+    return first

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 from multiplexer.core.attempts import BUDGET, Budget
@@ -34,7 +34,7 @@ from multiplexer.core.provider import STREAM, Streamer
 from multiplexer.core.router import Resolved
 from multiplexer.core.sink import ChunkSink
 from multiplexer.core.tracing import TraceSlot
-from multiplexer.gateway.admission import Plan, route_item
+from multiplexer.gateway.admission import Plan, route_item, tagged
 from multiplexer.gateway.chains import context_fallbacks, expand, plain_fallbacks
 from multiplexer.gateway.tickets import Ticket
 
@@ -67,10 +67,6 @@ class Attempts:
         self.mark = 0  # the budget's requests spent when the attempt under way began
         self.number = 0  # attempts begun
         self.trace: Any = None  # the attempt's span, when calls are traced
-
-
-def tagged(group: Hashable, tag: Hashable) -> tuple[Hashable, ...]:
-    return (*group, tag) if isinstance(group, tuple) else (group, tag)
 
 
 def own_model(route: RouteConfig, params: Any) -> Any:

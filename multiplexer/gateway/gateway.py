@@ -19,28 +19,27 @@ from multiplexer.access.compose import directory_for, keys_running
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import Clock, MonotonicClock, remaining
-from multiplexer.core.dedup import ProgressFanout, TtlCache, canonical
-from multiplexer.core.errors import RpcError, cancelled, internal_error, invalid_params, timeout_error
+from multiplexer.core.dedup import ProgressFanout, TtlCache
+from multiplexer.core.errors import RpcError, cancelled, internal_error, timeout_error
 from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import Limiter
 from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import UNROUTED, Metrics, code_label
-from multiplexer.core.provider import STREAM, Provider, ProviderContext, Streamer, ToolSpec
-from multiplexer.core.quota import FREE, Claim, Grant
+from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
+from multiplexer.core.quota import FREE, Grant
 from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.shared_quota import SharedQuotas
-from multiplexer.core.sink import ChunkSink
 from multiplexer.core.streaming import with_streams
-from multiplexer.core.tracing import Tracer, TraceSlot
-from multiplexer.gateway.admission import Plan, route_item
+from multiplexer.core.tracing import Tracer
+from multiplexer.gateway.admission import Plan, caller_route, claim_of, method_plan, routed_item, sharing
 from multiplexer.gateway.catalog import route_tools
 from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.fallbacks import Fallbacks
 from multiplexer.gateway.flights import CachedOutcome, Unsent
 from multiplexer.gateway.job_fallbacks import JobFallbacks
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
-from multiplexer.gateway.spend import deadline_mode, money_for, reserve_budgets, shared_how
+from multiplexer.gateway.spend import money_for, reserve_budgets, shared_how
 from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, settle
 from multiplexer.money.prices import tokens_of
@@ -68,12 +67,6 @@ def used_tokens(outcome: Outcome, shared: str | None) -> int | None:
     result = outcome.built()
     tokens = tokens_of(result.get("usage")) if type(result) is dict else None
     return None if tokens is None else tokens.input + tokens.output
-
-
-def _tagged(group: Hashable, tag: Hashable) -> tuple[Hashable, ...]:
-    """``group`` narrowed by ``tag``: a tuple extended, any other group (None: the provider lets any
-    calls share a batch) kept whole as the first element, never unpacked."""
-    return (*group, tag) if isinstance(group, tuple) else (group, tag)
 
 
 class Gateway:
@@ -291,60 +284,28 @@ class Gateway:
 
     def admit(self, call: Call) -> Plan:
         """Stage one: everything about a call that needs no state (route, operation, item,
-        dedup key, what it claims of its key's quota). Reads the config and the clock only;
-        a refusal here is the plan's ``error`` and charges nothing."""
-        # Metrics label by route, never by the client's method string: unknown names would
-        # grow the registry without bound (and a lone surrogate would break /metrics).
+        dedup key, what it claims of its key's quota), one step of ``gateway/admission.py``
+        each. Reads the config and the clock only; a refusal here is the plan's ``error`` and
+        charges nothing."""
+        # labelled by route, never by the client's method string: unknown names would grow the
+        # metrics without bound (and a lone surrogate would break /metrics)
         plan = Plan(call, UNROUTED, math.inf, started=self.clock.now())
-        span = plan.span = self.tracer.start_call(call) if self.tracer.enabled else None
+        plan.span = self.tracer.start_call(call) if self.tracer.enabled else None
         try:
             builtin = self.methods.get(call.method)
             if builtin is not None:
-                plan.label = call.method
-                timeout_ms = call.timeout_ms or self.config.server.default_timeout_ms
-                plan.deadline = plan.started + timeout_ms / 1000.0
-                plan.handler = builtin[0]
-                plan.claim = self._claim(call.identity, 0)  # jobs.* count like any call
+                method_plan(self, plan, builtin[0])
                 return plan
-            resolved = self.router.resolve(call.method)
-            if call.identity is not None:
-                self.check_access(call.identity, call.method, call.params, call.face)
-            if resolved.group is not None:  # a model group: the route its strategy tries first
-                resolved = self.fallbacks.pick(resolved)
-            plan.label = resolved.name
-            auto = resolved.route.mode == "auto"
-            if auto:  # the batch API or now, by the call's deadline
-                resolved = deadline_mode(resolved, call.timeout_ms, self.providers[resolved.route.provider])
-            route = plan.route = resolved.route
-            timeout_ms = call.timeout_ms or route.timeout_ms or self.config.server.default_timeout_ms
-            plan.deadline = plan.started + timeout_ms / 1000.0
-            item = plan.item = route_item(
-                resolved, call.params, identity=call.identity, operation=call.operation,
-                priority=call.priority, deadline=plan.deadline, notification=call.notification)
-            if call.progress is not None:
-                item.options["progress"] = call.progress
-            if call.log is not None:
-                item.options["log"] = LogFanout([call.log])
+            resolved = caller_route(self, plan)
+            route = resolved.route
             provider = self.providers[route.provider]
-            if span is not None:
-                item.trace = TraceSlot(span)
-                self.tracer.routed(span, item, route.provider,
-                                   self.config.providers[route.provider].kind)
-            if call.sink is not None:
-                self._streamable(resolved.name, route, provider)
-                item.options[STREAM] = ChunkSink(call.sink, self._first_chunk(resolved.name, span))
+            item = plan.item = routed_item(self, plan, resolved, provider)
             if resolved.group is not None or resolved.name in self.fallbacks.watched:
                 plan.attempts = self.fallbacks.attempts(plan, resolved)
             provider.prepare(route, item)
-            if call.sink is not None:  # a stream rides alone and is never shared
-                item.group = _tagged(item.group, "stream")
-            else:
-                if route.mode == "batch" and call.identity is not None:
-                    item.group = _tagged(item.group, call.identity)  # one job per owner (jobs.*)
-                if auto and route.mode == "batch":  # never in one upstream batch with its sync calls
-                    item.group = _tagged(item.group, "batch")
-                plan.dedup_key = self._dedup_key(call, route, item, provider)
-            plan.claim = self._claim(call.identity, 1 if route.mode == "batch" else 0, item.tokens)
+            sharing(plan, item, provider)
+            plan.claim = claim_of(self.quotas, call.identity, 1 if route.mode == "batch" else 0,
+                                  item.tokens)
         except RpcError as e:
             plan.error = e
         except Exception as e:
@@ -358,16 +319,6 @@ class Gateway:
         rules = self.keys.rules.get(identity)
         if rules is not None and (refusal := rules.refusal(route, params, face)) is not None:
             raise refusal
-
-    def _claim(self, identity: str | None, batch_calls: int, tokens: int = 0) -> Claim | None:
-        """What a call asks of its key's quota; None for keyless callers and keys without one.
-        ``tokens``: the estimate its provider made (``Item.tokens``, what its lane charges to the
-        provider's tpm), asked only of a key with tpm."""
-        quota = self.quotas.quotas.get(identity) if identity is not None else None
-        if quota is None:
-            return None
-        return Claim(identity, call=True, batch_calls=batch_calls,
-                     tokens=tokens if quota.tpm is not None else 0)
 
     def enqueue(self, plan: Plan, grant: Grant) -> Ticket:
         """Stage three, the only one with effects: answer from the cache, join an identical call
@@ -443,27 +394,6 @@ class Gateway:
             ticket.log = (logs, call.log)
         ticket.pending, ticket.key, ticket.cache_ttl = pending, key, route.cache_ttl_s
 
-    def _first_chunk(self, route: str, span: Any) -> Callable[[], None]:
-        """What a stream admitted now does when its first chunk leaves: its time to first chunk
-        in ``/metrics`` and on its span."""
-        start = self.clock.now()
-
-        def first() -> None:
-            seconds = self.clock.now() - start
-            self.metrics.time_to_first_chunk.labels(route).observe(seconds)
-            if span is not None:
-                self.tracer.first_chunk(span, seconds)
-
-        return first
-
-    @staticmethod
-    def _streamable(name: str, route: RouteConfig, provider: Provider) -> None:
-        if not isinstance(provider, Streamer):
-            raise invalid_params(f"route {name} cannot stream (its provider has no streaming)",
-                                 param="stream")
-        if route.mode == "batch":
-            raise invalid_params(f"route {name} runs as batch jobs and cannot stream", param="stream")
-
     async def _run_handler(self, t: Ticket) -> None:
         assert t.handler is not None and t.call is not None
         try:
@@ -533,18 +463,6 @@ class Gateway:
         except Exception as e:
             log.exception("route %s: its result could not be answered", t.label)
             return Outcome.fail(internal_error(type(e).__name__))
-
-    def _dedup_key(
-        self, call: Call, route: RouteConfig, item: Item, provider: Provider
-    ) -> Hashable | None:
-        allowed = route.dedup if route.dedup is not None else (
-            call.idempotency_key is not None or provider.dedup_safe(item)
-        )
-        if not allowed or call.notification:
-            return None
-        scope = None if route.dedup_scope == "global" else call.identity
-        body = call.idempotency_key if call.idempotency_key is not None else canonical(item.params)
-        return (item.route, item.method, scope, body)
 
     # -- discovery -------------------------------------------------------------
     async def list_tools(self) -> list[ToolSpec]:

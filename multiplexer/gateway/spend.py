@@ -4,17 +4,12 @@ none of it runs."""
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
-from multiplexer.core.policy import RouteConfig
-from multiplexer.core.provider import BatchCapable, Provider
 from multiplexer.core.quota import Grant, Quotas
-from multiplexer.core.router import Resolved
 from multiplexer.core.state import SharedState
 from multiplexer.gateway.admission import Plan
 from multiplexer.gateway.config import Config
@@ -96,34 +91,3 @@ def shared_how(ticket_shared: str | None, outcome: Any) -> str | None:
     if ticket_shared is not None:
         return ticket_shared
     return getattr(outcome, "shared", None)
-
-
-_WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
-_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-_AS_MODE: dict[tuple[int, str], RouteConfig] = {}  # an auto route as batch or sync, made once
-
-
-def completion_window_s(provider: Provider) -> float | None:
-    """The provider's batch completion window in seconds (``batch_completion_window: 24h``);
-    None when it has no batch API."""
-    if not isinstance(provider, BatchCapable):
-        return None
-    raw = getattr(getattr(provider, "settings", None), "batch_completion_window", "24h")
-    m = _WINDOW.match(str(raw))
-    return float(m.group(1)) * _UNIT[m.group(2)] if m else None
-
-
-def deadline_mode(resolved: Resolved, timeout_ms: float | None, provider: Provider) -> Resolved:
-    """``mode: auto``: the route as ``mode: batch`` for a call whose deadline (its own, else the
-    route's ``max_latency_s``) allows the provider's completion window, as ``sync`` otherwise."""
-    route = resolved.route
-    window = completion_window_s(provider)
-    allowed = timeout_ms / 1000.0 if timeout_ms is not None else route.max_latency_s
-    mode = "batch" if window is not None and allowed is not None and allowed >= window else "sync"
-    as_mode = _AS_MODE.get((id(route), mode))
-    if as_mode is None:
-        update: dict[str, Any] = {"mode": mode}
-        if mode == "batch" and route.timeout_ms is None and route.max_latency_s is not None:
-            update["timeout_ms"] = route.max_latency_s * 1000.0  # a job's call waits its window
-        as_mode = _AS_MODE[(id(route), mode)] = route.model_copy(update=update)
-    return dataclasses.replace(resolved, route=as_mode)

@@ -246,15 +246,8 @@ class McpFace:
         quotas = self.gateway.quotas
 
         async def run(ctx: ServerRequestContext[Any, Any], params: Any) -> R:
-            identity = identity_of(ctx)
-            try:
-                grant = await quotas.admit(identity)
-            except RpcError as e:
-                raise mcp_error(e) from None
-            try:
+            async with quotas.held(identity_of(ctx), mcp_error):
                 return await handler(ctx, params)
-            finally:
-                quotas.release(grant)
 
         return run
 

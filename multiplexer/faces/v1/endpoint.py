@@ -57,15 +57,8 @@ class Endpoint:
             if not self.metered:
                 await self.handle(scope, receive, send, identity, base)
                 return
-            quotas = self.v1.gateway.quotas
-            try:
-                grant = await quotas.admit(identity)
-            except RpcError as e:
-                raise http_error(e, self.surface) from None
-            try:
+            async with self.v1.gateway.quotas.held(identity, self._refused):
                 await self.handle(scope, receive, send, identity, base)
-            finally:
-                quotas.release(grant)
         except HttpError as e:
             if note is not None:
                 note.code = e.error.code
@@ -73,6 +66,9 @@ class Endpoint:
         except Exception as e:  # a bug: this API's error body, never a bare 500 (nothing was sent)
             error = unexpected(self.v1.gateway, f"{scope['method']} {scope['path']}", e)
             await send_error(send, self.surface, HttpError(500, error), base)
+
+    def _refused(self, error: RpcError) -> HttpError:
+        return http_error(error, self.surface)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
