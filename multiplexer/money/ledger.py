@@ -106,10 +106,10 @@ class Money:
             records = self.meter.take()
             if not records:
                 return
-            rows = self.rows(records)
             try:
                 store = await self._store()
-                await anyio.to_thread.run_sync(store.add, rows)
+                # summed on the writer's thread too: a 2 s batch is thousands of records
+                await anyio.to_thread.run_sync(lambda: store.add(self.rows(records)))
             except Exception:
                 log.exception("spend could not be written (%d calls); /metrics counts it", len(records))
 
