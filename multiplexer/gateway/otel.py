@@ -29,7 +29,7 @@ import random
 import time
 from collections.abc import Iterator, MutableMapping, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -43,6 +43,7 @@ from multiplexer.core.version import VERSION
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+    from opentelemetry.sdk.trace import Tracer as SdkTracer
 
     from multiplexer.core.batching import Pending
 
@@ -76,6 +77,8 @@ class _Span(ReadableSpan):
                  parent: SpanContext | None, parent_ids: Ids | None, kind: SpanKind,
                  attributes: dict[str, Any], links: list[Link], link_ids: list[Any]) -> None:
         # ReadableSpan.__init__ would build an empty Resource per span: the fields are set here
+        # (the typed names are the same objects as ReadableSpan's fields, which it types loosely)
+        self.ctx, self.attrs, self.link_list = context, attributes, links
         self._name, self._context, self._parent, self._kind = name, context, parent, kind
         self._attributes, self._links, self._events = attributes, links, ()
         self._resource, self._instrumentation_scope = tracer.resource, tracer.scope
@@ -92,17 +95,17 @@ class _Span(ReadableSpan):
         self._name = name
 
     def set_attribute(self, key: str, value: Any) -> None:
-        self._attributes[key] = value
+        self.attrs[key] = value
 
     def set_attributes(self, attributes: dict[str, Any]) -> None:
-        self._attributes.update(attributes)
+        self.attrs.update(attributes)
 
     def add_link(self, context: SpanContext, attributes: dict[str, Any] | None = None) -> None:
-        self._links.append(Link(context, attributes))
+        self.link_list.append(Link(context, attributes))
         self.link_ids.append((_ids(context), attributes))
 
     def link(self, other: _Span, attributes: dict[str, Any] | None = None) -> None:
-        self._links.append(Link(other._context, attributes))
+        self.link_list.append(Link(other.ctx, attributes))
         self.link_ids.append((other.ids, attributes))
 
     def set_status(self, status: Status) -> None:
@@ -112,7 +115,7 @@ class _Span(ReadableSpan):
         """The span as ``span_export.compact`` makes it, from the fields (no copies: it ended)."""
         s = self._status
         return (self._name, self.ids, self.parent_ids, self._kind.value, self._start_time,
-                self._end_time, self._attributes, self.link_ids, [],
+                self._end_time, self.attrs, self.link_ids, [],
                 s.status_code.value, s.description, _SCOPE)
 
     def end(self) -> None:
@@ -151,7 +154,7 @@ class OtelTracer(Tracer):
         """``exporting``: the provider's ``span_export.ProcessSpanProcessor`` when it is the only
         one, so an ended span goes straight to its queue."""
         self._provider = provider
-        sdk = provider.get_tracer("multiplexer", VERSION)
+        sdk = cast(SdkTracer, provider.get_tracer("multiplexer", VERSION))
         self.processor: SpanProcessor = sdk.span_processor
         self.take = exporting.take if exporting is not None else None
         self.sampler = sdk.sampler
@@ -166,7 +169,7 @@ class OtelTracer(Tracer):
 
     def _child(self, name: str, parent: _Span, kind: SpanKind, attributes: dict[str, Any],
                links: list[Link] | None = None, link_ids: list[Any] | None = None) -> _Span:
-        pc, pids = parent._context, parent.ids
+        pc, pids = parent.ctx, parent.ids
         context, ids = _new_context(pids[0], pids[2], pc.trace_state)
         return _Span(self, name, context, ids, pc, pids, kind, attributes, links or [], link_ids or [])
 
@@ -220,7 +223,7 @@ class OtelTracer(Tracer):
             span.set_attribute("gen_ai.response.time_to_first_chunk", seconds)
 
     def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
-        attributes = span._attributes
+        attributes = span.attrs
         if slot is not None and slot.batch is not None:
             span.link(slot.batch, _BATCH_LINK)
             attributes["multiplexer.batch.size"] = slot.batch_size
@@ -265,7 +268,7 @@ class OtelTracer(Tracer):
                 attributes["gen_ai.request.model"] = model
         name = f"{op} {model}" if op is not None and model is not None else first.method
         spans = [p.item.trace.span for p in traced]
-        links = [Link(t._context) for t in spans]
+        links = [Link(t.ctx) for t in spans]
         link_ids = [(t.ids, None) for t in spans]
         # one caller: its trace holds the upstream request; several: a trace of its own
         if len(pending) == 1 and callers == 1 and traced:
@@ -276,7 +279,7 @@ class OtelTracer(Tracer):
             slot = p.item.trace
             slot.batch, slot.batch_size, slot.wait_s = span, len(pending), max(0.0, now - p.enqueued)
         # current while the provider runs: ``inject`` and the MCP SDK's propagation read it
-        token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(span._context)))
+        token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(span.ctx)))
         mine = _BATCH.set(span)
         try:
             yield

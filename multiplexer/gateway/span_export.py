@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
@@ -202,7 +202,7 @@ def rebuild(c: Compact, resource: Any) -> ReadableSpan:
     return ReadableSpan(
         name, context=ctx(context), parent=ctx(parent), resource=resource, attributes=attributes,
         events=[Event(n, a, timestamp=t) for n, t, a in events],
-        links=[Link(ctx(lc), la) for lc, la in links], kind=SpanKind(kind),
+        links=[Link(cast(SpanContext, ctx(lc)), la) for lc, la in links], kind=SpanKind(kind),
         status=Status(StatusCode(code), description), start_time=start, end_time=end,
         instrumentation_scope=InstrumentationScope(*scope) if scope is not None else None)
 
