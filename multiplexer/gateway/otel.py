@@ -154,7 +154,7 @@ class OtelTracer(Tracer):
         """``exporting``: the provider's ``span_export.ProcessSpanProcessor`` when it is the only
         one, so an ended span goes straight to its queue."""
         self._provider = provider
-        sdk = cast(SdkTracer, provider.get_tracer("multiplexer", VERSION))
+        sdk = cast("SdkTracer", provider.get_tracer("multiplexer", VERSION))
         self.processor: SpanProcessor = sdk.span_processor
         self.take = exporting.take if exporting is not None else None
         self.sampler = sdk.sampler
