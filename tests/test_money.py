@@ -389,3 +389,49 @@ async def test_mcp_results_carry_the_cost_when_asked(tmp_path: Path) -> None:
             assert not asked.is_error and (asked.meta or {}).get("cost_usd") == "0.0000021"
             plain = await mcp.call_tool("chat", args)
             assert not plain.is_error and not (plain.meta or {}).get("cost_usd")
+
+
+async def test_the_writer_stops_before_the_spend_store_closes(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A gateway closing while its spend writer is mid-batch: the writer's task ends first, the
+    last batch is written after it, and nothing touches the closed store (no error logged)."""
+    import logging
+    import threading
+
+    from multiplexer.gateway.gateway import Gateway
+    from multiplexer.money.spend_store import SpendStore
+
+    caplog.set_level(logging.ERROR)
+    clock = ManualClock()
+    conf = parse_config({"store": {"path": str(tmp_path / "jobs.db")},
+                         "providers": {"m": {"kind": "mock", "price": {"input_per_mtok": 1,
+                                                                      "output_per_mtok": 1}}},
+                         "routes": {"chat": {"provider": "m", "operation": "chat", "models": ["gpt-x"]}}})
+    entered, release = threading.Event(), threading.Event()
+    added: list[int] = []
+    real_add = SpendStore.add
+
+    def slow_add(self: SpendStore, rows: Any) -> None:
+        entered.set()
+        release.wait(10)  # the writer holds its batch while the gateway starts closing
+        added.append(sum(r[5] for r in rows))
+        real_add(self, rows)
+
+    gw = Gateway(conf, clock=clock)
+    async with gw:
+        assert gw.money is not None
+        gw.money.store = None
+        SpendStore.add = slow_add  # type: ignore[method-assign]
+        try:
+            assert (await gw.submit(Call("chat", chat("one")))).ok
+            await clock.advance(gw.money.config.flush_interval_s)  # the writer's batch starts
+            await anyio.to_thread.run_sync(entered.wait, 10)
+            assert (await gw.submit(Call("chat", chat("two")))).ok  # after the batch was taken
+            timer = threading.Timer(0.05, release.set)  # lets the batch go once closing began
+            timer.start()
+            await gw.aclose()
+            timer.join()
+        finally:
+            SpendStore.add = real_add  # type: ignore[method-assign]
+    assert added == [1, 1]  # the writer's batch, then the last one, both written
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -139,10 +139,11 @@ class Gateway:
                 stack.push_async_callback(provider.aclose)
                 self.started.add(name)
             await stack.enter_async_context(keys_running(self.keys, self.config))
+            if self.money is not None:  # its last batch written once the lanes and the writer
+                stack.push_async_callback(self.money.aclose)  # task stopped (closed after them)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
             if self.money is not None:  # spend written and budgets settled off the call path
-                stack.push_async_callback(self.money.aclose)
                 self._tg.start_soon(self.money.run)
             if self.state is not None:
                 self._tg.start_soon(self.state.heartbeat_forever)
