@@ -224,11 +224,26 @@ async def worker_pid(client: httpx.AsyncClient, url: str) -> int:
 
 
 async def connections_to_both(url: str, n: int = 24) -> list[tuple[httpx.AsyncClient, int]]:
-    """``n`` connections and the worker each landed on; fails unless both workers got some."""
-    clients = [one_connection() for _ in range(n)]
-    pids = [await worker_pid(c, url) for c in clients]
-    assert len(set(pids)) == 2, f"every connection landed on one worker: {pids}"
-    return list(zip(clients, pids, strict=True))
+    """At least ``n`` connections and the worker each landed on, opened ``n`` at a time (at once:
+    one after another, the worker that won the last ``accept`` on a shared socket tends to win
+    them all) until both workers have some; fails if ten rounds never reach both."""
+    out: list[tuple[httpx.AsyncClient, int]] = []
+    for _ in range(10):
+        clients = [one_connection() for _ in range(n)]
+        pids = [0] * n
+
+        async def land(i: int, client: httpx.AsyncClient, pids: list[int] = pids) -> None:
+            pids[i] = await worker_pid(client, url)
+
+        async with anyio.create_task_group() as tg:
+            for i, client in enumerate(clients):
+                tg.start_soon(land, i, client)
+        out += zip(clients, pids, strict=True)
+        if len({pid for _, pid in out}) == 2:
+            return out
+    for client, _ in out:
+        await client.aclose()
+    raise AssertionError(f"every connection landed on one worker: {[pid for _, pid in out]}")
 
 
 def rpc(method: str, params: Any, id_: int = 1) -> dict[str, Any]:
