@@ -351,3 +351,19 @@ def test_a_chain_never_mixes_a_kind_with_its_own_body_and_one_without() -> None:
     data["groups"] = {"m": {"routes": ["a", "b"]}}
     with pytest.raises(ConfigError, match="a fallback must take the same body"):
         parse_config(data)
+
+
+async def test_a_failed_attempt_still_tries_a_fallback_whose_breaker_is_open_once(tmp_path):
+    """Nothing but an open breaker is left after the first route failed: that route takes the
+    call once rather than leaving it with an error it might not have made."""
+    router, up = upstreams("a", "b")
+    up["a"].forever(500)
+    routes = {"chat_a": {**ROUTES["chat_a"], "context_window_fallbacks": [],
+                         "on": ["server_error", "breaker_open"]}, "chat_b": ROUTES["chat_b"]}
+    async with gateway(tmp_path, router, up, routes, attempts=1,
+                       breaker={"allowed_fails": 1, "window_s": 60, "cooldown_s": 60}) as gw:
+        gw.fallbacks.breakers.get("b").failure()
+        assert gw.fallbacks.breakers.get("b").state == "open"
+        out = await gw.submit(Call("chat_a", chat()))
+    assert out.ok and answered_by(out.result) == "b"
+    assert (up["a"].count, up["b"].count) == (1, 1)

@@ -115,3 +115,27 @@ async def test_least_busy_latency_and_weighted_pick_their_first_route(tmp_path):
         await gw.submit_many(calls)
         assert {c.route for c in calls} == {"oai_west"}
         assert up["west"].count == 10 and up["east"].count == 0
+
+
+async def test_with_every_routes_breaker_open_the_first_route_takes_the_call(tmp_path):
+    """Breakers keep calls off a failing endpoint while another can serve. With both of a
+    group's routes open, a call is not refused untried: the strategy's first route takes it,
+    once (counted as ``all_open``); a route alone still fails fast while its breaker is open."""
+    from multiplexer.core.errors import Code
+
+    router, up = upstreams("east", "west")
+    breaker = {"allowed_fails": 1, "window_s": 60, "cooldown_s": 60}
+    async with gateway(tmp_path, router, up, ROUTES, groups=GROUPS, breaker=breaker) as gw:
+        gw.fallbacks.breakers.get("east").failure()
+        gw.fallbacks.breakers.get("west").failure()
+        assert [gw.fallbacks.breakers.get(n).state for n in ("east", "west")] == ["open", "open"]
+        out = await gw.submit(Call("gpt-x", chat()))
+        assert out.ok, out.error
+        served = answered_by(out.result)
+        alone = await gw.submit(Call("plain", chat(model="gpt-plain")))  # a route alone
+        text = gw.metrics.render().decode()
+    assert served in ("east", "west") and up[served].count == 1
+    assert up["east"].count + up["west"].count == 1  # one request: the call was not walked twice
+    assert alone.error is not None and alone.error.code == Code.UPSTREAM_UNAVAILABLE
+    assert alone.error.data["breaker"] == "open"
+    assert f'multiplexer_attempts_total{{result="all_open",route="oai_{served}"}} 1.0' in text

@@ -50,7 +50,7 @@ class Attempts:
     """One call's walk over its routes."""
 
     __slots__ = ("budget", "call", "context", "mark", "number", "on", "queue", "route", "sink",
-                 "span", "trace", "tried")
+                 "span", "trace", "tried", "why")
 
     def __init__(self, call: Call, route: str, queue: list[str], context: list[str],
                  on: tuple[str | int, ...], budget: Budget | None, span: Any,
@@ -67,6 +67,7 @@ class Attempts:
         self.mark = 0  # the budget's requests spent when the attempt under way began
         self.number = 0  # attempts begun
         self.trace: Any = None  # the attempt's span, when calls are traced
+        self.why = ""  # why the last lane refused an attempt (``Fallbacks._queue``)
 
 
 def own_model(route: RouteConfig, params: Any) -> Any:
@@ -211,7 +212,8 @@ class Fallbacks:
         if breaker is not None and not breaker.allow():
             error = self._open_error(plan.route.provider, breaker.retry_after())
             self.metrics.attempts.labels(att.route, "breaker_open").inc()
-            if "breaker_open" not in att.on or not self._next(t, att, error, "breaker_open"):
+            if "breaker_open" not in att.on or not self._next(t, att, error, "breaker_open",
+                                                               opened=[att.route]):
                 self._final(att)
                 t.attempts = None  # answered as it is: no attempt of it ran
                 self.gw._finish(t, Outcome.fail(error))
@@ -305,9 +307,17 @@ class Fallbacks:
             t.log[0].remove(t.log[1])
             t.log = None
 
-    def _next(self, t: Ticket, att: Attempts, error: RpcError, reason: str) -> bool:
-        """Queue the next route that may run; False when none is left."""
+    def _next(self, t: Ticket, att: Attempts, error: RpcError, reason: str,
+              opened: list[str] | None = None) -> bool:
+        """Queue the next route that may run; False when none is left.
+
+        ``opened``: routes this walk passed over for an open breaker. When nothing else is left,
+        the first of them takes the call anyway, once: breakers keep calls off a failing
+        endpoint while another can serve, and with none left a refusal would be an error some
+        provider might not have made (as a load balancer's panic mode sends to unhealthy hosts
+        when too few are healthy). A route alone, with no fallback, still fails fast."""
         queue = att.context if reason == "context_window" else att.queue
+        opened = list(opened or ())
         came_from = att.route
         while queue:
             name = queue.pop(0)
@@ -324,23 +334,36 @@ class Fallbacks:
                 self.metrics.attempts.labels(name, "breaker_open").inc()
                 if "breaker_open" not in att.on:
                     return False
+                opened.append(name)
                 came_from, reason = name, "breaker_open"
                 continue
-            item = self._item(t, att, name, route)
-            try:
-                lane = self.gw._lane_for(name, route)
-                pending = lane.submit(item)
-            except RpcError as e:
-                self.metrics.attempts.labels(name, reason_of(e) or "client_error").inc()
-                came_from, reason = name, reason_of(e) or "overloaded"
-                continue
-            att.route = att.call.route = name
-            t.pending, t.lane = pending, lane
-            self._began(name, t)
-            if t.waiter is not None:  # settling: wake it when this attempt ends
-                pending.future.add_done_callback(t)
-            return True
+            if self._queue(t, att, name, route):
+                return True
+            came_from, reason = name, att.why
+        if opened and (att.number > 0 or len(opened) >= 2):  # only open routes were left
+            for name in opened:
+                self.metrics.attempts.labels(name, "all_open").inc()
+                if self._queue(t, att, name, self.routes[name]):
+                    return True
         return False
+
+    def _queue(self, t: Ticket, att: Attempts, name: str, route: RouteConfig) -> bool:
+        """The attempt on ``name`` queued on its lane; False when the lane refused it (why in
+        ``att.why``)."""
+        item = self._item(t, att, name, route)
+        try:
+            lane = self.gw._lane_for(name, route)
+            pending = lane.submit(item)
+        except RpcError as e:
+            self.metrics.attempts.labels(name, reason_of(e) or "client_error").inc()
+            att.why = reason_of(e) or "overloaded"
+            return False
+        att.route = att.call.route = name
+        t.pending, t.lane = pending, lane
+        self._began(name, t)
+        if t.waiter is not None:  # settling: wake it when this attempt ends
+            pending.future.add_done_callback(t)
+        return True
 
     def _item(self, t: Ticket, att: Attempts, name: str, route: RouteConfig) -> Item:
         """The call's item on another route, as admission would have made it there."""
