@@ -228,10 +228,37 @@ async def test_a_caller_key_sees_its_own_spend_only(tmp_path: Any) -> None:
     assert alice["budgets"][0]["reset_at"] > 0 and alice["budgets"][2]["reset_at"] is None
     assert bob["budgets"] == [] and str(float(bob_cost)) not in json.dumps(alice)
     assert "bob" not in json.dumps(alice)
-    # the admin's panel is as before: /metrics's counters, every key together, by route
-    assert set(admin) == {"configured", "cost_usd", "saved_usd", "saved_by", "unknown_cost_calls", "routes"}
+    # the admin's panel: /metrics's counters, every key together, by route; and what the store
+    # has by day and by key (nothing written yet when it was read: the writer had not flushed)
+    assert set(admin) == {"configured", "cost_usd", "saved_usd", "saved_by", "unknown_cost_calls", "routes",
+                          "stored"}
     assert admin["cost_usd"] == m[("multiplexer_spend_usd_total", (("provider", "m"), ("route", "chat")))]
     assert admin["cost_usd"] == pytest.approx(float(alice_cost + bob_cost))
+    assert admin["stored"]["days"] == [] and admin["stored"]["keys"] == []
+
+
+async def test_the_admins_spend_panel_has_the_stores_spend_by_day_and_key(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every number of the admin's by-day and by-key figures equals `GET /admin/spend`'s."""
+    from multiplexer.money import ledger
+
+    monkeypatch.setattr(ledger, "OVERVIEW_S", 3600.0)  # the cache outlives the test however slow
+    async with serving(priced_keys_config(tmp_path)) as (gw, http):
+        alice_cost = await spend_calls(http, KEY, 2)
+        bob_cost = await spend_calls(http, BOB, 1)
+        await gw.money.flush()
+        panel = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()["panels"]["spend"]["stored"]
+        by_key = (await http.get("/admin/spend?group_by=key", headers=AS_ADMIN)).json()
+        by_day = (await http.get("/admin/spend?group_by=day", headers=AS_ADMIN)).json()
+        await spend_calls(http, KEY, 1)
+        await gw.money.flush()
+        again = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()["panels"]["spend"]["stored"]
+    assert panel["keys"] == by_key["rows"] and panel["days"] == by_day["rows"]
+    costs = {k["key"]: k["cost_usd"] for k in panel["keys"]}
+    assert len(costs) == 2 and sorted(costs.values()) == sorted([float(alice_cost), float(bob_cost)])
+    [today] = panel["days"]
+    assert today["calls"] == 3 and today["cost_usd"] == pytest.approx(float(alice_cost + bob_cost))
+    assert again == panel  # read at most once per OVERVIEW_S, whatever was written meanwhile
 
 
 async def test_streams_share_one_snapshot_per_tick_and_build_none_unwatched() -> None:

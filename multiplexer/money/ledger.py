@@ -29,6 +29,8 @@ from multiplexer.money.spend_store import COLUMNS, GROUPS, SUMS, PgSpendStore, S
 log = logging.getLogger(__name__)
 
 _HOW_COLUMN = {BATCH: 4, INFLIGHT: 5, CACHE: 6}  # index in SUMS of the saved_<how> sum
+OVERVIEW_S = 5.0  # the admin dashboard's spend by day and key: read at most this often
+OVERVIEW_DAYS = 14
 
 
 class Money:
@@ -52,6 +54,7 @@ class Money:
         self.store: SpendStore | None = None
         self._lock = anyio.Lock()
         self.own = KeySpend(self)  # a key's own figures, for its dashboard view
+        self._overview: tuple[float, dict[str, Any]] | None = None  # (read at, figures)
 
     def finish(self, plan: Any, outcome: Outcome, answer: Outcome, shared: str | None) -> Outcome:
         """A call's last step: its answer priced (when it succeeded) and its budget reservation
@@ -189,6 +192,25 @@ class Money:
                 for i, v in enumerate(row[len(COLUMNS) - len(SUMS):]):
                     into[i] += v
         return [(*g, *v) for g, v in sorted(sums.items())]
+
+    async def overview(self, days: int = OVERVIEW_DAYS) -> dict[str, Any]:
+        """Spend by day (the last ``days``) and by key (this month), every key together: the
+        admin's dashboard. Read from the store (what the writer has written, at most its
+        ``flush_interval_s`` behind) at most once per ``OVERVIEW_S``, whatever the pages."""
+        now = self.clock.now()
+        if self._overview is not None and now < self._overview[0] + OVERVIEW_S:
+            return self._overview[1]
+        today = self.today()
+        store = await self._store()
+        first, month, last = ((today - timedelta(days=days - 1)).isoformat(),
+                              today.replace(day=1).isoformat(), today.isoformat())
+        by_day = await anyio.to_thread.run_sync(store.query, ["day"], first, last)
+        by_key = await anyio.to_thread.run_sync(store.query, ["key"], month, last)
+        out = {"since": first, "month": month[:7],
+               "days": [{"day": r[0], **sums_json(r[1:])} for r in by_day],
+               "keys": [{"key": r[0] or None, **sums_json(r[1:])} for r in by_key]}
+        self._overview = (now, out)
+        return out
 
     def today(self) -> date:
         """Today in ``budgets.timezone`` (where a daily budget's midnight is)."""

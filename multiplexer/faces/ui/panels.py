@@ -234,7 +234,8 @@ async def state(view: View) -> dict[str, Any]:
 @panel("spend", callers=True)
 async def spend(view: View) -> dict[str, Any]:
     """What calls cost and what the gateway saved, by route, from the counters `/metrics` has
-    (cumulative since start; `GET /admin/spend` has them by key, team, model and day). A caller
+    (cumulative since start), and from the spend store by day (two weeks) and by key (this month),
+    as `GET /admin/spend` has them (``stored``; read at most every few seconds). A caller
     key sees its own: today and this month by route and model, and its budget's use, from the
     spend store (``money/own.py``; `/metrics` has no key label)."""
     money = getattr(view.gateway, "money", None)
@@ -252,7 +253,8 @@ async def spend(view: View) -> dict[str, Any]:
               for r in sorted(set(cost) | set(saved) | set(unknown))]
     return {"configured": True, "cost_usd": sum(cost.values()), "saved_usd": sum(saved.values()),
             "saved_by": s.by("multiplexer_saved_usd_total", "how"),
-            "unknown_cost_calls": int(sum(unknown.values())), "routes": routes}
+            "unknown_cost_calls": int(sum(unknown.values())), "routes": routes,
+            "stored": await money.overview()}
 
 
 @panel("breakers")

@@ -262,9 +262,26 @@ function spendPanel(m) {
   const how = Object.entries(m.saved_by || {}).map(([k, x]) => `${esc(k)} ${usd(x)}`).join(", ");
   const rows = m.routes.map((r) => `<tr><td>${esc(r.route)}</td><td>${v(`spend.${r.route}.cost`, usd(r.cost_usd))}</td>` +
     `<td>${usd(r.saved_usd)}</td><td>${r.unknown_cost_calls}</td></tr>`);
+  const st = m.stored || {days: [], keys: []};
+  const keys = st.keys.map((k) => `<tr><td>${esc(k.key ?? "(no key)")}</td><td>${v(`spend.key.${k.key ?? ""}.cost`, usd(k.cost_usd))}</td>` +
+    `<td>${usd(k.saved_usd)}</td><td>${k.calls}</td></tr>`);
   body("spend", `<div>${v("spend.cost", usd(m.cost_usd))} spent · ${v("spend.saved", usd(m.saved_usd))} saved` +
-    `${how ? " (" + how + ")" : ""} · ${m.unknown_cost_calls} calls of unknown cost</div>` +
-    (rows.length ? table(["route", "cost", "saved", "unknown cost"], rows) : empty("no calls answered yet")));
+    `${how ? " (" + how + ")" : ""} · ${m.unknown_cost_calls} calls of unknown cost (since start)</div>` +
+    (rows.length ? table(["route", "cost", "saved", "unknown cost"], rows) : empty("no calls answered yet")) +
+    `<div class="dim">by day, from ${esc(st.since || "")} (written spend)</div>` + dayBars(st.days, usd) +
+    `<div class="dim">by key, ${esc(st.month || "")}</div>` +
+    (keys.length ? table(["key", "cost", "saved", "calls"], keys) : empty("nothing written this month yet")));
+}
+function dayBars(days, usd) {
+  if (!days.length) return empty("nothing written yet");
+  const max = Math.max(...days.map((d) => d.cost_usd + d.saved_usd), 1e-12), w = 22;
+  const bars = days.map((d, i) => {
+    const hc = Math.round(26 * d.cost_usd / max), hs = Math.round(26 * d.saved_usd / max);
+    return `<rect x="${i * w}" y="${28 - hc}" width="${w - 4}" height="${hc}"><title>${esc(d.day)}: ${usd(d.cost_usd)} spent</title></rect>` +
+      `<rect class="saved" x="${i * w}" y="${28 - hc - hs}" width="${w - 4}" height="${hs}"><title>${esc(d.day)}: ${usd(d.saved_usd)} saved</title></rect>` +
+      `<text x="${i * w}" y="38">${esc(d.day.slice(8))}</text>`;
+  }).join("");
+  return `<svg class="hist" width="${days.length * w}" height="40" data-v="spend.days">${bars}</svg>`;
 }
 
 function ownSpendPanel(m) {
