@@ -42,6 +42,7 @@ RESTART_S = 5.0  # the least time between two starts of the child
 DRAIN_S = 3.0  # after the gateway closes the pipe, the most the child spends sending what is left
 NICE = 10  # the child's scheduling priority, lowered by this much
 FRAMES = 64  # frames the child holds before it stops reading the pipe
+TELL_S = 60.0  # dropped spans are logged at most this often
 _LEN = struct.Struct("!I")
 
 Compact = tuple[Any, ...]
@@ -107,10 +108,15 @@ class ProcessSpanProcessor(SpanProcessor):
             self._wake.set()
 
     def _run(self) -> None:
+        told, told_at = 0, -float("inf")
         while not self._stop:
             self._wake.wait(FLUSH_S)
             self._wake.clear()
             self._send()
+            if self.dropped > told and time.monotonic() - told_at >= TELL_S:  # at most once a minute
+                log.warning("%d spans dropped so far (the export process fell behind or was away)",
+                            self.dropped)
+                told, told_at = self.dropped, time.monotonic()
 
     def _send(self) -> bool:
         """Everything queued so far to the child; False when it could not be handed over."""
