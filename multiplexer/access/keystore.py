@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import anyio
 
+from multiplexer.jobs.locked import locked
 from multiplexer.jobs.store import transaction
 
 T = TypeVar("T")
@@ -85,15 +86,6 @@ class AuditRow:
     action: str
     target: str | None
     detail: dict[str, Any]
-
-
-def locked(fn: Callable[..., T]) -> Callable[..., T]:
-    @functools.wraps(fn)
-    def wrapper(self: KeyStore, *args: Any, **kwargs: Any) -> T:
-        with self._lock:
-            return fn(self, *args, **kwargs)
-
-    return wrapper
 
 
 class KeyStore:
