@@ -300,12 +300,7 @@ class Fallbacks:
         if t.key is not None and t.pending is not None:
             gw.flights.release(t.key, t.pending)
         t.key = t.cache_ttl = None
-        if t.progress is not None:
-            t.progress[0].remove(t.progress[1])
-            t.progress = None
-        if t.log is not None:
-            t.log[0].remove(t.log[1])
-            t.log = None
+        t.leave_fanouts()
 
     def _next(self, t: Ticket, att: Attempts, error: RpcError, reason: str,
               opened: list[str] | None = None) -> bool:

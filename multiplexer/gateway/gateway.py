@@ -426,12 +426,7 @@ class Gateway:
             self.tracer.end_call(t.span, t.pending.item.trace if t.pending is not None else None,
                                  answer)
             t.span = None
-        if t.progress is not None:
-            t.progress[0].remove(t.progress[1])
-            t.progress = None
-        if t.log is not None:
-            t.log[0].remove(t.log[1])
-            t.log = None
+        t.leave_fanouts()
         if t.pending is not None:
             if withdraw and t.lane is not None:
                 t.lane.withdraw(t.pending, outcome)

@@ -56,6 +56,16 @@ class Ticket:
     plan: Any = None  # its admission plan, when calls are priced (``spend.enabled``)
     shared: str | None = None  # how it shared another's execution: ``dedup``, ``cache``
 
+    def leave_fanouts(self) -> None:
+        """Stop receiving the shared execution's progress and log messages (the call ended, or
+        its attempt failed and the next goes elsewhere)."""
+        if self.progress is not None:
+            self.progress[0].remove(self.progress[1])
+            self.progress = None
+        if self.log is not None:
+            self.log[0].remove(self.log[1])
+            self.log = None
+
     def __call__(self) -> None:
         """Done-callback of the pending it waits on (a bound object, not a closure per call)."""
         if self.waiter is not None:
