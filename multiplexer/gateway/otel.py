@@ -40,6 +40,7 @@ from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, S
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.core.version import VERSION
+from multiplexer.gateway.span_export import Ids, ProcessSpanProcessor, ids_of
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -102,7 +103,7 @@ class _Span(ReadableSpan):
 
     def add_link(self, context: SpanContext, attributes: dict[str, Any] | None = None) -> None:
         self.link_list.append(Link(context, attributes))
-        self.link_ids.append((_ids(context), attributes))
+        self.link_ids.append((ids_of(context), attributes))
 
     def link(self, other: _Span, attributes: dict[str, Any] | None = None) -> None:
         self.link_list.append(Link(other.ctx, attributes))
@@ -126,15 +127,6 @@ class _Span(ReadableSpan):
                 self._tracer.processor.on_end(self)
             elif self.ids[2] & 1:  # sampled: straight to the export pipe's queue
                 take(self.compact())
-
-
-Ids = tuple[int, int, int, "list[tuple[str, str]] | None"]
-
-
-def _ids(c: SpanContext | None) -> Ids | None:
-    if c is None:
-        return None
-    return c.trace_id, c.span_id, int(c.trace_flags), list(c.trace_state.items()) if c.trace_state else None
 
 
 def _new_context(trace_id: int, flags: int, state: Any = None) -> tuple[SpanContext, Ids]:
@@ -188,7 +180,7 @@ class OtelTracer(Tracer):
             if decision.attributes:
                 attributes.update(decision.attributes)
         context, ids = _new_context(trace_id, flags, state)
-        return _Span(self, name, context, ids, parent if valid else None, _ids(parent) if valid else None,
+        return _Span(self, name, context, ids, parent if valid else None, ids_of(parent) if valid else None,
                      kind, attributes, links, link_ids)
 
     # -- calls -----------------------------------------------------------------
@@ -369,8 +361,6 @@ def exporting_tracer(endpoint: str | None, service_name: str | None) -> OtelTrac
     the same place."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-
-    from multiplexer.gateway.span_export import ProcessSpanProcessor
 
     resource = Resource.create({"service.version": VERSION})  # with OTEL_RESOURCE_ATTRIBUTES, ...
     if service_name:

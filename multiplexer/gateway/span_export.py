@@ -48,7 +48,11 @@ _LEN = struct.Struct("!I")
 Compact = tuple[Any, ...]
 
 
-def _ctx(c: Any) -> tuple[int, int, int, list[tuple[str, str]] | None] | None:
+Ids = tuple[int, int, int, "list[tuple[str, str]] | None"]  # trace id, span id, flags, state
+
+
+def ids_of(c: Any) -> Ids | None:
+    """A span context as the plain values that cross the pipe."""
     if c is None:
         return None
     return c.trace_id, c.span_id, int(c.trace_flags), list(c.trace_state.items()) if c.trace_state else None
@@ -63,9 +67,9 @@ def compact(span: ReadableSpan) -> Compact:
         return fast()  # type: ignore[no-any-return]
     scope = span.instrumentation_scope
     status = span.status
-    return (span.name, _ctx(span.context), _ctx(span.parent), int(span.kind.value),
+    return (span.name, ids_of(span.context), ids_of(span.parent), int(span.kind.value),
             span.start_time, span.end_time, dict(span.attributes or {}),
-            [(_ctx(link.context), dict(link.attributes or {})) for link in span.links],
+            [(ids_of(link.context), dict(link.attributes or {})) for link in span.links],
             [(e.name, e.timestamp, dict(e.attributes or {})) for e in span.events],
             int(status.status_code.value), status.description,
             (scope.name, scope.version) if scope is not None else None)
