@@ -20,11 +20,9 @@ class KeyIn(Access):
     expires_at: datetime | None = Field(default=None, description="refused from then on")
 
 
-class KeyPatch(Strict):
-    """``PATCH /admin/keys/{id}``: only the fields given change (null clears one)."""
+class TeamPatch(Strict):
+    """``PATCH /admin/teams/{id}``: only the fields given change (null clears one)."""
 
-    name: str | None = Field(default=None, min_length=1, max_length=200)
-    team: str | None = None
     models: list[str] | None = None
     routes: list[str] | None = None
     tools: list[str] | None = None
@@ -32,8 +30,15 @@ class KeyPatch(Strict):
     tpm: float | None = Field(default=None, gt=0)
     concurrency: int | None = Field(default=None, ge=1)
     budget_usd: BudgetUsd | None = None
-    expires_at: datetime | None = None
     metadata: dict[str, Any] | None = None
+
+
+class KeyPatch(TeamPatch):
+    """``PATCH /admin/keys/{id}``: a team's fields, and the key's own name, team and expiry."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    team: str | None = None
+    expires_at: datetime | None = None
 
 
 class KeyOut(BaseModel):
@@ -76,17 +81,6 @@ class TeamIn(Access):
     """``POST /admin/teams``: a team's defaults, which its keys narrow."""
 
     name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:-]+$")
-
-
-class TeamPatch(Strict):
-    models: list[str] | None = None
-    routes: list[str] | None = None
-    tools: list[str] | None = None
-    rpm: float | None = Field(default=None, gt=0)
-    tpm: float | None = Field(default=None, gt=0)
-    concurrency: int | None = Field(default=None, ge=1)
-    budget_usd: BudgetUsd | None = None
-    metadata: dict[str, Any] | None = None
 
 
 class TeamOut(Access):
