@@ -33,6 +33,13 @@ OVERVIEW_S = 5.0  # the admin dashboard's spend by day and key: read at most thi
 OVERVIEW_DAYS = 14
 
 
+def rows_json(group_by: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+    """The store's sums by ``group_by`` as `GET /admin/spend` writes its rows (an empty group: null)."""
+    n = len(group_by)
+    return [{**{g: (v if v != "" else None) for g, v in zip(group_by, r[:n], strict=True)},
+             **sums_json(r[n:])} for r in rows]
+
+
 class Money:
     def __init__(self, spend: SpendConfig, budgets: BudgetsConfig, prices: Prices, clock: Clock,
                  metrics: Metrics, *, budgets_of: Callable[[str | None], list[Scope]],
@@ -168,9 +175,7 @@ class Money:
         store = await self._store()
         rows = await anyio.to_thread.run_sync(store.query, list(group_by), first, last)
         total = await anyio.to_thread.run_sync(store.query, [], first, last)
-        n = len(group_by)
-        return {"rows": [{**{g: (v if v != "" else None) for g, v in zip(group_by, r[:n], strict=True)},
-                          **sums_json(r[n:])} for r in rows],
+        return {"rows": rows_json(group_by, rows),
                 "total": sums_json(total[0] if total else (0,) * len(SUMS))}
 
     async def key_rows(self, identity: str, group_by: Sequence[str], since: date,
@@ -206,9 +211,8 @@ class Money:
                               today.replace(day=1).isoformat(), today.isoformat())
         by_day = await anyio.to_thread.run_sync(store.query, ["day"], first, last)
         by_key = await anyio.to_thread.run_sync(store.query, ["key"], month, last)
-        out = {"since": first, "month": month[:7],
-               "days": [{"day": r[0], **sums_json(r[1:])} for r in by_day],
-               "keys": [{"key": r[0] or None, **sums_json(r[1:])} for r in by_key]}
+        out = {"since": first, "month": month[:7], "days": rows_json(["day"], by_day),
+               "keys": rows_json(["key"], by_key)}
         self._overview = (now, out)
         return out
 
