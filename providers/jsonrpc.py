@@ -42,6 +42,7 @@ class JsonRpcSettings(BaseModel):
 
 class JsonRpcProvider(Provider):
     Settings = JsonRpcSettings
+    injects_trace = True  # each request carries the traceparent (``tracer.inject``)
 
     def __init__(self, ctx: ProviderContext) -> None:
         super().__init__(ctx)

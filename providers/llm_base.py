@@ -36,6 +36,7 @@ class LlmProvider(Provider):
     several calls into one request, and how a response body reports token usage."""
 
     default_concurrency = DEFAULT_CONCURRENCY
+    injects_trace = True  # ApiClient puts the traceparent on each request
 
     paths: ClassVar[dict[str, str]]
     packable: ClassVar[frozenset[str]] = frozenset()

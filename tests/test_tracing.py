@@ -402,3 +402,39 @@ async def test_a_priced_call_carries_its_cost_on_its_span(tmp_path, spans):
     # 5 input and 2 output tokens at gpt-4o's $2.50 and $10 per million
     assert call.attributes["multiplexer.cost_usd"] == pytest.approx(0.0000325)
     assert call.attributes["gen_ai.usage.input_tokens"] == 5
+
+
+class SeesContext(Provider):
+    """Echoes, and notes the OpenTelemetry span current while its batch runs."""
+
+    def __init__(self, injects: bool) -> None:
+        self.name, self.injects_trace, self.seen = "p", injects, []  # type: ignore[misc]
+
+    async def execute(self, operation, items):
+        from opentelemetry import trace
+
+        self.seen.append(trace.get_current_span().get_span_context())
+        return [Outcome(result={"ok": True}) for _ in items]
+
+
+@pytest.mark.parametrize("injects", [False, True])
+async def test_the_batch_span_is_the_current_otel_span_only_for_providers_that_need_it(
+        tmp_path, spans, injects):
+    """A kind that propagates through the OpenTelemetry context (the MCP SDK does) runs its batch
+    with the batch span current; one that puts the traceparent on its requests itself
+    (``injects_trace``) is spared attaching it, and its spans are the same."""
+    tracer, exporter = spans
+    config = parse_config({"providers": {"p": {"kind": "echo"}}, "routes": {"echo": {"provider": "p"}}})
+    provider = SeesContext(injects)
+    async with Gateway(config, providers={"p": provider}, tracer=tracer) as gw:
+        [outcome] = await gw.submit_many([Call("echo", {"x": 1})])
+    assert outcome.result == {"ok": True}
+    [batch] = by_kind(exporter, SpanKind.CLIENT)
+    [call] = by_kind(exporter, SpanKind.SERVER)
+    assert batch.parent.span_id == call.context.span_id
+    assert [link.context.span_id for link in call.links] == [batch.context.span_id]
+    [seen] = provider.seen
+    if injects:
+        assert not seen.is_valid
+    else:
+        assert (seen.trace_id, seen.span_id) == (batch.context.trace_id, batch.context.span_id)

@@ -64,10 +64,12 @@ class Lane:
         metrics: Metrics | None = None,
         tracer: Tracer = NOOP,
         provider: str | None = None,
+        attach_trace: bool = True,
     ) -> None:
         self.name = name
         self.provider = provider or name  # the lane's provider: what a limit's deadline names
         self._tracer = tracer
+        self._attach_trace = attach_trace  # the OTel context while a batch runs (Tracer.batch)
         self._execute = execute
         self.formation = formation
         self.clock = clock
@@ -251,7 +253,7 @@ class Lane:
                 ends = [item.deadline for item in items if item.deadline is not None]
                 permit.deadline = max(ends) if len(ends) == len(items) else None
                 await self.limiter.ready(permit, holding(items))  # shared: the replicas' charge
-                with self._tracer.batch(self.name, batch, started), \
+                with self._tracer.batch(self.name, batch, started, self._attach_trace), \
                         charging(Upstream(self.limiter, items)):
                     outcomes = await self._execute(items[0].operation, items)
                 if len(outcomes) != len(items):

@@ -80,6 +80,10 @@ class Provider:
     # Lane slots when the config sets no ``limits.concurrency``: a kind whose calls hold a slot
     # long (streams, generation) or that learns its limits from the upstream sets its own.
     default_concurrency: ClassVar[int | None] = None
+    # True for a kind that puts the batch span's ``traceparent`` on its upstream requests itself
+    # (``tracer.inject``): its lane skips attaching the OpenTelemetry context, which only
+    # libraries that propagate it on their own (the MCP SDK) read.
+    injects_trace: ClassVar[bool] = False
 
     def __init__(self, ctx: ProviderContext) -> None:
         self.ctx = ctx

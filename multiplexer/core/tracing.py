@@ -65,10 +65,11 @@ class Tracer:
     def end_attempt(self, attempt: Any, result: str, outcome: Outcome) -> None:
         """That attempt ended: ``result`` is ``ok`` or why it failed (a fallback reason)."""
 
-    def batch(self, lane: str, pending: Sequence[Pending], now: float
+    def batch(self, lane: str, pending: Sequence[Pending], now: float, attach: bool = True
               ) -> contextlib.AbstractContextManager[None]:
         """Around one upstream execution of a batch; current while it runs, so ``inject``
-        puts its context into the upstream request."""
+        puts its context into the upstream request. ``attach``: make it the current
+        OpenTelemetry context too (for libraries that propagate that themselves)."""
         return _NULL
 
     def inject(self, carrier: MutableMapping[str, str]) -> None:

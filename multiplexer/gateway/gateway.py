@@ -226,6 +226,7 @@ class Gateway:
                 # batch mode gathers until size or age; eager only if the route says so
                 eager=policy.eager and (route.mode != "batch" or "eager" in policy.model_fields_set),
                 metrics=self.metrics, tracer=self.tracer, provider=route.provider,
+                attach_trace=not provider.injects_trace,
             )
             self.lanes[key] = lane
             assert self._tg is not None

@@ -27,7 +27,7 @@ import contextlib
 import os
 import random
 import time
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import MutableMapping, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, cast
 
@@ -35,7 +35,16 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.tracing import Tracer, TraceSlot
@@ -71,23 +80,50 @@ class _Span(ReadableSpan):
     Why not the SDK's own spans: each one takes a lock per attribute call, builds bounded
     attribute maps and checks limits, about 130 µs per call for the three hooks a call runs
     (measured on the 2-core host), all on the event loop. These spans hold a plain dict and
-    cost a few microseconds; encoding and export stay off the event loop (``span_export``).
-    Each keeps its ids as plain values too (``ids``), so handing it over reads no properties."""
+    their ids as plain values (``ids``, what crosses the export pipe); the SDK's objects
+    (``SpanContext``, ``Link``) are built only when something reads them (another span
+    processor, the OTel context of an MCP upstream call), not on the hot path."""
 
-    def __init__(self, tracer: OtelTracer, name: str, context: SpanContext, ids: Ids,
-                 parent: SpanContext | None, parent_ids: Ids | None, kind: SpanKind,
-                 attributes: dict[str, Any], links: list[Link], link_ids: list[Any]) -> None:
+    def __init__(self, tracer: OtelTracer, name: str, ids: Ids, state: Any,
+                 parent_ids: Ids | None, parent: SpanContext | None, kind: SpanKind,
+                 attributes: dict[str, Any], link_ids: list[Any]) -> None:
         # ReadableSpan.__init__ would build an empty Resource per span: the fields are set here
-        # (the typed names are the same objects as ReadableSpan's fields, which it types loosely)
-        self.ctx, self.attrs, self.link_list = context, attributes, links
-        self._name, self._context, self._parent, self._kind = name, context, parent, kind
-        self._attributes, self._links, self._events = attributes, links, ()
+        self.ids, self.state, self.parent_ids, self.link_ids = ids, state, parent_ids, link_ids
+        self._remote_parent = parent
+        self._ctx: SpanContext | None = None
+        self._name, self._kind = name, kind
+        self._attributes = self.attrs = attributes
+        self._events = ()
         self._resource, self._instrumentation_scope = tracer.resource, tracer.scope
         self._instrumentation_info = None
         self._status = _UNSET
         self._start_time, self._end_time = time.time_ns(), None
         self._tracer = tracer
-        self.ids, self.parent_ids, self.link_ids = ids, parent_ids, link_ids
+
+    # the SDK's objects, made when read (ReadableSpan's properties read these names)
+    @property
+    def ctx(self) -> SpanContext:
+        found = self._ctx
+        if found is None:
+            found = self._ctx = _span_context(self.ids, self.state)
+        return found
+
+    @property
+    def _context(self) -> SpanContext:  # type: ignore[override]
+        return self.ctx
+
+    @property
+    def _parent(self) -> SpanContext | None:  # type: ignore[override]
+        if self._remote_parent is not None or self.parent_ids is None:
+            return self._remote_parent
+        return _span_context(self.parent_ids, self.state)
+
+    @property
+    def _links(self) -> tuple[Link, ...]:  # type: ignore[override]
+        return tuple(Link(_span_context(ids, None), attributes) for ids, attributes in self.link_ids)
+
+    def get_span_context(self) -> SpanContext:
+        return self.ctx
 
     def is_recording(self) -> bool:
         return self._end_time is None
@@ -102,11 +138,9 @@ class _Span(ReadableSpan):
         self.attrs.update(attributes)
 
     def add_link(self, context: SpanContext, attributes: dict[str, Any] | None = None) -> None:
-        self.link_list.append(Link(context, attributes))
         self.link_ids.append((ids_of(context), attributes))
 
     def link(self, other: _Span, attributes: dict[str, Any] | None = None) -> None:
-        self.link_list.append(Link(other.ctx, attributes))
         self.link_ids.append((other.ids, attributes))
 
     def set_status(self, status: Status) -> None:
@@ -129,10 +163,40 @@ class _Span(ReadableSpan):
                 take(self.compact())
 
 
-def _new_context(trace_id: int, flags: int, state: Any = None) -> tuple[SpanContext, Ids]:
-    span_id = _bits(64) or 1
-    return (SpanContext(trace_id, span_id, False, _FLAGS[flags], state),
-            (trace_id, span_id, flags, list(state.items()) if state else None))
+def _span_context(ids: Ids, state: Any) -> SpanContext:
+    trace_id, span_id, flags, pairs = ids
+    if state is None and pairs:
+        state = TraceState(pairs)
+    return SpanContext(trace_id, span_id, False, _FLAGS[flags], state)
+
+
+def _new_ids(trace_id: int, flags: int, state: Any = None) -> Ids:
+    return trace_id, _bits(64) or 1, flags, list(state.items()) if state else None
+
+
+class _Batch:
+    """The batch span current while its provider runs (``OtelTracer.batch``): a plain context
+    manager, cheaper than a generator's."""
+
+    __slots__ = ("attach", "mine", "span", "token")
+
+    def __init__(self, span: _Span, attach: bool) -> None:
+        self.span, self.attach = span, attach
+        self.token: Any = None
+
+    def __enter__(self) -> None:
+        if self.attach:  # the OTel context, for what reads it (the MCP SDK's propagation)
+            self.token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(self.span.ctx)))
+        self.mine = _BATCH.set(self.span)
+
+    def __exit__(self, kind: Any, e: Any, tb: Any) -> None:
+        span = self.span
+        if e is not None:
+            span.set_status(Status(StatusCode.ERROR, type(e).__name__))
+        _BATCH.reset(self.mine)
+        if self.token is not None:
+            otel_context.detach(self.token)
+        span.end()
 
 
 class OtelTracer(Tracer):
@@ -160,13 +224,13 @@ class OtelTracer(Tracer):
         self.scope = InstrumentationScope(*_SCOPE)
 
     def _child(self, name: str, parent: _Span, kind: SpanKind, attributes: dict[str, Any],
-               links: list[Link] | None = None, link_ids: list[Any] | None = None) -> _Span:
-        pc, pids = parent.ctx, parent.ids
-        context, ids = _new_context(pids[0], pids[2], pc.trace_state)
-        return _Span(self, name, context, ids, pc, pids, kind, attributes, links or [], link_ids or [])
+               link_ids: list[Any] | None = None) -> _Span:
+        pids = parent.ids
+        return _Span(self, name, (pids[0], _bits(64) or 1, pids[2], pids[3]), parent.state, pids, None,
+                     kind, attributes, link_ids or [])
 
-    def _root(self, name: str, kind: SpanKind, attributes: dict[str, Any], links: list[Link],
-              link_ids: list[Any], parent_context: Any) -> _Span:
+    def _root(self, name: str, kind: SpanKind, attributes: dict[str, Any], link_ids: list[Any],
+              parent_context: Any) -> _Span:
         """A span whose parent is remote, or the current OTel span (the MCP SDK's), or none:
         the sampler decides, as the SDK's tracer would."""
         parent = trace.get_current_span(parent_context).get_span_context()
@@ -175,13 +239,14 @@ class OtelTracer(Tracer):
         if self.default_sampler:
             flags, state = (int(parent.trace_flags) & 1, parent.trace_state) if valid else (1, None)
         else:
+            links = [Link(_span_context(ids, None), a) for ids, a in link_ids]
             decision = self.sampler.should_sample(parent_context, trace_id, name, kind, attributes, links)
             flags, state = (1 if decision.decision.is_sampled() else 0), decision.trace_state
             if decision.attributes:
                 attributes.update(decision.attributes)
-        context, ids = _new_context(trace_id, flags, state)
-        return _Span(self, name, context, ids, parent if valid else None, ids_of(parent) if valid else None,
-                     kind, attributes, links, link_ids)
+        return _Span(self, name, _new_ids(trace_id, flags, state), state or None,
+                     ids_of(parent) if valid else None, parent if valid else None, kind, attributes,
+                     link_ids)
 
     # -- calls -----------------------------------------------------------------
     def start_call(self, call: Call) -> Any:
@@ -198,7 +263,7 @@ class OtelTracer(Tracer):
             attributes.update({"rpc.system": "jsonrpc", "rpc.method": call.method})
         if call.identity is not None:
             attributes["multiplexer.key"] = call.identity
-        return self._root(name, SpanKind.SERVER, attributes, [], [], parent)
+        return self._root(name, SpanKind.SERVER, attributes, [], parent)
 
     def routed(self, span: Any, item: Item, provider: str, provider_kind: str) -> None:
         span.set_attributes({"multiplexer.route": item.route, "multiplexer.provider": provider,
@@ -243,8 +308,8 @@ class OtelTracer(Tracer):
         attempt.end()
 
     # -- batches ---------------------------------------------------------------
-    @contextlib.contextmanager
-    def batch(self, lane: str, pending: Sequence[Pending], now: float) -> Iterator[None]:
+    def batch(self, lane: str, pending: Sequence[Pending], now: float,
+              attach: bool = True) -> contextlib.AbstractContextManager[None]:
         traced = [p for p in pending if p.item.trace is not None]
         first = pending[0].item
         callers = sum(p.waiters for p in pending)
@@ -259,29 +324,18 @@ class OtelTracer(Tracer):
             if model is not None:
                 attributes["gen_ai.request.model"] = model
         name = f"{op} {model}" if op is not None and model is not None else first.method
-        spans = [p.item.trace.span for p in traced]
-        links = [Link(t.ctx) for t in spans]
-        link_ids = [(t.ids, None) for t in spans]
+        link_ids = [(p.item.trace.span.ids, None) for p in traced]
         # one caller: its trace holds the upstream request; several: a trace of its own
         if len(pending) == 1 and callers == 1 and traced:
-            span = self._child(name, spans[0], SpanKind.CLIENT, attributes, links, link_ids)
+            span = self._child(name, traced[0].item.trace.span, SpanKind.CLIENT, attributes, link_ids)
         else:
-            span = self._root(name, SpanKind.CLIENT, attributes, links, link_ids, otel_context.Context())
+            span = self._root(name, SpanKind.CLIENT, attributes, link_ids, otel_context.Context())
         for p in traced:
             slot = p.item.trace
             slot.batch, slot.batch_size, slot.wait_s = span, len(pending), max(0.0, now - p.enqueued)
-        # current while the provider runs: ``inject`` and the MCP SDK's propagation read it
-        token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(span.ctx)))
-        mine = _BATCH.set(span)
-        try:
-            yield
-        except BaseException as e:
-            span.set_status(Status(StatusCode.ERROR, type(e).__name__))
-            raise
-        finally:
-            _BATCH.reset(mine)
-            otel_context.detach(token)
-            span.end()
+        # current while the provider runs: ``inject`` reads it, and with ``attach`` the OTel
+        # context too (the MCP SDK propagates that; HTTP providers inject the header themselves)
+        return _Batch(span, attach or not self.plain_propagation)
 
     def inject(self, carrier: MutableMapping[str, str]) -> None:
         span = _BATCH.get() if self.plain_propagation else None
