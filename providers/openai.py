@@ -22,6 +22,7 @@ from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params, upstream_error
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import ProviderContext
+from multiplexer.core.responses_api import RESPONSE_ENDS
 
 from .api_client import ApiClient, item_error
 from .batch.backend import BatchApiSettings
@@ -44,8 +45,6 @@ from .ratelimit_headers import openai_limits
 
 PATHS = {"chat": "/chat/completions", "embeddings": "/embeddings", "responses": "/responses",
          "completions": "/completions"}
-
-RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 class OpenAISettings(BatchApiSettings, EndpointSettings):

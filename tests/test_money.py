@@ -232,6 +232,59 @@ async def test_a_stream_is_priced_from_its_final_usage(tmp_path: Path) -> None:
         assert report["rows"][0]["cost_usd"] == pytest.approx(float(by_hand))
 
 
+def sse_data(body: str) -> list[Any]:
+    """The JSON of each ``data:`` line of a server-sent event stream (``[DONE]`` left out)."""
+    import json
+
+    return [json.loads(line[6:]) for line in body.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+async def test_a_streams_cost_rides_in_its_final_usage_event(tmp_path: Path) -> None:
+    """The headers of a stream leave before its usage is known: its cost and saving come in the
+    event with the final usage, in each API's shape, and equal what the spend report booked."""
+    async with gateway(tmp_path) as (_, _, client):
+        r = await client.post("/v1/chat/completions", json=chat(
+            "one two three", stream=True, stream_options={"include_usage": True}))
+        *words, last = sse_data(r.text)
+        assert r.status_code == 200 and "x-multiplexer-cost-usd" not in r.headers
+        assert r.text.endswith("data: [DONE]\n\n") and last["choices"] == []
+        # prompt 3 words, reply "echo: one two three" 4 words, gpt-4o-mini at $0.15 / $0.6
+        assert last["usage"]["prompt_tokens"] == 3 and last["usage"]["completion_tokens"] == 4
+        openai_cost = (3 * Decimal("0.15") + 4 * Decimal("0.6")) / M
+        assert Decimal(last["usage"]["cost_usd"]) == openai_cost
+        assert all("usage" not in w or w["usage"] is None for w in words)
+
+        plain = await client.post("/v1/chat/completions", json=chat("one two three", stream=True))
+        assert all(not e.get("usage") for e in sse_data(plain.text))  # not asked for: no usage event
+
+        r = await client.post("/v1/messages", json={
+            "model": "claude-sonnet-4-5", "max_tokens": 10, "stream": True,
+            "messages": [{"role": "user", "content": "four five"}]})
+        events = sse_data(r.text)
+        [delta] = [e for e in events if e["type"] == "message_delta"]
+        [start] = [e for e in events if e["type"] == "message_start"]
+        assert [e["type"] for e in events][-2:] == ["message_delta", "message_stop"]
+        spent_in = start["message"]["usage"]["input_tokens"]
+        spent_out = delta["usage"]["output_tokens"]
+        claude_cost = (spent_in * 3 + spent_out * 15) / M  # claude-sonnet-4-5: $3 / $15
+        assert spent_in > 0 and Decimal(delta["usage"]["cost_usd"]) == claude_cost
+
+        r = await client.post("/v1/responses", json={"model": "gpt-4o-mini", "input": "six seven",
+                                                     "stream": True})
+        done = sse_data(r.text)[-1]
+        assert done["type"] == "response.completed"
+        usage = done["response"]["usage"]
+        responses_cost = (usage["input_tokens"] * Decimal("0.15") + usage["output_tokens"] * Decimal("0.6")) / M
+        assert usage["output_tokens"] > 0 and Decimal(usage["cost_usd"]) == responses_cost
+
+        report = await spend(client, group_by="route")
+        by_route = {row["route"]: Decimal(str(row["cost_usd"])) for row in report["rows"]}
+        assert by_route["claude"] == claude_cost
+        # and the stream that did not ask for its usage, priced all the same
+        assert by_route["chat"] == pytest.approx(2 * openai_cost + responses_cost)
+
+
 async def test_a_dedup_burst_and_a_cache_hit_show_their_savings(tmp_path: Path) -> None:
     async with gateway(tmp_path) as (f, _, client):
         body = {"messages": [{"role": "user", "content": "same words"}]}

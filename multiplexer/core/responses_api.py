@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# the events that end a Responses stream, the last with the response's usage
+RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
 
 def message_item(mid: str, text: str, status: str) -> dict[str, Any]:
     """The assistant's output message with its one text part."""

@@ -4,6 +4,12 @@ The call goes through the gateway like any other (quota, lane slot, limits), wit
 stream as its sink. The response starts only with the first chunk, so a call refused or failed
 before any output still gets its proper status; a failure after that is an error event. A
 client that disconnects cancels the call, and with it the upstream stream.
+
+A stream's headers leave before its usage is known, so its cost cannot be a header. The event
+that carries its final usage (OpenAI's usage chunk, Anthropic's ``message_delta``, the
+Responses API's ``response.completed``) is held until the call is priced, with what follows
+it (the stream's last events, microseconds later), and goes out with ``cost_usd`` (and
+``saved_usd``) in its usage, as decimal strings like ``_meta.cost_usd``.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import RpcError, internal_error
+from multiplexer.core.responses_api import RESPONSE_ENDS
 from multiplexer.faces.disconnect import cancelled_on_disconnect
 from multiplexer.faces.v1.common import HttpError, Surface, http_error
+from multiplexer.money.report import cost_meta
 
 log = logging.getLogger(__name__)
 Encode = Callable[[dict[str, Any]], bytes]
@@ -40,22 +48,30 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, scope: Scope, r
     broken: list[RpcError] = []  # a chunk the face could not encode ended the stream
     forwarded = anyio.Event()
     started = False
+    held: list[dict[str, Any]] = []  # the final usage event and what follows it, until priced
+
+    async def out(chunk: dict[str, Any]) -> bool:
+        nonlocal started
+        try:
+            event = encode(chunk)
+        except Exception:  # the reader stops here: the provider's next send ends the call
+            log.exception("a chunk of a stream on route %s could not be encoded", call.method)
+            broken.append(internal_error("a chunk of the stream could not be encoded"))
+            return False
+        if not started:
+            started = True
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [*SSE_HEADERS, *headers()]})
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+        return True
 
     async def forward() -> None:
-        nonlocal started
         async with chunks:
             async for chunk in chunks:
-                try:
-                    event = encode(chunk)
-                except Exception:  # the reader stops here: the provider's next send ends the call
-                    log.exception("a chunk of a stream on route %s could not be encoded", call.method)
-                    broken.append(internal_error("a chunk of the stream could not be encoded"))
+                if held or final_usage(chunk) is not None:
+                    held.append(chunk)
+                elif not await out(chunk):
                     break
-                if not started:
-                    started = True
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": [*SSE_HEADERS, *headers()]})
-                await send({"type": "http.response.body", "body": event, "more_body": True})
         forwarded.set()
 
     async with cancelled_on_disconnect(scope, receive), anyio.create_task_group() as tg:
@@ -67,6 +83,11 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, scope: Scope, r
         await forwarded.wait()
     if not outcome:
         return  # the client went away; the call was cancelled with it
+    if held and not broken:
+        held[0] = with_cost(held[0], outcome[0])
+        for chunk in held:
+            if not await out(chunk):
+                break
     result = Outcome.fail(broken[0]) if broken else outcome[0]
     if result.error is not None and not started:
         raise http_error(result.error, surface)
@@ -81,3 +102,28 @@ async def _finish(send: Send, result: Outcome, started: bool,
                     "headers": [*SSE_HEADERS, *headers()]})
     body = tail if result.error is None else error_event(http_error(result.error, surface))
     await send({"type": "http.response.body", "body": body})
+
+
+def final_usage(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    """The usage of a stream's event that reports the call's final usage; None for any other."""
+    kind = chunk.get("type")
+    if kind == "message_delta":  # Anthropic: the output tokens, before message_stop
+        usage = chunk.get("usage")
+    elif kind in RESPONSE_ENDS:  # the Responses API's last event
+        response = chunk.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else None
+    elif chunk.get("choices") == []:  # OpenAI's usage chunk (``stream_options.include_usage``)
+        usage = chunk.get("usage")
+    else:
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def with_cost(chunk: dict[str, Any], answer: Outcome) -> dict[str, Any]:
+    """``chunk`` (a final usage event, not changed in place) with the call's cost in its usage."""
+    if answer.error is not None or answer.cost is None:
+        return chunk
+    usage = {**(final_usage(chunk) or {}), **cost_meta(answer)}
+    if chunk.get("type") in RESPONSE_ENDS:
+        return {**chunk, "response": {**chunk["response"], "usage": usage}}
+    return {**chunk, "usage": usage}
