@@ -98,5 +98,9 @@ def trace_carrier(source: Any) -> dict[str, str] | None:
 
 def http_trace(headers: Mapping[bytes, bytes]) -> dict[str, str] | None:
     """The W3C trace context in raw (ASGI) request headers."""
-    return trace_carrier({k.decode("latin-1"): v.decode("latin-1") for k, v in headers.items()
-                          if k in (b"traceparent", b"tracestate")})
+    parent = headers.get(b"traceparent")
+    if parent is None:
+        return None
+    state = headers.get(b"tracestate")
+    return trace_carrier({"traceparent": parent.decode("latin-1"),
+                          "tracestate": None if state is None else state.decode("latin-1")})

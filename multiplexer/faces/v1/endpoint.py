@@ -48,10 +48,11 @@ class Endpoint:
         base = [] if note is not None and header == REQUEST_ID else \
             [(header, note.rid if note is not None else new_request_id())]
         identity: str | None = None
+        request_headers = dict(scope["headers"])
         if self.v1.gateway.tracer.enabled:
-            REQUEST_TRACE.set(http_trace(dict(scope["headers"])))
+            REQUEST_TRACE.set(http_trace(request_headers))
         try:
-            identity = self.v1.identify(dict(scope["headers"]))
+            identity = self.v1.identify(request_headers)
             if note is not None:
                 note.key = identity
             if not self.metered:
