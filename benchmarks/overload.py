@@ -28,7 +28,7 @@ import psutil
 from benchmarks._gateway import RssSampler, gateway, metric_sum, upstream
 from benchmarks._h11 import Conn
 from benchmarks._procs import percentile, save, table
-from multiplexer.core.jsonrpc import loads
+from multiplexer.core.json_codec import loads
 
 CONFIG = """
 server: {host: 127.0.0.1, port: {port}, default_timeout_ms: 10000}

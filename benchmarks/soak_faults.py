@@ -31,7 +31,7 @@ from benchmarks._gateway import gateway, metric_sum
 from benchmarks._h11 import Conn
 from benchmarks._procs import save, table
 from examples.fault_upstream import FaultState, create_app
-from multiplexer.core.jsonrpc import dumps, loads
+from multiplexer.core.json_codec import dumps, loads
 from multiplexer.server import bind, serve_asgi
 
 CONFIG = """

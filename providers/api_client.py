@@ -9,7 +9,6 @@ asks the charge its lane handed in (``core/limiter.upstream_request``).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -21,7 +20,7 @@ from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, upstream_error, upstream_unavailable
 from multiplexer.core.failures import UNWELL, reason_of
 from multiplexer.core.gather import gather
-from multiplexer.core.jsonrpc import dumps
+from multiplexer.core.json_codec import dumps, loads_lenient
 from multiplexer.core.limiter import upstream_request
 from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
@@ -273,7 +272,7 @@ def decode_json(provider: str, response: httpx.Response) -> dict[str, Any]:
 
 def decode_body(provider: str, status: int, content: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(content)
+        body = loads_lenient(content)
     except ValueError:
         raise upstream_error(provider, "upstream sent a malformed (non-JSON) body", status) from None
     if not isinstance(body, dict):
@@ -301,7 +300,7 @@ def refused_body(error: Exception, content: bytes) -> None:
     which the ``/v1`` faces hand on to the SDKs (tools branch on codes such as
     ``context_length_exceeded``); other bodies stay as the raw text ``classify`` kept."""
     try:
-        body = json.loads(content)
+        body = loads_lenient(content)
     except ValueError:
         return
     err = body.get("error") if isinstance(body, dict) else None

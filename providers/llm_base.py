@@ -13,6 +13,7 @@ from httpx_sse import EventSource, SSEError
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, cancelled, invalid_params, upstream_error, upstream_unavailable
+from multiplexer.core.json_codec import loads_lenient
 from multiplexer.core.limiter import uncharged
 from multiplexer.core.policy import BatchPolicy, RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, stream_sink
@@ -181,7 +182,7 @@ class LlmProvider(Provider):
                     ended = True
                     break
                 try:
-                    data = sse.json()
+                    data = loads_lenient(sse.data)
                 except ValueError:
                     return Outcome.fail(upstream_error(self.name, "malformed stream event (not JSON)"))
                 if not isinstance(data, dict):

@@ -32,7 +32,7 @@ ALLOWED = {
     # the CLI, the server and the public facade
     "top": {"top", "sdk", "faces", "gateway", "core", "transport", "jobs", "money", "access"},
 }
-CORE_THIRD_PARTY = {"anyio", "pydantic", "prometheus_client", "tenacity"}
+CORE_THIRD_PARTY = {"anyio", "orjson", "pydantic", "prometheus_client", "tenacity"}
 
 
 def layer(module: str) -> str:

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from multiplexer.core.jsonrpc import decode, dumps, loads, split_meta
+from multiplexer.core.json_codec import dumps, loads
+from multiplexer.core.jsonrpc import decode, split_meta
 from multiplexer.faces.rpc import handle_body
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway

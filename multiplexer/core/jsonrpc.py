@@ -6,13 +6,12 @@ or spec-shaped error responses (``decode`` is property-tested on arbitrary bytes
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import RpcError, invalid_params, invalid_request, parse_error
+from multiplexer.core.json_codec import loads
 from multiplexer.core.tracing import TRACE_KEYS, trace_carrier
 
 _NO_ID = object()
@@ -34,34 +33,6 @@ class Entry:
         return self.id is _NO_ID
 
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError("number out of range")
-    return value
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-# Made once: ``json.loads``/``json.dumps`` build a new decoder or encoder per call when given
-# options, which cost as much as decoding or encoding a small call itself.
-_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_constant=_reject_constant)
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-_ENCODER_ASCII = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def loads(body: bytes | str) -> Any:
-    """``json.loads`` with NaN, Infinity and out-of-range numbers refused (the same steps)."""
-    if isinstance(body, str):
-        if body.startswith("\ufeff"):
-            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", body, 0)
-    else:
-        body = body.decode(json.detect_encoding(body), "surrogatepass")
-    return _DECODER.decode(body)
-
-
 def is_unicode(text: str) -> bool:
     """Whether ``text`` is Unicode text: JSON's ``"\\ud800"`` escape decodes to a lone surrogate,
     which UTF-8 (a socket, SQLite, a tokenizer) cannot carry."""
@@ -76,14 +47,6 @@ def is_token_array(value: Any) -> bool:
     """Whether ``value`` is OpenAI's token-array input: a non-empty list of ints (bools are not)."""
     return (isinstance(value, list) and bool(value)
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
-
-
-def dumps(obj: Any) -> bytes:
-    text = _ENCODER.encode(obj)
-    try:
-        return text.encode()
-    except UnicodeEncodeError:  # a lone surrogate (valid JSON as a \ud800 escape): keep it escaped
-        return _ENCODER_ASCII.encode(obj).encode()
 
 
 def depth_exceeds(obj: Any, limit: int) -> bool:

@@ -14,7 +14,8 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from multiplexer.core.errors import Code, RpcError
-from multiplexer.core.jsonrpc import dumps, error_response
+from multiplexer.core.json_codec import dumps
+from multiplexer.core.jsonrpc import error_response
 from multiplexer.core.tracing import http_trace
 from multiplexer.faces.access import Access, AccessLog, Note, note_of
 from multiplexer.faces.auth import Authenticator

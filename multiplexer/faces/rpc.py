@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from multiplexer.core.call import Outcome
 from multiplexer.core.errors import RpcError, internal_error
-from multiplexer.core.jsonrpc import Decoded, Entry, decode, dumps, error_response, response
+from multiplexer.core.json_codec import dumps
+from multiplexer.core.jsonrpc import Decoded, Entry, decode, error_response, response
 from multiplexer.faces.access import Note, note_rpc
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.money.report import cost_meta

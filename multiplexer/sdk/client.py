@@ -24,7 +24,7 @@ import httpx
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from multiplexer.core.errors import Code, RpcError
-from multiplexer.core.jsonrpc import dumps, loads
+from multiplexer.core.json_codec import dumps, loads
 from multiplexer.sdk.jobs import run_batch_job
 from multiplexer.transport.http1 import Http1Transport
 

@@ -29,7 +29,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from multiplexer.access.bearer import InsufficientScope, InvalidToken, challenge
 from multiplexer.core.errors import Code, RpcError, invalid_request, parse_error
-from multiplexer.core.jsonrpc import loads
+from multiplexer.core.json_codec import loads
 from multiplexer.core.startup import StartupError
 from multiplexer.faces.access import note_of
 from multiplexer.faces.auth import Authenticator

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params, invalid_request
 from multiplexer.core.foreign import Translates, Translation
-from multiplexer.core.jsonrpc import dumps, loads
+from multiplexer.core.json_codec import dumps, loads
 from multiplexer.core.policy import RouteConfig
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body

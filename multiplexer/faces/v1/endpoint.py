@@ -10,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import RpcError
-from multiplexer.core.jsonrpc import dumps
+from multiplexer.core.json_codec import dumps
 from multiplexer.core.tracing import http_trace
 from multiplexer.faces.access import REQUEST_ID, new_request_id, note_of
 from multiplexer.faces.disconnect import cancelled_on_disconnect

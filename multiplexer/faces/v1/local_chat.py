@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from multiplexer.core.errors import invalid_params
-from multiplexer.core.jsonrpc import dumps
+from multiplexer.core.json_codec import dumps
 from multiplexer.core.responses_api import ResponseEvents, response_object
 from multiplexer.faces.v1.common import HttpError
 
