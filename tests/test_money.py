@@ -275,7 +275,8 @@ async def test_a_streams_cost_rides_in_its_final_usage_event(tmp_path: Path) -> 
         done = sse_data(r.text)[-1]
         assert done["type"] == "response.completed"
         usage = done["response"]["usage"]
-        responses_cost = (usage["input_tokens"] * Decimal("0.15") + usage["output_tokens"] * Decimal("0.6")) / M
+        responses_cost = (usage["input_tokens"] * Decimal("0.15")
+                          + usage["output_tokens"] * Decimal("0.6")) / M
         assert usage["output_tokens"] > 0 and Decimal(usage["cost_usd"]) == responses_cost
 
         report = await spend(client, group_by="route")
