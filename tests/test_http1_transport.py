@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import socket
+import ssl
+from pathlib import Path
 
 import anyio
 import anyio.abc
 import httpx
 import pytest
+from anyio.streams.tls import TLSListener
 
 from multiplexer.transport.http1 import Http1Transport, ResponseTooLarge
 
@@ -298,4 +303,183 @@ async def test_replies_httptools_frames_and_what_it_refuses() -> None:
             with pytest.raises(httpx.LocalProtocolError):
                 await client.get(f"{url}/continue", headers={"x-evil": "a\r\nx-injected: 1"})
         assert not any(b"x-injected" in r for r in connections)
+        tg.cancel_scope.cancel()
+
+
+async def test_a_big_streamed_body_pauses_reading_until_the_consumer_drains_it() -> None:
+    from multiplexer.transport.connection import HIGH_WATER
+
+    total, piece = 64 << 20, b"x" * (1 << 20)
+    sent = [0]
+    connections: list[int] = []
+
+    async def big_body(stream: anyio.abc.SocketStream) -> None:
+        connections.append(1)
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            async with stream:
+                await read_request(stream)
+                await stream.send(head(total))
+                while sent[0] < total:
+                    await stream.send(piece)
+                    sent[0] += len(piece)
+                await read_request(stream)
+                await stream.send(REPLY)
+
+    listener, port = await serve()
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, big_body)
+        transport = Http1Transport(max_response_bytes=None)
+        url = f"http://127.0.0.1:{port}/"
+        response = await transport.handle_async_request(httpx.Request("GET", url))
+        conn = response.stream._conn  # type: ignore[attr-defined]
+        chunks = response.aiter_raw()
+        got = len(await anext(chunks)) + len(await anext(chunks))  # one after the head's read
+        with anyio.fail_after(10):
+            while not conn.read_paused:  # the consumer stopped: reading pauses, not buffers
+                await anyio.sleep(0.005)
+            assert conn.unread <= HIGH_WATER + (1 << 20) and sent[0] < total
+            async for data in chunks:  # draining resumes reading, to the end of the reply
+                got += len(data)
+        assert got == total and not conn.read_paused
+        async with httpx.AsyncClient(transport=transport) as client:
+            assert (await client.get(url)).text == "ok"
+        assert len(connections) == 1  # kept alive after the stream was read to its end
+        tg.cancel_scope.cancel()
+
+
+async def test_an_idle_connection_the_peer_closed_or_wrote_to_is_not_reused() -> None:
+    connections: list[int] = []
+    pooled = anyio.Event()
+
+    async def reply_then_misbehave(stream: anyio.abc.SocketStream) -> None:
+        connections.append(1)
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            async with stream:
+                path = (await read_request(stream)).split(b" ")[1]
+                await stream.send(REPLY)
+                if path == b"/next":
+                    return
+                await pooled.wait()  # the client holds the connection as idle
+                if path == b"/stray":  # an unasked-for reply on the idle connection
+                    await stream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nbad")
+                    await read_request(stream)
+                    await stream.send(REPLY)
+
+    listener, port = await serve()
+    url, origin = f"http://127.0.0.1:{port}", ("http", "127.0.0.1", port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, reply_then_misbehave)
+        transport = Http1Transport()
+        async with httpx.AsyncClient(transport=transport) as client:
+            for path in ("/close", "/stray"):
+                pooled = anyio.Event()
+                assert (await client.get(f"{url}{path}")).text == "ok"
+                (idle,) = transport._idle[origin]
+                pooled.set()
+                with anyio.fail_after(5):
+                    while not idle.closed:  # the loop reports the close or the stray bytes
+                        await anyio.sleep(0.005)
+                assert (await client.post(f"{url}/next", content=b"x")).text == "ok"
+                assert idle not in transport._idle[origin]
+        assert len(connections) == 4  # each dead connection was replaced, none was written to
+        tg.cancel_scope.cancel()
+
+
+async def test_cancelling_a_request_mid_read_closes_its_connection_and_frees_its_slot() -> None:
+    got_request = anyio.Event()
+    hung_up: list[str] = []
+
+    async def stall(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            path = (await read_request(stream)).split(b" ")[1]
+            if path == b"/ok":
+                await stream.send(REPLY)
+                return
+            if path == b"/body":  # a head, part of the body, then nothing
+                await stream.send(head() + chunk(b"data: 1\n\n"))
+            got_request.set()
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                await stream.receive()  # until the client hangs up
+            hung_up.append(path.decode())
+
+    listener, port = await serve()
+    url = f"http://127.0.0.1:{port}"
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, stall)
+        # one connection at most: the next request gets it only if the cancelled one freed it
+        transport = Http1Transport(max_connections=1)
+        timeout = httpx.Timeout(5, pool=1)
+        async with httpx.AsyncClient(transport=transport, timeout=timeout) as client:
+            for path in ("/head", "/body"):
+                got_request = anyio.Event()
+
+                async def call(path: str = path) -> None:
+                    async with client.stream("GET", f"{url}{path}") as response:
+                        await response.aread()
+
+                async with anyio.create_task_group() as calls:
+                    calls.start_soon(call)
+                    await got_request.wait()  # waiting for the head, or for more of the body
+                    calls.cancel_scope.cancel()
+                assert (await client.get(f"{url}/ok")).text == "ok"
+        with anyio.fail_after(5):
+            while len(hung_up) < 2:
+                await anyio.sleep(0.005)
+        assert hung_up == ["/head", "/body"]
+        tg.cancel_scope.cancel()
+
+
+def tls_contexts(tmp_path: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a self-signed certificate for 127.0.0.1, and a client's that trusts it."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    return server, ssl.create_default_context(cafile=tmp_path / "cert.pem")
+
+
+async def test_https_keeps_alive_and_a_body_ended_by_an_unclean_tls_close_is_whole(
+        tmp_path: Path) -> None:
+    server_tls, client_tls = tls_contexts(tmp_path)
+    connections: list[int] = []
+
+    async def answer(stream: anyio.abc.ByteStream) -> None:
+        connections.append(1)
+        async with stream:
+            while True:
+                request = await read_request(stream)  # type: ignore[arg-type]
+                if b"/until-close" in request:  # then no close_notify: the TCP close ends it
+                    await stream.send(b"HTTP/1.1 200 OK\r\n\r\nall of it")
+                    return
+                await stream.send(REPLY)
+
+    listener, port = await serve()
+    tls_listener = TLSListener(listener, server_tls, standard_compatible=False)
+    async with tls_listener, anyio.create_task_group() as tg:
+        tg.start_soon(tls_listener.serve, answer)
+        async with httpx.AsyncClient(transport=Http1Transport(verify=client_tls)) as client:
+            for _ in range(2):
+                assert (await client.get(f"https://127.0.0.1:{port}/")).text == "ok"
+            assert len(connections) == 1
+            assert (await client.get(f"https://127.0.0.1:{port}/until-close")).text == "all of it"
+        async with httpx.AsyncClient(transport=Http1Transport()) as client:
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await client.get(f"https://127.0.0.1:{port}/")  # not trusted by default
         tg.cancel_scope.cancel()
