@@ -34,6 +34,7 @@ import anyio
 import httpx
 
 from multiplexer.transport.connection import Conn, content_length
+from multiplexer.transport.dial import dial
 
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 _UNSAFE = re.compile(rb"[\r\n\0]")  # would split or end a header line
@@ -140,9 +141,14 @@ class Http1Transport(httpx.AsyncBaseTransport):
         tls = (self._ssl or ssl.create_default_context()) if scheme == "https" else None
         try:
             with anyio.fail_after(timeout):
-                _, conn = await loop.create_connection(
-                    lambda: Conn(loop), host, port, ssl=tls,
-                    server_hostname=host if tls is not None else None)
+                sock = await dial(host, port)  # the host's addresses raced (RFC 8305)
+                try:
+                    _, conn = await loop.create_connection(
+                        lambda: Conn(loop), sock=sock, ssl=tls,
+                        server_hostname=host if tls is not None else None)
+                except BaseException:
+                    sock.close()
+                    raise
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connect to {host}:{port} timed out",
                                        request=request) from None
