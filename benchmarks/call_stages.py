@@ -37,7 +37,7 @@ PROBES = [
     ("lane submit", "multiplexer.core.lane", "Lane", "submit", False),
     ("batch dispatched", "multiplexer.core.lane", "Lane", "_dispatch", True),
     ("upstream request", "multiplexer.transport.http1", "Http1Transport", "fetch", True),
-    ("upstream reply in", "multiplexer.transport.http1", "_Conn", "feed", False),
+    ("upstream reply in", "multiplexer.transport.connection", "Conn", "data_received", False),
     ("outcome settled", "multiplexer.gateway.gateway", "Gateway", "_finish", False),
     ("response written", "multiplexer.faces.server_protocol", "JoinedWrites", "write_now", False),
     ("response written", "multiplexer.faces.server_protocol", "JoinedWrites", "flush", False),

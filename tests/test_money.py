@@ -45,6 +45,26 @@ def test_usage_shapes_in_one_convention() -> None:
     assert tokens_of(None) is None and tokens_of({"total": 3}) is None
 
 
+def test_amounts_as_text_are_decimal_to_the_nano_dollar_rounded_half_to_even() -> None:
+    """The headers' and ``_meta``'s text, made from integer pico-dollars, is what ``Decimal``'s
+    quantize to the nano-dollar (half to even) and normalize would write, for every case."""
+    import random
+
+    from multiplexer.money.report import pico_text
+
+    def by_decimal(pico: int) -> bytes:
+        amount = Decimal(pico).scaleb(-12).quantize(Decimal("0.000000001")).normalize()
+        return format(amount, "f").encode()
+
+    picked = random.Random(7)
+    cases = [0, 1, 499, 500, 1500, 2500, 1000, 35_000_000, 10**12, 10**12 + 500, 3 * 10**15 + 1,
+             *(picked.randrange(10**16) for _ in range(2000)),
+             *(picked.randrange(10**6) * 1000 + 500 for _ in range(200))]
+    for pico in cases:
+        assert pico_text(pico) == by_decimal(pico), pico
+    assert pico_text(35_000_000) == b"0.000035" and pico_text(2 * 10**12) == b"2"
+
+
 def prices(**route: Any) -> Prices:
     return Prices({"oai": ProviderConfig(kind="openai"), "claude": ProviderConfig(kind="anthropic"),
                    "local": ProviderConfig(kind="mock")},

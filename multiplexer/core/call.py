@@ -25,12 +25,14 @@ class Outcome:
     over ``later`` instead of ``result``: it builds the result on its first read, so a
     call answered from ``result_json`` alone never builds it (an embedding's 384
     floats as Python objects cost the worker thread their making and the event loop
-    their freeing). Read-only once made, but for ``cost`` and ``saved``: what this caller's call
-    cost and what the gateway saved on it, in US dollars (None: unknown or not priced), set by
-    the gateway on the caller's own outcome as it is answered.
+    their freeing). Read-only once made, but for ``cost_pico`` and ``saved_pico``: what this
+    caller's call cost and what the gateway saved on it, in integer pico-dollars (the ledger's
+    unit; None: unknown or not priced), set by the gateway on the caller's own outcome as it is
+    answered. ``cost`` and ``saved`` are the same in US dollars, made only when read: the hot
+    path writes the amounts as text straight from the integers (``money/report.pico_text``).
     """
 
-    __slots__ = ("_later", "_result", "cost", "error", "result_json", "saved")
+    __slots__ = ("_later", "_result", "cost_pico", "error", "result_json", "saved_pico")
 
     def __init__(self, result: Any = None, error: RpcError | None = None,
                  result_json: bytes | None = None, *, later: Callable[[], Any] | None = None) -> None:
@@ -38,8 +40,8 @@ class Outcome:
         self._later = later
         self.error = error
         self.result_json = result_json
-        self.cost: Decimal | None = None
-        self.saved: Decimal | None = None
+        self.cost_pico: int | None = None
+        self.saved_pico = 0
 
     @property
     def result(self) -> Any:
@@ -55,8 +57,18 @@ class Outcome:
     def copy(self) -> Outcome:
         """The same answer as an outcome of its own (a caller's cost on a shared execution)."""
         twin = Outcome(self._result, self.error, self.result_json, later=self._later)
-        twin.cost, twin.saved = self.cost, self.saved
+        twin.cost_pico, twin.saved_pico = self.cost_pico, self.saved_pico
         return twin
+
+    @property
+    def cost(self) -> Decimal | None:
+        """What the call cost in US dollars; None when unknown or not priced."""
+        return None if self.cost_pico is None else Decimal(self.cost_pico).scaleb(-12)
+
+    @property
+    def saved(self) -> Decimal | None:
+        """What the gateway saved on the call in US dollars; None when nothing."""
+        return Decimal(self.saved_pico).scaleb(-12) if self.saved_pico else None
 
     @property
     def ok(self) -> bool:

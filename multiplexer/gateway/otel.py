@@ -290,10 +290,11 @@ class OtelTracer(Tracer):
             span.set_status(Status(StatusCode.ERROR, outcome.error.message))
         elif isinstance(outcome.result, dict):
             attributes.update(_gen_ai_response(outcome.result))
-        if outcome.error is None and outcome.cost is not None:  # what the call cost and saved, in USD
-            attributes["multiplexer.cost_usd"] = float(outcome.cost)
-            if outcome.saved:
-                attributes["multiplexer.saved_usd"] = float(outcome.saved)
+        cost = outcome.cost_pico
+        if outcome.error is None and cost is not None:  # what the call cost and saved, in USD
+            attributes["multiplexer.cost_usd"] = cost / 1e12
+            if outcome.saved_pico:
+                attributes["multiplexer.saved_usd"] = outcome.saved_pico / 1e12
         span.end()
 
     def attempt(self, span: Any, route: str, number: int) -> Any:

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
-from multiplexer.money.prices import Prices, tokens_of, usd_of
+from multiplexer.money.prices import Prices, tokens_of
 
 # What a call's saving came from (the ledger's and /metrics' ``how``): a fixed set.
 SYNC, BATCH, INFLIGHT, CACHE = "sync", "batch", "dedup", "cache"
@@ -138,10 +138,7 @@ class Meter:
                     saved = cache_saved
         if answer is outcome:  # the provider's outcome may be every sharer's: this caller's own
             answer = outcome.copy()
-        if cost is not None:
-            answer.cost = usd_of(cost)
-            if saved:
-                answer.saved = usd_of(saved)
+        answer.cost_pico, answer.saved_pico = cost, saved
         m = self.metrics
         if cost is None:
             m.unknown[plan.label] = m.unknown.get(plan.label, 0) + 1

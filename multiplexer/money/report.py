@@ -9,21 +9,26 @@ from typing import Any
 
 from multiplexer.money.spend_store import SUMS
 
-QUANTUM = Decimal("0.000000001")  # a nano-dollar: finer than any provider bills
 
-
-def usd_text(amount: Decimal) -> bytes:
-    """``0.000125``: a plain decimal string (no exponent), to the nano-dollar."""
-    text = format(amount.quantize(QUANTUM).normalize(), "f")
-    return text.encode()
+def pico_text(pico: int) -> bytes:
+    """An amount in integer pico-dollars as US dollars: ``0.000125``, a plain decimal string (no
+    exponent) to the nano-dollar (finer than any provider bills), rounded half to even. Integer
+    arithmetic: every priced answer's header is made with it, no ``Decimal`` on the call path."""
+    nanos, rest = divmod(pico, 1000)
+    if rest > 500 or (rest == 500 and nanos & 1):
+        nanos += 1
+    whole, part = divmod(nanos, 1_000_000_000)
+    if not part:
+        return b"%d" % whole
+    return (b"%d.%09d" % (whole, part)).rstrip(b"0")
 
 
 def cost_meta(outcome: Any) -> dict[str, str | None]:
     """``{"cost_usd": "0.0000021", "saved_usd": ...}`` for a result's ``_meta`` (null: unknown)."""
-    cost, saved = outcome.cost, outcome.saved
-    meta: dict[str, str | None] = {"cost_usd": None if cost is None else usd_text(cost).decode()}
+    cost, saved = outcome.cost_pico, outcome.saved_pico
+    meta: dict[str, str | None] = {"cost_usd": None if cost is None else pico_text(cost).decode()}
     if saved:
-        meta["saved_usd"] = usd_text(saved).decode()
+        meta["saved_usd"] = pico_text(saved).decode()
     return meta
 
 

@@ -25,7 +25,7 @@ from multiplexer.faces.v1.common import (
     send_error,
 )
 from multiplexer.faces.v1.sse import Encode, stream_call
-from multiplexer.money.report import usd_text
+from multiplexer.money.report import pico_text
 
 # A stream may run long: without a route timeout it gets the SDKs' own 10 minutes, not the
 # server's default for whole calls.
@@ -131,12 +131,13 @@ def route_header(call: Call) -> tuple[bytes, bytes]:
 def money_headers(outcome: Outcome) -> list[tuple[bytes, bytes]]:
     """``x-multiplexer-cost-usd`` where the call's cost is known, ``x-multiplexer-saved-usd`` where
     the gateway saved something on it (decimal strings, US dollars)."""
-    if outcome.cost is None:
+    cost = outcome.cost_pico
+    if cost is None:
         return []
-    out = [(b"x-multiplexer-cost-usd", usd_text(outcome.cost))]
-    if outcome.saved:
-        out.append((b"x-multiplexer-saved-usd", usd_text(outcome.saved)))
-    return out
+    if not outcome.saved_pico:
+        return [(b"x-multiplexer-cost-usd", pico_text(cost))]
+    return [(b"x-multiplexer-cost-usd", pico_text(cost)),
+            (b"x-multiplexer-saved-usd", pico_text(outcome.saved_pico))]
 
 
 def encoded(outcome: Outcome) -> Outcome:

@@ -121,7 +121,7 @@ def final_usage(chunk: dict[str, Any]) -> dict[str, Any] | None:
 
 def with_cost(chunk: dict[str, Any], answer: Outcome) -> dict[str, Any]:
     """``chunk`` (a final usage event, not changed in place) with the call's cost in its usage."""
-    if answer.error is not None or answer.cost is None:
+    if answer.error is not None or answer.cost_pico is None:
         return chunk
     usage = {**(final_usage(chunk) or {}), **cost_meta(answer)}
     if chunk.get("type") in RESPONSE_ENDS:
