@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from multiplexer.core.clock import Clock
+from multiplexer.core.errors import RpcError
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.quota import Grant, Quotas
 from multiplexer.core.state import SharedState
@@ -67,7 +68,15 @@ async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],
     """Admission's budget decision, after the quotas': each admitted plan that a budget covers
     reserves the most it can cost, or is refused (``plan.error``, its quota charge given back)
     before anything is sent."""
-    budgets_of = money.budgets.budgets_of
+    budgets = money.budgets
+    budgets_of = budgets.budgets_of
+    if len(plans) == 1 and budgets.local:  # one call, counters in this process: decided here
+        p = plans[0]
+        if p.error is None and p.item is not None and grants[0].refusal is None:
+            found = budgets_of(p.call.identity)
+            if found:
+                _decided(quotas, p, grants[0], budgets.reserve_here(p, found))
+        return
     todo, scopes = [], []
     for i, p in enumerate(plans):
         if p.error is None and p.item is not None and grants[i].refusal is None:
@@ -77,13 +86,17 @@ async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],
                 scopes.append(found)
     if not todo:
         return
-    decided = await money.budgets.reserve([plans[i] for i in todo], scopes)
+    decided = await budgets.reserve([plans[i] for i in todo], scopes)
     for i, d in zip(todo, decided, strict=True):
-        if isinstance(d, Reservation):
-            plans[i].reservation = d
-        elif d is not None:
-            plans[i].error = d
-            quotas.refund(grants[i])
+        _decided(quotas, plans[i], grants[i], d)
+
+
+def _decided(quotas: Quotas, plan: Plan, grant: Grant, d: Reservation | RpcError | None) -> None:
+    if isinstance(d, Reservation):
+        plan.reservation = d
+    elif d is not None:
+        plan.error = d
+        quotas.refund(grant)
 
 
 def shared_how(ticket_shared: str | None, outcome: Any) -> str | None:

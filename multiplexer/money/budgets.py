@@ -208,6 +208,7 @@ class Budgets:
         self._changes: list[tuple[str, int]] = []
         self._wake = anyio.Event()
         self._counters: dict[int, tuple[list[Scope], str, list[Counter]]] = {}
+        self.local = isinstance(counters, LocalCounters)  # decided at once, no round trip
 
     def applies(self, identity: str | None) -> bool:
         return bool(self.budgets_of(identity))
@@ -264,6 +265,18 @@ class Budgets:
             num, den = self.prices.batch_kept(plan.label, route.provider)
             pico = pico * num // den
         return -(-pico // 1000)  # nano-dollars, rounded up
+
+    def reserve_here(self, plan: Any, scopes: list[Scope]) -> Reservation | RpcError | None:
+        """One plan's ``reserve`` when the counters are in this process (``local``): no await."""
+        assert isinstance(self.counters, LocalCounters)
+        amount = self.most(plan)
+        if amount is None:
+            return None
+        wall = self.wall()
+        counters = self.counters_for(scopes, wall)
+        if not counters:
+            return None
+        return self._decided(counters, amount, self.counters.reserve_now(counters, amount), wall)
 
     async def reserve(self, plans: Sequence[Any],
                       scopes_of: Sequence[list[Scope]]) -> list[Reservation | RpcError | None]:
