@@ -7,7 +7,8 @@ own baseline in the same run.
 - **features**: sequential chat calls through a gateway with everything off (no traces, no key,
   ``spend.enabled: false``), and one as a team runs it: OTLP traces (to a local receiver, which
   counts what it got), an API key with a budget, and priced calls with spend on, paths taking
-  turns call by call; the added p50 of everything on over everything off.
+  turns call by call (each round in its own order); the added p50 of everything on over
+  everything off.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
                  Target("gateway, all off", off_url, openai_call(CHAT_PATH)),
                  Target("gateway, traces (OTLP) + key + budget + spend on", on_url, openai_call(CHAT_PATH))]
         load = load_average()
-        seq = await latencies(paths, args.features_calls)
+        seq = await latencies(paths, args.features_calls, shuffled=True)
         await anyio.sleep(0.5)  # the last spans' export
         exports = _Sink.exports
     out: list[dict[str, Any]] = [
