@@ -252,7 +252,7 @@ def litellm_program() -> str | None:
 
 
 async def measure(paths: list[Target], args: argparse.Namespace,
-                  shuffled: bool = False) -> list[dict[str, Any]]:
+                  shuffled: bool = True) -> list[dict[str, Any]]:
     seq = await latencies(paths, args.sequential, shuffled=shuffled)
     elapsed, cpu = [0.0] * len(paths), [0.0] * len(paths)
     n = args.calls // ROUNDS * ROUNDS
@@ -266,7 +266,8 @@ async def measure(paths: list[Target], args: argparse.Namespace,
            for p, s, e, c in zip(paths, seq, elapsed, cpu, strict=True)]
     streamed = [i for i, p in enumerate(paths) if p.stream is not None]
     if paths[0].stream is not None:
-        firsts = await latencies([paths[i] for i in streamed], args.sequential, first_chunk=True)
+        firsts = await latencies([paths[i] for i in streamed], args.sequential, first_chunk=True,
+                                 shuffled=shuffled)
         for i, first in zip(streamed, firsts, strict=True):
             out[i]["first_chunk_p50_ms"] = percentile(first, 0.5) * 1e3
     return out
@@ -407,7 +408,7 @@ async def money_phase(stack: contextlib.ExitStack, tmp: str,
                                              f"http://127.0.0.1:{port}/healthz"))
             targets.append(Target(f"{name} ({copy})", f"http://127.0.0.1:{port}", openai_call(chat),
                                   None, proc.pid))
-    rows = compared(await measure(targets, args, shuffled=True))
+    rows = compared(await measure(targets, args))
     rows[0]["name"] = "direct (money phase)"
     off, on = (rows[1]["p50_ms"] + rows[2]["p50_ms"]) / 2, (rows[3]["p50_ms"] + rows[4]["p50_ms"]) / 2
     rows[3]["money_added_p50_ms"] = on - off
