@@ -163,15 +163,18 @@ async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
         receiver = stack.enter_context(otlp_receiver())
         stack.enter_context(child(fake_args, f"{fake}/"))
         off, off_url = gateway_config(tmp, "off", fake_port, extra="spend: {enabled: false}\n")
+        again, again_url = gateway_config(tmp, "again", fake_port, extra="spend: {enabled: false}\n")
         on, on_url = gateway_config(  # a team's setup: traces, a key with a budget, priced calls
             tmp, "on", fake_port, server=f", api_keys: {{bench: {FEATURES_KEY}}}",
             extra=f"telemetry: {{otlp_endpoint: '{receiver}'}}\n", price=FEATURES_PRICE)
-        for conf, url in ((off, off_url), (on, on_url)):  # the span processor's defaults
+        for conf, url in ((off, off_url), (on, on_url), (again, again_url)):  # the span processor's defaults
             stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
                                       f"{url}/healthz"))
         paths = [Target("direct", fake, openai_call(CHAT_PATH)),
                  Target("gateway, all off", off_url, openai_call(CHAT_PATH)),
-                 Target("gateway, traces (OTLP) + key + budget + spend on", on_url, openai_call(CHAT_PATH))]
+                 Target("gateway, traces (OTLP) + key + budget + spend on", on_url, openai_call(CHAT_PATH)),
+                 # a second all-off gateway: what two processes of one config differ by (A/A)
+                 Target("gateway, all off (a second process)", again_url, openai_call(CHAT_PATH))]
         load = load_average()
         seq = await latencies(paths, args.features_calls, shuffled=True)
         await anyio.sleep(0.5)  # the last spans' export
@@ -181,14 +184,17 @@ async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
         for p, s in zip(paths, seq, strict=True)]
     for r in out[1:]:
         r["added_p50_ms"] = r["p50_ms"] - out[0]["p50_ms"]
-    out[2]["over_off_ms"] = out[2]["p50_ms"] - out[1]["p50_ms"]
+    out[2]["over_off_ms"] = out[2]["p50_ms"] - (out[1]["p50_ms"] + out[3]["p50_ms"]) / 2
     out[0]["load"], out[0]["otlp_exports"] = load, exports
+    out[0]["aa_ms"] = abs(out[3]["p50_ms"] - out[1]["p50_ms"])
     return out
 
 
 def print_features(rows: list[dict[str, Any]], calls: int) -> None:
-    print(f"\nfeatures on vs off: {calls:,} sequential chat calls per path, taking turns; "
-          f"{rows[0]['load']}; OTLP exports received: {rows[0]['otlp_exports']}")
+    print(f"\nfeatures on vs off: {calls:,} sequential chat calls per path, taking turns in a new "
+          f"order each round; {rows[0]['load']}; OTLP exports received: {rows[0]['otlp_exports']}; "
+          f"the two all-off gateways (A/A) differed by {rows[0]['aa_ms']:.3f} ms; on over off is "
+          "over their mean")
     print(table(["path", "p50 (ms)", "p90 (ms)", "added p50 vs direct (ms)", "on over off (ms)"],
                 [[r["name"], f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}",
                   f"{r['added_p50_ms']:+.3f}" if "added_p50_ms" in r else "",
