@@ -482,4 +482,6 @@ async def test_https_keeps_alive_and_a_body_ended_by_an_unclean_tls_close_is_who
         async with httpx.AsyncClient(transport=Http1Transport()) as client:
             with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                 await client.get(f"https://127.0.0.1:{port}/")  # not trusted by default
+        async with httpx.AsyncClient(transport=Http1Transport(verify=False)) as client:
+            assert (await client.get(f"https://127.0.0.1:{port}/")).text == "ok"  # as httpx's verify=False
         tg.cancel_scope.cancel()

@@ -69,8 +69,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self._slots: dict[Origin, anyio.Semaphore] = {}
         self._max = max_connections
         self._cap = max_response_bytes
-        self._ssl = verify if isinstance(verify, ssl.SSLContext) else (
-            ssl.create_default_context() if verify else None)
+        self._ssl = verify if isinstance(verify, ssl.SSLContext) else _tls(verify)
         self._closed = False
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -138,7 +137,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
                        timeout: float | None) -> Conn:
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
-        tls = (self._ssl or ssl.create_default_context()) if scheme == "https" else None
+        tls = self._ssl if scheme == "https" else None
         try:
             with anyio.fail_after(timeout):
                 sock = await dial(host, port)  # the host's addresses raced (RFC 8305)
@@ -346,3 +345,12 @@ def _broken(conn: Conn, request: httpx.Request | None) -> NoReturn:
                                         request=request)
     why = f": {type(conn.lost).__name__}: {conn.lost}" if conn.lost is not None else ""
     raise httpx.ReadError(f"upstream closed the connection{why}", request=request)
+
+
+def _tls(verify: bool) -> ssl.SSLContext:
+    """The system's trust store, or (``verify=False``, as httpx means it) no checks at all."""
+    context = ssl.create_default_context()
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
