@@ -36,9 +36,13 @@ class Echo:
         self.gate: anyio.Event | None = None  # set: the direct call waits for it
         self.cancelled = False
         self.fail = False
+        self.hand_back = False  # set: direct hands every request back to the ASGI app
+        self.asgi_scopes: list[dict[str, Any]] = []
 
-    async def direct(self, scope: dict[str, Any], body: bytes) -> Reply:
+    async def direct(self, scope: dict[str, Any], body: bytes) -> Reply | None:
         self.direct_bodies.append(body)
+        if self.hand_back:
+            return None
         if self.fail:
             raise ValueError("broken endpoint")
         if self.gate is not None:
@@ -51,6 +55,7 @@ class Echo:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.asgi_calls += 1
+        self.asgi_scopes.append(scope)
         body, more = b"", True
         while more:
             message = await receive()
@@ -115,6 +120,27 @@ async def test_a_whole_body_is_answered_directly_in_one_write() -> None:
     [(status, headers, body)] = parse(wire.sent[0])
     assert (status, body) == (200, b"echo:hello")
     assert headers[b"content-length"] == b"10" and headers[b"content-type"] == b"text/plain"
+
+
+async def test_a_request_the_endpoint_hands_back_is_answered_by_its_asgi_app_with_its_body() -> None:
+    """``direct`` returning None (a stream, for the chat endpoints): the app runs it as the server
+    would have, its body read once already and whole in the app's first ``receive``; the app's
+    own disconnect handling applies (the request is not marked as called directly)."""
+    from multiplexer.faces.disconnect import DIRECT, HOOK
+
+    endpoint = Echo()
+    endpoint.hand_back = True
+    protocol, wire = connect(endpoint)
+    protocol.data_received(post(b"stream me"))
+    await turns()
+    assert endpoint.direct_bodies == [b"stream me"] and endpoint.asgi_calls == 1
+    [(status, _, body)] = parse(b"".join(wire.sent))
+    assert (status, body) == (200, b"asgi:stream me") and not wire.closed
+    [scope] = endpoint.asgi_scopes
+    assert DIRECT not in scope["extensions"] and not scope["extensions"][HOOK].callbacks
+    protocol.data_received(post(b"next"))  # the connection goes on
+    await turns()
+    assert parse(b"".join(wire.sent))[1][2] == b"asgi:next"
 
 
 async def test_a_body_in_two_packets_is_awaited_whole() -> None:
@@ -255,3 +281,36 @@ async def test_a_body_past_the_read_buffer_is_read_whole_through_the_real_server
         assert len(r.request.content) > 3 * 65_536
         small = {"jsonrpc": "2.0", "method": "sum", "params": [2, 3], "id": 2}
         assert (await http.post(f"{url}/rpc", json=small)).json()["result"] == 5
+
+
+async def test_chat_is_direct_and_a_stream_goes_through_asgi_counted_once(tmp_path: Any) -> None:
+    """``/v1/chat/completions`` is called directly; a body asking for a stream is handed back and
+    streams through the ASGI path. Each request is counted once in ``/metrics`` and carries its
+    request id."""
+    from multiplexer.gateway.config import parse_config
+    from multiplexer.server import running
+    from tests.remote_helpers import fakes
+
+    async with fakes() as f:
+        config = parse_config({
+            "store": {"path": str(tmp_path / "jobs.db")},
+            "providers": {"oai": {"kind": "openai", "base_url": f.openai_url + "/v1", "api_key": "k"}},
+            "routes": {"chat": {"provider": "oai", "operation": "chat", "models": ["gpt-4o-mini"]}}})
+        async with running(config, port=0) as (gateway, url), httpx.AsyncClient(base_url=url) as http:
+            app = create_app(gateway, v1_routes(gateway, Authenticator({})))
+            assert ("POST", "/v1/chat/completions") in app.direct  # type: ignore[attr-defined]
+            ask = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "one two"}]}
+            whole = await http.post("/v1/chat/completions", json=ask)
+            streamed = await http.post("/v1/chat/completions", json={**ask, "stream": True})
+            escaped = await http.post("/v1/chat/completions", content=json.dumps(
+                {**ask, "stream": True}).replace('"stream"', '"\\u0073tream"'),
+                headers={"content-type": "application/json"})
+            page = (await http.get("/metrics")).text
+    assert whole.json()["choices"][0]["message"]["content"] == "echo: one two"
+    for r in (streamed, escaped):  # an escaped key is a stream too: never a direct call's 500
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.text.rstrip().endswith("data: [DONE]")
+    assert all(r.headers.get("x-request-id", "").startswith("req_") for r in (whole, streamed, escaped))
+    counted = [line for line in page.splitlines() if line.startswith("multiplexer_http_requests_total{")
+               and 'route="/v1/chat/completions"' in line]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in counted) == 3

@@ -42,11 +42,12 @@ class DirectEndpoint(Protocol):
     """An endpoint the gateway's own server calls without ASGI, for a request whose body has
     arrived whole, with a declared length within ``limit``: one call in, one ``Reply`` out. The
     server cancels the call if the client goes away first; anything else (a longer body, a
-    chunked one, ``Expect: 100-continue``, another server) goes through the endpoint's ASGI app."""
+    chunked one, ``Expect: 100-continue``, another server) goes through the endpoint's ASGI app,
+    and so does a request for which ``direct`` returns None (a stream), its body already read."""
 
     limit: int
 
-    async def direct(self, scope: Scope, body: bytes) -> Reply: ...
+    async def direct(self, scope: Scope, body: bytes) -> Reply | None: ...
 
 
 async def whole_reply(app: ASGIApp, scope: Scope, body: bytes) -> Reply:

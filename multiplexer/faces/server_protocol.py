@@ -37,6 +37,7 @@ from multiplexer.faces.reply import DirectEndpoint, Reply
 # at that moment, and lose the request (a ReadError).
 KEEPALIVE_GRACE_S = 1
 _GONE = 499  # the status a line says for a client that went away before its answer
+_ASGI = -1  # not answered: the endpoint handed the request back to the ASGI app
 _FAILED = Reply(500, b"Internal Server Error", [(b"content-type", b"text/plain; charset=utf-8"),
                                                 (b"connection", b"close")])
 
@@ -121,7 +122,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             super()._start_asgi_task(cycle, app)
             return
         task = self.loop.create_task(_run_direct(cycle, endpoint, self.transport, self.logger,
-                                                 self._access))
+                                                 self._access, app))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
         extensions = _extensions(cycle)
@@ -144,14 +145,12 @@ def _extensions(cycle: RequestResponseCycle) -> dict[str, Any]:
 
 
 async def _run_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, transport: Any,
-                      logger: logging.Logger, access: AccessLog | None) -> None:
+                      logger: logging.Logger, access: AccessLog | None, app: Any) -> None:
     """One request to a direct endpoint, noted by ``access`` as ``Access`` notes the others: its
-    request id, its line and its count."""
-    if access is None:
-        await _serve_direct(cycle, endpoint, transport, logger, None)
-        return
+    request id, its line and its count. One the endpoint hands back (``direct`` returned None:
+    a stream) goes to ``app`` as any request would, and is noted there."""
     scope = cast(Scope, cycle.scope)
-    note = access.begin(scope)
+    note = access.begin(scope) if access is not None else None
     status = _GONE
     try:
         status = await _serve_direct(cycle, endpoint, transport, logger, note)
@@ -159,7 +158,16 @@ async def _run_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, tra
         status = _GONE if cycle.disconnected else _FAILED.status
         raise
     finally:
-        access.end(scope, note, status)
+        if access is not None and note is not None and status != _ASGI:
+            access.end(scope, note, status)
+    if status == _ASGI:  # as the server would have run it: the endpoint's own disconnect handling
+        extensions = _extensions(cycle)
+        extensions.pop(DIRECT, None)
+        task = asyncio.current_task()
+        if task is not None:
+            extensions[HOOK].discard(task.cancel)
+        cycle.message_event.set()  # the whole body is there for the app's first ``receive``
+        await cycle.run_asgi(app)
 
 
 async def _serve_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, transport: Any,
@@ -176,6 +184,8 @@ async def _serve_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, t
         if cycle.disconnected:
             return _GONE
         reply = await endpoint.direct(cast(Scope, cycle.scope), bytes(cycle.body))
+        if reply is None:
+            return _ASGI  # the body stays in the cycle for the app's ``receive``
     except asyncio.CancelledError:
         if cycle.disconnected:
             return _GONE  # the client went away: its calls are cancelled, nobody is owed an answer

@@ -70,6 +70,18 @@ class Generation(Endpoint):
         has its own)."""
         raise NotImplementedError
 
+    @property
+    def limit(self) -> int:
+        return self.v1.limit
+
+    async def direct(self, scope: Scope, body: bytes) -> Reply | None:
+        """A whole call answers in one piece, so the gateway's own server calls it directly
+        (``faces/reply.py``). A body that may ask for a stream goes back to the ASGI path, which
+        streams: one with the bytes ``stream`` anywhere, or with an escape that could spell them."""
+        if b"stream" in body or b"\\u" in body:
+            return None
+        return await whole_reply(self, scope, body)
+
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
