@@ -84,11 +84,11 @@ class _Span(ReadableSpan):
     (``SpanContext``, ``Link``) are built only when something reads them (another span
     processor, the OTel context of an MCP upstream call), not on the hot path."""
 
-    def __init__(self, tracer: OtelTracer, name: str, ids: Ids, state: Any,
-                 parent_ids: Ids | None, parent: SpanContext | None, kind: SpanKind,
-                 attributes: dict[str, Any], link_ids: list[Any]) -> None:
+    def __init__(self, tracer: OtelTracer, name: str, ids: Ids, parent_ids: Ids | None,
+                 parent: SpanContext | None, kind: SpanKind, attributes: dict[str, Any],
+                 link_ids: list[Any]) -> None:
         # ReadableSpan.__init__ would build an empty Resource per span: the fields are set here
-        self.ids, self.state, self.parent_ids, self.link_ids = ids, state, parent_ids, link_ids
+        self.ids, self.parent_ids, self.link_ids = ids, parent_ids, link_ids
         self._remote_parent = parent
         self._ctx: SpanContext | None = None
         self._name, self._kind = name, kind
@@ -105,7 +105,7 @@ class _Span(ReadableSpan):
     def ctx(self) -> SpanContext:
         found = self._ctx
         if found is None:
-            found = self._ctx = _span_context(self.ids, self.state)
+            found = self._ctx = _span_context(self.ids)
         return found
 
     @property
@@ -116,11 +116,11 @@ class _Span(ReadableSpan):
     def _parent(self) -> SpanContext | None:  # type: ignore[override]
         if self._remote_parent is not None or self.parent_ids is None:
             return self._remote_parent
-        return _span_context(self.parent_ids, self.state)
+        return _span_context(self.parent_ids)
 
     @property
     def _links(self) -> tuple[Link, ...]:  # type: ignore[override]
-        return tuple(Link(_span_context(ids, None), attributes) for ids, attributes in self.link_ids)
+        return tuple(_sdk_links(self.link_ids))
 
     def get_span_context(self) -> SpanContext:
         return self.ctx
@@ -163,11 +163,14 @@ class _Span(ReadableSpan):
                 take(self.compact())
 
 
-def _span_context(ids: Ids, state: Any) -> SpanContext:
+def _span_context(ids: Ids) -> SpanContext:
     trace_id, span_id, flags, pairs = ids
-    if state is None and pairs:
-        state = TraceState(pairs)
-    return SpanContext(trace_id, span_id, False, _FLAGS[flags], state)
+    return SpanContext(trace_id, span_id, False, _FLAGS[flags], TraceState(pairs) if pairs else None)
+
+
+def _sdk_links(link_ids: list[Any]) -> list[Link]:
+    """Links as the SDK's objects, from the plain ids a span keeps."""
+    return [Link(_span_context(ids), attributes) for ids, attributes in link_ids]
 
 
 def _new_ids(trace_id: int, flags: int, state: Any = None) -> Ids:
@@ -226,8 +229,8 @@ class OtelTracer(Tracer):
     def _child(self, name: str, parent: _Span, kind: SpanKind, attributes: dict[str, Any],
                link_ids: list[Any] | None = None) -> _Span:
         pids = parent.ids
-        return _Span(self, name, (pids[0], _bits(64) or 1, pids[2], pids[3]), parent.state, pids, None,
-                     kind, attributes, link_ids or [])
+        return _Span(self, name, (pids[0], _bits(64) or 1, pids[2], pids[3]), pids, None, kind,
+                     attributes, link_ids or [])
 
     def _root(self, name: str, kind: SpanKind, attributes: dict[str, Any], link_ids: list[Any],
               parent_context: Any) -> _Span:
@@ -239,14 +242,13 @@ class OtelTracer(Tracer):
         if self.default_sampler:
             flags, state = (int(parent.trace_flags) & 1, parent.trace_state) if valid else (1, None)
         else:
-            links = [Link(_span_context(ids, None), a) for ids, a in link_ids]
-            decision = self.sampler.should_sample(parent_context, trace_id, name, kind, attributes, links)
+            decision = self.sampler.should_sample(parent_context, trace_id, name, kind, attributes,
+                                                  _sdk_links(link_ids))
             flags, state = (1 if decision.decision.is_sampled() else 0), decision.trace_state
             if decision.attributes:
                 attributes.update(decision.attributes)
-        return _Span(self, name, _new_ids(trace_id, flags, state), state or None,
-                     ids_of(parent) if valid else None, parent if valid else None, kind, attributes,
-                     link_ids)
+        return _Span(self, name, _new_ids(trace_id, flags, state), ids_of(parent) if valid else None,
+                     parent if valid else None, kind, attributes, link_ids)
 
     # -- calls -----------------------------------------------------------------
     def start_call(self, call: Call) -> Any:
