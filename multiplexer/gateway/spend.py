@@ -69,21 +69,18 @@ async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],
     reserves the most it can cost, or is refused (``plan.error``, its quota charge given back)
     before anything is sent."""
     budgets = money.budgets
-    budgets_of = budgets.budgets_of
-    if len(plans) == 1 and budgets.local:  # one call, counters in this process: decided here
-        p = plans[0]
-        if p.error is None and p.item is not None and grants[0].refusal is None:
-            found = budgets_of(p.call.identity)
-            if found:
-                _decided(quotas, p, grants[0], budgets.reserve_here(p, found))
-        return
     todo, scopes = [], []
     for i, p in enumerate(plans):
-        if p.error is None and p.item is not None and grants[i].refusal is None:
-            found = budgets_of(p.call.identity)
-            if found:
-                todo.append(i)
-                scopes.append(found)
+        if p.error is not None or p.item is None or grants[i].refusal is not None:
+            continue
+        found = budgets.budgets_of(p.call.identity)
+        if not found:
+            continue
+        if budgets.local:  # counters in this process: decided here, in order, with no await
+            _decided(quotas, p, grants[i], budgets.reserve_here(p, found))
+        else:
+            todo.append(i)
+            scopes.append(found)
     if not todo:
         return
     decided = await budgets.reserve([plans[i] for i in todo], scopes)

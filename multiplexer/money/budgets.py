@@ -282,6 +282,8 @@ class Budgets:
                       scopes_of: Sequence[list[Scope]]) -> list[Reservation | RpcError | None]:
         """Each plan's reservation, refusal, or None (nothing to reserve: its model has no price)
         under its budgets (``scopes_of``, one list per plan, from ``budgets_of``)."""
+        if self.local:  # in this process: decided at once, in order
+            return [self.reserve_here(p, s) for p, s in zip(plans, scopes_of, strict=True)]
         out: list[Reservation | RpcError | None] = [None] * len(plans)
         wall = self.wall()
         asks: list[tuple[int, list[Counter], int]] = []
@@ -292,10 +294,6 @@ class Budgets:
             counters = self.counters_for(scopes_of[i], wall)
             if counters:
                 asks.append((i, counters, amount))
-        if isinstance(self.counters, LocalCounters):  # in this process: decided at once, in order
-            for i, counters, amount in asks:
-                out[i] = self._decided(counters, amount, self.counters.reserve_now(counters, amount), wall)
-            return out
         limiter = anyio.CapacityLimiter(16)  # an array's reservations, a few round trips at once
 
         async def one(i: int, counters: list[Counter], amount: int) -> None:
