@@ -41,6 +41,11 @@ class Endpoint:
     def __init__(self, v1: V1) -> None:
         self.v1 = v1
 
+    @property
+    def limit(self) -> int:
+        """The largest body the server may read whole for ``direct`` (endpoints that have it)."""
+        return self.v1.limit
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         note = note_of(scope)  # the request's id, when the server notes requests
         header = self.surface.request_id_header

@@ -70,10 +70,6 @@ class Generation(Endpoint):
         has its own)."""
         raise NotImplementedError
 
-    @property
-    def limit(self) -> int:
-        return self.v1.limit
-
     async def direct(self, scope: Scope, body: bytes) -> Reply | None:
         """A whole call answers in one piece, so the gateway's own server calls it directly
         (``faces/reply.py``). A body that may ask for a stream goes back to the ASGI path, which
@@ -128,10 +124,6 @@ class Embeddings(Endpoint):
     """Answers in one piece, so the gateway's own server calls it directly (``faces/reply.py``)."""
 
     surface = OPENAI
-
-    @property
-    def limit(self) -> int:
-        return self.v1.limit
 
     async def direct(self, scope: Scope, body: bytes) -> Reply:
         return await whole_reply(self, scope, body)
