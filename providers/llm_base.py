@@ -176,6 +176,7 @@ class LlmProvider(Provider):
             return Outcome.fail(e)
         usage: dict[str, Any] = {}
         ended = False
+        response.encoding = "utf-8"  # an event stream is UTF-8 (no charset sniffing per stream)
         try:
             async for sse in EventSource(response).aiter_sse():
                 if sse.data == "[DONE]":

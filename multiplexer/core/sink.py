@@ -1,23 +1,32 @@
-"""Where a streamed call's chunks go: the face's memory stream, behind a thin wrapper that
-notes when the first chunk leaves (its time to first chunk, on the call's span and in
+"""Where a streamed call's chunks go: the face's reader (its event writer, or any stream with
+``send``, ``send_nowait`` and ``close``), behind a thin wrapper that notes when the first chunk
+leaves (its time to first chunk, on the call's span and in
 ``/metrics``), so no provider has to measure it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
-from anyio.streams.memory import MemoryObjectSendStream
+
+class Reader(Protocol):
+    """The face's end of a stream (an anyio memory stream's send side fits)."""
+
+    async def send(self, chunk: Any) -> None: ...
+
+    def send_nowait(self, chunk: Any) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ChunkSink:
-    """``send`` / ``send_nowait`` / ``close`` of the face's stream; ``first`` runs once, as the
+    """``send`` / ``send_nowait`` / ``close`` of the face's reader; ``first`` runs once, as the
     first chunk is handed over (before it is sent, so a reader gone still counts it)."""
 
     __slots__ = ("_first", "_stream", "hold")
 
-    def __init__(self, stream: MemoryObjectSendStream[Any],
+    def __init__(self, stream: Reader,
                  first: Callable[[], None] | None = None) -> None:
         self._stream = stream
         self._first: Callable[[], None] | None = first or _nothing

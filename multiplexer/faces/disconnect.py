@@ -22,6 +22,9 @@ HOOK = "multiplexer.disconnect"  # scope["extensions"][HOOK]: OnDisconnect
 # scope["extensions"][DIRECT]: the server called the endpoint directly, and cancels the request's
 # task itself when the client goes (faces/server_protocol.py)
 DIRECT = "multiplexer.direct"
+# scope["extensions"][FLUSH]: sends what the connection holds for the end of the loop's turn now
+# (a stream's first event leaves at once, not after the rest of the provider's turn)
+FLUSH = "multiplexer.flush"
 _NOTHING: AbstractAsyncContextManager[object] = contextlib.nullcontext()
 
 

@@ -28,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from multiplexer.faces.access import REQUEST_ID, AccessLog, Note
 from multiplexer.faces.body import headers_over
-from multiplexer.faces.disconnect import DIRECT, HOOK, OnDisconnect
+from multiplexer.faces.disconnect import DIRECT, FLUSH, HOOK, OnDisconnect
 from multiplexer.faces.reply import DirectEndpoint, Reply
 
 # An idle connection is closed this long after ``timeout_keep_alive`` (``server.keepalive_s``): the
@@ -99,7 +99,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {HOOK: OnDisconnect()}  # type: ignore[dict-item]
+        self.scope["extensions"] = {HOOK: OnDisconnect(),  # type: ignore[dict-item]
+                                    FLUSH: self.transport.flush}
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()  # makes the request's cycle; its task has not run yet
