@@ -170,11 +170,16 @@ async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
         for conf, url in ((off, off_url), (on, on_url), (again, again_url)):  # the span processor's defaults
             stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)],
                                       f"{url}/healthz"))
+        bare_port = free_port()  # what the hop alone costs: a proxy that only forwards bytes
+        bare = f"http://127.0.0.1:{bare_port}"
+        stack.enter_context(child(["-m", "benchmarks._bare_proxy", str(bare_port), str(fake_port)],
+                                  f"{bare}/"))
         paths = [Target("direct", fake, openai_call(CHAT_PATH)),
                  Target("gateway, all off", off_url, openai_call(CHAT_PATH)),
                  Target("gateway, traces (OTLP) + key + budget + spend on", on_url, openai_call(CHAT_PATH)),
                  # a second all-off gateway: what two processes of one config differ by (A/A)
-                 Target("gateway, all off (a second process)", again_url, openai_call(CHAT_PATH))]
+                 Target("gateway, all off (a second process)", again_url, openai_call(CHAT_PATH)),
+                 Target("bare proxy (uvloop + httptools, bytes forwarded)", bare, openai_call(CHAT_PATH))]
         load = load_average()
         seq = await latencies(paths, args.features_calls, shuffled=True)
         await anyio.sleep(0.5)  # the last spans' export
@@ -187,6 +192,7 @@ async def run_features(args: argparse.Namespace) -> list[dict[str, Any]]:
     out[2]["over_off_ms"] = out[2]["p50_ms"] - (out[1]["p50_ms"] + out[3]["p50_ms"]) / 2
     out[0]["load"], out[0]["otlp_exports"] = load, exports
     out[0]["aa_ms"] = abs(out[3]["p50_ms"] - out[1]["p50_ms"])
+    out[2]["own_ms"] = out[2]["p50_ms"] - out[4]["p50_ms"]  # the gateway's own work, the hop aside
     return out
 
 
@@ -199,4 +205,8 @@ def print_features(rows: list[dict[str, Any]], calls: int) -> None:
                 [[r["name"], f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}",
                   f"{r['added_p50_ms']:+.3f}" if "added_p50_ms" in r else "",
                   f"{r['over_off_ms']:+.3f}" if "over_off_ms" in r else ""] for r in rows]))
-    print("floors: on over off <= 0.15 ms; added p50 with everything on <= 1.0x direct p50")
+    on, direct, bare = rows[2], rows[0], rows[4]
+    print(f"floors: on over off <= 0.15 ms; added p50 with everything on <= 1.0x direct p50: "
+          f"{on['added_p50_ms'] / direct['p50_ms']:.2f}x, of which the hop alone (the bare proxy) "
+          f"{bare['added_p50_ms'] / direct['p50_ms']:.2f}x and the gateway's own work "
+          f"{on['own_ms'] / direct['p50_ms']:.2f}x ({on['own_ms']:.3f} ms)")
