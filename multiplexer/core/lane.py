@@ -33,13 +33,15 @@ Batch = tuple[list[Pending], Permit]  # a batch and its charge
 
 
 class _Worker:
-    """A parked lane worker: the next batch is handed to it, or None to end."""
+    """A parked lane worker: the next batch is handed to it, or None to end. Its event is
+    asyncio's (the lane runs on asyncio): anyio's asks sniffio for the backend each time one is
+    made, once per batch here."""
 
     __slots__ = ("batch", "ready")
 
     def __init__(self) -> None:
         self.batch: Batch | None = None
-        self.ready = anyio.Event()
+        self.ready = asyncio.Event()
 
     def hand(self, batch: Batch | None) -> None:
         self.batch = batch
