@@ -142,3 +142,42 @@ async def test_lines_a_stopping_gateway_did_not_run_are_left_without_a_row():
     await runner.run_lines(record, [{"x": 1}, {"x": 2, "method": "late"}], runner.reserve(record))
     assert store.rows == {0: (0, "a", 200, {"shaped": 10})}
     assert await runner.owes(record) and not (await runner.counts(record)).done
+
+
+async def test_the_store_is_let_go_only_after_the_loops_beside_the_runner_have_stopped():
+    """The retention purge runs beside the runner on the same store: at shutdown, a query of its
+    still in a thread ends before the store closes (a closed SQLite connection refused it)."""
+    import threading
+
+    order: list[str] = []
+    in_query, release, closed = threading.Event(), threading.Event(), threading.Event()
+
+    class Closing(Store):
+        def close(self) -> None:
+            order.append("store closed")
+            closed.set()
+
+    def query() -> None:  # a purge's query, in the store's thread
+        in_query.set()
+        release.wait(5)
+        order.append("query ended")
+
+    async def purge() -> None:
+        await anyio.to_thread.run_sync(query)
+        await anyio.lowlevel.checkpoint()  # its next step: cancelled there
+        order.append("purge went on")
+
+    runner = LineRunner(Gateway(ManualClock()), Closing(), plan, answer, no_bodies)
+    stop = anyio.CancelScope()
+
+    async def gateway_lifetime() -> None:
+        with stop:
+            await runner.run(False, [purge])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(gateway_lifetime)
+        assert await anyio.to_thread.run_sync(in_query.wait, 5)
+        stop.cancel()  # the gateway closes while the query runs
+        assert not await anyio.to_thread.run_sync(closed.wait, 0.5)  # the store stays open
+        release.set()
+    assert order == ["query ended", "store closed"]

@@ -269,22 +269,27 @@ class LineRunner(Generic[B]):
             if bodies is not None and record.id not in self.live:  # not made meanwhile
                 self.start(record, bodies)
 
-    async def run(self, resume: bool) -> None:
+    async def run(self, resume: bool, beside: Sequence[Callable[[], Awaitable[Any]]] = ()) -> None:
         """For the gateway's lifetime: resume the lines a stopped gateway left (where a store is
         there to hold them), then every ``store.lease_s`` those left without a runner: a
         replica's that died (once its hold has run out), or a runner's here that the store
-        failed under. The store is let go at the end."""
+        failed under. ``beside``: other loops on the same store (the retention purge), run in
+        this task's group so that they have stopped, their last query ended, before the store
+        is let go at the end."""
         try:
-            if resume:
-                await self.resume()
-            while True:
-                await anyio.sleep(self.store.lease_s)
-                if not (self.store.shared() or self.store.opened()):
-                    continue  # no batch yet: the SQLite file is not made for nothing
-                try:
+            async with anyio.create_task_group() as tg:
+                for loop in beside:
+                    tg.start_soon(loop)
+                if resume:
                     await self.resume()
-                except Exception:  # the database is away for now: asked again on the next pass
-                    log.exception("resuming batches failed")
+                while True:
+                    await anyio.sleep(self.store.lease_s)
+                    if not (self.store.shared() or self.store.opened()):
+                        continue  # no batch yet: the SQLite file is not made for nothing
+                    try:
+                        await self.resume()
+                    except Exception:  # the database is away for now: asked again on the next pass
+                        log.exception("resuming batches failed")
         finally:
             with anyio.CancelScope(shield=True):
                 with anyio.move_on_after(5):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from starlette.routing import BaseRoute, Route
@@ -41,9 +42,10 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     conf = gateway.config.store
     store = V1Store(Path(conf.path), conf.url, conf.lease_s, conf.schema_)
     batches = Batches(v1, store, surfaces_for(OPENAI, ANTHROPIC))
-    gateway.start_background(batches.runner.run, Path(conf.path).exists() or conf.url is not None)
-    if gateway.config.store.retention_s is not None:
-        gateway.start_background(batches.purge_forever, gateway.config.store.retention_s)
+    retention = conf.retention_s
+    purge = [functools.partial(batches.purge_forever, retention)] if retention is not None else []
+    gateway.start_background(batches.runner.run, Path(conf.path).exists() or conf.url is not None,
+                             purge)  # the purge stops before the runner lets the store go
     gateway.faces["v1_batches"] = batches
     limit = gateway.config.server.max_file_bytes
     files = (v1, store, batches, limit)
