@@ -9,8 +9,9 @@ asks the charge its lane handed in (``core/limiter.upstream_request``).
 
 from __future__ import annotations
 
+import codecs
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -25,7 +26,7 @@ from multiplexer.core.limiter import upstream_request
 from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
-from multiplexer.transport.http1 import Http1Transport
+from multiplexer.transport.http1 import Http1Transport, Opened
 
 from .endpoints import BreakerOpen, Endpoints
 from .health import CONNECT_FAILURES, ConnectionHealth
@@ -137,11 +138,10 @@ class ApiClient:
             await response.aclose()
         raise self._refused(response, idempotent)
 
-    async def _fetch_json(self, method: str, path: str, base: str | None, body: Any,
-                          idempotent: bool) -> dict[str, Any]:
-        """The hot path: a JSON request through the lean transport without httpx's Request and
-        Response objects (built only for an error)."""
-        assert isinstance(self._transport, Http1Transport), "ApiClient used before start()"
+    def _head(self, path: str, base: str | None, content: bytes
+              ) -> tuple[httpx.URL, list[tuple[bytes, bytes]]]:
+        """A JSON request's URL and headers (the lean transport's parts), the upstream batch's
+        ``traceparent`` among them when traces are on."""
         key = (base or "", path)
         target = self._targets.get(key)
         if target is None:
@@ -149,25 +149,78 @@ class ApiClient:
             head = [(b"host", url.netloc), *self._json_headers.raw]
             target = self._targets[key] = (url, head)
         url, head = target
-        content = dumps(body)
         headers = [*head, (b"content-length", str(len(content)).encode())]
         if self.ctx.tracer.enabled:
             carrier: dict[str, str] = {}
             self.ctx.tracer.inject(carrier)  # the upstream batch's traceparent
             headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items()]
+        return url, headers
+
+    def _heard(self, status: int, raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+        """A reply's head reached us: the endpoint is healthy and the limiter learns from it."""
+        self.health.reached()
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        self._learn(status, headers)
+        return headers
+
+    def _refused_reply(self, method: str, url: httpx.URL, status: int,
+                       headers: list[tuple[bytes, bytes]], content: bytes,
+                       idempotent: bool) -> Exception:
+        response = httpx.Response(status, headers=headers, content=content,
+                                  request=httpx.Request(method, url))
+        return self._refused(response, idempotent)
+
+    async def _fetch_json(self, method: str, path: str, base: str | None, body: Any,
+                          idempotent: bool) -> dict[str, Any]:
+        """The hot path: a JSON request through the lean transport without httpx's Request and
+        Response objects (built only for an error)."""
+        assert isinstance(self._transport, Http1Transport), "ApiClient used before start()"
+        content = dumps(body)
+        url, headers = self._head(path, base, content)
         self._requests.inc()
         try:
             reply = await self._transport.fetch(method, url, headers, content, self._timeouts)
         except httpx.HTTPError as e:
             raise self._unreachable(e, idempotent) from None
-        self.health.reached()
-        self._learn(reply.status, {k.decode("latin-1"): v.decode("latin-1")
-                                   for k, v in reply.headers})
+        self._heard(reply.status, reply.headers)
         if reply.status >= 400:
-            response = httpx.Response(reply.status, headers=reply.headers, content=reply.content,
-                                      request=httpx.Request(method, url))
-            raise self._refused(response, idempotent)
+            raise self._refused_reply(method, url, reply.status, reply.headers, reply.content,
+                                      idempotent)
         return decode_body(self.name, reply.status, reply.content)
+
+    async def _open(self, method: str, path: str, base: str | None, body: Any,
+                    idempotent: bool) -> StreamedReply:
+        """A streamed request through the lean transport, as ``_fetch_json``; the caller reads
+        and closes the reply."""
+        assert isinstance(self._transport, Http1Transport), "ApiClient used before start()"
+        content = dumps(body)
+        url, headers = self._head(path, base, content)
+        self._requests.inc()
+        try:
+            opened = await self._transport.open(method, url, headers, content, self._timeouts)
+        except httpx.HTTPError as e:
+            raise self._unreachable(e, idempotent) from None
+        try:
+            heard = self._heard(opened.status, opened.headers)
+            if opened.status >= 400:
+                content = await opened.read()
+                raise self._refused_reply(method, url, opened.status, opened.headers, content,
+                                          idempotent)
+        except BaseException:
+            await opened.aclose()
+            raise
+        return StreamedReply(heard, opened)
+
+    async def stream(self, method: str, path: str, body: Any, *, idempotent: bool,
+                     deadline: float | None) -> StreamedReply | httpx.Response:
+        """A 2xx reply to a JSON request, to read as it comes (server-sent events) and close,
+        after retries, or the final ``RpcError``. Through the lean transport it skips httpx's
+        ``Request`` and ``Response``; either reply is what httpx_sse's ``EventSource`` reads."""
+        if isinstance(self._transport, Http1Transport):
+            return await self._retrying(path, deadline, lambda base: self._open(
+                method, path, base, body, idempotent))
+        return await self.request(method, path, idempotent=idempotent, deadline=deadline,
+                                  stream=True, json=body)
 
     def _unreachable(self, e: httpx.HTTPError, idempotent: bool) -> Exception:
         self.health.failed(e)
@@ -264,6 +317,29 @@ class ApiClient:
         response = await self.request(method, path, idempotent=idempotent, deadline=deadline,
                                       **kwargs)
         return decode_json(self.name, response)
+
+
+class StreamedReply:
+    """A streamed reply from the lean transport as httpx_sse's ``EventSource`` reads one (its
+    ``headers`` and ``aiter_text``), without httpx's ``Response`` and its stream layers. An
+    event stream is UTF-8 (the spec says so; no charset to sniff)."""
+
+    __slots__ = ("_opened", "headers")
+
+    def __init__(self, headers: dict[str, str], opened: Opened) -> None:
+        self.headers = headers
+        self._opened = opened
+
+    async def aiter_text(self) -> AsyncIterator[str]:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        async for chunk in self._opened:
+            if text := decoder.decode(chunk):
+                yield text
+        if text := decoder.decode(b"", final=True):
+            yield text
+
+    async def aclose(self) -> None:
+        await self._opened.aclose()
 
 
 def decode_json(provider: str, response: httpx.Response) -> dict[str, Any]:

@@ -4,7 +4,7 @@ token charging, and one request per call for the operations that do not pack."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import anyio
 import httpx
@@ -169,16 +169,14 @@ class LlmProvider(Provider):
         """One streamed request; each upstream event goes to ``sink`` as it arrives. Closing
         the response (a cancelled call, a reader gone) ends the upstream stream."""
         try:
-            response = await self.api.request("POST", self.stream_path(item),
-                                              json=self.stream_request(item), idempotent=False,
-                                              deadline=item.deadline, stream=True)
+            response = await self.api.stream("POST", self.stream_path(item), self.stream_request(item),
+                                             idempotent=False, deadline=item.deadline)
         except RpcError as e:
             return Outcome.fail(e)
         usage: dict[str, Any] = {}
         ended = False
-        response.encoding = "utf-8"  # an event stream is UTF-8 (no charset sniffing per stream)
-        try:
-            async for sse in EventSource(response).aiter_sse():
+        try:  # the lean transport's reply reads as httpx's does (``headers``, ``aiter_text``)
+            async for sse in EventSource(cast(httpx.Response, response)).aiter_sse():
                 if sse.data == "[DONE]":
                     ended = True
                     break
