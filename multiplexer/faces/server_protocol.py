@@ -95,12 +95,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = JoinedWrites(transport, self.loop)  # type: ignore[assignment]
+        self.joined = JoinedWrites(transport, self.loop)
+        self.transport = self.joined  # type: ignore[assignment]
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {HOOK: OnDisconnect(),  # type: ignore[dict-item]
-                                    FLUSH: self.transport.flush}
+        extensions: dict[str, Any] = {HOOK: OnDisconnect(), FLUSH: self.joined.flush}
+        self.scope["extensions"] = extensions  # type: ignore[typeddict-item]
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()  # makes the request's cycle; its task has not run yet

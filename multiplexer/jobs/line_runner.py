@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -269,7 +269,8 @@ class LineRunner(Generic[B]):
             if bodies is not None and record.id not in self.live:  # not made meanwhile
                 self.start(record, bodies)
 
-    async def run(self, resume: bool, beside: Sequence[Callable[[], Awaitable[Any]]] = ()) -> None:
+    async def run(self, resume: bool,
+                  beside: Sequence[Callable[[], Coroutine[Any, Any, Any]]] = ()) -> None:
         """For the gateway's lifetime: resume the lines a stopped gateway left (where a store is
         there to hold them), then every ``store.lease_s`` those left without a runner: a
         replica's that died (once its hold has run out), or a runner's here that the store
