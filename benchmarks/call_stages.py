@@ -7,7 +7,7 @@ the other: everything off, and traces (OTLP to a local receiver) + a key with a 
 spend on (``bench_llm --features-phase``'s). Each probe costs about a microsecond; the stages
 show where the gateway's added latency is spent, not its total (``bench_llm`` measures that).
 
-    python -m benchmarks.call_stages [--calls 3000]
+    python -m benchmarks.call_stages [--calls 3000] [--stream]
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ PROBES = [
     ("response written", "multiplexer.faces.server_protocol", "JoinedWrites", "write_now", False),
     ("response written", "multiplexer.faces.server_protocol", "JoinedWrites", "flush", False),
 ]
+# ``--stream``: a streamed call, to its first chunk written (the ASGI path, the lean stream read)
+STREAM_PROBES = [
+    *PROBES[:5],
+    ("upstream request", "multiplexer.transport.http1", "Http1Transport", "open", True),
+    ("upstream reply in", "multiplexer.transport.connection", "Conn", "data_received", False),
+    ("first chunk to the face", "multiplexer.faces.v1.sse", "_Events", "out", True),
+    ("first chunk written", "multiplexer.faces.server_protocol", "JoinedWrites", "flush", False),
+]
 STAGES = list(dict.fromkeys(stage for stage, *_ in PROBES))
 CLIENT = """
 import sys, anyio
@@ -49,7 +57,7 @@ sys.path.insert(0, sys.argv[2])
 from benchmarks.bench_llm import openai_call
 from benchmarks._h11 import Conn
 async def main():
-    call, conn = openai_call("/v1/chat/completions"), Conn.to(sys.argv[1])
+    call, conn = openai_call("/v1/chat/completions", sys.argv[4] == "stream"), Conn.to(sys.argv[1])
     for _ in range(int(sys.argv[3])):
         await call(conn)
     await conn.aclose()
@@ -96,21 +104,21 @@ def medians(calls: int) -> dict[str, float]:
         raise RuntimeError(f"only {len(whole)} of {len(runs)} calls passed every stage")
     out = {f"{STAGES[i - 1]} -> {STAGES[i]}": statistics.median(r[i] - r[i - 1] for r in whole) / 1e3
            for i in range(1, len(STAGES))}
-    out["whole (request in -> response written)"] = statistics.median(r[len(STAGES) - 1] - r[0]
-                                                                      for r in whole) / 1e3
+    out[f"whole (request in -> {STAGES[-1]})"] = statistics.median(r[len(STAGES) - 1] - r[0]
+                                                                   for r in whole) / 1e3
     return out
 
 
-async def measure(config: Path, calls: int) -> dict[str, float]:
+async def measure(config: Path, calls: int, kind: str) -> dict[str, float]:
     from multiplexer.gateway.config import load_config
     from multiplexer.server import running
 
     async with running(load_config(config), port=0) as (_, url):
         script = config.with_suffix(".client.py")
         script.write_text(CLIENT)
-        await anyio.run_process([sys.executable, str(script), url, os.getcwd(), "300"])  # warm up
+        await anyio.run_process([sys.executable, str(script), url, os.getcwd(), "300", kind])  # warm up
         _stamps.clear()
-        await anyio.run_process([sys.executable, str(script), url, os.getcwd(), str(calls)])
+        await anyio.run_process([sys.executable, str(script), url, os.getcwd(), str(calls), kind])
     return medians(calls)
 
 
@@ -134,24 +142,31 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             path = Path(tmp) / f"{len(out)}.yaml"
             store = Path(tmp) / f"{len(out)}.db"
             path.write_text(GATEWAY.format(port=0, fake=fake_port, store=store, **parts))
-            out[name] = await measure(path, args.calls)
+            out[name] = await measure(path, args.calls, "stream" if args.stream else "whole")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--stream", action="store_true",
+                        help="streamed calls, to the first chunk written")
     args = parser.parse_args()
+    if args.stream:
+        PROBES[:] = STREAM_PROBES
+        STAGES[:] = list(dict.fromkeys(stage for stage, *_ in PROBES))
     load = load_average()
     import uvloop
 
     found = uvloop.run(run(args)) if hasattr(uvloop, "run") else asyncio.run(run(args))
     names = list(found)
-    print(f"stages of a sequential /v1 chat call, {args.calls:,} calls a config, median µs; {load}")
+    kind = "streamed" if args.stream else "whole"
+    print(f"stages of a sequential /v1 chat call ({kind}), {args.calls:,} calls a config, median µs; {load}")
     print(table(["stage", *names, "difference"],
                 [[stage, *(f"{found[n][stage]:.1f}" for n in names),
                   f"{found[names[1]][stage] - found[names[0]][stage]:+.1f}"] for stage in found[names[0]]]))
-    save("call_stages", {"load": load, "calls": args.calls, "stages": found})
+    save("call_stages_stream" if args.stream else "call_stages",
+         {"load": load, "calls": args.calls, "stages": found})
 
 
 if __name__ == "__main__":
