@@ -118,14 +118,13 @@ class _Events:
             log.exception("a chunk of a stream on route %s could not be encoded", self.name)
             self.broken = internal_error("a chunk of the stream could not be encoded")
             return False
-        if self.started:
-            await self._send({"type": "http.response.body", "body": event, "more_body": True})
-            return True
-        self.started = True
-        await self._send({"type": "http.response.start", "status": 200,
-                          "headers": [*SSE_HEADERS, *self.headers()]})
+        first = not self.started
+        if first:
+            self.started = True
+            await self._send({"type": "http.response.start", "status": 200,
+                              "headers": [*SSE_HEADERS, *self.headers()]})
         await self._send({"type": "http.response.body", "body": event, "more_body": True})
-        if self._flush is not None:  # the head and the first event leave now, in one send
+        if first and self._flush is not None:  # the head and the first event leave now, in one send
             self._flush()
         return True
 
