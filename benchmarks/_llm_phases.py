@@ -32,7 +32,7 @@ server: {{host: 127.0.0.1, port: {port}, access_log: false{server}}}
 store: {{path: {store}}}
 providers:
   oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
-         limits: {{concurrency: 512, max_queue: 100000}}{price}}}
+         limits: {{concurrency: {concurrency}, max_queue: 100000}}{price}}}
 routes:
   chat: {{provider: oai, operation: chat, models: [gpt-bench]}}
 {extra}"""
@@ -58,11 +58,12 @@ def wait_ready(url: str, timeout: float = 90.0) -> None:
 
 
 def gateway_config(tmp: str, name: str, fake_port: int, server: str = "",
-                   extra: str = "", price: str = "") -> tuple[Path, str]:
+                   extra: str = "", price: str = "", concurrency: int = 512) -> tuple[Path, str]:
     port = free_port()
     conf = Path(tmp) / f"{name}.yaml"
     conf.write_text(GATEWAY.format(port=port, fake=fake_port, store=Path(tmp) / f"{name}.db",
-                                   server=server, extra=extra, price=price))
+                                   server=server, extra=extra, price=price,
+                                   concurrency=concurrency))
     return conf, f"http://127.0.0.1:{port}"
 
 

@@ -40,6 +40,7 @@ import psutil
 
 from benchmarks._h11 import Conn, Reply
 from benchmarks._procs import child, free_port, percentile, save, table
+from benchmarks._scaling import add_arguments as add_scaling_arguments
 from multiplexer.transport.http1 import Http1Transport
 
 MODEL = "gpt-bench"
@@ -507,6 +508,7 @@ def main() -> None:
     parser.add_argument("--features-phase", action="store_true",
                         help="also: traces and an API key on vs all off, sequential")
     parser.add_argument("--features-calls", type=int, default=2000)
+    add_scaling_arguments(parser)
     parser.add_argument("--only-phases", action="store_true",
                         help="run only the phases asked for, not the main comparison")
     args = parser.parse_args()
@@ -551,12 +553,17 @@ def main() -> None:
 
 
 def phases(args: argparse.Namespace, saved: dict[str, Any]) -> None:
-    """The workers and features phases (benchmarks/_llm_phases.py), then the saved results."""
+    """The workers, scaling and features phases (benchmarks/_llm_phases.py, _scaling.py), then the
+    saved results."""
     from benchmarks._llm_phases import print_features, print_workers, run_features, run_workers
+    from benchmarks._scaling import print_scaling, run_scaling
 
     if args.workers_phase:
         saved["workers"] = anyio.run(run_workers, args)
         print_workers(saved["workers"], args.workers_calls // 3 * 3)
+    if args.scaling_phase:
+        saved["scaling"] = run_scaling(args)
+        print_scaling(saved["scaling"])
     if args.features_phase:
         saved["features"] = anyio.run(run_features, args)
         print_features(saved["features"], args.features_calls)

@@ -148,14 +148,19 @@ async def local_events(client: httpx.AsyncClient, proc: GatewayProc) -> set[str]
 async def until_ready(client: httpx.AsyncClient, proc: GatewayProc, timeout: float = 900) -> None:
     """Until ``GET /readyz`` answers 200 (every model loaded, warmed up, and compiled where
     ``auto`` does that at load)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if (await client.get(f"{proc.url}/readyz")).status_code == 200:
+    start = time.monotonic()
+    said = start
+    while (now := time.monotonic()) < start + timeout:
+        reply = await client.get(f"{proc.url}/readyz")
+        if reply.status_code == 200:
             return
         if not proc.alive():
             raise RuntimeError(f"gateway exited: {proc.log()[-2000:]}")
+        if now - said > 30:  # what it still waits for (a model compiling, an upstream that fails)
+            print(f"not ready after {now - start:.0f} s: {reply.text[:500]}", flush=True)
+            said = now
         await anyio.sleep(0.02)
-    raise RuntimeError(f"not ready after {timeout} s: {proc.log()[-2000:]}")
+    raise RuntimeError(f"not ready after {timeout} s: {reply.text[:1000]}\n{proc.log()[-2000:]}")
 
 
 async def warm(proc: GatewayProc, model: dict[str, Any]) -> str:

@@ -34,9 +34,10 @@ KINDS = ("openai", "anthropic", "gemini", "azure_openai", "mistral")
 
 @contextlib.asynccontextmanager
 async def serve_app(app: ASGIApp, host: str = "127.0.0.1", port: int = 0,
-                    keepalive_s: float = 5.0) -> AsyncIterator[str]:
-    """Serve `app` until the block exits; yields its base URL, e.g. `http://127.0.0.1:54321`."""
-    sock = bind(host, port)
+                    keepalive_s: float = 5.0, reuse_port: bool = False) -> AsyncIterator[str]:
+    """Serve `app` until the block exits; yields its base URL, e.g. `http://127.0.0.1:54321`.
+    ``reuse_port``: several processes serve one port (SO_REUSEPORT), as a benchmark's upstream."""
+    sock = bind(host, port, reuse_port=reuse_port)
     try:
         async with serve_asgi(app, sock, keepalive_s=keepalive_s) as url:
             yield url
@@ -78,7 +79,7 @@ async def _serve(targets: list[tuple[str, str, int]], args: argparse.Namespace) 
     async with contextlib.AsyncExitStack() as stack:
         for kind, host, port in targets:
             url = await stack.enter_async_context(serve_app(_app(kind, args), host, port,
-                                                            args.keepalive_s))
+                                                            args.keepalive_s, args.reuse_port))
             print(f"fake {kind} API on {url}", flush=True)
         await anyio.sleep_forever()
 
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the request limit the headers report (per 60 s window)")
     parser.add_argument("--keepalive-s", type=float, default=5.0,
                         help="an idle client connection is closed after this (benchmarks: long)")
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="share the port with other processes (SO_REUSEPORT; benchmarks)")
     args = parser.parse_args(argv)
     if args.config is not None:
         try:
