@@ -141,7 +141,7 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         for name, parts in configs.items():
             path = Path(tmp) / f"{len(out)}.yaml"
             store = Path(tmp) / f"{len(out)}.db"
-            path.write_text(GATEWAY.format(port=0, fake=fake_port, store=store, **parts))
+            path.write_text(GATEWAY.format(port=0, fake=fake_port, store=store, concurrency=512, **parts))
             out[name] = await measure(path, args.calls, "stream" if args.stream else "whole")
     return out
 

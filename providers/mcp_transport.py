@@ -77,13 +77,19 @@ class McpSettings(BaseModel):
 
 
 def stdio_parameters(settings: McpSettings) -> StdioServerParameters:
-    """``command: python`` means this interpreter, so configs work where no ``python`` is on PATH."""
+    """``command: python`` means this interpreter, so configs work where no ``python`` is on PATH,
+    and with this interpreter's ``PYTHONPATH``: the child inherits only an allow-list of the
+    environment, and packages the gateway imports from there (installed with ``--target``, say)
+    must import in its Python child too."""
     assert settings.command is not None
-    command = sys.executable if settings.command in _PYTHON_ALIASES else settings.command
+    python = settings.command in _PYTHON_ALIASES
+    command = sys.executable if python else settings.command
     if isinstance(settings.env, list):
         env = {k: os.environ[k] for k in settings.env if k in os.environ}
     else:
         env = dict(settings.env)
+    if python and "PYTHONPATH" in os.environ:
+        env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])
     return StdioServerParameters(command=command, args=list(settings.args), env=env or None,
                                  cwd=settings.cwd)
 

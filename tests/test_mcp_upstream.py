@@ -336,9 +336,14 @@ def test_stdio_child_gets_python_resolved_and_an_allow_listed_environment(
 ) -> None:
     monkeypatch.setenv("MUX_SECRET", "s3cret")
     monkeypatch.setenv("MUX_ALLOWED", "yes")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     params = stdio_parameters(McpSettings(command="python", args=["x.py"], env=["MUX_ALLOWED"],
                                           cwd="/tmp"))
     assert params.command == sys.executable and params.args == ["x.py"] and params.cwd == "/tmp"
     assert params.env == {"MUX_ALLOWED": "yes"}
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")  # this interpreter's import path goes with it
+    assert stdio_parameters(McpSettings(command="python3", args=["x.py"])).env == {"PYTHONPATH": "/opt/site"}
+    assert stdio_parameters(McpSettings(command="python", env={"PYTHONPATH": "/own"})).env == {
+        "PYTHONPATH": "/own"}  # a route's own wins
     explicit = stdio_parameters(McpSettings(command="node", env={"TOKEN": "t"}))
-    assert explicit.command == "node" and explicit.env == {"TOKEN": "t"}
+    assert explicit.command == "node" and explicit.env == {"TOKEN": "t"}  # not a Python child

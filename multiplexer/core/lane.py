@@ -272,7 +272,8 @@ class Lane:
                 self.limiter.finish(permit)
                 self.in_flight -= 1
                 self._blocked.clear()
-                self._wake.set()
+                if len(self.queue) or self._closing:  # else the loop has nothing to decide: a
+                    self._wake.set()  # wake per call was a task step, a step and a new event each
         if outcomes is None:  # cancelled: every caller already has its answer
             outcomes = [Outcome.fail(shutting_down())] * len(items)
         for p, o in zip(batch, outcomes, strict=True):
