@@ -25,7 +25,7 @@ from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import Limiter
 from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import UNROUTED, Metrics, code_label
-from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
+from multiplexer.core.provider import Provider, ProviderContext, ToolSpec, stream_sink
 from multiplexer.core.quota import FREE, Grant
 from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
@@ -41,7 +41,7 @@ from multiplexer.gateway.job_fallbacks import JobFallbacks
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
 from multiplexer.gateway.spend import money_for, reserve_budgets, shared_how
 from multiplexer.gateway.telemetry import tracer_for
-from multiplexer.gateway.tickets import Handler, Ticket, settle
+from multiplexer.gateway.tickets import Handler, Ticket, run_here, settle
 from multiplexer.money.prices import tokens_of
 
 log = logging.getLogger(__name__)
@@ -257,12 +257,15 @@ class Gateway:
             grants = await self.quotas.decide([p.claim for p in plans])
             if self.money is not None:
                 await reserve_budgets(self.money, self.quotas, plans, grants)
-            tickets = [self.enqueue(p, g) for p, g in zip(plans, grants, strict=True)]
+            tickets = [self.enqueue(p, g, alone=len(plans) == 1)
+                       for p, g in zip(plans, grants, strict=True)]
         else:
             if self.money is not None:
                 await reserve_budgets(self.money, self.quotas, plans, [FREE] * len(plans))
-            tickets = [self.enqueue(p, FREE) for p in plans]
+            tickets = [self.enqueue(p, FREE, alone=len(plans) == 1) for p in plans]
         try:
+            if tickets[0].batch is not None:  # a lone call on an idle lane: run in this task
+                await run_here(tickets[0], self.clock, self._finish)
             handlers = [t for t in tickets if t.handler is not None and t.outcome is None]
             if len(handlers) == 1:
                 await self._run_handler(handlers[0])
@@ -322,10 +325,12 @@ class Gateway:
         if rules is not None and (refusal := rules.refusal(route, params, face)) is not None:
             raise refusal
 
-    def enqueue(self, plan: Plan, grant: Grant) -> Ticket:
+    def enqueue(self, plan: Plan, grant: Grant, *, alone: bool = False) -> Ticket:
         """Stage three, the only one with effects: answer from the cache, join an identical call
         in flight, or queue the item on its lane. A call refused here never ran, so its batch
-        charge is given back."""
+        charge is given back. ``alone``: the caller's only call, which an idle lane hands back to
+        run in the caller's task (``Lane.express``) unless it is shared, streamed or has
+        fallbacks."""
         call = plan.call
         ticket = Ticket(plan.label, call.identity, plan.deadline, started=plan.started)
         ticket.span, ticket.grant = plan.span, grant
@@ -346,7 +351,14 @@ class Gateway:
                 if plan.attempts is None or self.fallbacks.may_run(ticket, plan):
                     ticket.lane = lane = self._lane_for(plan.label, route)
                     if plan.dedup_key is None:
-                        ticket.pending = lane.submit(item)
+                        batch = None
+                        if (alone and plan.attempts is None and stream_sink(item) is None
+                                and plan.deadline > plan.started):
+                            batch = lane.express(item)
+                        if batch is None:
+                            ticket.pending = lane.submit(item)
+                        else:
+                            ticket.pending, ticket.batch = batch[0][0], batch
                     else:
                         self._join_or_submit(ticket, plan, route, item, lane, plan.dedup_key)
         except RpcError as e:

@@ -55,6 +55,7 @@ class Ticket:
     attempts: Any = None  # gateway/fallbacks.Attempts: its walk over fallback routes
     plan: Any = None  # its admission plan, when calls are priced (``spend.enabled``)
     shared: str | None = None  # how it shared another's execution: ``dedup``, ``cache``
+    batch: Any = None  # its lane's batch of it alone, to run in the caller's task (``run_here``)
 
     def leave_fanouts(self) -> None:
         """Stop receiving the shared execution's progress and log messages (the call ended, or
@@ -136,3 +137,33 @@ async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> Non
         if waiter.wake.is_set():  # fired for tickets settled above: a fresh one for what is left
             waiter.wake = asyncio.Event()
         await wait_own(clock, waiter.wake, deadlines[0][0] if deadlines else math.inf)
+
+
+class _Expiry:
+    """The deadline of a call run in its caller's task: at it, the call ends with its timeout
+    and, withdrawn, its batch is cancelled, as ``settle`` does for a call that waits."""
+
+    __slots__ = ("finish", "ticket")
+
+    def __init__(self, ticket: Ticket, finish: Finish) -> None:
+        self.ticket, self.finish = ticket, finish
+
+    def set(self) -> None:
+        t = self.ticket
+        if t.outcome is None:
+            self.finish(t, Outcome.fail(deadline_error(t)), withdraw=True)
+
+
+async def run_here(t: Ticket, clock: Clock, finish: Finish) -> None:
+    """Run the lone call's batch (``Lane.express``) in this task, under its deadline, and give the
+    ticket its outcome."""
+    batch, t.batch = t.batch, None
+    assert t.lane is not None and t.pending is not None
+    timer = clock.wake_at(_Expiry(t, finish), t.deadline) if t.deadline != math.inf else None
+    try:
+        await t.lane.run_here(batch)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if t.outcome is None:
+        finish(t, t.pending.future.outcome())  # type: ignore[arg-type]
