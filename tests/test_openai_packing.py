@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from multiplexer.core.limiter import RateLimiter
-from providers.http_util import parse_retry_after
+from providers.http_util import parse_duration, parse_retry_after
 from providers.packing import Scatter, ordered_data, pack, split_usage
 from providers.ratelimit_headers import Observation, anthropic_limits, apply, openai_limits, wait_hint
 from tests.remote_helpers import InstantClock
@@ -75,6 +76,15 @@ def test_openai_headers():
     assert obs == [Observation("requests", 500, 499, 0.12), Observation("tokens", 90000, 89000, 90.0)]
     assert openai_limits({"x-ratelimit-remaining-requests": "-1"}, WALL) == []
     assert openai_limits({"x-ratelimit-remaining-requests": "soon"}, WALL) == []
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    ("12ms", 0.012), ("6s", 6.0), ("59.987s", 59.987), (" 7s ", 7.0), ("1m30s", 90.0),
+    ("2h0m5.5s", 7205.5), ("1m30ms", 60.03),
+    ("1e5s", None), ("nans", None), ("-5s", None), (".5s", None), ("5.s", None), ("ms", None),
+    ("1.2.3s", None), ("\u00b2s", None), ("soon", None), ("", None)])
+def test_reset_durations_in_every_form_openai_sends_and_nothing_else(value, seconds):
+    assert parse_duration(value) == seconds
 
 
 def test_anthropic_headers_use_rfc3339_resets():
