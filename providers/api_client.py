@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from multiplexer.core.after import after
 from multiplexer.core.attempts import budgets, spend, tries
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, upstream_error, upstream_unavailable
@@ -157,10 +158,15 @@ class ApiClient:
         return url, headers
 
     def _heard(self, status: int, raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-        """A reply's head reached us: the endpoint is healthy and the limiter learns from it."""
+        """A reply's head reached us: the endpoint is healthy and the limiter learns from it, from
+        a success once the answer is written (core/after.py), from a refusal at once (a retry
+        must see its pause)."""
         self.health.reached()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
-        self._learn(status, headers)
+        if status < 400:
+            after(self._learn, status, headers)
+        else:
+            self._learn(status, headers)
         return headers
 
     def _refused_reply(self, method: str, url: httpx.URL, status: int,

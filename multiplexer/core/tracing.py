@@ -55,8 +55,10 @@ class Tracer:
     def first_chunk(self, span: Any, seconds: float) -> None:
         """A streamed call's first chunk left ``seconds`` after the call was admitted."""
 
-    def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
-        """The call's one outcome; ``slot`` is the item it waited on (its own or a shared one)."""
+    def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome,
+                 ended_ns: int | None = None) -> None:
+        """The call's one outcome; ``slot`` is the item it waited on (its own or a shared one);
+        ``ended_ns``: when it ended (``time.time_ns()``), where that was before this runs."""
 
     def attempt(self, span: Any, route: str, number: int) -> Any:
         """A call with fallbacks starts its ``number``-th attempt, on ``route``: a child span."""

@@ -26,6 +26,7 @@ from typing import Any, cast
 from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
+from multiplexer.core.after import hold, release
 from multiplexer.faces.access import REQUEST_ID, AccessLog, Note
 from multiplexer.faces.body import headers_over
 from multiplexer.faces.disconnect import DIRECT, FLUSH, HOOK, OnDisconnect
@@ -154,12 +155,14 @@ async def _run_direct(cycle: RequestResponseCycle, endpoint: DirectEndpoint, tra
     scope = cast(Scope, cycle.scope)
     note = access.begin(scope) if access is not None else None
     status = _GONE
+    held = hold()  # the call's bookkeeping that can wait for its answer (core/after.py)
     try:
         status = await _serve_direct(cycle, endpoint, transport, logger, note)
     except asyncio.CancelledError:
         status = _GONE if cycle.disconnected else _FAILED.status
         raise
     finally:
+        release(held)
         if access is not None and note is not None and status != _ASGI:
             access.end(scope, note, status)
     if status == _ASGI:  # as the server would have run it: the endpoint's own disconnect handling

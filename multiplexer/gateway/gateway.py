@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Coroutine, Hashable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import anyio
 
 from multiplexer.access.compose import directory_for, keys_running
+from multiplexer.core.after import after
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import Clock, MonotonicClock, remaining
@@ -435,9 +437,9 @@ class Gateway:
             answer = self.money.finish(t.plan, outcome, answer, shared_how(t.shared, outcome))
             t.plan = None
         t.outcome = answer
-        if t.span is not None:
-            self.tracer.end_call(t.span, t.pending.item.trace if t.pending is not None else None,
-                                 answer)
+        if t.span is not None:  # ended now, recorded once the answer is written
+            after(self.tracer.end_call, t.span, t.pending.item.trace if t.pending is not None else None,
+                  answer, time.time_ns())
             t.span = None
         t.leave_fanouts()
         if t.pending is not None:

@@ -46,6 +46,7 @@ from opentelemetry.trace import (
     TraceState,
 )
 
+from multiplexer.core.after import after
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.core.version import VERSION
@@ -153,9 +154,9 @@ class _Span(ReadableSpan):
                 self._end_time, self.attrs, self.link_ids, [],
                 s.status_code.value, s.description, _SCOPE)
 
-    def end(self) -> None:
+    def end(self, end_time: int | None = None) -> None:
         if self._end_time is None:
-            self._end_time = time.time_ns()
+            self._end_time = end_time or time.time_ns()
             take = self._tracer.take
             if take is None:
                 self._tracer.processor.on_end(self)
@@ -199,7 +200,7 @@ class _Batch:
         _BATCH.reset(self.mine)
         if self.token is not None:
             otel_context.detach(self.token)
-        span.end()
+        after(span.end, time.time_ns())  # ended now, recorded once the answer is written
 
 
 class OtelTracer(Tracer):
@@ -281,7 +282,8 @@ class OtelTracer(Tracer):
         if span.is_recording():  # a caller gone before the first chunk ended its span already
             span.set_attribute("gen_ai.response.time_to_first_chunk", seconds)
 
-    def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome) -> None:
+    def end_call(self, span: Any, slot: TraceSlot | None, outcome: Outcome,
+                 ended_ns: int | None = None) -> None:
         attributes = span.attrs
         if slot is not None and slot.batch is not None:
             span.link(slot.batch, _BATCH_LINK)
@@ -297,7 +299,7 @@ class OtelTracer(Tracer):
             attributes["multiplexer.cost_usd"] = cost / 1e12
             if outcome.saved_pico:
                 attributes["multiplexer.saved_usd"] = outcome.saved_pico / 1e12
-        span.end()
+        span.end(ended_ns)
 
     def attempt(self, span: Any, route: str, number: int) -> Any:
         return self._child(f"attempt {route}", span, SpanKind.INTERNAL,

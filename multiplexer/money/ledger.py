@@ -15,6 +15,7 @@ from zoneinfo import ZoneInfo
 
 import anyio
 
+from multiplexer.core.after import after
 from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
@@ -70,8 +71,8 @@ class Money:
         if answer.error is None:
             answer, cost = self.meter.price(plan, outcome, answer, shared)
         reservation = plan.reservation
-        if reservation is not None:
-            self.budgets.settle(reservation, cost)
+        if reservation is not None:  # once the answer is written (core/after.py)
+            after(self.budgets.settle, reservation, cost)
         return answer
 
     async def _store(self) -> SpendStore:
