@@ -34,7 +34,7 @@ PROBES = [
     ("request bytes in", "multiplexer.faces.server_protocol", "GatewayHttpProtocol", "data_received", False),
     ("endpoint", "multiplexer.faces.v1.endpoint", "Endpoint", "__call__", True),
     ("gateway submit", "multiplexer.gateway.gateway", "Gateway", "submit_many", True),
-    ("lane submit", "multiplexer.core.lane", "Lane", "submit", False),
+    ("lane express", "multiplexer.core.lane", "Lane", "express", False),  # a lone call: its batch at once
     ("batch dispatched", "multiplexer.core.lane", "Lane", "_dispatch", True),
     ("upstream request", "multiplexer.transport.http1", "Http1Transport", "fetch", True),
     ("upstream reply in", "multiplexer.transport.connection", "Conn", "data_received", False),

@@ -106,15 +106,25 @@ class Upstream:
 _UPSTREAM: ContextVar[Upstream | None] = ContextVar("upstream", default=None)
 
 
-@contextmanager
-def charging(upstream: Upstream) -> Iterator[None]:
+class _Charging:
+    """``charging``'s context manager: a class, not a generator's, as every batch enters one."""
+
+    __slots__ = ("token", "upstream")
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+
+    def __enter__(self) -> None:
+        self.token = _UPSTREAM.set(self.upstream)
+
+    def __exit__(self, *exc: object) -> None:
+        _UPSTREAM.reset(self.token)
+        self.upstream.open = False
+
+
+def charging(upstream: Upstream) -> _Charging:
     """Requests sent inside (in this task and the tasks it starts) are charged to ``upstream``."""
-    token = _UPSTREAM.set(upstream)
-    try:
-        yield
-    finally:
-        _UPSTREAM.reset(token)
-        upstream.open = False
+    return _Charging(upstream)
 
 
 @contextmanager
