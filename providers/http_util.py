@@ -75,12 +75,12 @@ def parse_duration(value: str | None) -> float | None:
 @functools.lru_cache(maxsize=4096)  # two per upstream answer, and the values repeat
 def _duration(value: str) -> float | None:
     value = value.strip()
-    for unit, scale in (("ms", 0.001), ("s", 1.0)):  # one unit, the common case: no regex
+    for unit, seconds in (("ms", 0.001), ("s", 1.0)):  # one unit, the common case: no regex
         number = value.removesuffix(unit)
         head, dot, tail = number.partition(".")
         if (number is not value and number.isascii() and head.isdigit()
                 and (tail.isdigit() or not dot)):
-            return float(number) * scale
+            return float(number) * seconds
     pos, total = 0, 0.0
     scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
     for m in _DURATION.finditer(value):
