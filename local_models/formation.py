@@ -181,6 +181,8 @@ class GatedFormation:
     batches at once, into one batch of 63 beside a stream of single rows.
     """
 
+    tracks_batches = True  # every batch must be one it chose: the lane runs none around it
+
     def __init__(self, policy: Policy) -> None:
         self._policy = policy
         self._batches: dict[Hashable, list[tuple[Pending, ...]]] = {}

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
+from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import ManualClock
 from multiplexer.core.errors import Code
@@ -108,6 +109,7 @@ async def test_calls_of_one_array_and_shared_calls_still_go_through_the_queue() 
     prov = Recorder()
     prov.gate.set()
     async with Gateway(config(concurrency=4), providers={"p": prov}) as gw:
+        await anyio.sleep(0)  # the lane's loop is up: an idle lane
         here = asyncio.current_task()
         outs = await gw.submit_many([Call("r", {"n": 1}), Call("r", {"n": 2})])
         assert [o.result for o in outs] == [{"n": 1}, {"n": 2}]
@@ -115,5 +117,21 @@ async def test_calls_of_one_array_and_shared_calls_still_go_through_the_queue() 
     prov = Recorder()
     prov.gate.set()
     async with Gateway(config(dedup=True), providers={"p": prov}) as gw:
+        await anyio.sleep(0)
         assert (await gw.submit(Call("r", {"n": 3}))).result == {"n": 3}
         assert prov.tasks[0] is not asyncio.current_task()  # a flight others may join: a worker runs it
+
+
+async def test_a_lane_whose_formation_counts_its_running_batches_never_runs_one_in_the_caller() -> None:
+    """A gated model's formation must see every batch that runs, so its lane hands none back."""
+    from local_models.formation import GatedFormation
+
+    prov = Recorder()
+    prov.gate.set()
+    gated = GatedFormation(lambda group: (CountFormation(1, 0.0), 1))
+    prov.formation = lambda policy: gated  # type: ignore[method-assign]
+    async with Gateway(config(), providers={"p": prov}) as gw:
+        await anyio.sleep(0)  # the lane's loop is up: an idle lane
+        assert (await gw.submit(Call("r", {"n": 1}))).result == {"n": 1}
+        assert prov.tasks[0] is not asyncio.current_task()
+        assert next(iter(gw.lanes.values())).formation is gated

@@ -46,6 +46,10 @@ class Decision:
 
 
 class Formation(Protocol):
+    """Which of a group's items leave next. A formation that counts the batches it chose while
+    they run (``tracks_batches = True``, a gated model's) sees every batch of its lane: the lane
+    then runs no lone call in its caller's task around it (``Lane.express``)."""
+
     def decide(self, pending: Sequence[Pending], now: float) -> Decision:
         """``pending`` is one group's queue, best first (priority, then arrival)."""
         ...

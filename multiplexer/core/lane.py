@@ -156,6 +156,7 @@ class Lane:
         queue, the hand-over to a worker and back, and the caller's wait for it, which were a fifth
         of a lone proxied call's CPU."""
         if (self._tg is None or not self.eager or self.in_flight or self._closing
+                or getattr(self.formation, "tracks_batches", False)
                 or len(self.queue) or self.limiter.full()
                 or self.limiter.delay(1, item.tokens)[0] > 0):
             return None
