@@ -3,6 +3,7 @@ path: the answer leaves first, the held work runs before the request's task yiel
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import anyio
@@ -63,3 +64,21 @@ async def test_each_request_task_holds_its_own() -> None:
         tg.start_soon(first)
         tg.start_soon(second)
     assert ran == ["second", "first"]
+
+
+async def test_what_a_request_started_while_holding_runs_at_once_after_its_release() -> None:
+    """A callback or task made while the request held (a copy of its context) runs after the
+    release: its work must not land in the released list, where nothing would run it."""
+    ran: list[str] = []
+    late = anyio.Event()
+
+    async def request() -> None:
+        held = hold()
+        loop = asyncio.get_running_loop()
+        loop.call_soon(lambda: (after(ran.append, "timer"), late.set()))  # copies this context
+        release(held)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request)
+    await late.wait()
+    assert ran == ["timer"]

@@ -18,14 +18,25 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-Held = list[tuple[Callable[..., Any], tuple[Any, ...]]]
+
+class Held(list[tuple[Callable[..., Any], tuple[Any, ...]]]):
+    """What a request holds; ``open`` until released. A task or callback made while it held (they
+    copy the request's context) may run later: once released, what it adds runs at once."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open = True
+
+
 _HELD: ContextVar[Held | None] = ContextVar("multiplexer_after_answer", default=None)
 
 
 def after(fn: Callable[..., Any], *args: Any) -> None:
     """``fn(*args)`` once the answer is written, or now where nothing holds it."""
     held = _HELD.get()
-    if held is None:
+    if held is None or not held.open:
         fn(*args)
     else:
         held.append((fn, args))
@@ -33,13 +44,14 @@ def after(fn: Callable[..., Any], *args: Any) -> None:
 
 def hold() -> Held:
     """Start holding for this task (its own context: a request's task)."""
-    held: Held = []
+    held = Held()
     _HELD.set(held)
     return held
 
 
 def release(held: Held) -> None:
     """Stop holding and run what was held, in order; a failure is logged and the rest still run."""
+    held.open = False
     _HELD.set(None)
     for fn, args in held:
         try:
