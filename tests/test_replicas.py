@@ -338,7 +338,9 @@ async def test_a_replica_that_dies_with_a_batch_running_has_it_taken_over(tmp_pa
     with throwaway_db() as db:
         async with fakes(polls_to_complete=10**9) as f:  # never done while the first replica lives
             data = remote_config_data(f, tmp_path)
-            data["store"] = {"url": db, "lease_s": 0.6}
+            # long enough that a live replica whose loop a loaded host starves keeps its claim
+            # while it submits (a lapsed lease mid-submit is a second upstream batch, by design)
+            data["store"] = {"url": db, "lease_s": 2.0}
             config = parse_config(data)
             first, second = Events(), Events()
             async with running(config, port=0) as (g2, url2):
