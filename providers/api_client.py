@@ -157,17 +157,18 @@ class ApiClient:
             headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items()]
         return url, headers
 
-    def _heard(self, status: int, raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    def _heard(self, status: int, raw: list[tuple[bytes, bytes]]) -> None:
         """A reply's head reached us: the endpoint is healthy and the limiter learns from it, from
-        a success once the answer is written (core/after.py), from a refusal at once (a retry
-        must see its pause)."""
+        a success once the answer is written (core/after.py: its headers decoded then too), from
+        a refusal at once (a retry must see its pause)."""
         self.health.reached()
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
         if status < 400:
-            after(self._learn, status, headers)
+            after(self._learn_raw, status, raw)
         else:
-            self._learn(status, headers)
-        return headers
+            self._learn_raw(status, raw)
+
+    def _learn_raw(self, status: int, raw: list[tuple[bytes, bytes]]) -> None:
+        self._learn(status, decoded(raw))
 
     def _refused_reply(self, method: str, url: httpx.URL, status: int,
                        headers: list[tuple[bytes, bytes]], content: bytes,
@@ -207,7 +208,7 @@ class ApiClient:
         except httpx.HTTPError as e:
             raise self._unreachable(e, idempotent) from None
         try:
-            heard = self._heard(opened.status, opened.headers)
+            self._heard(opened.status, opened.headers)
             if opened.status >= 400:
                 content = await opened.read()
                 raise self._refused_reply(method, url, opened.status, opened.headers, content,
@@ -215,7 +216,7 @@ class ApiClient:
         except BaseException:
             await opened.aclose()
             raise
-        return StreamedReply(heard, opened)
+        return StreamedReply(decoded(opened.headers), opened)
 
     async def stream(self, method: str, path: str, body: Any, *, idempotent: bool,
                      deadline: float | None) -> StreamedReply | httpx.Response:
@@ -350,6 +351,11 @@ class StreamedReply:
 
 def decode_json(provider: str, response: httpx.Response) -> dict[str, Any]:
     return decode_body(provider, response.status_code, response.content)
+
+
+def decoded(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """A reply's raw header pairs as text, as httpx decodes them."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
 
 
 def decode_body(provider: str, status: int, content: bytes) -> dict[str, Any]:

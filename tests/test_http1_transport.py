@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
+import re
 import socket
 import ssl
 from pathlib import Path
@@ -485,3 +486,15 @@ async def test_https_keeps_alive_and_a_body_ended_by_an_unclean_tls_close_is_who
         async with httpx.AsyncClient(transport=Http1Transport(verify=False)) as client:
             assert (await client.get(f"https://127.0.0.1:{port}/")).text == "ok"  # as httpx's verify=False
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("name", "value"), [(b"x-evil", b"a\r\nx-injected: 1"), (b"x-nul", b"a\0b"),
+                                             (b"x-bad\n", b"v")])
+def test_a_header_that_would_split_its_line_is_refused_by_name(name: bytes, value: bytes) -> None:
+    from multiplexer.transport.http1 import _wire
+
+    headers = [(b"host", b"example.test"), (name, value), (b"x-fine", b"ok")]
+    with pytest.raises(httpx.LocalProtocolError, match=re.escape(repr(name))):
+        _wire("POST", b"/v1", headers, b"{}", None)
+    assert _wire("POST", b"/v1", [headers[0], headers[2]], b"{}", None) == (
+        b"POST /v1 HTTP/1.1\r\nhost: example.test\r\nx-fine: ok\r\n\r\n{}")

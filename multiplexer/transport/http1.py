@@ -313,10 +313,11 @@ def _wire(method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: 
           request: httpx.Request | None) -> bytes:
     lines = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
     for name, value in headers:
-        if _UNSAFE.search(name) or _UNSAFE.search(value):
-            raise httpx.LocalProtocolError(f"header {name!r} holds a line break or NUL",
-                                           request=request)
         lines += (name, b": ", value, b"\r\n")
+    if _UNSAFE.search(b"".join(lines[4::4] + lines[6::4])):  # one search over every name and value
+        name = next(n for n, v in headers if _UNSAFE.search(n) or _UNSAFE.search(v))
+        raise httpx.LocalProtocolError(f"header {name!r} holds a line break or NUL",
+                                       request=request)
     lines += (b"\r\n", body)
     return b"".join(lines)
 
