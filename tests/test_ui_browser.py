@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import AsyncIterator
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,12 @@ async def close_pages(browser: Any) -> None:
         await context.close()
 
 
+def fixed(value: float, digits: int) -> str:
+    """``value`` as the page's ``Number.toFixed`` writes it: an exact tie (0.625 is one in binary)
+    rounds up, where Python's format rounds it to even ("0.62")."""
+    return str(Decimal(value).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
 def metric_total(text: str, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,11 +80,22 @@ def metric_total(text: str, name: str, **labels: str) -> float:
 
 
 async def shown(page: Any, expected: dict[str, str], timeout_ms: int = 15_000) -> None:
-    """Wait until every ``data-v`` element named in ``expected`` shows that text."""
-    await page.wait_for_function(
-        """(want) => Object.entries(want).every(([k, v]) => {
-               const el = document.querySelector(`[data-v="${k}"]`); return el && el.textContent === v; })""",
-        arg=expected, timeout=timeout_ms)
+    """Wait until every ``data-v`` element named in ``expected`` shows that text; if it never
+    does, fail naming each element that differs and what it showed."""
+    from playwright.async_api import TimeoutError as PageTimeout
+
+    try:
+        await page.wait_for_function(
+            """(want) => Object.entries(want).every(([k, v]) => {
+                   const el = document.querySelector(`[data-v="${k}"]`);
+                   return el && el.textContent === v; })""",
+            arg=expected, timeout=timeout_ms)
+    except PageTimeout:
+        seen = await page.evaluate("""(keys) => Object.fromEntries(keys.map((k) => {
+            const el = document.querySelector(`[data-v="${k}"]`);
+            return [k, el ? el.textContent : null]; }))""", list(expected))
+        differ = {k: {"expected": v, "shown": seen.get(k)} for k, v in expected.items() if seen.get(k) != v}
+        raise AssertionError(f"after {timeout_ms} ms the page still shows {differ}") from None
 
 
 async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any, browser: Any) -> None:
@@ -132,7 +150,7 @@ async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any, brows
                 "lane.builtin.batches": str(int(metric_total(metrics, "multiplexer_batch_size_count",
                                                              provider="builtin"))),
                 "lane.builtin.items": str(lane["items"]),
-                "route.echo.p50_ms": f"{echo['latency']['p50_ms']:.2f}",
+                "route.echo.p50_ms": fixed(echo["latency"]["p50_ms"], 2),
                 "provider.builtin.upstream_requests": str(int(metric_total(
                     metrics, "multiplexer_upstream_requests_total", provider="builtin"))),
                 "mcp.tools.tools": str(panels["mcp"]["upstreams"][0]["tools"]),
@@ -211,10 +229,10 @@ async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch:
                 assert "key alice" in (await own.text_content("#who") or "")
                 for hidden in ("routes", "limits", "mcp", "local", "state", "breakers"):
                     assert not await own.locator(f"#panel-{hidden}").is_visible(), hidden
-                await shown(own, {"spend.own.today.cost": f"${mine['today']['cost_usd']:.6f}",
-                                  "spend.own.month.cost": f"${mine['this_month']['cost_usd']:.6f}",
+                await shown(own, {"spend.own.today.cost": "$" + fixed(mine["today"]["cost_usd"], 6),
+                                  "spend.own.month.cost": "$" + fixed(mine["this_month"]["cost_usd"], 6),
                                   "spend.own.today.calls": "2",
-                                  "spend.own.budget.daily": f"${mine['budgets'][0]['spent_usd']:.6f}"})
+                                  "spend.own.budget.daily": "$" + fixed(mine["budgets"][0]["spent_usd"], 6)})
                 assert "chat" in (await own.text_content("#panel-spend") or "")
                 await own.locator('[data-panel="jobs"]').screenshot(path=str(tmp_path / "jobs-own.png"))
                 await own.locator('[data-panel="spend"]').screenshot(path=str(tmp_path / "spend-own.png"))
