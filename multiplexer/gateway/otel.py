@@ -269,11 +269,11 @@ class OtelTracer(Tracer):
         return self._root(name, SpanKind.SERVER, attributes, [], parent)
 
     def routed(self, span: Any, item: Item, provider: str, provider_kind: str) -> None:
-        span.set_attributes({"multiplexer.route": item.route, "multiplexer.provider": provider,
-                             **_gen_ai_request(item, provider_kind)})
-        op, model = GEN_AI_OPERATIONS.get(item.operation), _model(item)
-        if op is not None and model is not None and not span.name.startswith("tools/call"):
-            span.update_name(f"{op} {model}")
+        """Named and described once the answer is written (core/after.py), from the params as
+        they are now: a provider's ``prepare`` or a model group may change them before the call goes."""
+        params = item.params
+        after(_routed, span, item.route, item.operation,
+              dict(params) if isinstance(params, dict) else {}, provider, provider_kind)
 
     def shared(self, span: Any, how: str) -> None:
         span.set_attribute("multiplexer.dedup", how)
@@ -367,20 +367,32 @@ def sampler_is_default(sampler: Any) -> bool:
 
 
 def _model(item: Item) -> str | None:
-    model = item.params.get("model") if isinstance(item.params, dict) else None
+    return _model_in(item.params)
+
+
+def _model_in(params: Any) -> str | None:
+    model = params.get("model") if isinstance(params, dict) else None
     return model if isinstance(model, str) else None
 
 
-def _gen_ai_request(item: Item, provider_kind: str) -> dict[str, Any]:
-    op = GEN_AI_OPERATIONS.get(item.operation)
+def _routed(span: Any, route: str, operation: str, params: dict[str, Any], provider: str,
+            provider_kind: str) -> None:
+    span.set_attributes({"multiplexer.route": route, "multiplexer.provider": provider,
+                         **_gen_ai_request(operation, params, provider_kind)})
+    op, model = GEN_AI_OPERATIONS.get(operation), _model_in(params)
+    if op is not None and model is not None and not span.name.startswith("tools/call"):
+        span.update_name(f"{op} {model}")
+
+
+def _gen_ai_request(operation: str, params: dict[str, Any], provider_kind: str) -> dict[str, Any]:
+    op = GEN_AI_OPERATIONS.get(operation)
     if op is None:
         return {}
     out: dict[str, Any] = {"gen_ai.operation.name": op,
                            "gen_ai.provider.name": PROVIDER_NAMES.get(provider_kind, provider_kind)}
-    model = _model(item)
+    model = _model_in(params)
     if model is not None:
         out["gen_ai.request.model"] = model
-    params = item.params if isinstance(item.params, dict) else {}
     if params.get("stream"):
         out["gen_ai.request.stream"] = True
     for key, attribute in _REQUEST_PARAMS.items():

@@ -19,6 +19,7 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from multiplexer.core.after import after
 from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
@@ -139,27 +140,33 @@ class Meter:
         if answer is outcome:  # the provider's outcome may be every sharer's: this caller's own
             answer = outcome.copy()
         answer.cost_pico, answer.saved_pico = cost, saved
-        m = self.metrics
-        if cost is None:
-            m.unknown[plan.label] = m.unknown.get(plan.label, 0) + 1
-        else:
-            if cost:
-                key = (route.provider, plan.label)
-                m.spend[key] = m.spend.get(key, 0.0) + cost / 1e12
-            if saved:
-                key = (plan.label, how if how != SYNC else "prompt_cache")
-                m.saved[key] = m.saved.get(key, 0.0) + saved / 1e12
         if shared is not None:
             requests_saved = 1.0
         else:
             share = item.options.get("upstream_share")
             requests_saved = 1.0 - share if isinstance(share, float) else 0.0
+        after(self._book, (self.clock.wall(), item.identity, plan.label, route.provider, model or "",
+                           cost, saved, how, cache_saved, requests_saved))
+        return answer, cost
+
+    def _book(self, record: Record) -> None:
+        """A priced call into the spend metrics and the writer's records, once its answer is
+        written (core/after.py): the caller's headers need only its cost."""
+        _, _, label, provider, _, cost, saved, how, _, _ = record
+        m = self.metrics
+        if cost is None:
+            m.unknown[label] = m.unknown.get(label, 0) + 1
+        else:
+            if cost:
+                key = (provider, label)
+                m.spend[key] = m.spend.get(key, 0.0) + cost / 1e12
+            if saved:
+                key = (label, how if how != SYNC else "prompt_cache")
+                m.saved[key] = m.saved.get(key, 0.0) + saved / 1e12
         if len(self.records) < MAX_PENDING:
-            self.records.append((self.clock.wall(), item.identity, plan.label, route.provider,
-                                 model or "", cost, saved, how, cache_saved, requests_saved))
+            self.records.append(record)
         else:
             m.dropped.inc()
-        return answer, cost
 
     def lines(self, identity: str | None, provider: str, batch: bool,
               lines: list[tuple[str, str | None, Any]]) -> None:
