@@ -1,5 +1,6 @@
-"""Bookkeeping that may wait until a request's answer is written: ended spans, a budget's settling,
-what the limiter learns from a successful reply's headers.
+"""Bookkeeping that may wait until a request's answer is written: a call span's attributes and its
+end, a priced call's spend metrics and record, a budget's settling, what the limiter learns from a
+successful reply's headers.
 
 A request served on the direct HTTP path (``faces/server_protocol.py``) holds a list here while it
 runs; ``after`` adds to it, and the list runs right after the reply has been handed to the
