@@ -438,3 +438,35 @@ async def test_the_batch_span_is_the_current_otel_span_only_for_providers_that_n
         assert not seen.is_valid
     else:
         assert (seen.trace_id, seen.span_id) == (batch.context.trace_id, batch.context.span_id)
+
+
+async def test_on_the_direct_path_a_calls_span_is_described_after_its_answer_from_what_admission_saw(
+        tmp_path, spans, monkeypatch):
+    """The direct HTTP path holds the bookkeeping until the reply is written (core/after.py): the
+    call's span does not end before, and its route attributes are those of the params as admission
+    saw them, though the provider's ``prepare`` changes them before the request goes."""
+    from multiplexer.core.after import hold, release
+
+    tracer, exporter = spans
+    router = respx.MockRouter(base_url=BASE)
+    upstream = router.post("/chat/completions").mock(
+        return_value=httpx.Response(200, json=chat_reply("hi")))
+    prepare = OpenAIProvider.prepare
+
+    def deploys(self, route, item):  # as a provider that sends its own deployment name would
+        item.params["model"] = "deployment-7"
+        prepare(self, route, item)
+
+    monkeypatch.setattr(OpenAIProvider, "prepare", deploys)
+    async with gateway(tmp_path, tracer, router) as gw:
+        held = hold()
+        outcome = await gw.submit(Call("chat", {"model": "gpt-x", "max_tokens": 9,
+                                                "messages": [{"role": "user", "content": "q"}]}))
+        assert outcome.ok and by_kind(exporter, SpanKind.SERVER) == []  # held until the answer is out
+        release(held)
+    assert json.loads(upstream.calls[0].request.content)["model"] == "deployment-7"
+    [call] = by_kind(exporter, SpanKind.SERVER)
+    assert call.name == "chat gpt-x"
+    assert {k: call.attributes[k] for k in ("multiplexer.route", "gen_ai.request.model",
+                                            "gen_ai.request.max_tokens")} == {
+        "multiplexer.route": "chat", "gen_ai.request.model": "gpt-x", "gen_ai.request.max_tokens": 9}
