@@ -18,30 +18,18 @@ import anyio
 
 from benchmarks._h11 import Conn
 from benchmarks._llm_phases import CHAT_PATH
-from benchmarks.bench_llm import openai_call
+from benchmarks.bench_llm import openai_call, spread, warm
 
 
 async def main(url: str, callers: int, calls: int) -> None:
     call = openai_call(CHAT_PATH)
     conns = [Conn.to(url) for _ in range(callers)]
-    left = calls
-
-    async def worker(conn: Conn) -> None:
-        nonlocal left
-        while left > 0:
-            left -= 1
-            await call(conn)
-
     try:
-        async with anyio.create_task_group() as tg:
-            for conn in conns:
-                tg.start_soon(call, conn)
+        await warm(conns, call)
         print("ready", flush=True)
         await anyio.to_thread.run_sync(sys.stdin.readline)
         t, cpu = time.perf_counter(), time.process_time()
-        async with anyio.create_task_group() as tg:
-            for conn in conns:
-                tg.start_soon(worker, conn)
+        await spread(conns, call, calls)
         print(json.dumps({"seconds": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}),
               flush=True)
     finally:

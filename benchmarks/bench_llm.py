@@ -148,10 +148,16 @@ async def latencies(paths: list[Target], n: int, first_chunk: bool = False,
     return out
 
 
-async def throughput(url: str, call: Call, clients: int, n: int) -> float:
-    """Seconds for ``n`` calls by ``clients`` workers, each on its own (warmed) connection."""
+async def warm(conns: list[Conn], call: Call) -> None:
+    """One call on every connection at once, so each is open before anything is timed."""
+    async with anyio.create_task_group() as tg:
+        for conn in conns:
+            tg.start_soon(call, conn)
+
+
+async def spread(conns: list[Conn], call: Call, n: int) -> None:
+    """``n`` calls by one worker per connection, each taking the next call until none is left."""
     left = n
-    conns = [Conn.to(url) for _ in range(clients)]
 
     async def worker(conn: Conn) -> None:
         nonlocal left
@@ -159,14 +165,18 @@ async def throughput(url: str, call: Call, clients: int, n: int) -> float:
             left -= 1
             await call(conn)
 
+    async with anyio.create_task_group() as tg:
+        for conn in conns:
+            tg.start_soon(worker, conn)
+
+
+async def throughput(url: str, call: Call, clients: int, n: int) -> float:
+    """Seconds for ``n`` calls by ``clients`` workers, each on its own (warmed) connection."""
+    conns = [Conn.to(url) for _ in range(clients)]
     try:
-        async with anyio.create_task_group() as tg:  # warm every connection first
-            for conn in conns:
-                tg.start_soon(call, conn)
+        await warm(conns, call)
         t = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for conn in conns:
-                tg.start_soon(worker, conn)
+        await spread(conns, call, n)
         return time.perf_counter() - t
     finally:
         for conn in conns:

@@ -157,18 +157,21 @@ class ApiClient:
             headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items()]
         return url, headers
 
-    def _heard(self, status: int, raw: list[tuple[bytes, bytes]]) -> None:
+    def _heard(self, status: int, raw: list[tuple[bytes, bytes]],
+               headers: dict[str, str] | None = None) -> None:
         """A reply's head reached us: the endpoint is healthy and the limiter learns from it, from
-        a success once the answer is written (core/after.py: its headers decoded then too), from
-        a refusal at once (a retry must see its pause)."""
+        a success once the answer is written (core/after.py: its headers decoded then too, unless
+        the caller has ``headers`` decoded already), from a refusal at once (a retry must see its
+        pause)."""
         self.health.reached()
         if status < 400:
-            after(self._learn_raw, status, raw)
+            after(self._learn_raw, status, raw, headers)
         else:
-            self._learn_raw(status, raw)
+            self._learn_raw(status, raw, headers)
 
-    def _learn_raw(self, status: int, raw: list[tuple[bytes, bytes]]) -> None:
-        self._learn(status, decoded(raw))
+    def _learn_raw(self, status: int, raw: list[tuple[bytes, bytes]],
+                   headers: dict[str, str] | None) -> None:
+        self._learn(status, decoded(raw) if headers is None else headers)
 
     def _refused_reply(self, method: str, url: httpx.URL, status: int,
                        headers: list[tuple[bytes, bytes]], content: bytes,
@@ -207,8 +210,9 @@ class ApiClient:
             opened = await self._transport.open(method, url, headers, content, self._timeouts)
         except httpx.HTTPError as e:
             raise self._unreachable(e, idempotent) from None
+        heard = decoded(opened.headers)  # the stream's reader needs them too
         try:
-            self._heard(opened.status, opened.headers)
+            self._heard(opened.status, opened.headers, heard)
             if opened.status >= 400:
                 content = await opened.read()
                 raise self._refused_reply(method, url, opened.status, opened.headers, content,
@@ -216,7 +220,7 @@ class ApiClient:
         except BaseException:
             await opened.aclose()
             raise
-        return StreamedReply(decoded(opened.headers), opened)
+        return StreamedReply(heard, opened)
 
     async def stream(self, method: str, path: str, body: Any, *, idempotent: bool,
                      deadline: float | None) -> StreamedReply | httpx.Response:

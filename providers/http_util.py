@@ -63,6 +63,7 @@ def parse_retry_after(value: str | None, wall: Wall) -> float | None:
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def parse_duration(value: str | None) -> float | None:
@@ -75,18 +76,17 @@ def parse_duration(value: str | None) -> float | None:
 @functools.lru_cache(maxsize=4096)  # two per upstream answer, and the values repeat
 def _duration(value: str) -> float | None:
     value = value.strip()
-    for unit, seconds in (("ms", 0.001), ("s", 1.0)):  # one unit, the common case: no regex
+    for unit in ("ms", "s"):  # one unit, the common case: no regex
         number = value.removesuffix(unit)
         head, dot, tail = number.partition(".")
         if (number is not value and number.isascii() and head.isdigit()
                 and (tail.isdigit() or not dot)):
-            return float(number) * seconds
+            return float(number) * _UNIT_SECONDS[unit]
     pos, total = 0, 0.0
-    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
     for m in _DURATION.finditer(value):
         if m.start() != pos:
             return None
-        total += float(m.group(1)) * scale[m.group(2)]
+        total += float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
         pos = m.end()
     if pos != len(value) or pos == 0:
         try:

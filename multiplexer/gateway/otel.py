@@ -323,7 +323,7 @@ class OtelTracer(Tracer):
             "multiplexer.dedup.callers": callers,
             "multiplexer.dedup.share": round(1 - len(pending) / callers, 4) if callers else 0.0,
         }
-        op, model = GEN_AI_OPERATIONS.get(first.operation), _model(first)
+        op, model = GEN_AI_OPERATIONS.get(first.operation), _model(first.params)
         if op is not None:
             attributes["gen_ai.operation.name"] = op
             if model is not None:
@@ -366,11 +366,7 @@ def sampler_is_default(sampler: Any) -> bool:
     return bool(sampler.get_description() == ParentBased(ALWAYS_ON).get_description())
 
 
-def _model(item: Item) -> str | None:
-    return _model_in(item.params)
-
-
-def _model_in(params: Any) -> str | None:
+def _model(params: Any) -> str | None:
     model = params.get("model") if isinstance(params, dict) else None
     return model if isinstance(model, str) else None
 
@@ -379,7 +375,7 @@ def _routed(span: Any, route: str, operation: str, params: dict[str, Any], provi
             provider_kind: str) -> None:
     span.set_attributes({"multiplexer.route": route, "multiplexer.provider": provider,
                          **_gen_ai_request(operation, params, provider_kind)})
-    op, model = GEN_AI_OPERATIONS.get(operation), _model_in(params)
+    op, model = GEN_AI_OPERATIONS.get(operation), _model(params)
     if op is not None and model is not None and not span.name.startswith("tools/call"):
         span.update_name(f"{op} {model}")
 
@@ -390,7 +386,7 @@ def _gen_ai_request(operation: str, params: dict[str, Any], provider_kind: str) 
         return {}
     out: dict[str, Any] = {"gen_ai.operation.name": op,
                            "gen_ai.provider.name": PROVIDER_NAMES.get(provider_kind, provider_kind)}
-    model = _model_in(params)
+    model = _model(params)
     if model is not None:
         out["gen_ai.request.model"] = model
     if params.get("stream"):
