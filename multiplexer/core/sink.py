@@ -24,7 +24,7 @@ class ChunkSink:
     """``send`` / ``send_nowait`` / ``close`` of the face's reader; ``first`` runs once, as the
     first chunk is handed over (before it is sent, so a reader gone still counts it)."""
 
-    __slots__ = ("_first", "_stream", "hold")
+    __slots__ = ("_first", "_stream", "hold", "sent")
 
     def __init__(self, stream: Reader,
                  first: Callable[[], None] | None = None) -> None:
@@ -32,6 +32,8 @@ class ChunkSink:
         self._first: Callable[[], None] | None = first or _nothing
         # a call that may still fall back keeps its reader's stream open while nothing was sent
         self.hold = False
+        # chunks handed to the reader: what an abandoned stream is billed for (one token each)
+        self.sent = 0
 
     @property
     def started(self) -> bool:
@@ -46,11 +48,13 @@ class ChunkSink:
     async def send(self, chunk: Any) -> None:
         if self._first is not None:
             self._started()
+        self.sent += 1
         await self._stream.send(chunk)
 
     def send_nowait(self, chunk: Any) -> None:
         if self._first is not None:
             self._started()
+        self.sent += 1
         self._stream.send_nowait(chunk)
 
     def close(self) -> None:

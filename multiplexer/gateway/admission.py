@@ -80,7 +80,7 @@ class Picks(Protocol):
 
     watched: set[str]  # routes whose calls may move on (fallbacks, breakers, max_attempts)
 
-    def pick(self, resolved: Resolved) -> Resolved: ...
+    def pick(self, resolved: Resolved, call: Call | None = None) -> Resolved: ...
 
 
 class Admits(Protocol):
@@ -124,8 +124,8 @@ def caller_route(gw: Admits, plan: Plan) -> Resolved:
     resolved = gw.router.resolve(call.method)
     if call.identity is not None:
         gw.check_access(call.identity, call.method, call.params, call.face)
-    if resolved.group is not None:
-        resolved = gw.fallbacks.pick(resolved)
+    if resolved.group is not None:  # the first member the caller may use with its own model
+        resolved = gw.fallbacks.pick(resolved, call)
     plan.label = resolved.name
     if resolved.route.mode == "auto":  # the batch API or now
         plan.auto = True

@@ -133,12 +133,33 @@ class Fallbacks:
         breaker = self.breakers.get(self.routes[name].provider)
         return breaker is None or breaker.state != "open"
 
-    def pick(self, resolved: Resolved) -> Resolved:
-        """The route a call to a model group tries first."""
+    def pick(self, resolved: Resolved, call: Call | None = None) -> Resolved:
+        """The route a call to a model group tries first: the first in its strategy's order that
+        the caller may use with that route's own model (``call``: None, any)."""
         assert resolved.group is not None
-        first = self.order(self.groups[resolved.group])[0]
+        order = self.order(self.groups[resolved.group])
+        first = order[0]
+        if call is not None and call.identity is not None:
+            refusal = None
+            for name in order:
+                refusal = self.refusal(call, name, self.routes[name])
+                if refusal is None:
+                    first = name
+                    break
+            if refusal is not None:
+                raise refusal
         route = self.routes[first]
         return Resolved(first, route, route.method or first, resolved.group)
+
+    def refusal(self, call: Call, name: str, route: RouteConfig) -> RpcError | None:
+        """Why the caller may not be served by route ``name`` (the params it would get there: its
+        own model, ``own_model``); None when it may. A member of the group the caller named passes
+        the route globs by that name (which admission checked); a fallback outside it by its own."""
+        if call.identity is None:
+            return None
+        group = self.groups.get(call.method)
+        called = call.method if group is not None and name in group.routes else name
+        return self.gw.attempt_refusal(call.identity, called, own_model(route, call.params), call.face)
 
     def for_job(self, resolved: Resolved, takes: Callable[[str], bool]) -> tuple[Resolved, list[str]]:
         """A batch job's item: its route (for a group, the first in its strategy's order that
@@ -343,9 +364,24 @@ class Fallbacks:
         return False
 
     def _queue(self, t: Ticket, att: Attempts, name: str, route: RouteConfig) -> bool:
-        """The attempt on ``name`` queued on its lane; False when the lane refused it (why in
-        ``att.why``)."""
+        """The attempt on ``name`` queued on its lane; False when the caller may not use it (its
+        access, its budget at the attempt's own price) or the lane refused it (why in ``att.why``).
+        An attempt is admitted as the call itself was: re-checked, re-priced, re-reserved."""
+        refusal = self.refusal(att.call, name, route)
+        if refusal is not None:
+            self.metrics.attempts.labels(name, "forbidden").inc()
+            att.why = "forbidden"
+            return False
         item = self._item(t, att, name, route)
+        plan = t.plan
+        if plan is not None:  # money is on: the attempt is priced and reserved as itself
+            earlier = plan.label, plan.route, plan.item
+            plan.label, plan.route, plan.item = name, route, item
+            if self.gw.rebudget(plan) is not None:
+                plan.label, plan.route, plan.item = earlier
+                self.metrics.attempts.labels(name, "budget").inc()
+                att.why = "budget"
+                return False
         try:
             lane = self.gw._lane_for(name, route)
             pending = lane.submit(item)

@@ -27,11 +27,12 @@ from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import Limiter
 from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import UNROUTED, Metrics, code_label
-from multiplexer.core.provider import Provider, ProviderContext, ToolSpec, stream_sink
+from multiplexer.core.provider import STREAM, Provider, ProviderContext, ToolSpec, stream_sink
 from multiplexer.core.quota import FREE, Grant
 from multiplexer.core.router import Resolved, Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.shared_quota import SharedQuotas
+from multiplexer.core.sink import ChunkSink
 from multiplexer.core.streaming import with_streams
 from multiplexer.core.tracing import Tracer
 from multiplexer.gateway.admission import Plan, caller_route, claim_of, method_plan, routed_item, sharing
@@ -69,6 +70,20 @@ def used_tokens(outcome: Outcome, shared: str | None) -> int | None:
     result = outcome.built()
     tokens = tokens_of(result.get("usage")) if type(result) is dict else None
     return None if tokens is None else tokens.input + tokens.output
+
+
+def _went_upstream(t: Ticket) -> bool:
+    """Whether a call that ends in an error had already gone upstream, so the provider may bill
+    it: withdrawn (its caller gone, its deadline passed) while its batch ran, or a stream that
+    handed its caller chunks. A call refused, queued or answered with an upstream error did not
+    (a provider bills no refused request)."""
+    p = t.pending
+    if p is None or t.shared is not None:
+        return False
+    if p.state == "running":
+        return True
+    sink = p.item.options.get(STREAM)
+    return isinstance(sink, ChunkSink) and sink.started
 
 
 class Gateway:
@@ -327,6 +342,19 @@ class Gateway:
         if rules is not None and (refusal := rules.refusal(route, params, face)) is not None:
             raise refusal
 
+    def attempt_refusal(self, identity: str, route: str, params: Any, face: str) -> RpcError | None:
+        """Why this key may not have a call served by ``route`` with ``params`` (a fallback's or
+        a group member's attempt, checked as admission checks the call itself); None: it may."""
+        rules = self.keys.rules.get(identity)
+        return None if rules is None else rules.refusal(route, params, face)
+
+    def rebudget(self, plan: Plan) -> RpcError | None:
+        """A call moved to another route (a fallback): its budget reservation made the most that
+        route can cost, or the refusal when its budget has no room for the difference."""
+        if self.money is None:
+            return None
+        return self.money.budgets.rereserve(plan)
+
     def enqueue(self, plan: Plan, grant: Grant, *, alone: bool = False) -> Ticket:
         """Stage three, the only one with effects: answer from the cache, join an identical call
         in flight, or queue the item on its lane. A call refused here never ran, so its batch
@@ -434,7 +462,8 @@ class Gateway:
             self.quotas.refund(t.grant)
         answer = outcome if t.shape is None or outcome.error is not None else self._shaped(t, outcome)
         if t.plan is not None and self.money is not None:  # its cost, its saving, its budget settled
-            answer = self.money.finish(t.plan, outcome, answer, shared_how(t.shared, outcome))
+            answer = self.money.finish(t.plan, outcome, answer, shared_how(t.shared, outcome),
+                                       answer.error is not None and _went_upstream(t))
             t.plan = None
         t.outcome = answer
         if t.span is not None:  # ended now, recorded once the answer is written

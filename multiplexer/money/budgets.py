@@ -25,7 +25,7 @@ import anyio
 from multiplexer.core.errors import Code, RpcError, rate_limited
 from multiplexer.core.policy import BudgetUsd
 from multiplexer.core.state import StateUnavailable
-from multiplexer.money.prices import Prices
+from multiplexer.money.prices import Prices, out_budget
 from multiplexer.money.settings import BudgetsConfig
 
 log = logging.getLogger(__name__)
@@ -181,16 +181,6 @@ def budget_refusal(c: Counter, spent: int, wall: float) -> RpcError:
     return RpcError(Code.RATE_LIMITED, "Budget exceeded", data)
 
 
-def _out_budget(params: Any) -> int | None:
-    if not isinstance(params, dict):
-        return None
-    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-        v = params.get(name)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
 class Budgets:
     def __init__(self, config: BudgetsConfig, prices: Prices, counters: Counters,
                  budgets_of: Callable[[str | None], list[Scope]], wall: Callable[[], float],
@@ -255,7 +245,7 @@ class Budgets:
             return None
         estimate = item.options.get("tokens", item.tokens) if item.options.get("mode") == "batch" \
             else item.tokens
-        given = _out_budget(params)
+        given = out_budget(params)
         out = given if given is not None else self.config.default_max_output_tokens
         inp = max(int(estimate or 0) - (given or 0), 1)
         n = params.get("n") if isinstance(params, dict) else None
@@ -348,6 +338,40 @@ class Budgets:
         self._changes.extend((c.key, delta) for c in r.counters)
         if not self._changes[len(r.counters):]:  # the first since the last batch went
             self._wake.set()
+
+    def rereserve(self, plan: Any) -> RpcError | None:
+        """A call moved to another route (a fallback, a group's next member): its reservation
+        becomes the most that route can cost. More is asked of the counters as a reservation is
+        (refused while one has nothing left); less is given back. In the shared state the
+        difference is sent with the settlements, unchecked (no round trip in the attempt loop)."""
+        amount = self.most(plan)
+        r = plan.reservation
+        if r is None:
+            scopes = self.budgets_of(plan.call.identity)
+            if amount is None or not scopes:
+                return None
+            if self.local:
+                found = self.reserve_here(plan, scopes)
+                if isinstance(found, RpcError):
+                    return found
+                plan.reservation = found
+                return None
+            counters = self.counters_for(scopes, self.wall())
+            plan.reservation = r = Reservation(counters, 0)
+        if amount is None or r.settled:
+            return None  # an unpriced route: what was reserved stands
+        delta, wall = amount - r.amount, self.wall()
+        if delta > 0 and isinstance(self.counters, LocalCounters):
+            decided = self._decided(r.counters, delta, self.counters.reserve_now(r.counters, delta), wall)
+            if isinstance(decided, RpcError):
+                return decided
+        elif delta < 0 and isinstance(self.counters, LocalCounters):
+            self.counters.settle_now([(c.key, delta) for c in r.counters])
+        elif delta:
+            self._changes.extend((c.key, delta) for c in r.counters)
+            self._wake.set()
+        r.amount = amount
+        return None
 
     async def run(self) -> None:
         """Send the settlements of ended calls, a batch at a time, for the gateway's lifetime."""

@@ -64,12 +64,21 @@ class Money:
         self.own = KeySpend(self)  # a key's own figures, for its dashboard view
         self._overview: tuple[float, dict[str, Any]] | None = None  # (read at, figures)
 
-    def finish(self, plan: Any, outcome: Outcome, answer: Outcome, shared: str | None) -> Outcome:
-        """A call's last step: its answer priced (when it succeeded) and its budget reservation
-        settled to what it cost (nothing, when it failed or never ran)."""
+    def finish(self, plan: Any, outcome: Outcome, answer: Outcome, shared: str | None,
+               went_upstream: bool = False) -> Outcome:
+        """A call's last step: its answer priced and its budget reservation settled to what it
+        cost. A call that failed before anything reached the provider cost nothing: its
+        reservation is refunded. One that failed after it went upstream (a stream its caller
+        abandoned, a call cancelled or timed out while it ran) is booked at what it used: the
+        chunks a stream handed over, else the most it could cost (``Budgets.most``); never a
+        silent refund."""
         cost: int | None = 0
         if answer.error is None:
             answer, cost = self.meter.price(plan, outcome, answer, shared)
+        elif went_upstream and shared is None:
+            reservation = plan.reservation
+            most = reservation.amount if reservation is not None else self.budgets.most(plan)
+            cost = self.meter.used(plan, None if most is None else most * 1000)
         reservation = plan.reservation
         if reservation is not None:  # once the answer is written (core/after.py)
             after(self.budgets.settle, reservation, cost)

@@ -23,7 +23,9 @@ from multiplexer.core.after import after
 from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
-from multiplexer.money.prices import Prices, tokens_of
+from multiplexer.core.provider import STREAM
+from multiplexer.core.sink import ChunkSink
+from multiplexer.money.prices import Prices, Tokens, out_budget, tokens_of
 
 # What a call's saving came from (the ledger's and /metrics' ``how``): a fixed set.
 SYNC, BATCH, INFLIGHT, CACHE = "sync", "batch", "dedup", "cache"
@@ -148,6 +150,34 @@ class Meter:
         after(self._book, (self.clock.wall(), item.identity, plan.label, route.provider, model or "",
                            cost, saved, how, cache_saved, requests_saved))
         return answer, cost
+
+    def used(self, plan: Any, most: int | None) -> int | None:
+        """What a call that went upstream and then failed used, booked like an answered call's
+        cost: a stream's chunks handed over (one output token each) over its estimated input,
+        else ``most`` (pico-dollars: what it could cost at most); None when its model has no
+        price. Nothing is saved on it."""
+        item, route = plan.item, plan.route
+        if item is None or route is None:
+            return None
+        params = item.params
+        model = params.get("model") if isinstance(params, dict) else None
+        model = model if isinstance(model, str) else None
+        rates = self.prices.rates(plan.label, route.provider, model)
+        if rates is None:
+            if model is None:
+                return None
+            cost = None
+        else:
+            sink = item.options.get(STREAM)
+            if isinstance(sink, ChunkSink):
+                # the provider's estimate counts the reply's budget too (``Budgets.most``)
+                given = out_budget(params) or 0
+                cost = rates.pico(Tokens(input=max(int(item.tokens or 0) - given, 1), output=sink.sent))
+            else:
+                cost = most
+        after(self._book, (self.clock.wall(), item.identity, plan.label, route.provider, model or "",
+                           cost, 0, SYNC, 0, 0.0))
+        return cost
 
     def _book(self, record: Record) -> None:
         """A priced call into the spend metrics and the writer's records, once its answer is

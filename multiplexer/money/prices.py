@@ -225,3 +225,14 @@ def data_version() -> str:
     from importlib.metadata import version
 
     return f"genai-prices {version('genai-prices')}"
+
+
+def out_budget(params: Any) -> int | None:
+    """The most output tokens a call's params allow (``max_tokens`` and its names), if they say."""
+    if not isinstance(params, dict):
+        return None
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        v = params.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None

@@ -1,0 +1,123 @@
+"""Policy on every path: each way a call could escape its key's access, quota or budget, tried
+against a running gateway (real HTTP on 127.0.0.1, the fake upstreams), and shown closed."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from multiplexer.gateway.config import parse_config
+from multiplexer.server import running
+from tests.remote_helpers import fakes
+
+pytestmark = pytest.mark.anyio
+KEY = "sk-policy-leak-0123456789"
+ADMIN = "adm-policy-" + "x" * 24
+
+
+def config(f: Any, tmp_path: Path, keys: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "server": {"api_keys": keys, "admin_key": ADMIN, **extra.pop("server", {})},
+        "store": {"path": str(tmp_path / "jobs.db")},
+        "spend": {"flush_interval_s": 0.05},
+        "providers": {
+            "oai": {"kind": "openai", "base_url": f.openai_url + "/v1", "api_key": "sk-up",
+                    "retry": {"attempts": 1}},
+            "big": {"kind": "openai", "base_url": f.openai_url + "/v1", "api_key": "sk-up",
+                    "retry": {"attempts": 1}},
+        },
+        "routes": {
+            "chat": {"provider": "oai", "operation": "chat", "models": ["gpt-4o-mini"],
+                     **extra.pop("chat", {})},
+            "chat_big": {"provider": "big", "operation": "chat", "models": ["gpt-4o"],
+                         "params": {"model": "gpt-4o"}},
+        },
+        **extra,
+    }
+
+
+@asynccontextmanager
+async def gateway(tmp_path: Path, keys: dict[str, Any], **extra: Any):
+    async with (
+        fakes() as f,
+        running(parse_config(config(f, tmp_path, keys, **extra)), port=0) as (gw, url),
+        httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEY}"}, timeout=30) as client,
+    ):
+        yield f, gw, client
+
+
+def chat(text: str, model: str = "gpt-4o-mini", **more: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **more}
+
+
+async def spend_rows(gw: Any, client: httpx.AsyncClient) -> dict[str, Any]:
+    reply = await client.get("/admin/spend", params={"group_by": "key,route,model"},
+                             headers={"authorization": f"Bearer {ADMIN}"})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+async def test_an_abandoned_stream_is_booked_and_keeps_its_budget(tmp_path: Path) -> None:
+    """A client that closes a stream while the upstream still streams used what it was sent: it is
+    booked at the chunks it got over its input, and its budget is not refunded, so abandoned
+    streams run out of budget like whole ones."""
+    keys = {"alice": {"key": KEY, "budget_usd": {"daily": "0.00002"}}}
+    async with gateway(tmp_path, keys) as (f, gw, client):
+        f.openai.stream_gate = anyio.Event()  # the upstream holds each stream after its first event
+        statuses = []
+        for _ in range(30):
+            cut = f.openai.stream_cut = anyio.Event()
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json=chat("one two three four", stream=True, max_tokens=200)) as r:
+                statuses.append(r.status_code)
+                if r.status_code != 200:
+                    break
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # one event seen: the client goes away
+            with anyio.fail_after(10):
+                await cut.wait()  # the gateway let go of the upstream stream too
+        # gpt-4o-mini at $0.15 in / $0.60 out per million, each reservation ~200 output tokens:
+        # $0.00002 a day is a handful of abandoned streams, never 30
+        assert statuses[-1] == 429, statuses
+        assert 2 <= statuses.count(200) <= 20, statuses
+        report = await spend_rows(gw, client)
+        total = report["total"]
+        assert total["calls"] == statuses.count(200)
+        assert Decimal(str(total["cost_usd"])) > 0  # booked, not refunded
+
+
+async def test_a_fallback_is_checked_for_access_and_priced_as_itself(tmp_path: Path) -> None:
+    """A key allowed only gpt-4o-mini is never served by a gpt-4o fallback; a key allowed both is,
+    and the call is priced and booked at gpt-4o's rate on the route that served it."""
+    keys = {"alice": {"key": KEY, "models": ["gpt-4o-mini"]},
+            "bob": {"key": KEY + "-bob", "models": ["gpt-4o-mini", "gpt-4o"]}}
+    async with gateway(tmp_path, keys, chat={"fallbacks": ["chat_big"]}) as (f, gw, client):
+        r = await client.post("/v1/chat/completions", json=chat("hi", model="gpt-4o"))
+        assert r.status_code == 403  # the model itself is refused
+        before = f.openai.requests["/v1/chat/completions"]
+        f.openai.fail_next = [500]  # mini's upstream fails: the fallback would be gpt-4o
+        r = await client.post("/v1/chat/completions", json=chat("hello there"))
+        assert r.status_code >= 500, r.text  # the upstream's failure, not another model's answer
+        assert r.headers.get("x-multiplexer-route") != "chat_big"
+        # one request, mini's: nothing went to the model the key may not use
+        assert f.openai.requests["/v1/chat/completions"] == before + 1
+
+        bob = {"authorization": f"Bearer {KEY}-bob"}
+        f.openai.fail_next = [500]
+        r = await client.post("/v1/chat/completions", json=chat("hello there"), headers=bob)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-multiplexer-route"] == "chat_big"
+        usage = r.json()["usage"]
+        gpt_4o = (usage["prompt_tokens"] * Decimal("2.5") + usage["completion_tokens"] * 10) / Decimal(10**6)
+        assert Decimal(r.headers["x-multiplexer-cost-usd"]) == gpt_4o
+        report = await spend_rows(gw, client)
+        rows = [row for row in report["rows"] if row["key"] == "bob"]
+        assert [(row["route"], row["model"]) for row in rows] == [("chat_big", "gpt-4o")]
+        assert Decimal(str(rows[0]["cost_usd"])) == gpt_4o
