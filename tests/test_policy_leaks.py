@@ -3,6 +3,7 @@ against a running gateway (real HTTP on 127.0.0.1, the fake upstreams), and show
 
 from __future__ import annotations
 
+import json
 from contextlib import asynccontextmanager
 from decimal import Decimal
 from pathlib import Path
@@ -121,3 +122,70 @@ async def test_a_fallback_is_checked_for_access_and_priced_as_itself(tmp_path: P
         rows = [row for row in report["rows"] if row["key"] == "bob"]
         assert [(row["route"], row["model"]) for row in rows] == [("chat_big", "gpt-4o")]
         assert Decimal(str(rows[0]["cost_usd"])) == gpt_4o
+
+
+def rpc(method: str, params: Any, rid: int = 1) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": rid, "method": method, "params": params}
+
+
+async def wait_for_job(client: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
+    with anyio.fail_after(20):
+        while True:
+            r = await client.post("/rpc", json=rpc("jobs.status", {"job_id": job_id}))
+            status = r.json()["result"]
+            if status["done"]:
+                return status
+            await anyio.sleep(0.02)
+
+
+async def test_a_batch_reserves_its_budget_at_submit_and_settles_line_by_line(tmp_path: Path) -> None:
+    """A batch is admitted whole against the key's budget: over it, refused with the shortfall
+    named and nothing stored or sent, on jobs.submit and on /v1/batches alike; within it, its
+    lines settle to what they cost and the budget is free again for what they did not use."""
+    keys = {"alice": {"key": KEY, "budget_usd": {"daily": "0.0002"}}}
+    fast = {"batch_poll_interval_s": 0.01}
+    async with gateway(tmp_path, keys) as (f, gw, client):
+        gw.config.providers["oai"].extra.update(fast)
+        lines = [{"method": "chat", "params": chat(f"line {i}", max_tokens=100)} for i in range(100)]
+        r = await client.post("/rpc", json=rpc("jobs.submit", {"calls": lines}))
+        error = r.json()["error"]
+        assert error["code"] == -32003 and error["data"]["limit"] == "budget_usd"
+        # 100 lines of ~100 output tokens at half of $0.60 a million: ~$0.003, over $0.0002
+        assert Decimal(error["data"]["needed"]) > Decimal("0.0025")
+        assert Decimal(error["data"]["shortfall"]) == Decimal(error["data"]["needed"]) - Decimal("0.0002")
+        assert f.openai.requests["/v1/batches"] == 0
+        listed = await client.post("/rpc", json=rpc("jobs.list", {}))
+        assert listed.json()["result"]["jobs"] == []  # refused whole: no job was stored
+
+        # two lines fit: run through the batch API, booked, the reservation given back to cost
+        small = lines[:2]
+        r = await client.post("/rpc", json=rpc("jobs.submit", {"calls": small}))
+        job_id = r.json()["result"]["job_id"]
+        status = await wait_for_job(client, job_id)
+        assert status["counts"]["succeeded"] == 2
+        budgets = gw.money.budgets
+        [counter] = budgets.counters_for(budgets.budgets_of("alice"), budgets.wall())
+        spent = budgets.counters.spent[counter.key]
+        # each line: 2 prompt words and "echo: line i" 3 words at half of $0.15 / $0.60 a million
+        per_line = (2 * Decimal("0.15") + 3 * Decimal("0.6")) / 2 / Decimal(10**6)
+        assert Decimal(spent) / Decimal(10**9) == pytest.approx(2 * per_line, rel=0.01)
+        assert gw.money.jobs == {}  # the job ended: nothing held for it
+
+
+async def test_a_v1_batch_over_the_budget_is_refused_whole(tmp_path: Path) -> None:
+    keys = {"alice": {"key": KEY, "budget_usd": {"daily": "0.0002"}}}
+    async with gateway(tmp_path, keys) as (f, _, client):
+        body = {"model": "gpt-4o-mini", "max_tokens": 100, "messages": [{"role": "user", "content": "x"}]}
+        content = "\n".join(json.dumps({"custom_id": f"l{i}", "method": "POST",
+                                        "url": "/v1/chat/completions", "body": body})
+                            for i in range(100))
+        up = await client.post("/v1/files", data={"purpose": "batch"},
+                               files={"file": ("in.jsonl", content.encode(), "application/jsonl")})
+        assert up.status_code == 200, up.text
+        r = await client.post("/v1/batches", json={"input_file_id": up.json()["id"],
+                                                   "endpoint": "/v1/chat/completions",
+                                                   "completion_window": "24h"})
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "insufficient_quota"
+        assert "shortfall" in r.json()["error"]["message"] or f.openai.requests["/v1/batches"] == 0
+

@@ -21,11 +21,10 @@ import anyio
 from multiplexer.core.call import Call, Item
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.jobrows import JobRow, NewItem, custom_id
-from multiplexer.core.jobs import FALLBACK_ROUTES, BatchJobs, JobStore, end_if_done, new_job_id
+from multiplexer.core.jobs import BatchJobs, JobStore, end_if_done, new_job_id
 from multiplexer.core.jsonrpc import is_unicode
 from multiplexer.core.provider import BatchCapable, ToolSpec
-from multiplexer.gateway.admission import route_item
-from multiplexer.gateway.fallbacks import own_model
+from multiplexer.gateway.admission import job_item
 from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
@@ -138,33 +137,17 @@ class JobFace:
 
     def _item(self, spec: Any, identity: str | None,
               operation: str | None = None) -> tuple[BatchJobs, Item]:
-        """One call of a job as an item; ``operation`` (set by a face, as a ``/v1/batches`` file's
+        """One call of a job as an item, built by admission (``admission.job_item``) on a route
+        whose provider has a batch API; ``operation`` (set by a face, as a ``/v1/batches`` file's
         endpoint asks) replaces the route's."""
         if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
             raise invalid_params("each call must be an object with a string 'method'")
         method, params = spec["method"], spec.get("params")
         if method in self.gateway.methods:
             raise invalid_params(f"{method} cannot run inside a batch job")
-        resolved = self.gateway.resolve(method)
-        if identity is not None:
-            self.gateway.check_access(identity, method, params, "jobs")
-        routes = self.gateway.config.routes
-        # a group's line takes the route its strategy picks (of those with batch support), as a
-        # live call would; its fallbacks: where it goes if its remote batch fails whole
-        resolved, fallbacks = self.gateway.fallbacks.for_job(
-            resolved, lambda name: routes[name].provider in self.managers)
-        route = resolved.route
-        manager = self.managers.get(route.provider)
-        if manager is None:
-            raise invalid_params(f"route {resolved.name!r} has no batch support "
-                                 f"(provider {route.provider!r})")
-        if resolved.group is not None:
-            params = own_model(route, params)
-        item = route_item(resolved, params, identity=identity, operation=operation)
-        if fallbacks:
-            item.options[FALLBACK_ROUTES] = fallbacks
-        self.gateway.providers[route.provider].prepare(route, item)
-        return manager, item
+        item = job_item(self.gateway, Call(method, params, identity=identity, operation=operation,
+                                           face="jobs"), self.managers)
+        return self.managers[self.gateway.config.routes[item.route].provider], item
 
     async def submit(self, call: Call) -> dict[str, Any]:
         """``jobs.submit``; the MCP task face stores its jobs through here too (``job_source: task``)."""
@@ -197,29 +180,38 @@ class JobFace:
     async def _store_calls(self, call: Call, calls: list[Any], more: bool, appending: bool,
                            source: str, stored: list[str]) -> dict[str, Any]:
         st = self.store()
+        # each line admitted as a call would be (access, route, item), before anything is stored
+        built: list[tuple[BatchJobs, Item] | RpcError] = []
+        for spec in calls:
+            try:
+                built.append(self._item(spec, call.identity, call.operation))
+            except RpcError as e:
+                built.append(e)
         async with self._lock:
             if appending:
                 job = await self._open_job(call)
+                job_id = job.id
             else:
                 job_id = new_job_id()
+            await self._hold_budget(job_id, call.identity, built)  # refused whole: nothing stored
+            if not appending:
                 await st.run(st.create_job, job_id, call.identity, source, "open")
                 created = await st.run(st.job, job_id)
                 assert created is not None  # made just now, under the lock
                 job = created
             rows = []  # numbered from 0: the store places them after the job's total, atomically
-            for idx, spec in enumerate(calls):
-                try:
-                    manager, item = self._item(spec, call.identity, call.operation)
-                    rows.append(manager.new_item(job.id, idx, item))
-                except RpcError as e:
-                    method = spec.get("method") if isinstance(spec, dict) else None
-                    if not (isinstance(method, str) and is_unicode(method)):
-                        method = None
-                    rows.append(NewItem(idx=idx, provider=None, route=None, operation=None,
-                                        method=method,
-                                        params=None, options={}, tokens=0,
-                                        custom_id=custom_id(job.id, idx), state="failed",
-                                        error=e.to_dict()))
+            for idx, (spec, line) in enumerate(zip(calls, built, strict=True)):
+                if not isinstance(line, RpcError):
+                    rows.append(line[0].new_item(job.id, idx, line[1]))
+                    continue
+                method = spec.get("method") if isinstance(spec, dict) else None
+                if not (isinstance(method, str) and is_unicode(method)):
+                    method = None
+                rows.append(NewItem(idx=idx, provider=None, route=None, operation=None,
+                                    method=method,
+                                    params=None, options={}, tokens=0,
+                                    custom_id=custom_id(job.id, idx), state="failed",
+                                    error=line.to_dict()))
             if await st.run(st.append_items, job.id, rows) is None:  # sealed by another replica
                 raise invalid_params(f"job {job.id} is no longer open; only open jobs take more calls")
             stored.append(job.id)
@@ -232,6 +224,18 @@ class JobFace:
         assert current is not None
         return {"job_id": job.id, "accepted": len(calls), "total": current.total,
                 "state": current.state}
+
+    async def _hold_budget(self, job_id: str, identity: str | None,
+                           built: list[tuple[BatchJobs, Item] | RpcError]) -> None:
+        """The job's lines reserved against the caller's budgets, all of them at once (each line's
+        most at the batch price), or the submit refused whole naming the shortfall."""
+        money = self.gateway.money
+        if money is None or not money.budgets.applies(identity):
+            return
+        routes = self.gateway.config.routes
+        lines = [money.budgets.most_of(item.route, routes[item.route], item, True)
+                 for line in built if not isinstance(line, RpcError) for item in (line[1],)]
+        await money.hold_job(job_id, identity, lines)
 
     async def _close(self, job_id: str) -> bool:
         """Seal an open job and hand it to the managers; False if it was no longer open."""

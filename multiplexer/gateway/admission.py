@@ -17,7 +17,7 @@ its item: admission runs once per call, so none allocates beyond what the call n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ from multiplexer.core.call import Call, Item
 from multiplexer.core.clock import Clock
 from multiplexer.core.dedup import canonical
 from multiplexer.core.errors import RpcError, invalid_params
+from multiplexer.core.jobs import FALLBACK_ROUTES
 from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.policy import RouteConfig
@@ -61,6 +62,17 @@ class Plan:
     auto: bool = False  # ``mode: auto`` chose the route's mode by the call's deadline
 
 
+def own_model(route: RouteConfig, params: Any) -> Any:
+    """The params for a route the caller did not name: the route's own model, unless the
+    caller's model is one the route lists."""
+    if not isinstance(params, dict):
+        return params
+    model = route.params.get("model") or (route.models[0] if route.models else None)
+    if model is None or params.get("model") in route.models:
+        return params
+    return {**params, "model": model}
+
+
 def route_item(resolved: Resolved, params: Any, *, identity: str | None,
                operation: str | None = None, priority: int = 0, deadline: float | None = None,
                notification: bool = False) -> Item:
@@ -81,6 +93,10 @@ class Picks(Protocol):
     watched: set[str]  # routes whose calls may move on (fallbacks, breakers, max_attempts)
 
     def pick(self, resolved: Resolved, call: Call | None = None) -> Resolved: ...
+
+    def for_job(self, resolved: Resolved, takes: Callable[[str], bool]) -> tuple[Resolved, list[str]]: ...
+
+    def refusal(self, call: Call, name: str, route: RouteConfig) -> RpcError | None: ...
 
 
 class Admits(Protocol):
@@ -134,6 +150,34 @@ def caller_route(gw: Admits, plan: Plan) -> Resolved:
     timeout_ms = call.timeout_ms or route.timeout_ms or gw.config.server.default_timeout_ms
     plan.deadline = plan.started + timeout_ms / 1000.0
     return resolved
+
+
+def job_item(gw: Admits, call: Call, takes: Container[str]) -> Item:
+    """A batch job's line as an item (``jobs.submit``, ``/v1/batches``, MCP tasks): its key's
+    access checked as a live call's, its route (a group's pick among the routes on a provider in
+    ``takes``, those with a batch API) and the routes it may be resubmitted to if its remote
+    batch fails whole, its params there, prepared by its provider. Raises the refusal."""
+    resolved = gw.router.resolve(call.method)
+    if call.identity is not None:
+        gw.check_access(call.identity, call.method, call.params, call.face)
+    routes = gw.config.routes
+    resolved, fallbacks = gw.fallbacks.for_job(resolved, lambda name: routes[name].provider in takes)
+    route = resolved.route
+    if route.provider not in takes:
+        raise invalid_params(f"route {resolved.name!r} has no batch support "
+                             f"(provider {route.provider!r})")
+    params = call.params
+    if resolved.group is not None:
+        params = own_model(route, params)
+        if call.identity is not None:  # a group's member is checked with its own model
+            refusal = gw.fallbacks.refusal(call, resolved.name, route)
+            if refusal is not None:
+                raise refusal
+    item = route_item(resolved, params, identity=call.identity, operation=call.operation)
+    if fallbacks:
+        item.options[FALLBACK_ROUTES] = fallbacks
+    gw.providers[route.provider].prepare(route, item)
+    return item
 
 
 def routed_item(gw: Admits, plan: Plan, resolved: Resolved, provider: Provider) -> Item:

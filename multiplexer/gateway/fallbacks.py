@@ -34,7 +34,7 @@ from multiplexer.core.provider import STREAM, Streamer
 from multiplexer.core.router import Resolved
 from multiplexer.core.sink import ChunkSink
 from multiplexer.core.tracing import TraceSlot
-from multiplexer.gateway.admission import Plan, route_item, tagged
+from multiplexer.gateway.admission import Plan, own_model, route_item, tagged
 from multiplexer.gateway.chains import context_fallbacks, expand, plain_fallbacks
 from multiplexer.gateway.tickets import Ticket
 
@@ -68,17 +68,6 @@ class Attempts:
         self.number = 0  # attempts begun
         self.trace: Any = None  # the attempt's span, when calls are traced
         self.why = ""  # why the last lane refused an attempt (``Fallbacks._queue``)
-
-
-def own_model(route: RouteConfig, params: Any) -> Any:
-    """The params for a route the caller did not name: the route's own model, unless the
-    caller's model is one the route lists."""
-    if not isinstance(params, dict):
-        return params
-    model = route.params.get("model") or (route.models[0] if route.models else None)
-    if model is None or params.get("model") in route.models:
-        return params
-    return {**params, "model": model}
 
 
 class Fallbacks:

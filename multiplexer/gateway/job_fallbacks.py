@@ -23,7 +23,7 @@ from multiplexer.core.jobs import FALLBACK_ROUTES, FELL_BACK, LIVE, BatchJobs, J
 from multiplexer.core.provider import BatchCapable
 from multiplexer.core.router import Resolved
 from multiplexer.gateway.admission import route_item
-from multiplexer.gateway.fallbacks import own_model
+from multiplexer.gateway.admission import own_model
 
 
 class JobFallbacks:

@@ -238,21 +238,24 @@ class Budgets:
         item, route = plan.item, plan.route
         if item is None or route is None:
             return None
+        return self.most_of(plan.label, route, item, item.options.get("mode") == "batch")
+
+    def most_of(self, label: str, route: Any, item: Any, batch: bool) -> int | None:
+        """``most`` of an item on route ``label``; ``batch``: at the batch API's price."""
         params = item.params
         model = params.get("model") if isinstance(params, dict) else None
-        rates = self.prices.rates(plan.label, route.provider, model if isinstance(model, str) else None)
+        rates = self.prices.rates(label, route.provider, model if isinstance(model, str) else None)
         if rates is None:
             return None
-        estimate = item.options.get("tokens", item.tokens) if item.options.get("mode") == "batch" \
-            else item.tokens
+        estimate = item.options.get("tokens", item.tokens) if batch else item.tokens
         given = out_budget(params)
         out = given if given is not None else self.config.default_max_output_tokens
         inp = max(int(estimate or 0) - (given or 0), 1)
         n = params.get("n") if isinstance(params, dict) else None
         n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
         pico = inp * max(rates.p_input, rates.p_write) + n * out * rates.p_output + rates.p_call
-        if item.options.get("mode") == "batch":
-            num, den = self.prices.batch_kept(plan.label, route.provider)
+        if batch:
+            num, den = self.prices.batch_kept(label, route.provider)
             pico = pico * num // den
         return -(-pico // 1000)  # nano-dollars, rounded up
 
@@ -338,6 +341,58 @@ class Budgets:
         self._changes.extend((c.key, delta) for c in r.counters)
         if not self._changes[len(r.counters):]:  # the first since the last batch went
             self._wake.set()
+
+    async def hold(self, identity: str | None, amount: int) -> Reservation | RpcError | None:
+        """A whole batch's reservation (``amount`` nano-dollars: its lines' ``most_of`` summed),
+        admitted only if every budget of ``identity`` has room for all of it: else refused whole,
+        naming what is missing (``needed``, ``shortfall``). None: no budget applies. Two steps on
+        any counters (add it; then refused if a counter is now at its cap, and given back), so a
+        concurrent call may see the batch's amount for a moment, never pass the cap for it."""
+        scopes = self.budgets_of(identity)
+        if not scopes or amount <= 0:
+            return None
+        wall = self.wall()
+        counters = self.counters_for(scopes, wall)
+        if not counters:
+            return None
+        try:
+            refused, spent, _ = await self.counters.reserve(counters, amount)
+            if not refused:
+                refused, spent, _ = await self.counters.reserve(counters, 0)
+                if refused:  # over a cap with all of it: given back, refused whole
+                    await self.counters.settle([(c.key, -amount) for c in counters])
+                    spent -= amount
+        except StateUnavailable:
+            return None if self.fail_open else rate_limited(
+                "budget_unavailable", 1.0, detail="the shared budget state is unreachable")
+        if refused:
+            c = counters[refused - 1]
+            self.on_refused(c.scope, c.period)
+            error = budget_refusal(c, spent, wall)
+            assert error.data is not None
+            error.data.update(needed=str(usd(amount)),
+                              shortfall=str(usd(max(spent + amount - c.limit, 0))))
+            return error
+        return Reservation(counters, amount)
+
+    def settle_part(self, r: Reservation, part: int, cost: int | None) -> None:
+        """Part of a batch's reservation ended (a line answered): ``part`` nano-dollars of it
+        settled to ``cost`` pico-dollars (None: unknown, the part stands); the rest stays held."""
+        if r.settled or cost is None:
+            r.amount -= min(part, r.amount)
+            return
+        part = min(part, r.amount)
+        r.amount -= part
+        delta = -(-cost // 1000) - part
+        if delta:
+            self._move(r, delta)
+
+    def _move(self, r: Reservation, delta: int) -> None:
+        if isinstance(self.counters, LocalCounters):
+            self.counters.settle_now([(c.key, delta) for c in r.counters])
+            return
+        self._changes.extend((c.key, delta) for c in r.counters)
+        self._wake.set()
 
     def rereserve(self, plan: Any) -> RpcError | None:
         """A call moved to another route (a fallback, a group's next member): its reservation

@@ -18,8 +18,9 @@ import anyio
 from multiplexer.core.after import after
 from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
+from multiplexer.core.errors import RpcError
 from multiplexer.core.metrics import Metrics
-from multiplexer.money.budgets import Budgets, Counters, LocalCounters, Scope
+from multiplexer.money.budgets import Budgets, Counters, LocalCounters, Reservation, Scope
 from multiplexer.money.meter import BATCH, CACHE, INFLIGHT, Meter, MoneyMetrics, Record
 from multiplexer.money.own import KeySpend
 from multiplexer.money.prices import Prices
@@ -39,6 +40,21 @@ def rows_json(group_by: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[di
     n = len(group_by)
     return [{**{g: (v if v != "" else None) for g, v in zip(group_by, r[:n], strict=True)},
              **sums_json(r[n:])} for r in rows]
+
+
+class JobHold:
+    """A batch job's reservation and how many of its priced lines have not settled yet."""
+
+    __slots__ = ("left", "reservation")
+
+    def __init__(self, reservation: Reservation, lines: int) -> None:
+        self.reservation, self.left = reservation, lines
+
+    def share(self) -> int:
+        """The next line's part of what is still held (the rest split evenly)."""
+        part = self.reservation.amount // max(self.left, 1)
+        self.left = max(self.left - 1, 0)
+        return part
 
 
 class Money:
@@ -63,6 +79,7 @@ class Money:
         self._lock = anyio.Lock()
         self.own = KeySpend(self)  # a key's own figures, for its dashboard view
         self._overview: tuple[float, dict[str, Any]] | None = None  # (read at, figures)
+        self.jobs: dict[str, JobHold] = {}  # batch jobs' budget reservations, settled line by line
 
     def finish(self, plan: Any, outcome: Outcome, answer: Outcome, shared: str | None,
                went_upstream: bool = False) -> Outcome:
@@ -89,11 +106,33 @@ class Money:
             return self.store
         return await anyio.to_thread.run_sync(self.open_store)
 
+    async def hold_job(self, job_id: str, identity: str | None, lines: Sequence[int | None]) -> None:
+        """A batch job's budget, reserved whole before it is stored: each line's most (nano-dollars,
+        ``Budgets.most_of``; None: unpriced, nothing held). Raises the refusal, naming the shortfall."""
+        priced = [n for n in lines if n is not None]
+        if not priced:
+            return
+        found = await self.budgets.hold(identity, sum(priced))
+        if isinstance(found, RpcError):
+            raise found
+        if found is not None:
+            self.jobs[job_id] = JobHold(found, len(priced))
+
     def on_event(self, event: str, data: dict[str, Any]) -> None:
-        """A gateway listener: a client's batch job's lines are priced as they finish."""
+        """A gateway listener: a client's batch job's lines are priced as they finish, each settling
+        its share of the job's reservation; what is left when the job ends (lines that failed or
+        were cancelled before the provider ran them, which it does not bill) is given back."""
         if event == "batch_results":
-            self.meter.lines(data.get("identity"), data.get("provider", ""), bool(data.get("batch")),
-                             data.get("lines") or [])
+            costs = self.meter.lines(data.get("identity"), data.get("provider", ""),
+                                     bool(data.get("batch")), data.get("lines") or [])
+            held = self.jobs.get(data.get("job_id", ""))
+            if held is not None:
+                for cost in costs:
+                    self.budgets.settle_part(held.reservation, held.share(), cost)
+        elif event == "batch_job_ended":
+            held = self.jobs.pop(data.get("job_id", ""), None)
+            if held is not None:
+                self.budgets.settle(held.reservation, 0)  # the lines that never ran
 
     def open_store(self) -> SpendStore:
         if self.store is None:

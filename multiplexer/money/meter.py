@@ -199,15 +199,18 @@ class Meter:
             m.dropped.inc()
 
     def lines(self, identity: str | None, provider: str, batch: bool,
-              lines: list[tuple[str, str | None, Any]]) -> None:
+              lines: list[tuple[str, str | None, Any]]) -> list[int | None]:
         """A client's batch job's finished lines (route, model, usage): each priced and recorded
-        like a call, at the batch price when they went through the batch API."""
+        like a call, at the batch price when they went through the batch API. Their costs in
+        pico-dollars (None: unknown), in order."""
         m = self.metrics
         wall = self.clock.wall()
+        costs: list[int | None] = []
         for route, model, usage in lines:
             rates = self.prices.rates(route, provider, model)
             tokens = tokens_of(usage)
             if rates is None or tokens is None:
+                costs.append(None)
                 if model is not None:
                     m.unknown[route] = m.unknown.get(route, 0) + 1
                     self.records.append((wall, identity, route, provider, model, None, 0, BATCH, 0, 0.0))
@@ -225,6 +228,8 @@ class Meter:
                 m.saved[(route, how)] = m.saved.get((route, how), 0.0) + saved / 1e12
             self.records.append((wall, identity, route, provider, model or "", cost, saved,
                                  BATCH if batch else SYNC, alone - full, 0.0))
+            costs.append(cost)
+        return costs
 
     def take(self) -> list[Record]:
         """The records since the last take (the writer's batch)."""
