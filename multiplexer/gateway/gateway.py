@@ -264,22 +264,14 @@ class Gateway:
     async def submit_many(self, calls: Sequence[Call]) -> list[Outcome]:
         """Admit every call at once, then wait for all of them with one waiter.
 
-        Three stages: ``admit`` plans each call from the config, ``quotas.decide`` grants
+        Three stages: ``admit`` plans each call from the config, ``decide`` grants
         or refuses each plan (the one step that consults state), ``enqueue`` acts on it.
         Outcomes come back in input order, one per call. A batch of a thousand calls parks
         a thousand small tickets, not a thousand tasks.
         """
         plans = [self.admit(call) for call in calls]
-        if any(p.claim is not None for p in plans):
-            grants = await self.quotas.decide([p.claim for p in plans])
-            if self.money is not None:
-                await reserve_budgets(self.money, self.quotas, plans, grants)
-            tickets = [self.enqueue(p, g, alone=len(plans) == 1)
-                       for p, g in zip(plans, grants, strict=True)]
-        else:
-            if self.money is not None:
-                await reserve_budgets(self.money, self.quotas, plans, [FREE] * len(plans))
-            tickets = [self.enqueue(p, FREE, alone=len(plans) == 1) for p in plans]
+        grants = await self.decide(plans)
+        tickets = [self.enqueue(p, g, alone=len(plans) == 1) for p, g in zip(plans, grants, strict=True)]
         try:
             if tickets[0].batch is not None:  # a lone call on an idle lane: run in this task
                 await run_here(tickets[0], self.clock, self._finish)
@@ -303,6 +295,18 @@ class Gateway:
                 self._finish(t, gone, withdraw=True)
             raise
         return [t.outcome for t in tickets]  # type: ignore[misc]
+
+    async def decide(self, plans: Sequence[Plan]) -> Sequence[Grant]:
+        """Stage two, the one place that reads state: each plan's quotas (rpm, tpm, concurrency,
+        batch calls) and budgets decided together, all or nothing: a plan refused by a budget has
+        its quota charge given back (``plan.error`` says why). One ``Grant`` per plan, by plan."""
+        if any(p.claim is not None for p in plans):
+            grants: Sequence[Grant] = await self.quotas.decide([p.claim for p in plans])
+        else:
+            grants = [FREE] * len(plans)
+        if self.money is not None:
+            await reserve_budgets(self.money, self.quotas, plans, grants)
+        return grants
 
     def admit(self, call: Call) -> Plan:
         """Stage one: everything about a call that needs no state (route, operation, item,
