@@ -54,14 +54,16 @@ class Store:
     async def owed(self) -> list[str]:
         return []
 
-    async def hold(self, batch_id: str) -> bool:
-        self.holds.append(batch_id)
+    async def hold(self, batch_id: str, renew: bool = False) -> bool:
+        if not renew:
+            self.holds.append(batch_id)
         return True
 
     async def release(self, batch_id: str) -> None:
         self.holds.remove(batch_id)
 
-    async def add_results(self, batch_id: str, rows: Sequence[Row]) -> None:
+    async def add_results(self, batch_id: str, rows: Sequence[Row], *, held: bool = False) -> None:
+        assert held, "a runner's rows are fenced by its hold"
         for row in rows:
             self.rows.setdefault(row[0], row)
 
@@ -181,3 +183,106 @@ async def test_the_store_is_let_go_only_after_the_loops_beside_the_runner_have_s
         assert not await anyio.to_thread.run_sync(closed.wait, 0.5)  # the store stays open
         release.set()
     assert order == ["query ended", "store closed"]
+
+
+class Stuck(Gateway):
+    """A page that runs until cancelled: ``running`` once sent, ``cancelled`` once called off."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        super().__init__(clock)
+        self.running, self.cancelled = anyio.Event(), anyio.Event()
+
+    async def submit_many(self, calls: Sequence[Call]) -> list[Outcome]:
+        self.sent.append([c.params["x"] for c in calls])
+        self.running.set()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self.cancelled.set()
+        raise AssertionError("unreachable")
+
+
+@dataclass
+class Renewals(Store):
+    """Renewals answer ``renewed`` in turn (an exception is raised: the store is away)."""
+
+    renewed: list[bool | Exception] = field(default_factory=list)
+    asked: int = 0
+
+    async def hold(self, batch_id: str, renew: bool = False) -> bool:
+        if not renew:
+            return await super().hold(batch_id)
+        answer = self.renewed[min(self.asked, len(self.renewed) - 1)]
+        self.asked += 1
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+async def settle(clock: ManualClock, seconds: float) -> None:
+    """Move time on, then let every task it woke run until all wait again."""
+    await clock.advance(seconds)
+    await anyio.wait_all_tasks_blocked()
+
+
+async def test_a_runner_whose_renewals_fail_stops_its_page_at_the_holds_deadline():
+    """Its store connection broke while the database is up for the others: past the hold's
+    deadline another replica may take the batch, so the running page is called off there."""
+    clock = ManualClock()
+    store, gw = Renewals(lease_s=30.0, renewed=[OSError("connection lost")]), Stuck(clock)
+    record = Record("b3", ["a", "b"], [0, 1], 2)
+    runner = LineRunner(gw, store, plan, answer, no_bodies)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run_lines, record, [{"x": 1}, {"x": 2}], runner.reserve(record))
+        await gw.running.wait()
+        await anyio.wait_all_tasks_blocked()  # its renewals are set for every 10 s
+        await settle(clock, 10.0)
+        await settle(clock, 10.0)
+        assert store.asked == 2 and not gw.cancelled.is_set()  # two renewals failed: still held
+        await settle(clock, 9.9)
+        assert not gw.cancelled.is_set()
+        await settle(clock, 0.1)  # the deadline: 30 s after the hold was asked for
+        with anyio.fail_after(5):
+            await gw.cancelled.wait()
+    assert gw.sent == [[1, 2]] and store.rows == {}
+    assert runner.live == {} and store.holds == []  # stopped, and let go
+
+
+async def test_a_renewal_that_succeeds_moves_the_deadline_and_a_refused_one_stops_the_page():
+    clock = ManualClock()
+    store, gw = Renewals(lease_s=30.0, renewed=[OSError("away"), True, False]), Stuck(clock)
+    record = Record("b4", ["a"], [0], 1)
+    runner = LineRunner(gw, store, plan, answer, no_bodies)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run_lines, record, [{"x": 1}], runner.reserve(record))
+        await gw.running.wait()
+        await anyio.wait_all_tasks_blocked()  # its renewals are set for every 10 s
+        for _ in range(2):  # at 10 s away, at 20 s renewed: the deadline is 50 s
+            await settle(clock, 10.0)
+        assert store.asked == 2
+        await settle(clock, 9.5)  # 29.5 s
+        store.renewed[2] = True  # (the 30 s renewal succeeds too)
+        await settle(clock, 1.0)  # 30.5 s: past the first deadline, still held
+        assert not gw.cancelled.is_set() and store.asked == 3
+        store.renewed.append(False)  # the next renewal: the batch is another gateway's now
+        await settle(clock, 10.0)
+        with anyio.fail_after(5):
+            await gw.cancelled.wait()
+    assert store.asked == 4 and runner.live == {} and store.rows == {}
+
+
+async def test_a_page_the_store_refuses_for_a_lost_hold_ends_the_run_without_failing_lines():
+    """A fenced insert refused (``HoldLost``): the lines are another gateway's to answer, not
+    failed here."""
+    from multiplexer.jobs.line_runner import HoldLost
+
+    class Lost(Store):
+        async def add_results(self, batch_id: str, rows: Sequence[Row], *, held: bool = False) -> None:
+            assert held
+            raise HoldLost(batch_id)
+
+    store, gw = Lost(), Gateway(ManualClock())
+    record = Record("b5", ["a", "b"], [0, 1], 2)
+    runner = LineRunner(gw, store, plan, answer, no_bodies)
+    await runner.run_lines(record, [{"x": 1}, {"x": 2}], runner.reserve(record))
+    assert gw.sent == [[1, 2]] and store.rows == {} and runner.live == {} and store.holds == []

@@ -7,8 +7,12 @@ at a time as they finish (rows beside the batch's record, never a rewrite of it)
 stopped gateway left is exactly the lines without a row. A gateway runs a batch's lines while
 it holds the batch in the store and renews the hold; a replica that dies lets go once its hold
 runs out, and the next resume pass (at start, then every ``lease_s``) of any gateway runs the
-rest. Calls refused for the moment (the owner's quota, a full queue) wait their
-``retry_after`` and go again: a batch has 24 hours, not a live caller.
+rest. A runner whose renewals fail (its store connection broke while the database is up for the
+others) stops at its hold's deadline, cancelling the page it runs: past it, another replica may
+take the batch, and the same lines would be paid for twice. Its result rows are fenced too: the
+store refuses a page from a runner that no longer holds the batch (``HoldLost``). Calls refused
+for the moment (the owner's quota, a full queue) wait their ``retry_after`` and go again: a
+batch has 24 hours, not a live caller.
 
 The runner knows calls, outcomes and rows, not APIs: the face that owns the batch says what a
 line is as a call, what an outcome is as its API's result (``Plan``, ``Answer``) and where a
@@ -69,9 +73,10 @@ class LineStore(Protocol[B]):
     async def batch(self, batch_id: str, owner: str | None, *, everyone: bool = False) -> B | None: ...
     async def load_lines(self, record: B) -> B: ...
     async def owed(self) -> list[str]: ...
-    async def hold(self, batch_id: str) -> bool: ...
+    async def hold(self, batch_id: str, renew: bool = False) -> bool: ...
     async def release(self, batch_id: str) -> None: ...
-    async def add_results(self, batch_id: str, rows: Sequence[Row]) -> None: ...
+    async def add_results(self, batch_id: str, rows: Sequence[Row], *, held: bool = False) -> None:
+        """``held``: stored only while this gateway holds the batch, else ``HoldLost``."""
     async def done_lines(self, batch_id: str) -> set[int]: ...
     async def result_counts(self, batch_id: str) -> tuple[int, int]: ...
 
@@ -83,6 +88,15 @@ class Runs(Protocol):
     def clock(self) -> Clock: ...
     async def submit_many(self, calls: Sequence[Call]) -> list[Outcome]: ...
     def start_background(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
+
+class HoldLost(Exception):
+    """The store refused a runner's rows: its hold on the batch lapsed (or went to another
+    gateway), so whatever it ran meanwhile may run there too."""
+
+    def __init__(self, batch_id: str) -> None:
+        super().__init__(f"batch {batch_id} is not held by this gateway")
+        self.batch_id = batch_id
 
 
 class Refused(Exception):
@@ -143,6 +157,7 @@ class LineRunner(Generic[B]):
         held = False
         try:
             with scope:
+                asked = self.gateway.clock.now()
                 try:
                     held = await self.store.hold(record.id)
                 except Exception:  # the store is away: a later resume pass runs them
@@ -150,7 +165,8 @@ class LineRunner(Generic[B]):
                 if not held:
                     return  # another gateway runs them
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._keep_holding, record.id, tg.cancel_scope)
+                    tg.start_soon(self._keep_holding, record.id, asked + self.store.lease_s,
+                                  tg.cancel_scope)
                     await self._run_pages(record, bodies)
                     tg.cancel_scope.cancel()
         finally:
@@ -162,19 +178,37 @@ class LineRunner(Generic[B]):
                     except Exception:  # the store is away: the hold lapses by itself
                         log.exception("batch %s: could not let go of its lane lines", record.id)
 
-    async def _keep_holding(self, batch_id: str, scope: anyio.CancelScope) -> None:
+    async def _keep_holding(self, batch_id: str, deadline: float, scope: anyio.CancelScope) -> None:
+        """Renew the hold every third of its lease; at its deadline (the time the last renewal
+        that succeeded was asked, plus the lease) without a later one, stop the pages: the
+        store may give the batch to another gateway from then on."""
+        clock = self.gateway.clock
+        until = [deadline]  # moved on by each renewal that succeeds
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._renew, batch_id, until, scope)
+            while clock.now() < until[0]:
+                await clock.sleep_until(until[0])
+            log.warning("batch %s: its hold ran out without a renewal: its lane lines stop here",
+                        batch_id)
+            scope.cancel()
+
+    async def _renew(self, batch_id: str, until: list[float], scope: anyio.CancelScope) -> None:
+        clock = self.gateway.clock
+        lease = self.store.lease_s
         while True:
-            await anyio.sleep(self.store.lease_s / 3)
+            await clock.sleep_until(clock.now() + lease / 3)
+            asked = clock.now()
             try:
-                kept = await self.store.hold(batch_id)
+                kept = await self.store.hold(batch_id, renew=True)
             except Exception:  # the store is away for now: asked again at the next renewal
                 log.exception("batch %s: could not renew its hold", batch_id)
                 continue
             if not kept:
-                log.info("batch %s: cancelled, or taken over by another gateway: its lane "
+                log.info("batch %s: cancelled, or its hold lost to another gateway: its lane "
                          "lines stop here", batch_id)
                 scope.cancel()
                 return
+            until[0] = max(until[0], asked + lease)
 
     async def _run_pages(self, record: B, bodies: list[dict[str, Any]]) -> None:
         try:
@@ -203,14 +237,17 @@ class LineRunner(Generic[B]):
                         stopping = True  # it did not run: the restarted gateway runs it
                         continue
                     rows.append((n, cids[n], *self.answer(record, o, how)))
-                await self.store.add_results(record.id, rows)
+                await self.store.add_results(record.id, rows, held=True)
                 if stopping:
                     break
+        except HoldLost:  # another gateway may run them now: none of its rows land from here
+            log.warning("batch %s: its hold was lost: its lane lines stop here", record.id)
         except Exception as e:  # every line still ends: as failed
             log.exception("batch %s: running its lane lines failed", record.id)
             status, body = self.answer(record, Outcome.fail(internal_error(type(e).__name__)), None)
             try:
-                await self.store.add_results(record.id, [(n, cids[n], status, body) for n in todo])
+                await self.store.add_results(record.id, [(n, cids[n], status, body) for n in todo],
+                                             held=True)
             except Exception:  # the store is away too: a later resume pass runs them
                 log.exception("batch %s: could not record its failed lane lines", record.id)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from multiplexer.core.jobrows import dumps, loads_many
 
+from .line_runner import HoldLost
 from .locked import locked
 
 V1_TABLES = """
@@ -209,10 +210,19 @@ class V1Tables:
             + free + " ORDER BY created", (now,) if self.shared else ())]
 
     @locked
-    def hold_batch(self, batch_id: str, runner: str, now: float, until: float) -> bool:
-        """Take (or renew) the batch's lane lines for ``runner`` until ``until``, if no other live
-        gateway holds them and the batch is not cancelled (a cancel on another replica stops
-        the runner at its next renewal); True if they are this runner's."""
+    def hold_batch(self, batch_id: str, runner: str, now: float, until: float,
+                   renew: bool = False) -> bool:
+        """Take the batch's lane lines for ``runner`` until ``until``, if no other live gateway
+        holds them and the batch is not cancelled (a cancel on another replica stops the runner
+        at its next renewal); True if they are this runner's. A renewal (``renew``) only extends
+        a hold that has not run out: once it lapsed, another gateway may have run lines meanwhile
+        (and let go), so the runner stops rather than go on from the lines it read before."""
+        if renew:
+            live = " AND runner_until >= ?" if self.shared else ""
+            return bool(self._x(
+                "UPDATE v1_batches SET runner_until=? WHERE id=? AND cancelled_at IS NULL "
+                "AND runner=?" + live,
+                (until, batch_id, runner, now) if self.shared else (until, batch_id, runner)).rowcount)
         if not self.shared:
             now = float("inf")  # one gateway: a hold left by its previous process is void
         return bool(self._x(
@@ -227,11 +237,23 @@ class V1Tables:
 
     # -- per-line results ------------------------------------------------------------------
     @locked
-    def add_results(self, batch_id: str, rows: Sequence[tuple[int, str, int, Any]]) -> int:
+    def add_results(self, batch_id: str, rows: Sequence[tuple[int, str, int, Any]],
+                    runner: str | None = None, now: float = 0.0) -> int:
         """(line, custom_id, HTTP status, body) of lines that ended; a line that already has a
-        result keeps it. How many were stored."""
+        result keeps it. How many were stored. With ``runner``: only while that runner's hold is
+        live at ``now`` (``HoldLost`` otherwise), checked in the same transaction as the insert."""
         with self._tx():
+            if runner is not None and not self._holds(batch_id, runner, now):
+                raise HoldLost(batch_id)
             return self._insert_results(batch_id, rows)
+
+    def _holds(self, batch_id: str, runner: str, now: float) -> bool:
+        """Whether ``runner`` holds the batch at ``now``. A no-op update, not a read: it locks the
+        batch's row (PostgreSQL; SQLite's write lock is held already) until the transaction ends,
+        so no takeover lands between this check and the insert."""
+        live = " AND runner_until >= ?" if self.shared else ""
+        return bool(self._x("UPDATE v1_batches SET runner=runner WHERE id=? AND runner=?" + live,
+                            (batch_id, runner, now) if self.shared else (batch_id, runner)).rowcount)
 
     def _insert_results(self, batch_id: str, rows: Sequence[tuple[int, str, int, Any]]) -> int:
         if not rows:

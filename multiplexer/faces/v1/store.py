@@ -248,18 +248,21 @@ class V1Store:
         st = await self._st()
         return await st.run(st.owed_batches, time.time())
 
-    async def hold(self, batch_id: str) -> bool:
+    async def hold(self, batch_id: str, renew: bool = False) -> bool:
+        """Take the batch's lane lines for this gateway (``renew``: extend a hold not run out)."""
         st = await self._st()
         wall = time.time()
-        return await st.run(st.hold_batch, batch_id, self.runner, wall, wall + self.lease_s)
+        return await st.run(st.hold_batch, batch_id, self.runner, wall, wall + self.lease_s, renew)
 
     async def release(self, batch_id: str) -> None:
         st = await self._st()
         await st.run(st.release_batch, batch_id, self.runner)
 
-    async def add_results(self, batch_id: str, rows: Sequence[tuple[int, str, int, Any]]) -> None:
+    async def add_results(self, batch_id: str, rows: Sequence[tuple[int, str, int, Any]], *,
+                          held: bool = False) -> None:
+        """``held``: a runner's page, stored only while this gateway holds the batch."""
         st = await self._st()
-        await st.run(st.add_results, batch_id, rows)
+        await st.run(st.add_results, batch_id, rows, self.runner if held else None, time.time())
 
     async def results(self, batch_id: str, lo: int = 0, hi: int | None = None,
                       bodies: bool = True) -> dict[int, dict[str, Any]]:
