@@ -13,6 +13,10 @@ import anyio
 import httpx
 import pytest
 
+from multiplexer.core.call import Call
+from multiplexer.core.errors import RpcError
+from multiplexer.core.jobs import FALLBACK_ROUTES
+from multiplexer.gateway.admission import job_item
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 from tests.remote_helpers import fakes
@@ -189,3 +193,20 @@ async def test_a_v1_batch_over_the_budget_is_refused_whole(tmp_path: Path) -> No
         assert r.json()["error"]["code"] == "insufficient_quota"
         assert "shortfall" in r.json()["error"]["message"] or f.openai.requests["/v1/batches"] == 0
 
+
+
+async def test_a_job_line_is_checked_and_resubmitted_only_where_its_key_may_go(tmp_path: Path) -> None:
+    """A batch job's line is admitted as a live call: a model the key may not use is refused, and
+    the routes its line would move to if its remote batch failed whole are only those it may use
+    with their own models."""
+    keys = {"alice": {"key": KEY, "models": ["gpt-4o-mini"]},
+            "bob": {"key": KEY + "-bob", "models": ["gpt-4o-mini", "gpt-4o"]}}
+    async with gateway(tmp_path, keys, chat={"fallbacks": ["chat_big"]}) as (_, gw, _client):
+        managers = gw.faces["jobs"].managers
+        line = Call("chat", chat("hi"), identity="alice", face="jobs")
+        assert FALLBACK_ROUTES not in job_item(gw, line, managers).options
+        bob = Call("chat", chat("hi"), identity="bob", face="jobs")
+        assert job_item(gw, bob, managers).options[FALLBACK_ROUTES] == ["chat_big"]
+        with pytest.raises(RpcError) as refused:
+            job_item(gw, Call("chat", chat("hi", model="gpt-4o"), identity="alice", face="jobs"), managers)
+        assert refused.value.data["reason"] == "permission_denied"

@@ -173,6 +173,8 @@ def job_item(gw: Admits, call: Call, takes: Container[str]) -> Item:
             refusal = gw.fallbacks.refusal(call, resolved.name, route)
             if refusal is not None:
                 raise refusal
+    if call.identity is not None:  # resubmitted only where the key may go, with that route's model
+        fallbacks = [n for n in fallbacks if gw.fallbacks.refusal(call, n, routes[n]) is None]
     item = route_item(resolved, params, identity=call.identity, operation=call.operation)
     if fallbacks:
         item.options[FALLBACK_ROUTES] = fallbacks
