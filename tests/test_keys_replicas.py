@@ -27,11 +27,12 @@ A = {"authorization": f"Bearer {ADMIN}"}
 WITHIN_S = 2.0
 
 
-def replica(db: str, schema: str, state_prefix: str, n: int) -> Any:
+def replica(db: str, schema: str, state_prefix: str | None, n: int) -> Any:
+    """A replica of the store's schema; with ``state_prefix`` None, none told of another's writes."""
     return parse_config({
         "server": {"admin_key": ADMIN},
         "store": {"url": f"{db}?application_name=keys{n}", "schema": schema},
-        "state": {"url": redis_url(), "prefix": state_prefix},
+        **({} if state_prefix is None else {"state": {"url": redis_url(), "prefix": state_prefix}}),
         "providers": {"e": {"kind": "echo"}},
         "routes": {"echo": {"provider": "e"}, "other": {"provider": "e"}},
     })
@@ -91,9 +92,8 @@ async def test_three_replicas_see_a_revocation_within_two_seconds(monkeypatch: A
             assert teams["routes"] == ["echo*"]
             made = await cli(capsys, "keys", "create", "--name", "ci", "--team", "ops", "--url", urls[0])
             key, kid = made["key"], made["id"]
-            # a replica that has not loaded the store's first key yet still serves callers
-            # without one (a bearer it does not know is not read): "accepted" alone could be that,
-            # so the key counts as seen once its team's routes narrow it there
+            # the key counts as seen once its team's routes narrow it there (accepted alone
+            # says the replica found it in the store, not that it loaded its team)
             created_s = await until_everywhere(http, urls, key, accepted=True, method="other")
             for url in urls:
                 assert "result" in await call(http, url, key)  # and within them it is served
@@ -158,3 +158,29 @@ async def test_a_replica_without_its_store_keeps_loaded_keys_and_refuses_unknown
             monkeypatch.setattr(gw.keys, "wall", lambda: later)
             error = (await call(http, url, key))["error"]
             assert error["data"]["detail"] == "the key store is unreachable"
+
+
+async def test_a_replica_that_was_never_told_still_needs_the_stores_keys(monkeypatch: Any) -> None:
+    """Two replicas on one PostgreSQL store and no state.url: nothing tells the second of the
+    first's writes before its reload (key_store.ttl_s), yet the store's first key ends keyless
+    service there at once, and a key made later is served there on its first call (asked of the
+    store, then loaded)."""
+    from tests.pg_helpers import throwaway_schema
+
+    monkeypatch.delenv(ENV, raising=False)
+    keyless = {"jsonrpc": "2.0", "id": 1, "method": "echo", "params": {}}
+    with throwaway_schema() as (db, schema, _):
+        async with (running(replica(db, schema, None, 0), port=0) as (_, one),
+                    running(replica(db, schema, None, 1), port=0) as (gw, two),
+                    httpx.AsyncClient() as http):
+            assert "result" in (await http.post(two + "/rpc", json=keyless)).json()
+            first = (await http.post(one + "/admin/keys", json={"name": "a"}, headers=A)).json()["key"]
+            version = gw.keys.version
+            refused = (await http.post(two + "/rpc", json=keyless)).json()["error"]
+            assert refused["data"]["detail"] == "missing bearer key"
+            assert gw.keys.version == version + 1  # loaded once, by the keyless caller's check
+            assert "result" in await call(http, two, first)
+            second = (await http.post(one + "/admin/keys", json={"name": "b"}, headers=A)).json()["key"]
+            assert "result" in await call(http, two, second)
+            assert gw.keys.version == version + 2  # its first call asked the store, then loaded
+            assert (await call(http, two, "mx-never-made"))["error"]["data"]["detail"] == "unknown key"

@@ -214,22 +214,24 @@ OPEN_KEY = "open-key-0123456789"
 AS_OPEN = {"authorization": f"Bearer {OPEN_KEY}"}
 
 
-def one_connection() -> httpx.AsyncClient:
+def one_connection(headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+    """One keep-alive connection, so every request on it lands on the worker it landed on first."""
     return httpx.AsyncClient(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-                             timeout=30, headers=AS_OPEN)
+                             timeout=30, headers=AS_OPEN if headers is None else headers)
 
 
 async def worker_pid(client: httpx.AsyncClient, url: str) -> int:
     return int((await client.get(f"{url}/healthz")).json()["worker"]["pid"])
 
 
-async def connections_to_both(url: str, n: int = 24) -> list[tuple[httpx.AsyncClient, int]]:
+async def connections_to_both(url: str, n: int = 24, headers: dict[str, str] | None = None,
+                              ) -> list[tuple[httpx.AsyncClient, int]]:
     """At least ``n`` connections and the worker each landed on, opened ``n`` at a time (at once:
     one after another, the worker that won the last ``accept`` on a shared socket tends to win
     them all) until both workers have some; fails if ten rounds never reach both."""
     out: list[tuple[httpx.AsyncClient, int]] = []
     for _ in range(10):
-        clients = [one_connection() for _ in range(n)]
+        clients = [one_connection(headers) for _ in range(n)]
         pids = [0] * n
 
         async def land(i: int, client: httpx.AsyncClient, pids: list[int] = pids) -> None:

@@ -1,5 +1,5 @@
-"""Composing keys as data for a gateway: the directory from config, the store and invalidation
-opened while it runs. Kept here so the gateway's own file only names them."""
+"""Composing keys as data for a gateway: the directory from config, the store, its probe and
+invalidation opened while it runs. Kept here so the gateway's own file only names them."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from multiplexer.access.directory import KeyDirectory
 from multiplexer.access.entries import entry
 from multiplexer.access.invalidation import Invalidation
 from multiplexer.access.keystore import open_store
+from multiplexer.access.probe import StoreProbe
 from multiplexer.core.quota import Quotas
 
 
@@ -49,14 +50,17 @@ async def keys_running(directory: KeyDirectory, config: Any) -> AsyncIterator[No
     directory.store = store
     invalidation = None
     try:
+        directory.probe = await anyio.to_thread.run_sync(
+            StoreProbe, store_cfg.path, store_cfg.url, store_cfg.schema_)
         await directory.load()
         async with anyio.create_task_group() as tg:
             if config.state.url is not None:
                 invalidation = Invalidation(config.state.url, config.state.prefix, directory.changed)
+                directory.announcers.append(invalidation.publish)
                 tg.start_soon(invalidation.listen_forever)
             tg.start_soon(directory.refresh_forever)
             directory.admin = KeyAdmin(store, directory, config.server.key_store.grace_s,
-                                       invalidation.publish if invalidation is not None else None)
+                                       directory.announce)
             try:
                 yield
             finally:
@@ -64,6 +68,10 @@ async def keys_running(directory: KeyDirectory, config: Any) -> AsyncIterator[No
     finally:
         directory.admin = None
         if invalidation is not None:
+            directory.announcers.remove(invalidation.publish)
             with anyio.CancelScope(shield=True):
                 await invalidation.aclose()
+        if directory.probe is not None:
+            directory.probe.close()
+            directory.probe = None
         await anyio.to_thread.run_sync(store.close)

@@ -1,18 +1,25 @@
 """Every key the gateway knows, for the hot path: the YAML's and the store's, by digest.
 
 The stored keys live in memory as a snapshot (digest -> key), reloaded every ``ttl_s`` and at
-once when any replica changes a key (``Invalidation`` through ``state.url``), so checking a
-key is one SHA-256 of the bearer and one dict lookup, never a store round trip. A replica that
-cannot reach the store keeps its last snapshot for ``stale_s``, then refuses stored keys; a key
-it never loaded is refused throughout. Budgets and quotas read a key through ``entry`` and
-``team``, whichever source it came from; its rpm, tpm and concurrency join the per-key quotas.
+once when any replica or worker changes a key (``Invalidation`` through ``state.url``, the
+sibling sockets of ``serve --workers N``), so checking a key is one SHA-256 of the bearer and
+one dict lookup, never a store round trip. Two answers never come from a snapshot that may be
+a moment old (``probe.py`` asks the store): whether the store has issued a key yet (until it
+has, callers without one are served), and whether a bearer the snapshot does not know is a key
+made since (asked at most once per ``MISS_EVERY_S``, so unknown bearers cannot make every
+request a store read). A replica that cannot reach the store keeps its last snapshot for
+``stale_s``, then refuses stored keys; a key it never loaded is refused throughout. Budgets and
+quotas read a key through ``entry`` and ``team``, whichever source it came from (an OAuth
+caller, ``oauth:<sub>``, is a key of the team its token names); its rpm, tpm and concurrency
+join the per-key quotas.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +28,15 @@ from pydantic import SecretStr
 
 from multiplexer.access.entries import Access, KeyEntry, TeamEntry, entry
 from multiplexer.access.keystore import KeyRow, KeyStore, TeamRow
+from multiplexer.access.probe import ProbeDown, StoreProbe
 from multiplexer.access.rules import Rules
 from multiplexer.access.settings import KeyStoreSettings, VirtualServer
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.policy import Quota
 
 log = logging.getLogger(__name__)
-MAX_BOUND = 10_000  # OAuth subjects remembered (the oldest forgotten first; the next call binds again)
+MAX_BOUND = 10_000  # OAuth subjects remembered (the least recent forgotten first; its next call binds again)
+MISS_EVERY_S = 0.1  # an unknown bearer asks the store whether it is a new key at most this often
 NOTHING = Rules(models=((),), routes=((),), tools=((),))
 LIMIT_FIELDS = ("models", "routes", "tools", "rpm", "tpm", "concurrency", "budget_usd", "metadata")
 
@@ -55,10 +64,13 @@ def narrowed(key: int | float | None, team: int | float | None) -> Any:
 class KeyDirectory:
     def __init__(self, api_keys: Mapping[str, SecretStr | KeyEntry], teams: Mapping[str, TeamEntry],
                  quotas: Any, settings: KeyStoreSettings | None = None,
-                 store: KeyStore | None = None, wall: Callable[[], float] = time.time) -> None:
+                 store: KeyStore | None = None, wall: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings or KeyStoreSettings()
         self.store = store
+        self.probe: StoreProbe | None = None  # the store asked directly (opened with the store)
         self.wall = wall
+        self.clock = clock
         self.static: dict[str, KeyEntry] = {name: entry(v) for name, v in api_keys.items()}
         self.static_teams = dict(teams)
         self.quotas = quotas  # the gateway's per-key quotas (core.quota.Quotas): keys' limits join them
@@ -68,9 +80,18 @@ class KeyDirectory:
         self.stored_teams: dict[str, TeamEntry] = {}
         self.servers: dict[str, VirtualServer] = {}  # virtual MCP servers made through the admin API
         self.rules: dict[str, Rules] = {}  # identity -> its rules (absent: may use everything)
-        self.bound: dict[str, str | None] = {}  # OAuth identities seen -> their team claim
+        self.bound: OrderedDict[str, str | None] = OrderedDict()  # OAuth identities -> team claim, LRU
+        self.principals: dict[str, KeyEntry] = {}  # each bound OAuth identity as a key of its team
+        self._as_team: dict[str | None, tuple[KeyEntry, Rules | None, Quota | None]] = {}
         self.admin: Any = None  # the admin API's operations (access.admin_ops.KeyAdmin) while running
-        self.version = 0  # loads so far (tests wait on it)
+        # after a write here, who else must reload: state.url's channel, the sibling workers
+        self.announcers: list[Callable[[str], Awaitable[None]]] = []
+        # loads so far, and OAuth bindings changed: whoever caches what ``entry`` answers looks
+        # again when it moves (spend's budgets); tests wait on it
+        self.version = 0
+        self._missed_at = -MISS_EVERY_S  # clock time of the last unknown bearer asked about
+        self._reads = 0  # store reads begun, numbered
+        self._installed = 0  # the number of the read installed last
         # a key was ever created in the store (revoked ones count): from then on every call needs
         # a key; before, callers without one are served as they were without api_keys
         self.issued = False
@@ -98,11 +119,44 @@ class KeyDirectory:
                            {"detail": "the key store is unreachable"})
         return live.identity
 
+    def identify_new(self, digest: bytes) -> str | None:
+        """A bearer no key matched: a key made since the snapshot, if the store has it live (the
+        store asked at most once per ``MISS_EVERY_S``, then reloaded on a hit)."""
+        now = self.clock()
+        if self.probe is None or now - self._missed_at < MISS_EVERY_S:
+            return None
+        self._missed_at = now
+        try:
+            if not self.probe.live(digest.hex()) or not self._load_now():
+                return None
+        except ProbeDown:
+            self._probe_failed()
+            return None
+        return self.identify(digest)
+
+    def keys_required(self) -> bool:
+        """Whether every call needs a key: once the store issued one, on every worker at once (a
+        snapshot without keys is confirmed by the store before a caller without a key is served)."""
+        if self.issued or self.probe is None:
+            return self.issued
+        try:
+            if self.probe.any_key():
+                self._load_now()
+                self.issued = True  # even if the load failed: the store holds a key
+        except ProbeDown:  # the store cannot say: the snapshot decides, as it does for keys
+            self._probe_failed()
+        return self.issued
+
+    def _probe_failed(self) -> None:
+        if self.probe is not None and self.probe.down:
+            self.changed()  # the reload loop opens the probe's connection again, off the hot path
+
     def entry(self, identity: str | None) -> KeyEntry | None:
-        """A key as config writes it (team, access, limits, budget), stored or from the YAML."""
+        """A key as config writes it (team, access, limits, budget), stored or from the YAML; an
+        OAuth caller's as a key of the team its token named."""
         if identity is None:
             return None
-        return self.static.get(identity) or self.entries.get(identity)
+        return self.static.get(identity) or self.entries.get(identity) or self.principals.get(identity)
 
     def team(self, name: str | None) -> TeamEntry | None:
         if name is None:
@@ -112,20 +166,42 @@ class KeyDirectory:
     def rules_of(self, identity: str | None) -> Rules | None:
         return self.rules.get(identity) if identity is not None else None
 
-    def bind(self, identity: str, team: str | None, force: bool = False) -> None:
-        """An OAuth caller (``oauth:<sub>``) gets its team's access; one without a known team may
-        use nothing (a token's claim never widens what the config grants)."""
-        if identity in self.bound and self.bound[identity] == team and not force:
-            return  # bound already (each request of a token binds: nothing is rebuilt)
-        if len(self.bound) >= MAX_BOUND and identity not in self.bound:
-            self.bound.pop(next(iter(self.bound)))
-        self.bound[identity] = team
-        known = self.team(team)
-        rules = NOTHING if known is None else Rules.of(known)
+    def bind(self, identity: str, team: str | None) -> None:
+        """An OAuth caller (``oauth:<sub>``) is a key of the team its token names: that team's
+        access, quotas and budget; one without a known team may use nothing (a token's claim never
+        widens what the config grants). A token that names another team later binds again."""
+        bound = self.bound
+        if identity in bound and bound[identity] == team:
+            bound.move_to_end(identity)  # bound already (each request of a token binds)
+            return
+        if len(bound) >= MAX_BOUND and identity not in bound:
+            self._unbind(bound.popitem(last=False)[0])
+        bound[identity] = team
+        bound.move_to_end(identity)
+        self._principal(identity, team)
+        self._moved()
+
+    def _principal(self, identity: str, team: str | None) -> None:
+        found = self._as_team.get(team)
+        if found is None:  # one entry, rules and quota per team, however many callers it has
+            key = KeyEntry(key=SecretStr(""), team=team)
+            known = self.team(team)
+            found = self._as_team[team] = (key, NOTHING if known is None else Rules.of(known),
+                                           None if known is None else self._limits(identity, key))
+        key, rules, quota = found
+        self.principals[identity] = key
         if rules is None:
             self.rules.pop(identity, None)
         else:
             self.rules[identity] = rules
+        if identity not in self._configured:
+            self.quotas.set_limits(identity, quota)
+
+    def _unbind(self, identity: str) -> None:
+        self.principals.pop(identity, None)
+        self.rules.pop(identity, None)
+        if identity not in self._configured:
+            self.quotas.set_limits(identity, None)
 
     # -- building ------------------------------------------------------------------------
     def _limits(self, identity: str, key: KeyEntry) -> Quota | None:
@@ -176,21 +252,52 @@ class KeyDirectory:
             if identity not in self._configured:
                 self.quotas.set_limits(identity, self._limits(identity, key))
         self.stored, self.entries = stored, entries
-        for identity, team in list(self.bound.items()):  # a team's change reaches OAuth callers too
-            self.bind(identity, team, force=True)
+        self._as_team.clear()
+        for identity, team in self.bound.items():  # a team's change reaches OAuth callers too
+            self._principal(identity, team)
         self._static_limits()  # a YAML key's team may be a stored one
         self.loaded_at = self.wall()
+        self._moved()
+
+    def _moved(self) -> None:
         self.version += 1
         loaded, self._loaded = self._loaded, None
         if loaded is not None:
             loaded.set()
 
+    def _load_now(self) -> bool:
+        """Read the store and install it without leaving the event loop (the hot path's answer
+        depends on it: rare, and bounded by its callers); False when the store cannot be read."""
+        store = self.store
+        if store is None:
+            return False
+        try:
+            self._reads += 1
+            read = self._reads
+            self._installs(read, store.keys(), store.teams(), store.servers())
+        except Exception as e:
+            log.warning("key store unreachable: %s", str(e).splitlines()[0][:200] if str(e) else e)
+            return False
+        return True
+
     async def load(self) -> None:
         """Read the store once and install what it holds (raises when it is unreachable)."""
         assert self.store is not None
         store = self.store
+        self._reads += 1
+        read = self._reads
         keys, teams, servers = await store.run(
             lambda: (store.keys(), store.teams(), store.servers()))  # revoked ones too: issued
+        self._installs(read, keys, teams, servers)
+
+    def _installs(self, read: int, keys: list[KeyRow], teams: list[TeamRow],
+                  servers: Sequence[TeamRow]) -> None:
+        """Install read number ``read`` unless one begun after it is in already: loads overlap
+        (the reload loop, a sibling's write, this worker's own, a hot-path check), and a read
+        begun before a revocation must never replace one that saw it."""
+        if read < self._installed:
+            return
+        self._installed = read
         self.install(keys, teams, servers)
 
     async def wait_version(self, version: int) -> None:
@@ -205,6 +312,19 @@ class KeyDirectory:
         if self._changed is not None:
             self._changed.set()
 
+    async def reload(self) -> None:
+        """A sibling wrote: reload before answering it (a failure leaves the reload loop to it)."""
+        try:
+            await self.load()
+        except Exception as e:
+            log.warning("key store unreachable after a change elsewhere: %s", str(e).splitlines()[0][:200])
+            self.changed()
+
+    async def announce(self, what: str) -> None:
+        """After a write here: every other replica and worker reloads (what changed, no secret)."""
+        for tell in list(self.announcers):
+            await tell(what)
+
     async def refresh_forever(self) -> None:
         """Reload on every change and every ``ttl_s``; a failed load keeps the last snapshot."""
         self._changed = anyio.Event()
@@ -213,6 +333,8 @@ class KeyDirectory:
                 await self._changed.wait()
             self._changed = anyio.Event()  # a change from here on reloads again
             try:
+                if self.probe is not None and self.probe.down:
+                    await anyio.to_thread.run_sync(self.probe.mend)
                 await self.load()
             except Exception as e:  # the store is down: keep serving what was loaded
                 log.warning("key store unreachable, serving the keys loaded %.0f s ago: %s",

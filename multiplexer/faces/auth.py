@@ -1,5 +1,6 @@
 """Client authentication: bearer API keys mapped to identities, by digest: the YAML's compared in
-constant time, the store's (``access.directory``) found by one dict lookup."""
+constant time, the store's (``access.directory``) found by one dict lookup, and a bearer neither
+knows asked of the store itself (rate-limited there), since another worker may have made it."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         """Whether a caller needs a key: the config names some, or the store has issued one (an
-        admin key alone, for `/admin/` and the dashboard, leaves keyless callers served)."""
-        return bool(self._keys) or (self.directory is not None and self.directory.issued)
+        admin key alone, for `/admin/` and the dashboard, leaves keyless callers served). The
+        store's first key counts on every worker and replica at once, loaded here or not."""
+        return bool(self._keys) or (self.directory is not None and self.directory.keys_required())
 
     def identify(self, authorization: str | None) -> str | None:
         """The identity for a header value; raises -32005 when keys are on and it is not valid."""
@@ -48,6 +50,10 @@ class Authenticator:
         for name, key in self._keys:  # check every key: no early exit timing
             if hmac.compare_digest(given, key):
                 found = name
+        if found is None and self.directory is not None:
+            found = self.directory.identify_new(given)  # made since the snapshot, elsewhere
+            if found is not None:
+                return found
         if found is None:
             raise RpcError(Code.UNAUTHORIZED, "Unauthorized", {"detail": "unknown key"})
         if self._expires and time.time() >= self._expires.get(found, math.inf):

@@ -3,10 +3,13 @@
 Connections land on any worker (the kernel spreads them), so the worker that answers
 ``/metrics`` or ``/readyz`` speaks for all of them. Each worker listens on a Unix socket of
 its own in the supervisor's folder (``worker-<i>.sock``) and answers one request per
-connection: ``metrics`` (its exposition) or ``ready`` (its own ``/readyz`` status and body).
-``/metrics`` is then the sum of every worker's (``core/metrics_sum.py``), and ``/readyz`` is
-200 only when every worker is ready: one that does not answer (dead, restarting, not up yet)
-makes the gateway not ready.
+connection: ``metrics`` (its exposition), ``ready`` (its own ``/readyz`` status and body) or
+``keys`` (a sibling changed a stored key or team: it reloads them, then answers).
+``/metrics`` and the dashboard are then the sum of every worker's (``core/metrics_sum.py``),
+and ``/readyz`` is 200 only when every worker is ready: one that does not answer (dead,
+restarting, not up yet) makes the gateway not ready. A write through the admin API answers once
+every sibling that answers has reloaded, so it holds on every worker when its caller reads the
+reply; a worker that missed it (restarting) reloads when its socket listens again.
 
 The supervisor (``multiplexer/workers.py``) hands a worker its place in the environment
 variable ``MULTIPLEXER_WORKER`` (JSON: index, count, folder, and the listening socket's file
@@ -99,6 +102,9 @@ class Siblings:
         if request == b"ready":
             status, body = await readiness(self.gateway)
             return json.dumps({"status": status, "body": body}).encode()
+        if request == b"keys":
+            await self.gateway.keys.reload()
+            return b"reloaded"
         return b""
 
     async def _ask(self, index: int, request: bytes) -> bytes | None:
@@ -129,6 +135,10 @@ class Siblings:
                 if index != self.slot.index:
                     tg.start_soon(one, index)
         return out
+
+    async def tell_keys(self, what: str) -> None:
+        """A key or team changed here: every other worker reloads before this returns."""
+        await self._gather(b"keys")
 
     async def metrics(self) -> bytes:
         """``/metrics``: every worker's exposition, summed (a worker that does not answer is left
@@ -170,12 +180,18 @@ async def among_siblings(slot: Slot | None, gateway: Gateway) -> AsyncIterator[N
         yield
         return
     siblings = Siblings(slot, gateway)
+    keys = gateway.keys
     async with anyio.create_task_group() as tg:
         await tg.start(siblings.serve)
         gateway.faces["workers"] = siblings
+        if keys.enabled:
+            keys.announcers.append(siblings.tell_keys)
+            keys.changed()  # a write while this socket was not up yet: reloaded now
         try:
             yield
         finally:
+            if siblings.tell_keys in keys.announcers:
+                keys.announcers.remove(siblings.tell_keys)
             gateway.faces.pop("workers", None)
             tg.cancel_scope.cancel()
 

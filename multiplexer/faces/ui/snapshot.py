@@ -3,7 +3,8 @@
 Nothing runs while nobody watches: there is no background task. Each open stream sleeps to the
 next tick (a multiple of ``interval_s`` on the event loop's clock) and asks for that tick's snapshot;
 the first to ask builds it, the others of the same view get the same bytes. So ten open pages
-cost one snapshot per tick, and none costs nothing.
+cost one snapshot per tick, and none costs nothing. Under ``serve --workers N`` a snapshot's
+numbers are every worker's, summed over the sibling sockets as ``/metrics`` sums them.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from multiplexer.core.version import VERSION
 from multiplexer.faces.ui.panels import PANELS, View, finite
@@ -28,11 +32,32 @@ log = logging.getLogger("multiplexer.faces")
 _FAILING: dict[str, str] = {}  # panel -> the error it last logged
 
 
+class _Parsed:
+    """An exposition's families, collected as a registry's are."""
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+
+    def collect(self) -> Iterator[Metric]:
+        yield from text_string_to_metric_families(self.text.decode())
+
+
+async def samples(gateway: Gateway) -> Samples:
+    """The numbers a scrape of /metrics shows now: this process's registry (refreshed first), or
+    under ``serve --workers N`` every worker's summed, as the worker answering /metrics sums them."""
+    siblings = gateway.faces.get("workers")
+    if siblings is None:
+        await gateway.metrics.refresh()
+        return Samples(gateway.metrics.registry)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Parsed(await siblings.metrics()))  # type: ignore[arg-type]
+    return Samples(registry)
+
+
 async def snapshot(gateway: Gateway, admin: bool, identity: str | None = None) -> dict[str, Any]:
     """Every panel the viewer may see, from one reading of the metrics (refreshed first, as a
     scrape of /metrics is)."""
-    await gateway.metrics.refresh()
-    view = View(gateway, Samples(gateway.metrics.registry), admin, identity)
+    view = View(gateway, await samples(gateway), admin, identity)
     panels: dict[str, Any] = {}
     for name, (fn, callers) in PANELS.items():
         if admin or callers:
