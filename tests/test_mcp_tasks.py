@@ -16,6 +16,7 @@ from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
 from tests.mcp_helpers import TASKS, McpHttp, mcp_http_client, wait_until
+from tests.quota_helpers import Claims, batch_claim, request_claim
 from tests.remote_helpers import Fakes, fakes, remote_config_data, reply_text, user
 
 pytestmark = pytest.mark.anyio
@@ -191,6 +192,32 @@ async def test_a_cancel_is_seen_by_every_replica_and_after_a_restart_on_postgres
                 done = await finished(alice, kept)
                 assert done["status"] == "completed" and text_of(done["result"]) == "echo: keep me"
                 await cancel_survived(alice, gw, stopped)
+
+
+async def test_tasks_on_a_concurrency_1_key_each_request_charged_once(tmp_path: Path) -> None:
+    """A task's creation is its key's one charge (the job it is stored in is no second call of the
+    key) plus its one call against batch_calls_per_day; tasks/get and tasks/cancel one each."""
+    async with fakes(polls_to_complete=10**9) as f:
+        data = config(f, tmp_path)
+        data["server"]["quotas"] = {"alice": {"concurrency": 1, "batch_calls_per_day": 2}}
+        async with running(parse_config(data)) as (gw, base), httpx.AsyncClient(timeout=30) as http:
+            alice, claims, one = McpHttp(http, base + "/mcp", KEYS["alice"]), Claims(gw.quotas), [
+                request_claim("alice")]
+            created, asked = await claims.of(alice.call("chat_batch", user("hello")))
+            assert created["result"]["resultType"] == "task" and asked == [*one, batch_claim("alice", 1)]
+            task_id = created["result"]["taskId"]
+            got, asked = await claims.of(alice.task("tasks/get", task_id))
+            assert got["result"]["status"] == "working" and asked == one
+            f.openai.polls_to_complete = 1
+            assert text_of((await finished(alice, task_id))["result"]) == "echo: hello"
+
+            second = (await alice.call("chat_batch", user("stop")))["result"]["taskId"]
+            ack, asked = await claims.of(alice.task("tasks/cancel", second))
+            assert "error" not in ack and asked == one
+            assert (await alice.task("tasks/get", second))["result"]["status"] == "cancelled"
+
+            third = (await alice.call("chat_batch", user("one too many")))["result"]
+            assert third["isError"] is True and "batch_calls_per_day" in str(third["content"])
 
 
 def test_task_is_a_route_key() -> None:

@@ -15,6 +15,7 @@ import pytest
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 from providers.mock import unit_vector
+from tests.quota_helpers import Claims, batch_claim, frozen, request_claim
 from tests.remote_helpers import fakes
 from tests.test_v1_openai import KEY, ask, v1_config
 
@@ -100,6 +101,60 @@ async def test_chat_batch_through_the_providers_batch_api(tmp_path):
         assert "FAIL" in errors["bad"]["response"]["body"]["error"]["message"]
         assert errors["nomodel"]["response"]["status_code"] == 404
         assert errors["nomodel"]["response"]["body"]["error"]["code"] == "model_not_found"
+
+
+async def create(client: Any, rows: list[dict[str, Any]]) -> Any:
+    upload = await client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    return await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                       completion_window="24h")
+
+
+def chats(*cids: str) -> list[dict[str, Any]]:
+    return [line(cid, {"model": "gpt-4o-mini", "messages": ask(f"question {cid}")}) for cid in cids]
+
+
+async def test_a_concurrency_1_key_runs_its_batches_each_request_charged_once(tmp_path):
+    """A batch request is its key's one charge: the job it submits, polls, pages or cancels is
+    no second call of the key (a concurrency 1 key was refused its own batch, and a lone poll
+    of it); a submit charges its lines to batch_calls_per_day, once."""
+    quota = {"concurrency": 1, "batch_calls_per_day": 3}
+    async with gateway(tmp_path, quotas={"alice": quota}) as (f, gw, client):
+        claims, one = Claims(gw.quotas), [request_claim("alice")]
+        batch, asked = await claims.of(create(client, chats("q0", "q1")))
+        assert asked[-2:] == [*one, batch_claim("alice", 2)]  # the upload's, then the create's
+        got, asked = await claims.of(client.batches.retrieve(batch.id))
+        assert got.id == batch.id and asked == one
+        done = await until_ended(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 2
+        out, asked = await claims.of(client.files.content(done.output_file_id))  # the job's results
+        assert sorted(parse(out.content)) == ["q0", "q1"] and asked == one
+
+        f.openai.polls_to_complete = 10_000  # the next remote batch runs until cancelled
+        running = await create(client, chats("r0"))
+        cancelled, asked = await claims.of(client.batches.cancel(running.id))
+        assert cancelled.status in ("cancelling", "cancelled") and asked == one
+        listed, asked = await claims.of(client.batches.list())
+        assert {b.id for b in listed.data} == {batch.id, running.id} and asked == one
+
+        with pytest.raises(openai.RateLimitError) as refused:  # 2 + 1 of the day's 3: charged once each
+            await create(client, chats("s0"))
+        error = refused.value.response.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+        assert "batch_calls_per_day" in error["message"]
+
+
+async def test_an_rpm_key_gets_exactly_its_rpm_of_batch_requests(tmp_path):
+    """With the quota's time held still, rpm 4 is four requests: the upload, the create, a poll and
+    a cancel; the fifth is refused in OpenAI's shape."""
+    async with gateway(tmp_path, quotas={"alice": {"rpm": 4}}) as (f, gw, client):
+        frozen(gw.quotas)
+        f.openai.polls_to_complete = 10_000
+        batch = await create(client, chats("q0", "q1"))
+        assert (await client.batches.retrieve(batch.id)).status == "in_progress"
+        assert (await client.batches.cancel(batch.id)).status in ("cancelling", "cancelled")
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.batches.retrieve(batch.id)
+        assert "rpm" in refused.value.response.json()["error"]["message"]
 
 
 async def test_lines_without_a_batch_api_run_through_the_lanes(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 from multiplexer.core.call import Call
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
+from tests.quota_helpers import Claims, batch_claim, frozen, request_claim
 from tests.remote_helpers import fakes
 from tests.test_v1_openai import KEY, ask, v1_config
 
@@ -27,8 +28,8 @@ MODEL = "claude-sonnet-4-5"
 BOB = "sk-gateway-bob"
 
 
-def config(f: Any, tmp_path: Path) -> dict[str, Any]:
-    data = v1_config(f, tmp_path, api_keys={"alice": KEY, "bob": BOB})
+def config(f: Any, tmp_path: Path, **server: Any) -> dict[str, Any]:
+    data = v1_config(f, tmp_path, api_keys={"alice": KEY, "bob": BOB}, **server)
     data["providers"]["builtin"] = {"kind": "echo"}  # no batch API: its requests use the lanes
     data["routes"]["echo"] = {"provider": "builtin", "operation": "messages",
                               "models": ["echo-claude"]}
@@ -36,10 +37,10 @@ def config(f: Any, tmp_path: Path) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def gateway(tmp_path: Path):
+async def gateway(tmp_path: Path, **server: Any):
     async with (
         fakes() as f,
-        running(parse_config(config(f, tmp_path)), port=0) as (gw, url),
+        running(parse_config(config(f, tmp_path, **server)), port=0) as (gw, url),
         anthropic.AsyncAnthropic(base_url=url, api_key=KEY, max_retries=0) as alice,
         anthropic.AsyncAnthropic(base_url=url, api_key=BOB, max_retries=0) as bob,
     ):
@@ -118,6 +119,53 @@ async def test_cancel_a_running_batch(tmp_path):
         assert {r.type for r in (await results(alice, batch.id)).values()} == {"canceled"}
         again = await alice.messages.batches.cancel(batch.id)  # already canceled: as it is
         assert again.processing_status == "ended" and again.request_counts.canceled == 3
+
+
+async def test_a_concurrency_1_key_runs_its_message_batches_each_request_charged_once(tmp_path):
+    """A message batch request is its key's one charge: the job behind it is no second call of
+    the key (a concurrency 1 key was refused its own batch, and a lone retrieve of it); a
+    create charges its requests to batch_calls_per_day, once."""
+    quota = {"concurrency": 1, "batch_calls_per_day": 3}
+    async with gateway(tmp_path, quotas={"alice": quota}) as (f, gw, _, alice, _):
+        claims, one = Claims(gw.quotas), [request_claim("alice")]
+        batch, asked = await claims.of(alice.messages.batches.create(
+            requests=[request("q0", "question 0"), request("q1", "question 1")]))
+        assert asked == [*one, batch_claim("alice", 2)]
+        got, asked = await claims.of(alice.messages.batches.retrieve(batch.id))
+        assert got.id == batch.id and asked == one
+        assert (await until_ended(alice, batch.id)).request_counts.succeeded == 2
+        got, asked = await claims.of(results(alice, batch.id))  # the job's results
+        assert [r.type for r in got.values()] == ["succeeded", "succeeded"]
+        assert asked == one * 2  # the SDK's retrieve for the results url, then the results
+        listed, asked = await claims.of(alice.messages.batches.list())
+        assert [b.id for b in listed.data] == [batch.id] and asked == one
+        deleted, asked = await claims.of(alice.messages.batches.delete(batch.id))
+        assert deleted.id == batch.id and asked == one
+
+        f.anthropic.polls_to_complete = 10_000  # the next remote batch runs until canceled
+        running_batch = await alice.messages.batches.create(requests=[request("r", "x")])
+        canceled, asked = await claims.of(alice.messages.batches.cancel(running_batch.id))
+        assert canceled.cancel_initiated_at is not None and asked == one
+
+        with pytest.raises(anthropic.RateLimitError) as refused:  # 2 + 1 of the day's 3: charged once each
+            await alice.messages.batches.create(requests=[request("s", "x")])
+        assert refused.value.body["error"]["type"] == "rate_limit_error"
+        assert "batch_calls_per_day" in refused.value.body["error"]["message"]
+
+
+async def test_an_rpm_key_gets_exactly_its_rpm_of_message_batch_requests(tmp_path):
+    """With the quota's time held still, rpm 3 is three requests: a create, a retrieve and a
+    cancel; the fourth is refused in Anthropic's shape."""
+    async with gateway(tmp_path, quotas={"alice": {"rpm": 3}}) as (f, gw, _, alice, _):
+        frozen(gw.quotas)
+        f.anthropic.polls_to_complete = 10_000
+        batch = await alice.messages.batches.create(requests=[request("q", "question")])
+        assert (await alice.messages.batches.retrieve(batch.id)).processing_status == "in_progress"
+        assert (await alice.messages.batches.cancel(batch.id)).cancel_initiated_at is not None
+        with pytest.raises(anthropic.RateLimitError) as refused:
+            await alice.messages.batches.retrieve(batch.id)
+        assert refused.value.body["type"] == "error"
+        assert refused.value.body["error"]["type"] == "rate_limit_error"
 
 
 async def test_another_key_sees_nothing(tmp_path):

@@ -14,6 +14,11 @@ reads the call's row back; ``tasks/cancel`` marks the call cancelled in that
 row (so every replica and a restarted gateway see it, and its result is dropped
 when its batch ends), and cancels the job once no call in it is left waiting. Other clients get the
 blocking call; handshake-era clients cannot opt in at all.
+
+The call that becomes a task is one request of its key, as a blocking call is: held on the
+key's quota while the task is stored, and the job charges it to the key's batch calls. The job
+room is reached through ``faces/jobs_port.py``, never as ``jobs.*`` calls through the gateway,
+which would charge the key a second time.
 """
 
 from __future__ import annotations
@@ -32,12 +37,12 @@ from mcp.server import ServerRequestContext
 from mcp_types.methods import serialize_server_result
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-from multiplexer.core.call import Call
 from multiplexer.core.errors import Code, RpcError, cancelled
 from multiplexer.core.jobrows import JobRow
 from multiplexer.core.policy import BatchPolicy
 from multiplexer.core.provider import BatchCapable
 from multiplexer.faces.jobs import JobFace
+from multiplexer.faces.jobs_port import JobPort
 from multiplexer.faces.mcp.tools import error_result, wrap_result
 from multiplexer.gateway.gateway import Gateway
 
@@ -85,7 +90,7 @@ class TaskFace:
     def __init__(self, gateway: Gateway, jobs: JobFace,
                  identity_of: Callable[[ServerRequestContext[Any, Any]], str | None]) -> None:
         self.gateway = gateway
-        self.jobs = jobs
+        self.jobs = JobPort(jobs)
         self.identity_of = identity_of
         self._pools: dict[str | None, _Pool] = {}
         self._lock = anyio.Lock()
@@ -113,26 +118,22 @@ class TaskFace:
         """
         policy = self._policy(method)
         calls = [{"method": method, "params": arguments}]
-        async with self._lock:
+        more = policy.max_items > 1 and policy.max_wait_ms > 0
+        # one request of the key, like any call (a refusal is the call's error); the job adds
+        # the call's batch charge
+        async with self.gateway.quotas.held(identity, as_is), self._lock:
             pool = self._pools.get(identity)
-            params: dict[str, Any] = {"calls": calls, "more": policy.max_items > 1 and policy.max_wait_ms > 0}
-            if pool is not None:
-                params["job_id"] = pool.job_id
-            # through the gateway's admission, like any call: charged to the key's quota
-            outcome = await self.gateway.submit(Call("jobs.submit", params, identity=identity, face="mcp",
-                                                     job_source=SOURCE))
-            if outcome.error is not None:
-                raise outcome.error
-            submitted = outcome.result
-            if pool is None and params["more"]:
-                pool = self._pools[identity] = _Pool(submitted["job_id"], 0, policy.max_items)
+            submitted = await self.jobs.submit(identity, calls, source=SOURCE, more=more,
+                                               job_id=None if pool is None else pool.job_id)
+            if pool is None and more:
+                pool = self._pools[identity] = _Pool(submitted.job_id, 0, policy.max_items)
                 self.spawn(self._seal_after, identity, pool, policy.max_wait_ms / 1000)
             if pool is not None:
                 pool.size += 1
                 if pool.size >= pool.cap:
                     await self._seal(identity, pool)
-        job = await self._job(submitted["job_id"], identity)
-        return {"resultType": "task", **self._task(job, submitted["total"] - 1, "working")}
+        job = await self._job(submitted.job_id, identity)
+        return {"resultType": "task", **self._task(job, submitted.total - 1, "working")}
 
     async def _seal_after(self, identity: str | None, pool: _Pool, window_s: float) -> None:
         clock = self.gateway.clock
@@ -145,8 +146,7 @@ class TaskFace:
         if self._pools.get(identity) is pool:
             del self._pools[identity]
             try:
-                await self.jobs.submit(Call("jobs.submit", {"job_id": pool.job_id, "calls": []},
-                                            identity=identity))
+                await self.jobs.submit(identity, [], source=SOURCE, job_id=pool.job_id)
             except RpcError as e:  # it ended meanwhile (cancelled, deleted): nothing left to run
                 log.info("task job %s was not sealed: %s %s", pool.job_id, e.message, e.data or "")
 
@@ -157,8 +157,7 @@ class TaskFace:
         for job_id in await st.run(st.idle_open_jobs, time.time()):
             job = await st.run(st.job, job_id)
             if job is not None and job.source == SOURCE:
-                await self.jobs.submit(Call("jobs.submit", {"job_id": job_id, "calls": []},
-                                            identity=job.identity))
+                await self.jobs.submit(job.identity, [], source=SOURCE, job_id=job_id)
 
     # -- tasks/get, tasks/cancel ------------------------------------------------------
     async def get(self, ctx: ServerRequestContext[Any, Any], params: TaskParams) -> dict[str, Any]:
@@ -181,7 +180,7 @@ class TaskFace:
             if idle and (pool := self._pools.get(job.identity)) is not None and pool.job_id == job.id:
                 del self._pools[job.identity]  # its window does not seal it: it is cancelled
         if idle:  # a remote batch that serves no one
-            await self.jobs.cancel(Call("jobs.cancel", {"job_id": job.id}, identity=job.identity))
+            await self.jobs.cancel(job.id, job.identity)
         return {}
 
     async def _owned(self, ctx: ServerRequestContext[Any, Any], tid: str) -> tuple[JobRow, int]:
@@ -233,6 +232,11 @@ class TaskFace:
         if err.code in _FAILED or (err.data or {}).get("expired"):
             return "failed", {"error": err.to_dict()}
         return "completed", {"result": tool_result(error_result(err), version)}  # the provider's own error
+
+
+def as_is(error: RpcError) -> RpcError:
+    """A quota's refusal of a call that would become a task: the call's own error."""
+    return error
 
 
 def task_id(job_id: str, idx: int) -> str:

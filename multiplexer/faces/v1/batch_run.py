@@ -2,7 +2,9 @@
 job system.
 
 A batch's input file holds one request per line. Lines whose route is on a provider with a
-batch API become one job (``jobs.submit``, the provider's own batch API underneath); the other
+batch API become one job (submitted to the job room through ``faces/jobs_port.py``, not as a
+``jobs.submit`` call through the gateway: the batch's request is its key's one charge, the job
+adds only its lines' batch charge; the provider's own batch API underneath); the other
 lines (local models, providers without one) run through their lanes on the job engine's runner
 (``multiplexer/jobs/line_runner.py``: pages, the hold one gateway has on a batch, resuming),
 which this face tells what a line is as a call and what an outcome is as a result line. Output
@@ -11,19 +13,21 @@ and error files are built on request, one line per ``custom_id``, in OpenAI's fo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.provider import BatchCapable
+from multiplexer.faces.jobs_port import JobPort, port_of
 from multiplexer.faces.v1.common import V1, HttpError, Surface, http_error
 from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, Shape, operation_for, plan
 from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
@@ -34,6 +38,8 @@ ENDED = ("completed", "failed", "cancelled")
 CHUNK = 256  # results file lines built (on a worker thread) and sent at once
 MAX_LINES = 50_000
 PIECE = 1 << 16  # characters split into lines at once
+PAGE = 10_000  # a job's results read at once
+T = TypeVar("T")
 
 
 def split_lines(text: str, piece: int = PIECE) -> Iterator[str]:
@@ -158,11 +164,12 @@ class Batches:
         # 50,000 lines planned off the event loop (planning reads the config, changes nothing)
         early, job_calls = await anyio.to_thread.run_sync(self._sort_lines, record, bodies)
         if job_calls:  # every line of a file is for one endpoint, so one operation for the job
-            outcome = await self.gateway.submit(Call("jobs.submit", {"calls": job_calls}, identity=identity,
-                                                     operation=operation_for(endpoint, None)))
-            if outcome.error is not None:
-                raise http_error(outcome.error, self.surfaces[endpoint])
-            record.job_id = outcome.result["job_id"]
+            try:  # the job charges its lines to the key's batch calls, once; the request is charged
+                submitted = await port_of(self.gateway, "jobs.submit").submit(
+                    identity, job_calls, operation_for(endpoint, None))
+            except RpcError as e:
+                raise http_error(e, self.surfaces[endpoint]) from None
+            record.job_id = submitted.job_id
         # live before it is stored: no resume pass starts a second runner
         scope = self.runner.reserve(record) if record.lane_lines else None
         try:
@@ -305,47 +312,54 @@ class Batches:
             return
         record.cancelled_at = now()
         if record.job_id is not None:
-            await self.gateway.submit(Call("jobs.cancel", {"job_id": record.job_id},
-                                           identity=record.owner))
+            try:
+                await port_of(self.gateway, "jobs.cancel").cancel(record.job_id, record.owner)
+            except RpcError as e:  # its job ended or went meanwhile: the batch is cancelled all the same
+                log.info("batch %s: its job %s was not cancelled (%s)", record.id, record.job_id,
+                         e.message)
         self.runner.stop(record.id)
         await self.store.update(record, "cancelled_at")
 
     async def delete(self, record: BatchRecord) -> None:
         """Forget an ended batch now, and its job with its results (``jobs.delete``)."""
         if record.job_id is not None:
-            outcome = await self.gateway.submit(Call("jobs.delete", {"job_id": record.job_id},
-                                                     identity=record.owner))
-            if outcome.error is not None and outcome.error.code != Code.NOT_FOUND:
-                log.warning("batch %s: its job %s stays until store.retention_s (%s)", record.id,
-                            record.job_id, outcome.error.message)
+            try:
+                await port_of(self.gateway, "jobs.delete").delete(record.job_id, record.owner)
+            except RpcError as e:
+                if e.code != Code.NOT_FOUND:
+                    log.warning("batch %s: its job %s stays until store.retention_s (%s)", record.id,
+                                record.job_id, e.message)
         await self.store.delete_batch(record.id)
 
-    async def _job(self, record: BatchRecord, method: str, **params: Any) -> Any:
-        """A ``jobs.*`` answer for the batch's job; None once the job is gone (deleted after
-        ``store.retention_s``): its lines then count as ended without results."""
-        outcome = await self.gateway.submit(Call(method, {"job_id": record.job_id, **params},
-                                                 identity=record.owner))
-        if outcome.error is not None:
-            if outcome.error.code == Code.NOT_FOUND:
+    async def _job(self, record: BatchRecord, method: str,
+                   ask: Callable[[JobPort], Awaitable[T]]) -> T | None:
+        """``ask``'s answer about the batch's job (``method``: the ``jobs.*`` it stands for); None
+        once the job is gone (deleted after ``store.retention_s``): its lines then count as
+        ended without results. Another error is the batch's, in its API's shape."""
+        try:
+            return await ask(port_of(self.gateway, method))
+        except RpcError as e:
+            if e.code == Code.NOT_FOUND:
                 return None
-            raise http_error(outcome.error, self.surfaces[record.endpoint])
-        return outcome.result
+            raise http_error(e, self.surfaces[record.endpoint]) from None
 
     async def job_entries(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
         """Line -> {status, body} for every finished line of the batch's job (lines still
         running are absent, and so are those a cancel stopped); a line whose remote batch
         expired, or was cancelled upstream, says so (``expired`` / ``canceled``: true)."""
         out: dict[int, dict[str, Any]] = {}
-        if record.job_id is None:
+        job_id = record.job_id
+        if job_id is None:
             return out
         await self.store.load_lines(record)
         surface = self.surfaces[record.endpoint]
         cursor: int | None = 0
         while cursor is not None:
-            page = await self._job(record, "jobs.results", cursor=cursor, limit=10_000)
+            page = await self._job(record, "jobs.results", functools.partial(
+                JobPort.results, job_id=job_id, identity=record.owner, cursor=cursor, limit=PAGE))
             if page is None:
                 break
-            for row in page["results"]:
+            for row in page.rows:
                 n = record.job_lines[row["index"]]
                 if row["status"] == "succeeded":
                     out[n] = {"status": 200, "body": row["result"]}
@@ -358,7 +372,7 @@ class Batches:
                         out[n]["canceled"] = True
                     elif (error.data or {}).get("expired"):
                         out[n]["expired"] = True
-            cursor = page["next_cursor"]
+            cursor = page.next_cursor
         return out
 
     async def statuses(self, record: BatchRecord) -> dict[int, dict[str, Any]]:
@@ -391,12 +405,14 @@ class Batches:
             lanes = await self.runner.counts(record)  # counts, not results
             completed, failed = lanes.succeeded, lanes.ended - lanes.succeeded
             job_done = True
-            if record.job_id is not None:
-                job = await self._job(record, "jobs.status")
+            job_id = record.job_id
+            if job_id is not None:
+                job = await self._job(record, "jobs.status",
+                                      lambda jobs: jobs.status(job_id, record.owner))
                 if job is not None:
-                    completed += job["counts"]["succeeded"]
-                    failed += job["counts"]["failed"]
-                    job_done = job["done"]
+                    completed += job.succeeded
+                    failed += job.failed
+                    job_done = job.done
             ended = job_done and lanes.done
             if record.cancelled_at is not None:
                 status = "cancelled" if ended else "cancelling"
