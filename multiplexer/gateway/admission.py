@@ -36,6 +36,7 @@ from multiplexer.core.sink import ChunkSink
 from multiplexer.core.tracing import Tracer, TraceSlot
 from multiplexer.gateway.auto_mode import deadline_mode
 from multiplexer.gateway.config import Config
+from multiplexer.gateway.idempotency import IdempotencyKey
 from multiplexer.gateway.tickets import Handler
 
 
@@ -228,15 +229,19 @@ def claim_of(quotas: Quotas, identity: str | None, batch_calls: int, tokens: int
 
 
 def dedup_key(call: Call, route: RouteConfig, item: Item, provider: Provider) -> Hashable | None:
-    """The key identical calls share one execution under; None when they may not."""
+    """The key identical calls share one execution under; None when they may not. An idempotency
+    key is the caller's own, even on a ``dedup_scope: global`` route, and is bound to the params
+    (``gateway/idempotency.py``: the flights refuse its reuse with other params)."""
     allowed = route.dedup if route.dedup is not None else (
         call.idempotency_key is not None or provider.dedup_safe(item)
     )
     if not allowed or call.notification:
         return None
+    if call.idempotency_key is not None:
+        return IdempotencyKey(item.route, item.method, call.identity, call.idempotency_key,
+                              canonical(item.params))
     scope = None if route.dedup_scope == "global" else call.identity
-    body = call.idempotency_key if call.idempotency_key is not None else canonical(item.params)
-    return (item.route, item.method, scope, body)
+    return (item.route, item.method, scope, canonical(item.params))
 
 
 def tagged(group: Hashable, tag: Hashable) -> tuple[Hashable, ...]:

@@ -26,6 +26,7 @@ from multiplexer.core.errors import RpcError, shutting_down
 from multiplexer.core.lane import Lane
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.state import SharedState, StateUnavailable
+from multiplexer.gateway.idempotency import IdempotencyKey, IdempotencyKeys
 
 Spawn = Callable[..., None]  # runs a coroutine function for the gateway's lifetime
 
@@ -82,11 +83,17 @@ async def first_of(a: Future, b: Future) -> None:
 class Flights:
     """Single flight in this process: the identical call in flight is joined."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
         self.inflight = InFlight()
+        self.idempotency = IdempotencyKeys(clock)
 
     def start(self, key: Hashable, item: Item, lane: Lane, cache_ttl_s: float) -> tuple[Pending, bool]:
-        """The pending the caller waits on, and whether it joined one already in flight."""
+        """The pending the caller waits on, and whether it joined one already in flight. An
+        idempotency key reused with other params while its first call may be in flight or cached
+        is refused (-32602)."""
+        if isinstance(key, IdempotencyKey):
+            deadline = item.deadline if item.deadline is not None else self.idempotency.clock.now()
+            self.idempotency.check(key, deadline + cache_ttl_s)
         pending = self.inflight.join(key)
         if pending is not None:
             return pending, True
@@ -105,7 +112,7 @@ class SharedFlights(Flights):
     """Single flight across the replicas that share ``state``."""
 
     def __init__(self, state: SharedState, clock: Clock, metrics: Metrics, spawn: Spawn) -> None:
-        super().__init__()
+        super().__init__(clock)
         self.state = state
         self.clock = clock
         self.metrics = metrics

@@ -85,5 +85,5 @@ def quotas_for(config: Config, clock: Clock, state: SharedState | None, metrics:
 def flights_for(state: SharedState | None, clock: Clock, metrics: Metrics, spawn: Spawn) -> Flights:
     """Single flight in this process, or across the replicas that share ``state``."""
     if state is None:
-        return Flights()
+        return Flights(clock)
     return SharedFlights(state, clock, metrics, spawn)
