@@ -94,8 +94,18 @@ async def test_a_key_is_created_used_rotated_with_grace_and_revoked(gw: Any) -> 
 
         r = await http.delete(f"/admin/keys/{kid}", headers=A)
         assert r.status_code == 200 and r.json()["revoked_at"] is not None
+        r0 = r.json()
         assert (await rpc(http, again["key"]))["error"]["data"]["detail"] == "unknown key"
-        assert (await http.patch(f"/admin/keys/{kid}", json={"rpm": 5}, headers=A)).status_code == 400
+        for r in (await http.patch(f"/admin/keys/{kid}", json={"rpm": 5}, headers=A),
+                  await http.post(f"/admin/keys/{kid}/rotate", json={}, headers=A)):
+            assert r.status_code == 409, r.text
+            assert r.json()["error"] == {"message": f"key {kid} is revoked", "type": "conflict", "code": 409}
+        again = await http.delete(f"/admin/keys/{kid}", headers=A)  # answered as it is, nothing written
+        assert again.status_code == 200 and again.json()["revoked_at"] == r0["revoked_at"]
+        assert (await http.patch("/admin/keys/key_nope", json={"rpm": 5}, headers=A)).status_code == 404
+        assert (await http.post("/admin/keys/key_nope/rotate", json={}, headers=A)).status_code == 404
+        assert (await http.delete("/admin/keys/key_nope", headers=A)).status_code == 404
+        assert (await http.patch("/admin/teams/nope", json={"rpm": 5}, headers=A)).status_code == 404
 
         actions = [(e["action"], e["target"]) for e in
                    (await http.get("/admin/audit", params={"target": kid}, headers=A)).json()["data"]]
@@ -233,6 +243,8 @@ async def test_the_admin_api_describes_itself_as_openapi(gw: Any) -> None:
         ("POST", "/admin/teams"), ("GET", "/admin/teams"), ("PATCH", "/admin/teams/{id}"),
         ("POST", "/admin/mcp-servers"), ("GET", "/admin/mcp-servers"), ("PATCH", "/admin/mcp-servers/{id}"),
         ("DELETE", "/admin/mcp-servers/{id}"), ("GET", "/admin/audit")}
+    assert "409" in doc["paths"]["/admin/keys/{id}"]["patch"]["responses"]
+    assert "409" in doc["paths"]["/admin/keys/{id}/rotate"]["post"]["responses"]
     created = doc["components"]["schemas"]["KeyCreated"]["properties"]
     assert {"id", "key", "prefix", "models", "tools", "budget_usd"} <= set(created)
     validator = pytest.importorskip("openapi_spec_validator")

@@ -1,5 +1,9 @@
 """What the admin API does to keys and teams: each change written with its audit row in one
-transaction, then announced so every replica reloads (this one before it answers)."""
+transaction, then announced so every replica reloads (this one before it answers).
+
+A change names only the fields it sets, and the store writes just those in one conditional
+statement (``access.keystore``): two requests that race never undo each other, and a revoked
+key stays revoked whatever PATCH or rotation raced its ``DELETE`` (they answer 409)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
+
+import anyio
 
 from multiplexer.access.api import (
     AuditOut,
@@ -26,16 +32,17 @@ from multiplexer.access.api import (
     TeamPatch,
 )
 from multiplexer.access.directory import LIMIT_FIELDS, KeyDirectory
-from multiplexer.access.keystore import AuditRow, KeyRow, KeyStore, TeamRow
+from multiplexer.access.keystore import AuditRow, Change, KeyRow, KeyStore, TeamRow
 from multiplexer.access.secrets import digest
 from multiplexer.core.errors import Code, RpcError, invalid_params
 
 KEY_PREFIX = "mx-"
 PREFIX_SHOWN = 10  # "mx-" and 7 characters of the key
+TEAM_FIELDS = tuple(TeamPatch.model_fields)
 
 
 class Conflict(Exception):
-    """A name already taken (409)."""
+    """A name already taken, or a change to a revoked key (409)."""
 
 
 def new_key() -> str:
@@ -72,6 +79,15 @@ def team_out(row: TeamRow) -> TeamOut:
                    **row.access)
 
 
+def settings_change(given: dict[str, Any], fields: tuple[str, ...],
+                    columns: dict[str, Any] | None = None) -> Change:
+    """What a PATCH writes: the settings ``fields`` it names (a value sets one, null clears it)
+    and whole ``columns``."""
+    named = {f: v for f, v in given.items() if f in fields}
+    return Change(columns=columns or {}, settings={f: v for f, v in named.items() if v is not None},
+                  cleared=tuple(f for f, v in named.items() if v is None))
+
+
 def server_out(row: TeamRow) -> McpServerOut:
     return McpServerOut(id=row.id, name=row.id, created_at=_when(row.created),
                         updated_at=_when(row.updated), **row.access)
@@ -86,13 +102,26 @@ class KeyAdmin:
         self.grace_s = grace_s
         self.announce = announce
         self.wall = wall
+        self._reload = anyio.Lock()
+        self._asked = 0  # changes written here so far
+        self._covered = 0  # ... of which a finished reload read every one
 
     def _audit(self, actor: str, action: str, target: str | None, detail: dict[str, Any]) -> AuditRow:
         return AuditRow(uuid.uuid4().hex, self.wall(), actor, action, target, detail)
 
     async def _changed(self, what: str) -> None:
-        """Reload here before answering (a key made here works here at once), then tell the rest."""
-        await self.directory.load()
+        """Reload here before answering (a key made here works here at once), then tell the rest.
+
+        Reloads run one at a time, each reading the store after every change already written:
+        a snapshot read before a revocation is never installed after one read since, and changes
+        arriving together share one reload instead of one each."""
+        self._asked += 1
+        mine = self._asked
+        async with self._reload:
+            if self._covered < mine:
+                reads = self._asked
+                await self.directory.load()
+                self._covered = reads
         if self.announce is not None:
             await self.announce(what)
 
@@ -122,50 +151,46 @@ class KeyAdmin:
         rows = await self.store.run(self.store.keys, team)
         return [key_out(r) for r in rows]
 
+    async def _not_live(self, key_id: str) -> Conflict:
+        """Why a change found no live key: 404 when there is none, else it is revoked (for good)."""
+        await self.key(key_id)
+        return Conflict(f"key {key_id} is revoked")
+
     async def update_key(self, key_id: str, patch: KeyPatch, actor: str) -> KeyOut:
-        row = await self.key(key_id)
-        if row.revoked_at is not None:
-            raise invalid_params(f"key {key_id} is revoked")
         given = patch.model_dump(mode="json", exclude_unset=True)
         if "team" in given:
             self._known_team(patch.team)
-            row.team = patch.team
-        if "name" in given:
-            if patch.name is None:
-                raise invalid_params("name may not be null", param="name")
-            row.name = patch.name
+        if "name" in given and patch.name is None:
+            raise invalid_params("name may not be null", param="name")
+        columns: dict[str, Any] = {f: getattr(patch, f) for f in ("name", "team") if f in given}
         if "expires_at" in given:
-            row.expires_at = _wall(patch.expires_at)
-        for field in LIMIT_FIELDS:
-            if field in given:
-                if given[field] is None:
-                    row.access.pop(field, None)
-                else:
-                    row.access[field] = given[field]
-        row.updated = self.wall()
-        await self.store.run(self.store.save_key, row, self._audit(actor, "keys.update", key_id, given))
+            columns["expires_at"] = _wall(patch.expires_at)
+        change = settings_change(given, LIMIT_FIELDS, columns)
+        audit = self._audit(actor, "keys.update", key_id, given)
+        row = await self.store.run(self.store.change_key, key_id, change, self.wall(), audit)
+        if row is None:
+            raise await self._not_live(key_id)
         await self._changed(f"key {key_id}")
         return key_out(row)  # type: ignore[no-any-return]
 
     async def rotate_key(self, key_id: str, body: RotateIn, actor: str) -> Rotated:
-        row = await self.key(key_id)
-        if row.revoked_at is not None:
-            raise invalid_params(f"key {key_id} is revoked")
         grace = self.grace_s if body.grace_s is None else body.grace_s
         key, now = new_key(), self.wall()
-        row.old_digest, row.old_valid_until = (row.digest, now + grace) if grace > 0 else (None, None)
-        row.digest, row.prefix, row.updated = digest(key).hex(), key[:PREFIX_SHOWN], now
         audit = self._audit(actor, "keys.rotate", key_id, {"grace_s": grace})
-        await self.store.run(self.store.save_key, row, audit)
+        row = await self.store.run(self.store.rotate_key, key_id, digest(key).hex(), key[:PREFIX_SHOWN],
+                                   now + grace if grace > 0 else None, now, audit)
+        if row is None:
+            raise await self._not_live(key_id)
         await self._changed(f"key {key_id}")
         return Rotated(id=key_id, key=key, prefix=row.prefix, old_key_valid_until=_at(row.old_valid_until))
 
     async def revoke_key(self, key_id: str, actor: str) -> KeyOut:
-        row = await self.key(key_id)
-        if row.revoked_at is None:
-            row.revoked_at = row.updated = self.wall()
-            await self.store.run(self.store.save_key, row, self._audit(actor, "keys.revoke", key_id, {}))
-            await self._changed(f"key {key_id}")
+        """Revoked from now on; a key revoked before is answered as it is (nothing written)."""
+        audit = self._audit(actor, "keys.revoke", key_id, {})
+        row = await self.store.run(self.store.revoke_key, key_id, self.wall(), audit)
+        if row is None:
+            return key_out(await self.key(key_id))  # type: ignore[no-any-return]
+        await self._changed(f"key {key_id}")
         return key_out(row)  # type: ignore[no-any-return]
 
     # -- teams -------------------------------------------------------------------------------
@@ -186,17 +211,12 @@ class KeyAdmin:
         return [team_out(r) for r in await self.store.run(self.store.teams)]
 
     async def update_team(self, team_id: str, patch: TeamPatch, actor: str) -> TeamOut:
-        row = await self.store.run(self.store.team, team_id)
+        given = patch.model_dump(mode="json", exclude_unset=True)
+        audit = self._audit(actor, "teams.update", team_id, given)
+        row = await self.store.run(self.store.change_team, team_id, settings_change(given, TEAM_FIELDS),
+                                   self.wall(), audit)
         if row is None:
             raise not_found("team", team_id)
-        given = patch.model_dump(mode="json", exclude_unset=True)
-        for field, value in given.items():
-            if value is None:
-                row.access.pop(field, None)
-            else:
-                row.access[field] = value
-        row.updated = self.wall()
-        await self.store.run(self.store.save_team, row, self._audit(actor, "teams.update", team_id, given))
         await self._changed(f"team {team_id}")
         return team_out(row)
 
@@ -216,16 +236,14 @@ class KeyAdmin:
         return [server_out(r) for r in await self.store.run(self.store.servers)]
 
     async def update_server(self, name: str, patch: McpServerPatch, actor: str) -> McpServerOut:
-        row = next((r for r in await self.store.run(self.store.servers) if r.id == name), None)
-        if row is None:
-            raise not_found("MCP server", name)
         given = patch.model_dump(mode="json", exclude_unset=True)
         if given.get("tools", []) is None:
             raise invalid_params("tools may not be null", param="tools")
-        row.access.update({k: v if v is not None else [] for k, v in given.items()})
-        row.updated = self.wall()
-        await self.store.run(self.store.save_server, row,
-                             self._audit(actor, "mcp_servers.update", name, given))
+        change = Change(settings={k: v if v is not None else [] for k, v in given.items()})
+        audit = self._audit(actor, "mcp_servers.update", name, given)
+        row = await self.store.run(self.store.change_server, name, change, self.wall(), audit)
+        if row is None:
+            raise not_found("MCP server", name)
         await self._changed(f"mcp server {name}")
         return server_out(row)
 

@@ -5,6 +5,13 @@ A key is kept as the SHA-256 of itself (hex) and a short display prefix; the pla
 only in the answer that created or rotated it. A rotated key keeps its old digest until
 ``old_valid_until``. Revoking stamps ``revoked_at``: the row stays, for the audit trail. The
 methods block (one connection, one lock); async code calls them through ``run``.
+
+Every change is one ``UPDATE`` of only the columns it names, checked in its own ``WHERE``
+(``revoked_at IS NULL``) and returning the row as written, in one transaction with its audit
+row: never a row read, edited in memory and written back whole, which would undo a revocation
+(or any other field) committed in between by another request or replica. Settings kept as JSON
+are changed field by field in the database (``json_set`` / ``json_remove`` in SQLite, ``||`` and
+``-`` on ``jsonb`` in PostgreSQL).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import json
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -88,6 +95,20 @@ class AuditRow:
     detail: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What one PATCH writes: whole columns, and single fields of the row's JSON settings (set to
+    a value, or removed)."""
+
+    columns: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    cleared: tuple[str, ...] = ()
+
+
+KEY_CHANGEABLE = frozenset({"name", "team", "expires_at"})
+_KEY_RETURNING = f" RETURNING {', '.join(KEY_COLUMNS)}"
+
+
 class KeyStore:
     """SQLite; ``PgKeyStore`` below speaks PostgreSQL with the same methods."""
 
@@ -140,16 +161,53 @@ class KeyStore:
             sql += " AND revoked_at IS NULL"
         return [KeyRow.of(r) for r in self._x(sql + " ORDER BY created, id", args).fetchall()]
 
-    @locked
-    def save_key(self, row: KeyRow, audit: AuditRow) -> None:
-        """Write back a key read with ``key`` and changed (update, rotate, revoke), with its audit row."""
+    def _key_write(self, sets: str, args: Sequence[Any], key_id: str, audit: AuditRow) -> KeyRow | None:
+        """One ``UPDATE`` of a key that is not revoked, with its audit row: the key as written, or
+        None (nothing written) when no unrevoked key has this id."""
         with self._tx():
-            self._x("UPDATE access_keys SET name=?, prefix=?, digest=?, team=?, access=?, "
-                    "expires_at=?, updated=?, revoked_at=?, old_digest=?, old_valid_until=? WHERE id=?",
-                    (row.name, row.prefix, row.digest, row.team, json.dumps(row.access),
-                     row.expires_at, row.updated, row.revoked_at, row.old_digest,
-                     row.old_valid_until, row.id))
+            row = self._x(f"UPDATE access_keys SET {sets} WHERE id=? AND revoked_at IS NULL"
+                          + _KEY_RETURNING, (*args, key_id)).fetchone()
+            if row is None:
+                return None
             self._audit(audit)
+        return KeyRow.of(row)
+
+    @locked
+    def change_key(self, key_id: str, change: Change, updated: float, audit: AuditRow) -> KeyRow | None:
+        """A PATCH: the columns and settings fields it names, nothing else."""
+        unknown = set(change.columns) - KEY_CHANGEABLE
+        assert not unknown, unknown  # column names are code's, never a request's
+        sets = [f"{column}=?" for column in change.columns]
+        access, access_args = self._merged("access", change)
+        args = [*change.columns.values(), *access_args, updated]
+        return self._key_write(", ".join([*sets, f"access={access}", "updated=?"]), args, key_id, audit)
+
+    @locked
+    def rotate_key(self, key_id: str, new_digest: str, prefix: str, old_valid_until: float | None,
+                   updated: float, audit: AuditRow) -> KeyRow | None:
+        """The new digest in; the one it replaces (as the row holds it now) kept until
+        ``old_valid_until``, or dropped at once when that is None."""
+        keep = old_valid_until is not None
+        sets = ("old_digest=CASE WHEN ? THEN digest END, old_valid_until=?, digest=?, prefix=?, "
+                "updated=?")
+        return self._key_write(sets, (keep, old_valid_until, new_digest, prefix, updated), key_id, audit)
+
+    @locked
+    def revoke_key(self, key_id: str, at: float, audit: AuditRow) -> KeyRow | None:
+        """Stamp ``revoked_at``; None when the key is unknown or already revoked (nothing written)."""
+        return self._key_write("revoked_at=?, updated=?", (at, at), key_id, audit)
+
+    def _merged(self, column: str, change: Change) -> tuple[str, list[Any]]:
+        """SQL for ``column``'s JSON with ``change``'s settings fields set and cleared."""
+        expr, args = column, []
+        if change.settings:
+            expr = f"json_set({expr}{', ?, json(?)' * len(change.settings)})"
+            for name, value in change.settings.items():
+                args += [f"$.{name}", json.dumps(value)]
+        if change.cleared:
+            expr = f"json_remove({expr}{', ?' * len(change.cleared)})"
+            args += [f"$.{name}" for name in change.cleared]
+        return expr, args
 
     # -- teams -------------------------------------------------------------------------------
     @locked
@@ -175,11 +233,20 @@ class KeyStore:
         return [TeamRow(r[0], json.loads(r[1]), r[2], r[3]) for r in rows]
 
     @locked
-    def save_team(self, row: TeamRow, audit: AuditRow) -> None:
+    def change_team(self, team_id: str, change: Change, updated: float, audit: AuditRow) -> TeamRow | None:
+        """A PATCH of a team's settings fields; None (nothing written) for an unknown team."""
+        return self._settings_write("access_teams", "access", team_id, change, updated, audit)
+
+    def _settings_write(self, table: str, column: str, row_id: str, change: Change, updated: float,
+                        audit: AuditRow) -> TeamRow | None:
+        merged, args = self._merged(column, change)
         with self._tx():
-            self._x("UPDATE access_teams SET access=?, updated=? WHERE id=?",
-                    (json.dumps(row.access), row.updated, row.id))
+            row = self._x(f"UPDATE {table} SET {column}={merged}, updated=? WHERE id=? "
+                          f"RETURNING id, {column}, created, updated", (*args, updated, row_id)).fetchone()
+            if row is None:
+                return None
             self._audit(audit)
+        return TeamRow(row[0], json.loads(row[1]), row[2], row[3])
 
     # -- virtual MCP servers (their specs as JSON: tools, keys, teams) --------------------------
     @locked
@@ -199,11 +266,10 @@ class KeyStore:
         return [TeamRow(r[0], json.loads(r[1]), r[2], r[3]) for r in rows]
 
     @locked
-    def save_server(self, row: TeamRow, audit: AuditRow) -> None:
-        with self._tx():
-            self._x("UPDATE access_mcp_servers SET spec=?, updated=? WHERE id=?",
-                    (json.dumps(row.access), row.updated, row.id))
-            self._audit(audit)
+    def change_server(self, server_id: str, change: Change, updated: float,
+                      audit: AuditRow) -> TeamRow | None:
+        """A PATCH of a virtual server's spec fields; None (nothing written) for an unknown one."""
+        return self._settings_write("access_mcp_servers", "spec", server_id, change, updated, audit)
 
     @locked
     def delete_server(self, server_id: str, audit: AuditRow) -> bool:
@@ -271,6 +337,18 @@ class PgKeyStore(KeyStore):
     def _tx(self) -> Iterator[None]:
         with self._conn.transaction():
             yield
+
+    def _merged(self, column: str, change: Change) -> tuple[str, list[Any]]:
+        """The column holds JSON as text: merged as ``jsonb`` (``||`` replaces the top-level fields
+        it names, ``-`` drops fields) and stored back as text."""
+        expr, args = f"{column}::jsonb", list[Any]()
+        if change.settings:
+            expr = f"({expr} || ?::jsonb)"
+            args.append(json.dumps(change.settings))
+        if change.cleared:
+            expr = f"({expr} - ?::text[])"
+            args.append(list(change.cleared))
+        return f"{expr}::text", args
 
     def close(self) -> None:
         with self._lock:

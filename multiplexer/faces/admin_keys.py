@@ -223,6 +223,8 @@ def openapi_document() -> dict[str, Any]:
             "responses": {str(status): {"description": "ok", "content": {
                 "application/json": {"schema": schema}}}, "400": error, "401": error, "404": error},
         }
+        if method in ("post", "patch"):  # a name taken, or a change to a revoked key
+            op["responses"]["409"] = error
         if "{id}" in path:
             op["parameters"] = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
         if body is not None:
