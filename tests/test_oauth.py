@@ -5,6 +5,7 @@ and an unknown kid are refused with the spec's 401 and ``WWW-Authenticate`` chal
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -163,7 +164,8 @@ async def test_a_token_is_refused_by_the_sdk_client_too(gateway: Any, issuer: An
 
 
 async def test_opaque_tokens_are_introspected(monkeypatch: Any) -> None:
-    """Without a JWKS, the authorization server's RFC 7662 endpoint says who a token is for."""
+    """Without a JWKS, the authorization server's RFC 7662 endpoint says who a token is for; the
+    gateway authenticates there with its client id and secret."""
     monkeypatch.delenv(ENV, raising=False)
     port = free_port()
     audience = f"http://127.0.0.1:{port}/mcp"
@@ -174,6 +176,8 @@ async def test_opaque_tokens_are_introspected(monkeypatch: Any) -> None:
                             "exp": int(time.time()) + 60}}
 
     async def introspect(request: Request) -> JSONResponse:
+        if request.headers.get("authorization") != "Basic " + base64.b64encode(b"gw:gw-secret").decode():
+            return JSONResponse({"error": "invalid_client"}, status_code=401)
         form = await request.form()
         return JSONResponse(tokens.get(str(form.get("token")), {"active": False}))
 
@@ -184,7 +188,9 @@ async def test_opaque_tokens_are_introspected(monkeypatch: Any) -> None:
             config = parse_config({
                 "server": {"teams": {"red": {"tools": ["echo"]}},
                            "oauth": {"issuer": ISSUER, "audience": audience, "scopes": ["mcp"],
-                                     "introspection_url": issuer_url + "/introspect"}},
+                                     "introspection_url": issuer_url + "/introspect",
+                                     "introspection_client_id": "gw",
+                                     "introspection_client_secret": "gw-secret"}},
                 "providers": {"e": {"kind": "echo"}},
                 "routes": {"echo": {"provider": "e"}, "secret": {"provider": "e"}}})
             async with running(config, host="127.0.0.1", port=port) as (_, url):

@@ -4,16 +4,26 @@ A JWT is checked with ``joserfc`` against the issuer's JWKS: signature, ``iss``,
 gateway, so a token meant for another service is refused: no token passthrough), ``exp``, and the
 scopes ``server.oauth.scopes`` requires. The key set is cached for ``jwks_ttl_s`` and fetched again
 at once for an unknown ``kid`` (the issuer rotated its keys), at most every ``REFETCH_S``. Opaque
-tokens go to ``introspection_url`` (RFC 7662) when no JWKS is configured. The caller's identity
-is ``oauth:<sub>``; the claim ``team_claim`` names the team whose access it gets.
+tokens go to ``introspection_url`` (RFC 7662) when no JWKS is configured, the gateway
+authenticating there with its client id and secret (HTTP Basic, section 2.1); an active answer
+is trusted for ``introspection_cache_s`` at most, so a token revoked at the authorization server
+stops working within it. A verified JWT is remembered until its ``exp``.
+
+A user's identity is ``oauth:<sub>``; a client's own token (client credentials: no ``sub``, or
+``sub`` equal to ``client_id`` as RFC 9068 writes one) is ``oauth:client:<client_id>``, so a
+client and a user of the same name never share jobs, files or spend. The claim ``team_claim``
+names the team whose access it gets.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote_plus
 
 import anyio
 import httpx
@@ -25,10 +35,33 @@ from joserfc.jwt import JWTClaimsRegistry
 from multiplexer.access.bearer import InsufficientScope, InvalidToken, TokenIdentity, metadata_url
 from multiplexer.access.settings import OAuthSettings
 
+log = logging.getLogger(__name__)
 ALGORITHMS = ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"]
 REFETCH_S = 10.0  # an unknown kid refetches the key set at most this often (a flood cannot hammer it)
 LEEWAY_S = 30
 MAX_VERIFIED = 10_000
+CLIENT = "client:"  # the identities of clients acting for themselves: oauth:client:<client_id>
+
+
+def basic_credentials(client_id: str, secret: str) -> str:
+    """The ``Authorization`` value of RFC 6749 section 2.3.1: each part form-urlencoded, then
+    joined and base64-encoded (what an introspection endpoint expects of a client)."""
+    raw = f"{quote_plus(client_id)}:{quote_plus(secret)}".encode()
+    return "Basic " + base64.b64encode(raw).decode()
+
+
+def identity_of(claims: dict[str, Any]) -> str:
+    """``oauth:<sub>`` for a user, ``oauth:client:<client_id>`` for a client acting for itself."""
+    sub, client = claims.get("sub"), claims.get("client_id")
+    sub = sub if isinstance(sub, str) and sub else None
+    client = client if isinstance(client, str) and client else None
+    if sub is not None and sub != client:
+        if sub.startswith(CLIENT):  # would read as a client's identity
+            raise InvalidToken(f"the token's subject may not begin with {CLIENT!r}")
+        return f"oauth:{sub}"
+    if client is not None:
+        return f"oauth:{CLIENT}{client}"
+    raise InvalidToken("the token names no subject")
 
 
 class TokenVerifier:
@@ -44,7 +77,12 @@ class TokenVerifier:
         self._refreshed = -1e18  # ... and of the last one an unknown kid asked for
         self._lock = anyio.Lock()
         self.fetches = 0
-        self._verified: dict[bytes, TokenIdentity] = {}  # sha256(token) -> its caller, until exp
+        # sha256(token) -> its caller and until when it is trusted (a JWT's exp; an introspected
+        # token's introspection_cache_s, at most)
+        self._verified: dict[bytes, tuple[TokenIdentity, float]] = {}
+        secret = settings.introspection_client_secret
+        self._basic = None if settings.introspection_client_id is None or secret is None else \
+            basic_credentials(settings.introspection_client_id, secret.get_secret_value())
         claims: dict[str, Any] = {"iss": {"essential": True, "value": settings.issuer},
                                   "aud": {"essential": True, "value": settings.audience},
                                   "exp": {"essential": True}}
@@ -84,32 +122,36 @@ class TokenVerifier:
             return self._keys
 
     async def verify(self, token: str) -> TokenIdentity:
-        """The token's caller; a token verified before is answered from memory until it expires
-        (a client sends the same token with every request)."""
+        """The token's caller; a token verified before is answered from memory while it is
+        trusted (a client sends the same token with every request)."""
         key = hashlib.sha256(token.encode()).digest()
         known = self._verified.get(key)
-        if known is not None and (known.expires_at is None or known.expires_at > self.wall()):
-            return known
-        found = await self._verify(token)
+        if known is not None and known[1] > self.wall():
+            return known[0]
+        found, until = await self._verify(token)
         if len(self._verified) >= MAX_VERIFIED:
             self._verified.clear()
-        if found.expires_at is not None:  # an introspected token without exp is asked again each time
-            self._verified[key] = found
+        if until > self.wall():
+            self._verified[key] = (found, until)
         return found
 
-    async def _verify(self, token: str) -> TokenIdentity:
-        claims = await (self._jwt(token) if self.settings.jwks_url else self._introspect(token))
+    async def _verify(self, token: str) -> tuple[TokenIdentity, float]:
+        if self.settings.jwks_url:
+            claims, trusted = await self._jwt(token), None  # until its exp (always there)
+        else:
+            claims = await self._introspect(token)
+            trusted = self.wall() + self.settings.introspection_cache_s
         scopes = frozenset(str(claims.get("scope", "")).split())
         missing = [s for s in self.settings.scopes if s not in scopes]
         if missing:
             raise InsufficientScope(" ".join(self.settings.scopes))
-        sub = claims.get("sub") or claims.get("client_id")
-        if not isinstance(sub, str) or not sub:
-            raise InvalidToken("the token names no subject")
         team = claims.get(self.settings.team_claim)
         exp = claims.get("exp")
-        return TokenIdentity(f"oauth:{sub}", team if isinstance(team, str) else None, scopes,
-                             float(exp) if isinstance(exp, int | float) else None)
+        expires_at = float(exp) if isinstance(exp, int | float) else None
+        found = TokenIdentity(identity_of(claims), team if isinstance(team, str) else None, scopes,
+                              expires_at)
+        ends = [t for t in (trusted, expires_at) if t is not None]
+        return found, min(ends, default=0.0)
 
     async def _jwt(self, token: str) -> dict[str, Any]:
         try:
@@ -131,9 +173,14 @@ class TokenVerifier:
 
     async def _introspect(self, token: str) -> dict[str, Any]:
         """RFC 7662: the authorization server says whether an opaque token is active, and for whom."""
-        assert self.settings.introspection_url is not None
+        assert self.settings.introspection_url is not None and self._basic is not None
         try:
-            r = await self.client().post(self.settings.introspection_url, data={"token": token})
+            r = await self.client().post(self.settings.introspection_url,
+                                         data={"token": token, "token_type_hint": "access_token"},
+                                         headers={"authorization": self._basic})
+            if r.status_code in (401, 403):  # the operator's to fix: say so once per refusal
+                log.warning("the introspection endpoint refused the gateway's client credentials "
+                            "(HTTP %d): check introspection_client_id and its secret", r.status_code)
             r.raise_for_status()
             claims = r.json()
         except (httpx.HTTPError, ValueError):

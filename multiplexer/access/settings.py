@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 
 from multiplexer.core.policy import Strict
 
@@ -45,3 +45,21 @@ class OAuthSettings(Strict):
                                  "(unset: the audience)")
     jwks_ttl_s: float = Field(default=600.0, gt=0, description="how long the key set is cached; "
                               "an unknown kid refetches it at once (at most every 10 s)")
+    introspection_client_id: str | None = Field(
+        default=None, description="the gateway's client id at the introspection endpoint (HTTP "
+        "Basic, RFC 7662 section 2.1); required with introspection_url")
+    introspection_client_secret: SecretStr | None = Field(
+        default=None, description="its client secret (never logged); required with introspection_url")
+    introspection_cache_s: float = Field(
+        default=60.0, ge=0, description="how long an active introspected token is trusted before the "
+        "endpoint is asked again (at most until its exp): a revoked token stops working within it")
+
+    @model_validator(mode="after")
+    def _introspection_authenticates(self) -> OAuthSettings:
+        if self.jwks_url is None and self.introspection_url is None:
+            raise ValueError("set jwks_url (JWTs) or introspection_url (opaque tokens)")
+        if self.jwks_url is None and (self.introspection_client_id is None
+                                      or self.introspection_client_secret is None):
+            raise ValueError("introspection_url needs introspection_client_id and "
+                             "introspection_client_secret: RFC 7662 requires the caller to authenticate")
+        return self
