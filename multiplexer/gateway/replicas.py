@@ -14,6 +14,7 @@ from multiplexer.core.quota import Quotas
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.core.shared_quota import SharedQuotas
 from multiplexer.core.state import LimitSpec, SharedState
+from multiplexer.core.worker_quota import DayCounts, WorkerQuotas
 from multiplexer.gateway.config import Config, StateConfig
 from multiplexer.gateway.flights import Flights, SharedFlights, Spawn
 
@@ -45,15 +46,14 @@ def share_of_limits(limits: Limits, share: int) -> Limits:
 
 
 def share_of_quota(quota: Quota, share: int) -> Quota:
-    """One worker's part of a key's quota when ``share`` workers enforce it apart."""
+    """One worker's part of a key's quota when ``share`` workers enforce it apart; its daily batch
+    allowance stays whole, decided for all of them in the store (``core/worker_quota.py``)."""
     if share <= 1:
         return quota
     return quota.model_copy(update={
         "rpm": None if quota.rpm is None else quota.rpm / share,
         "tpm": None if quota.tpm is None else quota.tpm / share,
-        "concurrency": None if quota.concurrency is None else _part(quota.concurrency, share),
-        "batch_calls_per_day": None if quota.batch_calls_per_day is None
-        else _part(quota.batch_calls_per_day, share)})
+        "concurrency": None if quota.concurrency is None else _part(quota.concurrency, share)})
 
 
 def limiter_for(name: str, pconf: ProviderConfig, clock: Clock, state: SharedState | None,
@@ -72,12 +72,16 @@ def limiter_for(name: str, pconf: ProviderConfig, clock: Clock, state: SharedSta
 def quotas_for(config: Config, clock: Clock, state: SharedState | None, metrics: Metrics,
                share: int = 1) -> Quotas:
     """The keys' quotas, in this process (each worker's part of them: the config's and those the
-    keys bring, stored ones too) or shared."""
+    keys bring, stored ones too, with the daily batch allowance whole in the job store's SQLite
+    file that the workers share) or shared."""
     from multiplexer.access.compose import keyed_quotas
 
     quotas = dict(config.server.quotas)  # stored keys' limits join these while the gateway runs
     if state is None or not (quotas or keyed_quotas(config)):
-        return Quotas(clock, quotas, None if share <= 1 else lambda q: share_of_quota(q, share))
+        if share <= 1:
+            return Quotas(clock, quotas)
+        return WorkerQuotas(clock, quotas, lambda q: share_of_quota(q, share),
+                            DayCounts(config.store.path))
     return SharedQuotas(clock, quotas, state, fail_open=config.state.on_failure == "open",
                         degraded=metrics.state_degraded_count)
 
