@@ -101,3 +101,66 @@ async def test_shared_counters_refuse_settle_and_alert_once_per_period() -> None
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_a_total_budgets_alert_fires_once_not_every_second() -> None:
+    """A ``total`` cap never resets, so neither does its alert: the flag that says it fired is
+    kept as long as the counter (no expiry), and a later reservation past the share alerts no more."""
+    from multiplexer.backends.redis_state import RedisState
+    from multiplexer.core.policy import BudgetUsd
+    from multiplexer.money.budgets import Budgets
+    from multiplexer.money.settings import BudgetsConfig
+    from tests.test_money import plan, prices
+
+    url, pre = redis_url(), prefix()
+    state = RedisState(url, prefix=pre)
+    await state.start()
+    alerts: list[tuple[str, str]] = []
+    cap = BudgetUsd(total=Decimal("0.01"), alert_at=0.5)
+    try:
+        counters = state.budget_counters()
+        budgets = Budgets(BudgetsConfig(), prices(), counters, lambda identity: [("key", "alice", cap)],
+                          lambda: 1_796_335_200.0, lambda scope, period: None,
+                          lambda scope, period: alerts.append((scope, period)))
+        p = plan("r", "oai", {"model": "gpt-4o", "max_tokens": 300, "messages": []})
+        p.item.tokens = 310  # type: ignore[union-attr]
+        decided = [(await budgets.reserve([p], [[("key", "alice", cap)]]))[0] for _ in range(2)]
+        assert alerts == [("key", "total")]  # $0.003025 each: the second crossed half the cap
+        flag = counters.prefix + "key:alice:total:all:alerted"
+        assert await state.r.pttl(flag) == -1  # kept, as the counter is: it never lapses
+        decided += await budgets.reserve([p], [[("key", "alice", cap)]])  # past the share again
+        assert [type(d).__name__ for d in decided] == ["Reservation"] * 3
+        assert alerts == [("key", "total")]  # no second alert
+    finally:
+        await state.aclose()
+
+
+async def test_a_cold_redis_starts_again_from_the_spend_the_store_recorded(tmp_path: Path) -> None:
+    """Redis decides, the store keeps the record: a counter Redis lost (a restart without
+    persistence) is set again from the spend the store recorded for its period before anything
+    is decided on it, so the budget is not handed out a second time."""
+    url, pre = redis_url(), prefix()
+    conf = parse_config({
+        "server": {"api_keys": {"alice": {"key": "k-alice-0123456789", "budget_usd": {"total": "0.03"}}}},
+        "state": {"url": url, "prefix": pre, "timeout_ms": 10_000},
+        "store": {"path": str(tmp_path / "jobs.db")},
+        "providers": {"m": {"kind": "mock", "price": {"per_call": "0.008"}}},
+        "routes": {"chat": {"provider": "m", "operation": "chat"}},
+    })
+    params = {"messages": [{"role": "user", "content": "hello"}]}
+    async with Gateway(conf) as gw:
+        assert gw.money is not None
+        outcomes = [await gw.submit(Call("chat", dict(params), identity="alice")) for _ in range(5)]
+        assert [o.ok for o in outcomes] == [True] * 4 + [False]  # $0.032 of $0.03
+        await gw.money.flush()  # settled, and the spend written to the store
+        counters = gw.money.budgets.counters
+        key = counters.prefix + "key:alice:total:all"  # type: ignore[attr-defined]
+        await state_client(counters).delete(key)  # Redis lost it
+        again = await gw.submit(Call("chat", dict(params), identity="alice"))
+        assert again.error is not None and again.error.code == -32003
+        assert again.error.data["spend"] == "0.032"  # what the store recorded
+        assert int(await state_client(counters).get(key)) == 32_000_000
+
+
+def state_client(counters: Any) -> Any:
+    return counters.r

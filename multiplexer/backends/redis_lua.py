@@ -223,26 +223,57 @@ return {-1}
 """
 
 # Budgets (money/budgets.py): one key per cap and period, integer nano-dollars.
-# KEYS: the caller's counters.  ARGV: amount, then per key: limit, alert (0: none), ttl_ms (0: kept).
+# KEYS: the caller's counters.  ARGV: amount, cold ('1': a missing counter is answered, not made),
+# then per key: limit, alert (0: none), ttl_ms (0: kept).
+# With cold '1' and a counter missing (a new period, or a Redis that lost it): {-1, 0, indexes of
+# the missing ones}, nothing changed, so the caller seeds them (BUDGET_SEED) and asks again.
 # Refused while any counter has reached its limit: {index, spend}; else every counter grows by
-# amount and {0, 0, alerts...}: the indexes whose alert share was crossed now (once per period).
+# amount and {0, 0, alerts...}: the indexes whose alert share was crossed now (once per period:
+# the flag lives as long as its counter, and a counter with no period is never reset, so neither
+# is its flag).
 BUDGET_RESERVE = r"""
 local amount = tonumber(ARGV[1])
+local missing = {-1, 0}
 for i = 1, #KEYS do
-  local spent = tonumber(redis.call('GET', KEYS[i]) or '0')
-  if spent >= tonumber(ARGV[3 * i - 1]) then return {i, spent} end
+  local spent = redis.call('GET', KEYS[i])
+  if not spent and ARGV[2] == '1' then
+    missing[#missing + 1] = i - 1
+  elseif tonumber(spent or '0') >= tonumber(ARGV[3 * i]) then
+    return {i, tonumber(spent or '0')}
+  end
 end
+if #missing > 2 then return missing end
 local out = {0, 0}
 for i = 1, #KEYS do
   local spent = redis.call('INCRBY', KEYS[i], amount)
-  local alert, ttl = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
+  local alert, ttl = tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
   if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) end
-  if alert > 0 and spent >= alert and redis.call('SET', KEYS[i] .. ':alerted', '1', 'NX', 'PX',
-                                                 math.max(ttl, 1000) ) then
-    out[#out + 1] = i - 1
+  if alert > 0 and spent >= alert then
+    local fresh
+    if ttl > 0 then
+      fresh = redis.call('SET', KEYS[i] .. ':alerted', '1', 'NX', 'PX', ttl)
+    else
+      fresh = redis.call('SET', KEYS[i] .. ':alerted', '1', 'NX')
+    end
+    if fresh then out[#out + 1] = i - 1 end
   end
 end
 return out
+"""
+
+# KEYS: counters Redis does not have.  ARGV: per key: the spend the store recorded, ttl_ms (0:
+# kept).  Each is set only if still missing: a replica that seeded it first, and the calls it
+# counted since, win.
+BUDGET_SEED = r"""
+for i = 1, #KEYS do
+  local ttl = tonumber(ARGV[2 * i])
+  if ttl > 0 then
+    redis.call('SET', KEYS[i], ARGV[2 * i - 1], 'NX', 'PX', ttl)
+  else
+    redis.call('SET', KEYS[i], ARGV[2 * i - 1], 'NX')
+  end
+end
+return 0
 """
 
 # KEYS: counters.  ARGV: a delta per key (a settlement: the cost minus the reservation).

@@ -14,6 +14,7 @@ from multiplexer.core.quota import Grant, Quotas
 from multiplexer.core.state import SharedState
 from multiplexer.gateway.admission import Plan
 from multiplexer.gateway.config import Config
+from multiplexer.money import stored_counters as stored
 from multiplexer.money.budgets import Reservation, Scope, budgets_of_config, team_of_config
 from multiplexer.money.ledger import Money
 from multiplexer.money.prices import Prices
@@ -53,14 +54,22 @@ def money_for(config: Config, clock: Clock, metrics: Metrics, state: SharedState
     def team_of(identity: str | None) -> str | None:
         return team_of_config(identity, keys)
 
-    counters = None
+    opened = stored.budget_store_for(config.store.path, config.store.url, config.store.schema_)
+    counters: Any
     make = getattr(state, "budget_counters", None)
     if make is not None:
         counters = make()  # one Redis script: every replica decides on the same counters
-    return Money(config.spend, config.budgets, Prices(config.providers, config.routes), clock, metrics,
-                 budgets_of=budgets_of, team_of=team_of, store_path=config.store.path,
-                 store_url=config.store.url, store_schema=config.store.schema_, counters=counters,
-                 fail_open=config.state.on_failure == "open")
+    elif config.server.worker_count() > 1 or config.store.url:
+        counters = stored.StoreCounters(clock.wall, opened)  # workers or replicas: one count, in the store
+    else:
+        counters = stored.WriteBehindCounters(clock.wall, opened)  # decided here, kept in the store
+    money = Money(config.spend, config.budgets, Prices(config.providers, config.routes), clock, metrics,
+                  budgets_of=budgets_of, team_of=team_of, store_path=config.store.path,
+                  store_url=config.store.url, store_schema=config.store.schema_, counters=counters,
+                  fail_open=config.state.on_failure == "open")
+    if make is not None:  # a counter Redis lost starts again from the spend the store recorded
+        counters.seed = stored.seed_from_spend(money.open_store)
+    return money
 
 
 async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],

@@ -2,7 +2,9 @@
 settled to what it cost once it is answered.
 
 A reservation is one decision over every counter that applies to the caller (its key's and its
-team's, daily, monthly and total), all or nothing: in this process (``LocalCounters``) or, with
+team's, daily, monthly and total), all or nothing: in this process (``LocalCounters``; kept in the
+store's database behind the decisions by ``stored_counters.WriteBehindCounters``), in the store
+itself for gateways that share it as workers (``stored_counters.StoreCounters``), or, with
 ``state.url``, in one Redis script shared by every replica. A call is refused while any of them
 has nothing left; an admitted call reserves its whole estimate, so spend can pass a cap by at
 most the reservations admitted while it still had room, and ends there. Amounts are integer
@@ -17,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import ROUND_CEILING, Decimal
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 from zoneinfo import ZoneInfo
 
 import anyio
@@ -31,7 +33,8 @@ from multiplexer.money.settings import BudgetsConfig
 log = logging.getLogger(__name__)
 
 NANO = Decimal(1_000_000_000)
-SETTLE_EVERY_S = 0.02  # settlements in the shared state go at most this often, in one run
+SETTLE_EVERY_S = 0.02  # settlements in the shared state (and counts to the store) go at most this often
+SWEEP_EVERY = 1024  # settlements between two sweeps of the counters of ended periods
 PERIODS = ("daily", "monthly", "total")
 Scope = tuple[str, str, BudgetUsd]  # ("key" | "team", its name, its budget)
 
@@ -82,6 +85,21 @@ class Counter:
     reset: float | None  # epoch seconds of the period's end; None: never
 
 
+def expires_at(c: Counter) -> float | None:
+    """When a counter may be forgotten: a day after its period ends (None: never)."""
+    return None if c.reset is None else c.reset + 86_400
+
+
+def period_days(c: Counter) -> tuple[str, str]:
+    """The first and last day of a counter's period as the spend store writes days."""
+    when = c.key.rsplit(":", 1)[1]
+    if c.period == "daily":
+        return when, when
+    if c.period == "monthly":
+        return f"{when}-01", f"{when}-31"
+    return "0000-01-01", "9999-12-31"
+
+
 @dataclass(slots=True, eq=False)
 class Reservation:
     counters: list[Counter]
@@ -103,42 +121,99 @@ class Counters(Protocol):
         ...
 
 
+@runtime_checkable
+class Kept(Protocol):
+    """Counters in a database: counters of ended periods pruned, the connection closed."""
+
+    async def prune(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 class LocalCounters:
+    """Counters in this process's memory, decided with no await (``reserve_now``)."""
+
+    loaded = True  # nothing to read before deciding here
+
     def __init__(self, wall: Callable[[], float]) -> None:
         self.wall = wall
         self.spent: dict[str, int] = {}
         self.expires: dict[str, float] = {}
         self.alerted: set[str] = set()
+        # what changed since a store that keeps these counts last took them (None: no store): the
+        # counters that reserved or settled (a caller's one list, noted once in a row), and the
+        # changes of ``settle_now``; the keys are gathered once per write, not per call
+        self.touched: list[Sequence[Counter]] | None = None
+        self.settled: list[Sequence[tuple[str, int]]] = []
+        self.on_dirty: Callable[[], None] = lambda: None  # the first change since the last take
+        self._settles = 0
+
+    async def start(self) -> None:
+        """Read what a store holds before this process decides alone (nothing, in memory)."""
+
+    async def write(self) -> None:
+        """Hand the changes since the last write to a store (nothing, in memory)."""
 
     async def reserve(self, counters: Sequence[Counter], amount: int) -> tuple[int, int, list[int]]:
         return self.reserve_now(counters, amount)
 
     def reserve_now(self, counters: Sequence[Counter], amount: int) -> tuple[int, int, list[int]]:
+        held = self.spent
         for i, c in enumerate(counters):
-            spent = self.spent.get(c.key, 0)
+            spent = held.get(c.key, 0)
             if spent >= c.limit:
                 return i + 1, spent, []
         alerts = []
         for i, c in enumerate(counters):
-            spent = self.spent[c.key] = self.spent.get(c.key, 0) + amount
+            spent = held[c.key] = held.get(c.key, 0) + amount
             if c.reset is not None:
                 self.expires[c.key] = c.reset + 86_400
             if c.alert and spent >= c.alert and c.key not in self.alerted:
                 self.alerted.add(c.key)
                 alerts.append(i)
+        touched = self.touched
+        if touched is not None and (not touched or touched[-1] is not counters):
+            if not touched:
+                self.on_dirty()
+            touched.append(counters)
         return 0, 0, alerts
 
     async def settle(self, changes: Sequence[tuple[str, int]]) -> None:
         self.settle_now(changes)
 
     def settle_now(self, changes: Sequence[tuple[str, int]]) -> None:
+        held = self.spent
         for key, delta in changes:
-            if key in self.spent:
-                self.spent[key] += delta
-        if len(self.expires) < 64:
-            return
-        now = self.wall()
-        for key in [k for k, t in self.expires.items() if t < now]:
+            if key in held:
+                held[key] += delta
+        if self.touched is not None:
+            if not self.settled:
+                self.on_dirty()
+            self.settled.append(changes)
+        self._sweep()
+
+    def move(self, counters: Sequence[Counter], delta: int) -> None:
+        """``settle_now`` of one reservation: ``delta`` added to each of its counters that exist."""
+        held = self.spent
+        for c in counters:
+            if c.key in held:
+                held[c.key] += delta
+        touched = self.touched
+        if touched is not None and (not touched or touched[-1] is not counters):
+            if not touched:
+                self.on_dirty()
+            touched.append(counters)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        self._settles += 1
+        if self._settles % SWEEP_EVERY == 0 and len(self.expires) >= 64:
+            now = self.wall()
+            self.forget([k for k, t in self.expires.items() if t < now])
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """Drop the counters of periods that ended over a day ago."""
+        for key in keys:
             self.spent.pop(key, None)
             self.expires.pop(key, None)
             self.alerted.discard(key)
@@ -198,7 +273,10 @@ class Budgets:
         self._changes: list[tuple[str, int]] = []
         self._wake = anyio.Event()
         self._counters: dict[int, tuple[list[Scope], str, list[Counter]]] = {}
-        self.local = isinstance(counters, LocalCounters)  # decided at once, no round trip
+        # decided at once, no round trip (counters read from a store: once they are read)
+        self.local = isinstance(counters, LocalCounters) and counters.loaded
+        if isinstance(counters, LocalCounters):
+            counters.on_dirty = self._wake_up
 
     def applies(self, identity: str | None) -> bool:
         return bool(self.budgets_of(identity))
@@ -277,6 +355,10 @@ class Budgets:
         under its budgets (``scopes_of``, one list per plan, from ``budgets_of``)."""
         if self.local:  # in this process: decided at once, in order
             return [self.reserve_here(p, s) for p, s in zip(plans, scopes_of, strict=True)]
+        if isinstance(self.counters, LocalCounters):  # read from the store first, once
+            await self.counters.start()
+            self.local = True
+            return [self.reserve_here(p, s) for p, s in zip(plans, scopes_of, strict=True)]
         out: list[Reservation | RpcError | None] = [None] * len(plans)
         wall = self.wall()
         asks: list[tuple[int, list[Counter], int]] = []
@@ -336,7 +418,7 @@ class Budgets:
         if not delta:
             return
         if isinstance(self.counters, LocalCounters):  # in this process: at once, nothing to send
-            self.counters.settle_now([(c.key, delta) for c in r.counters])
+            self.counters.move(r.counters, delta)
             return
         self._changes.extend((c.key, delta) for c in r.counters)
         if not self._changes[len(r.counters):]:  # the first since the last batch went
@@ -428,8 +510,15 @@ class Budgets:
         r.amount = amount
         return None
 
+    def _wake_up(self) -> None:
+        self._wake.set()
+
     async def run(self) -> None:
-        """Send the settlements of ended calls, a batch at a time, for the gateway's lifetime."""
+        """Send the settlements of ended calls (or the counts kept in memory, to the store), a
+        batch at a time, for the gateway's lifetime."""
+        if isinstance(self.counters, LocalCounters):  # what the store holds, before deciding here
+            await self.counters.start()
+            self.local = True
         while True:
             await self._wake.wait()
             await anyio.sleep(SETTLE_EVERY_S)  # a batch: the calls ending meanwhile go in one script run
@@ -446,3 +535,5 @@ class Budgets:
                 await self.counters.settle(list(merged.items()))
             except Exception:
                 log.exception("budget settlements could not be sent; the reservations stand")
+        if isinstance(self.counters, LocalCounters):
+            await self.counters.write()

@@ -20,7 +20,7 @@ from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError
 from multiplexer.core.metrics import Metrics
-from multiplexer.money.budgets import Budgets, Counters, LocalCounters, Reservation, Scope
+from multiplexer.money.budgets import Budgets, Counters, Kept, LocalCounters, Reservation, Scope
 from multiplexer.money.meter import BATCH, CACHE, INFLIGHT, Meter, MoneyMetrics, Record
 from multiplexer.money.own import KeySpend
 from multiplexer.money.prices import Prices
@@ -144,11 +144,17 @@ class Money:
         """The writer and the settler, for the gateway's lifetime."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.budgets.run)
-            pruned = ""
+            pruned = swept = ""
             while True:
                 await self.clock.sleep_until(self.clock.now() + self.config.flush_interval_s)
                 await self.flush()
                 today = self.today()
+                if isinstance(self.budgets.counters, Kept) and swept != today.isoformat():
+                    swept = today.isoformat()  # counters of periods that ended, once a day
+                    try:
+                        await self.budgets.counters.prune()
+                    except Exception:
+                        log.exception("old budget counters could not be deleted")
                 if self.config.retention_days is not None and self.store is not None \
                         and pruned != today.isoformat():
                     pruned = today.isoformat()
@@ -175,6 +181,8 @@ class Money:
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
             await self.flush()
+            if isinstance(self.budgets.counters, Kept):  # the last counts written, then closed
+                await self.budgets.counters.aclose()
             if self.store is not None:
                 await anyio.to_thread.run_sync(self.store.close)
 

@@ -80,6 +80,16 @@ class SpendStore:
         with self._lock:
             return list(self.conn.execute(_query(self.table, group_by, self.mark, key is not None), args))
 
+    def recorded(self, scope: str, name: str, since: str, until: str) -> int:
+        """Nano-dollars a key (``scope`` "key") or a team spent over days ``since``..``until``."""
+        column = "key" if scope == "key" else "team"
+        m = self.mark
+        with self._lock:
+            row = self.conn.execute(f"SELECT COALESCE(SUM(cost), 0) FROM {self.table} "
+                                    f"WHERE day >= {m} AND day <= {m} AND {column} = {m}",
+                                    (since, until, name)).fetchone()
+        return int(row[0])
+
     def prune(self, before_day: str) -> None:
         with self._lock:
             self.conn.execute(f"DELETE FROM {self.table} WHERE day < {self.mark}", (before_day,))
@@ -100,8 +110,10 @@ class PgSpendStore(SpendStore):
         self.table = f"{schema}.spend"
         self._lock = threading.Lock()
         self.conn: Any = connect(url)
-        self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
-        self.conn.execute(TABLE.format(t=self.table))
+        with self.conn.transaction():  # two replicas starting at once: one creates the table
+            self.conn.execute("SELECT pg_advisory_xact_lock(7341)")
+            self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+            self.conn.execute(TABLE.format(t=self.table))
 
     def add(self, rows: Sequence[Row]) -> None:
         with self._lock, self.conn.transaction(), self.conn.cursor() as cur:
