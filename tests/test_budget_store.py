@@ -123,6 +123,20 @@ async def test_workers_on_one_store_decide_on_one_count(store: dict[str, Any]) -
     assert Decimal(str(report["total"]["cost_usd"])) == Decimal(spent) / NANO
 
 
+async def test_a_gateway_without_budgets_never_opens_the_counters(tmp_path: Path) -> None:
+    """The counters are read when the first call under a budget needs them: a gateway whose keys
+    have none adds no table, no connection and no write to the store."""
+    data = {"store": {"path": str(tmp_path / "jobs.db")}, "spend": {"flush_interval_s": 0.05},
+            "providers": {"m": {"kind": "mock", "price": {"per_call": str(PER_CALL)}}},
+            "routes": {"chat": {"provider": "m", "operation": "chat"}}}
+    async with Gateway(parse_config(data)) as gw:
+        assert (await gw.submit(Call("chat", params(), identity=None))).ok
+        assert gw.money is not None
+        await gw.money.flush()
+    with sqlite3.connect(tmp_path / "jobs.db") as conn:
+        assert not conn.execute("SELECT name FROM sqlite_master WHERE name = 'budget_counters'").fetchall()
+
+
 async def test_serve_workers_2_spend_one_cap_across_a_restart(tmp_path: Path) -> None:
     """``multiplexer serve --workers 2`` on one SQLite store: callers on both worker processes
     get four calls in all, and after a restart both workers still refuse."""

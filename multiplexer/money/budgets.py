@@ -515,10 +515,8 @@ class Budgets:
 
     async def run(self) -> None:
         """Send the settlements of ended calls (or the counts kept in memory, to the store), a
-        batch at a time, for the gateway's lifetime."""
-        if isinstance(self.counters, LocalCounters):  # what the store holds, before deciding here
-            await self.counters.start()
-            self.local = True
+        batch at a time, for the gateway's lifetime. Counters a store keeps are read when the
+        first call needs them (``reserve``), so a gateway without budgets never opens it."""
         while True:
             await self._wake.wait()
             await anyio.sleep(SETTLE_EVERY_S)  # a batch: the calls ending meanwhile go in one script run

@@ -57,8 +57,11 @@ class _Opened:
         return self.store
 
     async def prune(self) -> None:
-        """Delete the counters of ended periods a step at a time (short transactions)."""
-        store = await self.opened()
+        """Delete the counters of ended periods a step at a time (short transactions); nothing
+        where no call has needed the store yet (a gateway without budgets)."""
+        store = self.store
+        if store is None:
+            return
         while await anyio.to_thread.run_sync(store.prune, self._wall()) >= PRUNE_STEP:
             pass
 
@@ -69,7 +72,7 @@ class _Opened:
 
 
 class WriteBehindCounters(LocalCounters):
-    """``LocalCounters`` whose counts the store keeps: read at start, written behind."""
+    """``LocalCounters`` whose counts the store keeps: read before the first decision, written behind."""
 
     def __init__(self, wall: Callable[[], float], open_store: Callable[[], BudgetStore]) -> None:
         super().__init__(wall)
