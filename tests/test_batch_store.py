@@ -131,7 +131,8 @@ def test_postgres_tables_live_in_the_configured_schema_created_if_missing():
         try:
             st.create_job("job", None, "client", "open")
             assert tables_in(admin, schema) == ["items", "jobs", "parts", "v1_batch_results",
-                                                "v1_batches", "v1_files"]
+                                                "v1_batches", "v1_file_chunks", "v1_file_locks",
+                                                "v1_files"]
             assert tables_in(admin, "public") == public  # nothing landed in public
             assert admin.execute(f"SELECT id FROM {schema}.jobs").fetchall() == [("job",)]
         finally:
@@ -162,7 +163,8 @@ async def test_the_gateway_opens_its_store_in_store_schema(tmp_path):
             "routes": {"chat": {"provider": "oai", "operation": "chat"}}})
         async with Gateway(config):
             assert tables_in(admin, schema) == ["items", "jobs", "parts", "v1_batch_results",
-                                                "v1_batches", "v1_files"]
+                                                "v1_batches", "v1_file_chunks", "v1_file_locks",
+                                                "v1_files"]
 
 
 def test_stores_in_two_schemas_of_one_database_keep_their_jobs_apart(tmp_path):

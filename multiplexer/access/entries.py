@@ -32,10 +32,13 @@ class KeyEntry(Access):
     key: SecretStr = Field(description="the bearer key, or sha256:<hex> of it")
     team: str | None = Field(default=None, description="its team (in config: one of server.teams)")
     expires_at: datetime | None = Field(default=None, description="refused from then on")
+    files_max_bytes: int | None = Field(default=None, ge=0, description="bytes of /v1 files it may "
+                                        "keep (unset: server.files.max_bytes_per_key)")
 
 
 class TeamEntry(Access):
-    pass
+    files_max_bytes: int | None = Field(default=None, ge=0, description="bytes of /v1 files its keys "
+                                        "may keep together (unset: server.files.max_bytes_per_team)")
 
 
 def entry(value: SecretStr | KeyEntry) -> KeyEntry:

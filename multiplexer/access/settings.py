@@ -1,4 +1,5 @@
-"""The config of keys as data, virtual MCP servers and OAuth: what ``gateway/config.py`` mounts."""
+"""The config of keys as data, virtual MCP servers, OAuth and the files keys keep: what
+``gateway/config.py`` mounts."""
 
 from __future__ import annotations
 
@@ -63,3 +64,21 @@ class OAuthSettings(Strict):
             raise ValueError("introspection_url needs introspection_client_id and "
                              "introspection_client_secret: RFC 7662 requires the caller to authenticate")
         return self
+
+
+class FilesSettings(Strict):
+    """``/v1/files``: how many bytes of files each key and team may keep, and how long files live.
+    A file counts until it is deleted or expires; an upload in progress counts already."""
+
+    max_bytes_per_key: int | None = Field(
+        default=None, ge=0, description="bytes of files one key may keep (keyless callers: all of them"
+        " together); a key's own files_max_bytes overrides it; null: no limit")
+    max_bytes_per_team: int | None = Field(
+        default=None, ge=0, description="bytes of files all the keys of one team may keep; a team's "
+        "own files_max_bytes overrides it; null: no limit")
+    batch_expires_s: int | None = Field(
+        default=30 * 86400, ge=1, description="a purpose=batch upload sent without expires_after "
+        "expires this long after it was made (OpenAI's default, 30 days); null: kept until deleted")
+    sweep_s: float = Field(default=60.0, gt=0, description="how often expired files are deleted")
+    sweep_step: int = Field(default=20, ge=1, description="files the sweep deletes before it lets "
+                            "other work use the store")

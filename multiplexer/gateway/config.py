@@ -18,7 +18,7 @@ import yaml
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 
 from multiplexer.access.entries import KeyEntry, TeamEntry, entry
-from multiplexer.access.settings import KeyStoreSettings, OAuthSettings, VirtualServer
+from multiplexer.access.settings import FilesSettings, KeyStoreSettings, OAuthSettings, VirtualServer
 from multiplexer.core.paths import ConfigPath, context_for
 from multiplexer.core.policy import (
     GroupConfig,
@@ -63,6 +63,8 @@ class ServerConfig(Strict):
     max_header_bytes: int = Field(default=32 * 1024, ge=1024)
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024,
                                 description="an upload to /v1/files (batch input files)")
+    files: FilesSettings = Field(default_factory=FilesSettings, description="/v1/files: storage "
+                                 "quotas per key and team, default expiry, the expiry sweep")
     default_timeout_ms: float = Field(default=60_000, gt=0)
     grace_period_s: float = Field(default=10.0, ge=0)
     gc_young_threshold: int | None = Field(

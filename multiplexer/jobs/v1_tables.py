@@ -1,7 +1,7 @@
 """The ``/v1`` face's files and batch records, in the job store's database (SQLite or PostgreSQL),
 so every replica on one ``store.url`` serves every file and batch.
 
-Three tables: ``v1_files`` (an upload and its content), ``v1_batches`` (a batch's record: what
+The files' tables are ``v1_files.py``'s. Two more here: ``v1_batches`` (a batch's record: what
 it is, where each line went, its status stamps; written whole once, at creation, then only its
 small columns change) and ``v1_batch_results`` (one row per line that ended outside the batch's
 job: refused at creation, or run through the lanes; inserted a page at a time, never rewritten).
@@ -23,12 +23,9 @@ from multiplexer.core.jobrows import dumps, loads_many
 
 from .line_runner import HoldLost
 from .locked import locked
+from .v1_files import FILE_TABLES, V1Files
 
-V1_TABLES = """
-CREATE TABLE IF NOT EXISTS v1_files (
-  id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL,
-  bytes BIGINT NOT NULL, created BIGINT NOT NULL, content {blob} NOT NULL);
-CREATE INDEX IF NOT EXISTS v1_files_owner ON v1_files(owner, created DESC, id DESC);
+V1_TABLES = FILE_TABLES + """
 CREATE TABLE IF NOT EXISTS v1_batches (
   id TEXT PRIMARY KEY, owner TEXT NOT NULL, kind TEXT NOT NULL, endpoint TEXT NOT NULL,
   input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, created BIGINT NOT NULL,
@@ -41,7 +38,6 @@ CREATE TABLE IF NOT EXISTS v1_batch_results (
   body TEXT NOT NULL, PRIMARY KEY (batch_id, line));
 """
 
-FILE_COLUMNS = "id, owner, bytes, created, filename, purpose"
 # a batch's record without its per-line lists (``lines``) and kept request bodies
 BATCH_COLUMNS = ("id", "owner", "kind", "endpoint", "input_file_id", "completion_window", "created",
                  "metadata", "total", "own_total", "job_id", "errors", "cancelled_at", "ended",
@@ -65,7 +61,7 @@ def _batch(row: Sequence[Any], lines: str | None = None) -> dict[str, Any]:
     return out
 
 
-class V1Tables:
+class V1Tables(V1Files):
     """Mixed into ``JobStore``: ``_x``, ``_xm``, ``_tx`` and ``_lock`` are the store's."""
 
     _lock: Any
@@ -75,39 +71,6 @@ class V1Tables:
         def _x(self, sql: str, args: Sequence[Any] = ()) -> Any: ...
         def _xm(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any: ...
         def _tx(self) -> AbstractContextManager[None]: ...
-
-    # -- files -----------------------------------------------------------------------------
-    @locked
-    def put_file(self, file_id: str, owner: str | None, filename: str, purpose: str, created: int,
-                 content: bytes) -> None:
-        self._x("INSERT INTO v1_files VALUES (?,?,?,?,?,?,?)",
-                (file_id, who(owner), filename, purpose, len(content), created, content))
-
-    @locked
-    def file_row(self, file_id: str, owner: str | None) -> tuple[Any, ...] | None:
-        """(id, owner, bytes, created, filename, purpose) of the owner's file."""
-        row = self._x(f"SELECT {FILE_COLUMNS} FROM v1_files WHERE id=? AND owner=?",
-                      (file_id, who(owner))).fetchone()
-        return None if row is None else (row[0], row[1] or None, *row[2:])
-
-    @locked
-    def file_content(self, file_id: str) -> bytes | None:
-        row = self._x("SELECT content FROM v1_files WHERE id=?", (file_id,)).fetchone()
-        return None if row is None else bytes(row[0])
-
-    @locked
-    def delete_file(self, file_id: str) -> None:
-        self._x("DELETE FROM v1_files WHERE id=?", (file_id,))
-
-    @locked
-    def list_files(self, owner: str | None, purpose: str | None) -> list[tuple[Any, ...]]:
-        sql = f"SELECT {FILE_COLUMNS} FROM v1_files WHERE owner=?"
-        args: list[Any] = [who(owner)]
-        if purpose is not None:
-            sql += " AND purpose=?"
-            args.append(purpose)
-        rows = self._x(sql + " ORDER BY created DESC, id DESC", args).fetchall()
-        return [(r[0], r[1] or None, *r[2:]) for r in rows]
 
     # -- batches ---------------------------------------------------------------------------
     @locked

@@ -11,6 +11,7 @@ from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.v1.anthropic import ANTHROPIC, CountTokens, Messages
 from multiplexer.faces.v1.batch_run import Batches, surfaces_for
 from multiplexer.faces.v1.common import V1
+from multiplexer.faces.v1.file_sweep import sweep_forever
 from multiplexer.faces.v1.files import (
     CancelBatch,
     CreateBatch,
@@ -44,6 +45,7 @@ def v1_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     batches = Batches(v1, store, surfaces_for(OPENAI, ANTHROPIC))
     retention = conf.retention_s
     purge = [functools.partial(batches.purge_forever, retention)] if retention is not None else []
+    purge.append(functools.partial(sweep_forever, store, batches, gateway.config.server.files))
     gateway.start_background(batches.runner.run, Path(conf.path).exists() or conf.url is not None,
                              purge)  # the purge stops before the runner lets the store go
     gateway.faces["v1_batches"] = batches

@@ -2,13 +2,13 @@
 Batches, in the job store (``multiplexer/jobs/``: the SQLite file at ``store.path``, or the
 PostgreSQL database at ``store.url`` that every replica shares).
 
-Uploaded files are kept as they came; a batch's record says where each input line went (a job
-on a provider's batch API, or the lanes), written once at creation; the lines that end outside
-its job (refused at creation, or run through the lanes) each get a result row as they finish,
-so a restarted gateway, or another replica, still answers for all of them. A message batch's
-requests come inline: they are kept in its record (and so are a batch's bodies when its input
-file is deleted before its lane lines ran). Everything belongs to the key that created it:
-another key gets "not found".
+Uploaded files are kept as they came, a chunk at a time (``file_store.py``); a batch's record
+says where each input line went (a job on a provider's batch API, or the lanes), written once at
+creation; the lines that end outside its job (refused at creation, or run through the lanes) each
+get a result row as they finish, so a restarted gateway, or another replica, still answers for
+all of them. A message batch's requests come inline: they are kept in its record (and so are a
+batch's bodies when its input file is deleted before its lane lines ran). Everything belongs to
+the key that created it: another key gets "not found".
 """
 
 from __future__ import annotations
@@ -23,23 +23,11 @@ from typing import Any
 
 import anyio
 
+from multiplexer.faces.v1.file_store import FileRecord, StoredFiles, uploads_beside
 from multiplexer.jobs.store import JobStore
 from multiplexer.jobs.stores import acquire, release, sqlite_shared
 
-
-@dataclass
-class FileRecord:
-    id: str
-    owner: str | None
-    bytes: int
-    created_at: int
-    filename: str
-    purpose: str
-
-    def wire(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
-                "filename": self.filename, "purpose": self.purpose, "status": "processed",
-                "expires_at": None, "status_details": None}
+__all__ = ["BatchRecord", "FileRecord", "V1Store"]
 
 
 @dataclass
@@ -99,14 +87,16 @@ def now() -> int:
     return int(time.time())
 
 
-class V1Store:
+class V1Store(StoredFiles):
     """The ``/v1`` face's view of the job store: async methods, each one hop to the store's
     thread. The store is opened on first use (as the job managers open theirs) and shared with
-    them: one connection per database and process."""
+    them: one connection per database and process. Uploads in progress wait on disk in
+    ``uploads``, beside the SQLite file."""
 
     def __init__(self, path: str | Path, url: str | None = None, lease_s: float = 30.0,
                  schema: str = "multiplexer") -> None:
         self._where = (path, url, lease_s, schema)
+        self.uploads = uploads_beside(path)
         self.lease_s = lease_s
         self.runner = secrets.token_hex(6)  # this process, as the holder of the batches it runs
         self._store: JobStore | None = None
@@ -142,33 +132,6 @@ class V1Store:
         if self._store is not None:
             return self._store
         return await anyio.to_thread.run_sync(self.store)
-
-    # -- files -----------------------------------------------------------------------------
-    async def put_file(self, owner: str | None, filename: str, purpose: str,
-                       content: bytes) -> FileRecord:
-        record = FileRecord(new_id("file-"), owner, len(content), now(), filename, purpose)
-        st = await self._st()
-        await st.run(st.put_file, record.id, owner, filename, purpose, record.created_at, content)
-        return record
-
-    async def file(self, file_id: str, owner: str | None) -> FileRecord | None:
-        if not file_id.startswith("file-"):
-            return None
-        st = await self._st()
-        row = await st.run(st.file_row, file_id, owner)
-        return None if row is None else FileRecord(*row)
-
-    async def delete_file(self, record: FileRecord) -> None:
-        st = await self._st()
-        await st.run(st.delete_file, record.id)
-
-    async def list_files(self, owner: str | None, purpose: str | None = None) -> list[FileRecord]:
-        st = await self._st()
-        return [FileRecord(*row) for row in await st.run(st.list_files, owner, purpose)]
-
-    async def content(self, record: FileRecord) -> bytes:
-        st = await self._st()
-        return await st.run(st.file_content, record.id) or b""
 
     # -- batch records ---------------------------------------------------------------------
     async def create_batch(self, record: BatchRecord, results: Sequence[tuple[int, str, int, Any]] = (),
