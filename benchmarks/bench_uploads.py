@@ -4,9 +4,10 @@ the gateway's RSS sampled every 10 ms while the file goes up and comes back, aga
 less than 64 MB above idle.
 
 ``--against REF`` runs the same on a copy of another commit's tree (``git archive``; nothing of
-the repository changes) in the same run, for a before/after table.
+the repository changes) in the same run, for a before/after table; ``--store-url`` puts the store
+in a PostgreSQL database (``store.url``) instead of a SQLite file.
 
-    python -m benchmarks.bench_uploads [--mb 150] [--against HEAD~1]
+    python -m benchmarks.bench_uploads [--mb 150] [--against HEAD~1] [--store-url postgresql://...]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ FLOOR_MB = 64  # above idle, for a 150 MB upload
 KEY = "sk-bench-uploads"
 CONFIG = """
 server: {{port: {port}, api_keys: {{bench: {key}}}, access_log: false}}
-store: {{path: {store}}}
+store: {{path: {store}{url}}}
 providers: {{mock: {{kind: mock}}}}
 routes: {{chat: {{provider: mock, operation: chat, models: [mock-gpt]}}}}
 """
@@ -67,12 +68,13 @@ def download(client: httpx.Client, file_id: str) -> str:
     return digest.hexdigest()
 
 
-def run(tree: Path, big: Path, want: str, small: Path) -> dict[str, Any]:
+def run(tree: Path, big: Path, want: str, small: Path, store_url: str | None) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         conf = Path(tmp) / "gateway.yaml"
-        conf.write_text(CONFIG.format(port=port, key=KEY, store=Path(tmp) / "jobs.db"))
+        url_key = "" if store_url is None else f", url: '{store_url}'"
+        conf.write_text(CONFIG.format(port=port, key=KEY, store=Path(tmp) / "jobs.db", url=url_key))
         args = ["-c", f"import os, runpy, sys; os.chdir({str(tree)!r}); sys.path.insert(0, {str(tree)!r}); "
                 "runpy.run_module('multiplexer', run_name='__main__')", "serve", "--config", str(conf)]
         with logged_child(args, f"{url}/healthz", Path(tmp) / "server.log", {"PYTHONPATH": str(tree)}) \
@@ -108,6 +110,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=150, help="the large file's size in MiB")
     parser.add_argument("--against", default=None, help="a git ref to compare with")
+    parser.add_argument("--store-url", default=None, help="postgresql://...: the store there")
     args = parser.parse_args()
     trees: list[tuple[str, Path]] = [("this tree", ROOT)]
     with tempfile.TemporaryDirectory() as other, tempfile.TemporaryDirectory() as files:
@@ -119,14 +122,15 @@ def main() -> int:
                                      capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", other], input=archive, check=True)
             trees.insert(0, (args.against, Path(other)))
-        results = [(name, run(tree, big, want, small)) for name, tree in trees]
+        results = [(name, run(tree, big, want, small, args.store_url)) for name, tree in trees]
     floor = FLOOR_MB * args.mb / 150
-    print(f"{args.mb} MiB upload and download; RSS above idle (MB), sampled every 10 ms; "
-          f"floor {floor:.1f} MB")
+    where = "PostgreSQL" if args.store_url else "SQLite"
+    print(f"{args.mb} MiB upload and download, store in {where}; RSS above idle (MB), sampled every "
+          f"10 ms; floor {floor:.1f} MB")
     print(table(["tree", "idle RSS", "upload peak", "after upload", "download peak", "upload s",
                  "download s", "floor"],
-                [[name, r["idle_mb"], f'+{r["upload_peak_mb"]}', f'+{r["after_upload_mb"]}',
-                  f'+{r["download_peak_mb"]}', r["upload_s"], r["download_s"],
+                [[name, r["idle_mb"], f'{r["upload_peak_mb"]:+}', f'{r["after_upload_mb"]:+}',
+                  f'{r["download_peak_mb"]:+}', r["upload_s"], r["download_s"],
                   "ok" if max(r["upload_peak_mb"], r["download_peak_mb"]) < floor else "over"]
                  for name, r in results]))
     save("bench_uploads", {"mb": args.mb, "floor_mb": floor, "runs": dict(results)})
