@@ -354,3 +354,75 @@ async def test_open_streams_end_when_the_server_stops() -> None:
                 assert gw.faces["ui"].subscribers == 1
             await ended.wait()
     assert len(got) >= 1
+
+
+# -- every read is one request of its key -----------------------------------------------------
+
+BOB_AUTH = {"authorization": f"Bearer {BOB}"}
+POLICY = "default-src 'self'; script-src 'self'; frame-ancestors 'none'"
+
+
+def too_many(r: httpx.Response, limit: str) -> None:
+    """Refused by the key's ``limit``, in the admin API's shape."""
+    assert r.status_code == 429, r.text
+    assert r.json() == {"error": {"message": f"Rate limited: {limit}", "type": "rate_limited",
+                                  "code": 429}}
+    assert int(r.headers["retry-after"]) >= 1
+
+
+async def test_a_key_at_one_request_a_minute_reads_the_dashboard_once() -> None:
+    """The dashboard's JSON is a request like any other: a snapshot costs the gateway a walk over
+    every panel (open job items counted under the store's lock), so a key's rpm bounds it."""
+    async with serving(echo_config(admin_key=ADMIN, api_keys={"bob": {"key": BOB, "rpm": 1}})) as (_, http):
+        replies = [await http.get("/ui/api/state", headers=BOB_AUTH) for _ in range(5)]
+        assert [r.status_code for r in replies] == [200, 429, 429, 429, 429]
+        too_many(replies[1], "rpm")
+        r = await http.get("/ui/api/stream", headers=BOB_AUTH)  # a stream's opening is one too
+        too_many(r, "rpm")
+        assert (await http.get("/ui/api/state", headers=AS_ADMIN)).status_code == 200
+
+
+async def test_an_open_stream_holds_its_keys_one_slot_until_it_closes() -> None:
+    async with serving(echo_config(admin_key=ADMIN,
+                                   api_keys={"bob": {"key": BOB, "concurrency": 1}})) as (_, http):
+        async with http.stream("GET", "/ui/api/stream", headers=BOB_AUTH) as first:
+            assert first.status_code == 200
+            async for line in first.aiter_lines():
+                if line.startswith("data: "):
+                    break
+            too_many(await http.get("/ui/api/stream", headers=BOB_AUTH), "concurrency")
+            too_many(await http.get("/ui/api/state", headers=BOB_AUTH), "concurrency")
+        with anyio.fail_after(10):  # the server sees the client go at its next tick at the latest
+            while (await http.get("/ui/api/state", headers=BOB_AUTH)).status_code == 429:
+                await anyio.sleep(0.05)
+
+
+async def test_admin_reads_reach_the_quota_decision_and_are_never_refused() -> None:
+    """The admin key has no quota: its dashboard and /admin reads are counted (each one claim in
+    the one quota decision), never refused."""
+    async with serving(echo_config(admin_key=ADMIN, api_keys={"bob": {"key": BOB, "rpm": 1}})) as (gw, http):
+        seen: list[str | None] = []
+        decide = gw.quotas.decide
+
+        async def spy(claims: Any) -> Any:
+            seen.extend(c.identity for c in claims if c is not None)
+            return await decide(claims)
+
+        gw.quotas.decide = spy
+        for _ in range(3):
+            assert (await http.get("/ui/api/state", headers=AS_ADMIN)).status_code == 200
+            assert (await http.get("/admin/whoami", headers=AS_ADMIN)).status_code == 200
+        assert (await frames(http, 1, AS_ADMIN))
+        assert (await http.get("/ui/api/state", headers=BOB_AUTH)).status_code == 200
+        assert (await http.get("/admin/whoami")).status_code == 401  # no key: nothing decided
+        assert seen == [None] * 7 + ["bob"]
+
+
+async def test_the_page_may_run_only_its_own_files() -> None:
+    async with serving(echo_config(admin_key=ADMIN)) as (_, http):
+        page = await http.get("/ui")
+        assert page.headers["content-security-policy"] == POLICY
+        assert page.headers["x-content-type-options"] == "nosniff"
+        assert " style=" not in page.text and "<script>" not in page.text
+        script = (await http.get("/ui/static/app.js")).text
+        assert "style=" not in script  # the policy refuses style attributes: widths go through the DOM

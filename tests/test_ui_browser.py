@@ -116,7 +116,8 @@ async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any, brows
             assert refused == [401, 401]
             await page.fill("#key", "not-the-admin-key-0123")
             await page.click("#login button")
-            await page.wait_for_function("document.querySelector('#login-error').textContent.length > 0")
+            # a function, not an expression: the page's CSP refuses the eval Playwright polls those with
+            await page.wait_for_function("() => document.querySelector('#login-error').textContent")
             assert "not the admin key" in (await page.text_content("#login-error") or "")
             # the form logs in
             await page.fill("#key", ADMIN)

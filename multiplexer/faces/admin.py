@@ -1,10 +1,14 @@
 """`/admin/...`: the operator's API, every endpoint behind the admin key.
 
-Rooms add their endpoints with ``admin_route``; ``admin_routes`` mounts what the gateway has. An
-admin answer and its errors are JSON in one shape, ``{"error": {"message", "type", "code"}}``."""
+Rooms add their endpoints with ``admin_route``; ``admin_routes`` mounts what the gateway has. Each
+request is one of the admin key's through the gateway's quota decision, as every other request is
+one of its key's. An admin answer and its errors are JSON in one shape,
+``{"error": {"message", "type", "code"}}``."""
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,9 +23,10 @@ from multiplexer.faces.spend import spend_endpoint
 from multiplexer.gateway.gateway import Gateway
 
 Endpoint = Callable[[Request], Awaitable[Response]]
-STATUS: dict[int, int] = {Code.NOT_FOUND: 404, Code.UNAUTHORIZED: 401, Code.INVALID_PARAMS: 400}
+STATUS: dict[int, int] = {Code.NOT_FOUND: 404, Code.UNAUTHORIZED: 401, Code.INVALID_PARAMS: 400,
+                          Code.RATE_LIMITED: 429}
 TYPES = {404: "not_found", 401: "unauthorized", 400: "invalid_request", 403: "forbidden",
-         409: "conflict", 503: "unavailable"}
+         409: "conflict", 429: "rate_limited", 503: "unavailable"}
 
 
 def admin_error(status: int, message: str, detail: Any = None) -> JSONResponse:
@@ -33,16 +38,30 @@ def admin_error(status: int, message: str, detail: Any = None) -> JSONResponse:
 
 def refusal(error: RpcError) -> JSONResponse:
     status = STATUS.get(error.code, 400)
-    detail = error.data.get("detail") if isinstance(error.data, dict) else None
+    data = error.data if isinstance(error.data, dict) else {}
+    detail = data.get("detail")
+    if status == 429:  # a key's quota: which limit, as the other faces say it
+        detail = f"{error.message}: {data.get('limit')}"
     response = admin_error(status, detail or error.message)
     if status == 401:
         response.headers["www-authenticate"] = "Bearer"
+    if status == 429:
+        response.headers["retry-after"] = str(max(1, math.ceil(data.get("retry_after") or 1)))
     return response
 
 
-def guarded(admin: AdminKey, endpoint: Endpoint) -> Endpoint:
-    """``endpoint`` answered only for the admin key; a JSON-RPC error raised inside it (bad input)
-    becomes the admin API's 400."""
+class QuotaRefused(Exception):
+    """A read refused by its key's quota (``Quotas.held``), answered as ``refusal`` shapes it."""
+
+    def __init__(self, error: RpcError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def guarded(admin: AdminKey, endpoint: Endpoint, gateway: Gateway | None = None) -> Endpoint:
+    """``endpoint`` answered only for the admin key, as one request of it through the gateway's
+    quota decision (the admin key has no quota, so it is counted, never refused); a JSON-RPC
+    error raised inside it (bad input) becomes the admin API's 400."""
 
     async def run(request: Request) -> Response:
         try:
@@ -50,16 +69,24 @@ def guarded(admin: AdminKey, endpoint: Endpoint) -> Endpoint:
         except RpcError as e:
             return refusal(e)
         try:
-            return await endpoint(request)
+            if gateway is None:
+                return await endpoint(request)
+            async with gateway.quotas.held(None, QuotaRefused):
+                return await endpoint(request)
+        except QuotaRefused as e:
+            return refusal(e.error)
         except RpcError as e:
             return refusal(e)
 
     return run
 
 
-def admin_route(admin: AdminKey, path: str, endpoint: Endpoint, methods: list[str]) -> Route:
+def admin_route(admin: AdminKey, path: str, endpoint: Endpoint, methods: list[str],
+                gateway: Gateway | None = None) -> Route:
+    """An admin endpoint; with ``gateway``, each request is one of the admin key's in its quota
+    decision (``guarded``)."""
     assert path.startswith("/admin/"), path
-    return Route(path, guarded(admin, endpoint), methods=methods)
+    return Route(path, guarded(admin, endpoint, gateway), methods=methods)
 
 
 # Each room that serves admin endpoints: (gateway, admin key) -> its routes.
@@ -70,17 +97,17 @@ def _status(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
     async def whoami(request: Request) -> Response:
         return JSONResponse({"admin": True, "version": VERSION})
 
-    return [admin_route(admin, "/admin/whoami", whoami, ["GET"])]
+    return [admin_route(admin, "/admin/whoami", whoami, ["GET"], gateway)]
 
 
 def _keys(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
     from multiplexer.faces.admin_keys import mount_keys
 
-    return mount_keys(gateway, admin, admin_route, admin_error)
+    return mount_keys(gateway, admin, functools.partial(admin_route, gateway=gateway), admin_error)
 
 
 def _spend(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
-    return [admin_route(admin, "/admin/spend", spend_endpoint(gateway), ["GET"])]
+    return [admin_route(admin, "/admin/spend", spend_endpoint(gateway), ["GET"], gateway)]
 
 
 MOUNTS: Mounts = [_status, _keys, _spend]

@@ -2,23 +2,29 @@
 
 The page's files ship in the package (``static/``) and hold no data, so they are served without a
 key; the JSON and the stream answer only the admin key (every panel) or a caller's key (its own
-view: its jobs, its spend). Errors are the admin API's shape. Without an admin key and without
-caller keys nothing is served but the files (the API answers 404 saying how to turn it on).
+view: its jobs, its spend), each read one request of that key through the gateway's quota
+decision (a stream is charged once, when it opens, and holds a concurrency slot of the key until
+it ends; the admin key has no quota). Errors are the admin API's shape (429 when the key's quota
+refuses). Without an admin key and without caller keys nothing is served but the files (the API
+answers 404 saying how to turn it on). The page is sent with a Content-Security-Policy that lets it
+run only its own files.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
 from multiplexer.access.admin import AdminKey
 from multiplexer.core.errors import RpcError
 from multiplexer.faces.access import note_of
-from multiplexer.faces.admin import admin_error, refusal
+from multiplexer.faces.admin import QuotaRefused, admin_error, refusal
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.ui.snapshot import Ticks, Who, encode, snapshot
 from multiplexer.gateway.gateway import Gateway
@@ -28,6 +34,9 @@ TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=u
          ".css": "text/css; charset=utf-8", ".txt": "text/plain; charset=utf-8",
          ".png": "image/png"}
 NO_STORE = {"cache-control": "no-store"}
+# the page runs only its own files: no inline script, nothing from elsewhere, never in a frame
+PAGE_HEADERS = {"cache-control": "no-cache", "x-content-type-options": "nosniff",
+                "content-security-policy": "default-src 'self'; script-src 'self'; frame-ancestors 'none'"}
 
 
 def static_files() -> dict[str, tuple[bytes, str]]:
@@ -38,6 +47,20 @@ def static_files() -> dict[str, tuple[bytes, str]]:
         if entry.is_file() and suffix in TYPES:
             out[entry.name] = (entry.read_bytes(), TYPES[suffix])
     return out
+
+
+class Held(StreamingResponse):
+    """A stream that gives its key's request back (``release``) however it ends, once sent."""
+
+    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(body, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
 
 
 class Viewer:
@@ -71,7 +94,7 @@ def ui_routes(gateway: Gateway, admin: AdminKey, auth: Authenticator) -> list[Ba
 
     async def page(request: Request) -> Response:
         body, kind = files["index.html"]
-        return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
+        return Response(body, media_type=kind, headers=PAGE_HEADERS)
 
     async def static(request: Request) -> Response:
         found = files.get(request.path_params["name"])
@@ -82,14 +105,18 @@ def ui_routes(gateway: Gateway, admin: AdminKey, auth: Authenticator) -> list[Ba
     async def state(request: Request) -> Response:
         try:
             who = viewer(request)
+            async with gateway.quotas.held(who, QuotaRefused):
+                snap = await snapshot(gateway, who is None, who)
+        except QuotaRefused as e:
+            return refusal(e.error)
         except RpcError as e:
             return refusal(e)
-        snap = await snapshot(gateway, who is None, who)
         return Response(encode(snap), media_type="application/json", headers=NO_STORE)
 
     async def stream(request: Request) -> Response:
         try:
             who = viewer(request)
+            grant = await gateway.quotas.admit(who)  # charged once, its slot held while it is open
         except RpcError as e:
             return refusal(e)
 
@@ -97,8 +124,8 @@ def ui_routes(gateway: Gateway, admin: AdminKey, auth: Authenticator) -> list[Ba
             async for body in ticks.stream(who):
                 yield b"event: state\ndata: " + body + b"\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={**NO_STORE, "x-accel-buffering": "no"})
+        return Held(events(), lambda: gateway.quotas.release(grant), media_type="text/event-stream",
+                    headers={**NO_STORE, "x-accel-buffering": "no"})
 
     return [
         Route("/", root, methods=["GET"]),

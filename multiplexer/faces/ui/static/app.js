@@ -137,7 +137,10 @@ function drawCharts() {
 // -- panels -------------------------------------------------------------------------------------
 const table = (heads, rows) => `<table><tr>${heads.map((h) => `<th>${h}</th>`).join("")}</tr>${rows.join("")}</table>`;
 const empty = (text) => `<div class="empty">${esc(text)}</div>`;
-function body(name, html) { const el = $(`#panel-${name} .body`); if (el) el.innerHTML = html; }
+function body(name, html) { const el = $(`#panel-${name} .body`); if (el) { el.innerHTML = html; widths(el); } }
+// the page's Content-Security-Policy refuses style attributes in markup: bars carry their width
+// as data-w, set through the DOM
+function widths(el) { for (const bar of el.querySelectorAll("[data-w]")) bar.style.width = bar.dataset.w; }
 function show(name, on) { const el = $(`#panel-${name}`); if (el) el.hidden = !on; }
 
 function hist(buckets) {
@@ -155,11 +158,11 @@ function useBar(used, limit) {
   if (!limit) return `<span class="dim">no limit</span>`;
   const share = Math.min(1, Math.max(0, used / limit));
   const cls = share >= 0.95 ? "full" : share >= 0.7 ? "hot" : "";
-  return `<div class="bar" title="${num(used, 1)} of ${num(limit)}"><i class="use ${cls}" style="width:${(share * 100).toFixed(1)}%"></i></div>`;
+  return `<div class="bar" title="${num(used, 1)} of ${num(limit)}"><i class="use ${cls}" data-w="${(share * 100).toFixed(1)}%"></i></div>`;
 }
 function progress(c, total) {
   const t = Math.max(total, 1), w = (n) => (100 * n / t).toFixed(1) + "%";
-  return `<div class="bar"><i class="done" style="width:${w(c.done)}"></i><i class="failed" style="width:${w(c.failed)}"></i><i class="running" style="width:${w(c.running)}"></i></div>`;
+  return `<div class="bar"><i class="done" data-w="${w(c.done)}"></i><i class="failed" data-w="${w(c.failed)}"></i><i class="running" data-w="${w(c.running)}"></i></div>`;
 }
 const codes = (o) => Object.entries(o || {}).map(([k, n]) => `<span class="bad">${esc(k)}</span>×${n}`).join(" ") || `<span class="dim">0</span>`;
 const status = (s) => `<span class="${s === "up" ? "ok" : s === "failing" ? "bad" : "warn"}">${esc(s)}</span>`;
@@ -197,7 +200,7 @@ function routesPanel(r) {
     return `<tr><td>${esc(x.provider)}</td><td>${v(`provider.${x.provider}.upstream_requests`, x.upstream_requests)}</td>` +
       `<td>${x.upstream_batches}</td><td>${x.upstream_requests ? num(calls / x.upstream_requests, 2) : "–"}</td><td>${x.retries}</td><td>${codes(x.errors)}</td></tr>`;
   });
-  body("routes", `<div class="charts" style="grid-template-columns:1fr 1fr;margin:0">` +
+  body("routes", `<div class="charts halves">` +
     `<div>${table(["route", "calls/s", "ok", "errors by code", "in flight", "p50 ms", "p99 ms"], routes)}` +
     `<div class="dim">latency: since start, from the histogram in /metrics</div></div>` +
     `<div>${table(["lane", "queued", "in flight", "batches", "items", "items/batch", "batch sizes", "held / refused"], lanes)}` +
