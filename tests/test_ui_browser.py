@@ -204,8 +204,9 @@ async def test_jobs_progress_and_a_callers_own_view(tmp_path: Path, monkeypatch:
             httpx.AsyncClient(base_url=url, timeout=30) as http,
         ):
             submit = {"jsonrpc": "2.0", "id": 1, "method": "jobs.submit", "params": {
-                "more": True, "calls": [{"method": "chat_batch", "params": {
-                    "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}}] * 4}}
+                "more": True, "calls": [{"method": "chat_batch", "params": {  # reserved at submit:
+                    "model": "gpt-4o-mini", "max_tokens": 10,  # 4 x 10 tokens fit the $1 budget
+                    "messages": [{"role": "user", "content": "hi"}]}}] * 4}}
             job = (await http.post("/rpc", json=submit, headers={"authorization": f"Bearer {KEY}"})).json()
             job_id = job["result"]["job_id"]
             as_alice = {"authorization": f"Bearer {KEY}"}
