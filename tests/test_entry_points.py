@@ -52,8 +52,9 @@ LIVE = {"POST /v1/chat/completions", "POST /v1/chat/completions stream", "POST /
 # charged to the key's batch_calls_per_day instead, and count_tokens estimates none.
 TOKENS = {"rpc echo", "rpc chat", *LIVE, "mcp tools/call echo", "mcp tools/call chat",
           "mcp tools/call tools_echo"}
-# Requests that make an item with a price (the key's budget): echo and MCP tools have none.
-PRICED = {"rpc chat", "rpc jobs.submit", *LIVE, "POST /v1/messages/count_tokens", "POST /v1/batches",
+# Requests that make an item with a price (the key's budget): echo and MCP tools have none, and
+# count_tokens is free upstream (money/prices.UNBILLED).
+PRICED = {"rpc chat", "rpc jobs.submit", *LIVE, "POST /v1/batches",
           "POST /v1/messages/batches", "mcp tools/call chat", "mcp tools/call chat_batch (a task)"}
 # Requests that submit a job: its lines are one batch_calls charge besides the request's.
 JOBS = {"rpc jobs.submit", "POST /v1/batches", "POST /v1/messages/batches",
@@ -307,10 +308,6 @@ async def test_each_request_is_charged_to_its_key_exactly_once(unlimited: Ran, e
     assert bool(seen.accessed) == (BY_ROUTE.get(entry.name) in ("refused", "lines")), seen.accessed
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a count_tokens request is priced at the most a message could cost (its default max output "
-    "tokens) and its answer has no usage, so the reservation (~$0.06 for claude-sonnet-4-5) is "
-    "never settled: the key's budget is spent on requests that cost nothing upstream"))
 async def test_a_count_tokens_request_spends_nothing_of_the_budget(unlimited: Ran) -> None:
     bob = unlimited.ctx["bob"]  # $0.10 a day
     count = {"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": "hi"}]}

@@ -22,8 +22,7 @@ from multiplexer.core.jobrows import ItemRow, NewItem, PartRow
 from multiplexer.core.jobs import FALLBACK_ROUTES, FELL_BACK, LIVE, BatchJobs, JobStore
 from multiplexer.core.provider import BatchCapable
 from multiplexer.core.router import Resolved
-from multiplexer.gateway.admission import route_item
-from multiplexer.gateway.admission import own_model
+from multiplexer.gateway.admission import own_model, route_item
 
 
 class JobFallbacks:

@@ -27,7 +27,7 @@ import anyio
 from multiplexer.core.errors import Code, RpcError, rate_limited
 from multiplexer.core.policy import BudgetUsd
 from multiplexer.core.state import StateUnavailable
-from multiplexer.money.prices import Prices, out_budget
+from multiplexer.money.prices import UNBILLED, Prices, out_budget
 from multiplexer.money.settings import BudgetsConfig
 
 log = logging.getLogger(__name__)
@@ -320,6 +320,8 @@ class Budgets:
 
     def most_of(self, label: str, route: Any, item: Any, batch: bool) -> int | None:
         """``most`` of an item on route ``label``; ``batch``: at the batch API's price."""
+        if item.operation in UNBILLED:
+            return None
         params = item.params
         model = params.get("model") if isinstance(params, dict) else None
         rates = self.prices.rates(label, route.provider, model if isinstance(model, str) else None)

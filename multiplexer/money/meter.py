@@ -25,7 +25,7 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.provider import STREAM
 from multiplexer.core.sink import ChunkSink
-from multiplexer.money.prices import Prices, Tokens, out_budget, tokens_of
+from multiplexer.money.prices import UNBILLED, Prices, Tokens, out_budget, tokens_of
 
 # What a call's saving came from (the ledger's and /metrics' ``how``): a fixed set.
 SYNC, BATCH, INFLIGHT, CACHE = "sync", "batch", "dedup", "cache"
@@ -106,7 +106,7 @@ class Meter:
         caller shared another's execution (``dedup``, ``cache``) or None. Integer pico-dollars
         throughout; ``Decimal`` only for what the caller reads."""
         item, route = plan.item, plan.route
-        if item is None or route is None:
+        if item is None or route is None or item.operation in UNBILLED:
             return answer, None
         params = item.params
         model = params.get("model") if isinstance(params, dict) else None

@@ -236,3 +236,8 @@ def out_budget(params: Any) -> int | None:
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return None
+
+
+# Provider operations that bill nothing: a call of one is never priced nor reserved against a
+# budget (Anthropic's token counting is free and answers with no usage).
+UNBILLED = frozenset({"count_tokens"})
