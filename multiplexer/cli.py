@@ -37,7 +37,7 @@ def _run(fn: Any, *args: Any) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     try:
         from multiplexer.faces.siblings import worker_slot
-        from multiplexer.server import ServeError, check_bind, serve_forever  # uvicorn, faces: only here
+        from multiplexer.server import ServeError, check_start, serve_forever  # uvicorn, faces: only here
     except ImportError as e:  # a broken install must not start a gateway that lacks a face
         raise CliError(f"cannot load the server and its faces ({type(e).__name__}: {e}); "
                        "reinstall the package (pip install -e .)") from None
@@ -51,8 +51,10 @@ def _serve(args: argparse.Namespace) -> int:
             handler.setFormatter(JsonLines())
     if args.stdio:
         from multiplexer.faces.mcp.stdio import serve_stdio
+        from multiplexer.preflight import check_services
 
         config.server.workers = 1  # one process on stdin/stdout: it enforces the whole limits
+        anyio.run(check_services, config)
         anyio.run(serve_stdio, config)
         return 0
     if args.workers is not None:
@@ -63,7 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
     elif config.server.worker_count() > 1:
         from multiplexer.workers import Plan, supervise
 
-        check_bind(config, args.host or config.server.host)
+        _run(check_start, config, args.host or config.server.host)  # once, before any worker
         plan = Plan(args.config, args.host or config.server.host,
                     config.server.port if args.port is None else args.port,
                     config.server.worker_count(), config.server.grace_period_s, args.verbose)
@@ -266,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
-    except StartupError as e:
+    except StartupError as e:  # a store or the state the config names cannot be used: as a config error
         print(f"multiplexer {args.command}: {e}", file=sys.stderr)
-        return 1
+        return 2
     except CliError as e:
         print(f"multiplexer {args.command}: {e}", file=sys.stderr)
         return 1

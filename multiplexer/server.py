@@ -28,6 +28,7 @@ from multiplexer.faces.v1 import v1_routes
 from multiplexer.gateway import heap
 from multiplexer.gateway.config import Config, ConfigError
 from multiplexer.gateway.gateway import Gateway
+from multiplexer.preflight import check_services, live_keys
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +91,39 @@ class ServeError(RuntimeError):
     """The server cannot start (the address is taken, not ours to bind, ...): one line for the CLI."""
 
 
-def check_bind(config: Config, host: str) -> None:
-    """The one check of the address actually bound (from config or ``--host``): without API keys
-    only loopback, unless the config says otherwise."""
+def check_bind(config: Config, host: str, stored_keys: int = 0) -> None:
+    """The one check of the address actually bound (from config or ``--host``): off loopback,
+    callers must present a key (``server.api_keys``, or ``stored_keys``: the key store's live
+    ones), unless the config says otherwise. The admin key guards only /admin/ and the
+    dashboard, ``server.oauth`` only /mcp: neither asks /rpc or /v1 callers for anything."""
     server = config.server
-    if server.api_keys or is_loopback(host) or key_store_on(config):
+    store = key_store_on(config)
+    if is_loopback(host) or server.api_keys or (store and stored_keys > 0):
         return
     if server.allow_public_without_keys:
         log.warning("serving %s without API keys", host)
         return
-    raise ConfigError(
-        f"refusing to serve on non-loopback address {host!r} without server.api_keys "
-        "(set server.allow_public_without_keys: true to override)"
-    )
+    why = [part for on, part in ((AdminKey(server.admin_key).enabled,
+                                  "the admin key guards only /admin/ and the dashboard"),
+                                 (server.oauth is not None, "server.oauth guards only /mcp"),
+                                 (store, "the key store holds no live key")) if on]
+    if not why:
+        raise ConfigError(f"refusing to serve on non-loopback address {host!r} without server.api_keys "
+                          "(set server.allow_public_without_keys: true to override)")
+    fixes = ["set server.api_keys", *(["create one with `multiplexer keys create`"] if store else []),
+             "set server.allow_public_without_keys: true to override"]
+    raise ConfigError(f"refusing to serve on non-loopback address {host!r}: callers need no key "
+                      f"({', and '.join(why)}): {', '.join(fixes[:-1])}, or {fixes[-1]}")
+
+
+async def check_start(config: Config, host: str) -> None:
+    """Everything checked before anything runs: the stores and the state reachable
+    (``StartupError``), then the address (``ConfigError``), with the key store's live keys
+    counted where they decide it."""
+    await check_services(config)
+    server = config.server
+    counts = not (is_loopback(host) or server.api_keys) and key_store_on(config)
+    check_bind(config, host, await anyio.to_thread.run_sync(live_keys, config) if counts else 0)
 
 
 def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
@@ -133,7 +154,7 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
     ``slot``: this process is one worker of ``serve --workers N`` (multiplexer/workers.py)."""
     host = host or config.server.host
     port = config.server.port if port is None else port
-    check_bind(config, host)
+    await check_start(config, host)
     if slot is not None and slot.fd is not None:  # the supervisor's socket (no SO_REUSEPORT)
         sock = socket.socket(fileno=slot.fd)
     else:
@@ -148,7 +169,7 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
             routes = v1_routes(gw, auth) + mcp_routes + admin_routes(gw, admin)
             if config.server.ui:
                 routes += ui_routes(gw, admin, auth)
-            app = create_app(gw, routes, lifespan, auth)
+            app = create_app(gw, routes, lifespan, auth, admin=admin, public=not is_loopback(host))
             gw.faces["app"] = app  # what is mounted, for those who enumerate it
             heap.serving(gw)  # before the first call: no full pauses on start-up's heap after
             async with among_siblings(slot, gw), serve_asgi(

@@ -1,4 +1,5 @@
-"""``GET /readyz``: each provider, the shared state and the job store, 503 while one is not ready."""
+"""``GET /readyz``: each provider, the shared state and the job store, 503 while one is not ready;
+what is not ready, and why, only for the admin key."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import yaml
 
 from examples.jsonrpc_upstream import UpstreamState, create_app
 from multiplexer import Client, RpcError
+from multiplexer.access.admin import ENV
 from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
@@ -23,6 +25,13 @@ from tests.redis_helpers import own_redis, prefix, redis_url
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parent.parent
+ADMIN = "adm-readyz-" + "r" * 24
+AS_ADMIN = {"authorization": f"Bearer {ADMIN}"}
+
+
+@pytest.fixture(autouse=True)
+def _admin_key_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)  # the environment's would win over the config's
 
 
 def default_config(**extra: Any) -> dict[str, Any]:
@@ -30,13 +39,15 @@ def default_config(**extra: Any) -> dict[str, Any]:
     conf = yaml.safe_load(DEFAULT_CONFIG.read_text())
     del conf["providers"]["local"], conf["routes"]["embed_local"]
     conf["server"]["port"] = 0
+    conf["server"]["admin_key"] = ADMIN
     conf["providers"]["tools"]["cwd"] = str(DEFAULT_CONFIG.parent)  # its demo tools lie beside it
     return {**conf, **extra}
 
 
-async def get(url: str, path: str) -> httpx.Response:
+async def get(url: str, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    """As the admin asks (every part and its error), unless ``headers`` says who else asks."""
     async with httpx.AsyncClient(timeout=30) as http:
-        return await http.get(url + path)
+        return await http.get(url + path, headers=AS_ADMIN if headers is None else headers)
 
 
 async def test_the_default_config_is_ready_and_healthz_keeps_its_shape() -> None:
@@ -110,7 +121,7 @@ async def test_the_job_store_is_reported_where_jobs_are_served(tmp_path: Path) -
 
 async def test_an_http_upstream_fails_after_connection_failures_and_is_up_on_its_next_answer() -> None:
     port = free_port()
-    conf = calc_config(f"http://127.0.0.1:{port}/", server={"port": 0})
+    conf = calc_config(f"http://127.0.0.1:{port}/", server={"port": 0, "admin_key": ADMIN})
     async with running(parse_config(conf)) as (_, url), Client(url) as client:
         with pytest.raises(RpcError) as refused:
             await client.call("subtract", [2, 1])  # three attempts, each refused
@@ -123,3 +134,45 @@ async def test_an_http_upstream_fails_after_connection_failures_and_is_up_on_its
     calc = down.json()["providers"]["calc"]
     assert calc["status"] == "failing" and "ConnectError" in calc["error"]
     assert up.status_code == 200 and up.json()["providers"]["calc"] == {"status": "up"}
+
+
+WHO_ELSE = [{}, {"authorization": "Bearer not-the-admin-key"}, {"authorization": "Basic eA=="}]
+
+
+async def test_anyone_but_the_admin_gets_the_status_and_no_error_text() -> None:
+    conf = default_config(server={**default_config()["server"], "api_keys": {"ci": "caller-key-123"}})
+    conf["providers"]["dead"] = {
+        "kind": "mcp", "command": sys.executable, "restart_backoff_ms": 20,
+        "args": ["-c", "import sys; print('password=hunter2 at db.internal', file=sys.stderr); sys.exit(3)"]}
+    async with running(parse_config(conf)) as (_, url):
+        admin = await get(url, "/readyz")
+        others = [await get(url, "/readyz", h)
+                  for h in [*WHO_ELSE, {"authorization": "Bearer caller-key-123"}]]
+    assert admin.status_code == 503 and "hunter2" in admin.json()["providers"]["dead"]["error"]
+    for other in others:
+        assert (other.status_code, other.json()) == (503, {"status": "not_ready"})
+        assert "hunter2" not in other.text and "dead" not in other.text
+
+
+async def test_a_lost_shared_state_is_not_ready_for_all_and_its_error_is_the_admins() -> None:
+    with own_redis() as server:
+        conf = default_config(state={"url": server.url, "timeout_ms": 200})
+        async with running(parse_config(conf)) as (_, url):
+            up = [await get(url, "/readyz", h) for h in WHO_ELSE]
+            server.stop()
+            admin = await get(url, "/readyz")
+            down = [await get(url, "/readyz", h) for h in WHO_ELSE]
+            server.start()
+    assert admin.status_code == 503 and admin.json()["state"]["error"]
+    for ready in up:
+        assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+    for ready in down:
+        assert (ready.status_code, ready.json()) == (503, {"status": "not_ready"})
+
+
+async def test_without_an_admin_key_nobody_gets_the_details() -> None:
+    conf = default_config()
+    del conf["server"]["admin_key"]
+    async with running(parse_config(conf)) as (_, url):
+        ready = await get(url, "/readyz", AS_ADMIN)
+    assert (ready.status_code, ready.json()) == (200, {"status": "ready"})

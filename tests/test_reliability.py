@@ -51,7 +51,8 @@ async def test_fuzzed_rpc_and_mcp_get_spec_shaped_replies_and_no_5xx(
                                 fuzz_rpc.mcp_check, 16, mcp)
             async with httpx.AsyncClient() as http:
                 assert (await http.get(f"{url}/healthz")).status_code == 200
-                metrics = await http.get(f"{url}/metrics")
+                metrics = await http.get(f"{url}/metrics",
+                                         headers={"authorization": f"Bearer {fuzz_rpc.KEY}"})
     assert metrics.status_code == 200  # once, a method named "\ud800" broke /metrics for good
     assert metrics.text.count("multiplexer_calls_total{") < fuzz_rpc.MAX_SERIES  # not one per name
     for tally in (rpc, mcp):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -14,6 +16,7 @@ import pytest
 
 from examples.jsonrpc_upstream import UpstreamState
 from multiplexer import Client, RpcError
+from multiplexer.access.admin import ENV
 from multiplexer.gateway.config import ConfigError, parse_config
 from multiplexer.server import check_bind, running
 from tests.jsonrpc_helpers import gateway_with_upstream, post
@@ -176,3 +179,96 @@ routes: {{sleep: {{provider: calc}}}}
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+# -- a public bind needs callers to present a key ------------------------------------------
+
+ADMIN = "adm-public-bind-" + "z" * 20
+NO_CALLER_KEY = ("refusing to serve on non-loopback address '0.0.0.0': callers need no key "
+                 "(the admin key guards only /admin/ and the dashboard, and the key store holds no live "
+                 "key): set server.api_keys, create one with `multiplexer keys create`, or set "
+                 "server.allow_public_without_keys: true to override")
+
+
+def keyed_by_store(tmp_path: Path, **server: object) -> dict:
+    return {"server": {"port": 0, **server}, "store": {"path": str(tmp_path / "jobs.db")},
+            "providers": {"e": {"kind": "echo"}}, "routes": {"echo": {"provider": "e"}}}
+
+
+def test_an_admin_key_alone_leaves_callers_keyless_so_a_public_bind_is_refused() -> None:
+    with_admin = parse_config({"server": {"admin_key": ADMIN}})
+    with pytest.raises(ConfigError) as err:
+        check_bind(with_admin, "0.0.0.0", stored_keys=0)
+    assert str(err.value) == NO_CALLER_KEY
+    check_bind(with_admin, "0.0.0.0", stored_keys=1)
+    check_bind(with_admin, "127.0.0.1", stored_keys=0)
+
+
+def test_oauth_alone_leaves_rpc_and_v1_keyless_so_a_public_bind_is_refused() -> None:
+    """``server.oauth`` guards ``/mcp``; ``/rpc`` and ``/v1`` still take keyless calls under it."""
+    oauth = {"issuer": "https://issuer.example", "audience": "https://gw.example/mcp",
+             "jwks_url": "https://issuer.example/jwks"}
+    with pytest.raises(ConfigError) as err:
+        check_bind(parse_config({"server": {"oauth": oauth}}), "0.0.0.0")
+    assert str(err.value) == (
+        "refusing to serve on non-loopback address '0.0.0.0': callers need no key (server.oauth "
+        "guards only /mcp): set server.api_keys, or set server.allow_public_without_keys: true "
+        "to override")
+    check_bind(parse_config({"server": {"oauth": oauth, "api_keys": {"a": "k"}}}), "0.0.0.0")
+
+
+async def test_the_cli_refuses_a_public_bind_with_only_the_admin_key(tmp_path: Path) -> None:
+    conf = tmp_path / "gw.yaml"
+    conf.write_text(json.dumps(keyed_by_store(tmp_path)))
+    env = {**os.environ, ENV: ADMIN}
+    with anyio.fail_after(60):  # a gateway that starts anyway serves until stopped here
+        proc = await anyio.run_process([sys.executable, "-m", "multiplexer", "serve", "--config",
+                                        str(conf), "--host", "0.0.0.0"], check=False, env=env)
+    assert "Traceback" not in proc.stderr.decode()
+    assert proc.stderr.decode().splitlines() == [NO_CALLER_KEY]
+    assert proc.returncode == 2
+
+
+async def test_a_stored_key_opens_a_public_bind_and_keyless_calls_stay_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    config = keyed_by_store(tmp_path, admin_key=ADMIN)
+    with pytest.raises(ConfigError, match="the key store holds no live key"):
+        async with running(parse_config(config), host="0.0.0.0"):
+            pass
+    async with running(parse_config(config)) as (_, url), httpx.AsyncClient(base_url=url) as http:
+        made = await http.post("/admin/keys", json={"name": "ci"}, headers=admin)
+        assert made.status_code == 201, made.text
+    async with running(parse_config(config), host="0.0.0.0") as (_, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        call = {"jsonrpc": "2.0", "method": "echo", "params": {"a": 1}, "id": 1}
+        keyless = await http.post("/rpc", json=call)
+        chat = await http.post("/v1/chat/completions", json={"model": "echo", "messages": []})
+        keyed = await http.post("/rpc", json=call, headers={"authorization": f"Bearer {made.json()['key']}"})
+    assert keyless.status_code == 401 and keyless.json()["error"]["code"] == -32005
+    assert chat.status_code == 401
+    assert keyed.json()["result"] == {"a": 1}
+
+
+def test_a_revoked_or_expired_key_is_not_a_live_one(tmp_path: Path) -> None:
+    from multiplexer.access.keystore import AuditRow, KeyRow, open_store
+    from multiplexer.preflight import live_keys
+
+    config = parse_config(keyed_by_store(tmp_path, admin_key=ADMIN))
+    store = open_store(config.store.path, None, "multiplexer")
+    now = time.time()
+
+    def add(key_id: str, **fields: float) -> None:
+        store.add_key(KeyRow(key_id, key_id, "sk-" + key_id, key_id.encode().hex().ljust(64, "0"), None,
+                             {}, fields.get("expires_at"), now, now, fields.get("revoked_at")),
+                      AuditRow("a-" + key_id, now, "admin", "key.create", key_id, {}))
+
+    try:
+        add("gone", revoked_at=now - 10)
+        add("old", expires_at=now - 10)
+        assert live_keys(config) == 0
+        add("live", expires_at=now + 3600)
+        assert live_keys(config) == 1
+    finally:
+        store.close()

@@ -1,4 +1,5 @@
-"""``state.url`` and ``store.url`` are checked at start: one line naming the key, exit non-zero.
+"""``state.url``, ``store.url`` and ``store.path`` are checked before anything runs: one line
+naming the setting and the fix, exit 2, no traceback (``serve --workers N``'s parent too).
 
 Against the machine's real Redis and PostgreSQL (and a port nothing listens on), not mocks.
 """
@@ -10,10 +11,12 @@ import secrets
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from multiplexer.access.admin import ENV
 from multiplexer.core.startup import StartupError, shown_url
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
@@ -98,20 +101,79 @@ def test_a_password_never_reaches_the_line() -> None:
     assert shown_url("redis://cache:6379/0") == "redis://cache:6379/0"
 
 
-@pytest.mark.parametrize("key", ["state", "store"])
-def test_serve_prints_one_line_and_exits_non_zero(tmp_path: Path, key: str) -> None:
-    port = free_port()
-    if key == "state":
-        url = f"redis://127.0.0.1:{port}/0"
-        config = with_state(url)
-    else:
-        url = f"postgresql://postgres@127.0.0.1:{port}/mx"
-        config = with_store(url)
+# -- `multiplexer serve`: checked before anything runs, one line, exit 2 -----------------------
+
+def echo_only(**sections: Any) -> dict[str, Any]:
+    """Nothing in it opens the store at start: only the start-up checks can find it wrong (else
+    the /v1 face's retention sweep found it first, from a task, once the gateway served)."""
+    return {**sections, "server": {"port": 0}, "providers": {"e": {"kind": "echo"}},
+            "routes": {"echo": {"provider": "e"}}}
+
+
+def serve(tmp_path: Path, config: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
+    """The real CLI; a gateway that starts anyway is stopped at the timeout and fails the test."""
     path = tmp_path / "gw.yaml"
     path.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "multiplexer", "serve", "--config", str(path),
-                           "--port", "0"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
-    assert done.stderr.splitlines() == [
-        f"multiplexer serve: {key}.url {url}: cannot connect (Connection refused)"]
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    try:
+        return subprocess.run([sys.executable, "-m", "multiplexer", "serve", "--config", str(path),
+                               "--port", "0", *args], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the gateway started; its stderr: {e.stderr!r}") from None
+
+
+def refused(done: subprocess.CompletedProcess[str], line: str) -> None:
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines() == [f"multiplexer serve: {line}"]
+    assert done.returncode == 2
+
+
+WORKERS = pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["one", "workers"])
+
+
+@WORKERS
+def test_serve_names_a_missing_database_and_how_to_create_it(tmp_path: Path, workers: tuple[str, ...],
+                                                             ) -> None:
+    with admin():
+        pass
+    name = "mxtest_missing_" + secrets.token_hex(4)
+    url = f"{SERVER}/{name}"
+    refused(serve(tmp_path, echo_only(store={"url": url}), *workers),
+            f'store.url {url}: database "{name}" does not exist; '
+            f"create it with `createdb -h 127.0.0.1 -U postgres {name}`")
+
+
+@WORKERS
+def test_serve_names_a_postgres_role_that_does_not_exist(tmp_path: Path, workers: tuple[str, ...]) -> None:
+    with admin():
+        pass
+    url = SERVER.replace("postgres@", "mx_nobody@", 1) + "/test"
+    refused(serve(tmp_path, echo_only(store={"url": url}), *workers),
+            f'store.url {url}: role "mx_nobody" does not exist')
+
+
+@WORKERS
+@pytest.mark.parametrize("key", ["state", "store"])
+def test_serve_names_a_closed_port(tmp_path: Path, key: str, workers: tuple[str, ...]) -> None:
+    port = free_port()  # nothing listens there
+    if key == "state":
+        url = f"redis://127.0.0.1:{port}/0"
+        config = echo_only(state={"url": url})
+    else:
+        url = f"postgresql://postgres@127.0.0.1:{port}/mx"
+        config = echo_only(store={"url": url})
+    refused(serve(tmp_path, config, *workers), f"{key}.url {url}: cannot connect (Connection refused)")
+
+
+def test_serve_names_a_store_path_whose_folder_cannot_be_made(tmp_path: Path) -> None:
+    (tmp_path / "plain").write_text("a file, not a folder")
+    path = tmp_path / "plain" / "jobs.db"
+    refused(serve(tmp_path, echo_only(store={"path": str(path)})),
+            f"store.path {path}: {tmp_path / 'plain'} is not a folder; choose another store.path")
+
+
+def test_a_store_path_in_a_folder_not_yet_made_is_fine() -> None:
+    from multiplexer.preflight import sqlite_problem
+
+    assert sqlite_problem(ROOT / "no-such-folder" / "deeper" / "jobs.db") is None

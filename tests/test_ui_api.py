@@ -202,7 +202,7 @@ async def test_a_caller_key_sees_its_own_spend_only(tmp_path: Any) -> None:
         assert len(gw.money.meter.records) == 4
         alice, bob = await view(KEY), await view(BOB)
         admin = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()["panels"]["spend"]
-        m = scrape((await http.get("/metrics")).text)
+        m = scrape((await http.get("/metrics", headers=AS_ADMIN)).text)
         reads = gw.money.own.reads
         assert await view(KEY) == alice and gw.money.own.reads == reads  # cached: no second read
 
@@ -302,7 +302,7 @@ async def test_a_caller_key_sees_its_own_jobs_only(tmp_path: Any) -> None:
             alice = (await http.get("/ui/api/state", headers={"authorization": f"Bearer {KEY}"})).json()
             bob = (await http.get("/ui/api/state", headers={"authorization": f"Bearer {BOB}"})).json()
             admin = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()
-            m = scrape((await http.get("/metrics")).text)
+            m = scrape((await http.get("/metrics", headers=AS_ADMIN)).text)
     mine = alice["panels"]["jobs"]["jobs"]
     assert [j["job_id"] for j in mine] == [job_id] and mine[0]["total"] == 3
     assert sum(mine[0]["counts"].values()) == 3

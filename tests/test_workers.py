@@ -420,9 +420,11 @@ async def test_without_reuseport_the_workers_share_the_parents_socket(replicas: 
 
 
 async def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path) -> None:
-    # nothing listens at the state's address: each worker fails
+    # nothing listens at the state's address: each worker fails (the supervisor run on its own:
+    # `serve --workers 2` checks the state before it starts one, tests/test_startup_checks.py)
     config = write_config(tmp_path, None, state={"url": "redis://127.0.0.1:9/0"})
-    cmd = [sys.executable, "-m", "multiplexer", "serve", "--config", str(config), "--workers", "2"]
+    cmd = [sys.executable, "-c", "from multiplexer.workers import Plan, supervise; "
+           f"raise SystemExit(supervise(Plan({str(config)!r}, '127.0.0.1', 0, 2, 5.0)))"]
     done = await anyio.run_process(cmd, cwd=str(ROOT), check=False,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     err = done.stderr.decode()

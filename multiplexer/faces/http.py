@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -13,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from multiplexer.access.admin import AdminKey
 from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.json_codec import dumps
 from multiplexer.core.jsonrpc import error_response
@@ -21,7 +23,8 @@ from multiplexer.faces.access import Access, AccessLog, Note, note_of
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.body import BodyTooLarge, ClientGone, headers_over, read_body
 from multiplexer.faces.disconnect import cancelled_on_disconnect
-from multiplexer.faces.ready import readiness
+from multiplexer.faces.probe_access import ProbeAccess, ScrapeRefused
+from multiplexer.faces.ready import for_anyone, readiness
 from multiplexer.faces.reply import JSON_HEADERS, DirectEndpoint, Headers, Reply
 from multiplexer.faces.rpc import handle_body
 from multiplexer.faces.unexpected import unexpected
@@ -39,6 +42,12 @@ def too_large(limit: int) -> Reply:
 
 def unauthorized(error: RpcError) -> Reply:
     return rpc_error(401, error, [(b"www-authenticate", b'Bearer realm="multiplexer"')])
+
+
+def rate_limited(error: RpcError) -> Reply:
+    data = error.data if isinstance(error.data, dict) else {}
+    wait = max(1, math.ceil(data.get("retry_after") or 1))
+    return rpc_error(429, error, [(b"retry-after", str(wait).encode())])
 
 
 NO_CONTENT = Reply(204)
@@ -105,7 +114,12 @@ class RpcEndpoint:
         return NO_CONTENT if reply is None else Reply(200, reply, JSON_HEADERS)
 
 
-def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
+def as_response(reply: Reply) -> Response:
+    """A ``Reply`` where a Starlette endpoint must return a ``Response``."""
+    return Response(reply.body, reply.status, {k.decode(): v.decode() for k, v in reply.headers})
+
+
+def build_routes(gateway: Gateway, auth: Authenticator, probes: ProbeAccess) -> list[BaseRoute]:
 
     async def healthz(request: Request) -> Response:
         lanes = {
@@ -122,15 +136,30 @@ def build_routes(gateway: Gateway, auth: Authenticator) -> list[BaseRoute]:
     async def readyz(request: Request) -> Response:
         siblings = gateway.faces.get("workers")  # serve --workers N: every worker's readiness
         status, body = await (siblings.readiness() if siblings else readiness(gateway))
+        if not probes.readiness_details(request.headers.get("authorization")):
+            body = for_anyone(body)
         return JSONResponse(body, status_code=status)
 
-    async def metrics(request: Request) -> Response:
+    async def exposition() -> bytes:
         siblings = gateway.faces.get("workers")  # serve --workers N: every worker's, summed
         if siblings is not None:
-            text = await siblings.metrics()
+            return await siblings.metrics()  # type: ignore[no-any-return]
+        await gateway.metrics.refresh()
+        return gateway.metrics.render()
+
+    async def metrics(request: Request) -> Response:
+        try:
+            who = probes.check_metrics(request.headers.get("authorization"))
+        except RpcError as e:
+            return as_response(unauthorized(e))
+        if who is None:
+            text = await exposition()
         else:
-            await gateway.metrics.refresh()
-            text = gateway.metrics.render()
+            try:
+                async with gateway.quotas.held(who, ScrapeRefused):
+                    text = await exposition()
+            except ScrapeRefused as e:
+                return as_response(rate_limited(e.error))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return [
@@ -145,12 +174,16 @@ Mount = Callable[[Gateway, Authenticator], Awaitable[tuple[list[BaseRoute], Any]
 
 
 def create_app(gateway: Gateway, extra_routes: list[BaseRoute] | None = None,
-               lifespan: Any = None, auth: Authenticator | None = None) -> ASGIApp:
-    """``/rpc``, ``/healthz``, ``/metrics`` and ``extra_routes``; ``auth`` is the one the other
-    faces were given (made from the config's keys when none is)."""
-    auth = auth or Authenticator(gateway.config.server.api_keys)
-    routes = build_routes(gateway, auth) + list(extra_routes or [])
+               lifespan: Any = None, auth: Authenticator | None = None, *,
+               admin: AdminKey | None = None, public: bool = False) -> ASGIApp:
+    """``/rpc``, ``/healthz``, ``/readyz``, ``/metrics`` and ``extra_routes``; ``auth`` is the one
+    the other faces were given (made from the config's keys when none is), ``admin`` the admin
+    key's; ``public``: bound to a non-loopback address (``/metrics`` then asks for a key)."""
     server = gateway.config.server
+    auth = auth or Authenticator(server.api_keys)
+    probes = ProbeAccess(auth, admin or AdminKey(server.admin_key),
+                         metrics_public=server.metrics_public, public=public)
+    routes = build_routes(gateway, auth, probes) + list(extra_routes or [])
     app = HeaderLimit(ExactPaths(Starlette(routes=routes, lifespan=lifespan), routes),
                       server.max_header_bytes)
     return Access(app, AccessLog(server, gateway.metrics, routes))

@@ -5,7 +5,8 @@ answered 503 while down or starting: every configured provider (``up``; a provid
 the ``Readiness`` capability says ``starting`` or ``failing`` with its last error, any
 other is ``up`` once started), the shared state when ``state.url`` is set (one round
 trip), and the job store when some provider runs batch jobs (one query). Secrets stay
-out: the state is named by its scheme, the store by its kind.
+out: the state is named by its scheme, the store by its kind. The parts and their errors
+are the admin key's (``faces/probe_access.py``); anyone else reads ``for_anyone``.
 """
 
 from __future__ import annotations
@@ -78,3 +79,13 @@ async def readiness(gateway: Gateway) -> tuple[int, dict[str, Any]]:
         ready = ready and body["store"]["reachable"]
     body = {"status": "shutting_down" if gateway.closing else "ready" if ready else "not_ready", **body}
     return (200 if ready else 503), body
+
+
+def for_anyone(body: dict[str, Any]) -> dict[str, Any]:
+    """What a caller without the admin key reads: the status, and each worker's under ``serve
+    --workers N`` (status words only); no part's name, no error text (a store's or Redis's own
+    words name hosts and users)."""
+    out: dict[str, Any] = {"status": body["status"]}
+    if "workers" in body:
+        out["workers"] = body["workers"]
+    return out

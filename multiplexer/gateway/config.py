@@ -93,6 +93,9 @@ class ServerConfig(Strict):
                                         "(the gateway as a resource server); unset: API keys only")
     quotas: dict[str, Quota] = Field(default_factory=dict)
     allow_public_without_keys: bool = False
+    metrics_public: bool = Field(
+        default=False, description="/metrics without a key; unset: once callers need a key, or on a "
+        "non-loopback address, a scrape needs a caller's key or the admin key")
     mcp: McpServerConfig = Field(default_factory=McpServerConfig)
     # -- operations: access log and keep-alive --
     access_log: bool = Field(default=True, description="one INFO line per HTTP request (logger "
