@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any
+from datetime import UTC, datetime
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from multiplexer.access.entries import Access
 from multiplexer.access.settings import VirtualServer
 from multiplexer.core.policy import BudgetUsd, Strict
+
+
+def _in_range(at: datetime | None) -> datetime | None:
+    """A moment the store can keep: its UTC time and timestamp both exist (years 1970 to 9998)."""
+    if at is None:
+        return at
+    try:
+        utc = at.astimezone(UTC) if at.tzinfo is not None else at.replace(tzinfo=UTC)
+        stamp = utc.timestamp()
+    except (OverflowError, ValueError, OSError):
+        raise ValueError("the moment is out of range") from None
+    if not 0 <= stamp < 253_370_764_800:  # 9999-01-01T00:00:00Z
+        raise ValueError("the moment must be between 1970 and 9998")
+    return at
+
+
+Moment = Annotated[datetime | None, AfterValidator(_in_range)]
+TEN_YEARS_S = 315_360_000.0
 
 
 class KeyIn(Access):
@@ -17,7 +35,7 @@ class KeyIn(Access):
 
     name: str = Field(min_length=1, max_length=200, description="what the key is for (not unique)")
     team: str | None = Field(default=None, description="a team whose defaults the key narrows")
-    expires_at: datetime | None = Field(default=None, description="refused from then on")
+    expires_at: Moment = Field(default=None, description="refused from then on")
 
 
 class TeamPatch(Strict):
@@ -38,7 +56,7 @@ class KeyPatch(TeamPatch):
 
     name: str | None = Field(default=None, min_length=1, max_length=200)
     team: str | None = None
-    expires_at: datetime | None = None
+    expires_at: Moment = None
 
 
 class KeyOut(BaseModel):
@@ -66,8 +84,9 @@ class KeyCreated(KeyOut):
 
 
 class RotateIn(Strict):
-    grace_s: float | None = Field(default=None, ge=0, description="how long the old key stays valid "
-                                  "(unset: server.key_store.grace_s; 0: not at all)")
+    grace_s: float | None = Field(default=None, ge=0, le=TEN_YEARS_S,
+                                  description="how long the old key stays valid (unset: "
+                                  "server.key_store.grace_s; 0: not at all; at most ten years)")
 
 
 class Rotated(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from multiplexer.access.api import (
     TeamPatch,
 )
 from multiplexer.core.errors import Code, RpcError, invalid_params
+from multiplexer.core.jsonrpc import is_unicode
 from multiplexer.core.version import VERSION
 from multiplexer.gateway.gateway import Gateway
 
@@ -50,12 +52,33 @@ def _json(model: BaseModel | list[Any], status: int = 200) -> Response:
     return JSONResponse(body, status_code=status)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _storable(value: Any, where: str = "body") -> None:
+    """Raise for a value the store cannot keep, named by its place: a number too large to be
+    finite (``1e999``) or a string with a lone surrogate (``"\\ud800"``, not UTF-8)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise invalid_params(f"{where}: the number is out of range")
+    if isinstance(value, str) and not is_unicode(value):
+        raise invalid_params(f"{where}: the string is not Unicode text (a lone surrogate)")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _storable(k, where)
+            _storable(v, f"{where}.{k}" if where != "body" else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _storable(v, f"{where}.{i}")
+
+
 async def _body(request: Request, model: type[Any]) -> Any:
     raw = await request.body()
     try:
-        data = json.loads(raw) if raw.strip() else {}
+        data = json.loads(raw, parse_constant=_no_constant) if raw.strip() else {}
     except ValueError as e:
         raise invalid_params(f"the body is not JSON: {e}") from None
+    _storable(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
