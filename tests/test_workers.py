@@ -252,10 +252,13 @@ def rpc(method: str, params: Any, id_: int = 1) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "method": method, "params": params, "id": id_}
 
 
-async def metric_lines(url: str) -> dict[str, str]:
-    """``/metrics`` summed over the workers, as ``{series: value}``."""
+async def metric_lines(url: str, headers: dict[str, str] | None = None) -> dict[str, str]:
+    """``/metrics`` summed over the workers, as ``{series: value}`` (``headers``: a key, where
+    callers need keys and so does a scrape)."""
     async with one_connection() as client:
-        text = (await client.get(f"{url}/metrics")).text
+        r = await client.get(f"{url}/metrics", headers=headers)
+        assert r.status_code == 200, r.text
+        text = r.text
     return dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
 
 
