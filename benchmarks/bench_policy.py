@@ -37,6 +37,17 @@ providers:
 routes:
   chat: {{provider: oai, operation: chat, models: [{model}]}}
 """
+# ``--keyless``: the admin API on, no key made yet (every caller keyless): what a worker pays to
+# make sure the store still holds no key before it serves a caller without one
+KEYLESS = """
+server: {{host: 127.0.0.1, port: {port}, admin_key: bench-admin-key-0123456789}}
+store: {{path: {store}}}
+providers:
+  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
+        price: {{input_per_mtok: 2.5, output_per_mtok: 10}}}}
+routes:
+  chat: {{provider: oai, operation: chat, models: [{model}]}}
+"""
 SERVE = "import sys; sys.path.insert(0, {tree!r}); from multiplexer.cli import main; sys.exit(main())"
 
 
@@ -64,8 +75,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for copy in (1, 2):
                 port = free_port()
                 conf = Path(tmp) / f"{copy}-{port}.yaml"
-                conf.write_text(CONFIG.format(port=port, fake=fake_port, model=MODEL,
-                                              store=Path(tmp) / f"{port}.db"))
+                shape = KEYLESS if args.keyless else CONFIG
+                conf.write_text(shape.format(port=port, fake=fake_port, model=MODEL,
+                                             store=Path(tmp) / f"{port}.db"))
                 proc = stack.enter_context(child(
                     ["-c", SERVE.format(tree=str(tree)), "serve", "--config", str(conf)],
                     f"http://127.0.0.1:{port}/healthz"))
@@ -84,6 +96,8 @@ def main() -> None:
     parser.add_argument("--sequential", type=int, default=3000)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--keyless", action="store_true",
+                        help="the admin API on and no key made: keyless callers, not the keyed path")
     args = parser.parse_args()
     rows = anyio.run(run, args)
     print(table(["path", "p50 ms", "added p50 ms", "p99 ms", "calls/s (32 clients)", "gateway CPU ms/call"],

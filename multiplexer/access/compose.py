@@ -39,6 +39,14 @@ def directory_for(config: Any, quotas: Quotas) -> KeyDirectory:
     return KeyDirectory(config.server.api_keys, config.server.teams, quotas, config.server.key_store)
 
 
+def shared_store(config: Any) -> bool:
+    """Whether other processes may write keys to this gateway's store: the workers of
+    ``serve --workers N`` (one SQLite file), or replicas on PostgreSQL (``store.url``). Only then
+    may a snapshot be older than the store, so only then is the store asked on the hot path
+    (``probe.py``); a lone process reloads after each of its own writes before it answers."""
+    return config.server.worker_count() > 1 or config.store.url is not None
+
+
 @asynccontextmanager
 async def keys_running(directory: KeyDirectory, config: Any) -> AsyncIterator[None]:
     """The store opened and loaded, reloads and invalidations running, while the gateway runs."""
@@ -50,8 +58,9 @@ async def keys_running(directory: KeyDirectory, config: Any) -> AsyncIterator[No
     directory.store = store
     invalidation = None
     try:
-        directory.probe = await anyio.to_thread.run_sync(
-            StoreProbe, store_cfg.path, store_cfg.url, store_cfg.schema_)
+        if shared_store(config):  # alone on its store, this process's own writes reload it first
+            directory.probe = await anyio.to_thread.run_sync(
+                StoreProbe, store_cfg.path, store_cfg.url, store_cfg.schema_)
         await directory.load()
         async with anyio.create_task_group() as tg:
             if config.state.url is not None:
