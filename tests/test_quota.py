@@ -37,8 +37,13 @@ async def test_a_new_day_gives_the_allowance_back() -> None:
     clock = ManualClock(start=0.0, wall=86_400 * 20_000 + 86_000)
     quotas = Quotas(clock, {"k": Quota(batch_calls_per_day=2)})
     charge(quotas, "k", 2)
-    await clock.advance(401)
+    with pytest.raises(RpcError) as spent:
+        charge(quotas, "k", 1)
+    assert spent.value.data["remaining"] == 0 and spent.value.data["retry_after"] == 400.0
+    await clock.advance(401)  # past midnight UTC: the allowance is whole again, and only that
     charge(quotas, "k", 2)
+    with pytest.raises(RpcError):
+        charge(quotas, "k", 1)
 
 
 def test_a_refused_call_takes_nothing_and_a_grant_gives_back_once() -> None:

@@ -102,8 +102,9 @@ async def test_a_cancel_on_one_replica_stops_the_lane_lines_running_on_another(t
     with throwaway_db() as db:
         async with fakes() as f:
             # each lane batch of the mock takes 50 ms (the lines run for seconds); the runner
-            # renews its hold every 0.2 s
-            slow = [replica(f, tmp_path, db, n, lease_s=0.6, latency_ms=50) for n in (1, 2)]
+            # renews its hold every lease_s / 3, and a 2 s lease outlasts a loop starved by the
+            # full suite on two cores (the cancel, not the lease, ends the run)
+            slow = [replica(f, tmp_path, db, n, lease_s=2.0, latency_ms=50) for n in (1, 2)]
             async with (
                 running(slow[0], port=0) as (_, url1),
                 running(slow[1], port=0) as (g2, url2),
