@@ -210,3 +210,55 @@ async def test_a_job_line_is_checked_and_resubmitted_only_where_its_key_may_go(t
         with pytest.raises(RpcError) as refused:
             job_item(gw, Call("chat", chat("hi", model="gpt-4o"), identity="alice", face="jobs"), managers)
         assert refused.value.data["reason"] == "permission_denied"
+
+
+async def test_a_v1_batchs_lane_lines_reserve_at_submit_and_each_draws_its_own(tmp_path: Path) -> None:
+    """Lines on a route without a batch API run through the lanes: they are reserved whole when
+    the batch is made (refused whole over the budget, nothing run), each line then draws its own
+    reservation from that and settles it to its cost, and what is left goes back at the end."""
+    keys = {"alice": {"key": KEY, "budget_usd": {"daily": "0.001"}}}
+    lane = {"providers": {"mock": {"kind": "mock", "price": {"input_per_mtok": 1, "output_per_mtok": 2}}},
+            "routes": {"mock_chat": {"provider": "mock", "operation": "chat", "models": ["mock-gpt"]}}}
+    async with fakes() as f:
+        data = config(f, tmp_path, keys)
+        data["providers"].update(lane["providers"])
+        data["routes"].update(lane["routes"])
+        async with (
+            running(parse_config(data), port=0) as (gw, url),
+            httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {KEY}"}, timeout=30) as client,
+        ):
+            async def batch_of(n: int, max_tokens: int) -> httpx.Response:
+                body = {"model": "mock-gpt", "max_tokens": max_tokens,
+                        "messages": [{"role": "user", "content": "one two"}]}
+                content = "\n".join(json.dumps({"custom_id": f"l{i}", "method": "POST",
+                                                "url": "/v1/chat/completions", "body": body})
+                                    for i in range(n))
+                up = await client.post("/v1/files", data={"purpose": "batch"},
+                                       files={"file": ("in.jsonl", content.encode(), "application/jsonl")})
+                assert up.status_code == 200, up.text
+                return await client.post("/v1/batches", json={
+                    "input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h"})
+
+            # 100 lines of 10,000 output tokens at $2 a million: $2, over $0.001
+            r = await batch_of(100, 10_000)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota", r.text
+            assert "shortfall" in json.dumps(r.json()) or "Budget exceeded" in r.text
+            budgets = gw.money.budgets
+            [counter] = budgets.counters_for(budgets.budgets_of("alice"), budgets.wall())
+            assert budgets.counters.spent.get(counter.key, 0) == 0  # refused whole: nothing held
+
+            r = await batch_of(4, 100)  # fits: each line runs, settling to what it cost
+            assert r.status_code == 200, r.text
+            batch_id = r.json()["id"]
+            with anyio.fail_after(20):
+                while (await client.get(f"/v1/batches/{batch_id}")).json()["status"] != "completed":
+                    await anyio.sleep(0.02)
+            runs = gw.faces["v1_batches"]
+            assert batch_id not in runs.holds  # what was left went back
+            # the counter holds what the lines cost, as booked: no reservation left over
+            booked = (await spend_rows(gw, client))["total"]
+            assert booked["calls"] == 4 and booked["cost_usd"] > 0
+            assert budgets.counters.spent[counter.key] == round(Decimal(str(booked["cost_usd"])) * 10**9)
+            # ... and far below what was reserved: 4 x 100 output tokens at $2 a million
+            assert budgets.counters.spent[counter.key] < 4 * 100 * 2000  # nano-dollars

@@ -124,6 +124,9 @@ class Call:
     want_route: bool = False
     # The caller asked for the call's cost with its result (``_meta.want_cost: true``).
     want_cost: bool = False
+    # A batch's budget reservation (``money/budgets.Reservation``) this line draws its own from,
+    # reserved whole when the batch was made. Set by a face, never from the wire.
+    budget: Any = None
 
 
 @dataclass(slots=True, eq=False)

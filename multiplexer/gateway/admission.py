@@ -183,6 +183,25 @@ def job_item(gw: Admits, call: Call, takes: Container[str]) -> Item:
     return item
 
 
+def call_most(gw: Admits, call: Call, most_of: Callable[[str, RouteConfig, Item, bool], int | None],
+              ) -> int | None:
+    """The most a call can cost (nano-dollars; ``most_of``: ``Budgets.most_of``) on the route it
+    would take now, its item built and prepared as admission would; None when unpriced or when
+    it would be refused (it then fails alone, costing nothing)."""
+    try:
+        resolved = gw.router.resolve(call.method)
+        params = call.params
+        if resolved.group is not None:
+            resolved = gw.fallbacks.pick(resolved, call)
+            params = own_model(resolved.route, params)
+        route = resolved.route
+        item = route_item(resolved, params, identity=call.identity, operation=call.operation)
+        gw.providers[route.provider].prepare(route, item)
+    except RpcError:
+        return None
+    return most_of(resolved.name, route, item, False)
+
+
 def routed_item(gw: Admits, plan: Plan, resolved: Resolved, provider: Provider) -> Item:
     """The call's item on its route, with what the caller listens on (progress, log messages,
     a stream's chunks) and the slot its trace spans hang from."""

@@ -85,6 +85,9 @@ async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],
         found = budgets.budgets_of(p.call.identity)
         if not found:
             continue
+        if p.call.budget is not None:  # a batch's line: its part of what the batch reserved
+            p.reservation = budgets.draw(p.call.budget, budgets.most(p))
+            continue
         if budgets.local:  # counters in this process: decided here, in order, with no await
             _decided(quotas, p, grants[i], budgets.reserve_here(p, found))
         else:

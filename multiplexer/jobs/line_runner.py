@@ -125,10 +125,11 @@ class LaneCounts:
 
 class LineRunner(Generic[B]):
     def __init__(self, gateway: Runs, store: LineStore[B], plan: Plan[B], answer: Answer[B],
-                 bodies: Bodies[B]) -> None:
+                 bodies: Bodies[B], ended: Callable[[B], None] | None = None) -> None:
         self.gateway = gateway
         self.store = store
         self.plan, self.answer, self.bodies = plan, answer, bodies
+        self.ended = ended  # told when a batch's lines stop running here (done, cancelled, lost)
         self.live: dict[str, tuple[B, anyio.CancelScope]] = {}  # batches whose lines run here
 
     def reserve(self, record: B) -> anyio.CancelScope:
@@ -171,6 +172,8 @@ class LineRunner(Generic[B]):
                     tg.cancel_scope.cancel()
         finally:
             self.live.pop(record.id, None)
+            if self.ended is not None:
+                self.ended(record)
             if held:
                 with anyio.CancelScope(shield=True):
                     try:

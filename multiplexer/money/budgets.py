@@ -459,6 +459,16 @@ class Budgets:
             return error
         return Reservation(counters, amount)
 
+    @staticmethod
+    def draw(held: Reservation, amount: int | None) -> Reservation | None:
+        """A line's own reservation out of its batch's (``hold``): up to ``amount`` of what the
+        batch still holds, moved to the line, which settles it as any call's. None: unpriced."""
+        if amount is None:
+            return None
+        part = min(amount, held.amount)
+        held.amount -= part
+        return Reservation(held.counters, part)
+
     def settle_part(self, r: Reservation, part: int, cost: int | None) -> None:
         """Part of a batch's reservation ended (a line answered): ``part`` nano-dollars of it
         settled to ``cost`` pico-dollars (None: unknown, the part stands); the rest stays held."""

@@ -31,6 +31,7 @@ from multiplexer.faces.jobs_port import JobPort, port_of
 from multiplexer.faces.v1.common import V1, HttpError, Surface, http_error
 from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, Shape, operation_for, plan
 from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
+from multiplexer.gateway.admission import call_most
 from multiplexer.jobs.line_runner import LineRunner, Refused, Row
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,9 @@ class Batches:
         self.gateway = v1.gateway
         self.store = store
         self.surfaces = surfaces  # endpoint -> error dialect for its lines
-        self.runner = LineRunner(self.gateway, store, self._line, self._answer, self._bodies)
+        self.runner = LineRunner(self.gateway, store, self._line, self._answer, self._bodies,
+                                 ended=self._let_go)
+        self.holds: dict[str, Any] = {}  # a batch's lane lines' budget reservation, while they run
 
     # -- creation ----------------------------------------------------------------------------
     async def create(self, identity: str | None, body: dict[str, Any]) -> BatchRecord:
@@ -163,23 +166,56 @@ class Batches:
         endpoint, identity = record.endpoint, record.owner
         # 50,000 lines planned off the event loop (planning reads the config, changes nothing)
         early, job_calls = await anyio.to_thread.run_sync(self._sort_lines, record, bodies)
-        if job_calls:  # every line of a file is for one endpoint, so one operation for the job
-            try:  # the job charges its lines to the key's batch calls, once; the request is charged
-                submitted = await port_of(self.gateway, "jobs.submit").submit(
-                    identity, job_calls, operation_for(endpoint, None))
-            except RpcError as e:
-                raise http_error(e, self.surfaces[endpoint]) from None
-            record.job_id = submitted.job_id
-        # live before it is stored: no resume pass starts a second runner
-        scope = self.runner.reserve(record) if record.lane_lines else None
         try:
-            await self.store.create_batch(record, early, requests)
+            await self._hold_lanes(record, bodies)  # refused whole, before anything is sent
+            if job_calls:  # every line of a file is for one endpoint, so one operation for the job
+                try:  # the job charges its lines to the key's batch calls and budget, once
+                    submitted = await port_of(self.gateway, "jobs.submit").submit(
+                        identity, job_calls, operation_for(endpoint, None))
+                except RpcError as e:
+                    raise http_error(e, self.surfaces[endpoint]) from None
+                record.job_id = submitted.job_id
+            # live before it is stored: no resume pass starts a second runner
+            scope = self.runner.reserve(record) if record.lane_lines else None
+            try:
+                await self.store.create_batch(record, early, requests)
+            except BaseException:
+                self.live.pop(record.id, None)
+                raise
         except BaseException:
-            self.live.pop(record.id, None)
+            self._let_go(record)
             raise
         if scope is not None:
             self.runner.start(record, bodies, scope)
         return record
+
+    async def _hold_lanes(self, record: BatchRecord, bodies: list[dict[str, Any]]) -> None:
+        """The lane lines' budget, reserved whole (each line's most on the route it would take),
+        or the batch refused naming the shortfall; each line then draws its own from it."""
+        money = self.gateway.money
+        if not record.lane_lines or money is None or not money.budgets.applies(record.owner):
+            return
+        most = money.budgets.most_of
+        total = 0
+        for n in record.lane_lines:
+            try:
+                call = self._line(record, bodies[n])[0]
+            except Refused:
+                continue
+            total += call_most(self.gateway, call, most) or 0
+        held = await money.budgets.hold(record.owner, total)
+        if isinstance(held, RpcError):
+            raise http_error(held, self.surfaces[record.endpoint])
+        if held is not None:
+            self.holds[record.id] = held
+
+    def _let_go(self, record: BatchRecord) -> None:
+        """What the lane lines' budget still holds, given back: the batch ended here, or was never
+        made (a line that did not run costs nothing)."""
+        held = self.holds.pop(record.id, None)
+        money = self.gateway.money
+        if held is not None and money is not None:
+            money.budgets.settle(held, 0)
 
     def _sort_lines(self, record: BatchRecord, bodies: list[dict[str, Any]],
                     ) -> tuple[list[Row], list[dict[str, Any]]]:
@@ -219,8 +255,8 @@ class Batches:
             name, params, shape = plan(self.v1, record.endpoint, body)
         except HttpError as e:
             raise Refused(e.error) from None
-        return Call(name, params, identity=record.owner,
-                    operation=operation_for(record.endpoint, shape)), shape
+        return Call(name, params, identity=record.owner, operation=operation_for(record.endpoint, shape),
+                    budget=self.holds.get(record.id)), shape
 
     def _answer(self, record: BatchRecord, outcome: Outcome, shape: Shape | None) -> tuple[int, Any]:
         """A lane line's outcome as (HTTP status, body) of its API (``LineRunner``'s ``Answer``)."""
