@@ -26,28 +26,22 @@ import anyio
 from benchmarks._procs import ROOT, child, free_port, save, table
 from benchmarks.bench_llm import MODEL, Target, measure, openai_call
 
+REST = """
+store: {{path: {store}}}
+providers:
+  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
+        price: {{input_per_mtok: 2.5, output_per_mtok: 10}}}}
+routes:
+  chat: {{provider: oai, operation: chat, models: [{model}]}}
+"""
 CONFIG = """
 server: {{host: 127.0.0.1, port: {port}, admin_key: bench-admin-key-0123456789,
          api_keys: {{bench: {{key: sk-bench, models: ["gpt-*"], budget_usd: {{daily: 1000000}}}}}},
-         quotas: {{bench: {{rpm: 100000000, concurrency: 1000}}}}}}
-store: {{path: {store}}}
-providers:
-  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
-        price: {{input_per_mtok: 2.5, output_per_mtok: 10}}}}
-routes:
-  chat: {{provider: oai, operation: chat, models: [{model}]}}
-"""
+         quotas: {{bench: {{rpm: 100000000, concurrency: 1000}}}}}}""" + REST
 # ``--keyless``: the admin API on, no key made yet (every caller keyless): what a worker pays to
 # make sure the store still holds no key before it serves a caller without one
 KEYLESS = """
-server: {{host: 127.0.0.1, port: {port}, admin_key: bench-admin-key-0123456789}}
-store: {{path: {store}}}
-providers:
-  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
-        price: {{input_per_mtok: 2.5, output_per_mtok: 10}}}}
-routes:
-  chat: {{provider: oai, operation: chat, models: [{model}]}}
-"""
+server: {{host: 127.0.0.1, port: {port}, admin_key: bench-admin-key-0123456789}}""" + REST
 SERVE = "import sys; sys.path.insert(0, {tree!r}); from multiplexer.cli import main; sys.exit(main())"
 
 

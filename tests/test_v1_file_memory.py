@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from benchmarks._gateway import GatewayProc, RssSampler, gateway
+from benchmarks.bench_uploads import write_file
 
 MB = 1024 * 1024
 FLOOR_150 = 64 * MB  # the floor for a 150 MB upload
@@ -30,18 +31,8 @@ routes: {{chat: {{provider: mock, operation: chat, models: [mock-gpt]}}}}
 
 
 def big_file(path: Path, size: int) -> str:
-    """A JSONL-looking file of ``size`` bytes, written a line block at a time; its sha256."""
-    digest = hashlib.sha256()
-    block = b"".join(b'{"custom_id": "r%06d", "body": {"text": "%s"}}\n' % (i, b"x" * 180)
-                     for i in range(1024))
-    with path.open("wb") as f:
-        left = size
-        while left:
-            piece = block[:left]
-            f.write(piece)
-            digest.update(piece)
-            left -= len(piece)
-    return digest.hexdigest()
+    """A JSONL-looking file of ``size`` bytes; its sha256 (the benchmark's own maker)."""
+    return write_file(path, size)
 
 
 @pytest.fixture

@@ -178,6 +178,18 @@ class Quotas:
         if seen_day == day:
             self._batch[grant.identity] = (day, max(0, used - calls))
 
+    def refund_elsewhere(self, grant: Grant, refunds: list[tuple[str, int, int]]) -> bool:
+        """Refund a grant whose batch charge is kept outside this process (``batch[2]``: the shared
+        state, the workers' file): its tokens given back now, its (identity, day, calls) noted in
+        ``refunds`` for the subclass's ``flush``. False: the charge is this process's own."""
+        if grant.batch is None or not grant.batch[2] or grant.identity is None:
+            return False
+        if grant.tokens:
+            self.settle_tokens(grant, 0)
+        (day, calls, _), grant.batch = grant.batch, None
+        refunds.append((grant.identity, day, calls))
+        return True
+
     def window(self, identity: str | None,
                kind: str = "rpm") -> tuple[float, float | None, float | None] | None:
         """(limit, remaining, seconds until full) of the caller's ``rpm`` or ``tpm`` quota; None

@@ -190,14 +190,10 @@ class SharedQuotas(Quotas):
             self._wake.set()
 
     def refund(self, grant: Grant) -> None:
-        if grant.batch is None or not grant.batch[2] or grant.identity is None:
+        if self.refund_elsewhere(grant, self._refunds):
+            self._wake.set()
+        else:
             super().refund(grant)
-            return
-        if grant.tokens:
-            self.settle_tokens(grant, 0)
-        (day, calls, _), grant.batch = grant.batch, None
-        self._refunds.append((grant.identity, day, calls))
-        self._wake.set()
 
     async def flush(self) -> None:
         """Free the slots of the calls that ended, settle their tokens, and give back the batch

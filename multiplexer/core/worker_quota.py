@@ -142,13 +142,8 @@ class WorkerQuotas(Quotas):
         return super()._batch_room(identity, quota, calls)
 
     def refund(self, grant: Grant) -> None:
-        if grant.batch is None or not grant.batch[2] or grant.identity is None:
+        if not self.refund_elsewhere(grant, self._refunds):
             super().refund(grant)
-            return
-        if grant.tokens:
-            self.settle_tokens(grant, 0)
-        (day, calls, _), grant.batch = grant.batch, None
-        self._refunds.append((grant.identity, day, calls))
 
     async def flush(self) -> None:
         """Give back the batch charges of calls that never ran (the gateway awaits this before

@@ -29,21 +29,7 @@ class ClientGone(Exception):
 
 async def read_body(content_length: bytes | str | None, receive: Receive, limit: int) -> bytes:
     """The whole body, or BodyTooLarge / ClientGone."""
-    if content_length and content_length.isdigit() and int(content_length) > limit:
-        raise BodyTooLarge
-    chunks: list[bytes] = []
-    size, more = 0, True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return b"".join(chunks)
+    return b"".join([chunk async for chunk in body_chunks(content_length, receive, limit)])
 
 
 async def body_chunks(content_length: bytes | str | None, receive: Receive,
