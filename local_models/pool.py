@@ -81,7 +81,9 @@ class ModelHandle:
         self.verdicts = verdicts or verdict_file()  # measured compile timings (verdicts.py)
         self.verdict_key: str | None = None  # this model's entry there, once loaded
         self.compiled_faster: bool | None = None  # what the entry said at load (None: never measured)
-        self.stage = "loading"  # what readiness reports until the model is ready
+        # what readiness reports while the model is not ready; the dashboard shows it throughout:
+        # loading, warming up, compiling (at load), then ready or failed as ``ready`` is set
+        self.stage = "loading"
         self.ready = anyio.Event()
         self.warm = anyio.Event()  # the fastest forward is in place (compiled, or eager for good)
         self.compile_started = False
@@ -443,6 +445,7 @@ class LocalPool:
             await run_daemon(handle.load_sync, f"load {handle.name}")
         except Exception as e:
             handle.error = f"{type(e).__name__}: {e}"
+            handle.stage = "failed"
             log.error("local model %s failed to load: %s", handle.name, handle.error)
             self.on_event(handle.name, "load_failed")
         else:
@@ -456,13 +459,16 @@ class LocalPool:
             elif plan == "background":
                 self._tg.start_soon(self._compile, handle)
         finally:
+            if handle.error is None:  # with ``ready`` and no await between: readiness says up
+                handle.stage = "ready"
             handle.ready.set()
             if plan == "never":  # otherwise the compile sets it, however it ends
                 handle.warm.set()
 
     async def _compile(self, handle: ModelHandle) -> None:
         handle.compile_started = True
-        handle.stage = "compiling"
+        if not handle.ready.is_set():  # at load; a background compile serves meanwhile: ready
+            handle.stage = "compiling"
         try:
             kept = await run_daemon(handle.compile_sync, f"compile {handle.name}")
         except Exception as e:
