@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import anyio
+import pytest
+
 from multiplexer.defaults import DEFAULT_CONFIG
 from multiplexer.gateway.config import load_config, parse_config
+from multiplexer.sdk.client import Client
+from multiplexer.server import running
 from providers.mcp_transport import McpSettings, stdio_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,8 +82,10 @@ def test_the_default_config_ships_in_the_package_with_its_upstream() -> None:
     assert DEFAULT_CONFIG == ROOT / "multiplexer" / "defaults" / "default.yaml"
     config = load_config(DEFAULT_CONFIG)
     tools = settings(config, "tools")
-    assert tools.cwd == str(DEFAULT_CONFIG.parent)
-    assert [(Path(tools.cwd) / arg).is_file() for arg in tools.args] == [True]
+    # started as a module of the package, not a script beside the file: a copy of it starts it too
+    assert (tools.command, tools.args) == ("python", ["-m", "multiplexer.defaults.demo_tools"])
+    spec = importlib.util.find_spec(tools.args[1])
+    assert spec is not None and spec.origin == str(DEFAULT_CONFIG.parent / "demo_tools.py")
 
 
 def demo(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -120,3 +128,30 @@ def test_demo_with_an_absolute_config_starts_its_upstream_beside_it(tmp_path: Pa
     assert done.returncode == 0, done.stderr[-2000:]
     assert '  tools_add({"a": 2, "b": 40}) -> {"content": [{"type": "text", "text": "42"}], ' \
            '"structuredContent": {"result": 42}, "isError": false}' in done.stdout.splitlines()
+
+
+def copied_default(folder: Path) -> Path:
+    """The packaged default, copied alone into ``folder`` (as a user copies it to add a price)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy(DEFAULT_CONFIG, folder / "gateway.yaml"))
+
+
+@pytest.mark.anyio
+async def test_a_copy_of_the_default_config_starts_its_mcp_upstream_anywhere(tmp_path: Path) -> None:
+    config = load_config(copied_default(tmp_path / "mine"))
+    # the local model is the local provider's business (its own tests load it); the rest as copied
+    del config.providers["local"], config.routes["embed_local"]
+    config.store.path = str(tmp_path / "jobs.db")
+    async with running(config, port=0) as (_, url), Client(url) as client:
+        with anyio.fail_after(60):
+            added = await client.call("tools_add", {"a": 2, "b": 40})
+    assert added["structuredContent"] == {"result": 42}
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["gateway.yaml"]
+
+
+def test_check_config_passes_a_copy_of_the_default_config(tmp_path: Path) -> None:
+    copy = copied_default(tmp_path / "mine")
+    done = subprocess.run([sys.executable, "-m", "multiplexer", "check-config", str(copy)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"{copy}: ok (4 providers, 7 routes)\n"

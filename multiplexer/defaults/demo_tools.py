@@ -1,5 +1,5 @@
 """A small upstream MCP server for the default config's ``tools`` provider, tests and benchmarks
-(built on the SDK's ``MCPServer``); shipped in the package beside ``default.yaml``, which starts it.
+(built on the SDK's ``MCPServer``); shipped in the package, which ``default.yaml`` starts as a module.
 
 Tools: ``echo`` and ``add`` (fast, read-only), ``sleep`` (slow, reports progress; ``stats``
 counts running, cancelled and finished sleeps), ``fail`` (always fails), ``pid`` (the server's
