@@ -2,7 +2,8 @@
 
 ``?group_by=key,route&since=2026-12-01&until=2026-12-03`` (ISO dates, both included, in
 ``budgets.timezone``); the body is ``{"rows": [{<groups>, calls, cost_usd, saved_usd,
-unknown_cost_calls, saved_by}], "total": {...}}``. Behind the admin key like every ``/admin/``."""
+unknown_cost_calls, saved_by}], "total": {...}}``, each row by key naming it (``key_name`` beside
+``key``: ``access/names.py``). Behind the admin key like every ``/admin/``."""
 
 from __future__ import annotations
 
@@ -12,9 +13,18 @@ from datetime import date
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from multiplexer.access.names import KeyNames
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.money.spend_store import GROUPS
+
+
+def key_names(gateway: Gateway) -> KeyNames:
+    """The gateway's one ``KeyNames`` (its cache shared by the report and the dashboard)."""
+    names: KeyNames | None = gateway.faces.get("key_names")
+    if names is None:
+        names = gateway.faces["key_names"] = KeyNames(gateway.keys)
+    return names
 
 
 def _day(request: Request, name: str) -> date | None:
@@ -40,6 +50,9 @@ def spend_endpoint(gateway: Gateway) -> Callable[[Request], Awaitable[Response]]
         if unknown or len(set(groups)) != len(groups):
             raise invalid_params(f"group_by takes distinct names among {', '.join(GROUPS)}; got {raw!r}")
         since, until = _day(request, "since"), _day(request, "until")
-        return JSONResponse(await money.report(groups, since, until))
+        body = await money.report(groups, since, until)
+        if "key" in groups:
+            body["rows"] = await key_names(gateway).named(body["rows"])
+        return JSONResponse(body)
 
     return spend

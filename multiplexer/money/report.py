@@ -32,6 +32,15 @@ def cost_meta(outcome: Any) -> dict[str, str | None]:
     return meta
 
 
+def _cell(row: dict[str, Any], group: str) -> str:
+    """A group's value; a key as ``name (id)`` where its name says more than its id."""
+    value = row.get(group)
+    if value is None:
+        return "-"
+    name = row.get("key_name") if group == "key" else None
+    return f"{name} ({value})" if name and name != value else str(value)
+
+
 def table(body: dict[str, Any], groups: Sequence[str]) -> str:
     """``GET /admin/spend``'s body as an aligned text table with a total line."""
     head = [*groups, "calls", "cost_usd", "saved_usd", "unknown_cost_calls"]
@@ -40,8 +49,7 @@ def table(body: dict[str, Any], groups: Sequence[str]) -> str:
         return [str(r.get("calls", 0)), f"{r.get('cost_usd', 0):.6f}", f"{r.get('saved_usd', 0):.6f}",
                 str(r.get("unknown_cost_calls", 0))]
 
-    lines = [[str(r.get(g) if r.get(g) is not None else "-") for g in groups] + sums(r)
-             for r in body.get("rows", [])]
+    lines = [[_cell(r, g) for g in groups] + sums(r) for r in body.get("rows", [])]
     lines.append((["total", *[""] * (len(groups) - 1)] if groups else []) + sums(body.get("total", {})))
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
     numeric = len(groups)

@@ -16,10 +16,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from multiplexer.access.names import KeyNames
 from multiplexer.core.jobrows import JobRow, PartRow
 from multiplexer.core.limiter import RateLimiter, TokenBucket
 from multiplexer.core.provider import Describes, McpUpstream
 from multiplexer.faces.ready import provider_status, state_status, store_status
+from multiplexer.faces.spend import key_names
 from multiplexer.faces.ui.samples import Samples, per_bucket, quantile
 from multiplexer.gateway.gateway import Gateway
 
@@ -237,13 +239,17 @@ async def spend(view: View) -> dict[str, Any]:
     (cumulative since start), and from the spend store by day (two weeks) and by key (this month),
     as `GET /admin/spend` has them (``stored``; read at most every few seconds). A caller
     key sees its own: today and this month by route and model, and its budget's use, from the
-    spend store (``money/own.py``; `/metrics` has no key label)."""
+    spend store (``money/own.py``; `/metrics` has no key label). Keys are named beside their ids
+    (``key_name``), as `GET /admin/spend` names them."""
     money = getattr(view.gateway, "money", None)
     if money is None:
         return not_configured("calls are not priced (spend.enabled: false)")
+    names = key_names(view.gateway)
     if not view.admin:
-        return await money.own.of(view.identity) if view.identity is not None else \
-            not_configured("a keyless caller has no spend of its own")
+        if view.identity is None:
+            return not_configured("a keyless caller has no spend of its own")
+        own = await money.own.of(view.identity)
+        return {"configured": True, "key": view.identity, "key_name": await names.of(view.identity), **own}
     s = view.samples
     cost = s.by("multiplexer_spend_usd_total", "route")
     saved = s.by("multiplexer_saved_usd_total", "route")
@@ -254,7 +260,12 @@ async def spend(view: View) -> dict[str, Any]:
     return {"configured": True, "cost_usd": sum(cost.values()), "saved_usd": sum(saved.values()),
             "saved_by": s.by("multiplexer_saved_usd_total", "how"),
             "unknown_cost_calls": int(sum(unknown.values())), "routes": routes,
-            "stored": await money.overview()}
+            "stored": await _named(names, await money.overview())}
+
+
+async def _named(names: KeyNames, stored: dict[str, Any]) -> dict[str, Any]:
+    """The overview with its keys named (a copy: the overview is cached as the store had it)."""
+    return {**stored, "keys": await names.named(stored["keys"])}
 
 
 @panel("breakers")

@@ -23,6 +23,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from multiplexer.core.version import VERSION
+from multiplexer.faces.spend import key_names
 from multiplexer.faces.ui.panels import PANELS, View, finite
 from multiplexer.faces.ui.samples import Samples
 from multiplexer.gateway.gateway import Gateway
@@ -70,8 +71,9 @@ async def snapshot(gateway: Gateway, admin: bool, identity: str | None = None) -
                 _FAILING[name] = panels[name]["error"]
             else:
                 _FAILING.pop(name, None)
-    return finite({"version": VERSION, "at": time.time(),
-                   "view": "admin" if admin else "key", "identity": identity, "panels": panels})
+    key_name = await key_names(gateway).of(identity) if identity is not None else None
+    return finite({"version": VERSION, "at": time.time(), "view": "admin" if admin else "key",
+                   "identity": identity, "key_name": key_name, "panels": panels})
 
 
 def encode(snap: dict[str, Any]) -> bytes:

@@ -266,7 +266,7 @@ function spendPanel(m) {
   const rows = m.routes.map((r) => `<tr><td>${esc(r.route)}</td><td>${v(`spend.${r.route}.cost`, usd(r.cost_usd))}</td>` +
     `<td>${usd(r.saved_usd)}</td><td>${r.unknown_cost_calls}</td></tr>`);
   const st = m.stored || {days: [], keys: []};
-  const keys = st.keys.map((k) => `<tr><td>${esc(k.key ?? "(no key)")}</td><td>${v(`spend.key.${k.key ?? ""}.cost`, usd(k.cost_usd))}</td>` +
+  const keys = st.keys.map((k) => `<tr><td>${keyLabel(k.key, k.key_name)}</td><td>${v(`spend.key.${k.key ?? ""}.cost`, usd(k.cost_usd))}</td>` +
     `<td>${usd(k.saved_usd)}</td><td>${k.calls}</td></tr>`);
   body("spend", `<div>${v("spend.cost", usd(m.cost_usd))} spent · ${v("spend.saved", usd(m.saved_usd))} saved` +
     `${how ? " (" + how + ")" : ""} · ${m.unknown_cost_calls} calls of unknown cost (since start)</div>` +
@@ -274,6 +274,11 @@ function spendPanel(m) {
     `<div class="dim">by day, from ${esc(st.since || "")} (written spend)</div>` + dayBars(st.days, usd) +
     `<div class="dim">by key, ${esc(st.month || "")}</div>` +
     (keys.length ? table(["key", "cost", "saved", "calls"], keys) : empty("nothing written this month yet")));
+}
+// a key by its name, its id beside it where the two differ (a config key's name is its id)
+function keyLabel(id, name) {
+  if (id == null) return "(no key)";
+  return name && name !== id ? `${esc(name)} <span class="dim">${esc(id)}</span>` : esc(id);
 }
 function dayBars(days, usd) {
   if (!days.length) return empty("nothing written yet");
@@ -317,7 +322,8 @@ function render(s) {
   remember(s);
   const p = s.panels, admin = s.view === "admin";
   document.body.dataset.tick = s.tick;
-  $("#who").textContent = (admin ? "admin" : "key " + s.identity) + " · v" + s.version;
+  const who = s.key_name && s.key_name !== s.identity ? `${s.key_name} (${s.identity})` : s.identity;
+  $("#who").textContent = (admin ? "admin" : "key " + who) + " · v" + s.version;
   for (const name of ["routes", "limits", "mcp", "local", "state", "breakers", "spend", "jobs"]) show(name, name in p);
   $("#kpis").hidden = !p.routes;
   document.querySelectorAll(".charts").forEach((el) => { if (el.parentElement === $("#main")) el.hidden = !p.routes; });
