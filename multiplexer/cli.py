@@ -150,7 +150,14 @@ def _spend(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """Validation, then what the config names on this machine and what its routes can serve
+    (``gateway/config_checks.py``), every problem in one error as validation reports them."""
+    from multiplexer.gateway.config_checks import problems
+
     config = load_config(args.file)
+    lines = problems(config)
+    if lines:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
     print(f"{args.file}: ok ({len(config.providers)} providers, {len(config.routes)} routes)")
     return 0
 
