@@ -6,9 +6,10 @@ model the provider class carries (route settings, say), writing each key's type,
 ``description``. Nothing here names a key: a key, section or kind added to the models appears with
 no edit.
 
-As an MkDocs hook (``hooks:`` in mkdocs.yml) it replaces the marker in ``config-reference.md`` during
-the build, so nothing generated is committed. ``python docs/gen_config_ref.py`` prints the same
-Markdown.
+The page it writes, ``docs/config-reference.md``, is committed, so the reference reads on a code host
+as on the site: ``python3 docs/gen_config_ref.py`` rewrites it, ``--check`` only says whether it is
+current. As an MkDocs hook (``hooks:`` in mkdocs.yml) it warns when the committed page is out of date,
+which fails the strict build; tests/test_docs.py fails the same way without building.
 """
 
 from __future__ import annotations
@@ -30,9 +31,21 @@ from pydantic import BaseModel, SecretStr  # noqa: E402
 from pydantic.fields import FieldInfo  # noqa: E402
 from pydantic_core import PydanticUndefined  # noqa: E402
 
-PAGE = "config-reference.md"
-MARKER = "<!-- config-reference -->"
+PAGE = ROOT / "docs" / "config-reference.md"
+REFRESH = "python3 docs/gen_config_ref.py"
+HEADER = f"""<!-- Generated from the config models by docs/gen_config_ref.py: edit the models, then run
+{REFRESH} -->
+# Configuration reference
+
+Every key the gateway accepts, with its type, default and description, generated from the pydantic
+models that validate a config (`multiplexer.gateway.config.Config` and each provider kind's
+`Settings` in `multiplexer/gateway/registry.py`) by `docs/gen_config_ref.py`:
+`{REFRESH}` rewrites this page after a model changes, and the tests fail while it
+is out of date. `<provider>`, `<route>` and the like stand for names you choose. How the parts fit
+together: [Configuration](configuration.md).
+"""
 log = logging.getLogger("mkdocs.hooks.config_reference")
+UNAVAILABLE = "Not available where these docs were built"
 
 
 def _model(tp: Any) -> type[BaseModel] | None:
@@ -248,7 +261,7 @@ def render() -> str:
             models = provider_models(kind)
         except KeyError as e:  # an optional dependency missing where the docs are built
             log.warning("config reference: kind %r left out: %s", kind, e.args[0])
-            parts.append(f"Not available where these docs were built: {e.args[0]}\n")
+            parts.append(f"{UNAVAILABLE}: {e.args[0]}\n")
             continue
         for attr, model in models:
             if attr == "Settings":
@@ -265,15 +278,44 @@ def render() -> str:
     return "\n".join(parts)
 
 
-def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """MkDocs hook: fill the reference page's marker."""
-    if page.file.src_uri != PAGE:
-        return markdown
-    if MARKER not in markdown:
-        log.warning("%s has no %s marker: the generated reference was not inserted", PAGE, MARKER)
-        return markdown
-    return markdown.replace(MARKER, render())
+def page() -> str:
+    """The whole reference page, as it is committed."""
+    return HEADER + "\n" + render().rstrip("\n") + "\n"
+
+
+def stale() -> str | None:
+    """Why the committed page differs from what the models give now; None when it is current."""
+    if not PAGE.exists():
+        return f"{PAGE.relative_to(ROOT)} is missing: run {REFRESH}"
+    if PAGE.read_text() != page():
+        return f"{PAGE.relative_to(ROOT)} is out of date with the config models: run {REFRESH}"
+    return None
+
+
+def on_pre_build(config: Any) -> None:
+    """MkDocs hook: the site shows the committed page, so a stale one is a build warning."""
+    reason = stale()
+    if reason is not None:
+        log.warning(reason)
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--check"]:
+        reason = stale()
+        print(reason or f"{PAGE.relative_to(ROOT)} is current")
+        return 1 if reason else 0
+    if argv:
+        print(f"usage: {REFRESH} [--check]", file=sys.stderr)
+        return 2
+    text = page()
+    if UNAVAILABLE in text:  # the committed page documents every kind: install what is missing
+        print("not written: a provider kind could not be loaded (pip install -e '.[dev,local]')",
+              file=sys.stderr)
+        return 1
+    PAGE.write_text(text)
+    print(f"wrote {PAGE.relative_to(ROOT)}")
+    return 0
 
 
 if __name__ == "__main__":
-    print(render())
+    sys.exit(main(sys.argv[1:]))

@@ -4,6 +4,7 @@ configuration reference covers every key the models have."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.util
 import os
@@ -14,6 +15,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from tests.md_helpers import ROOT, check_config, code_blocks, relative_links, whole_config
@@ -46,7 +48,67 @@ def test_mkdocs_builds_strict_without_warnings(tmp_path: Path) -> None:
     warnings = [line for line in output.splitlines() if line.lstrip().startswith(("WARNING", "ERROR"))]
     assert proc.returncode == 0 and not warnings, output[-6000:]
     reference = (tmp_path / "site" / "config-reference" / "index.html").read_text()
-    assert "<!-- config-reference -->" not in reference and "providers.&lt;provider&gt;.kind" in reference
+    assert "providers.&lt;provider&gt;.kind" in reference and "kind: echo" in reference
+
+
+def _included_pages() -> set[Path]:
+    """Pages under docs/ that another page pulls in whole (``--8<-- "docs/..."``): parts, not pages."""
+    found = set()
+    for page in DOCS.rglob("*.md"):
+        for line in page.read_text().splitlines():
+            if line.strip().startswith("--8<--"):
+                target = (ROOT / line.split("--8<--", 1)[1].strip().strip("\"'")).resolve()
+                if target.is_relative_to(DOCS):
+                    found.add(target)
+    return found
+
+
+def _site_pages() -> set[Path]:
+    return {p.resolve() for p in DOCS.rglob("*.md")} - {(DOCS / "index.md").resolve()} - _included_pages()
+
+
+def test_index_links_every_page() -> None:
+    """docs/index.md is the table of contents a reader on a code host has: a page it does not link
+    is found only through the site's navigation."""
+    index = DOCS / "index.md"
+    linked = {(DOCS / t.split("#", 1)[0]).resolve() for t in relative_links(index) if t.split("#", 1)[0]}
+    missing = sorted(str(p.relative_to(ROOT)) for p in _site_pages() - linked)
+    assert not missing, f"docs/index.md links none of {missing}: add each under Use, Operate or Reference"
+
+
+def test_navigation_lists_every_page() -> None:
+    """mkdocs.yml's nav, where there is one, lists every page (the strict build only warns, as
+    'omitted', about a page that is missing, so a build with warnings allowed would hide it)."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    if "nav" not in config:
+        pytest.skip("mkdocs.yml has no nav: MkDocs lists every page itself")
+
+    def entries(node: object) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, list):
+            return [e for item in node for e in entries(item)]
+        if isinstance(node, dict):
+            return [e for value in node.values() for e in entries(value)]
+        return []
+
+    listed = {(DOCS / e).resolve() for e in entries(config["nav"]) if "://" not in e}
+    missing = sorted(str(p.relative_to(ROOT)) for p in _site_pages() - listed)
+    assert not missing, f"mkdocs.yml's nav lists none of {missing}"
+    absent = sorted(str(p.relative_to(ROOT)) for p in listed if not p.exists())
+    assert not absent, f"mkdocs.yml's nav lists pages that do not exist: {absent}"
+
+
+def test_config_reference_is_current() -> None:
+    """docs/config-reference.md is committed so it reads on a code host; it must be what the
+    generator writes from the models now, or it documents keys that are not there."""
+    gen = generator()
+    committed = gen.PAGE.read_text() if gen.PAGE.exists() else ""
+    generated = gen.page()
+    diff = list(difflib.unified_diff(committed.splitlines(), generated.splitlines(),
+                                     "committed", "generated", lineterm="", n=0))
+    assert committed == generated, (f"docs/config-reference.md is out of date with the config models; "
+                                    f"refresh it with: {gen.REFRESH}\n" + "\n".join(diff[:40]))
 
 
 def test_readme_is_a_front_door() -> None:
