@@ -92,13 +92,15 @@ async def _v1_demo(url: str, config: Config, names: set[str]) -> None:
 
 
 def _said(reply: httpx.Response, api: str) -> str:
-    """What a chat completion or a message says, or the HTTP error."""
+    """What a chat completion or a message says, or the HTTP error; and what it cost, where the
+    model has a price (the default config's mock has an example one)."""
     body = reply.json()
     if reply.status_code != 200:
         return f"HTTP {reply.status_code} {body}"
     text = (body["choices"][0]["message"]["content"] if api == "chat"
             else "".join(b.get("text", "") for b in body["content"]))
-    return f"{text[:60]!r}, usage={body.get('usage')}"
+    cost = reply.headers.get("x-multiplexer-cost-usd")
+    return f"{text[:60]!r}, usage={body.get('usage')}" + (f", cost ${cost}" if cost else "")
 
 
 async def run_demo(config: Config, port: int = 0) -> int:

@@ -109,6 +109,8 @@ def test_demo_runs_the_packaged_config_from_any_folder(tmp_path: Path) -> None:
         in done.stdout
     assert "... streamed: 11 chunks, 'This is a mock response to" in done.stdout
     assert "POST /v1/messages (model mock-claude) -> 'This is a mock response" in done.stdout
+    # the mock's example price: 5 words in at $1 and 11 out at $2 per million
+    assert "'total_tokens': 16}, cost $0.000027" in done.stdout
     assert "multiplexer.access" not in done.stderr  # the demo prints its own lines, not access lines
     assert list(tmp_path.iterdir()) == []  # nothing written where it ran
 

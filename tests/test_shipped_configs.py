@@ -87,6 +87,29 @@ async def test_the_default_config_answers_the_sdks_offline(tmp_path: Path) -> No
         assert ok is None  # refused at the face: never counted as answered
 
 
+@pytest.mark.anyio
+async def test_the_default_configs_mock_models_carry_an_example_price(tmp_path: Path) -> None:
+    """$1 and $2 per million input and output tokens, so spend, budgets and the dashboard's money
+    panel count something on the default config (a mock token is a word)."""
+    data = default_offline()
+    assert data["providers"]["mock"]["price"] == {"input_per_mtok": 1, "output_per_mtok": 2}
+    data["store"] = {"path": str(tmp_path / "jobs.db")}
+    async with running(parse_config(data), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url, timeout=30) as http:
+        chat = await http.post("/v1/chat/completions", json={"model": "mock-gpt", "messages": ASK})
+        assert chat.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+        assert chat.headers["x-multiplexer-cost-usd"] == "0.000018"  # 2 x $1 + 8 x $2, per million
+        message = await http.post("/v1/messages", json={"model": "mock-claude", "max_tokens": 64,
+                                                        "messages": ASK})
+        assert message.headers["x-multiplexer-cost-usd"] == "0.000018"
+        vectors = await http.post("/v1/embeddings", json={"model": "mock-embedding", "input": "a b c"})
+        assert vectors.headers["x-multiplexer-cost-usd"] == "0.000003"
+        sample = gw.metrics.registry.get_sample_value
+        assert sample("multiplexer_unknown_cost_calls_total", {"route": "chat"}) is None
+        spent = sample("multiplexer_spend_usd_total", {"provider": "mock", "route": "chat"})
+        assert spent == pytest.approx(18e-6)
+
+
 def test_the_remote_example_names_one_command_for_its_fakes() -> None:
     path = ROOT / "config" / "remote.example.yaml"
     assert "python -m tests.fakes.serve --config config/remote.example.yaml" in path.read_text()
