@@ -149,7 +149,7 @@ async def test_a_tpm_refusal_on_v1_is_a_429_like_rpm(tmp_path: Path) -> None:
         assert r.status_code == 429 and 11 <= int(r.headers["retry-after"]) <= 12
         error = r.json()["error"]
         assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
-        assert error["message"] == "Rate limited: tpm"  # the limit, which the body has no field for
+        assert error["message"] == f"Rate limited: tpm; retry after {r.headers['retry-after']} s"
 
 
 async def test_a_tpm_refusal_on_v1_messages_is_anthropics_429(tmp_path: Path) -> None:
@@ -157,8 +157,8 @@ async def test_a_tpm_refusal_on_v1_messages_is_anthropics_429(tmp_path: Path) ->
         body = {**CHAT, "model": "claude-x"}
         r = await refused_after_one(http, "/v1/messages", body, {"x-api-key": "k-alice"})
         assert r.status_code == 429 and 11 <= int(r.headers["retry-after"]) <= 12
-        assert r.json() == {"type": "error", "error": {"type": "rate_limit_error",
-                                                       "message": "Rate limited: tpm"}}
+        said = f"Rate limited: tpm; retry after {r.headers['retry-after']} s"
+        assert r.json() == {"type": "error", "error": {"type": "rate_limit_error", "message": said}}
 
 
 async def test_a_tpm_refusal_on_rpc_is_minus_32003(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from multiplexer.access.keystore import KeyRow, KeyStore, TeamRow
 from multiplexer.access.probe import ProbeDown, StoreProbe
 from multiplexer.access.rules import Rules
 from multiplexer.access.settings import KeyStoreSettings, VirtualServer
-from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.errors import unauthorized
 from multiplexer.core.policy import Quota
 
 log = logging.getLogger(__name__)
@@ -113,10 +113,9 @@ class KeyDirectory:
         now = self.wall()
         if (live.expires_at is not None and now >= live.expires_at) or (
                 live.until is not None and now >= live.until):
-            raise RpcError(Code.UNAUTHORIZED, "Unauthorized", {"detail": "key expired"})
+            raise unauthorized("key expired", min(t for t in (live.expires_at, live.until) if t is not None))
         if self.loaded_at is not None and now - self.loaded_at > self.settings.stale_s:
-            raise RpcError(Code.UNAUTHORIZED, "Unauthorized",
-                           {"detail": "the key store is unreachable"})
+            raise unauthorized("the key store is unreachable")
         return live.identity
 
     def identify_new(self, digest: bytes) -> str | None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from multiplexer.core.errors import method_not_found
+from multiplexer.core.errors import RpcError, closest, method_not_found
 from multiplexer.core.policy import RouteConfig
 
 
@@ -29,7 +29,12 @@ class Router:
             key=lambda t: -len(t[0]),
         )
 
-    def resolve(self, method: str) -> Resolved:
+    def names(self) -> list[str]:
+        """The names a caller may call by: routes (not wildcards) and model groups."""
+        return [*self.exact, *self.groups]
+
+    def resolve(self, method: str, may_use: Callable[[str], bool] | None = None) -> Resolved:
+        """The route ``method`` names; raises ``unknown`` when none does."""
         route = self.exact.get(method)
         if route is not None:
             return Resolved(method, route, route.method or method)
@@ -40,4 +45,10 @@ class Router:
             if method.startswith(prefix) and len(method) > len(prefix):
                 rest = method[len(prefix):]
                 return Resolved(name, route, (route.method or "") + rest)
-        raise method_not_found(method)
+        raise self.unknown(method, may_use)
+
+    def unknown(self, method: str, may_use: Callable[[str], bool] | None = None) -> RpcError:
+        """-32601 for a name no route serves, pointing at the closest name (of those ``may_use``
+        passes: a key's access rules; of every name without them)."""
+        names = self.names()
+        return method_not_found(method, closest(method, names if may_use is None else filter(may_use, names)))

@@ -15,7 +15,7 @@ from pydantic import SecretStr
 
 from multiplexer.access.entries import KeyEntry, entry
 from multiplexer.access.secrets import digest, given_digest
-from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.errors import unauthorized
 
 
 class Authenticator:
@@ -38,11 +38,10 @@ class Authenticator:
         if not self.enabled:
             return None
         if not authorization:
-            raise RpcError(Code.UNAUTHORIZED, "Unauthorized", {"detail": "missing bearer key"})
+            raise unauthorized("missing bearer key")
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise RpcError(Code.UNAUTHORIZED, "Unauthorized",
-                           {"detail": "malformed Authorization header"})
+            raise unauthorized("malformed Authorization header")
         given = given_digest(token.strip())
         if self.directory is not None and (stored := self.directory.identify(given)) is not None:
             return stored  # type: ignore[no-any-return]
@@ -55,9 +54,9 @@ class Authenticator:
             if found is not None:
                 return found
         if found is None:
-            raise RpcError(Code.UNAUTHORIZED, "Unauthorized", {"detail": "unknown key"})
-        if self._expires and time.time() >= self._expires.get(found, math.inf):
-            raise RpcError(Code.UNAUTHORIZED, "Unauthorized", {"detail": "key expired"})
+            raise unauthorized("unknown key")
+        if self._expires and time.time() >= (ends := self._expires.get(found, math.inf)):
+            raise unauthorized("key expired", ends)
         return found
 
 

@@ -15,7 +15,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from multiplexer.access.admin import AdminKey
-from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError, body_too_large
 from multiplexer.core.json_codec import dumps
 from multiplexer.core.jsonrpc import error_response
 from multiplexer.core.tracing import http_trace
@@ -23,6 +23,7 @@ from multiplexer.faces.access import Access, AccessLog, Note, note_of
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.body import BodyTooLarge, ClientGone, headers_over, read_body
 from multiplexer.faces.disconnect import cancelled_on_disconnect
+from multiplexer.faces.not_allowed import method_not_allowed
 from multiplexer.faces.probe_access import ProbeAccess, ScrapeRefused
 from multiplexer.faces.ready import for_anyone, readiness
 from multiplexer.faces.reply import JSON_HEADERS, DirectEndpoint, Headers, Reply
@@ -35,9 +36,8 @@ def rpc_error(status: int, error: RpcError, headers: Headers | None = None) -> R
     return Reply(status, dumps(error_response(None, error)), [*JSON_HEADERS, *(headers or [])])
 
 
-def too_large(limit: int) -> Reply:
-    return rpc_error(413, RpcError(Code.TOO_LARGE, "Request body too large",
-                                   {"max_body_bytes": limit}))
+def too_large(limit: int, content_length: bytes | str | None) -> Reply:
+    return rpc_error(413, body_too_large(limit, content_length))
 
 
 def unauthorized(error: RpcError) -> Reply:
@@ -73,7 +73,7 @@ class RpcEndpoint:
         try:
             body = await read_body(headers.get(b"content-length"), receive, self.limit)
         except BodyTooLarge:
-            await too_large(self.limit)(scope, receive, send)
+            await too_large(self.limit, headers.get(b"content-length"))(scope, receive, send)
             return
         except ClientGone:
             return
@@ -184,8 +184,9 @@ def create_app(gateway: Gateway, extra_routes: list[BaseRoute] | None = None,
     probes = ProbeAccess(auth, admin or AdminKey(server.admin_key),
                          metrics_public=server.metrics_public, public=public)
     routes = build_routes(gateway, auth, probes) + list(extra_routes or [])
-    app = HeaderLimit(ExactPaths(Starlette(routes=routes, lifespan=lifespan), routes),
-                      server.max_header_bytes)
+    starlette = Starlette(routes=routes, lifespan=lifespan,
+                          exception_handlers={405: method_not_allowed})  # JSON in the face's shape
+    app = HeaderLimit(ExactPaths(starlette, routes), server.max_header_bytes)
     return Access(app, AccessLog(server, gateway.metrics, routes))
 
 
@@ -230,7 +231,8 @@ class HeaderLimit:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and headers_over(scope["headers"], self.max_header_bytes):
-            error = RpcError(Code.TOO_LARGE, "Request headers too large",
+            error = RpcError(Code.TOO_LARGE, f"Request headers too large: over the limit of "
+                             f"{self.max_header_bytes:,} bytes or 200 lines (server.max_header_bytes)",
                              {"max_header_bytes": self.max_header_bytes})
             await rpc_error(431, error)(scope, receive, send)
             return

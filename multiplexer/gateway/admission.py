@@ -138,7 +138,7 @@ def caller_route(gw: Admits, plan: Plan) -> Resolved:
     access checked, a model group's first route by its strategy, ``mode: auto`` made batch or
     sync by the call's deadline. Raises the refusal."""
     call = plan.call
-    resolved = gw.router.resolve(call.method)
+    resolved = named_route(gw, call)
     if call.identity is not None:
         gw.check_access(call.identity, call.method, call.params, call.face)
     if resolved.group is not None:  # the first member the caller may use with its own model
@@ -153,12 +153,32 @@ def caller_route(gw: Admits, plan: Plan) -> Resolved:
     return resolved
 
 
+def named_route(gw: Admits, call: Call) -> Resolved:
+    """The route a call names; for a name no route serves, the refusal points a key only at a
+    name it may call (the closest is looked for again only then: nothing made on the way)."""
+    try:
+        return gw.router.resolve(call.method)
+    except RpcError:
+        identity = call.identity
+        if identity is None:
+            raise
+        raise gw.router.unknown(call.method, lambda name: may_call(gw, identity, name, call.face)) from None
+
+
+def may_call(gw: Admits, identity: str, name: str, face: str) -> bool:
+    try:
+        gw.check_access(identity, name, None, face)
+    except RpcError:
+        return False
+    return True
+
+
 def job_item(gw: Admits, call: Call, takes: Container[str]) -> Item:
     """A batch job's line as an item (``jobs.submit``, ``/v1/batches``, MCP tasks): its key's
     access checked as a live call's, its route (a group's pick among the routes on a provider in
     ``takes``, those with a batch API) and the routes it may be resubmitted to if its remote
     batch fails whole, its params there, prepared by its provider. Raises the refusal."""
-    resolved = gw.router.resolve(call.method)
+    resolved = named_route(gw, call)
     if call.identity is not None:
         gw.check_access(call.identity, call.method, call.params, call.face)
     routes = gw.config.routes

@@ -245,15 +245,22 @@ class Periods:
 
 
 def budget_refusal(c: Counter, spent: int, wall: float) -> RpcError:
-    """-32003 with ``limit: budget_usd``: which cap, its period, what was spent and when it resets."""
+    """-32003 with ``limit: budget_usd``: which cap, its period, what was spent and when it resets,
+    in ``data`` and in one sentence (``Budget exceeded: key alice's daily budget of $5 is spent
+    ($5.0012); it resets at 2026-12-07T00:00:00Z``)."""
     data: dict[str, Any] = {"limit": "budget_usd", "scope": c.scope, "name": c.name, "period": c.period,
                             "budget_usd": str(usd(c.limit)), "spend": str(usd(spent))}
     if c.reset is not None:
         data["reset"] = datetime.fromtimestamp(c.reset, ZoneInfo("UTC")).isoformat().replace("+00:00", "Z")
         data["retry_after"] = round(max(c.reset - wall, 1.0), 3)
+        when = f"it resets at {data['reset']}"
     else:
         data["reset"] = None
-    return RpcError(Code.RATE_LIMITED, "Budget exceeded", data)
+        when = "it never resets (an admin may raise it)"
+    left = c.limit - spent
+    state = f"is spent (${usd(spent):f})" if left <= 0 else f"has ${usd(left):f} left (${usd(spent):f} spent)"
+    return RpcError(Code.RATE_LIMITED, f"Budget exceeded: {c.scope} {c.name}'s {c.period} budget of "
+                                       f"${usd(c.limit):f} {state}; {when}", data)
 
 
 class Budgets:

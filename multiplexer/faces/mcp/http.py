@@ -22,7 +22,7 @@ from mcp.server.auth.routes import create_protected_resource_routes
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from pydantic import AnyHttpUrl
-from starlette.datastructures import Headers
+from starlette.datastructures import URL, Headers
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import Message, Receive, Scope, Send
@@ -38,6 +38,7 @@ from multiplexer.faces.http import rpc_error, too_large, unauthorized
 from multiplexer.faces.mcp.batch import BATCH_REVISIONS, serve_batch
 from multiplexer.faces.mcp.exchange import SingleExchange
 from multiplexer.faces.mcp.server import IDENTITY_SCOPE_KEY, McpFace
+from multiplexer.faces.reply import Reply
 from multiplexer.gateway.gateway import Gateway
 
 if TYPE_CHECKING:
@@ -90,6 +91,9 @@ class McpEndpoint:
                            {"origin": origin[:200] if origin else None})
             await rpc_error(403, err)(scope, receive, send)
             return
+        if scope.get("method") == "GET" and "mcp-session-id" not in headers:
+            await not_a_page(scope)(scope, receive, send)
+            return
         note = note_of(scope)
         try:
             identity = await self._identify(headers.get("authorization"))
@@ -120,7 +124,7 @@ class McpEndpoint:
             try:
                 body = await read_body(headers.get("content-length"), receive, self.max_body)
             except BodyTooLarge:
-                await too_large(self.max_body)(scope, receive, send)
+                await too_large(self.max_body, headers.get("content-length"))(scope, receive, send)
                 return
             except ClientGone:
                 return
@@ -199,6 +203,15 @@ class McpEndpoint:
             await rpc_error(400, invalid_request(detail))(scope, receive, send)
             return
         await serve_batch(self.manager.handle_request, scope, items, receive, send)
+
+
+def not_a_page(scope: Scope) -> Reply:
+    """``GET`` without a session (a browser): 405 saying what this URL is for, no session opened
+    (a GET stream belongs to a session an MCP client opened with a POST)."""
+    url = str(URL(scope=scope).replace(query="", fragment=""))
+    error = RpcError(Code.INVALID_REQUEST, f"This is an MCP endpoint, not a page: point an MCP client "
+                                           f"(Streamable HTTP) at {url}; it speaks POST")
+    return rpc_error(405, error, [(b"allow", b"POST")])
 
 
 class Refused(Exception):

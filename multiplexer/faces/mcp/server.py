@@ -33,7 +33,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
 from multiplexer.core.call import Outcome
-from multiplexer.core.errors import Code, RpcError
+from multiplexer.core.errors import Code, RpcError, closest
 from multiplexer.core.jsonrpc import META_KEYS, call_from
 from multiplexer.core.logs import LEVELS, LogSink
 from multiplexer.core.provider import McpUpstream, ToolSpec
@@ -49,6 +49,7 @@ from multiplexer.faces.mcp.tools import (
     mcp_error,
     protocol_error,
     to_tool,
+    unknown_tool,
     wrap_result,
 )
 from multiplexer.faces.mcp.visibility import Visibility
@@ -306,7 +307,7 @@ class McpFace:
             self.catalog.build(await self.specs())  # a client calling a short alias it never listed
         method = self.catalog.resolve(params.name)
         if not self.may_use(ctx)(method):  # as if it did not exist
-            raise protocol_error(RpcError(Code.METHOD_NOT_FOUND, "Method not found"), params.name)  # type: ignore[misc]
+            raise await self._unknown_tool(ctx, params.name)
         raw_meta = (ctx.params or {}).get("_meta")
         meta = {k: v for k, v in raw_meta.items() if k in META_KEYS} if isinstance(raw_meta, dict) else {}
         try:
@@ -325,10 +326,18 @@ class McpFace:
         if upstream:
             call.log = self._log_sink(ctx, raw_meta)
         outcome = await self.gateway.submit(call)
+        if outcome.error is not None and outcome.error.code == Code.METHOD_NOT_FOUND:
+            raise await self._unknown_tool(ctx, params.name)
         result = self._result(params.name, outcome, upstream)
         if call.want_cost and outcome.ok and isinstance(result, types.CallToolResult):
             result.meta = {**(result.meta or {}), **cost_meta(outcome)}
         return result
+
+    async def _unknown_tool(self, ctx: ServerRequestContext[Any, Any], name: str) -> MCPError:
+        """A tool this caller cannot call, pointing at the closest one it can (as ``tools/list``
+        would show it: its key's rules and this server's tool set)."""
+        allowed = self.may_use(ctx)
+        return unknown_tool(name, closest(name, [s.name for s in await self.specs() if allowed(s.name)]))
 
     # -- upstream log messages ------------------------------------------------------
     async def set_log_level(self, ctx: ServerRequestContext[Any, Any],

@@ -135,10 +135,18 @@ def error_result(error: RpcError) -> types.CallToolResult:
 def protocol_error(error: RpcError, tool: str) -> MCPError | None:
     """Errors that are about the request, not the tool's run: unknown tool, upstream protocol errors."""
     if error.code == Code.METHOD_NOT_FOUND:
-        return MCPError(types.INVALID_PARAMS, f"Unknown tool: {tool}", {"tool": tool})
+        return unknown_tool(tool, (error.data or {}).get("did_you_mean"))
     if error.data and error.data.get("mcp_protocol_error"):
         return mcp_error(error)
     return None
+
+
+def unknown_tool(tool: str, did_you_mean: str | None = None) -> MCPError:
+    """``Unknown tool: tools_ecoh; did you mean 'tools_echo'?`` (a tool the caller may call)."""
+    if not isinstance(did_you_mean, str):
+        return MCPError(types.INVALID_PARAMS, f"Unknown tool: {tool}", {"tool": tool})
+    return MCPError(types.INVALID_PARAMS, f"Unknown tool: {tool}; did you mean {did_you_mean!r}?",
+                    {"tool": tool, "did_you_mean": did_you_mean})
 
 
 def mcp_error(error: RpcError) -> MCPError:

@@ -16,7 +16,15 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Call, Outcome
-from multiplexer.core.errors import Code, RpcError, invalid_params, invalid_request
+from multiplexer.core.errors import (
+    Code,
+    RpcError,
+    body_too_large,
+    closest,
+    invalid_params,
+    invalid_request,
+    not_served,
+)
 from multiplexer.core.foreign import Translates, Translation
 from multiplexer.core.json_codec import dumps, loads
 from multiplexer.core.policy import RouteConfig
@@ -27,6 +35,10 @@ from multiplexer.gateway.gateway import Gateway
 JSON = b"application/json"
 # The trace context of the HTTP request being served (set by the endpoint when tracing).
 REQUEST_TRACE: ContextVar[dict[str, str] | None] = ContextVar("v1_request_trace", default=None)
+# The key of the request being served (set by ``V1.identify``): an unknown model's refusal
+# points it only at models it may use. ANYONE: no request identified here (nothing is suggested).
+ANYONE = "\0"
+CALLER: ContextVar[str | None] = ContextVar("v1_caller", default=ANYONE)
 
 
 class HttpError(Exception):
@@ -59,12 +71,21 @@ def status_of(error: RpcError, overloaded: int = 503) -> int:
 
 def message_of(error: RpcError) -> str:
     """``Invalid params: 'messages' must be ...``: the code's name and the precise detail; a
-    quota's refusal names its limit (``Rate limited: tpm``), which the body has no field for."""
+    quota's refusal names its limit and the wait (``Rate limited: tpm; retry after 12 s``), which
+    the body has no field for. A budget's message says it all (the period, when it resets)."""
     data = error.data or {}
     detail = data.get("detail")
-    if not (isinstance(detail, str) and detail) and error.code == Code.RATE_LIMITED:
+    budget = data.get("limit") == "budget_usd"
+    if not (isinstance(detail, str) and detail) and error.code == Code.RATE_LIMITED and not budget:
         detail = data.get("limit")
-    return f"{error.message}: {detail}" if isinstance(detail, str) and detail else error.message
+    said = f"{error.message}: {detail}" if isinstance(detail, str) and detail else error.message
+    after = data.get("retry_after")
+    if error.code in WAITS and not budget and isinstance(after, int | float) and math.isfinite(after):
+        said += f"; retry after {max(1, math.ceil(after))} s"
+    return said
+
+
+WAITS = (Code.RATE_LIMITED, Code.OVERLOADED, Code.SHUTTING_DOWN)  # refusals that pass with time
 
 
 def retry_headers(error: RpcError) -> list[tuple[bytes, bytes]]:
@@ -110,7 +131,7 @@ class V1:
         name = self.models.get(model) or (model if model in routes and not model.endswith("*")
                                           else None)
         if name is None:
-            raise self.unknown_model(model)
+            raise self.unknown_model(model, CALLER.get())
         return name, self.gateway.resolve(name).route  # a group's: its first route
 
     def visible(self, identity: str | None, model: str, route: str) -> bool:
@@ -118,11 +139,22 @@ class V1:
         rules = self.gateway.keys.rules_of(identity)
         return rules is None or (rules.route_ok(route) and rules.model_ok(route, model))
 
-    def unknown_model(self, model: str, identity: str | None = None) -> HttpError:
-        """404 naming the models there are (those ``identity`` may see, when it is known)."""
-        known = sorted(m for m, r in self.models.items() if identity is None or self.visible(identity, m, r))
-        error = RpcError(Code.NOT_FOUND, f"The model '{model}' does not exist",
-                         {"model": model, "known": known})
+    def unknown_model(self, model: str, identity: str | None = ANYONE) -> HttpError:
+        """404 naming the models there are and the closest name a request may use (a model, a
+        route or a model group): of those ``identity`` may see; none when it is not known."""
+        if identity == ANYONE and self.auth.enabled:
+            known: list[str] = []
+            hint = None
+        else:
+            who = None if identity == ANYONE else identity
+            known = sorted(m for m, r in self.models.items() if self.visible(who, m, r))
+            routes = [r for r in self.gateway.config.routes
+                      if not r.endswith("*") and r not in self.models and self.visible(who, r, r)]
+            hint = closest(model, [*known, *routes])
+        data: dict[str, Any] = {"model": model, "known": known}
+        if hint is not None:
+            data["did_you_mean"] = hint
+        error = RpcError(Code.NOT_FOUND, not_served("model", model, hint), data)
         return HttpError(404, error, param="model", code="model_not_found")
 
     def serves(self, name: str) -> str:
@@ -171,19 +203,19 @@ class V1:
         if auth is None and (key := headers.get(b"x-api-key")) is not None:
             auth = b"Bearer " + key
         try:
-            return self.auth.identify(auth.decode("latin-1") if auth else None)
-        except RpcError as e:
-            detail = (e.data or {}).get("detail", "invalid key")
-            raise HttpError(401, RpcError(e.code, f"Invalid API key ({detail})", e.data),
-                            code="invalid_api_key") from None
+            identity = self.auth.identify(auth.decode("latin-1") if auth else None)
+        except RpcError as e:  # its message says it whole: the detail is for /rpc's data
+            raise HttpError(401, RpcError(e.code, e.message), code="invalid_api_key") from None
+        CALLER.set(identity)
+        return identity
 
     async def read_json(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         """The request body as a JSON object, within ``server.max_body_bytes``."""
         try:
             raw = await read_body(dict(scope["headers"]).get(b"content-length"), receive, self.limit)
         except BodyTooLarge:
-            raise HttpError(413, RpcError(Code.TOO_LARGE, "Request body too large",
-                                          {"max_body_bytes": self.limit})) from None
+            length = dict(scope["headers"]).get(b"content-length")
+            raise HttpError(413, body_too_large(self.limit, length)) from None
         except ClientGone:
             raise HttpError(499, RpcError(Code.CANCELLED, "Client closed the request")) from None
         return self.json_object(raw)
