@@ -12,7 +12,7 @@ from multiplexer.core.call import Call
 from multiplexer.core.errors import RpcError
 from multiplexer.faces.v1.common import Surface, message_of
 from multiplexer.faces.v1.endpoint import Endpoint, converted, named_event
-from multiplexer.faces.v1.requests import MESSAGES, plan, stream_flag
+from multiplexer.faces.v1.requests import MESSAGES, plan, require_operation, stream_flag
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -44,8 +44,8 @@ class CountTokens(Endpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, params, _ = plan(self.v1, MESSAGES, body)
-        self.v1.require_operation(name, "count_tokens", body.get("model"), "token counting")
+        name, params, _ = plan(self.v1, MESSAGES, body, identity)
+        require_operation(self.v1, identity, name, body, params, "count_tokens", "token counting")
         await self.answer(Call(name, params, identity=identity, operation="count_tokens"), scope, receive,
                           send, headers)
 
@@ -56,7 +56,7 @@ class Messages(Endpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, params, shape = plan(self.v1, MESSAGES, body)
+        name, params, shape = plan(self.v1, MESSAGES, body, identity)
         call = Call(name, params, identity=identity)
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers, shape)

@@ -81,7 +81,7 @@ class Generation(Endpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, params, shape = plan(self.v1, self.endpoint, body)
+        name, params, shape = plan(self.v1, self.endpoint, body, identity)
         call = Call(name, params, identity=identity, operation=operation_for(self.endpoint, shape))
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers, shape)
@@ -131,7 +131,7 @@ class Embeddings(Endpoint):
     async def handle(self, scope: Scope, receive: Receive, send: Send, identity: str | None,
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
-        name, params, shape = plan(self.v1, EMBEDDINGS, body)
+        name, params, shape = plan(self.v1, EMBEDDINGS, body, identity)
         await self.answer(Call(name, params, identity=identity), scope, receive, send, headers, shape)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from multiplexer.core.errors import RpcError, invalid_params
 from multiplexer.core.foreign import Translation
-from multiplexer.faces.v1.common import V1, HttpError
+from multiplexer.faces.v1.common import V1, HttpError, status_of
 from multiplexer.faces.v1.local_chat import (
     chat_params,
     chat_result,
@@ -38,27 +38,50 @@ LOCAL: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], Callable[[Any
     COMPLETIONS: (completion_params, completion_result)}
 
 
-def plan(v1: V1, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any], Shape | None]:
-    """(route name, params, result shaper or None) for a body sent to ``endpoint``."""
+def plan(v1: V1, endpoint: str, body: dict[str, Any], identity: str | None = None,
+         ) -> tuple[str, dict[str, Any], Shape | None]:
+    """(route name, params, result shaper or None) for a body sent to ``endpoint``. A route that
+    does not serve ``endpoint`` is refused (400) after the caller's access to it (403,
+    ``refused_first``); ``identity`` None (a batch's lines): each line's access is checked as it is
+    admitted."""
     name, route = v1.route_for(body.get("model"))
+    params = v1.params_for(body, name, route)
     serves = v1.serves(name)
     translation = v1.translation(name, endpoint)
     if translation is not None and serves == translation.operation:
-        return name, *translated(translation, v1.params_for(body, name, route), body)
+        return name, *translated(translation, params, body)
     if serves not in OPERATIONS[endpoint]:
+        refused_first(v1, identity, name, params)
         what = endpoint.removeprefix("/v1/").replace("/", " ")
         raise HttpError(400, invalid_params(f"model {body['model']!r} is served by route {name} "
                                             f"({serves}), not {what}", route=name, serves=serves),
                         param="model")
-    params = v1.params_for(body, name, route)
     if endpoint in LOCAL and serves == GENERATE:
         model = body["model"]
         to_params, to_result = LOCAL[endpoint]
         return name, to_params(params), lambda result: to_result(result, model)
     if endpoint in _OTHER:  # a remote route: the upstream's own endpoint for it
         operation, what = _OTHER[endpoint]
-        v1.require_operation(name, operation, body.get("model"), what)
+        require_operation(v1, identity, name, body, params, operation, what)
     return name, params, None
+
+
+def require_operation(v1: V1, identity: str | None, name: str, body: dict[str, Any], params: Any,
+                      operation: str, what: str) -> None:
+    """``V1.require_operation``, after the caller's access to the route (``refused_first``)."""
+    try:
+        v1.require_operation(name, operation, body.get("model"), what)
+    except HttpError:
+        refused_first(v1, identity, name, params)
+        raise
+
+
+def refused_first(v1: V1, identity: str | None, name: str, params: Any) -> None:
+    """Raise the key's refusal of route ``name`` (403), if it has one: a key learns it may not use
+    a route before it learns what the route serves. A call it may make is checked (and counted)
+    at admission, as every call is."""
+    if identity is not None and (refused := v1.gateway.attempt_refusal(identity, name, params, "v1")):
+        raise HttpError(status_of(refused), refused)
 
 
 def translated(translation: Translation, params: dict[str, Any],
