@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TextIO
 
@@ -76,6 +77,9 @@ class McpSettings(BaseModel):
         return "stdio" if self.command is not None else "http"
 
 
+PACKAGES = str(Path(__file__).resolve().parents[1])  # holds multiplexer/ and providers/
+
+
 def stdio_parameters(settings: McpSettings) -> StdioServerParameters:
     """``command: python`` means this interpreter, so configs work where no ``python`` is on PATH,
     and with this interpreter's ``PYTHONPATH``: the child inherits only an allow-list of the
@@ -88,8 +92,12 @@ def stdio_parameters(settings: McpSettings) -> StdioServerParameters:
         env = {k: os.environ[k] for k in settings.env if k in os.environ}
     else:
         env = dict(settings.env)
-    if python and "PYTHONPATH" in os.environ:
-        env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])
+    if python:  # and the folder this gateway's packages come from: `-m multiplexer...` finds them
+        given = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        paths = [p for p in given.split(os.pathsep) if p]
+        if PACKAGES not in paths:
+            paths.append(PACKAGES)
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     return StdioServerParameters(command=command, args=list(settings.args), env=env or None,
                                  cwd=settings.cwd)
 

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,7 +19,7 @@ from multiplexer.core.errors import Code
 from multiplexer.gateway.config import ConfigError, parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import bind, serve_asgi
-from providers.mcp_transport import McpSettings, stdio_parameters
+from providers.mcp_transport import PACKAGES, McpSettings, stdio_parameters
 from tests.mcp_helpers import (
     call,
     http_upstream,
@@ -340,10 +341,13 @@ def test_stdio_child_gets_python_resolved_and_an_allow_listed_environment(
     params = stdio_parameters(McpSettings(command="python", args=["x.py"], env=["MUX_ALLOWED"],
                                           cwd="/tmp"))
     assert params.command == sys.executable and params.args == ["x.py"] and params.cwd == "/tmp"
-    assert params.env == {"MUX_ALLOWED": "yes"}
+    # the folder this gateway's own packages come from goes with it: `-m multiplexer...` imports
+    assert params.env == {"MUX_ALLOWED": "yes", "PYTHONPATH": PACKAGES}
+    assert Path(PACKAGES, "multiplexer", "__init__.py").is_file()
     monkeypatch.setenv("PYTHONPATH", "/opt/site")  # this interpreter's import path goes with it
-    assert stdio_parameters(McpSettings(command="python3", args=["x.py"])).env == {"PYTHONPATH": "/opt/site"}
+    assert stdio_parameters(McpSettings(command="python3", args=["x.py"])).env == {
+        "PYTHONPATH": f"/opt/site{os.pathsep}{PACKAGES}"}
     assert stdio_parameters(McpSettings(command="python", env={"PYTHONPATH": "/own"})).env == {
-        "PYTHONPATH": "/own"}  # a route's own wins
+        "PYTHONPATH": f"/own{os.pathsep}{PACKAGES}"}  # a route's own comes first
     explicit = stdio_parameters(McpSettings(command="node", env={"TOKEN": "t"}))
     assert explicit.command == "node" and explicit.env == {"TOKEN": "t"}  # not a Python child
