@@ -28,20 +28,12 @@ from typing import Any
 
 import torch
 
+from multiplexer.core.paths import verdict_file as verdict_file  # where the file lives
+
 log = logging.getLogger(__name__)
-FILE_NAME = "local_compile.json"
 # A compiled forward counts as faster where it takes at most this share of the eager one's time,
 # a clear edge for the compile's cost (an AVX2 EPYC: 0.85-0.94, median 0.88, ten timings).
 MARGIN = 0.95
-
-
-def verdict_file() -> Path:
-    """Where the verdicts live (read at each pool's start, so a test or user can point elsewhere)."""
-    base = os.environ.get("MULTIPLEXER_CACHE_DIR")
-    if base:
-        return Path(base) / FILE_NAME
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "multiplexer" / FILE_NAME
 
 
 def device_name(device: torch.device) -> str:

@@ -1,4 +1,4 @@
-"""Command line: serve, call, check-config, demo (the help texts below are what users read)."""
+"""Command line: serve, call, check-config, paths, demo (the help texts below are what users read)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from multiplexer.faces.siblings import worker_slot
         from multiplexer.server import ServeError, check_start, serve_forever  # uvicorn, faces: only here
+        from multiplexer.state_paths import log_where_state_lives
     except ImportError as e:  # a broken install must not start a gateway that lacks a face
         raise CliError(f"cannot load the server and its faces ({type(e).__name__}: {e}); "
                        "reinstall the package (pip install -e .)") from None
@@ -55,6 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         config.server.workers = 1  # one process on stdin/stdout: it enforces the whole limits
         anyio.run(check_services, config)
+        log_where_state_lives(config)  # on stderr, as every log line: stdout is the protocol's
         anyio.run(serve_stdio, config)
         return 0
     if args.workers is not None:
@@ -66,6 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
         from multiplexer.workers import Plan, supervise
 
         _run(check_start, config, args.host or config.server.host)  # once, before any worker
+        log_where_state_lives(config)  # once for all workers, which share the store
         plan = Plan(args.config, args.host or config.server.host,
                     config.server.port if args.port is None else args.port,
                     config.server.worker_count(), config.server.grace_period_s, args.verbose)
@@ -162,6 +165,16 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _paths(args: argparse.Namespace) -> int:
+    from multiplexer.state_paths import state_paths
+
+    rows = state_paths(load_config(args.config), args.config)
+    width = max(len(what) for what, _ in rows)
+    for what, where in rows:
+        print(f"{what:<{width}}  {where}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from multiplexer.demo import run_demo
 
@@ -244,6 +257,16 @@ def _parser() -> argparse.ArgumentParser:
                     "--config deploy/gateway.yaml")
     check.add_argument("file", help="the YAML config to check")
     check.set_defaults(fn=_check)
+
+    paths = command("paths", "where a config's keys, spend, jobs and files live",
+                    "Print where the gateway keeps its state with this config, one line each: the\n"
+                    "config file, the store (SQLite file, or PostgreSQL URL with its password hidden),\n"
+                    "the folder of uploads in progress and, with a local model, the compile verdicts.\n"
+                    "Nothing is created or opened.",
+                    "multiplexer paths",
+                    "multiplexer paths --config deploy/gateway.yaml")
+    paths.add_argument("--config", default=DEFAULT_CONFIG, help="YAML config (default: the packaged one)")
+    paths.set_defaults(fn=_paths)
 
     demo = command("demo", "show the gateway at work, offline",
                    "Start the gateway, make sample calls through each face, print them, stop.",

@@ -34,7 +34,8 @@ async def check_services(config: Config) -> None:
 def check_store(store: StoreConfig) -> None:
     """``store.url``: one connection (a missing database, a refused connection, an unknown role
     each raise with the fix); else ``store.path``: a file SQLite can write, in a folder it can
-    write (its journal lies beside it)."""
+    write (its journal lies beside it), made here on first use (the default, in the user's data
+    directory, may not exist yet), so each part that opens the file finds its folder."""
     if store.url is not None:
         from multiplexer.jobs.pg_connect import connect  # psycopg only where store.url asks for it
 
@@ -43,6 +44,7 @@ def check_store(store: StoreConfig) -> None:
     problem = sqlite_problem(Path(store.path))
     if problem is not None:
         raise StartupError("store.path", str(store.path), problem)
+    Path(store.path).parent.mkdir(parents=True, exist_ok=True)
 
 
 def sqlite_problem(path: Path) -> str | None:

@@ -29,6 +29,7 @@ from multiplexer.gateway import heap
 from multiplexer.gateway.config import Config, ConfigError
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.preflight import check_services, live_keys
+from multiplexer.state_paths import log_where_state_lives
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,8 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
         sock = socket.socket(fileno=slot.fd)
     else:
         sock = bind(host, port, reuse_port=slot is not None)
+    if slot is None:  # serve --workers N: its parent said it once
+        log_where_state_lives(config)
     gw = gateway or Gateway(config)
     try:
         async with gw:

@@ -1,15 +1,84 @@
 """Shared fixtures: the anyio backend for async tests; the test process's heap frozen per module;
 the shared Redis and PostgreSQL left as the suite found them; the local pool's compile verdicts
-in a folder of the run's own."""
+in a folder of the run's own; the user's data directory (the default store's folder) a temporary
+one, each test's its own; and no file left in the checkout by the run."""
 
+import itertools
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from multiplexer.gateway.heap import freeze
 from tests import pg_helpers, redis_helpers
+from tests.checkout_helpers import left_behind, untracked
 
 NOTES: list[str] = []  # lines for the end of the run (a check that could not run, and why)
+FAILURES: list[str] = []  # the run's own checks that failed it (after its tests passed)
+CHECKOUT = Path(__file__).resolve().parent.parent
+DATA_HOME = "XDG_DATA_HOME"  # platformdirs' user data directory on Linux and the BSDs
+RUN_DATA = pytest.StashKey[tuple[Path, str | None]]()
+BEFORE = pytest.StashKey[set[str] | None]()
+TEST_NUMBER = itertools.count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test module is imported (a config made at import reads the data directory):
+    the run's own data directory, so the default store (``gateway/home.py``) of the suite and of
+    the gateways it starts as subprocesses is never the user's."""
+    data = Path(tempfile.mkdtemp(prefix="multiplexer-data-"))
+    config.stash[RUN_DATA] = (data, os.environ.get(DATA_HOME))
+    os.environ[DATA_HOME] = str(data)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if RUN_DATA not in config.stash:
+        return
+    data, was = config.stash[RUN_DATA]
+    if was is None:
+        os.environ.pop(DATA_HOME, None)
+    else:
+        os.environ[DATA_HOME] = was
+    shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def own_default_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test that leaves ``store.path`` out gets a store of its own: its data directory is a
+    folder of the run's, made only if the test's gateway writes there."""
+    data, _ = request.config.stash[RUN_DATA]
+    monkeypatch.setenv(DATA_HOME, str(data / f"test-{next(TEST_NUMBER)}"))
+
+
+def is_worker(config: pytest.Config) -> bool:
+    """An xdist worker: its session ends while others still run, so the checkout is checked once,
+    by the process that started them, before the first and after the last."""
+    return hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not is_worker(session.config):
+        session.config.stash[BEFORE] = untracked(CHECKOUT)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fails the run if it left a file in the checkout that was not there before: a store, a
+    log or an output a test wrote where it ran (the tools' caches aside)."""
+    if is_worker(session.config) or BEFORE not in session.config.stash:
+        return
+    before = session.config.stash[BEFORE]
+    after = untracked(CHECKOUT) if before is not None else None
+    if before is None or after is None:
+        NOTES.append(f"leftover check skipped for the checkout: {CHECKOUT} is not a git checkout")
+        return
+    left = left_behind(before, after)
+    if left:
+        FAILURES.append("these files appeared in the checkout during the run (a test writes where it runs: "
+                        "write under tmp_path; or they were made beside the run):\n  " + "\n  ".join(left))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
@@ -72,3 +141,5 @@ def shared_servers_left_clean() -> Iterator[None]:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for note in NOTES:
         terminalreporter.write_line(f"SKIP: {note}")
+    for failure in FAILURES:
+        terminalreporter.write_line(f"FAILED: {failure}", red=True)

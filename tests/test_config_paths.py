@@ -75,7 +75,8 @@ def test_a_mapping_without_a_folder_keeps_paths_as_written() -> None:
     assert settings(config, "tools").cwd is None  # the working folder, as before
     assert McpSettings.model_validate({"command": "x"}).cwd is None
     unset = load_config(DEFAULT_CONFIG)
-    assert unset.store.path == "multiplexer.db"  # unset: the working folder's, not the package's
+    # unset: the user's data directory (the run's own here), not the working folder's nor the package's
+    assert unset.store.path == str(Path(os.environ["XDG_DATA_HOME"]) / "multiplexer" / "multiplexer.db")
 
 
 def test_the_default_config_ships_in_the_package_with_its_upstream() -> None:

@@ -8,8 +8,12 @@ The blocks are read from README.md when the tests are collected; nothing of them
   module starts on the block's config on a free port. ``127.0.0.1:8080`` in the block becomes that
   gateway's address: the only substitution.
 - ``bash`` blocks run in bash from the repository root, with ``python3`` and ``python`` this
-  interpreter. A block that names ``127.0.0.1:8080`` gets a gateway the same way. The commands in
-  ``NOT_RUN`` are left out (why beside each); everything else in the block runs.
+  interpreter (scripts that exec it: in a virtual environment, a link would start the base
+  interpreter, without the environment's packages). A block that names ``127.0.0.1:8080`` gets a
+  gateway the same way. The commands in ``NOT_RUN`` are left out (why beside each); everything
+  else in the block runs.
+- Each module's gateways, and each block, have a data directory of their own (the default store's
+  folder), never the user's.
 - ``yaml`` blocks that are whole configs (their top-level keys are config sections) must parse
   with the gateway's loader, ``parse_config``, ``${VAR}`` read as set; other YAML must parse.
 - Any other language fails: the README shows nothing this test cannot run.
@@ -44,8 +48,8 @@ RUN_TIMEOUT_S = 240
 # Commands of the README's bash blocks this test does not run (a line's commands joined by && are
 # taken one by one). Keep this set tiny: every other command in the README runs.
 NOT_RUN = {
-    # the venv line: the test runs in the interpreter the suite already runs in; a fresh venv
-    # would mean installing everything again
+    # the venv line: the test runs in the interpreter the suite already runs in, a fresh venv
+    # when CI's second step (.ci/run) made one as this line says
     "python3 -m venv": "creates a virtual environment",
     ". .venv/bin/activate": "activates that virtual environment",
     # the suite runs on the installed package; installing from inside a test would change the
@@ -76,11 +80,21 @@ def child_env(bin_dir: Path) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1"}
 
 
+def python_shims(bin_dir: Path, executable: str) -> None:
+    """``python3`` and ``python`` in ``bin_dir``, each a script that execs ``executable``. Not a
+    link: a virtual environment's interpreter finds its packages from the path it was started by
+    (``pyvenv.cfg`` one folder up), so through a link in another folder it starts as the base
+    interpreter, and ``python3 -m multiplexer`` fails with ``No module named 'anyio'``."""
+    for name in ("python3", "python"):
+        shim = bin_dir / name
+        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(executable)} "$@"\n')
+        shim.chmod(0o755)
+
+
 @pytest.fixture(scope="module")
 def bin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("bin")
-    for name in ("python3", "python"):
-        (d / name).symlink_to(sys.executable)
+    python_shims(d, sys.executable)
     return d
 
 
@@ -136,7 +150,8 @@ class Gateways:
 
 @pytest.fixture(scope="module")
 def gateways(bin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateways]:
-    gws = Gateways(child_env(bin_dir), tmp_path_factory.mktemp("gateways"))
+    env = {**child_env(bin_dir), "XDG_DATA_HOME": str(tmp_path_factory.mktemp("data"))}
+    gws = Gateways(env, tmp_path_factory.mktemp("gateways"))
     try:
         yield gws
     finally:
@@ -201,3 +216,40 @@ def test_quickstart_is_two_commands_and_ci_runs_the_second() -> None:
                    for part in line.replace(" -q ", " ").split(" && ")}
     missing = [part for part in commands[1].split(" && ") if part.strip() not in ci_commands]
     assert not missing, f".ci/run does not run {missing} as the README writes it"
+
+
+PREFIX = "import sys; print(sys.prefix)"
+
+
+def test_python3_in_the_blocks_is_this_interpreter(bin_dir: Path) -> None:
+    done = subprocess.run(["python3", "-c", PREFIX], env=child_env(bin_dir), capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == sys.prefix
+
+
+def test_python3_in_the_blocks_keeps_a_virtual_environments_packages(tmp_path: Path) -> None:
+    """The blocks' ``python3`` started from a virtual environment is that environment, not the base
+    interpreter it was made from (a link to it was: the README's commands then lacked every package)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    (tmp_path / "bin").mkdir()
+    python_shims(tmp_path / "bin", str(venv / "bin" / "python3"))
+    done = subprocess.run([str(tmp_path / "bin" / "python3"), "-c", PREFIX], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == str(venv)
+
+
+def test_ci_runs_the_test_command_again_in_a_fresh_virtual_environment() -> None:
+    """After the machine's run, .ci/run makes a virtual environment as the README does (no system
+    site-packages: only what the install brings), activates it and runs the README's test command
+    there, where the quickstart's user runs it."""
+    quickstart = next(b for b in BLOCKS if b.lang == "bash" and "multiplexer demo" in b.text)
+    test_command = next(line for line in quickstart.text.splitlines() if "python3 -m pytest" in line)
+    lines = [line.split("  #")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    lines = [line.replace(" -q ", " ") for line in lines if line and not line.startswith("#")]
+    assert "--system-site-packages" not in "\n".join(lines)
+    made = next(i for i, line in enumerate(lines) if line.startswith("python3 -m venv "))
+    venv = lines[made].removeprefix("python3 -m venv ").strip('"')
+    assert lines[made + 1].replace('"', "") == f". {venv}/bin/activate", lines[made:made + 2]
+    missing = [part for part in test_command.split(" && ") if part.strip() not in lines[made + 2:]]
+    assert not missing, f".ci/run does not run {missing} in its virtual environment"

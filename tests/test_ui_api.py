@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -30,10 +31,12 @@ AS_ADMIN = {"authorization": f"Bearer {ADMIN}"}
 API = ("/ui/api/state", "/ui/api/stream")
 
 
-def echo_config(**server: Any) -> Any:
+def echo_config(tmp_path: Path | None, **server: Any) -> Any:
+    """An echo gateway whose store is the test's own (``tmp_path``; None: the default store)."""
+    store = {} if tmp_path is None else {"store": {"path": str(tmp_path / "multiplexer.db")}}
     return parse_config({"server": server, "providers": {"e": {"kind": "echo",
                                                                "batch": {"max_items": 8, "max_wait_ms": 2}}},
-                         "routes": {"echo": {"provider": "e"}}})
+                         "routes": {"echo": {"provider": "e"}}, **store})
 
 
 @pytest.fixture(autouse=True)
@@ -65,8 +68,8 @@ def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-async def test_the_page_and_its_files_need_no_key_and_hold_no_data() -> None:
-    async with serving(echo_config(admin_key=ADMIN)) as (_, http):
+async def test_the_page_and_its_files_need_no_key_and_hold_no_data(tmp_path: Path) -> None:
+    async with serving(echo_config(tmp_path, admin_key=ADMIN)) as (_, http):
         root = await http.get("/", follow_redirects=False)
         assert root.status_code == 307 and root.headers["location"] == "/ui"
         page = await http.get("/ui")
@@ -80,8 +83,8 @@ async def test_the_page_and_its_files_need_no_key_and_hold_no_data() -> None:
         assert (await http.get("/ui/static/nope.js")).json()["error"]["code"] == 404
 
 
-async def test_the_api_and_the_stream_answer_only_a_key() -> None:
-    async with serving(echo_config(admin_key=ADMIN, api_keys={"alice": KEY})) as (_, http):
+async def test_the_api_and_the_stream_answer_only_a_key(tmp_path: Path) -> None:
+    async with serving(echo_config(tmp_path, admin_key=ADMIN, api_keys={"alice": KEY})) as (_, http):
         for path in API:
             for headers in ({}, {"authorization": "Bearer wrong-key-0123456789"},
                             {"authorization": "Basic x"}):
@@ -100,22 +103,22 @@ async def test_the_api_and_the_stream_answer_only_a_key() -> None:
                                                "detail": admin["panels"]["breakers"]["detail"]}
 
 
-async def test_without_any_key_the_api_is_off_and_says_how_to_turn_it_on() -> None:
-    async with serving(echo_config()) as (_, http):
+async def test_without_any_key_the_api_is_off_and_says_how_to_turn_it_on(tmp_path: Path) -> None:
+    async with serving(echo_config(tmp_path)) as (_, http):
         for path in API:
             r = await http.get(path)
             assert r.status_code == 404 and "server.admin_key" in r.json()["error"]["message"]
         assert (await http.get("/ui")).status_code == 200  # the page, to say so
 
 
-async def test_server_ui_false_mounts_nothing() -> None:
-    async with serving(echo_config(admin_key=ADMIN, ui=False)) as (_, http):
+async def test_server_ui_false_mounts_nothing(tmp_path: Path) -> None:
+    async with serving(echo_config(tmp_path, admin_key=ADMIN, ui=False)) as (_, http):
         for path in ("/", "/ui", "/ui/static/app.js", *API):
             assert (await http.get(path, headers=AS_ADMIN)).status_code == 404, path
 
 
-async def test_every_number_equals_metrics() -> None:
-    async with serving(echo_config(admin_key=ADMIN)) as (_, http):
+async def test_every_number_equals_metrics(tmp_path: Path) -> None:
+    async with serving(echo_config(tmp_path, admin_key=ADMIN)) as (_, http):
         body = [{"jsonrpc": "2.0", "id": i, "method": "echo", "params": {"i": i}} for i in range(20)]
         assert len((await http.post("/rpc", json=body)).json()) == 20
         await http.post("/rpc", json={"jsonrpc": "2.0", "id": 1, "method": "nope"})
@@ -261,8 +264,8 @@ async def test_the_admins_spend_panel_has_the_stores_spend_by_day_and_key(
     assert again == panel  # read at most once per OVERVIEW_S, whatever was written meanwhile
 
 
-async def test_streams_share_one_snapshot_per_tick_and_build_none_unwatched() -> None:
-    async with serving(echo_config(admin_key=ADMIN)) as (gw, http):
+async def test_streams_share_one_snapshot_per_tick_and_build_none_unwatched(tmp_path: Path) -> None:
+    async with serving(echo_config(tmp_path, admin_key=ADMIN)) as (gw, http):
         ticks = gw.faces["ui"]
         ticks.interval_s = 0.05
         got: list[list[bytes]] = [[] for _ in range(5)]
@@ -315,14 +318,14 @@ async def test_a_caller_key_sees_its_own_jobs_only(tmp_path: Any) -> None:
         assert n == m[("multiplexer_batch_items", (("state", state),))]
 
 
-async def test_a_failing_panel_says_so_and_the_others_still_answer(monkeypatch: Any) -> None:
+async def test_a_failing_panel_says_so_and_the_others_still_answer(monkeypatch: Any, tmp_path: Path) -> None:
     from multiplexer.faces.ui import panels
 
     async def broken(view: Any) -> dict[str, Any]:
         raise OSError("the store went away")
 
     monkeypatch.setitem(panels.PANELS, "limits", (broken, False))
-    async with serving(echo_config(admin_key=ADMIN)) as (_, http):
+    async with serving(echo_config(tmp_path, admin_key=ADMIN)) as (_, http):
         r = await http.get("/ui/api/state", headers=AS_ADMIN)
         assert r.status_code == 200
         body = r.json()["panels"]
@@ -331,7 +334,7 @@ async def test_a_failing_panel_says_so_and_the_others_still_answer(monkeypatch: 
         assert (await frames(http, 1, AS_ADMIN))[0].count(b"the store went away") == 1
 
 
-async def test_open_streams_end_when_the_server_stops() -> None:
+async def test_open_streams_end_when_the_server_stops(tmp_path: Path) -> None:
     """A dashboard left open does not hold the shutdown for the grace period."""
     ended = anyio.Event()
     got: list[bytes] = []
@@ -346,7 +349,7 @@ async def test_open_streams_end_when_the_server_stops() -> None:
 
     async with httpx.AsyncClient(timeout=30) as http, anyio.create_task_group() as tg:
         with anyio.fail_after(4):  # well inside the 5 s grace period an open stream would hold
-            async with running(echo_config(admin_key=ADMIN), port=0) as (gw, url):
+            async with running(echo_config(tmp_path, admin_key=ADMIN), port=0) as (gw, url):
                 http.base_url = httpx.URL(url)
                 first = anyio.Event()
                 tg.start_soon(watch, http, first)
@@ -370,10 +373,11 @@ def too_many(r: httpx.Response, limit: str) -> None:
     assert int(r.headers["retry-after"]) >= 1
 
 
-async def test_a_key_at_one_request_a_minute_reads_the_dashboard_once() -> None:
+async def test_a_key_at_one_request_a_minute_reads_the_dashboard_once(tmp_path: Path) -> None:
     """The dashboard's JSON is a request like any other: a snapshot costs the gateway a walk over
     every panel (open job items counted under the store's lock), so a key's rpm bounds it."""
-    async with serving(echo_config(admin_key=ADMIN, api_keys={"bob": {"key": BOB, "rpm": 1}})) as (_, http):
+    bob = {"bob": {"key": BOB, "rpm": 1}}
+    async with serving(echo_config(tmp_path, admin_key=ADMIN, api_keys=bob)) as (_, http):
         replies = [await http.get("/ui/api/state", headers=BOB_AUTH) for _ in range(5)]
         assert [r.status_code for r in replies] == [200, 429, 429, 429, 429]
         too_many(replies[1], "rpm")
@@ -382,8 +386,8 @@ async def test_a_key_at_one_request_a_minute_reads_the_dashboard_once() -> None:
         assert (await http.get("/ui/api/state", headers=AS_ADMIN)).status_code == 200
 
 
-async def test_an_open_stream_holds_its_keys_one_slot_until_it_closes() -> None:
-    async with serving(echo_config(admin_key=ADMIN,
+async def test_an_open_stream_holds_its_keys_one_slot_until_it_closes(tmp_path: Path) -> None:
+    async with serving(echo_config(tmp_path, admin_key=ADMIN,
                                    api_keys={"bob": {"key": BOB, "concurrency": 1}})) as (_, http):
         async with http.stream("GET", "/ui/api/stream", headers=BOB_AUTH) as first:
             assert first.status_code == 200
@@ -397,10 +401,11 @@ async def test_an_open_stream_holds_its_keys_one_slot_until_it_closes() -> None:
                 await anyio.sleep(0.05)
 
 
-async def test_admin_reads_reach_the_quota_decision_and_are_never_refused() -> None:
+async def test_admin_reads_reach_the_quota_decision_and_are_never_refused(tmp_path: Path) -> None:
     """The admin key has no quota: its dashboard and /admin reads are counted (each one claim in
     the one quota decision), never refused."""
-    async with serving(echo_config(admin_key=ADMIN, api_keys={"bob": {"key": BOB, "rpm": 1}})) as (gw, http):
+    bob = {"bob": {"key": BOB, "rpm": 1}}
+    async with serving(echo_config(tmp_path, admin_key=ADMIN, api_keys=bob)) as (gw, http):
         seen: list[str | None] = []
         decide = gw.quotas.decide
 
@@ -418,8 +423,8 @@ async def test_admin_reads_reach_the_quota_decision_and_are_never_refused() -> N
         assert seen == [None] * 7 + ["bob"]
 
 
-async def test_the_page_may_run_only_its_own_files() -> None:
-    async with serving(echo_config(admin_key=ADMIN)) as (_, http):
+async def test_the_page_may_run_only_its_own_files(tmp_path: Path) -> None:
+    async with serving(echo_config(tmp_path, admin_key=ADMIN)) as (_, http):
         page = await http.get("/ui")
         assert page.headers["content-security-policy"] == POLICY
         assert page.headers["x-content-type-options"] == "nosniff"

@@ -102,6 +102,7 @@ async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any, brows
     monkeypatch.delenv(ENV, raising=False)
     config = load_config(DEFAULT)
     config.server.admin_key = SecretStr(ADMIN)
+    config.store.path = str(tmp_path / "multiplexer.db")  # the test's own keys, spend and jobs
     async with (
         running(config, host="127.0.0.1", port=0) as (_, url),
         httpx.AsyncClient(base_url=url, timeout=30) as http,

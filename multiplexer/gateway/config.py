@@ -29,6 +29,7 @@ from multiplexer.core.policy import (
 )
 from multiplexer.gateway import chains
 from multiplexer.gateway.config_errors import hint, problems
+from multiplexer.gateway.home import default_store_path
 from multiplexer.gateway.kind_keys import kind_problems
 from multiplexer.money.settings import BudgetsConfig, SpendConfig
 
@@ -140,9 +141,10 @@ class ServerConfig(Strict):
 
 class StoreConfig(Strict):
     path: ConfigPath = Field(
-        default="multiplexer.db",
-        description="SQLite file of batch jobs (relative: to the config's folder; unset: multiplexer.db"
-                    " in the working folder)")
+        default_factory=default_store_path,
+        description="SQLite file of keys, spend, batch jobs and /v1 files (relative: to the config's"
+                    " folder; unset: multiplexer.db in the user's data directory, ~/.local/share/multiplexer"
+                    " on Linux; multiplexer paths prints it)")
     url: str | None = Field(
         default=None,
         description="postgresql://...: batch jobs shared by every replica (unset: SQLite at path)")
