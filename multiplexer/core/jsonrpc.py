@@ -150,7 +150,8 @@ def decode(body: bytes, *, max_items: int = 1000, max_depth: int = 64,
         if not obj:
             return Decoded(False, [Entry(id=None, error=invalid_request("empty batch"))])
         if len(obj) > max_items:
-            err = invalid_request(f"batch of {len(obj)} items exceeds the limit of {max_items}")
+            err = invalid_request(f"batch of {len(obj)} items exceeds the limit of {max_items} "
+                                  "(server.max_batch_items); send it in smaller batches")
             assert err.data is not None
             err.data["max_batch_items"] = max_items
             return Decoded(False, [Entry(id=None, error=err)])

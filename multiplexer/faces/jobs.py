@@ -100,7 +100,8 @@ def _int(params: dict[str, Any], key: str, default: int, lo: int, hi: int) -> in
 
 
 def not_found(job_id: Any) -> RpcError:
-    return RpcError(Code.NOT_FOUND, "Job not found", {"job_id": job_id})
+    return RpcError(Code.NOT_FOUND, f"Job not found: {str(job_id)[:200]!r}; jobs.list lists yours",
+                    {"job_id": job_id})
 
 
 class JobFace:

@@ -199,7 +199,8 @@ class McpEndpoint:
             await rpc_error(400, parse_error(str(e)[:200]))(scope, receive, send)
             return
         if len(items) > self.max_batch:
-            detail = f"batch of {len(items)} items exceeds the limit of {self.max_batch}"
+            detail = (f"batch of {len(items)} items exceeds the limit of {self.max_batch} "
+                      "(server.max_batch_items); send it in smaller batches")
             await rpc_error(400, invalid_request(detail))(scope, receive, send)
             return
         await serve_batch(self.manager.handle_request, scope, items, receive, send)

@@ -146,8 +146,8 @@ class Batches:
             raise HttpError(400, invalid_params("metadata must be an object"), param="metadata")
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or (record_file := await self.store.file(file_id, identity)) is None:
-            raise HttpError(404, RpcError(Code.NOT_FOUND, f"No such file: {file_id!r}"),
-                            param="input_file_id")
+            missing = f"No such file: {file_id!r}; GET /v1/files lists yours"
+            raise HttpError(404, RpcError(Code.NOT_FOUND, missing), param="input_file_id")
         content = await self.store.content(record_file)
         lines, errors = await anyio.to_thread.run_sync(parse_lines, content, endpoint)
         record = BatchRecord(new_batch_id("batch_"), identity, endpoint, file_id, window, now(), metadata,

@@ -24,7 +24,9 @@ from multiplexer.faces.v1.upload_form import upload_form
 
 
 def not_found(what: str, ident: Any) -> HttpError:
-    return HttpError(404, RpcError(Code.NOT_FOUND, f"No such {what}: {ident!r}"))
+    """404 naming the id and where the caller's own are listed (``GET /v1/files``, ``/v1/batches``)."""
+    listing = "GET /v1/files" if what == "file" else "GET /v1/batches"
+    return HttpError(404, RpcError(Code.NOT_FOUND, f"No such {what}: {ident!r}; {listing} lists yours"))
 
 
 class FilesEndpoint(Endpoint):

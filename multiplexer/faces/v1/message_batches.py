@@ -144,7 +144,8 @@ class MessageBatchEndpoint(Endpoint):
         batch_id = scope["path_params"]["batch_id"]
         record = await self.batches.batches.get(batch_id, identity, "anthropic")
         if record is None:
-            raise HttpError(404, RpcError(Code.NOT_FOUND, f"No such message batch: {batch_id!r}"))
+            missing = f"No such message batch: {batch_id!r}; GET /v1/messages/batches lists yours"
+            raise HttpError(404, RpcError(Code.NOT_FOUND, missing))
         return record
 
     async def reply(self, send: Send, scope: Scope, record: BatchRecord,
