@@ -33,7 +33,7 @@ class Router:
         """The names a caller may call by: routes (not wildcards) and model groups."""
         return [*self.exact, *self.groups]
 
-    def resolve(self, method: str, may_use: Callable[[str], bool] | None = None) -> Resolved:
+    def resolve(self, method: str) -> Resolved:
         """The route ``method`` names; raises ``unknown`` when none does."""
         route = self.exact.get(method)
         if route is not None:
@@ -45,7 +45,7 @@ class Router:
             if method.startswith(prefix) and len(method) > len(prefix):
                 rest = method[len(prefix):]
                 return Resolved(name, route, (route.method or "") + rest)
-        raise self.unknown(method, may_use)
+        raise self.unknown(method)
 
     def unknown(self, method: str, may_use: Callable[[str], bool] | None = None) -> RpcError:
         """-32601 for a name no route serves, pointing at the closest name (of those ``may_use``

@@ -138,7 +138,10 @@ def caller_route(gw: Admits, plan: Plan) -> Resolved:
     access checked, a model group's first route by its strategy, ``mode: auto`` made batch or
     sync by the call's deadline. Raises the refusal."""
     call = plan.call
-    resolved = named_route(gw, call)
+    try:
+        resolved = gw.router.resolve(call.method)
+    except RpcError as e:
+        raise unknown(gw, call, e) from None
     if call.identity is not None:
         gw.check_access(call.identity, call.method, call.params, call.face)
     if resolved.group is not None:  # the first member the caller may use with its own model
@@ -153,16 +156,13 @@ def caller_route(gw: Admits, plan: Plan) -> Resolved:
     return resolved
 
 
-def named_route(gw: Admits, call: Call) -> Resolved:
-    """The route a call names; for a name no route serves, the refusal points a key only at a
-    name it may call (the closest is looked for again only then: nothing made on the way)."""
-    try:
-        return gw.router.resolve(call.method)
-    except RpcError:
-        identity = call.identity
-        if identity is None:
-            raise
-        raise gw.router.unknown(call.method, lambda name: may_call(gw, identity, name, call.face)) from None
+def unknown(gw: Admits, call: Call, error: RpcError) -> RpcError:
+    """The refusal of a name no route serves: a keyed caller's points only at a name its key may
+    call (looked for again only then, so a served call makes nothing for it)."""
+    identity = call.identity
+    if identity is None:
+        return error
+    return gw.router.unknown(call.method, lambda name: may_call(gw, identity, name, call.face))
 
 
 def may_call(gw: Admits, identity: str, name: str, face: str) -> bool:
@@ -178,7 +178,10 @@ def job_item(gw: Admits, call: Call, takes: Container[str]) -> Item:
     access checked as a live call's, its route (a group's pick among the routes on a provider in
     ``takes``, those with a batch API) and the routes it may be resubmitted to if its remote
     batch fails whole, its params there, prepared by its provider. Raises the refusal."""
-    resolved = named_route(gw, call)
+    try:
+        resolved = gw.router.resolve(call.method)
+    except RpcError as e:
+        raise unknown(gw, call, e) from None
     if call.identity is not None:
         gw.check_access(call.identity, call.method, call.params, call.face)
     routes = gw.config.routes
