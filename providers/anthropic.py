@@ -51,13 +51,16 @@ def auth_headers(settings: AnthropicSettings) -> dict[str, str]:
     return headers
 
 
+# What a response used, as the tpm limit counts it: ``input_tokens`` leaves out the prompt-cache
+# reads and writes, which are input the provider's own limit counts all the same.
+USED = ("input_tokens", "output_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+
+
 def usage_total(body: object) -> int | None:
     usage = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(usage, dict):
         return None
-    numbers = [v for k, v in usage.items() if k in ("input_tokens", "output_tokens",
-                                                    "cache_creation_input_tokens")
-               and isinstance(v, int)]
+    numbers = [v for k, v in usage.items() if k in USED and isinstance(v, int) and not isinstance(v, bool)]
     return sum(numbers) if numbers else None
 
 

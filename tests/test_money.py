@@ -342,8 +342,9 @@ async def test_spend_command_prints_the_table(tmp_path: Path, monkeypatch: pytes
         status = await anyio.to_thread.run_sync(cli.main, ["spend", "--by", "key,route", "--url", url])
         out = capsys.readouterr().out.splitlines()
         assert status == 0
-        assert out[0].split() == ["key", "route", "calls", "cost_usd", "saved_usd", "unknown_cost_calls"]
-        assert out[1].split() == ["alice", "chat", "1", "0.000002", "0.000000", "0"]
+        assert out[0].split() == ["key", "route", "calls", "cost_usd", "saved_usd", "unknown_cost_calls",
+                                  "cache_read_share"]
+        assert out[1].split() == ["alice", "chat", "1", "0.000002", "0.000000", "0", "0.0000"]
         assert out[-1].split()[0] == "total"
         monkeypatch.setenv("MULTIPLEXER_MASTER_KEY", "wrong")
         assert await anyio.to_thread.run_sync(cli.main, ["spend", "--url", url]) != 0

@@ -25,7 +25,7 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.provider import STREAM
 from multiplexer.core.sink import ChunkSink
-from multiplexer.money.prices import UNBILLED, Prices, Tokens, out_budget, tokens_of
+from multiplexer.money.prices import UNBILLED, Prices, Tokens, out_budget, tokens_of, usage_of
 
 # What a call's saving came from (the ledger's and /metrics' ``how``): a fixed set.
 SYNC, BATCH, INFLIGHT, CACHE = "sync", "batch", "dedup", "cache"
@@ -33,9 +33,10 @@ MAX_PENDING = 1_000_000  # records waiting for the writer; beyond this they are 
 
 
 # (wall time, key, route, provider, model, cost or None, saved, how, prompt-cache saved,
-#  upstream requests saved: 1 for a shared call, a packed call's part of those its batch saved);
-# amounts in integer pico-dollars
-Record = tuple[float, str | None, str, str, str, int | None, int, str, int, float]
+#  upstream requests saved: 1 for a shared call, a packed call's part of those its batch saved,
+#  input tokens and the prompt-cache reads among them, as the provider's usage said: 0 for a
+#  call that sent none upstream or whose usage is unknown); amounts in integer pico-dollars
+Record = tuple[float, str | None, str, str, str, int | None, int, str, int, float, int, int]
 
 
 class MoneyMetrics:
@@ -113,15 +114,17 @@ class Meter:
         model = model if isinstance(model, str) else None
         rates = self.prices.rates(plan.label, route.provider, model)
         cost: int | None
-        saved = cache_saved = 0
+        saved = cache_saved = sent = read = 0
         how = shared or SYNC
+        if rates is None and model is None:
+            return answer, None  # no model and no price: not metered (a tool, a JSON-RPC method)
+        result = outcome.built()
+        tokens = tokens_of(usage_of(result)) if type(result) is dict else None
+        if tokens is not None and shared is None:  # a shared call sent nothing upstream
+            sent, read = tokens.input, tokens.cache_read
         if rates is None:
-            if model is None:
-                return answer, None  # no model and no price: not metered (a tool, a JSON-RPC method)
             cost = None
         else:
-            result = outcome.built()
-            tokens = tokens_of(result.get("usage")) if type(result) is dict else None
             if tokens is None:
                 cost = None if rates.priced_tokens else rates.p_call
                 alone = cost or 0
@@ -148,7 +151,7 @@ class Meter:
             share = item.options.get("upstream_share")
             requests_saved = 1.0 - share if isinstance(share, float) else 0.0
         after(self._book, (self.clock.wall(), item.identity, plan.label, route.provider, model or "",
-                           cost, saved, how, cache_saved, requests_saved))
+                           cost, saved, how, cache_saved, requests_saved, sent, read))
         return answer, cost
 
     def used(self, plan: Any, most: int | None) -> int | None:
@@ -176,13 +179,13 @@ class Meter:
             else:
                 cost = most
         after(self._book, (self.clock.wall(), item.identity, plan.label, route.provider, model or "",
-                           cost, 0, SYNC, 0, 0.0))
+                           cost, 0, SYNC, 0, 0.0, 0, 0))
         return cost
 
     def _book(self, record: Record) -> None:
         """A priced call into the spend metrics and the writer's records, once its answer is
         written (core/after.py): the caller's headers need only its cost."""
-        _, _, label, provider, _, cost, saved, how, _, _ = record
+        _, _, label, provider, _, cost, saved, how, _, _, _, _ = record
         m = self.metrics
         if cost is None:
             m.unknown[label] = m.unknown.get(label, 0) + 1
@@ -213,7 +216,9 @@ class Meter:
                 costs.append(None)
                 if model is not None:
                     m.unknown[route] = m.unknown.get(route, 0) + 1
-                    self.records.append((wall, identity, route, provider, model, None, 0, BATCH, 0, 0.0))
+                    self.records.append((wall, identity, route, provider, model, None, 0, BATCH, 0, 0.0,
+                                         0 if tokens is None else tokens.input,
+                                         0 if tokens is None else tokens.cache_read))
                 continue
             alone = rates.pico_uncached(tokens)
             cost = full = rates.pico(tokens)
@@ -227,7 +232,8 @@ class Meter:
                 how = BATCH if batch else "prompt_cache"
                 m.saved[(route, how)] = m.saved.get((route, how), 0.0) + saved / 1e12
             self.records.append((wall, identity, route, provider, model or "", cost, saved,
-                                 BATCH if batch else SYNC, alone - full, 0.0))
+                                 BATCH if batch else SYNC, alone - full, 0.0, tokens.input,
+                                 tokens.cache_read))
             costs.append(cost)
         return costs
 

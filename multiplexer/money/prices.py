@@ -27,12 +27,14 @@ MAX_RESOLVED = 4096  # models are client strings on /rpc: the lookup cache stays
 
 class Tokens(NamedTuple):
     """A call's usage in one shape: ``input`` is all input, prompt-cache reads and writes included
-    (genai-prices' convention); ``cache_read`` and ``cache_write`` are the parts of it that were."""
+    (genai-prices' convention); ``cache_read`` and ``cache_write`` are the parts of it that were;
+    ``cache_write_1h`` is the part of ``cache_write`` kept an hour (Anthropic bills it higher)."""
 
     input: int = 0
     output: int = 0
     cache_read: int = 0
     cache_write: int = 0
+    cache_write_1h: int = 0
 
 
 PICO = Decimal(10) ** 12  # amounts are counted in integer pico-dollars: exact, and int-fast
@@ -50,7 +52,8 @@ def usd_of(pico: int) -> Decimal:
 @dataclass(frozen=True, slots=True)
 class Rates:
     """Dollars per million tokens of each kind, plus a fixed amount per call; the same as integer
-    pico-dollars per token (``p_*``), which is what each call's arithmetic uses."""
+    pico-dollars per token (``p_*``), which is what each call's arithmetic uses. ``cache_write_1h``:
+    an hour-long cache write's rate, where it differs from ``cache_write`` (None: the same)."""
 
     input: Decimal
     output: Decimal
@@ -58,29 +61,34 @@ class Rates:
     cache_write: Decimal
     per_call: Decimal = ZERO
     source: str = "config"
+    cache_write_1h: Decimal | None = None
     p_input: int = 0
     p_output: int = 0
     p_read: int = 0
     p_write: int = 0
+    p_write_1h: int = 0  # over p_write: what an hour-long write costs beyond a five-minute one
     p_call: int = 0
 
     def __post_init__(self) -> None:
         for name, value in (("p_input", self.input), ("p_output", self.output), ("p_read", self.cache_read),
                             ("p_write", self.cache_write)):
             object.__setattr__(self, name, to_pico(value))
+        if self.cache_write_1h is not None:
+            object.__setattr__(self, "p_write_1h", to_pico(self.cache_write_1h) - self.p_write)
         object.__setattr__(self, "p_call", int((self.per_call * PICO).to_integral_value()))
 
     def pico(self, t: Tokens) -> int:
         """What ``t`` costs at these rates, synchronous, in pico-dollars."""
         plain = t.input - t.cache_read - t.cache_write
         return ((plain if plain > 0 else 0) * self.p_input + t.cache_read * self.p_read
-                + t.cache_write * self.p_write + t.output * self.p_output + self.p_call)
+                + t.cache_write * self.p_write + t.cache_write_1h * self.p_write_1h
+                + t.output * self.p_output + self.p_call)
 
     def pico_uncached(self, t: Tokens) -> int:
         """What ``t`` would cost had its prompt-cache reads been billed as plain input."""
         plain = t.input - t.cache_write
         return ((plain if plain > 0 else 0) * self.p_input + t.cache_write * self.p_write
-                + t.output * self.p_output + self.p_call)
+                + t.cache_write_1h * self.p_write_1h + t.output * self.p_output + self.p_call)
 
     @property
     def priced_tokens(self) -> bool:
@@ -111,7 +119,10 @@ def tokens_of(usage: Any) -> Tokens | None:
     OpenAI chat and embeddings: ``prompt_tokens`` includes ``prompt_tokens_details.cached_tokens``.
     OpenAI Responses: ``input_tokens`` includes ``input_tokens_details.cached_tokens``.
     Anthropic: ``input_tokens`` excludes ``cache_read_input_tokens`` and
-    ``cache_creation_input_tokens``, which are added here.
+    ``cache_creation_input_tokens``, which are added here; the writes' ``cache_creation`` object
+    says how many were kept an hour (``ephemeral_1h_input_tokens``), billed at their own rate.
+    Gemini (``usageMetadata``): ``promptTokenCount`` includes ``cachedContentTokenCount``; the
+    thoughts are output, a tool's prompt input.
     """
     if not isinstance(usage, dict):
         return None
@@ -120,14 +131,35 @@ def tokens_of(usage: Any) -> Tokens | None:
         cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
         return Tokens(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached)
     if "input_tokens" not in usage and "output_tokens" not in usage:
-        return None
+        return _gemini(usage) if "promptTokenCount" in usage or "candidatesTokenCount" in usage else None
     details = usage.get("input_tokens_details")
     if isinstance(details, dict):  # the Responses API
         return Tokens(_int(usage.get("input_tokens")), _int(usage.get("output_tokens")),
                       _int(details.get("cached_tokens")))
     read, write = _int(usage.get("cache_read_input_tokens")), _int(usage.get("cache_creation_input_tokens"))
+    hour = 0
+    creation = usage.get("cache_creation")
+    if isinstance(creation, dict):
+        hour = _int(creation.get("ephemeral_1h_input_tokens"))
+        if "cache_creation_input_tokens" not in usage:  # the parts without their sum
+            write = _int(creation.get("ephemeral_5m_input_tokens")) + hour
+        hour = min(hour, write)
     return Tokens(_int(usage.get("input_tokens")) + read + write, _int(usage.get("output_tokens")),
-                  read, write)
+                  read, write, hour)
+
+
+def _gemini(meta: dict[str, Any]) -> Tokens:
+    """Gemini's ``usageMetadata`` in the one shape (its translations' usage is read as theirs)."""
+    cached = _int(meta.get("cachedContentTokenCount"))
+    prompt = _int(meta.get("promptTokenCount")) + _int(meta.get("toolUsePromptTokenCount"))
+    return Tokens(max(prompt, cached), _int(meta.get("candidatesTokenCount"))
+                  + _int(meta.get("thoughtsTokenCount")), cached)
+
+
+def usage_of(result: dict[str, Any]) -> Any:
+    """A result's usage object: ``usage``, or a native Gemini answer's ``usageMetadata``."""
+    usage = result.get("usage")
+    return result.get("usageMetadata") if usage is None else usage
 
 
 def _mtok(value: Any) -> Decimal | None:
@@ -157,7 +189,8 @@ def catalog_rates(model: str, provider_id: str | None, api_url: str | None) -> R
     read = _mtok(fields.get("cache_read_mtok"))
     write = _mtok(fields.get("cache_write_mtok"))
     return Rates(input_, output or ZERO, input_ if read is None else read,
-                 input_ if write is None else write, ZERO, f"genai-prices:{provider.id}/{info.id}")
+                 input_ if write is None else write, ZERO, f"genai-prices:{provider.id}/{info.id}",
+                 _mtok(fields.get("cache_write_1h_mtok")))
 
 
 class Prices:

@@ -43,11 +43,12 @@ def _cell(row: dict[str, Any], group: str) -> str:
 
 def table(body: dict[str, Any], groups: Sequence[str]) -> str:
     """``GET /admin/spend``'s body as an aligned text table with a total line."""
-    head = [*groups, "calls", "cost_usd", "saved_usd", "unknown_cost_calls"]
+    head = [*groups, "calls", "cost_usd", "saved_usd", "unknown_cost_calls", "cache_read_share"]
 
     def sums(r: dict[str, Any]) -> list[str]:
+        share = r.get("cache_read_share")
         return [str(r.get("calls", 0)), f"{r.get('cost_usd', 0):.6f}", f"{r.get('saved_usd', 0):.6f}",
-                str(r.get("unknown_cost_calls", 0))]
+                str(r.get("unknown_cost_calls", 0)), "-" if share is None else f"{share:.4f}"]
 
     lines = [[_cell(r, g) for g in groups] + sums(r) for r in body.get("rows", [])]
     lines.append((["total", *[""] * (len(groups) - 1)] if groups else []) + sums(body.get("total", {})))
@@ -66,10 +67,18 @@ def dollars(nanos: Any) -> float:
     return float(Decimal(int(nanos or 0)) / Decimal(1_000_000_000))
 
 
+def share(part: int, whole: int) -> float | None:
+    """``part`` of ``whole`` to four places; None when there is no whole (no input tokens known)."""
+    return round(part / whole, 4) if whole > 0 else None
+
+
 def sums_json(values: Sequence[Any]) -> dict[str, Any]:
-    """A row's SUMS as `GET /admin/spend` writes them: dollars, calls, savings by what saved them."""
+    """A row's SUMS as `GET /admin/spend` writes them: dollars, calls, savings by what saved them,
+    input tokens and the share of them read from a provider's prompt cache."""
     v = dict(zip(SUMS, values, strict=True))
-    return {"calls": int(v["calls"] or 0), "cost_usd": dollars(v["cost"]), "saved_usd": dollars(v["saved"]),
+    sent, read = int(v["input_tokens"] or 0), int(v["cache_read_tokens"] or 0)
+    return {"input_tokens": sent, "cache_read_tokens": read, "cache_read_share": share(read, sent),
+            "calls": int(v["calls"] or 0), "cost_usd": dollars(v["cost"]), "saved_usd": dollars(v["saved"]),
             "unknown_cost_calls": int(v["unknown_calls"] or 0),
             "upstream_requests_saved": round(int(v["requests_saved"] or 0) / 1000, 3),
             "saved_by": {"batch": dollars(v["saved_batch"]), "dedup": dollars(v["saved_dedup"]),

@@ -1,10 +1,12 @@
 """Spend and savings by day, key, team, route and model, in the job store's database.
 
 One row per (day, key, team, route, model) holds running sums: calls, cost, what was saved
-(and by what), calls of unknown cost. The writer adds a batch of such sums at a time, so the
-database sees one statement per group and flush, never one per call. SQLite (``store.path``)
+(and by what), calls of unknown cost, input tokens and the prompt-cache reads among them. The
+writer adds a batch of such sums at a time, so the database sees one statement per group and
+flush, never one per call. SQLite (``store.path``)
 for one gateway, PostgreSQL (``store.url``, schema ``store.schema``) shared by replicas.
 Amounts are integer nano-dollars; ``requests_saved`` counts thousandths of upstream requests.
+A table made before the token columns gets them on open (0 for the rows it had).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 GROUPS = ("key", "team", "route", "model", "day")
 SUMS = ("calls", "cost", "saved", "unknown_calls", "saved_batch", "saved_dedup", "saved_cache",
-        "saved_prompt_cache", "requests_saved")
+        "saved_prompt_cache", "requests_saved", "input_tokens", "cache_read_tokens")
+ADDED = ("input_tokens", "cache_read_tokens")  # columns a table made by an earlier version lacks
 COLUMNS = ("day", "key", "team", "route", "model", *SUMS)
 # key and team are '' for keyless callers and keys without a team (a primary key has no NULLs)
 TABLE = """CREATE TABLE IF NOT EXISTS {t} (
@@ -25,6 +28,7 @@ TABLE = """CREATE TABLE IF NOT EXISTS {t} (
   calls BIGINT NOT NULL, cost BIGINT NOT NULL, saved BIGINT NOT NULL, unknown_calls BIGINT NOT NULL,
   saved_batch BIGINT NOT NULL, saved_dedup BIGINT NOT NULL, saved_cache BIGINT NOT NULL,
   saved_prompt_cache BIGINT NOT NULL, requests_saved BIGINT NOT NULL,
+  input_tokens BIGINT NOT NULL DEFAULT 0, cache_read_tokens BIGINT NOT NULL DEFAULT 0,
   PRIMARY KEY (day, key, team, route, model))"""
 
 Row = tuple[Any, ...]  # COLUMNS in order
@@ -61,6 +65,18 @@ class SpendStore:
         # still in memory; no fsync per commit (WAL keeps the file consistent either way)
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.conn.execute(TABLE.format(t=self.table))
+        for column in ADDED:
+            self._add_column(column)
+
+    def _add_column(self, column: str) -> None:
+        """``column`` added to a table made without it (another worker may be adding it too)."""
+        if column in {r[1] for r in self.conn.execute(f"PRAGMA table_info({self.table})")}:
+            return
+        try:
+            self.conn.execute(f"ALTER TABLE {self.table} ADD COLUMN {column} BIGINT NOT NULL DEFAULT 0")
+        except sqlite3.OperationalError as e:
+            if "duplicate column" not in str(e):
+                raise
 
     def add(self, rows: Sequence[Row]) -> None:
         with self._lock:
@@ -114,6 +130,9 @@ class PgSpendStore(SpendStore):
             self.conn.execute("SELECT pg_advisory_xact_lock(7341)")
             self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
             self.conn.execute(TABLE.format(t=self.table))
+            for column in ADDED:
+                self.conn.execute(f"ALTER TABLE {self.table} ADD COLUMN IF NOT EXISTS {column} "
+                                  "BIGINT NOT NULL DEFAULT 0")
 
     def add(self, rows: Sequence[Row]) -> None:
         with self._lock, self.conn.transaction(), self.conn.cursor() as cur:
