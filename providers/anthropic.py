@@ -108,8 +108,9 @@ class AnthropicProvider(LlmProvider):
             found = data["message"].get("usage")
         else:
             found = data.get("usage") if event == "message_delta" else None
-        if isinstance(found, dict):
-            usage.update({k: v for k, v in found.items() if isinstance(v, int)})
+        if isinstance(found, dict):  # the writes' split by lifetime (an object) is priced too
+            usage.update({k: v for k, v in found.items()
+                          if isinstance(v, int) or (k == "cache_creation" and isinstance(v, dict))})
         return True
 
     def stream_end(self, item: Item, event: str, data: dict[str, Any]) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+import respx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -31,9 +32,10 @@ from multiplexer.money.prices import Prices, Tokens, tokens_of
 from multiplexer.money.report import sums_json
 from multiplexer.money.spend_store import PgSpendStore, SpendStore
 from multiplexer.server import running
-from providers.anthropic import usage_total
+from providers.anthropic import AnthropicProvider, usage_total
 from tests.fakes.serve import serve_app
 from tests.pg_helpers import throwaway_schema
+from tests.remote_helpers import item, make_provider, started
 
 M = Decimal(1_000_000)
 KEY_A, KEY_B = "sk-cache-alice-0123456789", "sk-cache-bobby-0123456789"
@@ -229,3 +231,33 @@ async def test_the_report_shows_the_cache_read_share_by_key_and_route(
     out = capsys.readouterr().out.splitlines()
     assert status == 0 and out[0].split()[-1] == "cache_read_share"
     assert [line.split()[-1] for line in out[1:]] == ["0.6000", "0.6667", "0.6000", "0.6190"]
+
+
+@pytest.mark.anyio
+async def test_the_tpm_limiter_is_charged_the_cache_reads_and_writes(tmp_path: Path) -> None:
+    p = make_provider(AnthropicProvider, {"base_url": "http://claude.test", "api_key": "k"}, tmp_path,
+                      tpm=5_000)
+    headers = {"anthropic-ratelimit-tokens-limit": "5000", "anthropic-ratelimit-tokens-remaining": "4000",
+               "anthropic-ratelimit-tokens-reset": "2100-01-01T00:00:00Z"}
+    answer = {"id": "m1", "type": "message", "role": "assistant", "model": "claude",
+              "stop_reason": "end_turn", "content": [{"type": "text", "text": "ok"}], "usage": CLAUDE_USAGE}
+    with respx.mock(base_url="http://claude.test") as mock:
+        mock.post("/v1/messages").mock(return_value=httpx.Response(200, headers=headers, json=answer))
+        async with started(p):
+            it = item(p, "messages", {"model": "claude", "max_tokens": 16,
+                                      "messages": [{"role": "user", "content": "x"}]})
+            p.ctx.limiter.consume(1, it.tokens)
+            await p.execute("messages", [it])
+    # clamped to the upstream's 4000 left, then charged the 1250 real tokens less the estimate
+    assert p.ctx.limiter.tokens.level == pytest.approx(4000 - (1250 - it.tokens))
+
+
+def test_a_streams_usage_keeps_the_writes_split_by_lifetime(tmp_path: Path) -> None:
+    p = make_provider(AnthropicProvider, {"base_url": "http://claude.test", "api_key": "k"}, tmp_path)
+    it = item(p, "messages", {"model": "claude", "max_tokens": 16,
+                              "messages": [{"role": "user", "content": "x"}]})
+    usage: dict[str, Any] = {}
+    start = {k: v for k, v in CLAUDE_USAGE.items() if k != "output_tokens"} | {"output_tokens": 1}
+    p.stream_event(it, "message_start", {"type": "message_start", "message": {"usage": start}}, usage)
+    p.stream_event(it, "message_delta", {"type": "message_delta", "usage": {"output_tokens": 50}}, usage)
+    assert tokens_of(usage) == Tokens(1200, 50, 800, 300, 200)
