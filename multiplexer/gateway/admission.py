@@ -149,7 +149,8 @@ def caller_route(gw: Admits, plan: Plan) -> Resolved:
     plan.label = resolved.name
     if resolved.route.mode == "auto":  # the batch API or now
         plan.auto = True
-        resolved = deadline_mode(resolved, call.timeout_ms, gw.providers[resolved.route.provider])
+        resolved = deadline_mode(resolved, call.timeout_ms, gw.providers[resolved.route.provider],
+                                 call.sink is not None)
     route = plan.route = resolved.route
     timeout_ms = call.timeout_ms or route.timeout_ms or gw.config.server.default_timeout_ms
     plan.deadline = plan.started + timeout_ms / 1000.0

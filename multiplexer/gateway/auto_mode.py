@@ -1,5 +1,6 @@
 """``mode: auto``: a route that runs a call on its provider's batch API when the call's deadline
-allows the completion window, and now otherwise; decided at admission, per call."""
+allows the completion window, and now otherwise; decided at admission, per call. A stream is
+always answered now (a batch API cannot stream)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from multiplexer.core.router import Resolved
 
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+FLEX_MARGIN_S = 3600.0  # OpenAI's flex tier on an auto route: the completion window and an hour
 _AS_MODE: dict[tuple[int, str], RouteConfig] = {}  # an auto route as batch or sync, made once
 
 
@@ -26,13 +28,22 @@ def completion_window_s(provider: Provider) -> float | None:
     return float(m.group(1)) * _UNIT[m.group(2)] if m else None
 
 
-def deadline_mode(resolved: Resolved, timeout_ms: float | None, provider: Provider) -> Resolved:
-    """``mode: auto``: the route as ``mode: batch`` for a call whose deadline (its own, else the
-    route's ``max_latency_s``) allows the provider's completion window, as ``sync`` otherwise."""
+def flex_deadline_s(provider: Provider) -> float | None:
+    """The deadline ``service_tier: "flex"`` stands for on an auto route (``/v1``): long enough
+    for the provider's batch API; None when it has none (the call goes now)."""
+    window = completion_window_s(provider)
+    return None if window is None else window + FLEX_MARGIN_S
+
+
+def deadline_mode(resolved: Resolved, timeout_ms: float | None, provider: Provider,
+                  stream: bool = False) -> Resolved:
+    """``mode: auto``: the route as ``mode: batch`` for a whole call whose deadline (its own, else
+    the route's ``max_latency_s``) allows the provider's completion window, as ``sync`` otherwise."""
     route = resolved.route
     window = completion_window_s(provider)
     allowed = timeout_ms / 1000.0 if timeout_ms is not None else route.max_latency_s
-    mode = "batch" if window is not None and allowed is not None and allowed >= window else "sync"
+    mode = "batch" if not stream and window is not None and allowed is not None and allowed >= window \
+        else "sync"
     as_mode = _AS_MODE.get((id(route), mode))
     if as_mode is None:
         update: dict[str, Any] = {"mode": mode}

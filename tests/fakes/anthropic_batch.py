@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tests.fakes.common import ApiError, Dialect, guarded_route, json_body, jsonl, require, rfc3339, shuffled
+from tests.fakes.strict import check_keys
 
 if TYPE_CHECKING:
     from tests.fakes.anthropic_fake import FakeAnthropicState
@@ -88,6 +89,7 @@ def batch_routes(
                 raise ApiError(400, f"requests.{index}.custom_id: duplicate custom_id {custom_id!r}")
             if not isinstance(entry.get("params"), dict):
                 raise ApiError(400, f"requests.{index}.params: must be an object")
+            check_keys(state.strict_keys, "/v1/messages", entry["params"])
             seen.add(custom_id)
         batch = MessageBatch(state.next_id("msgbatch_"), state.clock(), requests)
         state.batches[batch.id] = batch

@@ -29,6 +29,7 @@ from tests.fakes.common import (
     word_count,
 )
 from tests.fakes.streaming import StreamKnobs, sse, words
+from tests.fakes.strict import check_keys
 
 __all__ = ["DIALECT", "FakeAnthropicState", "create_app", "create_message"]
 
@@ -162,6 +163,7 @@ def create_app(state: FakeAnthropicState | None = None) -> Starlette:
 
     async def messages_endpoint(request: Request) -> Response:
         params = await json_body(request)
+        check_keys(fake.strict_keys, "/v1/messages", params)
         message = create_message(fake, params)
         fake.limiter.add_tokens(message["usage"]["input_tokens"], message["usage"]["output_tokens"])
         if params.get("stream"):
@@ -170,6 +172,7 @@ def create_app(state: FakeAnthropicState | None = None) -> Starlette:
 
     async def count_tokens_endpoint(request: Request) -> Response:
         params = await json_body(request)
+        check_keys(fake.strict_keys, "/v1/messages/count_tokens", params)
         require(params, "model", str)
         messages = require(params, "messages", list)
         texts = [text_of(m.get("content")) for m in messages if isinstance(m, dict)]

@@ -134,6 +134,7 @@ class FakeState:
     expire_after_items: int | None = None
     cancel_after_items: int = 0
     latency_s: float = 0.0  # model time added to every answer (benchmarks)
+    strict_keys: bool = False  # refuse a body (or batch line) with a key its API lacks (strict.py)
     gate: anyio.Event | None = None  # every request waits here until it is set (tests)
     held: anyio.Event = field(default_factory=anyio.Event)  # set when a request waits at the gate
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)

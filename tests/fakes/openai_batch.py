@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tests.fakes.common import ApiError, Dialect, guarded_route, json_body, jsonl, require, shuffled
+from tests.fakes.strict import KNOWN, check_keys
 
 if TYPE_CHECKING:
     from tests.fakes.openai_fake import FakeOpenAIState
@@ -304,6 +305,8 @@ def batch_routes(
         try:
             if custom_id in state.fail_custom_ids:
                 raise ApiError(400, f"fake failure: custom_id {custom_id!r} is in fail_custom_ids")
+            if item.get("url") in KNOWN:
+                check_keys(state.strict_keys, item["url"], item["body"])
             body = operation(state, item["body"])
         except ApiError as exc:
             error = {

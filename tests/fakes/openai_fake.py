@@ -32,6 +32,7 @@ from tests.fakes.common import (
 )
 from tests.fakes.openai_batch import BatchJob, StoredFile, batch_routes
 from tests.fakes.streaming import StreamKnobs, sse, words
+from tests.fakes.strict import check_keys
 
 __all__ = ["DIALECT", "FakeOpenAIState", "chat_completion", "create_app", "embed_text", "embeddings"]
 
@@ -315,7 +316,9 @@ def create_app(state: FakeOpenAIState | None = None) -> Starlette:
     fake = FakeOpenAIState() if state is None else state
 
     async def embeddings_endpoint(request: Request) -> Response:
-        result = embeddings(fake, await json_body(request))
+        body = await json_body(request)
+        check_keys(fake.strict_keys, "/v1/embeddings", body)
+        result = embeddings(fake, body)
         fake.embedding_batch_sizes.append(len(result["data"]))
         fake.limiter.add_tokens(result["usage"]["prompt_tokens"])
         return JSONResponse(result)
@@ -326,6 +329,7 @@ def create_app(state: FakeOpenAIState | None = None) -> Starlette:
         """An endpoint that answers, counts the usage against the limits, keeps the body, streams."""
         async def endpoint(request: Request) -> Response:
             body = await json_body(request)
+            check_keys(fake.strict_keys, path, body)
             result = answer(fake, body)
             fake.limiter.add_tokens(*(result["usage"][k] for k in spent))
             fake.bodies.setdefault(path, []).append(body)

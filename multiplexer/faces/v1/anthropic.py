@@ -11,6 +11,7 @@ from starlette.types import Receive, Scope, Send
 from multiplexer.core.call import Call
 from multiplexer.core.errors import RpcError
 from multiplexer.faces.v1.common import Surface, message_of
+from multiplexer.faces.v1.deadline import deadline_ms
 from multiplexer.faces.v1.endpoint import Endpoint, converted, named_event
 from multiplexer.faces.v1.requests import MESSAGES, plan, require_operation, stream_flag
 
@@ -46,8 +47,9 @@ class CountTokens(Endpoint):
         body = await self.v1.read_json(scope, receive)
         name, params, _ = plan(self.v1, MESSAGES, body, identity)
         require_operation(self.v1, identity, name, body, params, "count_tokens", "token counting")
-        await self.answer(Call(name, params, identity=identity, operation="count_tokens"), scope, receive,
-                          send, headers)
+        call = Call(name, params, identity=identity, operation="count_tokens",
+                    timeout_ms=deadline_ms(self.v1.gateway, scope["headers"], name, body))
+        await self.answer(call, scope, receive, send, headers)
 
 
 class Messages(Endpoint):
@@ -57,7 +59,8 @@ class Messages(Endpoint):
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
         name, params, shape = plan(self.v1, MESSAGES, body, identity)
-        call = Call(name, params, identity=identity)
+        call = Call(name, params, identity=identity,
+                    timeout_ms=deadline_ms(self.v1.gateway, scope["headers"], name, body))
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers, shape)
             return

@@ -15,6 +15,7 @@ from multiplexer.core.call import Call
 from multiplexer.core.errors import RpcError
 from multiplexer.faces.reply import Reply, whole_reply
 from multiplexer.faces.v1.common import Surface, message_of, send_json
+from multiplexer.faces.v1.deadline import deadline_ms
 from multiplexer.faces.v1.endpoint import Endpoint, converted, data_event, named_event
 from multiplexer.faces.v1.local_chat import chunk_encoder, completion_encoder, response_encoder
 from multiplexer.faces.v1.requests import (
@@ -82,7 +83,8 @@ class Generation(Endpoint):
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
         name, params, shape = plan(self.v1, self.endpoint, body, identity)
-        call = Call(name, params, identity=identity, operation=operation_for(self.endpoint, shape))
+        call = Call(name, params, identity=identity, operation=operation_for(self.endpoint, shape),
+                    timeout_ms=deadline_ms(self.v1.gateway, scope["headers"], name, body))
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers, shape)
             return
@@ -132,7 +134,9 @@ class Embeddings(Endpoint):
                      headers: list[tuple[bytes, bytes]]) -> None:
         body = await self.v1.read_json(scope, receive)
         name, params, shape = plan(self.v1, EMBEDDINGS, body, identity)
-        await self.answer(Call(name, params, identity=identity), scope, receive, send, headers, shape)
+        call = Call(name, params, identity=identity,
+                    timeout_ms=deadline_ms(self.v1.gateway, scope["headers"], name, body))
+        await self.answer(call, scope, receive, send, headers, shape)
 
 
 class Models(Endpoint):

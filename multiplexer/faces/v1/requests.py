@@ -8,6 +8,7 @@ from typing import Any
 
 from multiplexer.core.errors import RpcError, invalid_params
 from multiplexer.core.foreign import Translation
+from multiplexer.core.policy import RouteConfig
 from multiplexer.faces.v1.common import V1, HttpError, status_of
 from multiplexer.faces.v1.local_chat import (
     chat_params,
@@ -45,7 +46,7 @@ def plan(v1: V1, endpoint: str, body: dict[str, Any], identity: str | None = Non
     ``refused_first``); ``identity`` None (a batch's lines): each line's access is checked as it is
     admitted."""
     name, route = v1.route_for(body.get("model"))
-    params = v1.params_for(body, name, route)
+    params = v1.params_for(upstream_body(body, route), name, route)
     serves = v1.serves(name)
     translation = v1.translation(name, endpoint)
     if translation is not None and serves == translation.operation:
@@ -64,6 +65,16 @@ def plan(v1: V1, endpoint: str, body: dict[str, Any], identity: str | None = Non
         operation, what = _OTHER[endpoint]
         require_operation(v1, identity, name, body, params, operation, what)
     return name, params, None
+
+
+def upstream_body(body: dict[str, Any], route: RouteConfig) -> dict[str, Any]:
+    """The body without the fields the gateway reads itself, which a provider that refuses unknown
+    fields would answer with a 400: ``_meta``, and ``service_tier: "flex"`` on a ``mode: auto``
+    route (its deadline, ``deadline.py``). A body with neither is returned as it is (no copy)."""
+    flex = route.mode == "auto" and body.get("service_tier") == "flex"
+    if "_meta" not in body and not flex:
+        return body
+    return {k: v for k, v in body.items() if k != "_meta" and not (flex and k == "service_tier")}
 
 
 def require_operation(v1: V1, identity: str | None, name: str, body: dict[str, Any], params: Any,
