@@ -184,3 +184,8 @@ class GroupConfig(Strict):
         default=None, description="what moves to the next route (as on a route)")
     max_attempts: int = Field(default=3, ge=1, description="upstream requests of one call, all "
                               "routes and retries together")
+    affinity: Literal["prefix", "session", "off"] | None = Field(
+        default=None, description="calls that share a prompt-cache key keep to one route while it "
+        "is healthy and not saturated: prefix (prompt_cache_key, else the system prompt, tools and "
+        "first user message), session (prompt_cache_key only), off; default prefix when every "
+        "route is chat or messages, else off")

@@ -14,6 +14,8 @@ lets the gateway answer the call (exactly once, under its own id).
   included (``core/attempts.py``).
 - A stream falls back only while nothing has reached its client (``ChunkSink.started``).
 - Circuit breakers (``core/breaker.py``) per provider: an open one sends the call straight on.
+- Cache affinity (``gateway/affinity.py``): a group's calls that share a prompt-cache key keep
+  to their rendezvous pick while it is healthy and not saturated.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from multiplexer.core.router import Resolved
 from multiplexer.core.sink import ChunkSink
 from multiplexer.core.tracing import TraceSlot
 from multiplexer.gateway.admission import Plan, own_model, route_item, tagged
+from multiplexer.gateway.affinity import affinities, moves_tally, saturated
 from multiplexer.gateway.chains import context_fallbacks, expand, plain_fallbacks
 from multiplexer.gateway.tickets import Ticket
 
@@ -49,8 +52,8 @@ AT_SUBMISSION = ("overloaded", "breaker_open", "batch_failed")
 class Attempts:
     """One call's walk over its routes."""
 
-    __slots__ = ("budget", "call", "context", "mark", "number", "on", "queue", "route", "sink",
-                 "span", "trace", "tried", "why")
+    __slots__ = ("budget", "call", "context", "group", "home", "mark", "number", "on", "queue",
+                 "route", "sink", "span", "trace", "tried", "why")
 
     def __init__(self, call: Call, route: str, queue: list[str], context: list[str],
                  on: tuple[str | int, ...], budget: Budget | None, span: Any,
@@ -68,6 +71,8 @@ class Attempts:
         self.number = 0  # attempts begun
         self.trace: Any = None  # the attempt's span, when calls are traced
         self.why = ""  # why the last lane refused an attempt (``Fallbacks._queue``)
+        self.group = ""  # the model group the caller named ("" none)
+        self.home: str | None = None  # the affinity pick the call went to, until it moves on
 
 
 class Fallbacks:
@@ -95,6 +100,10 @@ class Fallbacks:
         self.busy: dict[str, int] = {}  # attempts in flight per route (least_busy)
         self.latency: dict[str, float] = {}  # recent seconds per route (latency)
         self._started: dict[int, float] = {}
+        self.affinity = affinities(self.groups, self.routes)
+        self.cache_moves = moves_tally(self.metrics)
+        # pick to attempts, within one admission: (call, its routes in order, why it left home)
+        self._ranked: tuple[Call, list[str], str | None] | None = None
 
     @property
     def shared(self) -> bool:
@@ -105,10 +114,14 @@ class Fallbacks:
         self.gw.notify("breaker", {"endpoint": name, "state": state})
 
     # -- admission ---------------------------------------------------------------
-    def order(self, group: GroupConfig) -> list[str]:
-        """A group's routes in the order its strategy tries them; open breakers last."""
+    def order(self, group: GroupConfig, ranked: list[str] | None = None) -> list[str]:
+        """A group's routes in the order its strategy tries them; open breakers last.
+        ``ranked``: a call's affinity ranking instead, saturated members after the others."""
         names = list(group.routes)
-        if group.strategy == "weighted":
+        if ranked is not None:
+            full = saturated(names, self.busy)
+            names = [n for n in ranked if n not in full] + [n for n in ranked if n in full]
+        elif group.strategy == "weighted":
             names = _weighted_order(names, group.weights)
         elif group.strategy == "latency":
             names.sort(key=lambda n: self.latency.get(n, 0.0))
@@ -126,7 +139,11 @@ class Fallbacks:
         """The route a call to a model group tries first: the first in its strategy's order that
         the caller may use with that route's own model (``call``: None, any)."""
         assert resolved.group is not None
-        order = self.order(self.groups[resolved.group])
+        group = self.groups[resolved.group]
+        affinity = self.affinity.get(resolved.group) if call is not None else None
+        key = affinity.key(call.params) if affinity is not None and call is not None else None
+        ranked = affinity.ranking(key) if affinity is not None and key is not None else None
+        order = self.order(group, ranked)
         first = order[0]
         if call is not None and call.identity is not None:
             refusal = None
@@ -137,8 +154,36 @@ class Fallbacks:
                     break
             if refusal is not None:
                 raise refusal
+        if ranked is not None and call is not None:
+            why = None if first == ranked[0] else self._why_not(ranked[0], group)
+            self._ranked = (call, order, why)
         route = self.routes[first]
         return Resolved(first, route, route.method or first, resolved.group)
+
+    def _why_not(self, home: str, group: GroupConfig) -> str:
+        """Why a call did not go to its affinity pick."""
+        if not self.may_try(home):
+            return "breaker_open"
+        return "overloaded" if home in saturated(group.routes, self.busy) else "forbidden"
+
+    def _affinity_of(self, call: Call, group: str, name: str) -> tuple[list[str] | None, str | None]:
+        """The order ``pick`` made for this call by its affinity, and its home (None: it has none,
+        or it went elsewhere already, counted here: only a call admitted counts, never a price)."""
+        held, self._ranked = self._ranked, None
+        if held is None or held[0] is not call:
+            return None, None
+        _, order, why = held
+        if why is None:
+            return order, name
+        self.cache_moves.add((group, why))
+        return order, None
+
+    def _left_home(self, att: Attempts, reason: str) -> None:
+        """The call's attempt on its affinity pick failed and another route took it: counted once."""
+        if att.home is not None:  # set only while the call's attempts were all on it
+            why = reason if reason in ("breaker_open", "overloaded") else "fallback"
+            self.cache_moves.add((att.group, why))
+        att.home = None
 
     def refusal(self, call: Call, name: str, route: RouteConfig) -> RpcError | None:
         """Why the caller may not be served by route ``name`` (the params it would get there: its
@@ -179,9 +224,12 @@ class Fallbacks:
         call, item = plan.call, plan.item
         assert item is not None
         name = resolved.name
+        home = None
         if group is not None:
+            assert resolved.group is not None
+            order, home = self._affinity_of(call, resolved.group, name)
             item.params = own_model(resolved.route, item.params)
-            rest = [n for n in self.order(group) if n != name]
+            rest = [n for n in (order or self.order(group)) if n != name]
             queue = expand([*rest, *group.fallbacks], self.routes, plain_fallbacks, {name})
             context = expand(group.context_window_fallbacks, self.routes, context_fallbacks, {name})
             on, max_attempts = group.on, group.max_attempts
@@ -211,7 +259,10 @@ class Fallbacks:
             sink = None
         elif queue or context:
             sink.hold = True
-        return Attempts(call, name, queue, context, reasons, budget, plan.span, sink)
+        att = Attempts(call, name, queue, context, reasons, budget, plan.span, sink)
+        if home is not None:
+            att.group, att.home = resolved.group or "", home
+        return att
 
     def may_run(self, t: Ticket, plan: Plan) -> bool:
         """Before the first attempt is queued: False when its breaker is open (the call then
@@ -323,7 +374,7 @@ class Fallbacks:
         when too few are healthy). A route alone, with no fallback, still fails fast."""
         queue = att.context if reason == "context_window" else att.queue
         opened = list(opened or ())
-        came_from = att.route
+        came_from, first_reason = att.route, reason
         while queue:
             name = queue.pop(0)
             route = self.routes[name]
@@ -343,12 +394,14 @@ class Fallbacks:
                 came_from, reason = name, "breaker_open"
                 continue
             if self._queue(t, att, name, route):
+                self._left_home(att, first_reason)
                 return True
             came_from, reason = name, att.why
         if opened and (att.number > 0 or len(opened) >= 2):  # only open routes were left
             for name in opened:
                 self.metrics.attempts.labels(name, "all_open").inc()
                 if self._queue(t, att, name, self.routes[name]):
+                    self._left_home(att, first_reason)
                     return True
         return False
 
