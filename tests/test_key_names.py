@@ -99,7 +99,8 @@ async def test_the_spend_command_shows_name_and_id(tmp_path: Path, monkeypatch: 
         status = await anyio.to_thread.run_sync(cli.main, ["spend", "--by", "key,route", "--url", url])
     out = capsys.readouterr().out.splitlines()
     assert status == 0
-    assert out[0].split() == ["key", "route", "calls", "cost_usd", "saved_usd", "unknown_cost_calls"]
+    assert out[0].split() == ["key", "route", "calls", "cost_usd", "saved_usd", "unknown_cost_calls",
+                                "cache_read_share"]
     lines = {line.split("  ")[0].strip(): line for line in out[1:-1]}
     assert set(lines) == {f"ci-bot ({kid})", "alice"}  # alice: its name is its id, shown once
     assert lines[f"ci-bot ({kid})"].split()[2:4] == ["chat", "1"]
