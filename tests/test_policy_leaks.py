@@ -33,7 +33,7 @@ def config(f: Any, tmp_path: Path, keys: dict[str, Any], **extra: Any) -> dict[s
         "spend": {"flush_interval_s": 0.05},
         "providers": {
             "oai": {"kind": "openai", "base_url": f.openai_url + "/v1", "api_key": "sk-up",
-                    "retry": {"attempts": 1}},
+                    "retry": {"attempts": 1}, "batch_poll_interval_s": 0.01},
             "big": {"kind": "openai", "base_url": f.openai_url + "/v1", "api_key": "sk-up",
                     "retry": {"attempts": 1}},
         },
@@ -147,9 +147,7 @@ async def test_a_batch_reserves_its_budget_at_submit_and_settles_line_by_line(tm
     named and nothing stored or sent, on jobs.submit and on /v1/batches alike; within it, its
     lines settle to what they cost and the budget is free again for what they did not use."""
     keys = {"alice": {"key": KEY, "budget_usd": {"daily": "0.0002"}}}
-    fast = {"batch_poll_interval_s": 0.01}
     async with gateway(tmp_path, keys) as (f, gw, client):
-        gw.config.providers["oai"].extra.update(fast)
         lines = [{"method": "chat", "params": chat(f"line {i}", max_tokens=100)} for i in range(100)]
         r = await client.post("/rpc", json=rpc("jobs.submit", {"calls": lines}))
         error = r.json()["error"]
