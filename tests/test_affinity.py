@@ -147,3 +147,14 @@ async def test_bounded_load_moves_a_saturated_members_keys_and_counts_them(tmp_p
         assert fb.cache_moves.value("g", "overloaded") == moved
         fb.busy.clear()
         assert [gw.admit(Call("g", p)).label for p in params] == [h[0] for h in homes]  # and back
+
+
+def test_a_bare_yaml_off_turns_affinity_off() -> None:
+    """YAML 1.1 reads `affinity: off` as false; the config takes it as `off`, not an error."""
+    import yaml
+
+    from multiplexer.core.policy import GroupConfig
+
+    data = yaml.safe_load("routes: [a, b]\naffinity: off\n")
+    assert data["affinity"] is False
+    assert GroupConfig.model_validate(data).affinity == "off"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Strict(BaseModel):
@@ -189,3 +189,9 @@ class GroupConfig(Strict):
         "is healthy and not saturated: prefix (prompt_cache_key, else the system prompt, tools and "
         "first user message), session (prompt_cache_key only), off; default prefix when every "
         "route is chat or messages, else off")
+
+    @field_validator("affinity", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads a bare ``off`` as false: it means ``off``."""
+        return "off" if value is False else value
