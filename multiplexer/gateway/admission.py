@@ -138,12 +138,7 @@ def caller_route(gw: Admits, plan: Plan) -> Resolved:
     access checked, a model group's first route by its strategy, ``mode: auto`` made batch or
     sync by the call's deadline. Raises the refusal."""
     call = plan.call
-    try:
-        resolved = gw.router.resolve(call.method)
-    except RpcError as e:
-        raise unknown(gw, call, e) from None
-    if call.identity is not None:
-        gw.check_access(call.identity, call.method, call.params, call.face)
+    resolved = allowed_route(gw, call)
     if resolved.group is not None:  # the first member the caller may use with its own model
         resolved = gw.fallbacks.pick(resolved, call)
     plan.label = resolved.name
@@ -154,6 +149,18 @@ def caller_route(gw: Admits, plan: Plan) -> Resolved:
     route = plan.route = resolved.route
     timeout_ms = call.timeout_ms or route.timeout_ms or gw.config.server.default_timeout_ms
     plan.deadline = plan.started + timeout_ms / 1000.0
+    return resolved
+
+
+def allowed_route(gw: Admits, call: Call) -> Resolved:
+    """The route the name the caller called resolves to, once its key may call it (the name and
+    the model its params name). Raises the refusal: an unknown name's points at names it may use."""
+    try:
+        resolved = gw.router.resolve(call.method)
+    except RpcError as e:
+        raise unknown(gw, call, e) from None
+    if call.identity is not None:
+        gw.check_access(call.identity, call.method, call.params, call.face)
     return resolved
 
 
@@ -179,12 +186,7 @@ def job_item(gw: Admits, call: Call, takes: Container[str]) -> Item:
     access checked as a live call's, its route (a group's pick among the routes on a provider in
     ``takes``, those with a batch API) and the routes it may be resubmitted to if its remote
     batch fails whole, its params there, prepared by its provider. Raises the refusal."""
-    try:
-        resolved = gw.router.resolve(call.method)
-    except RpcError as e:
-        raise unknown(gw, call, e) from None
-    if call.identity is not None:
-        gw.check_access(call.identity, call.method, call.params, call.face)
+    resolved = allowed_route(gw, call)
     routes = gw.config.routes
     resolved, fallbacks = gw.fallbacks.for_job(resolved, lambda name: routes[name].provider in takes)
     route = resolved.route

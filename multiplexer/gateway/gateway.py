@@ -342,8 +342,8 @@ class Gateway:
     def check_access(self, identity: str, route: str, params: Any, face: str) -> None:
         """Raise why this key may not call ``route`` (a method or tool name, as called) or the model
         its params name: its team's globs and its own (``access.rules``)."""
-        rules = self.keys.rules.get(identity)
-        if rules is not None and (refusal := rules.refusal(route, params, face)) is not None:
+        refusal = self.attempt_refusal(identity, route, params, face)
+        if refusal is not None:
             raise refusal
 
     def attempt_refusal(self, identity: str, route: str, params: Any, face: str) -> RpcError | None:
