@@ -424,14 +424,8 @@ class Budgets:
         if cost is None:
             return
         delta = -(-cost // 1000) - r.amount
-        if not delta:
-            return
-        if isinstance(self.counters, LocalCounters):  # in this process: at once, nothing to send
-            self.counters.move(r.counters, delta)
-            return
-        self._changes.extend((c.key, delta) for c in r.counters)
-        if not self._changes[len(r.counters):]:  # the first since the last batch went
-            self._wake.set()
+        if delta:
+            self._move(r.counters, delta)
 
     async def hold(self, identity: str | None, amount: int) -> Reservation | RpcError | None:
         """A whole batch's reservation (``amount`` nano-dollars: its lines' ``most_of`` summed),
@@ -479,21 +473,23 @@ class Budgets:
     def settle_part(self, r: Reservation, part: int, cost: int | None) -> None:
         """Part of a batch's reservation ended (a line answered): ``part`` nano-dollars of it
         settled to ``cost`` pico-dollars (None: unknown, the part stands); the rest stays held."""
-        if r.settled or cost is None:
-            r.amount -= min(part, r.amount)
-            return
         part = min(part, r.amount)
         r.amount -= part
+        if r.settled or cost is None:
+            return
         delta = -(-cost // 1000) - part
         if delta:
-            self._move(r, delta)
+            self._move(r.counters, delta)
 
-    def _move(self, r: Reservation, delta: int) -> None:
-        if isinstance(self.counters, LocalCounters):
-            self.counters.settle_now([(c.key, delta) for c in r.counters])
+    def _move(self, counters: list[Counter], delta: int) -> None:
+        """``delta`` added to a reservation's counters: at once in this process's, else sent with
+        the next batch of settlements."""
+        if isinstance(self.counters, LocalCounters):  # in this process: at once, nothing to send
+            self.counters.move(counters, delta)
             return
-        self._changes.extend((c.key, delta) for c in r.counters)
-        self._wake.set()
+        self._changes.extend((c.key, delta) for c in counters)
+        if not self._changes[len(counters):]:  # the first since the last batch went
+            self._wake.set()
 
     def rereserve(self, plan: Any) -> RpcError | None:
         """A call moved to another route (a fallback, a group's next member): its reservation
@@ -521,11 +517,8 @@ class Budgets:
             decided = self._decided(r.counters, delta, self.counters.reserve_now(r.counters, delta), wall)
             if isinstance(decided, RpcError):
                 return decided
-        elif delta < 0 and isinstance(self.counters, LocalCounters):
-            self.counters.settle_now([(c.key, delta) for c in r.counters])
         elif delta:
-            self._changes.extend((c.key, delta) for c in r.counters)
-            self._wake.set()
+            self._move(r.counters, delta)
         r.amount = amount
         return None
 
