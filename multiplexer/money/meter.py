@@ -106,18 +106,13 @@ class Meter:
         ``plan``: the call's admission ``Plan``; ``outcome``: the provider's; ``shared``: how this
         caller shared another's execution (``dedup``, ``cache``) or None. Integer pico-dollars
         throughout; ``Decimal`` only for what the caller reads."""
-        item, route = plan.item, plan.route
-        if item is None or route is None or item.operation in UNBILLED:
+        metered = self._metered(plan)
+        if metered is None:
             return answer, None
-        params = item.params
-        model = params.get("model") if isinstance(params, dict) else None
-        model = model if isinstance(model, str) else None
-        rates = self.prices.rates(plan.label, route.provider, model)
+        item, route, model, rates = metered
         cost: int | None
         saved = cache_saved = sent = read = 0
         how = shared or SYNC
-        if rates is None and model is None:
-            return answer, None  # no model and no price: not metered (a tool, a JSON-RPC method)
         result = outcome.built()
         tokens = tokens_of(usage_of(result)) if type(result) is dict else None
         if tokens is not None and shared is None:  # a shared call sent nothing upstream
@@ -154,27 +149,37 @@ class Meter:
                            cost, saved, how, cache_saved, requests_saved, sent, read))
         return answer, cost
 
-    def used(self, plan: Any, most: int | None) -> int | None:
-        """What a call that went upstream and then failed used, booked like an answered call's
-        cost: a stream's chunks handed over (one output token each) over its estimated input,
-        else ``most`` (pico-dollars: what it could cost at most); None when its model has no
-        price. Nothing is saved on it."""
+    def _metered(self, plan: Any) -> tuple[Any, Any, str | None, Any] | None:
+        """A call's (item, route, model, rates), or None when it is not metered: no routed item, an
+        operation that bills nothing, or neither a model nor a price (a tool, a JSON-RPC method).
+        Rates are None for a model nobody prices: its cost is unknown, never 0."""
         item, route = plan.item, plan.route
-        if item is None or route is None:
+        if item is None or route is None or item.operation in UNBILLED:
             return None
         params = item.params
         model = params.get("model") if isinstance(params, dict) else None
         model = model if isinstance(model, str) else None
         rates = self.prices.rates(plan.label, route.provider, model)
+        if rates is None and model is None:
+            return None
+        return item, route, model, rates
+
+    def used(self, plan: Any, most: int | None) -> int | None:
+        """What a call that went upstream and then failed used, booked like an answered call's
+        cost: a stream's chunks handed over (one output token each) over its estimated input,
+        else ``most`` (pico-dollars: what it could cost at most); None when its model has no
+        price. Nothing is saved on it."""
+        metered = self._metered(plan)
+        if metered is None:
+            return None
+        item, route, model, rates = metered
         if rates is None:
-            if model is None:
-                return None
             cost = None
         else:
             sink = item.options.get(STREAM)
             if isinstance(sink, ChunkSink):
                 # the provider's estimate counts the reply's budget too (``Budgets.most``)
-                given = out_budget(params) or 0
+                given = out_budget(item.params) or 0
                 cost = rates.pico(Tokens(input=max(int(item.tokens or 0) - given, 1), output=sink.sent))
             else:
                 cost = most
