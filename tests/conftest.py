@@ -7,6 +7,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,6 +80,24 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         FAILURES.append("these files appeared in the checkout during the run (a test writes where it runs: "
                         "write under tmp_path; or they were made beside the run):\n  " + "\n  ".join(left))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def held_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Local model loads wait until the returned event is set; released at teardown in any case
+    (the readiness and the dashboard's stage tests watch a model while it loads)."""
+    from local_models.pool import ModelHandle
+
+    release = threading.Event()
+    real = ModelHandle.load_sync
+
+    def held(self: ModelHandle) -> None:
+        assert release.wait(60)
+        real(self)
+
+    monkeypatch.setattr(ModelHandle, "load_sync", held)
+    yield release
+    release.set()
 
 
 @pytest.fixture(scope="session")

@@ -17,21 +17,6 @@ pytestmark = pytest.mark.anyio
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture
-def held_load(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Loads wait until the returned event is set; released at teardown in any case."""
-    from local_models.pool import ModelHandle
-
-    release = threading.Event()
-    real = ModelHandle.load_sync
-
-    def held(self: ModelHandle) -> None:
-        assert release.wait(60)
-        real(self)
-
-    monkeypatch.setattr(ModelHandle, "load_sync", held)
-    yield release
-    release.set()
 
 
 async def test_readiness_goes_from_starting_to_up_after_one_warm_up_forward(

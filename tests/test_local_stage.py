@@ -4,7 +4,6 @@ the model up (loaded and warmed up), and ``failed`` when its load failed."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -21,22 +20,9 @@ torch = pytest.importorskip("torch")
 ADMIN = "adm-" + "s" * 28
 
 
-@pytest.fixture
-def held_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """Loads wait until the returned event is set; released at teardown in any case."""
-    from local_models.pool import ModelHandle
-
+@pytest.fixture(autouse=True)
+def no_master_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV, raising=False)
-    release = threading.Event()
-    real = ModelHandle.load_sync
-
-    def held(self: ModelHandle) -> None:
-        assert release.wait(60)
-        real(self)
-
-    monkeypatch.setattr(ModelHandle, "load_sync", held)
-    yield release
-    release.set()
 
 
 def _model(state: dict[str, Any], name: str) -> dict[str, Any]:
