@@ -25,12 +25,13 @@ ALLOWED = {
     "backends": {"backends", "core"},  # shared-state engines (Redis), chosen by URL in the registry
     "money": {"money", "core", "jobs"},  # prices, cost, the savings ledger, spend and budgets
     "access": {"access", "core", "jobs"},  # the admin key, keys and teams as data, OAuth
+    "records": {"records", "core", "jobs"},  # sinks off the hot path, the request log
     # provider classes come from the registry's strings, by kind
-    "gateway": {"gateway", "core", "money", "access"},
-    "faces": {"faces", "gateway", "core", "jobs", "money", "access"},
+    "gateway": {"gateway", "core", "money", "access", "records"},
+    "faces": {"faces", "gateway", "core", "jobs", "money", "access", "records"},
     "sdk": {"sdk", "core", "transport"},
     # the CLI, the server and the public facade
-    "top": {"top", "sdk", "faces", "gateway", "core", "transport", "jobs", "money", "access"},
+    "top": {"top", "sdk", "faces", "gateway", "core", "transport", "jobs", "money", "access", "records"},
 }
 CORE_THIRD_PARTY = {"anyio", "orjson", "pydantic", "prometheus_client", "tenacity"}
 
@@ -40,7 +41,7 @@ def layer(module: str) -> str:
     if parts[0] != "multiplexer":
         return parts[0]
     if len(parts) > 1 and parts[1] in ("core", "gateway", "faces", "sdk", "transport", "backends", "jobs",
-                                            "money", "access"):
+                                            "money", "access", "records"):
         return parts[1]
     return "top"
 
