@@ -31,6 +31,7 @@ class Code(IntEnum):
     UPSTREAM_UNAVAILABLE = -32007
     SHUTTING_DOWN = -32008
     NOT_FOUND = -32009
+    TOOL_QUARANTINED = -32010  # an MCP tool whose definition changed since an admin approved it
 
 
 class RpcError(Exception):
