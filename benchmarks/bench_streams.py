@@ -1,0 +1,341 @@
+"""Streams by the thousand: N concurrent SSE chat streams through the gateway and straight to the
+same fake upstream, in one run.
+
+The fake (``benchmarks/_stream_fake.py``, its own process) answers every chat call with 40
+chunks 50 ms apart (20 chunks/s), a usage chunk and ``[DONE]``, as OpenAI streams them. The
+client holds N streams open at once: N workers, each on its own keep-alive connection, start
+spread over one stream's length and run ``--rounds`` streams back to back, so N stay open
+while calls keep arriving. Per target and N the table gives
+
+- max open upstream: the most streams the fake saw open at once (the gateway's lane and
+  pool caps show here);
+- whole streams: streams that came back 200 with every chunk and ``[DONE]``;
+- added first-chunk p99 and added gap p99: the p99 of the time from a request's last byte to
+  its first event, and of the time between events as the client reads them, over the direct
+  p99 of the same N in the same run;
+- CPU per chunk: the gateway's CPU time (its workers' with ``--workers``) over the chunks it
+  relayed;
+- RSS per stream: the gateway's peak RSS during the run over its RSS at rest (a fresh gateway
+  per N, after a warm-up), per stream.
+
+The baseline (``--baseline REV``, a git worktree in a temporary folder, removed after) runs the
+same way in the same run; ``--baseline ''`` skips it. ``--big`` adds 2,000 streams and 10,000
+with ``serve --workers auto``. The soft limit on open files is raised to the hard one.
+
+    python -m benchmarks.bench_streams [--baseline 4e15b15] [--streams 64,256,1000] [--big]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from benchmarks._procs import ROOT, free_port, logged_child, percentile, save, table
+
+CHUNKS = 40
+EVENTS = CHUNKS + 2  # the content chunks, the usage chunk and [DONE]
+CONFIG = """
+server: {{host: 127.0.0.1, port: {port}, admin_key: bench-admin-key-0123456789}}
+store: {{path: {store}}}
+providers:
+  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
+        price: {{input_per_mtok: 2.5, output_per_mtok: 10}}}}
+routes:
+  chat: {{provider: oai, operation: chat, models: [gpt-bench]}}
+"""
+SERVE = "import sys; sys.path.insert(0, {tree!r}); from multiplexer.cli import main; sys.exit(main())"
+BODY = json.dumps({"model": "gpt-bench", "messages": [{"role": "user", "content": "hi"}],
+                   "stream": True, "stream_options": {"include_usage": True}}).encode()
+
+
+def request(path: str, port: int) -> bytes:
+    return (b"POST %s HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer sk-bench\r\ncontent-length: %d\r\n\r\n%s"
+            % (path.encode(), port, len(BODY), BODY))
+
+
+@dataclass
+class Runs:
+    """What the client saw over every stream of one run."""
+
+    firsts: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    whole: int = 0
+    streams: int = 0
+    events: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class Stream(asyncio.Protocol):
+    """One keep-alive connection running streams back to back; it reads only what it counts:
+    events (blank lines), the status line and the end of the chunked body."""
+
+    def __init__(self, req: bytes, rounds: int, runs: Runs, done: asyncio.Future[None]) -> None:
+        self.req = req
+        self.rounds = rounds
+        self.runs = runs
+        self.done = done
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.start()
+
+    def start(self) -> None:
+        assert self.transport is not None
+        self.tail = b""
+        self.head = True
+        self.times: list[float] = []
+        self.rounds -= 1
+        self.runs.streams += 1
+        self.transport.write(self.req)
+        self.sent = time.monotonic()
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        if self.head:
+            if not data.startswith(b"HTTP/1.1 200"):
+                self.fail(data[:200].decode("latin-1", "replace"))
+                return
+            self.head = False
+        seen = (self.tail[-1:] + data).count(b"\n\n")
+        if seen:
+            self.times.extend([now] * seen)
+        self.tail = (self.tail + data)[-32:]
+        if self.tail.endswith(b"0\r\n\r\n"):
+            self.ended()
+
+    def ended(self) -> None:
+        runs, times = self.runs, self.times
+        runs.events += len(times)
+        if times:
+            runs.firsts.append(times[0] - self.sent)
+            runs.gaps.extend(b - a for a, b in itertools.pairwise(times))
+        if len(times) == EVENTS and b"data: [DONE]" in self.tail:
+            runs.whole += 1
+        else:
+            runs.errors.append(f"{len(times)} events, ending {self.tail!r}")
+        if self.rounds > 0:
+            self.start()
+        else:
+            self.finish()
+
+    def fail(self, why: str) -> None:
+        self.runs.errors.append(why)
+        self.finish()
+
+    def finish(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.runs.errors.append(f"connection lost: {exc}")
+            self.done.set_result(None)
+
+
+async def run_streams(port: int, path: str, n: int, rounds: int, spread: float) -> Runs:
+    loop = asyncio.get_running_loop()
+    runs = Runs()
+    req = request(path, port)
+
+    async def worker(delay: float) -> None:
+        await asyncio.sleep(delay)
+        done: asyncio.Future[None] = loop.create_future()
+        try:
+            await loop.create_connection(lambda: Stream(req, rounds, runs, done), "127.0.0.1", port)
+        except OSError as e:
+            runs.errors.append(f"connect: {e}")
+            return
+        await done
+
+    await asyncio.gather(*(worker(random.uniform(0, spread)) for _ in range(n)))
+    return runs
+
+
+@dataclass
+class Gateway:
+    url: str
+    port: int
+    proc: psutil.Process
+
+    def procs(self) -> list[psutil.Process]:
+        return [self.proc, *self.proc.children(recursive=True)]
+
+    def cpu(self) -> float:
+        total = 0.0
+        for p in self.procs():
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    def rss(self) -> int:
+        total = 0
+        for p in self.procs():
+            with contextlib.suppress(psutil.Error):
+                total += p.memory_info().rss
+        return total
+
+
+@contextlib.contextmanager
+def gateway(tree: Path, fake: int, tmp: Path, workers: str | None) -> Iterator[Gateway]:
+    port = free_port()
+    conf = tmp / f"gw-{port}.yaml"
+    conf.write_text(CONFIG.format(port=port, fake=fake, store=tmp / f"{port}.db"))
+    args = ["-c", SERVE.format(tree=str(tree)), "serve", "--config", str(conf)]
+    if workers:
+        args += ["--workers", workers]
+    url = f"http://127.0.0.1:{port}"
+    with logged_child(args, f"{url}/healthz", tmp / f"gw-{port}.log") as proc:
+        time.sleep(0.5 if workers else 0)  # every worker up, not only the first to answer
+        yield Gateway(url, port, psutil.Process(proc.pid))
+
+
+class Peak:
+    """The largest of a value sampled on a thread."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read = read
+        self.peak = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def loop(self) -> None:
+        while not self.stop.wait(0.05):
+            self.peak = max(self.peak, self.read())
+
+    def __enter__(self) -> Peak:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def fake_stats(fake: int, reset: bool = False) -> dict[str, int]:
+    url = f"http://127.0.0.1:{fake}"
+    if reset:
+        httpx.post(f"{url}/reset", timeout=5)
+    return httpx.get(f"{url}/stats", timeout=5).json()
+
+
+def measure(port: int, fake: int, n: int, args: argparse.Namespace,
+            gw: Gateway | None) -> tuple[Runs, dict[str, float]]:
+    path = "/v1/chat/completions"
+    spread = CHUNKS * args.gap_ms / 1000
+    if gw is None:
+        fake_stats(fake, reset=True)
+        runs = asyncio.run(run_streams(port, path, n, args.rounds, spread))
+        return runs, {"max_open": fake_stats(fake)["max_open"]}
+    asyncio.run(run_streams(port, path, 8, 1, 0.05))  # warm-up: imports, pools, the first stream
+    time.sleep(0.3)
+    idle = gw.rss()
+    fake_stats(fake, reset=True)
+    cpu = gw.cpu()
+    with Peak(gw.rss) as peak:
+        runs = asyncio.run(run_streams(port, path, n, args.rounds, spread))
+    cpu = gw.cpu() - cpu
+    extra = {"max_open": fake_stats(fake)["max_open"],
+             "cpu_us_per_chunk": cpu * 1e6 / max(runs.events, 1),
+             "rss_kb_per_stream": max(peak.peak - idle, 0) / 1024 / n}
+    return runs, extra
+
+
+@contextlib.contextmanager
+def worktree(ref: str, into: Path) -> Iterator[Path]:
+    subprocess.run(["git", "worktree", "add", "--detach", str(into), ref], cwd=ROOT, check=True,
+                   capture_output=True)
+    try:
+        yield into
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(into)], cwd=ROOT, check=False,
+                       capture_output=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", default="4e15b15", help="the commit to compare against ('' for none)")
+    parser.add_argument("--streams", default="64,256,1000", help="concurrent streams, comma-separated")
+    parser.add_argument("--big", action="store_true", help="add 2000, and 10000 with --workers auto")
+    parser.add_argument("--rounds", type=int, default=2, help="streams each client runs back to back")
+    parser.add_argument("--gap-ms", type=float, default=50.0)
+    parser.add_argument("--fake-procs", type=int, default=1)
+    args = parser.parse_args()
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    plan = [(int(n), None) for n in args.streams.split(",")]
+    if args.big:
+        plan += [(2000, None), (10000, "auto")]
+    rows: list[list[object]] = []
+    data: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
+        tmp = Path(tmp_name)
+        trees = [("this tree", ROOT)]
+        if args.baseline:
+            trees.insert(0, (f"baseline {args.baseline}",
+                             stack.enter_context(worktree(args.baseline, tmp / "baseline"))))
+        fake = free_port()
+        stack.enter_context(logged_child(
+            ["-m", "benchmarks._stream_fake", "--port", str(fake), "--gap-ms", str(args.gap_ms),
+             "--chunks", str(CHUNKS), "--procs", str(args.fake_procs)],
+            f"http://127.0.0.1:{fake}/", tmp / "fake.log"))
+        for n, workers in plan:
+            direct, extra = measure(fake, fake, n, args, None)
+            first99, gap99 = percentile(direct.firsts, 0.99), percentile(direct.gaps, 0.99)
+            results = [("direct", direct, extra)]
+            for name, tree in trees:
+                with gateway(tree, fake, tmp, workers) as gw:
+                    runs, extra = measure(gw.port, fake, n, args, gw)
+                results.append((name + (f" --workers {workers}" if workers else ""), runs, extra))
+            for name, runs, extra in results:
+                f99, g99 = percentile(runs.firsts, 0.99), percentile(runs.gaps, 0.99)
+                direct_row = name == "direct"
+                row = {"target": name, "streams": n, "max_open_upstream": extra["max_open"],
+                       "whole": runs.whole, "started": runs.streams, "errors": len(runs.errors),
+                       "first_p99_ms": f99 * 1000, "gap_p99_ms": g99 * 1000,
+                       "added_first_p99_ms": None if direct_row else (f99 - first99) * 1000,
+                       "added_gap_p99_ms": None if direct_row else (g99 - gap99) * 1000,
+                       "cpu_us_per_chunk": extra.get("cpu_us_per_chunk"),
+                       "rss_kb_per_stream": extra.get("rss_kb_per_stream"),
+                       "first_errors": runs.errors[:3]}
+                data.append(row)
+                rows.append([n, name, extra["max_open"], f"{runs.whole}/{runs.streams}",
+                             f"{f99 * 1000:.1f}" if direct_row else f"{(f99 - first99) * 1000:+.1f}",
+                             f"{g99 * 1000:.1f}" if direct_row else f"{(g99 - gap99) * 1000:+.1f}",
+                             "" if direct_row else f"{extra['cpu_us_per_chunk']:.0f}",
+                             "" if direct_row else f"{extra['rss_kb_per_stream']:.1f}"])
+                if runs.errors:
+                    print(f"{name} at {n}: {len(runs.errors)} errors, e.g. {runs.errors[:2]}",
+                          file=sys.stderr)
+            print(table(["streams", "target", "max open upstream", "whole streams",
+                         "added first-chunk p99 ms (direct: p99)", "added gap p99 ms (direct: p99)",
+                         "CPU us/chunk", "RSS KB/stream"], rows[-len(results):]), flush=True)
+    print()
+    print(table(["streams", "target", "max open upstream", "whole streams",
+                 "added first-chunk p99 ms (direct: p99)", "added gap p99 ms (direct: p99)",
+                 "CPU us/chunk", "RSS KB/stream"], rows))
+    save("streams", {"rows": data, "argv": sys.argv[1:]})
+
+
+if __name__ == "__main__":
+    main()
