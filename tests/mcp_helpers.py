@@ -232,6 +232,16 @@ async def upstream_pid(gateway: Gateway, tool: str = "tools_pid") -> int:
     return int(structured(await call(gateway, tool, {}))["result"])
 
 
+async def until_connected(gw: Any, names: Any, timeout: float = 60) -> None:
+    """Start-up gives each MCP upstream ``connect_timeout_ms`` and goes on; a subprocess upstream on
+    a loaded host (a legacy SDK's interpreter starting cold) can connect later than that."""
+
+    async def connected() -> bool:
+        return all(gw.providers[name].session.era for name in names)
+
+    await wait_until(connected, timeout=timeout)
+
+
 async def wait_until(predicate: Any, timeout: float = 10, poll: float = 0.02) -> None:
     """Poll an observable condition of a real subprocess (no event is available across processes)."""
     with anyio.fail_after(timeout):

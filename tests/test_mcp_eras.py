@@ -35,6 +35,7 @@ from tests.mcp_helpers import (
     mcp_http_client,
     paginated_server,
     structured,
+    until_connected,
     wait_until,
 )
 
@@ -55,6 +56,7 @@ async def gateway() -> AsyncIterator[tuple[Gateway, str]]:
               "providers": {"old": upstream(legacy_python()), "new": upstream("python")},
               "routes": {"old_*": {"provider": "old"}, "new_*": {"provider": "new"}}}
     async with running(parse_config(config)) as (gw, url):
+        await until_connected(gw, ["old", "new"])
         yield gw, url + "/mcp"
 
 

@@ -26,7 +26,15 @@ from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
 from tests.legacy_sdk import legacy_python
-from tests.mcp_helpers import ERA_UPSTREAM, MODES, ROOT, EraServer, mcp_http_client, wait_until
+from tests.mcp_helpers import (
+    ERA_UPSTREAM,
+    MODES,
+    ROOT,
+    EraServer,
+    mcp_http_client,
+    until_connected,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -58,6 +66,7 @@ async def gateway() -> AsyncIterator[tuple[Gateway, str]]:
                                 "oldh": http(servers["oldh"].url), "newh": http(servers["newh"].url)},
                   "routes": {f"{name}_*": {"provider": name} for name in UPSTREAMS}}
         async with running(parse_config(config)) as (gw, url):
+            await until_connected(gw, UPSTREAMS)
             for name, (major, _) in UPSTREAMS.items():
                 era = gw.providers[name].session.era  # type: ignore[attr-defined]
                 assert era == ("2025-11-25" if major == "1" else "2026-07-28")
