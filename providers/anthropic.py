@@ -22,6 +22,7 @@ from multiplexer.core.provider import ProviderContext
 from .api_client import ApiClient, item_error
 from .batch.anthropic_batch import AnthropicBatchBackend
 from .batch.backend import BatchApiSettings
+from .endpoints import EndpointSettings
 from .llm_base import LlmProvider
 from .packing import chat_tokens
 from .ratelimit_headers import anthropic_limits
@@ -29,7 +30,7 @@ from .ratelimit_headers import anthropic_limits
 OPERATIONS = {"messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
 
 
-class AnthropicSettings(BatchApiSettings):
+class AnthropicSettings(BatchApiSettings, EndpointSettings):
     base_url: str = "https://api.anthropic.com"
     api_key: SecretStr | None = None  # falls back to $ANTHROPIC_API_KEY; never logged
     anthropic_version: str = "2023-06-01"

@@ -18,6 +18,7 @@ import httpx
 
 from multiplexer.core.after import after
 from multiplexer.core.attempts import budgets, spend, tries
+from multiplexer.core.cache_affinity import moves_tally
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import RpcError, upstream_error, upstream_unavailable
 from multiplexer.core.failures import UNWELL, reason_of
@@ -64,6 +65,13 @@ class ApiClient:
         self.endpoints = Endpoints(bases, ctx.clock, ctx.settings, self._endpoint_event) if bases else None
         if bases:
             self.base_url = bases[0].rstrip("/")
+        if self.endpoints is not None and self.endpoints.mode != "off":
+            moves, group = moves_tally(ctx.metrics), f"{self.name}@base_urls"
+            self.endpoints.on_move = lambda why: moves.add((group, why))
+
+    def key_of(self, item: Item) -> int | None:
+        """A request's prompt-cache key among several ``base_urls`` (None: none, or one endpoint)."""
+        return self.endpoints.key_of(item) if self.endpoints is not None else None
 
     def _endpoint_event(self, event: str) -> None:
         self.ctx.metrics.events.labels(self.name, event).inc()
@@ -223,15 +231,15 @@ class ApiClient:
         return StreamedReply(heard, opened)
 
     async def stream(self, method: str, path: str, body: Any, *, idempotent: bool,
-                     deadline: float | None) -> StreamedReply | httpx.Response:
+                     deadline: float | None, key: int | None = None) -> StreamedReply | httpx.Response:
         """A 2xx reply to a JSON request, to read as it comes (server-sent events) and close,
         after retries, or the final ``RpcError``. Through the lean transport it skips httpx's
         ``Request`` and ``Response``; either reply is what httpx_sse's ``EventSource`` reads."""
         if isinstance(self._transport, Http1Transport):
             return await self._retrying(path, deadline, lambda base: self._open(
-                method, path, base, body, idempotent))
+                method, path, base, body, idempotent), key)
         return await self.request(method, path, idempotent=idempotent, deadline=deadline,
-                                  stream=True, json=body)
+                                  stream=True, key=key, json=body)
 
     def _unreachable(self, e: httpx.HTTPError, idempotent: bool) -> Exception:
         self.health.failed(e)
@@ -250,7 +258,7 @@ class ApiClient:
         return error
 
     async def request(self, method: str, path: str, *, idempotent: bool, deadline: float | None,
-                      stream: bool = False, **kwargs: Any) -> httpx.Response:
+                      stream: bool = False, key: int | None = None, **kwargs: Any) -> httpx.Response:
         """A 2xx response after retries, or the final ``RpcError``.
 
         With ``stream=True`` the caller reads and closes the body (large result files,
@@ -262,12 +270,12 @@ class ApiClient:
                 request.extensions = {**request.extensions, "max_response_bytes": None}
             return await self._attempt(request, idempotent, stream)
 
-        return await self._retrying(path, deadline, send)
+        return await self._retrying(path, deadline, send, key)
 
     async def _retrying(self, path: str, deadline: float | None,
-                        send: Callable[[str | None], Awaitable[T]]) -> T:
+                        send: Callable[[str | None], Awaitable[T]], key: int | None = None) -> T:
         """``send`` (given the endpoint's base URL) under the retry policy, spread over the
-        endpoints when there are several."""
+        endpoints when there are several (``key``: the request's prompt-cache key, ``key_of``)."""
         retry = self.ctx.config.retry
         endpoints = None if path.startswith(PINNED) else self.endpoints
         found = budgets()  # calls with fallbacks: one budget of requests over all their routes
@@ -279,7 +287,7 @@ class ApiClient:
                     spend(found)
                 return await send(None)
             try:
-                endpoint = await endpoints.take()
+                endpoint = await endpoints.take(key)
             except BreakerOpen as e:  # no request goes: the route's fallback takes the call
                 raise self._breaker_open(e.retry_after) from None
             await upstream_request()
@@ -319,14 +327,14 @@ class ApiClient:
         return error
 
     async def json(self, method: str, path: str, *, idempotent: bool, deadline: float | None,
-                   **kwargs: Any) -> Any:
+                   key: int | None = None, **kwargs: Any) -> Any:
         """A decoded JSON object; a malformed body is an ``RpcError`` naming the provider."""
         if kwargs.keys() == {"json"} and isinstance(self._transport, Http1Transport):
             body = kwargs["json"]
             return await self._retrying(path, deadline, lambda base: self._fetch_json(
-                method, path, base, body, idempotent))
+                method, path, base, body, idempotent), key)
         response = await self.request(method, path, idempotent=idempotent, deadline=deadline,
-                                      **kwargs)
+                                      key=key, **kwargs)
         return decode_json(self.name, response)
 
 

@@ -131,7 +131,7 @@ class LlmProvider(Provider):
         """One synchronous request for one call."""
         try:
             path = self.op_path(item.operation, item.params.get("model"))
-            body = await self.api.json("POST", path, json=item.params,
+            body = await self.api.json("POST", path, json=item.params, key=self.api.key_of(item),
                                        idempotent=self.idempotent(item), deadline=item.deadline)
         except RpcError as e:
             return Outcome.fail(e)
@@ -170,7 +170,8 @@ class LlmProvider(Provider):
         the response (a cancelled call, a reader gone) ends the upstream stream."""
         try:
             response = await self.api.stream("POST", self.stream_path(item), self.stream_request(item),
-                                             idempotent=False, deadline=item.deadline)
+                                             idempotent=False, deadline=item.deadline,
+                                             key=self.api.key_of(item))
         except RpcError as e:
             return Outcome.fail(e)
         usage: dict[str, Any] = {}

@@ -3,112 +3,34 @@
 A provider caches a prompt's prefix where it served it, so a conversation whose turns land on
 different routes pays for its prefix on each. Rendezvous (highest random weight) hashing ranks a
 group's routes by a score of (key, route): every replica ranks alike with no shared state, and a
-route that leaves the group moves only its own keys. The key is, in order: the caller's
-``prompt_cache_key``, else (``affinity: prefix``) a hash of the prompt's stable head: the system
-prompt, tools and first user message, the same on every turn of one conversation. Bounded load
-sends a key past a member with far more calls in flight than the group's mean.
+route that leaves the group moves only its own keys. The key and the ranking are
+``core/cache_affinity.py``'s (a provider's ``base_urls`` use the same): the caller's
+``prompt_cache_key``, else its ``x-session-id``, else (``affinity: session``) the session its body
+names, or (``affinity: prefix``) a hash of the prompt's stable head. Bounded load sends a key past
+a member with far more calls in flight than the group's mean.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from multiplexer.core.json_codec import dumps
-from multiplexer.core.metrics import Metrics
-from multiplexer.core.plain_metrics import Tally
+from multiplexer.core.cache_affinity import (
+    CACHED_OPERATIONS,
+    LOAD_FACTOR,
+    Mode,
+    call_key,
+    digest64,
+    moves_tally,
+    ranking,
+    saturated,
+)
 from multiplexer.core.policy import GroupConfig, RouteConfig
 
-Mode = Literal["prefix", "session", "off"]
-LOAD_FACTOR = 0.25  # a member is saturated above (1 + this) x the group's mean in flight, + 1
-CACHED_OPERATIONS = frozenset({"chat", "messages"})  # groups of these default to ``prefix``
-_MASK = (1 << 64) - 1
-_SYSTEM_ROLES = ("system", "developer")
-
-
-def _digest(data: bytes) -> int:
-    """64 bits of SHA-256: processors' SHA extensions hash a long prompt about twice as fast as
-    BLAKE2b (8 µs against 15 µs for 14 KB on an AMD EPYC), and every replica agrees."""
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
-
-
-def _part(digest: Any, tag: bytes, value: Any) -> None:
-    """One part into ``digest``: its tag, its length and its bytes (a string's UTF-8 as it is,
-    anything else as compact JSON), so no two prompts' parts run together alike."""
-    data = value.encode("utf-8", "surrogatepass") if type(value) is str else dumps(value)
-    digest.update(tag + len(data).to_bytes(8, "little"))
-    digest.update(data)
-
-
-def _bare(content: Any) -> Any:
-    """Content without its ``cache_control`` marks: clients move the last mark along each turn."""
-    if type(content) is not list:
-        return content
-    return [{k: v for k, v in b.items() if k != "cache_control"}
-            if type(b) is dict and "cache_control" in b else b for b in content]
-
-
-def prefix_parts(params: dict[str, Any]) -> tuple[Any, list[Any], Any, Any] | None:
-    """The parts of a prompt every turn of its conversation repeats: the system prompt (Anthropic's
-    ``system``, the Responses API's ``instructions``, the leading system or developer messages),
-    the tools and the first user message. None: the call has none (an embedding)."""
-    system = params.get("system")
-    if system is None:
-        system = params.get("instructions")
-    messages = params.get("messages")
-    first: Any = None
-    if messages is None:
-        given = params.get("input")
-        if isinstance(given, str):
-            first = given
-        elif isinstance(given, list):
-            messages = given
-    lead: list[Any] = []
-    if type(messages) is list:
-        leading = True
-        for m in messages:
-            if type(m) is not dict:
-                break
-            role = m.get("role")
-            if leading and role in _SYSTEM_ROLES:
-                lead.append(_bare(m.get("content")))
-                continue
-            leading = False
-            if role == "user":
-                first = _bare(m.get("content"))
-                break
-    tools = params.get("tools")
-    if system is None and not lead and tools is None and first is None:
-        return None
-    return _bare(system), lead, _bare(tools), first
-
-
-def call_key(params: Any, mode: Mode) -> int | None:
-    """A call's affinity key (64 bits), or None: the group's strategy picks its route."""
-    if mode == "off" or type(params) is not dict:
-        return None
-    explicit = params.get("prompt_cache_key")
-    if isinstance(explicit, str) and explicit:
-        return _digest(b"k" + explicit.encode("utf-8", "surrogatepass"))
-    if mode != "prefix":
-        return None
-    parts = prefix_parts(params)
-    if parts is None:
-        return None
-    system, lead, tools, first = parts
-    digest = hashlib.sha256()  # as ``_digest``
-    try:
-        _part(digest, b"S", system)
-        for content in lead:
-            _part(digest, b"L", content)
-        _part(digest, b"T", tools)
-        _part(digest, b"U", first)
-    except ValueError:  # NaN or Infinity somewhere: no key rather than a refusal
-        return None
-    return int.from_bytes(digest.digest()[:8], "little")
+# the key and the picker live in core (``core/cache_affinity.py``), shared with ``base_urls``
+__all__ = ["CACHED_OPERATIONS", "LOAD_FACTOR", "Affinity", "Mode", "affinities", "call_key",
+           "mode_of", "moves_tally", "ranking", "saturated"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,33 +41,13 @@ class Affinity:
     mode: Mode
     members: tuple[tuple[str, int, float], ...]  # (route, seed, weight)
 
-    def key(self, params: Any) -> int | None:
-        return call_key(params, self.mode)
+    def key(self, params: Any, session: str | None = None) -> int | None:
+        return call_key(params, self.mode, session)
 
     def ranking(self, key: int) -> list[str]:
         """The routes best first for ``key``: weighted rendezvous, score = -w / ln(u), u the
         (key, route) hash in (0, 1); a route of weight 0 comes last."""
         return ranking(key, self.members)
-
-
-def ranking(key: int, members: Iterable[tuple[str, int, float]]) -> list[str]:
-    scored = []
-    for name, seed, weight in members:
-        h = ((key ^ seed) * 0x9E3779B97F4A7C15) & _MASK  # Fibonacci hashing: the high bits mix
-        u = ((h >> 11) + 0.5) / 9007199254740992.0  # its top 53 bits, never 0 or 1
-        scored.append((-weight / math.log(u), name))
-    scored.sort(reverse=True)
-    return [name for _, name in scored]
-
-
-def saturated(names: Iterable[str], busy: Mapping[str, int]) -> set[str]:
-    """The members whose calls in flight exceed (1 + LOAD_FACTOR) x the members' mean, + 1."""
-    loads = [(n, busy.get(n, 0)) for n in names]
-    total = sum(load for _, load in loads)
-    if not total:  # nothing in flight: the common case costs one pass
-        return set()
-    cap = (1 + LOAD_FACTOR) * total / len(loads) + 1
-    return {n for n, load in loads if load > cap}
 
 
 def mode_of(group: GroupConfig, routes: Mapping[str, RouteConfig]) -> Mode:
@@ -164,16 +66,6 @@ def affinities(groups: Mapping[str, GroupConfig], routes: Mapping[str, RouteConf
         if mode == "off":
             continue
         weights = group.weights if group.strategy == "weighted" else {}
-        members = tuple((r, _digest(r.encode()), max(weights.get(r, 1.0), 0.0)) for r in group.routes)
+        members = tuple((r, digest64(r.encode()), max(weights.get(r, 1.0), 0.0)) for r in group.routes)
         out[name] = Affinity(name, mode, members)
     return out
-
-
-def moves_tally(metrics: Metrics) -> Tally:
-    """``multiplexer_cache_moves_total{group, reason}``: calls with an affinity key sent to
-    another route than their rendezvous pick (``breaker_open``, ``overloaded``, ``forbidden``:
-    at the pick; ``fallback``: their pick failed), each counted once. Labels are config names
-    and those four words."""
-    return Tally("multiplexer_cache_moves", "Calls with a cache affinity key served away from "
-                 "their group's rendezvous pick, by group and why", ["group", "reason"],
-                 metrics.registry)

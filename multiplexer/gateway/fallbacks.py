@@ -27,6 +27,7 @@ from typing import Any
 
 from multiplexer.core.attempts import BUDGET, Budget
 from multiplexer.core.breaker import Breakers, SharesBreakers, State
+from multiplexer.core.cache_affinity import AFFINITY_KEY
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.errors import Code, RpcError, upstream_unavailable
 from multiplexer.core.failures import UNWELL, matches, reason_of
@@ -102,8 +103,9 @@ class Fallbacks:
         self._started: dict[int, float] = {}
         self.affinity = affinities(self.groups, self.routes)
         self.cache_moves = moves_tally(self.metrics)
-        # pick to attempts, within one admission: (call, its routes in order, why it left home)
-        self._ranked: tuple[Call, list[str], str | None] | None = None
+        # pick to attempts, within one admission: (call, its routes in order, why it left home,
+        # its affinity key, which the route's base_urls reuse: providers/endpoints.py)
+        self._ranked: tuple[Call, list[str], str | None, int | None] | None = None
 
     @property
     def shared(self) -> bool:
@@ -141,7 +143,7 @@ class Fallbacks:
         assert resolved.group is not None
         group = self.groups[resolved.group]
         affinity = self.affinity.get(resolved.group) if call is not None else None
-        key = affinity.key(call.params) if affinity is not None and call is not None else None
+        key = affinity.key(call.params, call.session) if affinity is not None and call is not None else None
         ranked = affinity.ranking(key) if affinity is not None and key is not None else None
         order = self.order(group, ranked)
         first = order[0]
@@ -156,7 +158,7 @@ class Fallbacks:
                 raise refusal
         if ranked is not None and call is not None:
             why = None if first == ranked[0] else self._why_not(ranked[0], group)
-            self._ranked = (call, order, why)
+            self._ranked = (call, order, why, key)
         route = self.routes[first]
         return Resolved(first, route, route.method or first, resolved.group)
 
@@ -166,13 +168,17 @@ class Fallbacks:
             return "breaker_open"
         return "overloaded" if home in saturated(group.routes, self.busy) else "forbidden"
 
-    def _affinity_of(self, call: Call, group: str, name: str) -> tuple[list[str] | None, str | None]:
+    def _affinity_of(self, call: Call, group: str, name: str, item: Item
+                     ) -> tuple[list[str] | None, str | None]:
         """The order ``pick`` made for this call by its affinity, and its home (None: it has none,
-        or it went elsewhere already, counted here: only a call admitted counts, never a price)."""
+        or it went elsewhere already, counted here: only a call admitted counts, never a price);
+        the key goes on ``item`` for its route's ``base_urls``."""
         held, self._ranked = self._ranked, None
         if held is None or held[0] is not call:
             return None, None
-        _, order, why = held
+        _, order, why, key = held
+        if key is not None:
+            item.options[AFFINITY_KEY] = key
         if why is None:
             return order, name
         self.cache_moves.add((group, why))
@@ -227,7 +233,7 @@ class Fallbacks:
         home = None
         if group is not None:
             assert resolved.group is not None
-            order, home = self._affinity_of(call, resolved.group, name)
+            order, home = self._affinity_of(call, resolved.group, name, item)
             item.params = own_model(resolved.route, item.params)
             rest = [n for n in (order or self.order(group)) if n != name]
             queue = expand([*rest, *group.fallbacks], self.routes, plain_fallbacks, {name})
