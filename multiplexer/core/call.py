@@ -127,6 +127,9 @@ class Call:
     # A batch's budget reservation (``money/budgets.Reservation``) this line draws its own from,
     # reserved whole when the batch was made. Set by a face, never from the wire.
     budget: Any = None
+    # The caller's session (``/v1``'s ``x-session-id`` header), a prompt-cache affinity key for
+    # model groups and ``base_urls`` (``core/cache_affinity.py``). Set by a face; None: none.
+    session: str | None = None
 
 
 @dataclass(slots=True, eq=False)

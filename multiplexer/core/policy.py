@@ -186,8 +186,9 @@ class GroupConfig(Strict):
                               "routes and retries together")
     affinity: Literal["prefix", "session", "off"] | None = Field(
         default=None, description="calls that share a prompt-cache key keep to one route while it "
-        "is healthy and not saturated: prefix (prompt_cache_key, else the system prompt, tools and "
-        "first user message), session (prompt_cache_key only), off; default prefix when every "
+        "is healthy and not saturated: prefix (prompt_cache_key, else x-session-id, else the system "
+        "prompt, tools and first user message), session (prompt_cache_key, else x-session-id, else "
+        "the body's metadata.session_id, metadata.user_id or user), off; default prefix when every "
         "route is chat or messages, else off")
 
     @field_validator("affinity", mode="before")

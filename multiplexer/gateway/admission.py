@@ -21,6 +21,7 @@ from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from multiplexer.core.cache_affinity import SESSION
 from multiplexer.core.call import Call, Item
 from multiplexer.core.clock import Clock
 from multiplexer.core.dedup import canonical
@@ -234,6 +235,8 @@ def routed_item(gw: Admits, plan: Plan, resolved: Resolved, provider: Provider) 
     call, route, span = plan.call, resolved.route, plan.span
     item = route_item(resolved, call.params, identity=call.identity, operation=call.operation,
                       priority=call.priority, deadline=plan.deadline, notification=call.notification)
+    if call.session is not None:
+        item.options[SESSION] = call.session  # a cache-affinity key (core/cache_affinity.py)
     if call.progress is not None:
         item.options["progress"] = call.progress
     if call.log is not None:

@@ -14,6 +14,7 @@ from multiplexer.faces.v1.common import Surface, message_of
 from multiplexer.faces.v1.deadline import deadline_ms
 from multiplexer.faces.v1.endpoint import Endpoint, converted, named_event
 from multiplexer.faces.v1.requests import MESSAGES, plan, require_operation, stream_flag
+from multiplexer.faces.v1.session import session_of
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -60,7 +61,8 @@ class Messages(Endpoint):
         body = await self.v1.read_json(scope, receive)
         name, params, shape = plan(self.v1, MESSAGES, body, identity)
         call = Call(name, params, identity=identity,
-                    timeout_ms=deadline_ms(self.v1.gateway, scope["headers"], name, body))
+                    timeout_ms=deadline_ms(self.v1.gateway, scope["headers"], name, body),
+                    session=session_of(scope["headers"]))
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers, shape)
             return

@@ -27,6 +27,7 @@ from multiplexer.faces.v1.requests import (
     plan,
     stream_flag,
 )
+from multiplexer.faces.v1.session import session_of
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           403: "permission_denied", 409: "invalid_request_error", 413: "invalid_request_error",
@@ -84,7 +85,8 @@ class Generation(Endpoint):
         body = await self.v1.read_json(scope, receive)
         name, params, shape = plan(self.v1, self.endpoint, body, identity)
         call = Call(name, params, identity=identity, operation=operation_for(self.endpoint, shape),
-                    timeout_ms=deadline_ms(self.v1.gateway, scope["headers"], name, body))
+                    timeout_ms=deadline_ms(self.v1.gateway, scope["headers"], name, body),
+                    session=session_of(scope["headers"]))
         if not stream_flag(body):
             await self.answer(call, scope, receive, send, headers, shape)
             return
