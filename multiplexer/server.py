@@ -28,6 +28,7 @@ from multiplexer.faces.v1 import v1_routes
 from multiplexer.gateway import heap
 from multiplexer.gateway.config import Config, ConfigError
 from multiplexer.gateway.gateway import Gateway
+from multiplexer.gateway.reload import ConfigReloader, on_reload
 from multiplexer.preflight import check_services, live_keys
 from multiplexer.state_paths import log_where_state_lives
 
@@ -167,6 +168,9 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
         async with gw:
             attach_jobs(gw)
             auth = Authenticator(config.server.api_keys, gw.keys)  # one for every face: /rpc, /v1, /mcp
+            reloader = gw.faces["reloader"] = ConfigReloader(gw, config.source)  # SIGHUP, /admin/reload
+            reloader.checks.append(lambda new: check_bind(new, host, 1 if gw.keys.issued else 0))
+            on_reload(gw, lambda new: auth.use(new.server.api_keys))
             mcp_routes, lifespan = mount_mcp(gw, auth)
             admin = AdminKey(config.server.admin_key)
             routes = v1_routes(gw, auth) + mcp_routes + admin_routes(gw, admin)
@@ -188,8 +192,9 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
 
 async def serve_forever(config: Config, *, host: str | None = None, port: int | None = None,
                         on_ready: Any = None, slot: Slot | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then drain within the grace period and return."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """Serve until SIGTERM or SIGINT, then drain within the grace period and return; SIGHUP reads
+    the config file again (``gateway/reload.py``), in the gateway's own task group."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with running(config, host=host, port=port, slot=slot) as (gw, url):
             if slot is None:
                 log.info("multiplexer listening on %s", url)
@@ -199,5 +204,9 @@ async def serve_forever(config: Config, *, host: str | None = None, port: int | 
             if on_ready is not None:
                 await on_ready(gw, url)
             async for sig in signals:
+                if sig == signal.SIGHUP:
+                    log.info("received SIGHUP: reloading the config")
+                    gw.start_background(gw.faces["reloader"].reload, "sighup")
+                    continue
                 log.info("received %s: draining", signal.Signals(sig).name)
                 break

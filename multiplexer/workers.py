@@ -14,7 +14,8 @@ backoff (0.5 s doubling to 30 s, back to 0.5 s once a worker has run a minute); 
 SIGINT is passed to every worker, each drains within its own ``server.grace_period_s``, and
 the parent exits 0 when all stopped cleanly, 1 when one had to be killed or failed, or when a
 worker could not start at all (its error is in the log above). Its folder (the workers'
-sockets for ``/metrics`` and ``/readyz``) is removed at exit.
+sockets for ``/metrics`` and ``/readyz``) is removed at exit. SIGHUP is passed to every worker
+that serves: each reads the config file again (``gateway/reload.py``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Supervisor:
         self.failed: str | None = None
         self._starting: anyio.CancelScope | None = None  # the start of the workers, while on
         self.codes: dict[int, int] = {}
+        self.serving: set[int] = set()  # workers that said they serve (and so handle SIGHUP)
 
     def url(self) -> str:
         host = self.plan.host
@@ -103,7 +105,7 @@ class Supervisor:
             shutil.rmtree(self.folder, ignore_errors=True)
 
     async def _run(self) -> int:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with anyio.create_task_group() as tg:
                 with anyio.CancelScope() as self._starting:  # a signal now stops the start
                     tg.start_soon(self._on_signal, signals)
@@ -130,11 +132,22 @@ class Supervisor:
 
     async def _on_signal(self, signals: AsyncIterator[int]) -> None:
         async for sig in signals:
+            if sig == signal.SIGHUP:
+                self._relay_hangup()
+                continue
             log.info("received %s: draining %d workers", signal.Signals(sig).name, len(self.live))
             self.stop.set()
             if self._starting is not None:  # workers still starting are stopped with the others
                 self._starting.cancel()
             return
+
+    def _relay_hangup(self) -> None:
+        """SIGHUP: every worker that serves reads the config file again (``gateway/reload.py``);
+        one still starting reads it as it starts, and is not signalled (it may not handle it yet)."""
+        ready = [p for i, p in sorted(self.live.items()) if i in self.serving and p.returncode is None]
+        log.info("received SIGHUP: %d of %d workers reload the config", len(ready), self.plan.count)
+        for process in ready:
+            process.send_signal(signal.SIGHUP)
 
     async def _drain(self) -> None:
         """SIGTERM to every worker; each drains in its own grace period, then is killed."""
@@ -168,9 +181,12 @@ class Supervisor:
         finally:
             os.close(write_fd)
         self.live[index] = process  # from now on a drain signals it, ready or not
+        self.serving.discard(index)
         try:
             await anyio.wait_readable(read_fd)
             said = os.read(read_fd, 1) == b"r"  # b"": it exited (the pipe closed) first
+            if said:
+                self.serving.add(index)
         finally:
             os.close(read_fd)
         return process, said

@@ -221,6 +221,32 @@ class KeyDirectory:
             if quota is not None and name not in self._configured:
                 self.quotas.set_limits(name, quota)
 
+    def configure(self, api_keys: Mapping[str, SecretStr | KeyEntry], teams: Mapping[str, TeamEntry],
+                  configured: set[str]) -> None:
+        """The config's keys and teams read again (a config reload, on the event loop): every key's
+        rules and limits from them for new calls; ``configured``: the ``server.quotas`` names now,
+        whose quotas the keys' own never overwrite."""
+        gone = set(self.static) - set(api_keys)
+        self.static = {name: entry(v) for name, v in api_keys.items()}
+        self.static_teams = dict(teams)
+        self._configured = set(configured)
+        for name in gone:
+            self.rules.pop(name, None)
+            if name not in self._configured:
+                self.quotas.set_limits(name, None)
+        for name, key in [*self.static.items(), *self.entries.items()]:
+            rules = Rules.of(self.team(key.team), key)
+            if rules is None:
+                self.rules.pop(name, None)
+            else:
+                self.rules[name] = rules
+            if name not in self._configured:
+                self.quotas.set_limits(name, self._limits(name, key))
+        self._as_team.clear()
+        for identity, team in self.bound.items():  # a team's change reaches OAuth callers too
+            self._principal(identity, team)
+        self._moved()
+
     def install(self, keys: list[KeyRow], teams: list[TeamRow], servers: Sequence[TeamRow] = ()) -> None:
         """Swap in a new snapshot of the store (called on the event loop: no await inside)."""
         self.stored_teams = {t.id: TeamEntry.model_validate(t.access) for t in teams}

@@ -285,6 +285,12 @@ class KeyStore:
                 (row.id, row.at, row.actor, row.action, row.target, json.dumps(row.detail)))
 
     @locked
+    def record(self, row: AuditRow) -> None:
+        """An audit row of its own (a config reload), with no key or team written beside it."""
+        with self._tx():
+            self._audit(row)
+
+    @locked
     def audit(self, limit: int = 100, target: str | None = None) -> list[AuditRow]:
         sql, args = "SELECT id, at, actor, action, target, detail FROM access_audit", []
         if target is not None:

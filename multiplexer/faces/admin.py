@@ -110,7 +110,13 @@ def _spend(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
     return [admin_route(admin, "/admin/spend", spend_endpoint(gateway), ["GET"], gateway)]
 
 
-MOUNTS: Mounts = [_status, _keys, _spend]
+def _reload(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
+    from multiplexer.faces.admin_reload import mount_reload
+
+    return mount_reload(gateway, admin, functools.partial(admin_route, gateway=gateway), admin_error)
+
+
+MOUNTS: Mounts = [_status, _keys, _spend, _reload]
 
 
 def admin_routes(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:

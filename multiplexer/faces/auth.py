@@ -20,11 +20,15 @@ from multiplexer.core.errors import unauthorized
 
 class Authenticator:
     def __init__(self, api_keys: Mapping[str, SecretStr | KeyEntry], directory: Any = None) -> None:
+        self.use(api_keys)
+        self.directory = directory if directory is not None and directory.enabled else None
+
+    def use(self, api_keys: Mapping[str, SecretStr | KeyEntry]) -> None:
+        """The config's keys (at start, and after a config reload: both lists swapped at once)."""
         self._keys = [(name, digest(secret)) for name, value in api_keys.items()
                       if (secret := entry(value).key.get_secret_value())]
         self._expires = {name: e.expires_at.timestamp() for name, value in api_keys.items()
                          if (e := entry(value)).expires_at is not None}
-        self.directory = directory if directory is not None and directory.enabled else None
 
     @property
     def enabled(self) -> bool:

@@ -37,6 +37,7 @@ from multiplexer.gateway.gateway import Gateway
 from multiplexer.jobs.stores import WORKER_ENV
 
 ASK_TIMEOUT_S = 2.0  # a sibling slower than this counts as not answering
+RELOAD_TIMEOUT_S = 130.0  # ... but a config reload may start providers (gateway/reload.py)
 _MAX_REQUEST = 64
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -91,8 +92,12 @@ class Siblings:
 
     async def _answer(self, stream: anyio.abc.ByteStream) -> None:
         async with stream:
+            request = b""
             with anyio.move_on_after(ASK_TIMEOUT_S):
                 request = (await stream.receive(_MAX_REQUEST)).strip()
+            if not request:
+                return
+            with anyio.move_on_after(RELOAD_TIMEOUT_S if request == b"reload" else ASK_TIMEOUT_S):
                 await stream.send(await self._own(request))
 
     async def _own(self, request: bytes) -> bytes:
@@ -105,12 +110,17 @@ class Siblings:
         if request == b"keys":
             await self.gateway.keys.reload()
             return b"reloaded"
+        if request == b"reload":  # POST /admin/reload on a sibling: the config file read again
+            reloader = self.gateway.faces.get("reloader")
+            if reloader is None:
+                return b""
+            return json.dumps((await reloader.reload("admin (relayed)")).as_json()).encode()
         return b""
 
-    async def _ask(self, index: int, request: bytes) -> bytes | None:
+    async def _ask(self, index: int, request: bytes, timeout: float = ASK_TIMEOUT_S) -> bytes | None:
         """A sibling's answer, or None when it does not answer in time."""
         try:
-            with anyio.fail_after(ASK_TIMEOUT_S):
+            with anyio.fail_after(timeout):
                 async with await anyio.connect_unix(self.slot.socket_path(index)) as stream:
                     await stream.send(request)
                     chunks = []
@@ -123,12 +133,12 @@ class Siblings:
         except (OSError, TimeoutError, anyio.BrokenResourceError):
             return None
 
-    async def _gather(self, request: bytes) -> dict[int, bytes | None]:
+    async def _gather(self, request: bytes, timeout: float = ASK_TIMEOUT_S) -> dict[int, bytes | None]:
         """Every other worker's answer to ``request``, asked at once."""
         out: dict[int, bytes | None] = {}
 
         async def one(index: int) -> None:
-            out[index] = await self._ask(index, request)
+            out[index] = await self._ask(index, request, timeout)
 
         async with anyio.create_task_group() as tg:
             for index in range(self.slot.count):
@@ -139,6 +149,10 @@ class Siblings:
     async def tell_keys(self, what: str) -> None:
         """A key or team changed here: every other worker reloads before this returns."""
         await self._gather(b"keys")
+
+    async def reload_all(self) -> dict[int, bytes | None]:
+        """Every other worker reloads the config file; each one's answer (JSON) by index."""
+        return await self._gather(b"reload", RELOAD_TIMEOUT_S)
 
     async def metrics(self) -> bytes:
         """``/metrics``: every worker's exposition, summed (a worker that does not answer is left

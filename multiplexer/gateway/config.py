@@ -232,10 +232,16 @@ class Config(Strict):
 
     # The config file's folder: relative paths in the file start there (None: the working folder).
     _base_dir: Path | None = PrivateAttr(default=None)
+    # The file it was read from (``load_config``; None: built in code): what a reload reads again.
+    _source: Path | None = PrivateAttr(default=None)
 
     @property
     def base_dir(self) -> Path | None:
         return self._base_dir
+
+    @property
+    def source(self) -> Path | None:
+        return self._source
 
     def paths_context(self) -> dict[str, Any] | None:
         """The validation context for the kinds' settings: their relative paths are the file's."""
@@ -321,4 +327,6 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    return parse_config(data, env, base_dir=p.resolve().parent)
+    config = parse_config(data, env, base_dir=p.resolve().parent)
+    config._source = p.resolve()
+    return config

@@ -30,7 +30,9 @@ from multiplexer.core.json_codec import dumps, loads
 from multiplexer.core.policy import RouteConfig
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
+from multiplexer.gateway.config import Config
 from multiplexer.gateway.gateway import Gateway
+from multiplexer.gateway.reload import on_reload
 
 JSON = b"application/json"
 # The trace context of the HTTP request being served (set by the endpoint when tracing).
@@ -116,12 +118,20 @@ class V1:
         self._serves: dict[str, str] = {}  # route name -> what it answers (Provider.answers)
         # (route name, endpoint) -> its translation: a runtime Protocol check costs ~10 µs a call
         self._translations: dict[tuple[str, str], Translation | None] = {}
-        for name, route in gateway.config.routes.items():
+        self.reconfigured(gateway.config)
+        on_reload(gateway, self.reconfigured)
+
+    def reconfigured(self, config: Config) -> None:
+        """The model names of ``config``'s routes and groups (at start and on a config reload);
+        what each route answers asked of its provider again."""
+        models: dict[str, str] = {}
+        for name, route in config.routes.items():
             if not name.endswith("*"):
                 for model in route.models:
-                    self.models.setdefault(model, name)
-        for group in gateway.config.groups:  # a model group's name is a public model
-            self.models[group] = group
+                    models.setdefault(model, name)
+        for group in config.groups:  # a model group's name is a public model
+            models[group] = group
+        self.models, self._serves, self._translations = models, {}, {}
 
     def route_for(self, model: Any) -> tuple[str, RouteConfig]:
         """The route a request's ``model`` selects: one that lists it, or the route of that name."""

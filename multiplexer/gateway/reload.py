@@ -1,0 +1,392 @@
+"""Config reload without a restart: ``SIGHUP`` and ``POST /admin/reload`` read the config file again.
+
+What a call is routed by (routes, model groups, fallbacks, providers and their limits, the
+config's keys and teams, ``server.quotas``, prices and ``budgets:``) is swapped in one step on
+the event loop, with no await between the first assignment and the last: a call admitted before
+the step runs on what admitted it (its ticket holds its route, its lane and through it the
+provider and limiter), one admitted after sees the new config, and the hot path reads the same
+attributes it always did, so it pays nothing. A provider whose settings did not change is kept
+as it is (its sessions, pools and local models untouched, its lanes too where their route did not
+change). One whose settings changed is started beside the old one before the step; the old one's
+lanes stop taking calls and run what they hold, and the provider is closed once they have
+drained. A file that does not validate, or fails what ``multiplexer check-config`` checks, is
+refused with the same lines, and the running config stays; so is one whose new provider fails to
+start. What the file says that only a restart applies (the address, the store, the state, the
+dashboard, ...) is kept as running and named in the answer's ``restart_needed``.
+
+Each reload is counted (``multiplexer_config_reloads_total{result}``) and, where the key store
+is open, written as an audit row (action ``config.reload``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+from prometheus_client import Counter
+
+from multiplexer.core.lane import Lane
+from multiplexer.core.limiter import Limiter
+from multiplexer.core.policy import ProviderConfig, RouteConfig
+from multiplexer.core.provider import Provider, ProviderContext
+from multiplexer.core.router import Router
+from multiplexer.core.shared_limiter import SharedLimiter
+from multiplexer.gateway.affinity import affinities
+from multiplexer.gateway.config import Config, ConfigError, ServerConfig, load_config
+from multiplexer.gateway.replicas import limiter_for
+from multiplexer.money.prices import Prices
+
+if TYPE_CHECKING:
+    from multiplexer.gateway.gateway import Gateway
+
+log = logging.getLogger(__name__)
+
+Result = Literal["ok", "invalid", "failed"]
+# what a reload applies; everything else in the file waits for a restart
+RELOADED = ("providers", "routes", "groups", "budgets")
+SERVER_RELOADED = ("api_keys", "teams", "quotas")
+# set from the command line, not only the file (``--workers``, a worker's slot): never compared
+SERVER_UNCOMPARED = ("workers",)
+# a provider's keys that reach new calls without starting it again (read through ``Prices``)
+PRICE_KEYS = frozenset({"price", "batch_discount"})
+START_TIMEOUT_S = 120.0  # a new provider slower than this to start fails the reload
+HOOKS = "reload_hooks"  # gateway.faces key: what faces rebuild from the new config
+
+
+@dataclass
+class Reloaded:
+    """What one reload did, as ``POST /admin/reload`` answers it."""
+
+    result: Result
+    errors: list[str] = field(default_factory=list)
+    routes: dict[str, list[str]] = field(default_factory=dict)  # added, removed, changed
+    providers: dict[str, list[str]] = field(default_factory=dict)  # started, draining, kept
+    restart_needed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"result": self.result, "seconds": round(self.seconds, 4)}
+        if self.errors:
+            out["errors"] = self.errors
+        if self.result == "ok":
+            out.update(routes=self.routes, providers=self.providers, restart_needed=self.restart_needed)
+        return out
+
+
+def on_reload(gateway: Any, hook: Callable[[Config], None]) -> None:
+    """A face's state built from the config (``/v1``'s model names, the YAML keys' digests) is
+    rebuilt by ``hook(new_config)``, called inside the swap (no await: on the event loop)."""
+    gateway.faces.setdefault(HOOKS, []).append(hook)
+
+
+def _same_provider(old: ProviderConfig, new: ProviderConfig) -> bool:
+    """Whether a provider may be kept as it runs: its settings equal but for its prices."""
+    return old.model_dump(exclude=set(PRICE_KEYS)) == new.model_dump(exclude=set(PRICE_KEYS))
+
+
+def _own_lane(route: RouteConfig) -> bool:
+    """A route with a lane of its own (``Gateway._lane_for``'s rule)."""
+    return route.batch is not None or route.mode == "batch"
+
+
+def restart_needed(old: Config, new: Config) -> list[str]:
+    """The keys whose new values only a restart applies, where the file changed them."""
+    out = [name for name in type(old).model_fields
+           if name not in RELOADED and name != "server" and getattr(old, name) != getattr(new, name)]
+    out += [f"server.{name}" for name in ServerConfig.model_fields
+            if name not in SERVER_RELOADED and name not in SERVER_UNCOMPARED
+            and getattr(old.server, name) != getattr(new.server, name)]
+    return sorted(out)
+
+
+def merged(old: Config, new: Config) -> Config:
+    """The running config with what a reload applies taken from ``new``."""
+    server = old.server.model_copy(update={k: getattr(new.server, k) for k in SERVER_RELOADED})
+    config = old.model_copy(update={"server": server, **{k: getattr(new, k) for k in RELOADED}})
+    config.providers = dict(new.providers)  # completed below with each kind's defaults
+    return config
+
+
+def _diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[str]]:
+    return {"added": sorted(set(new) - set(old)), "removed": sorted(set(old) - set(new)),
+            "changed": sorted(n for n in set(old) & set(new) if old[n] != new[n])}
+
+
+class ConfigReloader:
+    """One gateway's reloads, one at a time; ``path``: its config file (None: built in code)."""
+
+    def __init__(self, gateway: Gateway, path: Path | None,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.gw = gateway
+        self.path = path
+        self.wall = wall
+        # the composer's checks of a new config (raise ConfigError): the bound address still
+        # needs a key of its callers, as at start (``server.check_bind``)
+        self.checks: list[Callable[[Config], None]] = []
+        self._lock = anyio.Lock()
+        self._retired = 0  # lanes retired so far (their keys in gateway.lanes while they drain)
+        self.draining: set[str] = set()  # providers whose lanes are still running what they hold
+        self._lives: dict[str, _Life] = {}  # the providers a reload started, by name
+        self.reloads = Counter("multiplexer_config_reloads", "Config reloads (SIGHUP, POST "
+                               "/admin/reload) by result: ok, invalid (refused: the running config "
+                               "stays) or failed (a new provider did not start)", ["result"],
+                               registry=gateway.metrics.registry)
+        for result in ("ok", "invalid", "failed"):
+            self.reloads.labels(result)
+
+    async def reload(self, actor: str = "sighup") -> Reloaded:
+        """Read the file again and apply it; the answer says what changed or why not. Shielded:
+        a caller that goes away never leaves a reload half done."""
+        started = time.perf_counter()
+        with anyio.CancelScope(shield=True):
+            async with self._lock:
+                done = await self._reload()
+            done.seconds = time.perf_counter() - started
+            self.reloads.labels(done.result).inc()
+            if done.result == "ok":
+                log.info("config reloaded from %s (%s): routes %s, providers %s%s", self.path, actor,
+                         done.routes, done.providers,
+                         f"; restart needed for {', '.join(done.restart_needed)}"
+                         if done.restart_needed else "")
+            else:
+                log.warning("config reload %s (%s): %s", done.result, actor, " ".join(done.errors))
+            await self._audit(actor, done)
+        return done
+
+    async def _audit(self, actor: str, done: Reloaded) -> None:
+        store = self.gw.keys.store
+        if store is None:  # no key store opened: the log line above is the record
+            return
+        from multiplexer.access.keystore import AuditRow
+
+        detail = {k: v for k, v in done.as_json().items() if k != "seconds"}
+        if self.path is not None:
+            detail["path"] = str(self.path)
+        row = AuditRow(uuid.uuid4().hex, self.wall(), actor, "config.reload", "config", detail)
+        try:
+            await store.run(store.record, row)
+        except Exception as e:  # the reload stands; its row is what is lost
+            log.warning("config reload: audit row not written: %s", str(e).splitlines()[0][:200])
+
+    async def _reload(self) -> Reloaded:
+        if self.path is None:
+            return Reloaded("failed", ["this gateway's config was not read from a file"])
+        if self.gw.closing:
+            return Reloaded("failed", ["the gateway is stopping"])
+        try:
+            new = await anyio.to_thread.run_sync(self._read, self.path)
+        except ConfigError as e:
+            return Reloaded("invalid", [line.strip() for line in str(e).splitlines()])
+        gw = self.gw
+        old = gw.config
+        config = merged(old, new)
+        try:
+            for check in self.checks:
+                check(config)
+        except ConfigError as e:
+            return Reloaded("invalid", [line.strip() for line in str(e).splitlines()])
+        started: dict[str, tuple[Provider, Limiter, _Life]] = {}
+        kept: list[str] = []
+        try:
+            for name, pconf in new.providers.items():
+                from multiplexer.gateway.gateway import with_kind_defaults
+                from multiplexer.gateway.registry import provider_class
+
+                cls = provider_class(pconf.kind)
+                pconf = config.providers[name] = with_kind_defaults(pconf, cls)
+                running = old.providers.get(name)
+                if running is not None and name in gw.providers and _same_provider(running, pconf):
+                    kept.append(name)
+                    continue
+                started[name] = await self._start(name, pconf, cls, config)
+        except Exception as e:
+            for _, _, life in started.values():
+                life.close()
+                await life.closed.wait()
+            what = f"providers.{name}: did not start: {type(e).__name__}: {e}"
+            return Reloaded("failed", [what])
+        done = Reloaded("ok", restart_needed=restart_needed(old, new))
+        done.routes = _diff(old.routes, config.routes)
+        self._swap(old, config, started, kept, done)
+        return done
+
+    @staticmethod
+    def _read(path: Path) -> Config:
+        """The file validated, then what ``check-config`` checks: the same lines it prints."""
+        from multiplexer.gateway.config_checks import problems
+
+        config = load_config(path)
+        lines = problems(config)
+        if lines:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+        return config
+
+    async def _start(self, name: str, pconf: ProviderConfig, cls: type[Provider],
+                     config: Config) -> tuple[Provider, Limiter, _Life]:
+        """A provider built and started as the gateway starts its own, in a task of the gateway's
+        that also closes it (a provider may hold task groups, exited in the task that entered
+        them)."""
+        gw = self.gw
+        limiter = limiter_for(name, pconf, gw.clock, gw.state, gw.metrics, gw.share)
+        settings = cls.Settings.model_validate(pconf.extra, context=config.paths_context())
+        ctx = ProviderContext(
+            name=name, config=pconf, settings=settings, clock=gw.clock, limiter=limiter,
+            metrics=gw.metrics, store_path=Path(config.store.path), notify=gw.notify,
+            store_url=config.store.url, store_lease_s=config.store.lease_s,
+            store_schema=config.store.schema_, tracer=gw.tracer, breakers=gw.fallbacks.breakers,
+            job_fallback=gw.job_fallbacks,
+        )
+        provider = cls(ctx)
+        life = _Life(provider)
+        gw.start_background(life.run)
+        with anyio.fail_after(START_TIMEOUT_S):
+            await life.up.wait()
+        if life.error is not None:
+            raise life.error
+        return provider, limiter, life
+
+    def _swap(self, old: Config, config: Config, started: dict[str, tuple[Provider, Limiter, _Life]],
+              kept: list[str], done: Reloaded) -> None:
+        """The one step (no await): every reference admission reads, replaced together."""
+        gw = self.gw
+        gone = [n for n in old.providers if n not in kept]  # changed or removed: drained
+        lanes: dict[tuple[str, str | None], Lane] = {}
+        retired: list[Lane] = []
+        for key, lane in gw.lanes.items():
+            provider, route = key
+            if route is not None and route.startswith("\0"):  # retired by an earlier reload
+                lanes[key] = lane
+                continue
+            stays = provider in kept and (route is None or (
+                route in config.routes and config.routes[route] == old.routes.get(route)
+                and _own_lane(config.routes[route])))
+            if stays:
+                lanes[key] = lane
+            else:
+                self._retired += 1
+                lanes[(provider, f"\0retired-{self._retired}")] = lane
+                retired.append(lane)
+        old_providers = {n: gw.providers[n] for n in gone if n in gw.providers}
+        old_limiters = {n: gw.limiters[n] for n in gone if n in gw.limiters}
+        gw.providers = {**{n: gw.providers[n] for n in kept}, **{n: p for n, (p, _, _) in started.items()}}
+        gw.limiters = {**{n: gw.limiters[n] for n in kept}, **{n: lim for n, (_, lim, _) in started.items()}}
+        gw.lanes = lanes
+        gw.config = config
+        gw.router = Router(config.routes, {g: c.routes for g, c in config.groups.items()})
+        self._fallbacks(old, config)
+        self._keys(old, config)
+        if gw.money is not None:
+            prices = Prices(config.providers, config.routes)
+            gw.money.meter.prices = gw.money.budgets.prices = prices
+            gw.money.budgets.config = config.budgets
+        for hook in list(gw.faces.get(HOOKS, ())):
+            hook(config)
+        for name, (_, limiter, _) in started.items():
+            gw.started.add(name)
+            if isinstance(limiter, SharedLimiter):
+                gw.start_background(limiter.run)
+        for rname, route in config.routes.items():
+            gw._lane_for(rname, route)
+        for lane in retired:
+            lane.close()
+        lives = {n: self._lives.pop(n) for n in gone if n in self._lives}
+        self._lives.update({n: life for n, (_, _, life) in started.items()})
+        done.providers = {"started": sorted(started), "draining": sorted(gone), "kept": sorted(kept)}
+        if retired or old_providers:
+            self.draining.update(old_providers)
+            gw.start_background(self._drain, retired, old_providers, old_limiters, lives)
+
+    def _fallbacks(self, old: Config, config: Config) -> None:
+        """Fallbacks, model groups and breakers read the new routes; breakers' states, busy counts
+        and latencies carry on."""
+        fb = self.gw.fallbacks
+        fb.routes = config.routes
+        fb.groups = dict(config.groups)
+        policies = {name: p.breaker for name, p in config.providers.items()
+                    if p.breaker is not None and not p.extra.get("base_urls")}
+        for name in list(fb.breakers.all):
+            if name in old.providers and policies.get(name) is None and not (
+                    old.providers[name].extra.get("base_urls")):
+                fb.breakers.all.pop(name, None)
+        for name, policy in policies.items():
+            current = fb.breakers.get(name)
+            if current is None or old.providers.get(name) is None or old.providers[name].breaker != policy:
+                fb.breakers.add(name, policy)
+                self.gw.metrics.breaker_state.labels(name).set(0)
+        fb.watched = {name for name, r in config.routes.items()
+                      if r.fallbacks or r.context_window_fallbacks
+                      or "max_attempts" in r.model_fields_set or r.provider in policies}
+        fb.affinity = affinities(fb.groups, fb.routes)
+
+    def _keys(self, old: Config, config: Config) -> None:
+        """The config's keys, teams and ``server.quotas``: their rules and limits for new calls
+        (slots held stay held and are released as usual)."""
+        gw = self.gw
+        before, after = old.server.quotas, config.server.quotas
+        for name in set(before) - set(after):
+            gw.quotas.set_limits(name, None)
+        for name, quota in after.items():
+            gw.quotas.set_limits(name, quota)
+        gw.keys.configure(config.server.api_keys, config.server.teams, set(after))
+
+    async def _drain(self, lanes: list[Lane], providers: dict[str, Provider],
+                     limiters: dict[str, Limiter], lives: dict[str, _Life]) -> None:
+        """The retired lanes run what they hold, then leave; then the providers they served close
+        (one a reload started, in its own task; one the gateway started, with the gateway)."""
+        for lane in lanes:
+            await lane.drained.wait()
+        gw = self.gw
+        gw.lanes = {k: v for k, v in gw.lanes.items() if not any(v is lane for lane in lanes)}
+        for name in providers:
+            limiter = limiters.get(name)
+            if isinstance(limiter, SharedLimiter):
+                with anyio.move_on_after(2.0):
+                    await limiter.drain()
+            life = lives.get(name)
+            if life is not None:
+                life.close()
+                await life.closed.wait()
+            self.draining.discard(name)
+            log.info("provider %s: its old settings drained%s", name,
+                     " and closed" if life is not None else " (closed when the gateway stops)")
+
+
+class _Life:
+    """A provider started by a reload: started, then closed, in this one task of the gateway."""
+
+    def __init__(self, provider: Provider) -> None:
+        self.provider = provider
+        self.up = anyio.Event()
+        self.closed = anyio.Event()
+        self._close = anyio.Event()
+        self.error: BaseException | None = None
+
+    def close(self) -> None:
+        self._close.set()
+
+    async def run(self) -> None:
+        try:
+            try:
+                await self.provider.start()
+            except Exception as e:
+                self.error = e
+                self.up.set()
+                with anyio.CancelScope(shield=True):
+                    await self.provider.aclose()
+                return
+            self.up.set()
+            await self._close.wait()
+        finally:
+            self.up.set()
+            try:
+                if self.error is None:
+                    with anyio.CancelScope(shield=True):
+                        await self.provider.aclose()
+            finally:
+                self.closed.set()

@@ -1,0 +1,195 @@
+"""Config reload without a restart (``gateway/reload.py``): ``POST /admin/reload`` and SIGHUP.
+
+Each test runs a real gateway on 127.0.0.1 from a config file in ``tmp_path``, rewrites the file
+and reloads. The provider kind ``gated`` (registered here) answers with its settings' ``tag`` and,
+for a call that asks, waits on an event the test sets: a call is held in flight on one provider
+while the config changes, with no sleeps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.provider import Provider
+from multiplexer.gateway import registry
+from multiplexer.gateway.config import load_config
+from multiplexer.server import running
+
+pytestmark = pytest.mark.anyio
+ADMIN = "adm-" + "r" * 28
+KEY = "caller-key-reload-0123"
+AUTH = {"authorization": f"Bearer {ADMIN}"}
+
+
+class GatedSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tag: str = "a"
+
+
+class Gated(Provider):
+    """Answers ``{"tag": ..., "params": ...}``; a call with ``hold`` in its params waits for
+    ``GATE`` (``ENTERED`` set as it does)."""
+
+    Settings = GatedSettings
+    GATE: anyio.Event | None = None
+    ENTERED: anyio.Event | None = None
+    started: list[str] = []
+    closed: list[str] = []
+
+    async def start(self) -> None:
+        Gated.started.append(self.ctx.settings.tag)
+
+    async def aclose(self) -> None:
+        Gated.closed.append(self.ctx.settings.tag)
+
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        if any(isinstance(i.params, dict) and i.params.get("hold") for i in items):
+            assert Gated.GATE is not None and Gated.ENTERED is not None
+            Gated.ENTERED.set()
+            await Gated.GATE.wait()
+        return [Outcome(result={"tag": self.ctx.settings.tag, "params": i.params}) for i in items]
+
+
+@pytest.fixture(autouse=True)
+def gated_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(registry.KINDS, "gated", "tests.test_reload:Gated")
+    monkeypatch.delenv("MULTIPLEXER_MASTER_KEY", raising=False)
+    Gated.started, Gated.closed = [], []
+    Gated.GATE, Gated.ENTERED = anyio.Event(), anyio.Event()
+
+
+def conf(tmp_path: Path, *, tag: str = "a", routes: dict[str, Any] | None = None,
+         extra: dict[str, Any] | None = None, keys: dict[str, Any] | None = None) -> dict[str, Any]:
+    server: dict[str, Any] = {"admin_key": ADMIN, "key_store": {"enabled": True}}
+    if keys is not None:
+        server["api_keys"] = keys
+    data: dict[str, Any] = {
+        "server": server,
+        "store": {"path": str(tmp_path / "mux.db")},
+        "providers": {"g": {"kind": "gated", "tag": tag}, "e": {"kind": "echo"}},
+        "routes": routes if routes is not None else {"one": {"provider": "g"}},
+    }
+    data.update(extra or {})
+    return data
+
+
+def write(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(yaml.safe_dump(data))
+
+
+async def rpc(http: httpx.AsyncClient, method: str, params: Any = None, **kw: Any) -> dict[str, Any]:
+    r = await http.post("/rpc", json={"jsonrpc": "2.0", "id": 1, "method": method,
+                                      "params": params if params is not None else {}}, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+async def test_a_route_change_is_served_at_once_and_audited(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    write(path, conf(tmp_path))
+    async with running(load_config(path), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        assert (await rpc(http, "one"))["result"]["tag"] == "a"
+        assert (await rpc(http, "two"))["error"]["code"] == -32601
+        write(path, conf(tmp_path, routes={"one": {"provider": "e"}, "two": {"provider": "g"}}))
+        r = await http.post("/admin/reload", headers=AUTH)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["result"] == "ok"
+        assert body["routes"] == {"added": ["two"], "removed": [], "changed": ["one"]}
+        assert body["providers"] == {"started": [], "draining": [], "kept": ["e", "g"]}
+        assert (await rpc(http, "one", {"x": 1}))["result"] == {"x": 1}  # echo now
+        assert (await rpc(http, "two"))["result"]["tag"] == "a"
+        assert Gated.started == ["a"]  # the unchanged provider was kept, not started again
+        rows = await gw.keys.store.run(gw.keys.store.audit, 10, "config")
+        assert [(r.action, r.actor, r.detail["result"]) for r in rows] == [("config.reload", "admin", "ok")]
+        metrics = (await http.get("/metrics")).text
+        assert 'multiplexer_config_reloads_total{result="ok"} 1.0' in metrics
+
+
+async def test_an_in_flight_call_finishes_on_the_old_provider_which_is_then_closed(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    write(path, conf(tmp_path))
+    async with running(load_config(path), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        held: dict[str, Any] = {}
+
+        async def hold() -> None:
+            held.update(await rpc(http, "one", {"hold": True}))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold)
+            assert Gated.ENTERED is not None and Gated.GATE is not None
+            await Gated.ENTERED.wait()  # in flight on the provider tagged a
+            write(path, conf(tmp_path, tag="b"))
+            r = await http.post("/admin/reload", headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert r.json()["providers"] == {"started": ["g"], "draining": ["g"], "kept": ["e"]}
+            assert (await rpc(http, "one"))["result"]["tag"] == "b"  # new calls: the new provider
+            assert Gated.closed == []  # the old one still runs its call
+            reloader = gw.faces["reloader"]
+            assert reloader.draining == {"g"}
+            Gated.GATE.set()
+        assert held["result"]["tag"] == "a"  # finished where it was admitted
+        with anyio.fail_after(5):
+            while reloader.draining:  # drained: its lanes gone, then closed with the gateway
+                await anyio.wait_all_tasks_blocked()
+        # a provider from the gateway's start stays open until the gateway stops; one a reload
+        # started is closed as soon as its lanes drain (below)
+        write(path, conf(tmp_path, tag="c"))
+        assert (await http.post("/admin/reload", headers=AUTH)).status_code == 200
+        with anyio.fail_after(5):
+            while "b" not in Gated.closed:
+                await anyio.wait_all_tasks_blocked()
+        assert (await rpc(http, "one"))["result"]["tag"] == "c"
+    assert sorted(Gated.closed) == ["a", "b", "c"]
+
+
+async def test_an_invalid_config_is_refused_with_check_configs_lines(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "gw.yaml"
+    write(path, conf(tmp_path))
+    async with running(load_config(path), port=0) as (_, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        bad = conf(tmp_path, routes={"one": {"provder": "g"}})
+        write(path, bad)
+        r = await http.post("/admin/reload", headers=AUTH)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["detail"]["errors"][0] == "invalid config:"
+        assert "routes.one.provder: unknown key (did you mean 'provider'?)" in error["message"]
+        # the same lines as `multiplexer check-config`
+        from multiplexer.cli import main
+
+        assert main(["check-config", str(path)]) != 0
+        assert error["message"] in capsys.readouterr().err
+        assert (await rpc(http, "one"))["result"]["tag"] == "a"  # the running config stays
+        metrics = (await http.get("/metrics")).text
+        assert 'multiplexer_config_reloads_total{result="invalid"} 1.0' in metrics
+        assert (await http.post("/admin/reload")).status_code == 401  # admin only
+
+
+async def test_keys_and_prices_reload(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    data = conf(tmp_path, keys={"alice": KEY})
+    data["server"]["key_store"] = {"enabled": False}
+    write(path, data)
+    async with running(load_config(path), port=0) as (_, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        alice = {"headers": {"authorization": f"Bearer {KEY}"}}
+        assert (await rpc(http, "one", **alice))["result"]["tag"] == "a"
+        data["server"]["api_keys"] = {"alice": {"key": KEY, "routes": ["none"]}, "bob": "bob-key-0123456789"}
+        write(path, data)
+        assert (await http.post("/admin/reload", headers=AUTH)).status_code == 200
+        refused = await rpc(http, "one", **alice)
+        assert refused["error"]["code"] != 0 and "result" not in refused
+        bob = await rpc(http, "one", headers={"authorization": "Bearer bob-key-0123456789"})
+        assert bob["result"]["tag"] == "a"
