@@ -25,12 +25,16 @@ from .batch.backend import BatchApiSettings
 from .endpoints import EndpointSettings
 from .llm_base import LlmProvider
 from .packing import chat_tokens
+from .prompt_cache import PromptCacheRouteSettings, PromptCacheSettings, anthropic_markers, minimum, mode_of
 from .ratelimit_headers import anthropic_limits
+from .sse_relay import Event
 
+# Events read whole are the rest: usage (message_start, message_delta), the end, an error.
+_CONTENT_EVENTS = frozenset({"content_block_start", "content_block_delta", "content_block_stop", "ping"})
 OPERATIONS = {"messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
 
 
-class AnthropicSettings(BatchApiSettings, EndpointSettings):
+class AnthropicSettings(BatchApiSettings, EndpointSettings, PromptCacheSettings):
     base_url: str = "https://api.anthropic.com"
     api_key: SecretStr | None = None  # falls back to $ANTHROPIC_API_KEY; never logged
     anthropic_version: str = "2023-06-01"
@@ -67,6 +71,7 @@ def usage_total(body: object) -> int | None:
 
 class AnthropicProvider(LlmProvider):
     Settings = AnthropicSettings
+    RouteSettings = PromptCacheRouteSettings
     paths = OPERATIONS
     usage_total = staticmethod(usage_total)
 
@@ -86,6 +91,10 @@ class AnthropicProvider(LlmProvider):
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise invalid_params("'max_tokens' must be a positive integer", param="max_tokens")
         self.require_messages(params)
+        if mode_of(item.options, self.settings) == "auto":  # markers where the caller set none
+            marked = anthropic_markers(params, minimum(model, self.settings))
+            if marked is not None:
+                item.params = params = marked
         item.group = ("messages", model)
         self.charge(route, item, chat_tokens(params))
 
@@ -116,3 +125,8 @@ class AnthropicProvider(LlmProvider):
 
     def stream_end(self, item: Item, event: str, data: dict[str, Any]) -> bool:
         return event == "message_stop" or data.get("type") == "message_stop"
+
+    def passes(self, item: Item, event: Event) -> bool:
+        """A content block's events and pings: no usage in them, and no error unless the bytes
+        say ``"error"`` somewhere."""
+        return event.name in _CONTENT_EVENTS and b'"error"' not in event.data

@@ -41,13 +41,17 @@ from .packing import (
     responses_tokens,
     text_tokens,
 )
+from .prompt_cache import PromptCacheRouteSettings, PromptCacheSettings, mode_of, openai_cache_key
 from .ratelimit_headers import openai_limits
+from .sse_relay import Event, valued
 
+# Responses events read whole: the last (its usage), an error, and any without its name.
+_READ_EVENTS = frozenset({*RESPONSE_ENDS, "error", "message"})
 PATHS = {"chat": "/chat/completions", "embeddings": "/embeddings", "responses": "/responses",
          "completions": "/completions"}
 
 
-class OpenAISettings(BatchApiSettings, EndpointSettings):
+class OpenAISettings(BatchApiSettings, EndpointSettings, PromptCacheSettings):
     base_url: str = "https://api.openai.com/v1"
     api_key: SecretStr | None = None  # falls back to $OPENAI_API_KEY; never logged
     organization: str | None = None
@@ -84,6 +88,7 @@ def usage_total(body: Any) -> int | None:
 
 class OpenAIProvider(LlmProvider):
     Settings = OpenAISettings
+    RouteSettings = PromptCacheRouteSettings
     paths = PATHS
     packable = frozenset({"embeddings"})
     usage_total = staticmethod(usage_total)
@@ -96,6 +101,9 @@ class OpenAIProvider(LlmProvider):
     # -- admission -------------------------------------------------------------
     def prepare(self, route: RouteConfig, item: Item) -> None:
         params, model = self.request_body(item)
+        if item.operation in ("chat", "responses") and mode_of(item.options, self.settings) == "auto" \
+                and (key := openai_cache_key(params, item.identity)) is not None:
+            item.params = params = {**params, "prompt_cache_key": key}  # a key where it set none
         if item.operation == "chat":
             self.require_messages(params)
             tokens = chat_tokens(params)
@@ -156,6 +164,13 @@ class OpenAIProvider(LlmProvider):
         """A Responses stream ends at its final event (or an error event), with no ``[DONE]``."""
         return item.operation == "responses" and (data.get("type") in RESPONSE_ENDS
                                                   or data.get("type") == "error")
+
+    def passes(self, item: Item, event: Event) -> bool:
+        """A chat or completions chunk with no ``usage`` or ``error`` in it (OpenAI sends
+        ``"usage":null`` on every chunk), a Responses event named and not its last or an error."""
+        if item.operation == "responses":
+            return event.name not in _READ_EVENTS
+        return not valued(event.data, b'"usage"') and not valued(event.data, b'"error"')
 
     # -- execution -------------------------------------------------------------
     async def execute_now(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
