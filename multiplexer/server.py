@@ -21,6 +21,7 @@ from multiplexer.faces.auth import Authenticator, is_loopback
 from multiplexer.faces.http import create_app
 from multiplexer.faces.jobs import attach_jobs
 from multiplexer.faces.mcp.http import mount_mcp
+from multiplexer.faces.requests import request_routes
 from multiplexer.faces.server_protocol import GatewayHttpProtocol
 from multiplexer.faces.siblings import Slot, among_siblings
 from multiplexer.faces.ui import close_streams, ui_routes
@@ -174,6 +175,7 @@ async def running(config: Config, *, host: str | None = None, port: int | None =
             mcp_routes, lifespan = mount_mcp(gw, auth)
             admin = AdminKey(config.server.admin_key)
             routes = v1_routes(gw, auth) + mcp_routes + admin_routes(gw, admin)
+            routes += request_routes(gw, admin, auth, ui=config.server.ui)  # the request log
             if config.server.ui:
                 routes += ui_routes(gw, admin, auth)
             app = create_app(gw, routes, lifespan, auth, admin=admin, public=not is_loopback(host))

@@ -209,6 +209,8 @@ ENTRIES: list[Entry] = [
     http("GET", "/v1/messages/batches/{batch_id}/results", "anthropic",
          url=f"/v1/messages/batches/{NONE_MSGBATCH}/results"),
     http("GET", "/ui/api/state", "admin"),
+    http("GET", "/ui/api/requests", "admin"),
+    http("GET", "/ui/api/requests/{request_id}", "admin", url="/ui/api/requests/1"),
     Entry("GET /ui/api/stream", "admin", ("GET", "/ui/api/stream"), dashboard_stream),
     tool("echo", {"x": 1}),
     tool("chat", CHAT),

@@ -25,7 +25,7 @@ ALLOWED = {
     "backends": {"backends", "core"},  # shared-state engines (Redis), chosen by URL in the registry
     "money": {"money", "core", "jobs"},  # prices, cost, the savings ledger, spend and budgets
     "access": {"access", "core", "jobs"},  # the admin key, keys and teams as data, OAuth
-    "records": {"records", "core", "jobs"},  # sinks off the hot path, the request log
+    "records": {"records", "core", "jobs", "money"},  # sinks off the hot path, the request log
     # provider classes come from the registry's strings, by kind
     "gateway": {"gateway", "core", "money", "access", "records"},
     "faces": {"faces", "gateway", "core", "jobs", "money", "access", "records"},

@@ -28,6 +28,7 @@ from multiplexer.core.call import Outcome
 from multiplexer.core.jsonrpc import Decoded
 from multiplexer.core.metrics import Metrics
 from multiplexer.gateway.config import ServerConfig
+from multiplexer.records.context import REQUEST_ID as CALLS_REQUEST
 
 ACCESS = "multiplexer.access"  # the logger, and the note's key in a request's scope extensions
 REQUEST_ID = b"x-request-id"
@@ -115,6 +116,7 @@ class AccessLog:
                 rid = value if _TOKEN.fullmatch(value) else None
                 break
         note = Note(rid or new_request_id(), time.perf_counter())
+        CALLS_REQUEST.set(note.rid)  # the request log's records of its calls say it
         extensions = scope.get("extensions")
         if extensions is None:
             extensions = scope["extensions"] = {}

@@ -21,6 +21,7 @@ from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from multiplexer.core.asking import ASK_OPTION
 from multiplexer.core.cache_affinity import SESSION
 from multiplexer.core.call import Call, Item
 from multiplexer.core.clock import Clock
@@ -62,6 +63,7 @@ class Plan:
     attempts: Any = None  # gateway/fallbacks.Attempts: the call may move on to other routes
     reservation: Any = None  # what a budget reserved for it (money/budgets.py), settled as it ends
     auto: bool = False  # ``mode: auto`` chose the route's mode by the call's deadline
+    first_chunk_s: float | None = None  # a stream's time to its first chunk (the request log's)
 
 
 def own_model(route: RouteConfig, params: Any) -> Any:
@@ -241,12 +243,14 @@ def routed_item(gw: Admits, plan: Plan, resolved: Resolved, provider: Provider) 
         item.options["progress"] = call.progress
     if call.log is not None:
         item.options["log"] = LogFanout([call.log])
+    if call.ask is not None:
+        item.options[ASK_OPTION] = call.ask
     if span is not None:
         item.trace = TraceSlot(span)
         gw.tracer.routed(span, item, route.provider, gw.config.providers[route.provider].kind)
     if call.sink is not None:
         streamable(resolved.name, route, provider)
-        item.options[STREAM] = ChunkSink(call.sink, first_chunk(gw, resolved.name, span))
+        item.options[STREAM] = ChunkSink(call.sink, first_chunk(gw, resolved.name, span, plan))
     return item
 
 
@@ -307,7 +311,7 @@ def streamable(name: str, route: RouteConfig, provider: Provider) -> None:
         raise invalid_params(f"route {name} runs as batch jobs and cannot stream", param="stream")
 
 
-def first_chunk(gw: Admits, route: str, span: Any) -> Callable[[], None]:
+def first_chunk(gw: Admits, route: str, span: Any, plan: Plan | None = None) -> Callable[[], None]:
     """What a stream admitted now does when its first chunk leaves: its time to first chunk
     in ``/metrics`` and on its span."""
     start = gw.clock.now()
@@ -315,6 +319,8 @@ def first_chunk(gw: Admits, route: str, span: Any) -> Callable[[], None]:
     def first() -> None:
         seconds = gw.clock.now() - start
         gw.metrics.time_to_first_chunk.labels(route).observe(seconds)
+        if plan is not None:
+            plan.first_chunk_s = seconds
         if span is not None:
             gw.tracer.first_chunk(span, seconds)
 

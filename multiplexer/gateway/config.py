@@ -32,12 +32,24 @@ from multiplexer.gateway.config_errors import hint, problems
 from multiplexer.gateway.home import default_store_path
 from multiplexer.gateway.kind_keys import kind_problems
 from multiplexer.money.settings import BudgetsConfig, SpendConfig
+from multiplexer.records.settings import RequestLogConfig
+from multiplexer.records.tool_audit_settings import AuditConfig
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 class ConfigError(ValueError):
     """Invalid configuration; the message names every bad key path."""
+
+
+class McpSamplingConfig(Strict):
+    """An upstream's ``sampling/createMessage`` answered by one of this gateway's chat routes."""
+
+    route: str = Field(description="the chat route (or model group) that answers, where the request's "
+                       "model preferences name none the calling key may use")
+    when: Literal["always", "client_lacks"] = Field(
+        default="client_lacks", description="`always`: every sampling request; `client_lacks`: only "
+        "for a client that did not declare the sampling capability (the others are asked)")
 
 
 class McpServerConfig(Strict):
@@ -49,6 +61,13 @@ class McpServerConfig(Strict):
     list_ttl_ms: int = Field(
         default=60_000, ge=0, description="ttlMs on tool, resource and prompt lists for 2026-07-28 clients "
         "where no upstream asked for less (the gateway also announces list changes)")
+    ask_timeout_s: float = Field(
+        default=300.0, gt=0, description="the longest a tools/call waits, in all, for its client's "
+        "answers to an upstream's questions (elicitation, sampling, roots); the call's deadline "
+        "pauses while it waits")
+    sampling: McpSamplingConfig | None = Field(
+        default=None, description="answer upstreams' sampling requests with a chat route of this "
+        "gateway, under the calling key's access, quotas and budget; unset: the client is asked")
     allowed_origins: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1", "http://localhost", "https://127.0.0.1",
                                  "https://localhost"]
@@ -229,6 +248,10 @@ class Config(Strict):
         default_factory=dict, description="virtual MCP servers: /mcp/NAME exposes just their tools")
     spend: SpendConfig = Field(default_factory=SpendConfig, description="what calls cost, saved and spent")
     budgets: BudgetsConfig = Field(default_factory=BudgetsConfig, description="how budget_usd caps count")
+    log: RequestLogConfig = Field(default_factory=RequestLogConfig, description="the request log: "
+                                  "every call recorded, searchable at GET /admin/requests")
+    audit: AuditConfig = Field(default_factory=AuditConfig, description="the MCP tool-call audit: a "
+                               "record per tools/call, at GET /admin/audit/tools")
 
     # The config file's folder: relative paths in the file start there (None: the working folder).
     _base_dir: Path | None = PrivateAttr(default=None)

@@ -42,6 +42,7 @@ from multiplexer.gateway.fallbacks import Fallbacks
 from multiplexer.gateway.flights import CachedOutcome, Unsent
 from multiplexer.gateway.job_fallbacks import JobFallbacks
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
+from multiplexer.gateway.request_log import request_log_for
 from multiplexer.gateway.spend import money_for, reserve_budgets, shared_how
 from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, run_here, settle
@@ -116,6 +117,7 @@ class Gateway:
         self.keys = directory_for(config, self.quotas)  # YAML and stored keys, their access
         self.money = money_for(config, self.clock, self.metrics, self.state, self.keys)  # None: unpriced
         self.listeners: list[Any] = [] if self.money is None else [self.money.on_event]
+        self.requests = request_log_for(config, self.clock, self.metrics, self.keys)  # None: log off
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -158,10 +160,14 @@ class Gateway:
             await stack.enter_async_context(keys_running(self.keys, self.config))
             if self.money is not None:  # its last batch written once the lanes and the writer
                 stack.push_async_callback(self.money.aclose)  # task stopped (closed after them)
+            if self.requests is not None:  # its last records written after the writer task stopped
+                stack.push_async_callback(self.requests.aclose)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
             if self.money is not None:  # spend written and budgets settled off the call path
                 self._tg.start_soon(self.money.run)
+            if self.requests is not None:  # the request log written off the call path
+                self._tg.start_soon(self.requests.run)
             if self.state is not None:
                 self._tg.start_soon(self.state.heartbeat_forever)
                 for limiter in self.limiters.values():
@@ -368,7 +374,7 @@ class Gateway:
         call = plan.call
         ticket = Ticket(plan.label, call.identity, plan.deadline, started=plan.started)
         ticket.span, ticket.grant = plan.span, grant
-        if self.money is not None:
+        if self.money is not None or self.requests is not None:
             ticket.plan = plan
         if call.shape is not None:
             ticket.shape = call.shape
@@ -465,11 +471,16 @@ class Gateway:
         if isinstance(outcome, Unsent):  # its lane refused the shared flight it won: it never ran
             self.quotas.refund(t.grant)
         answer = outcome if t.shape is None or outcome.error is not None else self._shaped(t, outcome)
-        if t.plan is not None and self.money is not None:  # its cost, its saving, its budget settled
-            answer = self.money.finish(t.plan, outcome, answer, shared_how(t.shared, outcome),
+        plan = t.plan
+        if plan is not None and self.money is not None:  # its cost, its saving, its budget settled
+            answer = self.money.finish(plan, outcome, answer, shared_how(t.shared, outcome),
                                        answer.error is not None and _went_upstream(t))
-            t.plan = None
         t.outcome = answer
+        if plan is not None:
+            t.plan = None
+            if self.requests is not None:  # its record, queued for the request log's writer
+                self.requests.ended(plan, outcome, answer, t.lane.name if t.lane is not None else None,
+                                    t.shared, self.clock.now() - t.started)
         if t.span is not None:  # ended now, recorded once the answer is written
             after(self.tracer.end_call, t.span, t.pending.item.trace if t.pending is not None else None,
                   answer, time.time_ns())

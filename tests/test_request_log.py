@@ -1,0 +1,188 @@
+"""The request log: every call's end recorded off the call path, in SQLite or PostgreSQL; the
+listing's filters and cursor, one record's path, pruning by age and by count, a caller's key
+seeing only its own calls, and bodies only when asked for, redacted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from multiplexer.gateway.config import parse_config
+from multiplexer.records.redact import MASK, redact, redacted_text
+from multiplexer.records.request_store import COLUMNS, STEP, PgRequestStore, Query, RequestStore
+from multiplexer.server import running
+from tests.pg_helpers import throwaway_schema
+
+pytestmark = pytest.mark.anyio
+ADMIN = "adm-" + "r" * 28
+ALICE, BOB = "sk-log-alice-0123456789", "sk-log-bob-0123456789"
+
+
+def row(at: float, key: str, status: str = "ok", route: str = "echo",
+        error: str | None = None) -> tuple[Any, ...]:
+    values: dict[str, Any] = dict.fromkeys(COLUMNS)
+    values.update(at=at, key=key, team="t" if key == "alice" else None, route=route, model="m",
+                  status=status, code=None if status == "ok" else -32000, error=error, attempts=1,
+                  fallbacks=0, latency_ms=1.5, path="{}")
+    return tuple(values[c] for c in COLUMNS)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RequestStore]:
+    if request.param == "sqlite":
+        s = RequestStore(tmp_path / "jobs.db")
+        yield s
+        s.close()
+        return
+    with throwaway_schema() as (url, schema, _):
+        s = PgRequestStore(url, schema)
+        yield s
+        s.close()
+
+
+def test_filters_and_the_cursor_walk_every_row_once(store: RequestStore) -> None:
+    store.add([row(1000.0 + i, "alice" if i % 2 else "bob", "error" if i % 5 == 0 else "ok",
+                   error="Upstream said NO" if i % 5 == 0 else None) for i in range(23)])
+    seen: list[int] = []
+    q = Query(limit=5)
+    while True:
+        page = store.list(q)
+        seen += [r[0] for r in page]
+        if len(page) < q.limit:
+            break
+        q.cursor = (page[-1][1], page[-1][0])
+    assert len(seen) == 23 == len(set(seen)) and seen == sorted(seen, reverse=True)
+    assert {r[3] for r in store.list(Query(key="alice", limit=50))} == {"alice"}
+    assert len(store.list(Query(team="t", limit=50))) == 11
+    assert len(store.list(Query(status="error", limit=50))) == 5
+    assert len(store.list(Query(code=-32000, limit=50))) == 5
+    assert len(store.list(Query(error="said no", limit=50))) == 5  # any case
+    assert len(store.list(Query(error="100%", limit=50))) == 0  # a LIKE wildcard is a character
+    assert [r[1] for r in store.list(Query(since=1010.0, until=1012.0))] == [1011.0, 1010.0]
+    first = store.list(Query(limit=1))[0]
+    got = store.get(first[0])
+    assert got is not None and got["path"] == "{}" and got["at"] == 1022.0
+    assert store.get(10**12) is None
+
+
+def test_pruning_goes_in_steps_by_age_and_by_count(store: RequestStore) -> None:
+    store.add([row(float(i), "alice") for i in range(STEP + 10)])
+    assert store.prune_step(before=5.0, max_rows=None) == 5
+    assert store.prune_step(before=None, max_rows=STEP + 10) == 0
+    assert store.prune_step(before=None, max_rows=3) == STEP  # one step at a time
+    assert store.prune_step(before=None, max_rows=3) == 2
+    assert store.count() == 3
+    assert [r[1] for r in store.list(Query())] == [float(STEP + 9), float(STEP + 8), float(STEP + 7)]
+
+
+def test_redaction_masks_secrets_and_keeps_the_rest() -> None:
+    body = {"model": "m", "max_tokens": 5, "api_key": "k",
+            "headers": {"Authorization": "Bearer abcdefghijkl"},
+            "messages": [{"content": "my key is sk-abcdefghijklmnopqrstuvwx ok"}]}
+    out = redact(body)
+    assert out["api_key"] == MASK and out["headers"]["Authorization"] == MASK and out["max_tokens"] == 5
+    assert out["messages"][0]["content"] == f"my key is {MASK} ok"
+    assert body["api_key"] == "k"  # the input is left as it was
+    cut = redacted_text({"text": "x" * 500}, 100)
+    assert cut is not None and cut.startswith('{"text":"xxx') and "[cut:" in cut
+
+
+def gateway_config(tmp_path: Path, **log: Any) -> Any:
+    return parse_config({
+        "server": {"admin_key": ADMIN, "key_store": {"enabled": False},
+                   "api_keys": {"alice": {"key": ALICE, "team": "research"}, "bob": BOB},
+                   "teams": {"research": {}}},
+        "store": {"path": str(tmp_path / "jobs.db")},
+        "log": {"flush_interval_s": 60, **log},
+        "providers": {"e": {"kind": "echo"}},
+        "routes": {"echo": {"provider": "e"}}})
+
+
+async def rpc(http: httpx.AsyncClient, key: str, method: str, params: Any) -> httpx.Response:
+    return await http.post("/rpc", json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params},
+                           headers={"authorization": f"Bearer {key}",
+                                    "x-request-id": f"rid-{method}-{key[7:10]}"})
+
+
+async def test_every_call_is_recorded_and_only_its_key_sees_its_own(tmp_path: Path) -> None:
+    async with running(gateway_config(tmp_path), port=0) as (_, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        assert (await rpc(http, ALICE, "echo", {"x": 1, "api_key": "secret"})).status_code == 200
+        await rpc(http, ALICE, "nope", {})  # refused at admission: recorded too
+        await rpc(http, BOB, "echo", {"y": 2})
+        admin = {"authorization": f"Bearer {ADMIN}"}
+        listed = (await http.get("/admin/requests", headers=admin)).json()
+        rows = listed["requests"]
+        assert [(r["key"], r["method"], r["status"]) for r in rows] == [
+            ("bob", "echo", "ok"), ("alice", "nope", "error"), ("alice", "echo", "ok")]
+        assert listed["next_cursor"] is None
+        ok = rows[2]
+        assert ok["team"] == "research" and ok["route"] == "echo" and ok["face"] == "rpc"
+        assert ok["request_id"] == "rid-echo-ali" and ok["attempts"] == 1 and ok["latency_ms"] > 0
+        assert rows[1]["code"] == -32601 and "nope" in rows[1]["error"] and rows[1]["attempts"] == 0
+        one = (await http.get(f"/admin/requests/{ok['id']}", headers=admin)).json()
+        assert one["request_body"] is None and one["response_body"] is None  # log.bodies is off
+        path = one["path"]
+        assert path["admission"]["route"] == "echo"
+        assert path["attempts"] == [{"route": "echo", "outcome": "ok"}]
+        assert [e["event"] for e in path["timeline"]] == ["admitted", "answered"]
+        page = (await http.get("/admin/requests", headers=admin, params={"limit": 2})).json()
+        rest = (await http.get("/admin/requests", headers=admin,
+                               params={"limit": 2, "cursor": page["next_cursor"]})).json()
+        assert [r["id"] for r in page["requests"] + rest["requests"]] == [r["id"] for r in rows]
+        errors = (await http.get("/admin/requests", headers=admin, params={"status": "error"})).json()
+        assert [r["method"] for r in errors["requests"]] == ["nope"]
+        assert (await http.get("/admin/requests", headers=admin, params={"error": "NOPE"})).json()[
+            "requests"][0]["method"] == "nope"
+
+        # a caller's key: its own calls only, whatever it filters on; another's record is not found
+        mine = await http.get("/ui/api/requests", headers={"authorization": f"Bearer {BOB}"},
+                              params={"key": "alice"})
+        assert [r["key"] for r in mine.json()["requests"]] == ["bob"]
+        theirs = await http.get(f"/ui/api/requests/{ok['id']}", headers={"authorization": f"Bearer {BOB}"})
+        assert theirs.status_code == 404
+        assert (await http.get(f"/ui/api/requests/{ok['id']}",
+                               headers={"authorization": f"Bearer {ALICE}"})).status_code == 200
+        # the admin API answers the admin key only; no key, no view
+        r = await http.get("/admin/requests", headers={"authorization": f"Bearer {BOB}"})
+        assert r.status_code == 401
+        assert (await http.get("/ui/api/requests")).status_code == 401
+
+
+BAD = [({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"since": "yesterday"}, "since"),
+       ({"until": "nan"}, "until"), ({"status": "bad"}, "status"), ({"cursor": "x"}, "cursor"),
+       ({"colour": "red"}, "colour"), ({"key": "k" * 201}, "key")]
+
+
+async def test_bad_filters_are_a_400_naming_them(tmp_path: Path) -> None:
+    async with running(gateway_config(tmp_path), port=0) as (_, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        for query, says in BAD:
+            r = await http.get("/admin/requests", headers={"authorization": f"Bearer {ADMIN}"}, params=query)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], query
+        r = await http.get("/admin/requests/abc", headers={"authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 404
+
+
+async def test_bodies_only_when_asked_and_redacted(tmp_path: Path) -> None:
+    async with running(gateway_config(tmp_path, bodies=True), port=0) as (_, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        await rpc(http, ALICE, "echo", {"x": 1, "api_key": "hunter2-secret"})
+        admin = {"authorization": f"Bearer {ADMIN}"}
+        rid = (await http.get("/admin/requests", headers=admin)).json()["requests"][0]["id"]
+        one = (await http.get(f"/admin/requests/{rid}", headers=admin)).json()
+        assert "hunter2" not in one["request_body"] and MASK in one["request_body"]
+        assert '"x":1' in one["request_body"] and one["response_body"] is not None
+
+
+async def test_the_log_off_serves_nothing_and_records_nothing(tmp_path: Path) -> None:
+    async with running(gateway_config(tmp_path, enabled=False), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        assert gw.requests is None
+        await rpc(http, ALICE, "echo", {})
+        r = await http.get("/admin/requests", headers={"authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 404 and "log.enabled" in r.json()["error"]["message"]
