@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validat
 
 from multiplexer.core.paths import ConfigPath, base_dir
 
+from .mcp_limits import ToolLimit
 from .mcp_logs import LogRouter
 
 _PYTHON_ALIASES = {"python", "python3"}
@@ -58,6 +59,13 @@ class McpSettings(BaseModel):
     connect_timeout_ms: float = Field(default=15_000, gt=0)
     # Relay the upstream's log messages (notifications/message) to the callers that asked.
     forward_logs: bool = True
+    pin: bool = Field(
+        default=True, description="tool pinning: each tool's definition is hashed at first sight and a"
+        " tool whose definition changes is quarantined (hidden, its calls refused with -32010) until"
+        " an admin approves it (docs/mcp.md, \"Tool pinning\"); false: changes are served at once")
+    tool_limits: dict[str, ToolLimit] = Field(
+        default_factory=dict, description="per-tool rpm, concurrency and timeout_ms by glob over the"
+        " upstream's tool names, shared by every route to this provider (docs/mcp.md)")
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpSettings:

@@ -327,3 +327,65 @@ class RateLimiter:
                 self.tokens = bucket
         bucket.observe(limit, remaining, reset_in, now)
 
+
+
+@dataclass(slots=True)
+class NamedLimit:
+    """One name's (an MCP tool's) share of its provider's limits: a requests-per-minute bucket and
+    a count of its calls in flight; refused, never queued, when either is spent."""
+
+    rule: str  # the glob that gave these limits, for the refusal's message
+    requests: TokenBucket | None
+    concurrency: int  # 0: no cap
+    in_flight: int = 0
+
+
+class NamedLimits:
+    """Limits per name under one provider (``tool_limits``: rpm and concurrency per tool glob), kept
+    beside its ``Limiter``'s buckets and charged with the same ``TokenBucket``: a call of a name
+    over its share is refused at once (``take`` says why), so it never holds a lane slot waiting.
+    In this process: each replica (and each worker of ``serve --workers N``) keeps its own."""
+
+    def __init__(self, clock: Clock, rules: Sequence[tuple[str, float | None, int]],
+                 matches: Callable[[str, str], bool]) -> None:
+        self.clock = clock
+        self.rules = list(rules)  # (glob, rpm, concurrency), the first glob that matches wins
+        self._matches = matches
+        self._by_name: dict[str, NamedLimit | None] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def of(self, name: str) -> NamedLimit | None:
+        found = self._by_name.get(name, False)
+        if found is not False:
+            return found  # type: ignore[return-value]
+        limit = None
+        for glob, rpm, concurrency in self.rules:
+            if self._matches(glob, name):
+                bucket = TokenBucket.per_minute(rpm, self.clock.now()) if rpm else None
+                limit = NamedLimit(glob, bucket, concurrency)
+                break
+        self._by_name[name] = limit
+        return limit
+
+    def take(self, name: str) -> tuple[NamedLimit | None, str | None, float]:
+        """Charge one call of ``name``: (its limit to ``finish``, None, 0) or, refused, (None, the
+        limit spent: ``rpm`` or ``concurrency``, seconds until it may go)."""
+        limit = self.of(name)
+        if limit is None:
+            return None, None, 0.0
+        if 0 < limit.concurrency <= limit.in_flight:
+            return None, "concurrency", 0.0
+        if limit.requests is not None:
+            now = self.clock.now()
+            wait = limit.requests.delay(1, now)
+            if wait > 0:
+                return None, "rpm", wait
+            limit.requests.consume(1, now)
+        limit.in_flight += 1
+        return limit, None, 0.0
+
+    @staticmethod
+    def finish(limit: NamedLimit) -> None:
+        limit.in_flight -= 1

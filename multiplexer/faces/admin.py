@@ -116,7 +116,14 @@ def _reload(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
     return mount_reload(gateway, admin, functools.partial(admin_route, gateway=gateway), admin_error)
 
 
-MOUNTS: Mounts = [_status, _keys, _spend, _reload]
+def _mcp_tools(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
+    from multiplexer.faces.admin_mcp import mount_audit, mount_tools
+
+    route = functools.partial(admin_route, gateway=gateway)
+    return mount_tools(gateway, admin, route, admin_error) + mount_audit(gateway, admin, route, admin_error)
+
+
+MOUNTS: Mounts = [_status, _keys, _spend, _mcp_tools, _reload]
 
 
 def admin_routes(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
