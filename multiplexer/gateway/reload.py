@@ -133,6 +133,8 @@ class ConfigReloader:
         self._retired = 0  # lanes retired so far (their keys in gateway.lanes while they drain)
         self.draining: set[str] = set()  # providers whose lanes are still running what they hold
         self._lives: dict[str, _Life] = {}  # the providers a reload started, by name
+        self.finished = 0  # reloads ended, whatever their result
+        self._moved: anyio.Event | None = None  # set when a reload ends or a provider drains
         self.reloads = Counter("multiplexer_config_reloads", "Config reloads (SIGHUP, POST "
                                "/admin/reload) by result: ok, invalid (refused: the running config "
                                "stays) or failed (a new provider did not start)", ["result"],
@@ -157,7 +159,22 @@ class ConfigReloader:
             else:
                 log.warning("config reload %s (%s): %s", done.result, actor, " ".join(done.errors))
             await self._audit(actor, done)
+            self.finished += 1
+            self._tick()
         return done
+
+    def _tick(self) -> None:
+        moved, self._moved = self._moved, None
+        if moved is not None:
+            moved.set()
+
+    async def wait_until(self, done: Callable[[], bool]) -> None:
+        """Until ``done()`` holds, looked at again as each reload ends and each provider drains
+        (tests, and whoever waits on a reload it did not start: a SIGHUP's)."""
+        while not done():
+            if self._moved is None:
+                self._moved = anyio.Event()
+            await self._moved.wait()
 
     async def _audit(self, actor: str, done: Reloaded) -> None:
         store = self.gw.keys.store
@@ -353,6 +370,7 @@ class ConfigReloader:
                 life.close()
                 await life.closed.wait()
             self.draining.discard(name)
+            self._tick()
             log.info("provider %s: its old settings drained%s", name,
                      " and closed" if life is not None else " (closed when the gateway stops)")
 
