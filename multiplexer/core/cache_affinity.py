@@ -156,6 +156,20 @@ def saturated(names: Iterable[str], busy: Mapping[str, int]) -> set[str]:
     return {n for n, load in loads if load > cap}
 
 
+def prefix_order(keys: list[int | None]) -> list[int]:
+    """Positions 0..n-1 of a batch's lines reordered so that lines sharing a prefix key go
+    consecutively (each group where its first line was; a line without a key keeps its place
+    among the groups): a provider that caches where it served a prefix then reuses it, and a
+    page of lines sent at once keeps one conversation's lines on one deployment."""
+    first: dict[int, int] = {}
+    order = []
+    for i, key in enumerate(keys):
+        at = i if key is None else first.setdefault(key, i)
+        order.append((at, i))
+    order.sort()
+    return [i for _, i in order]
+
+
 _TALLIES: weakref.WeakKeyDictionary[CollectorRegistry, Tally] = weakref.WeakKeyDictionary()
 
 

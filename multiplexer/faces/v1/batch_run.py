@@ -24,12 +24,13 @@ from typing import Any, TypeVar
 
 import anyio
 
+from multiplexer.core.cache_affinity import call_key, prefix_order
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.provider import BatchCapable
 from multiplexer.faces.jobs_port import JobPort, port_of
 from multiplexer.faces.v1.common import V1, HttpError, Surface, http_error
-from multiplexer.faces.v1.requests import MESSAGES, OPERATIONS, Shape, operation_for, plan
+from multiplexer.faces.v1.requests import EMBEDDINGS, MESSAGES, OPERATIONS, Shape, operation_for, plan
 from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
 from multiplexer.gateway.admission import call_most
 from multiplexer.jobs.line_runner import LineRunner, Refused, Row
@@ -238,6 +239,12 @@ class Batches:
                 record.job_lines.append(n)
             else:
                 record.lane_lines.append(n)
+        if endpoint != EMBEDDINGS:  # lines that share a prompt prefix go consecutively
+            order = prefix_order([call_key(c["params"], "prefix") for c in job_calls])
+            job_calls = [job_calls[i] for i in order]
+            record.job_lines = [record.job_lines[i] for i in order]
+            order = prefix_order([call_key(bodies[n], "prefix") for n in record.lane_lines])
+            record.lane_lines = [record.lane_lines[i] for i in order]
         return early, job_calls
 
     def _batchable(self, name: str) -> bool:
