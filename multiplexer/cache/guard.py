@@ -1,0 +1,332 @@
+"""Whether two questions that embed close together ask the same thing.
+
+Cosine similarity cannot tell "a flight from Paris to Rome" from "from Rome to Paris", or
+baking soda from baking powder: they score 0.95 and more. The guard is the cache's feature:
+a neighbour the index found is a hit only when the two texts agree on
+
+- their **numbers** (digits, decimals, number words, versions such as ``3.12``),
+- their **units** (``km`` and ``kilometres`` are one unit; ``km`` and ``miles`` are not),
+- their **negations** (``not``, ``n't``, ``never``, ``without``, ... counted),
+- the **roles and order of their entities** (``from X to Y``, ``X than Y``, and the order of
+  the capitalised names both mention),
+- their **content words**: the words left after stop words, light stemming and a table of
+  synonyms; one text's word that the other lacks is a refusal (soda and powder, approve and
+  deny), except filler words that never change an answer.
+
+It is deliberately strict: a paraphrase that swaps vocabulary outside the synonym table is a
+miss (one more upstream call), never a wrong answer. Pure functions; no model, nothing loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+_TOKEN = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?|\d+(?:[.,]\d+)*(?:\.\d+)?|[%$€£°+#]")
+_VERSION = re.compile(r"\b[vV]?\d+(?:\.\d+)+\b")
+
+NUMBER_WORDS = {
+    "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
+    "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13,
+    "fourteen": 14, "fifteen": 15, "sixteen": 16, "seventeen": 17, "eighteen": 18,
+    "nineteen": 19, "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60,
+    "seventy": 70, "eighty": 80, "ninety": 90, "hundred": 100, "thousand": 1000,
+    "million": 1_000_000, "billion": 1_000_000_000, "dozen": 12, "half": 0.5, "twice": 2,
+    "double": 2, "triple": 3, "first": 1, "second": 2, "third": 3, "fourth": 4, "fifth": 5,
+}
+
+# spellings of one unit -> its one name
+UNITS = {
+    "km": "km", "kilometer": "km", "kilometre": "km", "kms": "km",
+    "mile": "mile", "mi": "mile", "m": "meter", "meter": "meter", "metre": "meter",
+    "cm": "cm", "centimeter": "cm", "centimetre": "cm", "mm": "mm", "millimeter": "mm",
+    "millimetre": "mm", "ft": "foot", "foot": "foot", "feet": "foot", "inch": "inch", "in.": "inch",
+    "yard": "yard", "kg": "kg", "kilogram": "kg", "kilo": "kg", "g": "gram", "gram": "gram",
+    "mg": "mg", "milligram": "mg", "lb": "pound", "lbs": "pound", "pound": "pound",
+    "oz": "ounce", "ounce": "ounce", "ton": "ton", "tonne": "tonne",
+    "l": "liter", "liter": "liter", "litre": "liter", "ml": "ml", "milliliter": "ml",
+    "millilitre": "ml", "gallon": "gallon", "gal": "gallon", "cup": "cup", "tablespoon": "tbsp",
+    "tbsp": "tbsp", "teaspoon": "tsp", "tsp": "tsp", "pint": "pint", "quart": "quart",
+    "celsius": "celsius", "centigrade": "celsius", "°c": "celsius", "fahrenheit": "fahrenheit",
+    "°f": "fahrenheit", "kelvin": "kelvin",
+    "second": "second", "sec": "second", "secs": "second", "minute": "minute", "min": "minute",
+    "mins": "minute", "hour": "hour", "hr": "hour", "hrs": "hour", "day": "day", "week": "week",
+    "month": "month", "year": "year", "yr": "year", "ms": "ms", "millisecond": "ms",
+    "kb": "kb", "kilobyte": "kb", "mb": "mb", "megabyte": "mb", "gb": "gb", "gigabyte": "gb",
+    "tb": "tb", "terabyte": "tb", "byte": "byte", "bit": "bit", "mbps": "mbps",
+    "dollar": "usd", "usd": "usd", "$": "usd", "euro": "eur", "eur": "eur", "€": "eur",
+    "pound sterling": "gbp", "gbp": "gbp", "£": "gbp", "yen": "jpy", "jpy": "jpy",
+    "percent": "%", "%": "%", "mph": "mph", "kph": "kph", "kmh": "kph", "watt": "watt",
+    "kw": "kw", "kilowatt": "kw", "kwh": "kwh", "volt": "volt", "amp": "amp", "hz": "hz",
+    "ghz": "ghz", "mhz": "mhz", "calorie": "calorie", "kcal": "calorie", "acre": "acre",
+    "hectare": "hectare",
+}
+
+NEGATIONS = {"not", "no", "never", "without", "none", "nobody", "nothing", "neither", "nor",
+             "cannot", "can't", "won't", "don't", "doesn't", "didn't", "isn't", "aren't", "wasn't",
+             "weren't", "shouldn't", "wouldn't", "couldn't", "haven't", "hasn't", "hadn't",
+             "mustn't", "needn't", "nowhere", "unable", "fail", "fails", "failed", "failing"}
+
+# roles a preposition gives the word right after it; the word right before ``to`` takes the
+# other side of the relation
+_AFTER = {"for": "for", "from": "src", "to": "dst", "into": "dst", "towards": "dst", "toward": "dst",
+          "than": "cmp_b", "per": "per", "over": "over", "under": "under", "before": "before",
+          "after": "after"}
+# words that sit between a preposition and the word it governs
+_SKIP = {"the", "a", "an", "my", "your", "our", "their", "his", "her", "its", "this", "that"}
+
+STOPWORDS = frozenset(str.split("""
+a an the and or but if then so of at by for with about as on in into onto from to up down out
+off over under again further once here there when where why how what which who whom whose this
+that these those am is are was were be been being have has had having do does did doing would
+should could can will may might must shall i me my myself we our ours ourselves you your yours
+yourself yourselves he him his himself she her hers herself it its itself they them their theirs
+themselves s t just also too very really actually exactly basically simply please kindly quick
+quickly briefly tell explain know want need like help question way thing things someone anyone
+somebody anybody possible hi hello hey thanks thank guys any some get got give show let me us
+does doing done go going i'm i've i'd i'll it's what's how's that's there's where's who's
+you're we're they're is there anything something best good correct right proper properly
+mean means meaning definition describe description step steps example examples give way ways
+find out figure learn understand sure okay ok well still ever even much many more most
+use using used check located locate acronym tip tips recipe people
+""")) - NEGATIONS
+
+# irregular forms and agent nouns -> the verb they come from
+IRREGULAR = {
+    "wrote": "write", "written": "write", "author": "write", "writer": "write",
+    "painter": "paint", "inventor": "invent", "discoverer": "discover", "creator": "create",
+    "spoken": "speak", "spoke": "speak", "froze": "freeze", "frozen": "freeze", "made": "make",
+    "built": "build", "ran": "run", "began": "begin", "begun": "begin", "took": "take",
+    "taken": "take", "gave": "give", "given": "give", "ate": "eat", "eaten": "eat",
+    "drove": "drive", "driven": "drive", "flew": "fly", "flown": "fly", "grew": "grow",
+    "grown": "grow", "knew": "know", "known": "know", "saw": "see", "seen": "see",
+    "went": "go", "gone": "go", "did": "do", "found": "find", "bought": "buy", "sold": "sell",
+    "thought": "think", "taught": "teach", "caught": "catch", "brought": "bring", "lost": "lose",
+    "won": "win", "children": "child", "men": "man", "women": "woman", "mice": "mouse",
+    "feet": "foot", "teeth": "tooth", "geese": "goose", "people": "person",
+}
+# particles right after a word that turn it into its opposite (turn on / turn off)
+PARTICLES = {"in": "out", "out": "in", "up": "down", "down": "up", "on": "off", "off": "on"}
+_PREPOSITIONS = {"of", "in", "on", "at", "to", "from", "into", "for", "with", "by", "about",
+                 "between", "than", "via", "over", "under", "per", "within", "without", "onto"}
+
+# words that ask one thing -> one canonical word (after stemming both sides alike)
+SYNONYMS: dict[str, str] = {}
+for _group in (
+    "change modify update alter edit", "reset restore", "restart reboot",
+    "compress zip", "fix repair resolve solve troubleshoot",
+    "make create build generate produce", "remove delete erase", "begin start initiate commence",
+    "end finish stop terminate halt quit exit", "big large huge", "small little tiny",
+    "fast quick rapid speedy", "buy purchase", "show display print output", "find locate search",
+    "use utilize employ", "car automobile vehicle", "cheap inexpensive affordable",
+    "install setup", "error bug issue problem", "run execute launch", "picture image photo",
+    "movie film", "job career occupation", "kid child", "doctor physician", "medicine drug medication",
+    "price cost", "mistake error", "choose pick select", "join combine merge concatenate",
+    "convert transform turn", "list enumerate", "cook prepare", "boil boiling",
+    "lose lost", "write compose", "sort order arrange", "split divide separate", "home house",
+    "calculate compute", "distance far", "differ difference", "often frequently",
+    "benefit advantage", "simple easy",
+    "tall height", "weigh weight", "old age", "long length", "hot temperature", "cold",
+    "help assist", "happen occur", "significance importance", "reason cause", "capital",
+):
+    words = _group.split()
+    for _w in words:
+        SYNONYMS.setdefault(_w, words[0])
+
+
+def stem(word: str) -> str:
+    """A light, consistent stemmer: plurals, -ing, -ed and a final -e removed alike on both sides
+    (``reversed``, ``reverses``, ``reversing`` and ``reverse`` agree); irregular forms first."""
+    w = word.lower()
+    w = IRREGULAR.get(w, w)
+    if w.endswith("'s"):
+        w = w[:-2]
+    if len(w) > 4 and (w.endswith("ies") or w.endswith("ied")):
+        w = w[:-3] + "y"
+    elif len(w) > 3 and w.endswith("s") and not w.endswith("ss") and not w.endswith("us"):
+        w = w[:-1]
+    if len(w) > 4 and w.endswith("ing"):
+        w = w[:-3]
+    elif len(w) > 4 and w.endswith("ed"):
+        w = w[:-2]
+    if len(w) > 3 and w.endswith("e"):
+        w = w[:-1]
+    if len(w) > 3 and w[-1] == w[-2] and w[-1] not in "aeiouls":  # stopp(ed) -> stop
+        w = w[:-1]
+    return w
+
+
+_SYN_STEMMED: dict[str, str] = {stem(k): stem(v) for k, v in SYNONYMS.items()}
+_UNITS_STEMMED: dict[str, str] = {**{stem(k): v for k, v in UNITS.items()},
+                                  **{k: v for k, v in UNITS.items()}}
+
+
+def _number(token: str) -> float | None:
+    if token[0].isdigit():
+        try:
+            return float(token.replace(",", ""))
+        except ValueError:
+            return None
+    return NUMBER_WORDS.get(token.lower())
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What the guard compares of one text."""
+
+    numbers: tuple[float, ...]
+    versions: tuple[str, ...]
+    units: frozenset[str]
+    negations: int
+    roles: frozenset[tuple[str, str]]
+    particles: frozenset[tuple[str, str]]
+    entities: tuple[str, ...]
+    content: frozenset[str]
+
+
+@lru_cache(maxsize=65_536)
+def facts(text: str) -> Facts:
+    """The facts of one text (cached: a stored entry's are read once per neighbour check)."""
+    versions = tuple(sorted(v.lstrip("vV") for v in _VERSION.findall(text)))
+    raw = _TOKEN.findall(text.replace("\u2019", "'"))
+    lowered = [t.lower() for t in raw]
+    canon = [_canon(raw, lowered, i) for i in range(len(raw))]
+    numbers: list[float] = []
+    units: set[str] = set()
+    negations = 0
+    content: set[str] = set()
+    entities: list[str] = []
+    particles: set[tuple[str, str]] = set()
+    for i, (tok, low, c) in enumerate(zip(raw, lowered, canon, strict=True)):
+        if c == "!neg":
+            negations += 1
+        elif c.startswith("#"):
+            numbers.append(float(c[1:]))
+            content.add(c)
+        elif c.startswith("u:"):
+            units.add(c[2:])
+            content.add(c)
+        elif c:
+            content.add(c)
+            if tok[0].isupper() and i > 0 and not _governed(lowered, i) and not low.endswith("'s"):
+                entities.append(c)
+        elif low in PARTICLES and i > 0 and canon[i - 1] and not canon[i - 1].startswith("#"):
+            particles.add((canon[i - 1], low))  # turn on, zoom out, scale up
+    return Facts(tuple(sorted(numbers)), versions, frozenset(units), negations,
+                 _roles(lowered, canon), frozenset(particles), tuple(entities), frozenset(content))
+
+
+def _canon(raw: list[str], lowered: list[str], i: int) -> str:
+    """A token's comparable form: ``!neg``, ``#<number>``, ``u:<unit>``, a canonical content
+    word, or "" for a stop word."""
+    tok, low = raw[i], lowered[i]
+    if low.endswith("n't") or low in NEGATIONS:
+        return "!neg"
+    if low.endswith("'s") and len(low) > 2:
+        low = low[:-2]
+    num = _number(tok)
+    if num is not None and (low not in ("one", "second") or _before_unit(lowered, i)):
+        return f"#{num:g}"
+    if low == "\u00b0":
+        nxt = lowered[i + 1][:1] if i + 1 < len(lowered) else ""
+        return "u:" + UNITS.get("\u00b0" + nxt, "\u00b0")
+    st = stem(low)
+    unit = UNITS.get(low) or _UNITS_STEMMED.get(st)
+    if unit is not None and (len(low) > 2 or low in "$\u20ac\u00a3%"
+                             or (i > 0 and _number(raw[i - 1]) is not None)):
+        return "u:" + unit
+    if low in STOPWORDS and not (tok[0].isupper() and i > 0 and len(low) > 1):
+        return ""  # a capitalised word mid-sentence is a name (Go, Swift), not a stop word
+    word = _SYN_STEMMED.get(st, st)
+    return "" if word in STOPWORDS else word
+
+
+def _before_unit(lowered: list[str], i: int) -> bool:
+    """``one`` and ``second`` are numbers before a unit, else words."""
+    nxt = lowered[i + 1] if i + 1 < len(lowered) else ""
+    return nxt in UNITS or stem(nxt) in _UNITS_STEMMED
+
+
+def _governed(lowered: list[str], i: int) -> bool:
+    """Whether a preposition governs the word at ``i`` (``of Germany``, ``in the PostgreSQL``):
+    such names may move around a paraphrase; the order check is for bare subjects and objects."""
+    j = i - 1
+    while j >= 0 and lowered[j] in _SKIP:
+        j -= 1
+    return j >= 0 and lowered[j] in _PREPOSITIONS
+
+
+def _roles(lowered: list[str], canon: list[str]) -> frozenset[tuple[str, str]]:
+    """(word, role) for words in a directed relation: ``from X``, ``to Y`` (and a number right
+    after either), ``X than Y`` (X: the subject before the comparative)."""
+    out: set[tuple[str, str]] = set()
+    n = len(lowered)
+
+    def object_after(i: int, role: str) -> None:
+        j = i + 1
+        while j < n and lowered[j] in _SKIP:
+            j += 1
+        head = None
+        while j < n and canon[j] and canon[j] != "!neg" and not canon[j].startswith("#"):
+            head, j = canon[j], j + 1  # the noun phrase's last word: "from a Python list" -> list
+        if head is not None:
+            out.add((head, role))
+            if j < n and canon[j].startswith("#"):
+                out.add((canon[j], role))
+
+    for i, w in enumerate(lowered):
+        if w in ("to", "into") and (i == 0 or not canon[i - 1]):
+            continue  # "how to", "want to": an infinitive, no direction
+        role = _AFTER.get(w)
+        if role is not None:
+            object_after(i, role)
+        if w in ("to", "into"):
+            out.add((canon[i - 1], "src"))
+            if canon[i - 1].startswith("#") and i > 1 and canon[i - 2]:
+                out.add((canon[i - 2], "src"))
+        elif w == "than":
+            seen = 0
+            for j in range(i - 1, -1, -1):
+                if canon[j] and canon[j] not in ("more", "less"):
+                    seen += 1
+                    if seen == 2:
+                        out.add((canon[j], "cmp_a"))
+                        break
+    return frozenset(out)
+
+
+def _differ(a: frozenset[tuple[str, str]], b: frozenset[tuple[str, str]], key: int) -> bool:
+    """Whether two texts say different things about the same word (``key`` 0: its roles) or the
+    same role (``key`` 1: the words in it)."""
+    ga: dict[str, set[str]] = {}
+    gb: dict[str, set[str]] = {}
+    for pairs, groups in ((a, ga), (b, gb)):
+        for pair in pairs:
+            groups.setdefault(pair[key], set()).add(pair[1 - key])
+    return any(ga[k] != gb[k] for k in ga.keys() & gb.keys())
+
+
+def disagreement(a: str, b: str) -> str | None:
+    """Why ``a`` and ``b`` do not ask the same thing (``numbers``, ``versions``, ``units``,
+    ``negation``, ``roles``, ``entity_order``, ``content``); None: they agree."""
+    fa, fb = facts(a), facts(b)
+    if fa.numbers != fb.numbers:
+        return "numbers"
+    if fa.versions != fb.versions:
+        return "versions"
+    if fa.units != fb.units:
+        return "units"
+    if fa.negations != fb.negations:
+        return "negation"
+    if _differ(fa.roles, fb.roles, 0) or _differ(fa.roles, fb.roles, 1):
+        return "roles"
+    for word, particle in fa.particles:
+        if (word, PARTICLES[particle]) in fb.particles and (word, particle) not in fb.particles:
+            return "particles"
+    shared = [e for e in fa.entities if e in fb.entities]
+    if len(shared) > 1 and shared != [e for e in fb.entities if e in fa.entities]:
+        return "entity_order"
+    if fa.content != fb.content:
+        return "content"
+    return None
