@@ -1,0 +1,256 @@
+"""The request log's cost and its reads, three phases, each printed as a table:
+
+1. ``hot``: what recording every call costs on the call path. Four gateway processes of this
+   tree against one fake OpenAI upstream, the default config (SQLite store): the log off twice
+   (the A/A control: two copies of the same config land this far apart in this run) and the log
+   on twice; sequential calls alternate between all of them in a new order each round
+   (``bench_llm.measure``). The figure is the log-on pair's added p50 over the log-off pair's.
+2. ``sustain``: the gateway's full call rate (``--clients`` workers for ``--seconds``) with the
+   log written to PostgreSQL; the records the log wrote and dropped, from ``/metrics``.
+3. ``query``: ``GET /admin/requests`` over HTTP on ``--rows`` records seeded in PostgreSQL (one
+   ``INSERT ... SELECT generate_series`` in a schema of its own, dropped after): p50 and p99 per
+   filter, first pages and cursor pages.
+
+    python3 -m benchmarks.bench_request_log                     # a short run of each phase
+    python3 -m benchmarks.bench_request_log --phase sustain --seconds 60
+    python3 -m benchmarks.bench_request_log --phase query --rows 10000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from benchmarks._h11 import Conn
+from benchmarks._procs import child, free_port, percentile, save, table
+from benchmarks.bench_llm import MODEL, Target, measure, openai_call, spread, warm
+
+PG = "postgresql://postgres@127.0.0.1:5432/test"
+ADMIN = "bench-admin-key-0123456789"
+CONFIG = """
+server: {{host: 127.0.0.1, port: {port}, admin_key: {admin}}}
+store: {{path: {store}{pg}}}
+log: {log}
+providers:
+  oai: {{kind: openai, base_url: "http://127.0.0.1:{fake}/v1", api_key: sk-bench,
+        price: {{input_per_mtok: 2.5, output_per_mtok: 10}}}}
+routes:
+  chat: {{provider: oai, operation: chat, models: [{model}]}}
+"""
+CHAT = "/v1/chat/completions"
+SEED = """
+INSERT INTO {t} (at, request_id, key, team, face, method, route, model_asked, model, status, code,
+                 error, attempts, fallbacks, mode, input_tokens, output_tokens, cached_tokens, cost,
+                 saved, latency_ms, path)
+SELECT {now} - (%(rows)s - g) * (30.0 * 86400 / %(rows)s), 'req_' || g, 'key-' || mod(g, 1000),
+       'team-' || mod(g, 50), 'v1', 'chat', 'route-' || mod(g, 20), 'model-' || mod(g, 30),
+       'model-' || mod(g, 30), CASE WHEN mod(g, 50) = 0 THEN 'error' ELSE 'ok' END,
+       CASE WHEN mod(g, 50) = 0 THEN -32003 END,
+       CASE WHEN mod(g, 50) = 0 THEN 'upstream answered 503: overloaded (' || mod(g, 7) || ')' END,
+       1, 0, 'sync', 100, 20, 0, 1500, 0, 12.5, '{{}}'
+FROM generate_series(1, %(rows)s) AS g
+"""
+
+
+def gateway(stack: contextlib.ExitStack, tmp: str, fake: int, log: str, pg: str = "") -> str:
+    port = free_port()
+    conf = Path(tmp) / f"{port}.yaml"
+    conf.write_text(CONFIG.format(port=port, admin=ADMIN, store=Path(tmp) / f"{port}.db", pg=pg,
+                                  log=log, fake=fake, model=MODEL))
+    url = f"http://127.0.0.1:{port}"
+    stack.enter_context(child(["-m", "multiplexer", "serve", "--config", str(conf)], f"{url}/healthz"))
+    return url
+
+
+def fake_upstream(stack: contextlib.ExitStack) -> int:
+    port = free_port()
+    stack.enter_context(child(["-m", "tests.fakes.serve", "openai", "--port", str(port),
+                               "--requests-per-window", "1000000000"], f"http://127.0.0.1:{port}/"))
+    return port
+
+
+def pid_of(url: str) -> int | None:
+    import psutil
+
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN":
+            return conn.pid
+    return None
+
+
+async def hot(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        fake = fake_upstream(stack)
+        targets = [Target("direct", f"http://127.0.0.1:{fake}", openai_call(CHAT))]
+        for name, log in (("log off", "{enabled: false}"), ("log on", "{}")):
+            for copy in (1, 2):
+                url = gateway(stack, tmp, fake, log)
+                targets.append(Target(f"{name} ({copy})", url, openai_call(CHAT), None, pid_of(url)))
+        rows = await measure(targets, args)
+    direct = rows[0]["p50_ms"]
+    for r in rows[1:]:
+        r["added_p50_ms"] = r["p50_ms"] - direct
+    return rows
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and 'sink="requests"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def sustain(args: argparse.Namespace) -> dict[str, Any]:
+    import psycopg
+
+    schema = "mxbench_" + secrets.token_hex(4)
+    try:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+            fake = fake_upstream(stack)
+            url = gateway(stack, tmp, fake, "{}", f", url: {PG!r}, schema: {schema}")
+            call = openai_call(CHAT)
+            conns = [Conn.to(url) for _ in range(args.clients)]
+            try:
+                await warm(conns, call)
+                calls, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < args.seconds:
+                    await spread(conns, call, 2000)
+                    calls += 2000
+                elapsed = time.perf_counter() - t0
+            finally:
+                for conn in conns:
+                    await conn.aclose()
+            await anyio.sleep(2.5)  # the writer's last batch (log.flush_interval_s: 1 s)
+            text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
+            written = metric(text, "multiplexer_records_written_total")
+            dropped = metric(text, "multiplexer_records_dropped_total")
+            failed = metric(text, "multiplexer_records_failed_total")
+        with psycopg.connect(PG, autocommit=True) as conn:
+            rows = conn.execute(f"SELECT COUNT(*) FROM {schema}.requests").fetchone()[0]  # type: ignore[index]
+    finally:
+        with psycopg.connect(PG, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    return {"seconds": elapsed, "calls": calls + args.clients, "calls_per_s": calls / elapsed,
+            "written": written, "dropped": dropped, "failed": failed, "rows": rows}
+
+
+def queries(now: float) -> list[tuple[str, dict[str, str]]]:
+    day = 86400.0
+    return [("newest, no filter", {}), ("key", {"key": "key-17"}), ("team", {"team": "team-3"}),
+            ("route", {"route": "route-5"}), ("model", {"model": "model-11"}),
+            ("status=error", {"status": "error"}),
+            ("a day, 2 weeks ago", {"since": str(now - 15 * day), "until": str(now - 14 * day)}),
+            ("key + a day", {"key": "key-17", "since": str(now - 15 * day), "until": str(now - 14 * day)}),
+            ("key + error text", {"key": "key-50", "error": "overloaded (1)"}),
+            ("status=error + route", {"status": "error", "route": "route-10"})]
+
+
+async def query(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import psycopg
+
+    from multiplexer.records.request_store import PgRequestStore
+
+    schema = "mxbench_" + secrets.token_hex(4)
+    now = time.time()
+    out: list[dict[str, Any]] = []
+    try:
+        PgRequestStore(PG, schema).close()  # the table, as a gateway makes it
+        t = time.perf_counter()
+        with psycopg.connect(PG, autocommit=True) as conn:  # seeded first, indexed after (faster)
+            indexes = conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = %s AND indexname "
+                                   "LIKE 'requests\\_%%' AND indexname <> 'requests_pkey'",
+                                   (schema,)).fetchall()
+            for (name,) in indexes:
+                conn.execute(f"DROP INDEX {schema}.{name}")
+            conn.execute(SEED.format(t=f"{schema}.requests", now=now), {"rows": args.rows})  # type: ignore[arg-type]
+            conn.execute("SET maintenance_work_mem = '256MB'")
+        PgRequestStore(PG, schema).close()  # its indexes made again, as a gateway makes them
+        with psycopg.connect(PG, autocommit=True) as conn:
+            conn.execute(f"ANALYZE {schema}.requests")
+        seeded = time.perf_counter() - t
+        print(f"seeded {args.rows:,} rows in {seeded:.0f} s", file=sys.stderr)
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+            fake = fake_upstream(stack)
+            url = gateway(stack, tmp, fake, "{max_rows: null, retention_days: null}",
+                          f", url: {PG!r}, schema: {schema}")
+            headers = {"authorization": f"Bearer {ADMIN}"}
+            async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
+                for name, params in queries(now):
+                    first: list[float] = []
+                    paged: list[float] = []
+                    found = 0
+                    for _ in range(args.repeats):
+                        t = time.perf_counter()
+                        r = await http.get("/admin/requests", params=params)
+                        first.append(time.perf_counter() - t)
+                        body = r.json()
+                        assert r.status_code == 200, r.text
+                        found = len(body["requests"])
+                        if body["next_cursor"]:
+                            t = time.perf_counter()
+                            more = {**params, "cursor": body["next_cursor"]}
+                            r = await http.get("/admin/requests", params=more)
+                            paged.append(time.perf_counter() - t)
+                    out.append({"query": name, "rows": found, "p50_ms": percentile(first, 0.5) * 1e3,
+                                "p99_ms": percentile(first, 0.99) * 1e3,
+                                "next_p99_ms": percentile(paged, 0.99) * 1e3 if paged else None})
+    finally:
+        with psycopg.connect(PG, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--phase", choices=["hot", "sustain", "query", "all"], default="all")
+    parser.add_argument("--sequential", type=int, default=2000)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args()
+    saved: dict[str, Any] = {"argv": sys.argv[1:]}
+    if args.phase in ("hot", "all"):
+        rows = anyio.run(hot, args)
+        print(table(["path", "p50 ms", "added p50 ms", "p99 ms", "calls/s", "gateway CPU ms/call"],
+                    [[r["name"], f"{r['p50_ms']:.3f}", f"{r.get('added_p50_ms', 0):+.3f}",
+                      f"{r['p99_ms']:.3f}", f"{r['calls_per_s']:.0f}",
+                      f"{r['proxy_cpu_ms_per_call']:.3f}" if r["proxy_cpu_ms_per_call"] else "-"]
+                     for r in rows]))
+        off1, off2, on1, on2 = (r["added_p50_ms"] * 1e3 for r in rows[1:5])
+        cpu = [r["proxy_cpu_ms_per_call"] or 0.0 for r in rows[1:5]]
+        print(f"\nA/A: the log-off copies {abs(off1 - off2):.0f} us apart, the log-on copies "
+              f"{abs(on1 - on2):.0f} us; log on over off: {((on1 + on2) - (off1 + off2)) / 2:+.0f} us of "
+              f"added p50, {((cpu[2] + cpu[3]) - (cpu[0] + cpu[1])) / 2 * 1e3:+.0f} us of CPU per call "
+              "(floor: 20 us)\n")
+        saved["hot"] = rows
+    if args.phase in ("sustain", "all"):
+        s = anyio.run(sustain, args)
+        print(table(["seconds", "calls", "calls/s", "records written", "rows in PostgreSQL", "dropped",
+                     "failed"],
+                    [[f"{s['seconds']:.0f}", s["calls"], f"{s['calls_per_s']:.0f}", f"{s['written']:.0f}",
+                      s["rows"], f"{s['dropped']:.0f}", f"{s['failed']:.0f}"]]) + "\n")
+        saved["sustain"] = s
+    if args.phase in ("query", "all"):
+        q = anyio.run(query, args)
+        print(table([f"GET /admin/requests on {args.rows:,} rows", "rows", "p50 ms", "p99 ms",
+                     "next page p99 ms"],
+                    [[r["query"], r["rows"], f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+                      "-" if r["next_p99_ms"] is None else f"{r['next_p99_ms']:.2f}"] for r in q]))
+        saved["query"] = q
+    save("request_log", saved)
+
+
+if __name__ == "__main__":
+    main()
