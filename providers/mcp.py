@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 import mcp_types as types
 from pydantic import BaseModel
 
+from multiplexer.core.asking import ASK_OPTION, Asker
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.gather import gather
@@ -26,8 +27,12 @@ from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import code_label
 from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
+from multiplexer.jobs.tool_tables import Pin, ToolTables, open_tool_tables
 
+from .mcp_ask import Relay
+from .mcp_limits import McpRouteSettings, ToolLimits
 from .mcp_listing import Catalog
+from .mcp_pins import ToolPins, changes_counter
 from .mcp_request import Requester
 from .mcp_session import UpstreamSession
 from .mcp_transport import McpSettings
@@ -56,6 +61,7 @@ def wire(item: BaseModel) -> dict[str, Any]:
 
 class McpProvider(Provider):
     Settings = McpSettings
+    RouteSettings = McpRouteSettings
     mcp_upstream = True  # results are CallToolResults already (the McpUpstream capability)
 
     def __init__(self, ctx: ProviderContext) -> None:
@@ -69,12 +75,20 @@ class McpProvider(Provider):
         self.catalog = Catalog(ctx.name, self.settings.max_pages, self.requests, self.session.offers)
         self._stack: AsyncExitStack | None = None
         self._sent = ctx.metrics.upstream_requests.labels(ctx.name)
+        self.pins = ToolPins(ctx.name, self._tables, self._pin_changed) if self.settings.pin else None
+        self.tool_limits = ToolLimits(ctx.clock, self.settings.tool_limits)
 
     async def start(self) -> None:
         """Start the session supervisor and give the first connection a bounded chance to come up."""
         stack = AsyncExitStack()
+        if self.pins is not None:  # the stored pins, before the first listing is checked
+            await self.pins.load()
+            stack.callback(self.pins.close)
+            stack.push_async_callback(self.pins.flush)
         tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(tg.cancel_scope.cancel)
+        if self.pins is not None:
+            tg.start_soon(self.pins.run)
         tg.start_soon(self.session.run)
         self._stack = stack
         with anyio.move_on_after(self.settings.connect_timeout_ms / 1000):
@@ -95,7 +109,8 @@ class McpProvider(Provider):
         s = self.session
         status, error = s.readiness()
         return {"transport": self.settings.transport, "era": s.era, "status": status, "error": error,
-                "tools": len(s.tools), "connects": s.connects, "failures": s.failures}
+                "tools": len(s.tools), "connects": s.connects, "failures": s.failures,
+                "quarantined": sorted(self.pins.held) if self.pins is not None else []}
 
     def _session_event(self, event: str) -> None:
         metrics = self.ctx.metrics
@@ -103,7 +118,24 @@ class McpProvider(Provider):
         if event == "retry":
             metrics.retries.labels(self.name).inc()
 
+    def _tables(self) -> ToolTables:
+        ctx = self.ctx
+        return open_tool_tables(ctx.store_path, ctx.store_url, ctx.store_schema)
+
+    def _pin_changed(self, action: str, tool: str, pin: Pin) -> None:
+        changes_counter(self.ctx.metrics.registry).labels(self.name, action).inc()
+        self.ctx.notify("tool_pin", {"provider": self.name, "tool": tool, "action": action,
+                                     "hash": pin.seen_hash, "approved_hash": pin.approved_hash})
+        if action in ("approved", "restored"):  # served again: clients list it again
+            self.ctx.notify("tools_changed", {"provider": self.name, "tools": sorted(self.session.tools)})
+
+    def approve_tool(self, tool: str) -> Pin | None:
+        """The tool's definition served now is approved (None: not pinned here)."""
+        return self.pins.approve(tool) if self.pins is not None else None
+
     def _tools_changed(self, tools: dict[str, types.Tool]) -> None:
+        if self.pins is not None:  # in the step that installs the listing: never served unchecked
+            self.pins.check(tools)
         self.ctx.notify("tools_changed", {"provider": self.name, "tools": sorted(tools)})
 
     def _lists_changed(self, kind: str) -> None:
@@ -121,8 +153,16 @@ class McpProvider(Provider):
         if item.params is not None and not isinstance(item.params, dict):
             raise invalid_params("MCP tool arguments must be an object")
         item.group = (item.operation,)
+        pins = self.pins
+        if pins is not None and pins.held and (refusal := pins.refusal(item.method)) is not None:
+            raise refusal  # every way in: its item is prepared here at admission
         # Decided here, over anything a client put in _meta: only config and annotations count.
         item.options[_RETRY_SAFE] = bool(route.dedup) or self._declared_safe(item.method)
+        raw = item.options.get("tool_limits")
+        if (raw or self.tool_limits.own_timeouts) and item.deadline is not None:
+            timeout = self.tool_limits.timeout_s(item.route, raw, item.method)
+            if timeout is not None:
+                item.deadline = min(item.deadline, self.ctx.clock.now() + timeout)
 
     def dedup_safe(self, item: Item) -> bool:
         """Share identical concurrent calls only for tools declared read-only or idempotent."""
@@ -136,7 +176,11 @@ class McpProvider(Provider):
 
     async def list_tools(self) -> list[ToolSpec]:
         await self.session.ensure_fresh()
-        return [tool_spec(t) for t in self.session.tools.values()]
+        held = self.pins.held if self.pins is not None else ()
+        return [tool_spec(t) for name, t in self.session.tools.items() if name not in held]
+
+    def quarantined(self, tool: str) -> bool:
+        return self.pins is not None and tool in self.pins.held
 
     # -- calls --------------------------------------------------------------------
     async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
@@ -145,7 +189,16 @@ class McpProvider(Provider):
     async def _one(self, item: Item) -> Outcome:
         progress = item.options.get("progress")
         log = item.options.get("log")
+        raw = item.options.get("tool_limits")
+        taken = None
+        if raw or self.tool_limits.own:
+            taken, refused = self.tool_limits.take(item.route, raw, item.method)
+            if refused is not None:
+                return Outcome.fail(refused)
         timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
+        asker = cast("Asker | None", item.options.get(ASK_OPTION))  # set by a face, never the wire
+        if asker is not None and timeout is not None:
+            timeout -= asker.ask_timeout_s  # the face gave the call that much more for its questions
         self._sent.inc()
         try:
             result = await self.requests.call(
@@ -153,10 +206,15 @@ class McpProvider(Provider):
                 progress=progress if callable(progress) else None,
                 retry_safe=bool(item.options.get(_RETRY_SAFE)),
                 log=log if isinstance(log, LogFanout) and self.settings.forward_logs else None,
+                relay=Relay(self.name, asker),
+                resume=asker.resume if asker is not None else None,
             )
         except RpcError as e:
             self.ctx.metrics.upstream_errors.labels(self.name, code_label(e.code)).inc()
             return Outcome.fail(e)
+        finally:
+            if taken:
+                self.tool_limits.finish(taken)
         return Outcome(result=None if item.notification else result)
 
     # -- resources and prompts ---------------------------------------------------

@@ -22,6 +22,7 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, timeout_error, upstream_error, upstream_unavailable
 from multiplexer.core.logs import LogFanout
 
+from .mcp_ask import MAX_ROUNDS, Questions, Relay
 from .mcp_logs import CURRENT, LogRoute
 from .mcp_transport import McpSettings
 
@@ -62,6 +63,7 @@ class Link(Protocol):
     settings: McpSettings
     clock: Clock
     call_timeout_s: float
+    questions: Questions
 
     def on_event(self, event: str) -> None: ...
 
@@ -126,29 +128,40 @@ class Requester:
 
     async def _on_wire(self, client: Client, request: types.Request[Any, Any],
                        result_type: type[R] | TypeAdapter[R], deadline: float, progress: Progress | None,
-                       route: LogRoute | None) -> R:
+                       route: LogRoute | None, relay: Relay | None = None) -> R:
         clock = self.session.clock
 
         # The SDK bounds its result type by BaseModel, yet validates through any TypeAdapter
         # (``typed`` reads the raw dict, to check it against the upstream's revision).
         any_result = cast("type[Any] | TypeAdapter[Any]", result_type)
+        # A call whose client may be asked: its deadline is the relay's, which pauses while it
+        # asks; the SDK's own bound is only a backstop past the most asking may add.
+        extra = relay.allowance if relay is not None else 0.0
 
         async def send() -> R:
             return await client.session.send_request(
-                request, any_result, request_read_timeout_seconds=max(deadline - clock.now(), 0.001),
+                request, any_result,
+                request_read_timeout_seconds=max(deadline - clock.now(), 0.001) + extra,
                 progress_callback=progress)
 
-        if route is None:
-            return await send()
-        token = CURRENT.set(route)  # the transport tells this request's log messages by it
-        try:
-            return await route.around(send)
-        finally:
-            CURRENT.reset(token)
+        async def logged() -> R:
+            if route is None:
+                return await send()
+            token = CURRENT.set(route)  # the transport tells this request's log messages by it
+            try:
+                return await route.around(send)
+            finally:
+                CURRENT.reset(token)
+
+        if relay is None:
+            return await logged()
+        with relay.deadline(deadline - clock.now()), self.session.questions.carrying(relay):
+            return await logged()
+        raise timeout_error("upstream")  # the relay's deadline passed (it raises its own first)
 
     async def _send(self, request: types.Request[Any, Any], result_type: type[R] | TypeAdapter[R], *,
                     timeout_s: float | None, progress: Progress | None, retry_safe: bool,
-                    log: LogFanout | None = None) -> tuple[R, str]:
+                    log: LogFanout | None = None, relay: Relay | None = None) -> tuple[R, str]:
         """The result, and the protocol revision of the connection that answered it."""
         session = self.session
         name, clock = session.name, session.clock
@@ -160,7 +173,7 @@ class Requester:
             client, generation, ended = await session.acquire(wait)
             try:
                 sent, route = await self._asking_for_logs(request, log, client, generation)
-                result = await self._on_wire(client, sent, result_type, deadline, progress, route)
+                result = await self._on_wire(client, sent, result_type, deadline, progress, route, relay)
                 return result, client.protocol_version
             except ValidationError as e:
                 raise upstream_error(name, f"invalid {request.method} result: {describe(e)}") from None
@@ -185,34 +198,62 @@ class Requester:
 
     async def typed(self, request: types.Request[Any, Any], *, timeout_s: float | None = None,
                     progress: Progress | None = None, retry_safe: bool = True,
-                    log: LogFanout | None = None) -> dict[str, Any]:
+                    log: LogFanout | None = None, relay: Relay | None = None) -> dict[str, Any]:
         """A ``tools/call``, ``resources/read`` or ``prompts/get`` result, era-free, as a wire dict.
 
         The reply is checked against the revision the upstream spoke and parsed into the
         SDK's era-free model (``parse_server_result``), so the MCP face can hand the SDK a
         typed result that it writes in the client's revision, whichever that is.
         """
-        raw, version = await self._send(request, _RAW_RESULT, timeout_s=timeout_s, progress=progress,
-                                        retry_safe=retry_safe, log=log)
-        try:
-            parsed = parse_server_result(request.method, version, raw)
-        except (ValidationError, KeyError, ValueError) as e:
-            raise upstream_error(self.session.name,
-                                 f"invalid {request.method} result for {version}: {describe(e)}") from None
-        if isinstance(parsed, types.InputRequiredResult):
+        clock = self.session.clock
+        ends = None if timeout_s is None else clock.now() + timeout_s
+        for _ in range(MAX_ROUNDS + 1):
+            left = None if ends is None else ends - clock.now()
+            raw, version = await self._send(request, _RAW_RESULT, timeout_s=left, progress=progress,
+                                            retry_safe=retry_safe, log=log, relay=relay)
+            try:
+                parsed = parse_server_result(request.method, version, raw)
+            except (ValidationError, KeyError, ValueError) as e:
+                why = f"invalid {request.method} result for {version}: {describe(e)}"
+                raise upstream_error(self.session.name, why) from None
+            if not isinstance(parsed, types.InputRequiredResult):
+                return wire_result(parsed.model_dump(by_alias=True, mode="json", exclude_none=True,
+                                                     exclude={"result_type"}))
+            spent = relay.spent if relay is not None else 0.0
+            resumed = await self._answered(request, parsed, relay)
+            if resumed is None:  # a 2026-07-28 client answers it and retries
+                return wire_result(parsed.model_dump(by_alias=True, mode="json", exclude_none=True))
+            if ends is not None and relay is not None:
+                ends += relay.spent - spent  # the asking paused the call's deadline
+            request = resumed
+        raise upstream_error(self.session.name, f"the upstream asked for input more than {MAX_ROUNDS} "
+                             f"times during {request.method} (input_required)")
+
+    async def _answered(self, request: types.Request[Any, Any], result: types.InputRequiredResult,
+                        relay: Relay | None) -> types.Request[Any, Any] | None:
+        """The request sent again with its caller's answers; None: the result goes to the client."""
+        if not isinstance(request, types.CallToolRequest):
             raise upstream_error(self.session.name, f"the upstream asked for client input during "
-                                 f"{request.method} (input_required), which the gateway does not relay")
-        return wire_result(parsed.model_dump(by_alias=True, mode="json", exclude_none=True,
-                                             exclude={"result_type"}))
+                                 f"{request.method} (input_required), which the gateway relays only "
+                                 "during tools/call")
+        if relay is None:
+            relay = Relay(self.session.name, None)
+        params = await relay.resume(request.params, result)
+        return None if params is None else request.model_copy(update={"params": params})
 
     async def call(self, tool: str, arguments: dict[str, Any] | None, *, timeout_s: float | None,
                    progress: Progress | None, retry_safe: bool,
-                   log: LogFanout | None = None) -> dict[str, Any]:
+                   log: LogFanout | None = None, relay: Relay | None = None,
+                   resume: dict[str, Any] | None = None) -> dict[str, Any]:
         """The upstream's ``CallToolResult`` as an era-free wire dict, or an ``RpcError``; its log
-        messages go to ``log`` (``mcp_logs``)."""
-        request = types.CallToolRequest(params=types.CallToolRequestParams(name=tool, arguments=arguments))
+        messages go to ``log`` (``mcp_logs``), its questions to its caller (``relay``). ``resume``:
+        a 2026-07-28 client's answers (``inputResponses``, ``requestState``) to the
+        ``input_required`` result it was handed, sent on with the call."""
+        params = types.CallToolRequestParams.model_validate(
+            {"name": tool, "arguments": arguments, **(resume or {})})
+        request = types.CallToolRequest(params=params)
         return await self.typed(request, timeout_s=timeout_s, progress=progress, retry_safe=retry_safe,
-                                log=log)
+                                log=log, relay=relay)
 
     async def read_resource(self, uri: str) -> dict[str, Any]:
         """The upstream's ``ReadResourceResult`` (a read is safe to repeat)."""

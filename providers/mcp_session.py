@@ -29,6 +29,7 @@ from multiplexer.core.errors import upstream_unavailable
 from multiplexer.core.logs import rank
 from multiplexer.core.version import VERSION as __version__
 
+from .mcp_ask import Questions
 from .mcp_listing import ToolList
 from .mcp_logs import LogRouter
 from .mcp_request import describe
@@ -51,6 +52,7 @@ class UpstreamSession:
         self.clock = clock
         self._on_lists = on_lists  # "resources" / "prompts": the upstream's list changed
         self.tool_list = ToolList(name, settings.max_pages, clock, on_tools)
+        self.questions = Questions(name)  # what the upstream asks mid-call, to the call's client
         self.generation = 0
         self.connects = 0
         self.failures = 0  # connection attempts that failed since the session was last up
@@ -157,6 +159,11 @@ class UpstreamSession:
             cache=None,
             read_timeout_seconds=self.settings.connect_timeout_ms / 1000,
             message_handler=self._on_message,
+            # declared to the upstream (elicitation form and URL, sampling, roots): its questions
+            # are relayed to the client whose call asks them (``mcp_ask``)
+            sampling_callback=self.questions.sampling,
+            elicitation_callback=self.questions.elicitation,
+            list_roots_callback=self.questions.roots,
             client_info=types.Implementation(name="multiplexer", version=__version__),
         )
         if mode == "auto":

@@ -100,6 +100,9 @@ class Call:
     # Where the upstream's log messages for this call go, at or above the caller's level (the MCP
     # face's sink); None: the caller asked for none. Set by a face, never from the wire.
     log: LogSink | None = None
+    # How an upstream's questions during this call reach its client (``core/asking.Asker``: the
+    # MCP face's, for elicitation, sampling and roots); None: it cannot be asked. Set by a face.
+    ask: Any = None
     # Where a streamed call's chunks go (an anyio memory stream the face reads); None: not streamed.
     sink: Any = None
     # The caller's trace context (``traceparent``, ``tracestate``) from an HTTP header or MCP

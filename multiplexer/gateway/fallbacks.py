@@ -25,6 +25,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from multiplexer.core.asking import ASK_OPTION
 from multiplexer.core.attempts import BUDGET, Budget
 from multiplexer.core.breaker import Breakers, SharesBreakers, State
 from multiplexer.core.cache_affinity import AFFINITY_KEY
@@ -455,6 +456,8 @@ class Fallbacks:
             item.options["progress"] = call.progress
         if call.log is not None:
             item.options["log"] = LogFanout([call.log])
+        if call.ask is not None:
+            item.options[ASK_OPTION] = call.ask
         if att.budget is not None:
             item.options[BUDGET] = att.budget
         if att.span is not None:

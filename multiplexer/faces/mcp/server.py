@@ -14,7 +14,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -32,14 +32,17 @@ from mcp.server.subscriptions import (
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
-from multiplexer.core.call import Outcome
+from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import Code, RpcError, closest
 from multiplexer.core.jsonrpc import META_KEYS, call_from
 from multiplexer.core.logs import LEVELS, LogSink
 from multiplexer.core.provider import McpUpstream, ToolSpec
 from multiplexer.core.version import VERSION as __version__
 from multiplexer.faces.jobs import JobFace
+from multiplexer.faces.mcp.asking import ClientAsker
+from multiplexer.faces.mcp.audit import audit_of
 from multiplexer.faces.mcp.resources import UpstreamCatalog
+from multiplexer.faces.mcp.sampling import Sampler
 from multiplexer.faces.mcp.tasks import EXTENSION as TASKS
 from multiplexer.faces.mcp.tasks import TaskFace, TaskParams, opted_in
 from multiplexer.faces.mcp.tools import (
@@ -116,12 +119,15 @@ class McpFace:
         self._upstream_kinds: dict[type, bool] = {}  # provider class -> is an McpUpstream
         self._wake: anyio.Event | None = None  # made in ``running``, inside the event loop
         self.upstream = UpstreamCatalog(gateway, self.cache_hint, self.may_use_prefix)
+        self.audit = audit_of(gateway)  # one record per tools/call (audit.tools), off the hot path
+        on_call_tool = cast(CallToolHandler, self.call_tool if self.audit is None
+                            else self.audit.audited(self.call_tool, identity_of))
         self.server = _GatewayServer(
             "multiplexer", version=__version__,
             instructions="Every route of this gateway is a tool; calls are batched, limited and shared.",
             get_tool_input_schema=self.catalog.header_schema,
             on_list_tools=self.list_tools,
-            on_call_tool=cast(CallToolHandler, self.call_tool),
+            on_call_tool=on_call_tool,
             on_list_resources=self._metered(self.upstream.list_resources),
             on_list_resource_templates=self._metered(self.upstream.list_resource_templates),
             on_read_resource=self._metered(self.upstream.read_resource),
@@ -152,7 +158,7 @@ class McpFace:
         self._wake = anyio.Event()
         self.gateway.listeners.append(self._on_event)
         try:
-            async with anyio.create_task_group() as tg:
+            async with self._audit_running(), anyio.create_task_group() as tg:
                 tg.start_soon(self._broadcast)
                 if self.tasks is not None:
                     self.tasks.spawn = tg.start_soon
@@ -164,6 +170,9 @@ class McpFace:
                     tg.cancel_scope.cancel()
         finally:
             self.gateway.listeners.remove(self._on_event)
+
+    def _audit_running(self) -> AbstractAsyncContextManager[Any]:
+        return self.audit.running() if self.audit is not None else nullcontext()
 
     def _on_event(self, event: str, data: dict[str, Any]) -> None:
         if event in _LIST_CHANGES:
@@ -268,6 +277,8 @@ class McpFace:
                 if found is not None:
                     spec = ToolSpec(spec.name, route.description or found.description,
                                     found.input_schema, found.annotations, found.meta)
+                elif held(provider, route.method or spec.name):
+                    continue  # a pinned tool whose definition changed: hidden until approved
             specs.append(spec)
         return specs
 
@@ -325,6 +336,7 @@ class McpFace:
         upstream = self._is_mcp_route(method)
         if upstream:
             call.log = self._log_sink(ctx, raw_meta)
+            self._may_be_asked(ctx, params, call)
         outcome = await self.gateway.submit(call)
         if outcome.error is not None and outcome.error.code == Code.METHOD_NOT_FOUND:
             raise await self._unknown_tool(ctx, params.name)
@@ -338,6 +350,23 @@ class McpFace:
         would show it: its key's rules and this server's tool set)."""
         allowed = self.may_use(ctx)
         return unknown_tool(name, closest(name, [s.name for s in await self.specs() if allowed(s.name)]))
+
+    def _may_be_asked(self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams,
+                      call: Call) -> None:
+        """The call's way back to this client for its upstream's questions (``asking.py``), and the
+        time they may take added to its deadline (which pauses while the client is asked)."""
+        settings = self.gateway.config.server.mcp
+        resume = None
+        if params.input_responses is not None or params.request_state is not None:
+            resume = params.model_dump(by_alias=True, mode="json", exclude_none=True,
+                                       include={"input_responses", "request_state"})
+        sampler = (Sampler(self.gateway, settings.sampling, call.identity)
+                   if settings.sampling is not None else None)
+        call.ask = ClientAsker(ctx, settings.ask_timeout_s, sampler, resume)
+        if call.timeout_ms is None:
+            route = self.gateway.resolve(call.method).route
+            call.timeout_ms = route.timeout_ms or self.gateway.config.server.default_timeout_ms
+        call.timeout_ms += settings.ask_timeout_s * 1000
 
     # -- upstream log messages ------------------------------------------------------
     async def set_log_level(self, ctx: ServerRequestContext[Any, Any],
@@ -383,6 +412,9 @@ class McpFace:
             text = outcome.result_json.decode()
             return wrap_result(json.loads(text), text)
         result = outcome.result
+        if upstream and isinstance(result, dict) and result.get("resultType") == "input_required":
+            # an upstream's question for a 2026-07-28 client to answer (``asking.py``)
+            return types.InputRequiredResult.model_validate(result)  # type: ignore[return-value]
         if upstream and isinstance(result, dict) and "content" in result:
             # The upstream's result, era-free (the provider's dump of the SDK's model): the SDK's
             # per-revision check writes it in this client's revision, so it is not parsed again here.
@@ -401,6 +433,12 @@ class McpFace:
         if known is None:
             known = self._upstream_kinds[type(provider)] = isinstance(provider, McpUpstream)
         return known
+
+
+def held(provider: Any, tool: str) -> bool:
+    """Whether an upstream that pins its tools holds this one back (``providers/mcp_pins``)."""
+    quarantined = getattr(provider, "quarantined", None)
+    return callable(quarantined) and bool(quarantined(tool))
 
 
 def connection_of(ctx: ServerRequestContext[Any, Any]) -> Any:
