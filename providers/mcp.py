@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 import mcp_types as types
 from pydantic import BaseModel
 
+from multiplexer.core.asking import ASK_OPTION, Asker
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.gather import gather
@@ -28,6 +29,7 @@ from multiplexer.core.policy import RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, ToolSpec
 from multiplexer.jobs.tool_tables import Pin, ToolTables, open_tool_tables
 
+from .mcp_ask import Relay
 from .mcp_limits import McpRouteSettings, ToolLimits
 from .mcp_listing import Catalog
 from .mcp_pins import ToolPins, changes_counter
@@ -194,6 +196,9 @@ class McpProvider(Provider):
             if refused is not None:
                 return Outcome.fail(refused)
         timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
+        asker = cast("Asker | None", item.options.get(ASK_OPTION))  # set by a face, never the wire
+        if asker is not None and timeout is not None:
+            timeout -= asker.ask_timeout_s  # the face gave the call that much more for its questions
         self._sent.inc()
         try:
             result = await self.requests.call(
@@ -201,6 +206,8 @@ class McpProvider(Provider):
                 progress=progress if callable(progress) else None,
                 retry_safe=bool(item.options.get(_RETRY_SAFE)),
                 log=log if isinstance(log, LogFanout) and self.settings.forward_logs else None,
+                relay=Relay(self.name, asker),
+                resume=asker.resume if asker is not None else None,
             )
         except RpcError as e:
             self.ctx.metrics.upstream_errors.labels(self.name, code_label(e.code)).inc()

@@ -32,15 +32,17 @@ from mcp.server.subscriptions import (
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import ValidationError
 
-from multiplexer.core.call import Outcome
+from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import Code, RpcError, closest
 from multiplexer.core.jsonrpc import META_KEYS, call_from
 from multiplexer.core.logs import LEVELS, LogSink
 from multiplexer.core.provider import McpUpstream, ToolSpec
 from multiplexer.core.version import VERSION as __version__
 from multiplexer.faces.jobs import JobFace
+from multiplexer.faces.mcp.asking import ClientAsker
 from multiplexer.faces.mcp.audit import audit_of
 from multiplexer.faces.mcp.resources import UpstreamCatalog
+from multiplexer.faces.mcp.sampling import Sampler
 from multiplexer.faces.mcp.tasks import EXTENSION as TASKS
 from multiplexer.faces.mcp.tasks import TaskFace, TaskParams, opted_in
 from multiplexer.faces.mcp.tools import (
@@ -334,6 +336,7 @@ class McpFace:
         upstream = self._is_mcp_route(method)
         if upstream:
             call.log = self._log_sink(ctx, raw_meta)
+            self._may_be_asked(ctx, params, call)
         outcome = await self.gateway.submit(call)
         if outcome.error is not None and outcome.error.code == Code.METHOD_NOT_FOUND:
             raise await self._unknown_tool(ctx, params.name)
@@ -347,6 +350,23 @@ class McpFace:
         would show it: its key's rules and this server's tool set)."""
         allowed = self.may_use(ctx)
         return unknown_tool(name, closest(name, [s.name for s in await self.specs() if allowed(s.name)]))
+
+    def _may_be_asked(self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams,
+                      call: Call) -> None:
+        """The call's way back to this client for its upstream's questions (``asking.py``), and the
+        time they may take added to its deadline (which pauses while the client is asked)."""
+        settings = self.gateway.config.server.mcp
+        resume = None
+        if params.input_responses is not None or params.request_state is not None:
+            resume = params.model_dump(by_alias=True, mode="json", exclude_none=True,
+                                       include={"input_responses", "request_state"})
+        sampler = (Sampler(self.gateway, settings.sampling, call.identity)
+                   if settings.sampling is not None else None)
+        call.ask = ClientAsker(ctx, settings.ask_timeout_s, sampler, resume)
+        if call.timeout_ms is None:
+            route = self.gateway.resolve(call.method).route
+            call.timeout_ms = route.timeout_ms or self.gateway.config.server.default_timeout_ms
+        call.timeout_ms += settings.ask_timeout_s * 1000
 
     # -- upstream log messages ------------------------------------------------------
     async def set_log_level(self, ctx: ServerRequestContext[Any, Any],
@@ -392,6 +412,9 @@ class McpFace:
             text = outcome.result_json.decode()
             return wrap_result(json.loads(text), text)
         result = outcome.result
+        if upstream and isinstance(result, dict) and result.get("resultType") == "input_required":
+            # an upstream's question for a 2026-07-28 client to answer (``asking.py``)
+            return types.InputRequiredResult.model_validate(result)  # type: ignore[return-value]
         if upstream and isinstance(result, dict) and "content" in result:
             # The upstream's result, era-free (the provider's dump of the SDK's model): the SDK's
             # per-revision check writes it in this client's revision, so it is not parsed again here.
