@@ -33,6 +33,9 @@ CACHED_OPERATIONS = frozenset({"chat", "messages"})  # groups of these default t
 # route's ``base_urls``) and the caller's ``x-session-id`` (``Call.session``).
 AFFINITY_KEY = "affinity_key"
 SESSION = "session"
+# Set on a call's item when affinity sent it away from its pick: the spend report books it as a
+# cache move, with what it cost (``money/meter.py``).
+CACHE_MOVED = "cache_moved"
 _MASK = (1 << 64) - 1
 _SYSTEM_ROLES = ("system", "developer")
 

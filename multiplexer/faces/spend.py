@@ -2,10 +2,13 @@
 
 ``?group_by=key,route&since=2026-12-01&until=2026-12-03`` (ISO dates, both included, in
 ``budgets.timezone``); the body is ``{"rows": [{<groups>, calls, cost_usd, saved_usd,
-unknown_cost_calls, input_tokens, cache_read_tokens, cache_read_share, saved_by}], "total":
-{...}}``, each row by key naming it (``key_name`` beside ``key``: ``access/names.py``); the
-cache-read share is the part of the input a provider read from its prompt cache. Behind the
-admin key like every ``/admin/``."""
+unknown_cost_calls, input_tokens, cache_read_tokens, cache_read_share, cache_writes_usd,
+cache_moves, cache_moves_usd, saved_by}], "total": {...}}``, each row by key naming it
+(``key_name`` beside ``key``: ``access/names.py``); the cache-read share is the part of the input
+a provider read from its prompt cache, ``cache_writes_usd`` what its cache writes cost beyond
+plain input, ``cache_moves`` the calls affinity sent away from the deployment holding their
+prefix and ``cache_moves_usd`` what those moves cost at most. Behind the admin key like every
+``/admin/``."""
 
 from __future__ import annotations
 

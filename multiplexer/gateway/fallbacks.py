@@ -28,7 +28,7 @@ from typing import Any
 from multiplexer.core.asking import ASK_OPTION
 from multiplexer.core.attempts import BUDGET, Budget
 from multiplexer.core.breaker import Breakers, SharesBreakers, State
-from multiplexer.core.cache_affinity import AFFINITY_KEY
+from multiplexer.core.cache_affinity import AFFINITY_KEY, CACHE_MOVED
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.errors import Code, RpcError, upstream_unavailable
 from multiplexer.core.failures import UNWELL, matches, reason_of
@@ -183,13 +183,17 @@ class Fallbacks:
         if why is None:
             return order, name
         self.cache_moves.add((group, why))
+        item.options[CACHE_MOVED] = True  # booked as a move, with what it cost (money/meter.py)
         return order, None
 
-    def _left_home(self, att: Attempts, reason: str) -> None:
-        """The call's attempt on its affinity pick failed and another route took it: counted once."""
+    def _left_home(self, t: Ticket, att: Attempts, reason: str) -> None:
+        """The call's attempt on its affinity pick failed and another route took it: counted once
+        (and booked as a move on the attempt's item, which the call is priced as)."""
         if att.home is not None:  # set only while the call's attempts were all on it
             why = reason if reason in ("breaker_open", "overloaded") else "fallback"
             self.cache_moves.add((att.group, why))
+            if t.plan is not None and t.plan.item is not None:
+                t.plan.item.options[CACHE_MOVED] = True
         att.home = None
 
     def refusal(self, call: Call, name: str, route: RouteConfig) -> RpcError | None:
@@ -401,14 +405,14 @@ class Fallbacks:
                 came_from, reason = name, "breaker_open"
                 continue
             if self._queue(t, att, name, route):
-                self._left_home(att, first_reason)
+                self._left_home(t, att, first_reason)
                 return True
             came_from, reason = name, att.why
         if opened and (att.number > 0 or len(opened) >= 2):  # only open routes were left
             for name in opened:
                 self.metrics.attempts.labels(name, "all_open").inc()
                 if self._queue(t, att, name, self.routes[name]):
-                    self._left_home(att, first_reason)
+                    self._left_home(t, att, first_reason)
                     return True
         return False
 

@@ -191,8 +191,8 @@ class Money:
         sums: dict[tuple[str, str, str, str, str], list[int]] = {}
         days: dict[int, str] = {}
         teams: dict[str | None, str] = {}
-        for at, key, route, _provider, model, cost, saved, how, prompt_saved, requests_saved, sent, read \
-                in records:
+        for at, key, route, _provider, model, cost, saved, how, prompt_saved, requests_saved, writes, \
+                moved, move_cost, sent, read in records:
             minute = int(at // 60)  # a zone's midnight falls on a whole minute
             day = days.get(minute)
             if day is None:
@@ -220,10 +220,13 @@ class Money:
                 row[8] += round(requests_saved * 1_000_000)
             row[9] += sent
             row[10] += read
+            row[11] += writes
+            row[12] += moved
+            row[13] += move_cost
         out = []
         for g, s in sums.items():  # pico-dollars to nano, requests to thousandths; tokens as they are
             out.append((*g, s[0], *(-(-v // 1000) for v in s[1:3]), s[3], *(-(-v // 1000) for v in s[4:8]),
-                        -(-s[8] // 1000), s[9], s[10]))
+                        -(-s[8] // 1000), s[9], s[10], -(-s[11] // 1000), s[12], -(-s[13] // 1000)))
         return out
 
     async def report(self, group_by: Sequence[str], since: date | None, until: date | None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from multiplexer.core.after import after
+from multiplexer.core.cache_affinity import CACHE_MOVED
 from multiplexer.core.call import Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.metrics import Metrics
@@ -34,9 +35,12 @@ MAX_PENDING = 1_000_000  # records waiting for the writer; beyond this they are 
 
 # (wall time, key, route, provider, model, cost or None, saved, how, prompt-cache saved,
 #  upstream requests saved: 1 for a shared call, a packed call's part of those its batch saved,
+#  what its prompt-cache writes cost beyond plain input, whether it was a cache move (1: affinity
+#  sent it off the route holding its prefix) and what the move cost at most (``Rates.pico_unread``),
 #  input tokens and the prompt-cache reads among them, as the provider's usage said: 0 for a
 #  call that sent none upstream or whose usage is unknown); amounts in integer pico-dollars
-Record = tuple[float, str | None, str, str, str, int | None, int, str, int, float, int, int]
+Record = tuple[float, str | None, str, str, str, int | None, int, str, int, float, int, int, int,
+               int, int]
 
 
 class MoneyMetrics:
@@ -111,7 +115,8 @@ class Meter:
             return answer, None
         item, route, model, rates = metered
         cost: int | None
-        saved = cache_saved = sent = read = 0
+        saved = cache_saved = sent = read = writes = move_cost = 0
+        moved = 1 if shared is None and item.options.get(CACHE_MOVED) else 0
         how = shared or SYNC
         result = outcome.built()
         tokens = tokens_of(usage_of(result)) if type(result) is dict else None
@@ -127,6 +132,9 @@ class Meter:
                 cost = rates.pico(tokens)
                 alone = rates.pico_uncached(tokens)
                 cache_saved = alone - cost
+                writes = rates.pico_writes(tokens)
+                if moved:
+                    move_cost = rates.pico_unread(tokens)
             if cost is not None:
                 if shared is not None:
                     cost, saved, cache_saved = 0, alone, 0
@@ -134,6 +142,7 @@ class Meter:
                     how = BATCH
                     num, den = self.prices.batch_kept(plan.label, route.provider)
                     cost = cost * num // den
+                    writes, move_cost = writes * num // den, move_cost * num // den
                     saved = alone - cost
                 else:
                     saved = cache_saved
@@ -145,8 +154,11 @@ class Meter:
         else:
             share = item.options.get("upstream_share")
             requests_saved = 1.0 - share if isinstance(share, float) else 0.0
+        if shared is not None:
+            writes = 0
         after(self._book, (self.clock.wall(), item.identity, plan.label, route.provider, model or "",
-                           cost, saved, how, cache_saved, requests_saved, sent, read))
+                           cost, saved, how, cache_saved, requests_saved, writes, moved, move_cost,
+                           sent, read))
         return answer, cost
 
     def _metered(self, plan: Any) -> tuple[Any, Any, str | None, Any] | None:
@@ -184,13 +196,13 @@ class Meter:
             else:
                 cost = most
         after(self._book, (self.clock.wall(), item.identity, plan.label, route.provider, model or "",
-                           cost, 0, SYNC, 0, 0.0, 0, 0))
+                           cost, 0, SYNC, 0, 0.0, 0, 0, 0, 0, 0))
         return cost
 
     def _book(self, record: Record) -> None:
         """A priced call into the spend metrics and the writer's records, once its answer is
         written (core/after.py): the caller's headers need only its cost."""
-        _, _, label, provider, _, cost, saved, how, _, _, _, _ = record
+        _, _, label, provider, _, cost, saved, how, *_ = record
         m = self.metrics
         if cost is None:
             m.unknown[label] = m.unknown.get(label, 0) + 1
@@ -222,7 +234,7 @@ class Meter:
                 if model is not None:
                     m.unknown[route] = m.unknown.get(route, 0) + 1
                     self.records.append((wall, identity, route, provider, model, None, 0, BATCH, 0, 0.0,
-                                         0 if tokens is None else tokens.input,
+                                         0, 0, 0, 0 if tokens is None else tokens.input,
                                          0 if tokens is None else tokens.cache_read))
                 continue
             alone = rates.pico_uncached(tokens)
@@ -236,9 +248,12 @@ class Meter:
             if saved:
                 how = BATCH if batch else "prompt_cache"
                 m.saved[(route, how)] = m.saved.get((route, how), 0.0) + saved / 1e12
+            writes = rates.pico_writes(tokens)
+            if batch:
+                writes = writes * num // den
             self.records.append((wall, identity, route, provider, model or "", cost, saved,
-                                 BATCH if batch else SYNC, alone - full, 0.0, tokens.input,
-                                 tokens.cache_read))
+                                 BATCH if batch else SYNC, alone - full, 0.0, writes, 0, 0,
+                                 tokens.input, tokens.cache_read))
             costs.append(cost)
         return costs
 

@@ -90,6 +90,21 @@ class Rates:
         return ((plain if plain > 0 else 0) * self.p_input + t.cache_write * self.p_write
                 + t.cache_write_1h * self.p_write_1h + t.output * self.p_output + self.p_call)
 
+    def pico_writes(self, t: Tokens) -> int:
+        """What ``t``'s prompt-cache writes cost beyond the same tokens as plain input (Anthropic
+        bills a five-minute write 1.25x, an hour-long one 2x; 0 where writes cost as input)."""
+        extra = t.cache_write * (self.p_write - self.p_input) + t.cache_write_1h * self.p_write_1h
+        return extra if extra > 0 else 0
+
+    def pico_unread(self, t: Tokens) -> int:
+        """What ``t``'s prompt beyond its cache reads cost above reading it all from the cache:
+        for a call moved off the deployment holding its cache, the most the move cost (its last
+        turn would have been new input anyway)."""
+        plain = t.input - t.cache_read - t.cache_write
+        extra = ((plain if plain > 0 else 0) * (self.p_input - self.p_read)
+                 + t.cache_write * (self.p_write - self.p_read) + t.cache_write_1h * self.p_write_1h)
+        return extra if extra > 0 else 0
+
     @property
     def priced_tokens(self) -> bool:
         return bool(self.p_input or self.p_output)

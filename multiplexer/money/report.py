@@ -78,6 +78,8 @@ def sums_json(values: Sequence[Any]) -> dict[str, Any]:
     v = dict(zip(SUMS, values, strict=True))
     sent, read = int(v["input_tokens"] or 0), int(v["cache_read_tokens"] or 0)
     return {"input_tokens": sent, "cache_read_tokens": read, "cache_read_share": share(read, sent),
+            "cache_writes_usd": dollars(v["cache_writes"]), "cache_moves": int(v["cache_moves"] or 0),
+            "cache_moves_usd": dollars(v["cache_move_cost"]),
             "calls": int(v["calls"] or 0), "cost_usd": dollars(v["cost"]), "saved_usd": dollars(v["saved"]),
             "unknown_cost_calls": int(v["unknown_calls"] or 0),
             "upstream_requests_saved": round(int(v["requests_saved"] or 0) / 1000, 3),

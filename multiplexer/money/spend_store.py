@@ -1,7 +1,8 @@
 """Spend and savings by day, key, team, route and model, in the job store's database.
 
 One row per (day, key, team, route, model) holds running sums: calls, cost, what was saved
-(and by what), calls of unknown cost, input tokens and the prompt-cache reads among them. The
+(and by what), calls of unknown cost, input tokens and the prompt-cache reads among them, what
+prompt-cache writes cost beyond plain input, and the cache moves with what they cost at most. The
 writer adds a batch of such sums at a time, so the database sees one statement per group and
 flush, never one per call. SQLite (``store.path``)
 for one gateway, PostgreSQL (``store.url``, schema ``store.schema``) shared by replicas.
@@ -19,8 +20,10 @@ from typing import Any
 
 GROUPS = ("key", "team", "route", "model", "day")
 SUMS = ("calls", "cost", "saved", "unknown_calls", "saved_batch", "saved_dedup", "saved_cache",
-        "saved_prompt_cache", "requests_saved", "input_tokens", "cache_read_tokens")
-ADDED = ("input_tokens", "cache_read_tokens")  # columns a table made by an earlier version lacks
+        "saved_prompt_cache", "requests_saved", "input_tokens", "cache_read_tokens",
+        "cache_writes", "cache_moves", "cache_move_cost")
+# columns a table made by an earlier version lacks
+ADDED = ("input_tokens", "cache_read_tokens", "cache_writes", "cache_moves", "cache_move_cost")
 COLUMNS = ("day", "key", "team", "route", "model", *SUMS)
 # key and team are '' for keyless callers and keys without a team (a primary key has no NULLs)
 TABLE = """CREATE TABLE IF NOT EXISTS {t} (
@@ -29,6 +32,8 @@ TABLE = """CREATE TABLE IF NOT EXISTS {t} (
   saved_batch BIGINT NOT NULL, saved_dedup BIGINT NOT NULL, saved_cache BIGINT NOT NULL,
   saved_prompt_cache BIGINT NOT NULL, requests_saved BIGINT NOT NULL,
   input_tokens BIGINT NOT NULL DEFAULT 0, cache_read_tokens BIGINT NOT NULL DEFAULT 0,
+  cache_writes BIGINT NOT NULL DEFAULT 0, cache_moves BIGINT NOT NULL DEFAULT 0,
+  cache_move_cost BIGINT NOT NULL DEFAULT 0,
   PRIMARY KEY (day, key, team, route, model))"""
 
 Row = tuple[Any, ...]  # COLUMNS in order
