@@ -17,6 +17,7 @@ from typing import Any, Literal, cast
 
 import anyio
 import mcp_types as types
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from pydantic import BaseModel
 
 from multiplexer.core.asking import ASK_OPTION, Asker
@@ -167,6 +168,11 @@ class McpProvider(Provider):
     def dedup_safe(self, item: Item) -> bool:
         """Share identical concurrent calls only for tools declared read-only or idempotent."""
         return self._declared_safe(item.method)
+
+    def asks_mid_call(self) -> bool:
+        """Whether this upstream's questions come as requests pushed mid-call (a handshake-era
+        connection), which a 2026-07-28 client can answer only through a held call."""
+        return self.session.era not in MODERN_PROTOCOL_VERSIONS
 
     def tools_ttl_ms(self) -> int | None:
         return self.session.tool_list.ttl_left_ms()

@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from multiplexer.core.asking import ClientGone
 from multiplexer.core.errors import RpcError
+from multiplexer.faces.mcp.held import Held
 from multiplexer.faces.mcp.sampling import Sampler
 
 __all__ = ["ClientAsker", "missing_capability"]
@@ -86,6 +87,7 @@ class ClientAsker:
         self.ask_timeout_s = ask_timeout_s
         self.sampler = sampler
         self.resume = resume
+        self.held: Held | None = None  # where a 2026-07-28 client's call waits for its answers
 
     def answers_here(self, method: str, params: dict[str, Any]) -> bool:
         sampler = self.sampler
@@ -103,8 +105,10 @@ class ClientAsker:
             assert self.sampler is not None
             return await self.sampler.sample(params)
         if self.passthrough:
-            # A 2026-07-28 client answers only through input_required results; a question pushed
-            # mid-call (a handshake-era upstream) has no way to it.
+            # A 2026-07-28 client answers only through input_required results: a question pushed
+            # mid-call (a handshake-era upstream) waits in its held call for the client's retry.
+            if self.held is not None:
+                return await self.held.ask(method, params)
             raise RpcError(types.MISSING_REQUIRED_CLIENT_CAPABILITY,
                            f"{method}: the calling client speaks 2026-07-28, which takes questions only "
                            "as input_required results, and this upstream asked mid-call",

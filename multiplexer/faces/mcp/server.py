@@ -41,6 +41,7 @@ from multiplexer.core.version import VERSION as __version__
 from multiplexer.faces.jobs import JobFace
 from multiplexer.faces.mcp.asking import ClientAsker
 from multiplexer.faces.mcp.audit import audit_of
+from multiplexer.faces.mcp.held import Holds
 from multiplexer.faces.mcp.resources import UpstreamCatalog
 from multiplexer.faces.mcp.sampling import Sampler
 from multiplexer.faces.mcp.tasks import EXTENSION as TASKS
@@ -119,6 +120,8 @@ class McpFace:
         self._upstream_kinds: dict[type, bool] = {}  # provider class -> is an McpUpstream
         self._wake: anyio.Event | None = None  # made in ``running``, inside the event loop
         self.upstream = UpstreamCatalog(gateway, self.cache_hint, self.may_use_prefix)
+        # 2026-07-28 clients' calls held open for their answers to an upstream's questions
+        self.holds = Holds(gateway.config.server.mcp.ask_timeout_s)
         self.audit = audit_of(gateway)  # one record per tools/call (audit.tools), off the hot path
         on_call_tool = cast(CallToolHandler, self.call_tool if self.audit is None
                             else self.audit.audited(self.call_tool, identity_of))
@@ -160,6 +163,7 @@ class McpFace:
         try:
             async with self._audit_running(), anyio.create_task_group() as tg:
                 tg.start_soon(self._broadcast)
+                self.holds.spawn = tg.start_soon
                 if self.tasks is not None:
                     self.tasks.spawn = tg.start_soon
                     tg.start_soon(self.tasks.seal_orphans)
@@ -337,7 +341,15 @@ class McpFace:
         if upstream:
             call.log = self._log_sink(ctx, raw_meta)
             self._may_be_asked(ctx, params, call)
-        outcome = await self.gateway.submit(call)
+            if isinstance(call.ask, ClientAsker) and call.ask.passthrough:
+                got = await self._held(call, call.ask)
+                if isinstance(got, types.InputRequiredResult):
+                    return got  # type: ignore[return-value]
+                outcome = got
+            else:
+                outcome = await self.gateway.submit(call)
+        else:
+            outcome = await self.gateway.submit(call)
         if outcome.error is not None and outcome.error.code == Code.METHOD_NOT_FOUND:
             raise await self._unknown_tool(ctx, params.name)
         result = self._result(params.name, outcome, upstream)
@@ -350,6 +362,28 @@ class McpFace:
         would show it: its key's rules and this server's tool set)."""
         allowed = self.may_use(ctx)
         return unknown_tool(name, closest(name, [s.name for s in await self.specs() if allowed(s.name)]))
+
+    async def _held(self, call: Call, asker: ClientAsker) -> Outcome | types.InputRequiredResult:
+        """A 2026-07-28 client's call to an upstream that asks mid-call (``held.py``): run held
+        for its answers, or resumed by its retry; else as any call."""
+        resume = asker.resume or {}
+        held = self.holds.resuming(resume.get("requestState"), call.identity)
+        if held is not None:
+            held.answer(resume.get("inputResponses") or {})
+        elif self._asks_mid_call(call.method):
+            held = self.holds.start(call.identity, lambda: self.gateway.submit(call))
+        if held is None:
+            return await self.gateway.submit(call)
+        asker.held = held
+        got = await held.next()
+        if isinstance(got, Outcome):
+            held.collected.set()
+        return got
+
+    def _asks_mid_call(self, method: str) -> bool:
+        provider = self.gateway.providers[self.gateway.resolve(method).route.provider]
+        asks = getattr(provider, "asks_mid_call", None)
+        return callable(asks) and bool(asks())
 
     def _may_be_asked(self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams,
                       call: Call) -> None:

@@ -1,0 +1,111 @@
+"""An upstream's questions during a call reach the one client that made it (issue 54, part 1).
+
+Upstream: ``tests/asking_upstream.py`` (``mcp`` 2.x), whose tools elicit (form and URL),
+sample and list roots; as ``up`` it speaks 2026-07-28 (``input_required`` results), as
+``leg`` it is held to the handshake era (requests pushed mid-call). Clients: the SDK's,
+2026-07-28 and 2025-11-25, over the HTTP face.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mcp_types as types
+import pytest
+from mcp import Client, MCPError
+
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
+from multiplexer.server import running
+from tests.mcp_helpers import ROOT, mcp_http_client, until_connected, wait_until
+
+pytestmark = pytest.mark.anyio
+
+ASKING = str(ROOT / "tests" / "asking_upstream.py")
+UPSTREAMS = {"up": "auto", "leg": "legacy"}  # route prefix -> the upstream's era (protocol)
+MODES = ["auto", "legacy"]  # the client's: 2026-07-28, 2025-11-25
+
+
+def upstream(protocol: str) -> dict[str, Any]:
+    return {"kind": "mcp", "command": sys.executable, "args": [ASKING], "protocol": protocol,
+            "restart_backoff_ms": 20, "limits": {"concurrency": 16}}
+
+
+@pytest.fixture(scope="module")
+async def gateway() -> AsyncIterator[tuple[Gateway, str]]:
+    config = {"server": {"host": "127.0.0.1", "port": 0, "mcp": {"ask_timeout_s": 5}},
+              "providers": {name: upstream(protocol) for name, protocol in UPSTREAMS.items()},
+              "routes": {f"{name}_*": {"provider": name, "timeout_ms": 20_000} for name in UPSTREAMS}}
+    async with running(parse_config(config)) as (gw, url):
+        await until_connected(gw, UPSTREAMS)
+        yield gw, url + "/mcp"
+
+
+class Answers:
+    """A client's callbacks: each question it was asked, and a fixed answer to each."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.asked: list[str] = []
+        self.delay_s = delay_s
+
+    async def elicit(self, ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+        self.asked.append(f"elicit:{getattr(params, 'mode', None) or 'form'}")
+        await anyio.sleep(self.delay_s)
+        if isinstance(params, types.ElicitRequestURLParams):
+            return types.ElicitResult(action="accept")
+        return types.ElicitResult(action="accept", content={"name": "Ada"})
+
+    async def sample(self, ctx: Any, params: types.CreateMessageRequestParams) -> types.CreateMessageResult:
+        self.asked.append("sample")
+        return types.CreateMessageResult(role="assistant", model="client-model",
+                                         content=types.TextContent(type="text", text="waves"))
+
+    async def roots(self, ctx: Any) -> types.ListRootsResult:
+        self.asked.append("roots")
+        return types.ListRootsResult(roots=[types.Root(uri="file:///work/a")])  # type: ignore[arg-type]
+
+    def callbacks(self) -> dict[str, Any]:
+        return {"elicitation_callback": self.elicit, "sampling_callback": self.sample,
+                "list_roots_callback": self.roots}
+
+
+def text(result: types.CallToolResult) -> str:
+    first = result.content[0]
+    assert isinstance(first, types.TextContent), result
+    return first.text
+
+
+CASES = [("greet", {}, "hello Ada", "elicit:form"), ("haiku", {"topic": "sea"}, "client-model: waves", "sample"),
+         ("where", {}, "file:///work/a", "roots"), ("visit", {}, "accept", "elicit:url")]
+
+
+@pytest.mark.parametrize("up", UPSTREAMS)
+@pytest.mark.parametrize("mode", MODES)
+async def test_each_question_reaches_the_calling_client(gateway: tuple[Gateway, str], up: str,
+                                                        mode: str) -> None:
+    _, url = gateway
+    answers = Answers()
+    async with mcp_http_client(url, mode, **answers.callbacks()) as client:
+        for tool, args, expected, asked in CASES:
+            result = await client.call_tool(f"{up}_{tool}", args)
+            assert not result.is_error, result
+            assert text(result) == expected
+            assert answers.asked[-1] == asked
+    assert answers.asked == [c[3] for c in CASES]
+
+
+@pytest.mark.parametrize("up", UPSTREAMS)
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_client_without_the_capability_gets_the_error_naming_it(
+        gateway: tuple[Gateway, str], up: str, mode: str) -> None:
+    _, url = gateway
+    async with mcp_http_client(url, mode) as client:  # declares nothing
+        with pytest.raises(MCPError) as caught:
+            result = await client.call_tool(f"{up}_greet", {})
+            raise AssertionError(f"answered: {result}")
+    assert caught.value.code == types.MISSING_REQUIRED_CLIENT_CAPABILITY or "elicitation" in str(caught.value)
+    assert "elicitation" in caught.value.message
