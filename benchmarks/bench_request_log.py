@@ -1,5 +1,7 @@
-"""The request log's cost and its reads, three phases, each printed as a table:
+"""The request log's cost and its reads, four phases, each printed as a table:
 
+0. ``cost``: in one process, the microseconds a call's end spends queuing its record, and those
+   the writer spends per record off the call's path (its row built and inserted in SQLite).
 1. ``hot``: what recording every call costs on the call path. Four gateway processes of this
    tree against one fake OpenAI upstream, the default config (SQLite store): the log off twice
    (the A/A control: two copies of the same config land this far apart in this run) and the log
@@ -101,6 +103,39 @@ async def hot(args: argparse.Namespace) -> list[dict[str, Any]]:
     for r in rows[1:]:
         r["added_p50_ms"] = r["p50_ms"] - direct
     return rows
+
+
+def cost(n: int) -> dict[str, float]:
+    """In one process, no network: the call path's part (``RequestLog.ended``: a queued tuple) and
+    the writer's (a row built and inserted into SQLite) per call, in microseconds."""
+    from multiplexer.core.call import Call, Item, Outcome
+    from multiplexer.gateway.admission import Plan
+    from multiplexer.records.requests import RequestLog
+    from multiplexer.records.settings import RequestLogConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log = RequestLog(RequestLogConfig(queue=n + 1, batch=2000), store_path=Path(tmp) / "r.db",
+                         store_url=None, store_schema="", registry=None, wall=time.time,
+                         team_of=lambda _: None)
+        call = Call("chat", {"model": MODEL, "messages": []}, identity="bench")
+        plan = Plan(call, "chat", time.monotonic() + 60, started=time.monotonic())
+        plan.item = Item(route="chat", operation="chat", method="chat", params=call.params,
+                         options={"mode": "sync"})
+        answer = Outcome({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5}})
+        answer.cost_pico = 12_345_000
+        ended = log.ended
+        t = time.perf_counter()
+        for _ in range(n):
+            ended(plan, answer, answer, "oai", None, 0.001)
+        put = time.perf_counter() - t
+        queued = list(log.sink._queue)
+        t = time.perf_counter()
+        for i in range(0, n, 2000):
+            log._write(queued[i:i + 2000])
+        wrote = time.perf_counter() - t
+        assert log._writer is not None and log._writer.count() == n
+        log._writer.close()
+    return {"call_path_us": put / n * 1e6, "writer_us": wrote / n * 1e6}
 
 
 def metric(text: str, name: str) -> float:
@@ -212,15 +247,23 @@ async def query(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--phase", choices=["hot", "sustain", "query", "all"], default="all")
+    parser.add_argument("--phase", choices=["cost", "hot", "sustain", "query", "all"], default="all")
     parser.add_argument("--sequential", type=int, default=2000)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--records", type=int, default=100_000, help="calls timed in the cost phase")
     args = parser.parse_args()
     saved: dict[str, Any] = {"argv": sys.argv[1:]}
+    if args.phase in ("cost", "all"):
+        c = cost(args.records)
+        print(table(["per call, in process", "us"],
+                    [["the call's path: RequestLog.ended (floor: 20 us)", f"{c['call_path_us']:.2f}"],
+                     ["the writer, off the path: row built and inserted (SQLite)", f"{c['writer_us']:.2f}"]])
+              + "\n")
+        saved["cost"] = c
     if args.phase in ("hot", "all"):
         rows = anyio.run(hot, args)
         print(table(["path", "p50 ms", "added p50 ms", "p99 ms", "calls/s", "gateway CPU ms/call"],

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import orjson
 from prometheus_client import CollectorRegistry
 
-from multiplexer.core.json_codec import dumps, loads
+from multiplexer.core.json_codec import loads
 from multiplexer.money.prices import tokens_of, usage_of
 from multiplexer.records.context import REQUEST_ID
 from multiplexer.records.redact import redacted_text
@@ -107,7 +108,7 @@ class RequestLog:
                 getattr(call, "batch_id", None), mode, shared,
                 None if tokens is None else tokens.input, None if tokens is None else tokens.output,
                 None if tokens is None else tokens.cache_read, cost, saved, latency_ms, first_ms,
-                dumps(path).decode(), *bodies)
+                orjson.dumps(path).decode(), *bodies)  # its numbers are finite: no check
 
     @staticmethod
     def _tokens(outcome: Any) -> Any:
