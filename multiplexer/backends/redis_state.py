@@ -187,6 +187,12 @@ class RedisState:
         key = f"{self.prefix}:{{q:{_tag(identity)}}}:batch:{day}"
         return int(await self._call(self._batch, [key], [calls, allowed]))
 
+    def mcp_sessions(self) -> Any:
+        """Handshake-era MCP sessions any replica serves (``faces/mcp/replica_sessions.py``)."""
+        from multiplexer.backends.redis_mcp_sessions import RedisMcpSessions
+
+        return RedisMcpSessions(self.r, self._blocking, self.prefix, self.replica_id, _tag)
+
     def budget_counters(self) -> Any:
         """Budget counters on this state's server (money/budgets.py decides with them)."""
         from multiplexer.backends.redis_budget import RedisBudgetCounters

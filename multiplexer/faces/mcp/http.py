@@ -37,6 +37,7 @@ from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
 from multiplexer.faces.http import rpc_error, too_large, unauthorized
 from multiplexer.faces.mcp.batch import BATCH_REVISIONS, serve_batch
 from multiplexer.faces.mcp.exchange import SingleExchange
+from multiplexer.faces.mcp.replica_sessions import session_manager
 from multiplexer.faces.mcp.server import IDENTITY_SCOPE_KEY, McpFace
 from multiplexer.faces.reply import Reply
 from multiplexer.gateway.gateway import Gateway
@@ -306,8 +307,8 @@ def mount_one(gateway: Gateway, authenticator: Authenticator, path: str, face: M
     """One MCP server at ``path``: its routes, and what runs while the app does."""
     server = gateway.config.server
     gateway.faces[name] = face
-    manager = StreamableHTTPSessionManager(
-        app=face.server,
+    manager = session_manager(  # the SDK's, shared by the replicas with state.url
+        face, name,
         max_request_body_size=server.max_body_bytes,
         max_sessions=server.mcp.max_sessions,
         session_idle_timeout=server.mcp.session_idle_s,

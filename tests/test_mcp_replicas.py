@@ -1,0 +1,342 @@
+"""Handshake-era MCP sessions on any replica: three gateways sharing one Redis behind a round-robin
+balancer written here (``tests/rr_proxy.py``: each request to the next replica), driven by the
+official Python SDK client.
+
+Every session works whichever replica each of its requests reaches (a replica that never saw it
+rebuilds it from Redis); a list change heard on one replica reaches the client streaming from
+another; a server-to-client request is answered through whichever replica the answer reaches;
+DELETE ends the session on every replica; a session opened with one key is not found with another;
+a SIGKILLed replica loses no session.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import mcp_types as types
+import pytest
+import redis.asyncio as aioredis
+import yaml
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+from multiplexer.faces.mcp.replica_sessions import ReplicaSessionManager, session_manager
+from multiplexer.faces.mcp.server import McpFace
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
+from multiplexer.server import running
+from tests.mcp_helpers import (
+    ROOT,
+    HttpUpstream,
+    free_port,
+    http_upstream,
+    http_upstream_process,
+    mcp_http_client,
+    wait_until,
+)
+from tests.redis_helpers import prefix, redis_url
+from tests.rr_proxy import RoundRobin, round_robin
+
+pytestmark = pytest.mark.anyio
+
+LIST = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+KEYS = {"a": "key-a-" + "x" * 20, "b": "key-b-" + "y" * 20}
+Replica = tuple[Gateway, str]
+
+
+def config(state_prefix: str, upstream: str | None = None, **mcp: Any) -> dict[str, Any]:
+    providers: dict[str, Any] = {"e": {"kind": "echo"}}
+    routes: dict[str, Any] = {"echo": {"provider": "e"}}
+    if upstream is not None:
+        providers["tools"] = http_upstream(upstream)
+        routes["tools_*"] = {"provider": "tools"}
+    return {
+        "server": {"host": "127.0.0.1", "port": 0, "api_keys": KEYS, "mcp": mcp},
+        "state": {"url": redis_url(), "prefix": state_prefix},
+        "providers": providers,
+        "routes": routes,
+    }
+
+
+@asynccontextmanager
+async def deployment(n: int = 3, upstream: str | None = None, **mcp: Any
+                     ) -> AsyncIterator[tuple[list[Replica], str, RoundRobin, str]]:
+    """``n`` replicas of one config (one ``state.prefix``) behind the balancer: (replicas, its
+    /mcp URL, the balancer, the prefix)."""
+    pre = prefix()
+    async with AsyncExitStack() as stack:
+        replicas = [await stack.enter_async_context(running(parse_config(config(pre, upstream, **mcp))))
+                    for _ in range(n)]
+        base, proxy = await stack.enter_async_context(round_robin([url for _, url in replicas]))
+        yield replicas, base + "/mcp", proxy, pre
+
+
+def manager_of(gw: Gateway) -> ReplicaSessionManager:
+    manager = gw.faces["mcp:sessions"]
+    assert isinstance(manager, ReplicaSessionManager)
+    return manager
+
+
+def face_of(gw: Gateway) -> McpFace:
+    face = gw.faces["mcp"]
+    assert isinstance(face, McpFace)
+    return face
+
+
+async def streaming(replicas: list[Replica], sid: str) -> int:
+    """The replica that holds the client's GET stream (waited for: the client opens it itself)."""
+    found: list[int] = []
+
+    async def held() -> bool:
+        found[:] = [i for i, (gw, _) in enumerate(replicas)
+                    if (c := manager_of(gw).copies.get(sid)) is not None and c.streams]
+        return len(found) == 1
+
+    await wait_until(held, timeout=10)
+    return found[0]
+
+
+def one_session(replicas: list[Replica]) -> str:
+    """The one session id the replicas hold copies of."""
+    ids = {sid for gw, _ in replicas for sid in manager_of(gw).copies}
+    assert len(ids) == 1, ids
+    return ids.pop()
+
+
+@pytest.fixture(scope="module")
+async def upstream() -> AsyncIterator[HttpUpstream]:
+    """One MCP upstream (``demo_tools.py --http``) for every replica of the module's tests."""
+    async with http_upstream_process() as process:
+        yield process
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_every_session_works_through_a_round_robin_balancer(mode: str, upstream: HttpUpstream) -> None:
+    async with deployment(upstream=upstream.url) as (
+            replicas, url, proxy, _):
+        progress: list[float] = []
+
+        async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            progress.append(done)
+
+        async def session(n: int) -> None:
+            async with mcp_http_client(url, mode, key=KEYS["a"]) as client:
+                assert client.protocol_version == ("2025-11-25" if mode == "legacy" else "2026-07-28")
+                names = {t.name for t in (await client.list_tools()).tools}
+                assert {"echo", "tools_sleep"} <= names
+                for i in range(4):
+                    result = await client.call_tool("echo", {"session": n, "i": i})
+                    assert result.structured_content == {"session": n, "i": i}
+                slept = await client.call_tool("tools_sleep", {"seconds": 0.01, "steps": 2},
+                                               progress_callback=on_progress)
+                assert slept.structured_content == {"result": "slept"}
+
+        async with anyio.create_task_group() as tg:
+            for n in range(4):
+                tg.start_soon(session, n)
+        assert set(proxy.served) == {0, 1, 2}
+        assert len(progress) == 8  # two steps of each session's sleep, from whichever replica ran it
+        if mode == "legacy":  # every replica served (and so rebuilt) sessions it did not open
+            assert all(manager_of(gw).rebuilt for gw, _ in replicas)
+
+
+async def test_without_shared_state_the_sdk_manager_serves_as_before() -> None:
+    async with running(parse_config({"server": {"host": "127.0.0.1", "port": 0},
+                                     "providers": {"e": {"kind": "echo"}},
+                                     "routes": {"echo": {"provider": "e"}}})) as (gw, _):
+        assert type(gw.faces["mcp:sessions"]) is StreamableHTTPSessionManager
+        assert type(session_manager(face_of(gw), "x")) is StreamableHTTPSessionManager
+
+
+async def test_a_list_change_on_one_replica_reaches_the_client_streaming_from_another() -> None:
+    async with deployment() as (replicas, url, _, _):
+        heard = anyio.Event()
+
+        async def on_message(message: Any) -> None:
+            if isinstance(message, types.ToolListChangedNotification):
+                heard.set()
+
+        async with mcp_http_client(url, "legacy", key=KEYS["a"], message_handler=on_message) as client:
+            for i in range(3):  # every replica serves one of these, so each holds a copy
+                await client.call_tool("echo", {"i": i})
+            sid = one_session(replicas)
+            holder = await streaming(replicas, sid)
+            other = (holder + 1) % 3
+            assert sid in manager_of(replicas[other][0]).copies
+            replicas[other][0].notify("tools_changed", {})  # heard by that replica only
+            with anyio.fail_after(5):
+                await heard.wait()
+
+
+async def test_server_requests_are_answered_through_whichever_replica_the_answer_reaches() -> None:
+    """A request to the client on a call's own stream (as a relayed elicitation is) and one on the
+    standalone stream from a replica that does not hold it: the client's answer is a POST that the
+    balancer may send anywhere, and it reaches the replica waiting for it."""
+    asked: list[int] = []
+
+    async def list_roots(ctx: Any) -> types.ListRootsResult:
+        asked.append(1)
+        return types.ListRootsResult(roots=[types.Root(uri="file:///work", name="work")])
+
+    async def ask_on_call(ctx: Any, call_next: Any) -> Any:
+        if ctx.method == "tools/call" and (ctx.params or {}).get("name") == "ask":
+            roots = await ctx.session.list_roots()
+            text = roots.roots[0].uri
+            return {"content": [{"type": "text", "text": str(text)}], "isError": False}
+        return await call_next(ctx)
+
+    async with deployment() as (replicas, url, _, _):
+        for gw, _ in replicas:
+            face_of(gw).server.middleware.insert(0, ask_on_call)
+        async with mcp_http_client(url, "legacy", key=KEYS["a"], list_roots_callback=list_roots) as client:
+            for _ in range(6):  # asked from each replica; answers land on the next one
+                result = await client.call_tool("ask", {})
+                assert isinstance(result.content[0], types.TextContent)
+                assert result.content[0].text == "file:///work"
+            sid = one_session(replicas)
+            holder = await streaming(replicas, sid)
+            other = manager_of(replicas[(holder + 1) % 3][0]).copies[sid]
+            with anyio.fail_after(5):
+                roots = await other.connection.send_request(types.ListRootsRequest())
+            assert str(roots.roots[0].uri) == "file:///work"
+        assert len(asked) == 7
+        assert sum(manager_of(gw).forwarded for gw, _ in replicas) > 0
+
+
+async def test_the_session_record_carries_capabilities_and_log_level_to_every_replica() -> None:
+    async with deployment() as (replicas, url, _, pre):
+        async def list_roots(ctx: Any) -> types.ListRootsResult:
+            return types.ListRootsResult(roots=[])
+
+        async with mcp_http_client(url, "legacy", key=KEYS["a"], list_roots_callback=list_roots) as client:
+            for i in range(3):  # every replica holds a copy before the level is set on one of them
+                await client.call_tool("echo", {"i": i})
+            sid = one_session(replicas)
+            await client.set_logging_level("error")
+            await client.call_tool("echo", {})
+
+            async def everywhere() -> bool:
+                return all(face_of(gw)._log_levels.get(id(manager_of(gw).copies[sid].connection))
+                           == "error" for gw, _ in replicas)
+
+            await wait_until(everywhere, timeout=5)
+            for gw, _ in replicas:
+                connection = manager_of(gw).copies[sid].connection
+                assert connection.protocol_version == "2025-11-25"
+                assert connection.client_params is not None
+                assert connection.client_params.client_info.name
+                assert connection.client_capabilities is not None
+                assert connection.client_capabilities.roots is not None
+            async with aioredis.Redis.from_url(redis_url()) as r:
+                keys = [k async for k in r.scan_iter(match=f"{pre}:mcp:*:s:{sid}")]
+                assert len(keys) == 1
+                record = await r.hgetall(keys[0])
+                assert record[b"level"] == b"error"
+                assert json.loads(record[b"owner"])["client_id"] == "a"
+                ttl = await r.pttl(keys[0])
+                assert 0 < ttl <= 1800_000
+
+
+async def test_delete_ends_the_session_on_every_replica() -> None:
+    async with deployment() as (replicas, url, _, pre), httpx.AsyncClient() as http:
+        async with mcp_http_client(url, "legacy", key=KEYS["a"]) as client:
+            for i in range(3):
+                await client.call_tool("echo", {"i": i})
+            sid = one_session(replicas)
+            assert all(sid in manager_of(gw).copies for gw, _ in replicas)
+        # the client's DELETE went to one replica; every copy ends, and so does the record
+
+        async def gone() -> bool:
+            return not any(sid in manager_of(gw).copies for gw, _ in replicas)
+
+        await wait_until(gone, timeout=5)
+        async with aioredis.Redis.from_url(redis_url()) as r:
+            assert [k async for k in r.scan_iter(match=f"{pre}:mcp:*")] == []
+        for _, base in replicas:
+            r = await http.post(base + "/mcp", json=LIST, headers=_headers(KEYS["a"], sid))
+            assert r.status_code == 404
+
+
+def _headers(key: str, sid: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}", "mcp-session-id": sid,
+            "mcp-protocol-version": "2025-11-25", "accept": "application/json, text/event-stream"}
+
+
+async def test_a_session_is_not_found_with_another_key_on_any_replica() -> None:
+    async with (deployment() as (replicas, url, _, _), httpx.AsyncClient() as http,
+                mcp_http_client(url, "legacy", key=KEYS["a"]) as client):
+            await client.call_tool("echo", {})
+            sid = one_session(replicas)
+            for _, base in replicas:  # those holding a copy and those that would rebuild it
+                r = await http.post(base + "/mcp", json=LIST, headers=_headers(KEYS["b"], sid))
+                assert r.status_code == 404
+            await client.call_tool("echo", {})  # and it still works for its own key
+
+
+async def test_an_expired_record_ends_the_session_where_it_is_not_held() -> None:
+    async with deployment(2, session_idle_s=600) as (replicas, _, _, pre), httpx.AsyncClient() as http:
+        first, second = replicas
+        async with mcp_http_client(first[1] + "/mcp", "legacy", key=KEYS["a"]) as client:
+            await client.call_tool("echo", {})
+            sid = one_session(replicas)
+            async with aioredis.Redis.from_url(redis_url()) as r:
+                keys = [k async for k in r.scan_iter(match=f"{pre}:mcp:*:s:{sid}")]
+                assert 0 < await r.pttl(keys[0]) <= 600_000  # server.mcp.session_idle_s
+                await r.pexpire(keys[0], 1)  # as if idle that long on every replica
+                await wait_until(lambda: _absent(r, keys[0]), timeout=2)
+            got = await http.post(second[1] + "/mcp", json=LIST, headers=_headers(KEYS["a"], sid))
+            assert got.status_code == 404
+
+
+async def _absent(r: Any, key: bytes) -> bool:
+    return not await r.exists(key)
+
+
+async def test_a_killed_replica_loses_no_session(tmp_path: Path) -> None:
+    """The third replica is a ``multiplexer serve`` process, SIGKILLed while sessions are open: the
+    balancer skips it and every session goes on through the other two."""
+    pre = prefix()
+    port = free_port()
+    path = tmp_path / "replica.yaml"
+    data = config(pre)
+    data["server"]["port"] = port
+    data["store"] = {"path": str(tmp_path / "store.db")}
+    path.write_text(yaml.safe_dump(data))
+    proc = subprocess.Popen([sys.executable, "-m", "multiplexer", "serve", "--config", str(path)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async with AsyncExitStack() as stack, httpx.AsyncClient() as http:
+            async def healthy() -> bool:
+                try:
+                    return (await http.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            replicas = [await stack.enter_async_context(running(parse_config(config(pre))))
+                        for _ in range(2)]
+            await wait_until(healthy, timeout=60, poll=0.05)
+            backends = [replicas[0][1], replicas[1][1], f"http://127.0.0.1:{port}"]
+            base, proxy = await stack.enter_async_context(round_robin(backends))
+            clients = [await stack.enter_async_context(
+                mcp_http_client(base + "/mcp", "legacy", key=KEYS["a"])) for _ in range(3)]
+            for n, client in enumerate(clients):
+                await client.call_tool("echo", {"n": n})
+            assert 2 in proxy.served  # the process replica opened or served sessions
+            proc.send_signal(signal.SIGKILL)
+            await anyio.to_thread.run_sync(proc.wait, 10)
+            for _ in range(3):
+                for n, client in enumerate(clients):
+                    result = await client.call_tool("echo", {"n": n, "after": True})
+                    assert result.structured_content == {"n": n, "after": True}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
