@@ -134,6 +134,29 @@ def add_commands(command: Command) -> None:
         _url(p)
     teams.set_defaults(fn=run_teams)
 
+    tools = command("tools", "pinned MCP tools and the tool-call audit, through the admin API",
+                    "List pinned MCP tools (a quarantined one with what changed), approve a changed "
+                    "definition, read the audit of tools/call.",
+                    "multiplexer tools list --quarantined",
+                    "multiplexer tools approve search:lookup",
+                    "multiplexer tools audit --key ci --status refused --limit 20")
+    tkinds2 = tools.add_subparsers(dest="action", required=True, metavar="ACTION")
+    tools_list = tkinds2.add_parser("list", help="every pinned tool; a quarantined one with its diff")
+    tools_list.add_argument("--quarantined", action="store_true", help="only those held back")
+    approve = tkinds2.add_parser("approve", help="serve a quarantined tool's new definition")
+    approve.add_argument("id", help="PROVIDER:TOOL, as `tools list` shows it")
+    audit = tkinds2.add_parser("audit", help="the record of tools/call, newest first")
+    audit.add_argument("--key", help="one key's calls (its name or id, or an OAuth subject)")
+    audit.add_argument("--tool")
+    audit.add_argument("--status", choices=["ok", "error", "refused"])
+    audit.add_argument("--since", type=float, help="Unix seconds")
+    audit.add_argument("--until", type=float, help="Unix seconds")
+    audit.add_argument("--limit", type=int)
+    audit.add_argument("--cursor", help="next_cursor of the page before")
+    for p in (tools_list, approve, audit):
+        _url(p)
+    tools.set_defaults(fn=run_tools)
+
 
 def _reported(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
@@ -170,3 +193,17 @@ def run_teams(args: argparse.Namespace) -> int:
     if args.action == "update":
         return _print(_request(args, "PATCH", f"/admin/teams/{args.name}", _access(args)))
     return _print(_request(args, "GET", "/admin/teams"))
+
+
+@_reported
+def run_tools(args: argparse.Namespace) -> int:
+    from urllib.parse import quote, urlencode
+
+    if args.action == "list":
+        return _print(_request(args, "GET", "/admin/mcp/tools" + ("?status=quarantined"
+                                                                  if args.quarantined else "")))
+    if args.action == "approve":
+        return _print(_request(args, "POST", f"/admin/mcp/tools/{quote(args.id, safe=':')}/approve"))
+    query = {k: getattr(args, k) for k in ("key", "tool", "status", "since", "until", "limit", "cursor")
+             if getattr(args, k) is not None}
+    return _print(_request(args, "GET", "/admin/audit/tools" + (f"?{urlencode(query)}" if query else "")))

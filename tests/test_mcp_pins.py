@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from multiplexer import Client as SdkClient
+from multiplexer.access.admin import ENV
+from multiplexer.cli import main
 from multiplexer.core.errors import Code
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
@@ -50,7 +52,8 @@ async def test_a_changed_tool_is_quarantined_on_every_way_in_until_approved(tmp_
         async with httpx.AsyncClient(timeout=30) as http:
             listed = (await http.get(base + "/admin/mcp/tools", headers=admin)).json()
             assert {t["id"]: t["status"] for t in listed["tools"]} == {
-                "rug:lookup": "approved", "rug:rug": "approved", "rug:unrug": "approved", "rug:hold": "approved"}
+                "rug:lookup": "approved", "rug:rug": "approved", "rug:unrug": "approved",
+                "rug:hold": "approved"}
 
             await change_and_wait(gw, "rug_rug", "changed")
             assert "rug_lookup" not in await tools_of(gw)
@@ -135,3 +138,21 @@ async def test_pin_false_serves_a_change_at_once(tmp_path: Path) -> None:
 
 async def _has(gw: Gateway, name: str) -> bool:
     return name in await tools_of(gw)
+
+
+async def test_the_cli_lists_and_approves_a_quarantined_tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(ENV, ADMIN)
+    async with upstream_url() as url, running(parse_config(config_data(url, tmp_path))) as (gw, base):
+        await change_and_wait(gw, "rug_rug", "changed")
+        capsys.readouterr()
+        assert await anyio.to_thread.run_sync(main, ["tools", "list", "--quarantined", "--url", base]) == 0
+        (held,) = json.loads(capsys.readouterr().out)["tools"]
+        assert held["id"] == "rug:lookup" and held["diff"]["description"]["now"] == RUG
+        assert await anyio.to_thread.run_sync(main, ["tools", "approve", "rug:lookup", "--url", base]) == 0
+        assert json.loads(capsys.readouterr().out)["status"] == "approved"
+        assert await anyio.to_thread.run_sync(main, ["tools", "approve", "rug:gone", "--url", base]) == 1
+        assert "404" in capsys.readouterr().err
+        audit = ["tools", "audit", "--tool", "rug_rug", "--url", base]
+        assert await anyio.to_thread.run_sync(main, audit) == 0
+        assert json.loads(capsys.readouterr().out)["records"] == []  # called in-process, not over MCP
