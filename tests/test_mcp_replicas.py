@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import mcp_types as types
 import pytest
 import redis.asyncio as aioredis
 import yaml
+from anyio.abc import TaskStatus
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 from multiplexer.faces.mcp.replica_sessions import ReplicaSessionManager, session_manager
@@ -72,11 +73,30 @@ async def deployment(n: int = 3, upstream: str | None = None, **mcp: Any
     """``n`` replicas of one config (one ``state.prefix``) behind the balancer: (replicas, its
     /mcp URL, the balancer, the prefix)."""
     pre = prefix()
-    async with AsyncExitStack() as stack:
-        replicas = [await stack.enter_async_context(running(parse_config(config(pre, upstream, **mcp))))
-                    for _ in range(n)]
-        base, proxy = await stack.enter_async_context(round_robin([url for _, url in replicas]))
+    gateways = [running(parse_config(config(pre, upstream, **mcp))) for _ in range(n)]
+    async with together(gateways) as replicas, round_robin([url for _, url in replicas]) as (base, proxy):
         yield replicas, base + "/mcp", proxy, pre
+
+
+@asynccontextmanager
+async def together(contexts: list[AbstractAsyncContextManager[Replica]]) -> AsyncIterator[list[Replica]]:
+    """Several gateways started and stopped at once (each stop waits out its server's tick)."""
+    values: list[Replica] = []
+    stop = anyio.Event()
+
+    async def hold(context: AbstractAsyncContextManager[Replica], *,
+                   task_status: TaskStatus[Replica] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with context as value:
+            task_status.started(value)
+            await stop.wait()
+
+    async with anyio.create_task_group() as tg:
+        for context in contexts:
+            values.append(await tg.start(hold, context))
+        try:
+            yield values
+        finally:
+            stop.set()
 
 
 def manager_of(gw: Gateway) -> ReplicaSessionManager:
