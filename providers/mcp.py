@@ -111,7 +111,7 @@ class McpProvider(Provider):
         status, error = s.readiness()
         return {"transport": self.settings.transport, "era": s.era, "status": status, "error": error,
                 "tools": len(s.tools), "connects": s.connects, "failures": s.failures,
-                "quarantined": sorted(self.pins.held) if self.pins is not None else []}
+                "quarantined": self.pins.describe() if self.pins is not None else []}
 
     def _session_event(self, event: str) -> None:
         metrics = self.ctx.metrics

@@ -156,6 +156,11 @@ class ToolPins:
                         {"provider": self.provider, "tool": tool, "changed": fields,
                          "approved_hash": pin.approved_hash, "hash": pin.seen_hash})
 
+    def describe(self) -> list[dict[str, Any]]:
+        """The held tools for the dashboard: each one's id and what changed (approved, now)."""
+        return [{"id": f"{self.provider}:{tool}", "tool": tool, "diff": self.pins[tool].diff()}
+                for tool in sorted(self.held)]
+
     # -- written behind --------------------------------------------------------------------
     async def flush(self) -> None:
         if not self._pending and not self._changes:

@@ -82,6 +82,10 @@ async def test_a_changed_tool_is_quarantined_on_every_way_in_until_approved(tmp_
                     await sdk.call("rug_lookup", {"word": "x"})
                 assert getattr(refused.value, "code", None) == Code.TOOL_QUARANTINED
 
+            panel = (await http.get(base + "/ui/api/state", headers=admin)).json()["panels"]["mcp"]
+            (upstream,) = panel["upstreams"]
+            assert upstream["quarantined"] == [{"id": "rug:lookup", "tool": "lookup", "diff": {
+                "description": {"approved": HONEST, "now": RUG}}}]
             listed = (await http.get(base + "/admin/mcp/tools?status=quarantined", headers=admin)).json()
             assert listed["quarantined"] == 1
             (held,) = listed["tools"]

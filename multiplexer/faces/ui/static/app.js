@@ -228,12 +228,21 @@ function jobsPanel(j, admin) {
   body("jobs", head + (rows.length ? table(["job", "source", "state", "progress", "done/failed/pending", "remote batches"], rows) : empty("no open jobs")));
 }
 
+// A pinned tool whose definition changed: its id, each changed field (approved -> now) on hover,
+// and the command that approves it.
+function quarantined(held) {
+  return (held || []).map((q) => {
+    const diff = Object.entries(q.diff || {}).map(([f, d]) => `${f}: ${JSON.stringify(d.approved)} -> ${JSON.stringify(d.now)}`).join("\n");
+    return `<span title="${esc(diff + "\napprove: multiplexer tools approve " + q.id)}">${esc(q.id)} (${esc(Object.keys(q.diff || {}).join(", "))})</span>`;
+  }).join("<br>");
+}
+
 function mcpPanel(m) {
   if (!m.configured) return body("mcp", empty(m.detail));
   const rows = m.upstreams.map((u) => `<tr><td>${esc(u.provider)}</td><td>${status(u.status)}</td><td class="l">${esc(u.era || "–")}</td>` +
     `<td class="l">${esc(u.transport || "")}</td><td>${v(`mcp.${u.provider}.tools`, u.tools ?? 0)}</td><td>${u.connects ?? 0}</td><td>${u.disconnects}</td>` +
-    `<td class="err">${esc(u.error || "")}</td></tr>`);
-  body("mcp", table(["upstream", "status", "era", "transport", "tools", "connects", "drops", "last error"], rows));
+    `<td class="err">${esc(u.error || "")}</td><td class="l err">${quarantined(u.quarantined)}</td></tr>`);
+  body("mcp", table(["upstream", "status", "era", "transport", "tools", "connects", "drops", "last error", "quarantined tools"], rows));
 }
 
 function localPanel(l) {
@@ -263,14 +272,16 @@ function statePanel(s) {
 function spendPanel(m) {
   const usd = (x) => "$" + num(x, 6);
   const how = Object.entries(m.saved_by || {}).map(([k, x]) => `${esc(k)} ${usd(x)}`).join(", ");
+  const share = (x) => x == null ? "-" : num(100 * x, 1) + "%";
   const rows = m.routes.map((r) => `<tr><td>${esc(r.route)}</td><td>${v(`spend.${r.route}.cost`, usd(r.cost_usd))}</td>` +
-    `<td>${usd(r.saved_usd)}</td><td>${r.unknown_cost_calls}</td></tr>`);
+    `<td>${usd(r.saved_usd)}</td><td>${r.unknown_cost_calls}</td>` +
+    `<td>${v(`spend.${r.route}.cache_read`, share(r.cache_read_share))}</td></tr>`);
   const st = m.stored || {days: [], keys: []};
   const keys = st.keys.map((k) => `<tr><td>${keyLabel(k.key, k.key_name)}</td><td>${v(`spend.key.${k.key ?? ""}.cost`, usd(k.cost_usd))}</td>` +
     `<td>${usd(k.saved_usd)}</td><td>${k.calls}</td></tr>`);
   body("spend", `<div>${v("spend.cost", usd(m.cost_usd))} spent · ${v("spend.saved", usd(m.saved_usd))} saved` +
     `${how ? " (" + how + ")" : ""} · ${m.unknown_cost_calls} calls of unknown cost (since start)</div>` +
-    (rows.length ? table(["route", "cost", "saved", "unknown cost"], rows) : empty("no calls answered yet")) +
+    (rows.length ? table(["route", "cost", "saved", "unknown cost", "cache read"], rows) : empty("no calls answered yet")) +
     `<div class="dim">by day, from ${esc(st.since || "")} (written spend)</div>` + dayBars(st.days, usd) +
     `<div class="dim">by key, ${esc(st.month || "")}</div>` +
     (keys.length ? table(["key", "cost", "saved", "calls"], keys) : empty("nothing written this month yet")));
