@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anyio
 import mcp_types as types
 import pytest
-from mcp import Client, MCPError
+from mcp import MCPError
 
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
-from tests.mcp_helpers import ROOT, mcp_http_client, until_connected, wait_until
+from tests.mcp_helpers import ROOT, mcp_http_client, until_connected
 
 pytestmark = pytest.mark.anyio
 
@@ -79,7 +78,8 @@ def text(result: types.CallToolResult) -> str:
     return first.text
 
 
-CASES = [("greet", {}, "hello Ada", "elicit:form"), ("haiku", {"topic": "sea"}, "client-model: waves", "sample"),
+CASES = [("greet", {}, "hello Ada", "elicit:form"),
+         ("haiku", {"topic": "sea"}, "client-model: waves", "sample"),
          ("where", {}, "file:///work/a", "roots"), ("visit", {}, "accept", "elicit:url")]
 
 

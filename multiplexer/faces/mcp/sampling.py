@@ -115,6 +115,9 @@ class Sampler:
         call = Call(route, chat_body(params), identity=self.identity)
         call.face = FACE
         outcome = await self.gateway.submit(call)
-        if outcome.error is not None:
-            raise outcome.error
+        error = outcome.error
+        if error is not None:  # the upstream hears why, in its message too (the data may not reach it)
+            detail = (error.data or {}).get("detail") if isinstance(error.data, dict) else None
+            why = f"{error.message}: {detail}" if isinstance(detail, str) else error.message
+            raise RpcError(error.code, f"sampling on route {route!r} refused or failed: {why}", error.data)
         return sampling_result(outcome.result, call.route or route)
