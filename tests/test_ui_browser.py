@@ -157,6 +157,10 @@ async def test_the_dashboard_in_chromium(tmp_path: Path, monkeypatch: Any, brows
                     metrics, "multiplexer_upstream_requests_total", provider="builtin"))),
                 "mcp.tools.tools": str(panels["mcp"]["upstreams"][0]["tools"]),
             }
+            # the share of each route's input its provider read from a prompt cache (the mock: none)
+            chat_spend = next(r for r in panels["spend"]["routes"] if r["route"] == "chat")
+            share = chat_spend["cache_read_share"]
+            expected["spend.chat.cache_read"] = "-" if share is None else f"{100 * share:.1f}%"
             assert expected["route.echo.ok"] == str(echo["ok"]) == "40"
             assert int(expected["lane.builtin.batches"]) < 40  # forty calls, fewer upstream batches
             await shown(page, expected)

@@ -54,6 +54,7 @@ class MoneyMetrics:
         self.spend: dict[tuple[str, str], float] = {}  # (provider, route) -> USD
         self.saved: dict[tuple[str, str], float] = {}  # (route, how) -> USD
         self.unknown: dict[str, int] = {}  # route -> calls
+        self.tokens: dict[str, list[int]] = {}  # route -> [input tokens, prompt-cache reads]
         r.register(_Sums(self))
         self.budget_refused = Counter("multiplexer_budget_refusals", "Calls refused by a budget",
                                       ["scope", "period"], registry=r)
@@ -89,7 +90,14 @@ class _Sums(Collector):
                                       "nobody prices (cost unknown, never counted as 0)", labels=["route"])
         for route, n in list(self.m.unknown.items()):
             unknown.add_metric([route], n)
-        return iter([spend, saved, unknown])
+        sent = CounterMetricFamily("multiplexer_input_tokens", "Input tokens of answered calls, as "
+                                   "their providers' usage said, by route", labels=["route"])
+        read = CounterMetricFamily("multiplexer_cache_read_tokens", "The input tokens among them "
+                                   "a provider read from its prompt cache, by route", labels=["route"])
+        for route, (n, r) in list(self.m.tokens.items()):
+            sent.add_metric([route], n)
+            read.add_metric([route], r)
+        return iter([spend, saved, unknown, sent, read])
 
 
 class Meter:
@@ -202,8 +210,14 @@ class Meter:
     def _book(self, record: Record) -> None:
         """A priced call into the spend metrics and the writer's records, once its answer is
         written (core/after.py): the caller's headers need only its cost."""
-        _, _, label, provider, _, cost, saved, how, *_ = record
+        _, _, label, provider, _, cost, saved, how, *_, sent, read = record
         m = self.metrics
+        if sent:
+            counts = m.tokens.get(label)
+            if counts is None:
+                counts = m.tokens[label] = [0, 0]
+            counts[0] += sent
+            counts[1] += read
         if cost is None:
             m.unknown[label] = m.unknown.get(label, 0) + 1
         else:

@@ -235,7 +235,8 @@ async def state(view: View) -> dict[str, Any]:
 
 @panel("spend", callers=True)
 async def spend(view: View) -> dict[str, Any]:
-    """What calls cost and what the gateway saved, by route, from the counters `/metrics` has
+    """What calls cost and what the gateway saved, by route, with the share of each route's input
+    tokens its provider read from a prompt cache (live), from the counters `/metrics` has
     (cumulative since start), and from the spend store by day (two weeks) and by key (this month),
     as `GET /admin/spend` has them (``stored``; read at most every few seconds). A caller
     key sees its own: today and this month by route and model, and its budget's use, from the
@@ -254,9 +255,13 @@ async def spend(view: View) -> dict[str, Any]:
     cost = s.by("multiplexer_spend_usd_total", "route")
     saved = s.by("multiplexer_saved_usd_total", "route")
     unknown = s.by("multiplexer_unknown_cost_calls_total", "route")
+    sent = s.by("multiplexer_input_tokens_total", "route")
+    read = s.by("multiplexer_cache_read_tokens_total", "route")
     routes = [{"route": r, "cost_usd": cost.get(r, 0.0), "saved_usd": saved.get(r, 0.0),
-               "unknown_cost_calls": int(unknown.get(r, 0))}
-              for r in sorted(set(cost) | set(saved) | set(unknown))]
+               "unknown_cost_calls": int(unknown.get(r, 0)), "input_tokens": int(sent.get(r, 0)),
+               "cache_read_tokens": int(read.get(r, 0)),
+               "cache_read_share": round(read.get(r, 0) / sent[r], 4) if sent.get(r) else None}
+              for r in sorted(set(cost) | set(saved) | set(unknown) | set(sent))]
     return {"configured": True, "cost_usd": sum(cost.values()), "saved_usd": sum(saved.values()),
             "saved_by": s.by("multiplexer_saved_usd_total", "how"),
             "unknown_cost_calls": int(sum(unknown.values())), "routes": routes,
