@@ -129,8 +129,10 @@ class RouteConfig(BaseModel):
     priority: int = 0
     mode: Literal["sync", "batch", "auto"] = Field(
         default="sync", description="sync: each call now; batch: as batch jobs; auto: through the "
-        "provider's batch API when the call's deadline (_meta.timeout_ms, else max_latency_s) allows "
-        "its completion window, else now")
+        "provider's batch API when the call's deadline allows its completion window, else now; the "
+        "deadline is the x-multiplexer-deadline header on /v1 (seconds or an RFC 3339 time), else "
+        "_meta.timeout_ms (/rpc, MCP, /v1), else on /v1 service_tier: flex (the provider's batch "
+        "window), else max_latency_s")
     max_latency_s: float | None = Field(
         default=None, gt=0, description="mode: auto: how long a call that names no deadline may take")
     # MCP clients that opt into the tasks extension get a task handle instead of a held request
