@@ -18,11 +18,11 @@ import mcp_types as types
 import pytest
 
 from multiplexer.faces.mcp.asking import ClientAsker
-from multiplexer.faces.mcp.sampling import Sampler, chat_body, sampling_result
+from multiplexer.faces.mcp.sampling import FACE, Sampler, chat_body, sampling_result
 from multiplexer.gateway.config import McpSamplingConfig, parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
-from tests.mcp_helpers import ROOT, mcp_http_client, until_connected
+from tests.mcp_helpers import ROOT, mcp_http_client, until_connected, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -46,6 +46,7 @@ async def gateway(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
                    "mcp": {"sampling": {"route": "chat", "when": "client_lacks"}}},
         "store": {"path": str(store)},
         "spend": {"flush_interval_s": 0.05},
+        "log": {"flush_interval_s": 0.05},
         "providers": {"up": upstream("auto"), "leg": upstream("legacy"),
                       "m": {"kind": "mock", "price": {"per_call": str(PER_CALL)}}},
         "routes": {"up_*": {"provider": "up"}, "leg_*": {"provider": "leg"},
@@ -98,6 +99,13 @@ async def test_sampling_is_answered_by_the_route_and_booked_to_the_caller(gatewa
     model, _, reply = text(result).partition(": ")
     assert reply and model  # the mock route's reply to the topic, and the model it names
     assert (await spend(url))[("alice", "chat")] == (calls + 1, cost + PER_CALL)
+    async with httpx.AsyncClient(base_url=url) as http:  # its source, in the request log
+
+        async def recorded() -> bool:
+            r = await http.get("/admin/requests", headers=AS_ADMIN, params={"key": "alice", "route": "chat"})
+            return any(row["face"] == FACE for row in r.json()["requests"])
+
+        await wait_until(recorded)
 
 
 async def test_a_client_with_sampling_is_asked_when_it_lacks_nothing(gateway: tuple[Gateway, str]) -> None:
