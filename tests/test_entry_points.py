@@ -37,7 +37,8 @@ pytestmark = pytest.mark.anyio
 
 # Not a caller's request: probes for load balancers and the metrics scraper (no key asked).
 UNKEYED = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics"),
-           ("GET", "/"), ("GET", "/ui"), ("GET", "/ui/static/{name}")}  # the dashboard's page
+           ("GET", "/"), ("GET", "/ui"), ("GET", "/ui/static/{name}"),  # the dashboard's page
+           ("GET", "/ui/requests")}  # the request log's page
 # The operator's endpoints: the admin key, not a caller's (tests/test_admin.py enumerates them).
 ADMIN_PREFIX = "/admin/"
 # MCP protocol bookkeeping served from the session or the gateway's own catalog, no upstream work.

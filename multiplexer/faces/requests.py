@@ -1,6 +1,7 @@
 """The request log's endpoints: ``GET /admin/requests`` and ``GET /admin/requests/{id}`` for the
 admin key (every caller's calls), and ``GET /ui/api/requests`` and ``/ui/api/requests/{id}`` for
-the dashboard (the admin key: every call; a caller's key: its own calls only, whatever it asks).
+the dashboard (the admin key: every call; a caller's key: its own calls only, whatever it asks),
+whose page is ``/ui/requests`` (its files hold no data and are served without a key).
 
 A listing takes ``key``, ``team``, ``route``, ``model`` (the model that served it), ``status``
 (``ok``, ``error`` or an error code), ``request_id``, ``since`` and ``until`` (epoch seconds or
@@ -23,7 +24,7 @@ from multiplexer.access.admin import AdminKey
 from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.faces.admin import QuotaRefused, admin_route, refusal
 from multiplexer.faces.auth import Authenticator
-from multiplexer.faces.ui.face import NO_STORE, Viewer
+from multiplexer.faces.ui.face import NO_STORE, PAGE_HEADERS, Viewer, static_files
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.records.request_store import FILTERS, Query
 from multiplexer.records.requests import RequestLog, parse_cursor
@@ -140,6 +141,10 @@ def request_routes(gateway: Gateway, admin: AdminKey, auth: Authenticator, *, ui
     if not ui:
         return routes
     viewer = Viewer(admin, auth)
+    page_body, page_type = static_files()["requests.html"]
+
+    async def page(request: Request) -> Response:
+        return Response(page_body, media_type=page_type, headers=PAGE_HEADERS)
 
     def scoped(answer: Any) -> Any:
         async def run(request: Request) -> Response:
@@ -153,6 +158,7 @@ def request_routes(gateway: Gateway, admin: AdminKey, auth: Authenticator, *, ui
                 return refusal(e)
         return run
 
-    routes += [Route("/ui/api/requests", scoped(listing), methods=["GET"]),
+    routes += [Route("/ui/requests", page, methods=["GET"]),  # the page: no data, no key
+               Route("/ui/api/requests", scoped(listing), methods=["GET"]),
                Route("/ui/api/requests/{request_id}", scoped(one), methods=["GET"])]
     return routes
