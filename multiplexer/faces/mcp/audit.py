@@ -34,8 +34,9 @@ REFUSED = {Code.RATE_LIMITED, Code.UNAUTHORIZED, Code.TOOL_QUARANTINED, Code.INV
            Code.METHOD_NOT_FOUND, Code.TOO_LARGE, Code.OVERLOADED}
 ERROR_META_KEY = "multiplexer/error"
 
-# (at, identity, server, tool, status, code, duration_ms, arguments): what the call's task notes.
-Noted = tuple[float, str, str, str, str, int | None, float, Any]
+# (at, identity, server, tool, status or the result it answered, code, duration_ms, arguments): what
+# the call's task notes; a result's status is read on the writer.
+Noted = tuple[float, str, str, str, Any, int | None, float, Any]
 
 
 def args_hash(arguments: Any) -> str:
@@ -68,9 +69,12 @@ class ToolAudit:
     def _write(self, noted: Sequence[Noted]) -> None:
         keep = self.settings.arguments
         most = self.settings.max_argument_bytes
-        rows = [AuditRow(at, identity, server, tool, status, code, duration_ms, args_hash(arguments),
-                         redacted_text(arguments, most) if keep else None)
-                for at, identity, server, tool, status, code, duration_ms, arguments in noted]
+        rows = []
+        for at, identity, server, tool, status, code, duration_ms, arguments in noted:
+            if not isinstance(status, str):
+                status, code = outcome_of(status)
+            rows.append(AuditRow(at, identity, server, tool, status, code, duration_ms,
+                                 args_hash(arguments), redacted_text(arguments, most) if keep else None))
         tables = self.tables
         tables.add_audit(rows)
         now = time.time()
@@ -119,10 +123,11 @@ class ToolAudit:
 
         async def run(ctx: Any, params: types.CallToolRequestParams) -> Any:
             began = clock()
-            status, code = "error", int(Code.INTERNAL_ERROR)
+            status: Any = "error"
+            code: int | None = int(Code.INTERNAL_ERROR)
             try:
-                result = await call_tool(ctx, params)
-                status, code = outcome_of(result)
+                result = status = await call_tool(ctx, params)
+                code = None
                 return result
             except MCPError as e:
                 code = e.error.code
