@@ -8,12 +8,18 @@ in order, ``--concurrency`` conversations at a time, each turn sending the whole
 - ``direct``: to one deployment (every turn after the first can hit its cache: the ceiling);
 - ``affinity prefix``: through ``multiplexer serve`` with a group of 3 routes, one per
   deployment, ``affinity: prefix`` (the default);
-- ``affinity off``: the same group with ``affinity: off`` (the strategy's pick per call).
+- ``affinity off``: the same group with ``affinity: off`` (the strategy's pick per call);
+- ``base_urls prefix`` / ``base_urls off``: one provider over the three deployments
+  (``base_urls``, ``endpoint_affinity: prefix`` or ``off``) behind one route.
 
-With ``--fail`` (on by default) both gateway runs are repeated with deployment d1 answering
+With ``--fail`` (on by default) the gateway runs are repeated with deployment d1 answering
 500 from the halfway point (by calls sent). Share = sum(cached_tokens) / sum(prompt_tokens)
 from the answers' ``usage``; "moved" counts follow-up turns served by another deployment than
 the turn before. Floors: >= 0.95x direct healthy, >= 0.85x with a failing deployment.
+
+Spend: every provider has a price (``PRICE``); "spend Δ" compares what the gateway booked
+(``multiplexer_spend_usd_total``) with what the fakes' usage prices to (plain input, cached input
+and output at those rates, summed over the answers): the floor is within 1%.
 
     python -m benchmarks.bench_prompt_cache
     python -m benchmarks.bench_prompt_cache --conversations 20 --turns 5
@@ -40,6 +46,8 @@ from benchmarks._procs import child, free_port, logged_child, save, table
 NAMES = ("d1", "d2", "d3")
 MODEL = "gpt-cache"
 FLOORS = {False: 0.95, True: 0.85}  # failing deployment -> floor (x direct)
+SPEND_FLOOR = 0.01  # booked spend within 1% of what the answers' usage prices to
+PRICE = {"input_per_mtok": 2.5, "cached_input_per_mtok": 0.25, "output_per_mtok": 10.0}
 
 CONFIG = """
 server: {{host: 127.0.0.1, port: {port}}}
@@ -51,8 +59,20 @@ routes:
 groups:
   {model}: {{routes: [{names}], affinity: "{affinity}"}}
 """
+PRICED = ("price: {{input_per_mtok: {input_per_mtok}, cached_input_per_mtok: {cached_input_per_mtok}, "
+          "output_per_mtok: {output_per_mtok}}}").format(**PRICE)
 PROVIDER = ("  {name}: {{kind: openai, base_url: \"http://127.0.0.1:{port}/v1\", api_key: sk-bench,"
-            " retry: {{attempts: 1}}, breaker: {{allowed_fails: 3, window_s: 30, cooldown_s: 60}}}}")
+            " retry: {{attempts: 1}}, breaker: {{allowed_fails: 3, window_s: 30, cooldown_s: 60}}, "
+            + PRICED.replace("{", "{{").replace("}", "}}") + "}}")
+ENDPOINTS = """
+server: {{host: 127.0.0.1, port: {port}}}
+store: {{path: {store}}}
+providers:
+  all: {{kind: openai, base_urls: [{bases}], api_key: sk-bench, endpoint_affinity: "{affinity}",
+        retry: {{attempts: 1}}, breaker: {{allowed_fails: 3, window_s: 30, cooldown_s: 60}}, {priced}}}
+routes:
+  r_all: {{provider: all, operation: chat, params: {{model: {model}}}, models: [{model}]}}
+"""
 ROUTE = "  r_{name}: {{provider: {name}, operation: chat, params: {{model: {model}}}}}"
 
 WORDS = ["cache", "latency", "region", "replica", "token", "budget", "window", "prefix", "stream", "vendor",
@@ -91,6 +111,7 @@ class Tally:
     errors: int = 0
     prompt: int = 0
     cached: int = 0
+    completion: int = 0
     follow_ups: int = 0
     moved: int = 0
     served: dict[str, int] = field(default_factory=dict)
@@ -120,8 +141,8 @@ async def drive(url: str, convs: list[Conversation], concurrency: int,
             usage = body["usage"]
             tally.prompt += usage["prompt_tokens"]
             tally.cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            route = r.headers.get("x-multiplexer-route", "").removeprefix("r_")
-            where = route or body.get("system_fingerprint")
+            tally.completion += usage.get("completion_tokens", 0)
+            where = body.get("system_fingerprint") or r.headers.get("x-multiplexer-route", "")
             tally.served[where] = tally.served.get(where, 0) + 1
             return where, body["choices"][0]["message"]["content"]
 
@@ -160,16 +181,23 @@ def deployments() -> Iterator[dict[str, str]]:
 
 
 @contextlib.contextmanager
-def gateway(urls: dict[str, str], affinity: str, log: Path | None = None) -> Iterator[str]:
-    """``multiplexer serve`` with one group over the three deployments; yields its URL."""
+def gateway(urls: dict[str, str], affinity: str, log: Path | None = None,
+            endpoints: bool = False) -> Iterator[str]:
+    """``multiplexer serve`` with one group over the three deployments (``endpoints``: one
+    provider over them as ``base_urls``); yields its URL."""
     port = free_port()
     ports = {n: int(u.rsplit(":", 1)[1]) for n, u in urls.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        config = CONFIG.format(
-            port=port, store=Path(tmp) / "gateway.db", model=MODEL, affinity=affinity,
-            names=", ".join(f"r_{n}" for n in NAMES),
-            providers="\n".join(PROVIDER.format(name=n, port=ports[n]) for n in NAMES),
-            routes="\n".join(ROUTE.format(name=n, model=MODEL) for n in NAMES))
+        if endpoints:
+            config = ENDPOINTS.format(
+                port=port, store=Path(tmp) / "gateway.db", model=MODEL, affinity=affinity, priced=PRICED,
+                bases=", ".join(f'"{urls[n]}/v1"' for n in NAMES))
+        else:
+            config = CONFIG.format(
+                port=port, store=Path(tmp) / "gateway.db", model=MODEL, affinity=affinity,
+                names=", ".join(f"r_{n}" for n in NAMES),
+                providers="\n".join(PROVIDER.format(name=n, port=ports[n]) for n in NAMES),
+                routes="\n".join(ROUTE.format(name=n, model=MODEL) for n in NAMES))
         path = Path(tmp) / "gateway.yaml"
         path.write_text(config)
         url = f"http://127.0.0.1:{port}"
@@ -187,25 +215,47 @@ def cache_moves(metrics: str) -> str:
     return " ".join(f"{k}:{int(v)}" for k, v in sorted(moves.items())) or "0"
 
 
+def booked(metrics: str) -> float:
+    """What the gateway booked: the sum of ``multiplexer_spend_usd_total``."""
+    return sum(float(v) for v in re.findall(r"^multiplexer_spend_usd_total\{[^}]*\} (\S+)$", metrics, re.M))
+
+
+def billed(tally: Tally) -> float:
+    """What the answers' usage prices to at ``PRICE`` (the fake provider's bill)."""
+    plain = tally.prompt - tally.cached
+    return (plain * PRICE["input_per_mtok"] + tally.cached * PRICE["cached_input_per_mtok"]
+            + tally.completion * PRICE["output_per_mtok"]) / 1e6
+
+
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     convs = conversations(args.conversations, args.turns, args.system_tokens)
     total = args.conversations * args.turns
-    scenarios = [("direct", None, False), ("affinity prefix", "prefix", False),
-                 ("affinity off", "off", False)]
+    scenarios = [("direct", None, False, False), ("affinity prefix", "prefix", False, False),
+                 ("affinity off", "off", False, False), ("base_urls prefix", "prefix", False, True),
+                 ("base_urls off", "off", False, True)]
     if args.fail:
-        scenarios += [("affinity prefix, d1 fails", "prefix", True), ("affinity off, d1 fails", "off", True)]
+        scenarios += [("affinity prefix, d1 fails", "prefix", True, False),
+                      ("affinity off, d1 fails", "off", True, False),
+                      ("base_urls prefix, d1 fails", "prefix", True, True),
+                      ("base_urls off, d1 fails", "off", True, True)]
+    if args.only:
+        scenarios = [s for s in scenarios if s[0] == "direct" or any(w in s[0] for w in args.only)]
     rows: list[dict[str, Any]] = []
     direct_share = 0.0
     with deployments() as urls:
-        for name, affinity, fail in scenarios:
+        for name, affinity, fail, endpoints in scenarios:
             for u in urls.values():
                 httpx.post(f"{u}/control", json={"reset": True, "fail": False})
             fail_at, fail_url = (total // 2, urls["d1"]) if fail else (None, None)
             with contextlib.ExitStack() as stack:
                 url = (urls["d1"] if affinity is None
-                       else stack.enter_context(gateway(urls, affinity, args.gateway_log)))
+                       else stack.enter_context(gateway(urls, affinity, args.gateway_log, endpoints)))
                 tally, seconds = await drive(url, convs, args.concurrency, fail_at, fail_url)
-                why = "-" if affinity is None else cache_moves(httpx.get(f"{url}/metrics").text)
+                metrics = "" if affinity is None else httpx.get(f"{url}/metrics").text
+                why = "-" if affinity is None else cache_moves(metrics)
+                spend = None if affinity is None else booked(metrics)
+            bill = billed(tally)
+            spend_delta = None if spend is None or not bill else abs(spend - bill) / bill
             share = tally.cached / tally.prompt if tally.prompt else 0.0
             if affinity is None:
                 direct_share = share
@@ -220,6 +270,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "served": " ".join(f"{k}:{v}" for k, v in sorted(tally.served.items())),
                 "floor": "-" if floor is None else f">= {floor}",
                 "meets": "-" if floor is None else ("yes" if ratio >= floor else "no"),
+                "booked $": "-" if spend is None else f"{spend:.6f}", "billed $": f"{bill:.6f}",
+                "spend Δ": "-" if spend_delta is None else f"{100 * spend_delta:.3f}%"
+                + ("" if spend_delta <= SPEND_FLOOR else " (> 1%)"),
                 "seconds": round(seconds, 2)})
     return rows
 
@@ -232,7 +285,9 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=3000)
     ap.add_argument("--fail", action=argparse.BooleanOptionalAction, default=True,
                     help="also run with d1 answering 500 from the halfway point")
-    ap.add_argument("--gateway-log", type=Path, 
+    ap.add_argument("--only", nargs="*", help="run only the scenarios whose name has one of these "
+                    "words (e.g. base_urls); direct always runs")
+    ap.add_argument("--gateway-log", type=Path,
                     help="keep the gateway's log here (default: a temporary file)")
     args = ap.parse_args()
     rows = anyio.run(run, args)
