@@ -186,3 +186,61 @@ async def test_the_log_off_serves_nothing_and_records_nothing(tmp_path: Path) ->
         await rpc(http, ALICE, "echo", {})
         r = await http.get("/admin/requests", headers={"authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 404 and "log.enabled" in r.json()["error"]["message"]
+
+
+def mixed_config(tmp_path: Path, **log: Any) -> Any:
+    """A route that cannot connect falling back to the mock; the mock streams."""
+    return parse_config({
+        "server": {"admin_key": ADMIN, "key_store": {"enabled": False}, "api_keys": {"alice": ALICE}},
+        "store": {"path": str(tmp_path / "jobs.db")},
+        "log": {"flush_interval_s": 60, **log},
+        "providers": {"down": {"kind": "openai", "base_url": "http://127.0.0.1:1/v1", "api_key": "sk-x",
+                               "retry": {"attempts": 1}},
+                      "mock": {"kind": "mock"}},
+        "routes": {"chat": {"provider": "down", "operation": "chat", "models": ["gpt-x"],
+                            "fallbacks": ["chat_mock"]},
+                   "chat_mock": {"provider": "mock", "operation": "chat", "params": {"model": "mock-gpt"}}}})
+
+
+async def test_a_fallback_and_a_stream_leave_their_path(tmp_path: Path) -> None:
+    async with running(mixed_config(tmp_path), port=0) as (_, url), \
+            httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {ALICE}"}) as http:
+        chat = {"model": "gpt-x", "messages": [{"role": "user", "content": "hello there"}]}
+        assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+        async with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            assert r.status_code == 200 and b"[DONE]" in b"".join([c async for c in r.aiter_bytes()])
+        admin = {"authorization": f"Bearer {ADMIN}"}
+        streamed, whole = (await http.get("/admin/requests", headers=admin)).json()["requests"]
+        assert whole["face"] == "v1" and whole["model_asked"] == "gpt-x" and whole["route"] == "chat_mock"
+        assert whole["model"] == "mock-gpt" and whole["attempts"] == 2 and whole["fallbacks"] == 1
+        assert whole["input_tokens"] and whole["output_tokens"] and whole["first_chunk_ms"] is None
+        path = (await http.get(f"/admin/requests/{whole['id']}", headers=admin)).json()["path"]
+        assert [a["route"] for a in path["attempts"]] == ["chat", "chat_mock"]
+        assert path["attempts"][0]["outcome"] == "connection" and path["attempts"][1]["outcome"] == "ok"
+        assert streamed["first_chunk_ms"] is not None and streamed["first_chunk_ms"] <= streamed["latency_ms"]
+        path = (await http.get(f"/admin/requests/{streamed['id']}", headers=admin)).json()["path"]
+        assert [e["event"] for e in path["timeline"]] == ["admitted", "first chunk", "answered"]
+
+
+async def test_a_full_queue_drops_and_counts_and_the_call_is_answered(tmp_path: Path) -> None:
+    async with running(gateway_config(tmp_path, queue=1), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        for i in range(3):  # the writer waits a minute (flush_interval_s): the queue stays full
+            assert (await rpc(http, ALICE, "echo", {"i": i})).json()["result"] == {"i": i}
+        assert gw.requests is not None and gw.requests.sink.dropped == 2
+        metrics = (await http.get("/metrics", headers={"authorization": f"Bearer {ADMIN}"})).text
+        assert 'multiplexer_records_dropped_total{sink="requests"} 2.0' in metrics
+        rows = (await http.get("/admin/requests", headers={"authorization": f"Bearer {ADMIN}"})).json()
+        assert len(rows["requests"]) == 1
+
+
+async def test_the_writer_prunes_by_count(tmp_path: Path) -> None:
+    async with running(gateway_config(tmp_path, max_rows=2), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        for i in range(5):
+            await rpc(http, ALICE, "echo", {"i": i})
+        assert gw.requests is not None
+        await gw.requests.sink.flush()
+        assert await gw.requests.prune() == 3
+        rows = (await http.get("/admin/requests", headers={"authorization": f"Bearer {ADMIN}"})).json()
+        assert len(rows["requests"]) == 2

@@ -130,6 +130,9 @@ class Call:
     # A batch's budget reservation (``money/budgets.Reservation``) this line draws its own from,
     # reserved whole when the batch was made. Set by a face, never from the wire.
     budget: Any = None
+    # The client's batch this call is a line of (a ``/v1/batches`` id), for the request log. Set by
+    # a face, never from the wire.
+    batch_id: str | None = None
     # The caller's session (``/v1``'s ``x-session-id`` header), a prompt-cache affinity key for
     # model groups and ``base_urls`` (``core/cache_affinity.py``). Set by a face; None: none.
     session: str | None = None

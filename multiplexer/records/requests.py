@@ -105,7 +105,7 @@ class RequestLog:
                 call.face or "rpc", call.method[:200], plan.label, _text(asked), _text(served),
                 "ok" if error is None else "error", None if error is None else error.code,
                 None if message is None else message[:2000], ran, len(tried),
-                getattr(call, "batch_id", None), mode, shared,
+                _batch_of(call, answer), mode, shared,
                 None if tokens is None else tokens.input, None if tokens is None else tokens.output,
                 None if tokens is None else tokens.cache_read, cost, saved, latency_ms, first_ms,
                 orjson.dumps(path).decode(), *bodies)  # its numbers are finite: no check
@@ -204,6 +204,17 @@ class RequestLog:
         if row is not None and isinstance(row.get("path"), str):
             row["path"] = loads(row["path"])
         return row
+
+
+def _batch_of(call: Any, answer: Any) -> str | None:
+    """The client's batch a call is a line of, or the job a ``jobs.submit`` made."""
+    if call.batch_id is not None:
+        return str(call.batch_id)
+    if call.method == "jobs.submit" and answer.error is None:
+        result = answer.built()
+        job = result.get("job_id") if isinstance(result, dict) else None
+        return job if isinstance(job, str) else None
+    return None
 
 
 def _text(value: Any) -> str | None:

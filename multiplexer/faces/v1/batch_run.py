@@ -263,7 +263,7 @@ class Batches:
         except HttpError as e:
             raise Refused(e.error) from None
         return Call(name, params, identity=record.owner, operation=operation_for(record.endpoint, shape),
-                    budget=self.holds.get(record.id)), shape
+                    budget=self.holds.get(record.id), batch_id=record.id), shape
 
     def _answer(self, record: BatchRecord, outcome: Outcome, shape: Shape | None) -> tuple[int, Any]:
         """A lane line's outcome as (HTTP status, body) of its API (``LineRunner``'s ``Answer``)."""
