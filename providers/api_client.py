@@ -349,6 +349,10 @@ class StreamedReply:
         self.headers = headers
         self._opened = opened
 
+    def aiter_bytes(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they come (what ``providers/sse_relay.py`` splits into events)."""
+        return self._opened.__aiter__()
+
     async def aiter_text(self) -> AsyncIterator[str]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         async for chunk in self._opened:

@@ -4,11 +4,11 @@ token charging, and one request per call for the operations that do not pack."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, Literal
 
 import anyio
 import httpx
-from httpx_sse import EventSource, SSEError
+from httpx_sse import SSEError
 
 from multiplexer.core.batching import CountFormation
 from multiplexer.core.call import Item, Outcome
@@ -25,11 +25,14 @@ from .batch.jobs import JobManager
 from .batch.sync_fallback import SyncFallback
 from .dedup_rules import deterministic_chat
 from .formations import PackOrSingle
+from .sse_relay import Event, events
 
-# In-flight requests when the config says none: a hosted API takes hundreds at once and
+# In-flight requests when the config says none: a hosted API takes thousands at once and
 # says what it allows in its rate-limit headers, which the lane's limiter learns; a
-# small default (the lane's 16) would cap a 64-client run below the upstream's speed.
-DEFAULT_CONCURRENCY = 256
+# small default (the lane's 16) would cap a 64-client run below the upstream's speed, and
+# a stream holds its slot to its end, so 256 held a worker's 1,000 streams to 256 upstream
+# at once (the rest queued for seconds, ``benchmarks/bench_streams.py``).
+DEFAULT_CONCURRENCY = 10_000
 
 
 class LlmProvider(Provider):
@@ -165,9 +168,17 @@ class LlmProvider(Provider):
         stops before one broke off, and must not reach its client as complete."""
         return False
 
+    def passes(self, item: Item, event: Event) -> bool:
+        """Whether an upstream event may go on unread: a search of its bytes shows it says
+        nothing ``stream_event`` or ``stream_end`` read (usage, a failure, the last event). A
+        kind that does not say reads every event."""
+        return False
+
     async def stream(self, item: Item, sink: ChunkSink) -> Outcome:
-        """One streamed request; each upstream event goes to ``sink`` as it arrives. Closing
-        the response (a cancelled call, a reader gone) ends the upstream stream."""
+        """One streamed request; each upstream event goes to ``sink`` as it arrives: as the
+        upstream's own bytes where the face's events have its shape (``sink.raw``) and the
+        event says nothing to read (``passes``), else parsed. Closing the response (a
+        cancelled call, a reader gone) ends the upstream stream."""
         try:
             response = await self.api.stream("POST", self.stream_path(item), self.stream_request(item),
                                              idempotent=False, deadline=item.deadline,
@@ -176,20 +187,30 @@ class LlmProvider(Provider):
             return Outcome.fail(e)
         usage: dict[str, Any] = {}
         ended = False
-        try:  # the lean transport's reply reads as httpx's does (``headers``, ``aiter_text``)
-            async for sse in EventSource(cast(httpx.Response, response)).aiter_sse():
-                if sse.data == "[DONE]":
+        raw = sink.raw
+        try:
+            kind = response.headers.get("content-type", "").partition(";")[0]
+            if "text/event-stream" not in kind:  # as httpx_sse says it
+                raise SSEError("Expected response header Content-Type to contain "
+                               f"'text/event-stream', got {kind!r}")
+            async for event in events(response.aiter_bytes()):
+                body = event.data
+                if event.form is not None and event.form == raw and body[:1] == b"{" \
+                        and body[-1:] == b"}" and self.passes(item, event):
+                    await sink.send(event.wire)
+                    continue
+                if body == b"[DONE]":
                     ended = True
                     break
                 try:
-                    data = loads_lenient(sse.data)
+                    data = loads_lenient(body)
                 except ValueError:
                     return Outcome.fail(upstream_error(self.name, "malformed stream event (not JSON)"))
                 if not isinstance(data, dict):
                     continue
-                if self.stream_event(item, sse.event, data, usage):
+                if self.stream_event(item, event.name, data, usage):
                     await sink.send(data)
-                ended = ended or self.stream_end(item, sse.event, data)
+                ended = ended or self.stream_end(item, event.name, data)
         except RpcError as e:
             return Outcome.fail(e)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):

@@ -9,6 +9,11 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
+# The shapes of a reader's events on the wire (``ChunkSink.raw``): OpenAI's chat and completions
+# streams are ``data:`` lines only; Anthropic's and the Responses API's name each event.
+DATA = "data"
+NAMED = "named"
+
 
 class Reader(Protocol):
     """The face's end of a stream (an anyio memory stream's send side fits)."""
@@ -22,9 +27,11 @@ class Reader(Protocol):
 
 class ChunkSink:
     """``send`` / ``send_nowait`` / ``close`` of the face's reader; ``first`` runs once, as the
-    first chunk is handed over (before it is sent, so a reader gone still counts it)."""
+    first chunk is handed over (before it is sent, so a reader gone still counts it). A chunk
+    is an object, or an event's bytes as the upstream sent them where ``raw`` says the reader
+    takes them."""
 
-    __slots__ = ("_first", "_stream", "hold", "sent")
+    __slots__ = ("_first", "_stream", "hold", "raw", "sent")
 
     def __init__(self, stream: Reader,
                  first: Callable[[], None] | None = None) -> None:
@@ -34,6 +41,10 @@ class ChunkSink:
         self.hold = False
         # chunks handed to the reader: what an abandoned stream is billed for (one token each)
         self.sent = 0
+        # the shape of the reader's events on the wire ("data": OpenAI's ``data:`` lines,
+        # "named": ``event:`` and ``data:``), when it takes an upstream's event in that shape as
+        # the upstream's bytes (``providers/sse_relay.py``); None: chunks only as objects
+        self.raw: str | None = getattr(stream, "raw", None)
 
     @property
     def started(self) -> bool:

@@ -25,6 +25,9 @@ DIRECT = "multiplexer.direct"
 # scope["extensions"][FLUSH]: sends what the connection holds for the end of the loop's turn now
 # (a stream's first event leaves at once, not after the rest of the provider's turn)
 FLUSH = "multiplexer.flush"
+# scope["extensions"][CHUNK]: writes one chunk of a streamed response whose head went out (the
+# ASGI send's work for it, at a stream's rate); False where it cannot, and the ASGI send must
+CHUNK = "multiplexer.chunk"
 _NOTHING: AbstractAsyncContextManager[object] = contextlib.nullcontext()
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 from starlette.types import Scope
@@ -29,7 +30,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from multiplexer.core.after import hold, release
 from multiplexer.faces.access import REQUEST_ID, AccessLog, Note
 from multiplexer.faces.body import headers_over
-from multiplexer.faces.disconnect import DIRECT, FLUSH, HOOK, OnDisconnect
+from multiplexer.faces.disconnect import CHUNK, DIRECT, FLUSH, HOOK, OnDisconnect
 from multiplexer.faces.reply import DirectEndpoint, Reply
 
 # An idle connection is closed this long after ``timeout_keep_alive`` (``server.keepalive_s``): the
@@ -83,6 +84,23 @@ class JoinedWrites:
         return getattr(self._transport, name)
 
 
+def _chunk_writer(cycle: RequestResponseCycle, joined: JoinedWrites) -> Callable[[bytes], bool]:
+    """A streamed response's chunk written as uvicorn's send would write it (chunked encoding,
+    after anything the connection holds), without the ASGI message, the app's send wrappers and
+    a callback at the turn's end, each paid per chunk by every open stream. False where
+    uvicorn's own send must do it: no head sent yet, a body of known length, the response over,
+    the client gone or reading slower than it is written (its flow control waits)."""
+
+    def write(body: bytes) -> bool:
+        if not cycle.response_started or not cycle.chunked_encoding or cycle.response_complete \
+                or cycle.disconnected or cycle.flow.write_paused or cycle.scope["method"] == "HEAD":
+            return False
+        joined.write_now(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    return write
+
+
 class GatewayHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -110,7 +128,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if cycle is None or cycle.scope is not self.scope:
             return  # an upgrade: not ours to watch
         self._owed = [(c, h) for c, h in self._owed if not c.response_complete]
-        self._owed.append((cycle, _extensions(cycle)[HOOK]))
+        extensions = _extensions(cycle)
+        self._owed.append((cycle, extensions[HOOK]))
+        extensions[CHUNK] = _chunk_writer(cycle, self.joined)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)

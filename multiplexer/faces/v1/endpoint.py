@@ -11,6 +11,7 @@ from starlette.types import Receive, Scope, Send
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import RpcError
 from multiplexer.core.json_codec import dumps
+from multiplexer.core.sink import DATA, NAMED
 from multiplexer.core.tracing import http_trace
 from multiplexer.faces.access import REQUEST_ID, new_request_id, note_of
 from multiplexer.faces.disconnect import cancelled_on_disconnect
@@ -119,7 +120,8 @@ class Endpoint:
         try:
             await stream_call(self.v1.submit, call, scope, receive, send,
                               lambda: [*headers, route_header(call), *self.v1.quota_headers(call.identity)],
-                              self.surface, encode=encode, error_event=error_event, tail=tail)
+                              self.surface, encode=encode, error_event=error_event, tail=tail,
+                              raw=RAW.get(encode))
         except HttpError:  # failed before its first chunk: the error says where it was tried last
             headers.append(route_header(call))
             raise
@@ -175,3 +177,8 @@ def converted(convert: Callable[[dict[str, Any]], list[dict[str, Any]]],
 def named_event(chunk: dict[str, Any]) -> bytes:
     """Anthropic's format: the event name is the chunk's ``type``, which the SDK dispatches on."""
     return b"event: " + str(chunk.get("type", "message")).encode() + b"\ndata: " + dumps(chunk) + b"\n\n"
+
+
+# The encoders whose events an upstream's may be as they are (``providers/sse_relay.py``): only
+# these, so a translated stream or a local route's own shapes is always encoded here.
+RAW: dict[Callable[[dict[str, Any]], bytes], str] = {data_event: DATA, named_event: NAMED}

@@ -11,6 +11,11 @@ that carries its final usage (OpenAI's usage chunk, Anthropic's ``message_delta`
 Responses API's ``response.completed``) is held until the call is priced, with what follows
 it (the stream's last events, microseconds later), and goes out with ``cost_usd`` (and
 ``saved_usd``) in its usage, as decimal strings like ``_meta.cost_usd``.
+
+Where the face's events have the upstream's shape (OpenAI's ``data:`` lines to an OpenAI-shaped
+provider, named events to Anthropic's or to the Responses API), the provider hands every event
+it need not read as the upstream's own bytes (``raw``), written as they came: no JSON decoded
+or encoded per chunk (``providers/sse_relay.py``).
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from starlette.types import Receive, Scope, Send
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.errors import RpcError, internal_error
 from multiplexer.core.responses_api import RESPONSE_ENDS
-from multiplexer.faces.disconnect import FLUSH, cancelled_on_disconnect
+from multiplexer.faces.disconnect import CHUNK, FLUSH, cancelled_on_disconnect
 from multiplexer.faces.v1.common import HttpError, Surface, http_error
 from multiplexer.money.report import cost_meta
 
 log = logging.getLogger(__name__)
 Encode = Callable[[dict[str, Any]], bytes]
+Chunk = dict[str, Any] | bytes  # bytes: an upstream's event as it came, in the face's own shape
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -46,28 +52,31 @@ class _Events:
     draining first. A chunk the face cannot encode ends the stream: every later send raises
     ``BrokenResourceError``, which providers take as a reader gone."""
 
-    __slots__ = ("_flush", "_send", "broken", "drainer", "encode", "headers", "held", "name", "pending",
-                 "started")
+    __slots__ = ("_chunk", "_flush", "_send", "broken", "drainer", "encode", "headers", "held", "name",
+                 "pending", "raw", "started")
 
     def __init__(self, send: Send, encode: Encode, headers: Callable[[], list[tuple[bytes, bytes]]],
-                 name: str, flush: Callable[[], None] | None) -> None:
+                 name: str, flush: Callable[[], None] | None, raw: str | None = None,
+                 chunk: Callable[[bytes], bool] | None = None) -> None:
         self._send = send
         self._flush = flush
+        self._chunk = chunk  # the server's writer of a chunk after the head (``CHUNK``)
         self.encode = encode
         self.headers = headers
         self.name = name
         self.started = False
+        self.raw = raw  # the shape of ``encode``'s events, when an upstream's in it go as they are
         self.broken: RpcError | None = None
-        self.held: list[dict[str, Any]] = []  # the final usage event and what follows it, until priced
-        self.pending: collections.deque[dict[str, Any]] = collections.deque()
+        self.held: list[Chunk] = []  # the final usage event and what follows it, until priced
+        self.pending: collections.deque[Chunk] = collections.deque()
         self.drainer: asyncio.Task[None] | None = None
 
-    async def send(self, chunk: dict[str, Any]) -> None:
+    async def send(self, chunk: Chunk) -> None:
         if self.drainer is not None:
             await self.flushed()
         await self._one(chunk)
 
-    def send_nowait(self, chunk: dict[str, Any]) -> None:
+    def send_nowait(self, chunk: Chunk) -> None:
         if self.broken is not None:
             raise anyio.BrokenResourceError
         self.pending.append(chunk)
@@ -103,22 +112,27 @@ class _Events:
             except anyio.BrokenResourceError:
                 break
 
-    async def _one(self, chunk: dict[str, Any]) -> None:
+    async def _one(self, chunk: Chunk) -> None:
         if self.broken is not None:
             raise anyio.BrokenResourceError
-        if self.held or final_usage(chunk) is not None:
+        if self.held or (type(chunk) is not bytes and final_usage(chunk) is not None):
             self.held.append(chunk)
         elif not await self.out(chunk):
             raise anyio.BrokenResourceError
 
-    async def out(self, chunk: dict[str, Any]) -> bool:
-        try:
-            event = self.encode(chunk)
-        except Exception:  # the stream stops here: the provider's next send ends the call
-            log.exception("a chunk of a stream on route %s could not be encoded", self.name)
-            self.broken = internal_error("a chunk of the stream could not be encoded")
-            return False
+    async def out(self, chunk: Chunk) -> bool:
+        if type(chunk) is bytes:  # an upstream's event in this face's shape, as it came
+            event = chunk
+        else:
+            try:
+                event = self.encode(chunk)
+            except Exception:  # the stream stops here: the provider's next send ends the call
+                log.exception("a chunk of a stream on route %s could not be encoded", self.name)
+                self.broken = internal_error("a chunk of the stream could not be encoded")
+                return False
         first = not self.started
+        if not first and self._chunk is not None and self._chunk(event):
+            return True
         if first:
             self.started = True
             await self._send({"type": "http.response.start", "status": 200,
@@ -133,9 +147,13 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, scope: Scope, r
                       send: Send,
                       headers: Callable[[], list[tuple[bytes, bytes]]], surface: Surface, *,
                       encode: Encode, error_event: Callable[[HttpError], bytes],
-                      tail: bytes = b"") -> None:
-    """Run ``call`` and write its chunks as events; raises ``HttpError`` if it fails unstarted."""
-    events = _Events(send, encode, headers, call.method, scope.get("extensions", {}).get(FLUSH))
+                      tail: bytes = b"", raw: str | None = None) -> None:
+    """Run ``call`` and write its chunks as events; raises ``HttpError`` if it fails unstarted.
+    ``raw``: the shape of ``encode``'s events, where an upstream's event in that shape goes on
+    as its own bytes (``providers/sse_relay.py``)."""
+    extensions = scope.get("extensions", {})
+    events = _Events(send, encode, headers, call.method, extensions.get(FLUSH), raw,
+                     extensions.get(CHUNK))
     call.sink = events
     outcome: Outcome | None = None
     async with cancelled_on_disconnect(scope, receive):
@@ -148,7 +166,9 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, scope: Scope, r
         return  # the client went away; the call was cancelled with it
     if events.held and events.broken is None:
         held = events.held
-        held[0] = with_cost(held[0], outcome)
+        first = held[0]  # the final usage event: always an object (its usage was read)
+        if not isinstance(first, bytes):
+            held[0] = with_cost(first, outcome)
         for chunk in held:
             if not await events.out(chunk):
                 break

@@ -1,0 +1,107 @@
+"""An upstream's server-sent events read as bytes, for a stream relayed at thousands at once.
+
+Each event is split from the reply's bytes as they come, and its data is left as bytes: a
+provider parses only the events it must read (usage, an error, the last event), found by a
+search of the bytes, and a face whose events have the upstream's own shape (``ChunkSink.raw``)
+gets every other event as the bytes the upstream sent, never decoded or encoded again. Parsing
+JSON and encoding it again were most of a relayed chunk's CPU.
+
+The split follows the SSE spec as httpx_sse reads it: lines end at ``\\n``, ``\\r\\n`` or
+``\\r``; a blank line ends an event; ``data`` lines join with ``\\n``; comments and blocks of
+nothing but comments are skipped; a field's value loses one leading space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from multiplexer.core.sink import DATA, NAMED
+
+
+class Event:
+    """One event: its name (``message`` when it has none), its data as bytes, and the bytes
+    to relay it by (``wire``: the event as the upstream sent it, ending in a blank line), set
+    only when it is in one of the two plain forms a face can take as they are."""
+
+    __slots__ = ("data", "form", "name", "wire")
+
+    def __init__(self, name: str, data: bytes, wire: bytes | None, form: str | None) -> None:
+        self.name = name
+        self.data = data
+        self.wire = wire
+        self.form = form
+
+
+async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[Event]:
+    """The events in a reply's body, each as soon as its blank line arrives."""
+    buf = b""
+    cr = False  # the last read ended in ``\r``: it may be half of a ``\r\n``
+    async for chunk in chunks:
+        if cr:
+            chunk = b"\r" + chunk
+            cr = False
+        if b"\r" in chunk:
+            if chunk.endswith(b"\r"):
+                chunk, cr = chunk[:-1], True
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buf = buf + chunk if buf else chunk
+        start = 0
+        while (end := buf.find(b"\n\n", start)) >= 0:
+            event = block(buf[start:end])
+            start = end + 2
+            if event is not None:
+                yield event
+        buf = buf[start:]
+    if cr:
+        buf += b"\n"
+    if buf.strip(b"\n"):  # an event the body ended in without its blank line, as httpx_sse reads it
+        event = block(buf.rstrip(b"\n"))
+        if event is not None:
+            yield event
+
+
+def block(raw: bytes) -> Event | None:
+    """An event from its lines (without the blank line that ends it); None for one with no
+    field (comments only, or nothing)."""
+    raw = raw.lstrip(b"\n")
+    if raw.startswith(b"data: ") and b"\n" not in raw:  # OpenAI's every chunk
+        return Event("message", raw[6:], raw + b"\n\n", DATA)
+    if raw.startswith(b"event: "):  # Anthropic's and the Responses API's every event
+        line = raw.find(b"\n")
+        if line > 7 and raw.startswith(b"data: ", line + 1) and raw.find(b"\n", line + 1) < 0:
+            name = raw[7:line].decode("utf-8", "replace")
+            return Event(name, raw[line + 7:], raw + b"\n\n", NAMED)
+    name: str | None = None
+    data: list[bytes] = []
+    fields = False
+    for line in raw.split(b"\n"):
+        if not line or line.startswith(b":"):
+            continue
+        field, colon, value = line.partition(b":")
+        if colon and value.startswith(b" "):
+            value = value[1:]
+        if field == b"data":
+            data.append(value)
+            fields = True
+        elif field == b"event":
+            name = value.decode("utf-8", "replace")
+            fields = True
+        elif field in (b"id", b"retry"):
+            fields = True
+    if not fields:
+        return None
+    return Event(name or "message", b"\n".join(data), None, None)
+
+
+def valued(data: bytes, key: bytes) -> bool:
+    """Whether JSON ``data`` may hold ``key`` (quoted: ``b'"usage"'``) with a value other than
+    ``null``: True whenever a search of the bytes cannot rule it out, so the caller parses.
+    A key spelled with escapes (``\\u0075sage``) counts as there."""
+    at = data.find(key)
+    while at >= 0:
+        after = at + len(key)
+        rest = data[after:after + 24].lstrip()
+        if not rest.startswith(b":") or not rest[1:].lstrip().startswith(b"null"):
+            return True
+        at = data.find(key, after)
+    return b"\\u00" in data and (b"\\u006" in data or b"\\u007" in data)
