@@ -87,3 +87,28 @@ async def round_robin(backends: list[str]) -> AsyncIterator[tuple[str, RoundRobi
             yield url, proxy
     finally:
         await proxy.http.aclose()
+
+
+def main() -> None:
+    """``python -m tests.rr_proxy --port P URL...``: the balancer as a process of its own (the
+    benchmarks keep it off their client's event loop)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("backends", nargs="+")
+    args = parser.parse_args()
+
+    async def serve() -> None:
+        proxy = RoundRobin(args.backends)
+        try:
+            async with serve_asgi(proxy, bind("127.0.0.1", args.port)):
+                await anyio.sleep_forever()
+        finally:
+            await proxy.http.aclose()
+
+    anyio.run(serve)
+
+
+if __name__ == "__main__":
+    main()
