@@ -191,7 +191,7 @@ class Requester:
                     raise upstream_unavailable(
                         name, f"the upstream connection was lost while the call was in flight ({why})"
                     ) from None
-                if e.code == types.REQUEST_TIMEOUT:
+                if e.code == types.REQUEST_TIMEOUT and e.message.endswith("timed out"):  # the SDK's own
                     raise timeout_error("upstream") from None
                 raise protocol_error(name, e) from None
         raise AssertionError("unreachable")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,7 +21,7 @@ from mcp import MCPError
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
-from tests.mcp_helpers import ROOT, mcp_http_client, until_connected
+from tests.mcp_helpers import ROOT, mcp_http_client, until_connected, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -109,3 +110,53 @@ async def test_a_client_without_the_capability_gets_the_error_naming_it(
             raise AssertionError(f"answered: {result}")
     assert caught.value.code == types.MISSING_REQUIRED_CLIENT_CAPABILITY or "elicitation" in str(caught.value)
     assert "elicitation" in caught.value.message
+
+
+@pytest.mark.parametrize("up", UPSTREAMS)
+async def test_the_deadline_pauses_while_the_client_is_asked(gateway: tuple[Gateway, str], up: str) -> None:
+    """The call may take 0.3 s; its client takes 0.6 s to answer, which is not counted."""
+    _, url = gateway
+    answers = Answers(delay_s=0.6)
+    async with mcp_http_client(url, "legacy", **answers.callbacks()) as client:
+        result = await client.call_tool(f"{up}_greet", {}, meta={"timeout_ms": 300})
+    assert text(result) == "hello Ada" and answers.asked == ["elicit:form"]
+
+
+@pytest.mark.parametrize("up", UPSTREAMS)
+async def test_asking_is_bounded_by_ask_timeout_s(gateway: tuple[Gateway, str], up: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    gw, url = gateway
+    monkeypatch.setattr(gw.config.server.mcp, "ask_timeout_s", 0.2)
+    answers = Answers(delay_s=5)
+    async with mcp_http_client(url, "legacy", **answers.callbacks()) as client:
+        with anyio.fail_after(4):
+            try:
+                result = await client.call_tool(f"{up}_greet", {})
+                said = text(result) if result.is_error else f"answered: {text(result)}"
+            except MCPError as e:
+                said = e.message
+    assert "did not answer in time" in said, said
+
+
+async def test_a_client_that_goes_mid_question_ends_the_upstream_call(gateway: tuple[Gateway, str],
+                                                                      tmp_path: Path) -> None:
+    _, url = gateway
+    marker = tmp_path / "held"
+    asked = anyio.Event()
+
+    async def never(ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+        asked.set()
+        await anyio.sleep_forever()
+        raise AssertionError
+
+    with anyio.fail_after(10):
+        async with mcp_http_client(url, "legacy", elicitation_callback=never) as client, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(client.call_tool, "leg_held", {"marker": str(marker)})
+            await asked.wait()
+            tg.cancel_scope.cancel()  # its question unanswered, the client closes its session
+
+        async def upstream_cancelled() -> bool:
+            return marker.exists() and marker.read_text() == "cancelled"
+
+        await wait_until(upstream_cancelled)

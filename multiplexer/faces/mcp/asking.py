@@ -79,8 +79,10 @@ class ClientAsker:
     """How one ``tools/call``'s upstream questions reach the client session that made it."""
 
     def __init__(self, ctx: ServerRequestContext[Any, Any], ask_timeout_s: float,
-                 sampler: Sampler | None, resume: dict[str, Any] | None) -> None:
+                 sampler: Sampler | None, resume: dict[str, Any] | None, connection: Any = None) -> None:
         self.session = ctx.session
+        self.connection = connection  # the client's SDK connection: its end ends a question to it
+        self.gone = False
         self.request_id = ctx.request_id
         self.capabilities: types.ClientCapabilities | None = getattr(ctx.session, "client_capabilities", None)
         self.passthrough = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
@@ -88,6 +90,19 @@ class ClientAsker:
         self.sampler = sampler
         self.resume = resume
         self.held: Held | None = None  # where a 2026-07-28 client's call waits for its answers
+
+    def _on_end(self, scope: anyio.CancelScope) -> None:
+        """Stop waiting for an answer when the client's connection ends (registered only when a
+        question is put, on the connection's own teardown)."""
+        stack = getattr(self.connection, "exit_stack", None)
+        if stack is None:
+            return
+
+        def ended() -> None:
+            self.gone = True
+            scope.cancel()
+
+        stack.callback(ended)
 
     def answers_here(self, method: str, params: dict[str, Any]) -> bool:
         sampler = self.sampler
@@ -119,8 +134,12 @@ class ClientAsker:
         request_type, result_type = _WIRE[method]
         request = request_type.model_validate({"method": method, "params": params or None})
         try:
-            result = await self.session.send_request(
-                request, result_type, metadata=ServerMessageMetadata(related_request_id=self.request_id))
+            with anyio.CancelScope() as scope:
+                self._on_end(scope)
+                result = await self.session.send_request(
+                    request, result_type, metadata=ServerMessageMetadata(related_request_id=self.request_id))
+            if self.gone:
+                raise ClientGone("the client's connection ended")
         except MCPError as e:
             if e.code == types.CONNECTION_CLOSED:
                 raise ClientGone(e.message) from None

@@ -396,7 +396,7 @@ class McpFace:
                                        include={"input_responses", "request_state"})
         sampler = (Sampler(self.gateway, settings.sampling, call.identity)
                    if settings.sampling is not None else None)
-        call.ask = ClientAsker(ctx, settings.ask_timeout_s, sampler, resume)
+        call.ask = ClientAsker(ctx, settings.ask_timeout_s, sampler, resume, connection_of(ctx))
         if call.timeout_ms is None:
             route = self.gateway.resolve(call.method).route
             call.timeout_ms = route.timeout_ms or self.gateway.config.server.default_timeout_ms
