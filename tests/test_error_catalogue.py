@@ -153,6 +153,27 @@ def big(s: Served) -> Awaitable[httpx.Response]:
                        headers={"authorization": f"Bearer {KEYS['alice']}"})
 
 
+async def quarantined(s: Served) -> httpx.Response:
+    """A gateway of its own in front of an upstream that changed a pinned tool's description."""
+    from tests.mcp_helpers import call
+    from tests.pin_helpers import KEYS as PIN_KEYS
+    from tests.pin_helpers import config_data, upstream_url
+
+    async with upstream_url() as url:
+        data = config_data(url, Path(str(s.gateway.config.store.path)).parent)
+        data["server"].pop("admin_key")
+        async with running(parse_config(data), port=0) as (gateway, base), httpx.AsyncClient() as http:
+            changed = anyio.Event()
+            gateway.listeners.append(lambda event, d: changed.set() if event == "tool_pin" and
+                                     d["action"] == "changed" else None)
+            assert (await call(gateway, "rug_rug", {})).ok
+            with anyio.fail_after(10):
+                await changed.wait()
+            body = {"jsonrpc": "2.0", "id": 1, "method": "rug_lookup", "params": {"word": "x"}}
+            return await http.post(base + "/rpc", json=body,
+                                   headers={"authorization": f"Bearer {PIN_KEYS['alice']}"})
+
+
 TRIGGERS = [
     Trigger(Code.PARSE_ERROR, "line 1 column", lambda s: s.http.post(
         "/rpc", content=b"{nope", headers={"authorization": f"Bearer {KEYS['alice']}"})),
@@ -174,6 +195,7 @@ TRIGGERS = [
     Trigger(Code.SHUTTING_DOWN, "retry after", shutting_down),
     Trigger(Code.NOT_FOUND, "lists yours", lambda s: s.http.get(
         "/v1/files/file-nope", headers={"authorization": f"Bearer {KEYS['alice']}"})),
+    Trigger(Code.TOOL_QUARANTINED, "an admin approves the new definition", quarantined),
 ]
 
 
