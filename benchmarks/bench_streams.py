@@ -22,7 +22,7 @@ The baseline (``--baseline REV``, a git worktree in a temporary folder, removed 
 same way in the same run; ``--baseline ''`` skips it. ``--big`` adds 2,000 streams and 10,000
 with ``serve --workers auto``. The soft limit on open files is raised to the hard one.
 
-    python -m benchmarks.bench_streams [--baseline 4e15b15] [--streams 64,256,1000] [--big]
+    python -m benchmarks.bench_streams [--baseline 4e15b15] [--this HEAD] [--streams 64,256,1000] [--big]
 """
 
 from __future__ import annotations
@@ -171,6 +171,10 @@ async def run_streams(port: int, path: str, n: int, rounds: int, spread: float) 
     return runs
 
 
+def p99(values: list[float]) -> float:
+    return percentile(values, 0.99) if values else float("nan")
+
+
 @dataclass
 class Gateway:
     url: str
@@ -275,6 +279,7 @@ def worktree(ref: str, into: Path) -> Iterator[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="4e15b15", help="the commit to compare against ('' for none)")
+    parser.add_argument("--this", default="", help="measure this commit, not the working tree")
     parser.add_argument("--streams", default="64,256,1000", help="concurrent streams, comma-separated")
     parser.add_argument("--big", action="store_true", help="add 2000, and 10000 with --workers auto")
     parser.add_argument("--rounds", type=int, default=2, help="streams each client runs back to back")
@@ -291,6 +296,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
         tmp = Path(tmp_name)
         trees = [("this tree", ROOT)]
+        if args.this:  # a commit in place of the working tree (others may be editing it)
+            trees = [(f"this tree {args.this}", stack.enter_context(worktree(args.this, tmp / "this")))]
         if args.baseline:
             trees.insert(0, (f"baseline {args.baseline}",
                              stack.enter_context(worktree(args.baseline, tmp / "baseline"))))
@@ -301,14 +308,14 @@ def main() -> None:
             f"http://127.0.0.1:{fake}/", tmp / "fake.log"))
         for n, workers in plan:
             direct, extra = measure(fake, fake, n, args, None)
-            first99, gap99 = percentile(direct.firsts, 0.99), percentile(direct.gaps, 0.99)
+            first99, gap99 = p99(direct.firsts), p99(direct.gaps)
             results = [("direct", direct, extra)]
             for name, tree in trees:
                 with gateway(tree, fake, tmp, workers) as gw:
                     runs, extra = measure(gw.port, fake, n, args, gw)
                 results.append((name + (f" --workers {workers}" if workers else ""), runs, extra))
             for name, runs, extra in results:
-                f99, g99 = percentile(runs.firsts, 0.99), percentile(runs.gaps, 0.99)
+                f99, g99 = p99(runs.firsts), p99(runs.gaps)
                 direct_row = name == "direct"
                 row = {"target": name, "streams": n, "max_open_upstream": extra["max_open"],
                        "whole": runs.whole, "started": runs.streams, "errors": len(runs.errors),
