@@ -5,14 +5,15 @@ Three ``multiplexer serve`` processes share a Redis of their own (``state.url``)
 (``tests/rr_proxy.py``, a process of its own) sends each request to the next replica, so every
 call of a session lands on another replica than the one before. Baseline, in the same run: the
 same balancer with one backend (the same extra hop, every request on the replica that opened
-the session), and one replica without the balancer. Calls are sequential per session (latency,
-not throughput), in interleaved blocks so that drift of the host hits every scenario alike.
+the session), one replica without the balancer, and 2026-07-28 calls (no session: nothing is
+shared) through both balancers as the control. Calls are sequential (latency, not throughput),
+the scenarios taking turns call by call, so that drift of a busy host hits each alike.
 
 The first request of a session on a replica that never saw it rebuilds it from Redis (one round
 trip, once per session and replica), each replica touches a session's idle time at most every
 ``session_idle_s / 10`` (at most every 30 s), and nothing else of a call goes to Redis.
 
-Run: ``python -m benchmarks.bench_mcp_replicas [--calls 2000] [--sessions 4]``.
+Run: ``python -m benchmarks.bench_mcp_replicas [--calls 2000] [--sessions 4]`` (about a minute).
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class Modern(Session):
         return elapsed
 
 
-async def measure(urls: dict[str, tuple[type[Session], str]], calls: int, sessions: int,
-                  blocks: int) -> dict[str, list[float]]:
+async def measure(urls: dict[str, tuple[type[Session], str]], calls: int,
+                  sessions: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=30) as http:
         opened = {name: [kind(http, url) for _ in range(sessions)] for name, (kind, url) in urls.items()}
@@ -131,12 +132,10 @@ async def measure(urls: dict[str, tuple[type[Session], str]], calls: int, sessio
                 await s.open()
                 for _ in range(20):  # warm: each replica rebuilds the session once
                     await s.call()
-        per_block = max(1, calls // (blocks * sessions))
-        for _ in range(blocks):
+        for _ in range(max(1, calls // sessions)):  # scenarios call by call: drift hits each alike
             for name, group in opened.items():
-                for _ in range(per_block):
-                    for s in group:
-                        times[name].append(await s.call())
+                for s in group:
+                    times[name].append(await s.call())
         for group in opened.values():
             for s in group:
                 await s.close()
@@ -148,7 +147,6 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=2000, help="calls per scenario")
     parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--blocks", type=int, default=8)
     args = parser.parse_args()
     redis = OwnRedis()
     redis.start()
@@ -165,7 +163,7 @@ def main() -> None:
                 "2026-07-28 (no session), balancer, 1 replica": (Modern, one),
                 "2026-07-28 (no session), round-robin over 3": (Modern, three),
             }
-            times = anyio.run(measure, urls, args.calls, args.sessions, args.blocks)
+            times = anyio.run(measure, urls, args.calls, args.sessions)
     finally:
         redis.stop()
     ms = {name: (percentile(t, 0.5) * 1000, percentile(t, 0.99) * 1000) for name, t in times.items()}

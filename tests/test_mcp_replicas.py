@@ -360,3 +360,21 @@ async def test_a_killed_replica_loses_no_session(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_2025_03_26_batch_is_served_by_a_replica_that_did_not_open_its_session() -> None:
+    """The one revision with JSON-RPC arrays, known from the session's record (no header says it)."""
+    accept = {"accept": "application/json, text/event-stream", "authorization": f"Bearer {KEYS['a']}"}
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-03-26", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    async with deployment(2) as (replicas, _, _, _), httpx.AsyncClient() as http:
+        (_, first), (_, second) = replicas
+        opened = await http.post(first + "/mcp", json=init, headers=accept)
+        session = {**accept, "mcp-session-id": opened.headers["mcp-session-id"]}
+        await http.post(first + "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                        headers=session)
+        r = await http.post(second + "/mcp", headers=session, json=[
+            {"jsonrpc": "2.0", "id": n, "method": "tools/call",
+             "params": {"name": "echo", "arguments": {"x": n}}} for n in (1, 2)])
+    assert r.status_code == 200
+    assert [x["result"]["structuredContent"] for x in r.json()] == [{"x": 1}, {"x": 2}]

@@ -37,7 +37,7 @@ from multiplexer.faces.body import BodyTooLarge, ClientGone, read_body
 from multiplexer.faces.http import rpc_error, too_large, unauthorized
 from multiplexer.faces.mcp.batch import BATCH_REVISIONS, serve_batch
 from multiplexer.faces.mcp.exchange import SingleExchange
-from multiplexer.faces.mcp.replica_sessions import session_manager
+from multiplexer.faces.mcp.replica_sessions import ReplicaSessionManager, session_manager
 from multiplexer.faces.mcp.server import IDENTITY_SCOPE_KEY, McpFace
 from multiplexer.faces.reply import Reply
 from multiplexer.gateway.gateway import Gateway
@@ -189,8 +189,10 @@ class McpEndpoint:
     async def _array(self, scope: Scope, headers: Headers, body: bytes, receive: Receive,
                      send: Send) -> None:
         """Batches exist only at 2025-03-26 (the revision the header or the session names)."""
-        version = headers.get("mcp-protocol-version") or self.face.session_version(
-            headers.get("mcp-session-id"))
+        session_id = headers.get("mcp-session-id")
+        version = headers.get("mcp-protocol-version") or self.face.session_version(session_id)
+        if version is None and session_id and isinstance(self.manager, ReplicaSessionManager):
+            version = await self.manager.revision(session_id)  # a session another replica opened
         if version not in BATCH_REVISIONS:
             await rpc_error(400, invalid_request(_ARRAY_DETAIL))(scope, receive, send)
             return

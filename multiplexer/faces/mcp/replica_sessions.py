@@ -293,6 +293,18 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
         if method == "DELETE" and copy is not None and copy.transport.is_terminated:
             await self._ended(session_id)
 
+    async def revision(self, session_id: str) -> str | None:
+        """The revision a session negotiated, wherever it was opened (None if unknown)."""
+        copy = self.copies.get(session_id)
+        if copy is not None:
+            return copy.connection.protocol_version
+        try:
+            record = await self.store.load(self.mount, session_id, self.ttl_s)
+        except StateUnavailable:
+            self._degraded("mcp_sessions")
+            return None
+        return record.get("v") if record is not None else None
+
     async def _touch(self, session_id: str, copy: _Copy) -> bool:
         """The session's idle time starts again everywhere; False (and this copy dropped) if the
         shared state no longer has it."""
