@@ -8,6 +8,7 @@ while the config changes, with no sleeps."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,16 @@ class Gated(Provider):
     closed: list[str] = []
 
     async def start(self) -> None:
+        """A task group left open until ``aclose``, as an MCP upstream's session supervisor is:
+        its start and its close must run in one task."""
+        self._stack = AsyncExitStack()
+        tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.callback(tg.cancel_scope.cancel)
+        tg.start_soon(anyio.sleep_forever)
         Gated.started.append(self.ctx.settings.tag)
 
     async def aclose(self) -> None:
+        await self._stack.aclose()
         Gated.closed.append(self.ctx.settings.tag)
 
     async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:

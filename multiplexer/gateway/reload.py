@@ -133,6 +133,7 @@ class ConfigReloader:
         self._retired = 0  # lanes retired so far (their keys in gateway.lanes while they drain)
         self.draining: set[str] = set()  # providers whose lanes are still running what they hold
         self._lives: dict[str, _Life] = {}  # the providers a reload started, by name
+        self._open: list[_Life] = []  # ... and those of them draining, until closed
         self.finished = 0  # reloads ended, whatever their result
         self._moved: anyio.Event | None = None  # set when a reload ends or a provider drains
         self.reloads = Counter("multiplexer_config_reloads", "Config reloads (SIGHUP, POST "
@@ -141,6 +142,13 @@ class ConfigReloader:
                                registry=gateway.metrics.registry)
         for result in ("ok", "invalid", "failed"):
             self.reloads.labels(result)
+        stack = gateway._stack  # running: the providers a reload started close as it stops
+        if stack is not None:
+            stack.callback(self._close_all)
+
+    def _close_all(self) -> None:
+        for life in self._open:
+            life.close()
 
     async def reload(self, actor: str = "sighup") -> Reloaded:
         """Read the file again and apply it; the answer says what changed or why not. Shielded:
@@ -262,7 +270,10 @@ class ConfigReloader:
         provider = cls(ctx)
         life = _Life(provider)
         gw.start_background(life.run)
-        with anyio.fail_after(START_TIMEOUT_S):
+        with anyio.move_on_after(START_TIMEOUT_S):
+            await life.up.wait()
+        if not life.up.is_set():
+            life.close()
             await life.up.wait()
         if life.error is not None:
             raise life.error
@@ -314,6 +325,8 @@ class ConfigReloader:
             lane.close()
         lives = {n: self._lives.pop(n) for n in gone if n in self._lives}
         self._lives.update({n: life for n, (_, _, life) in started.items()})
+        self._open = [life for life in self._open if not life.closed.is_set()]
+        self._open += [life for _, _, life in started.values()]
         done.providers = {"started": sorted(started), "draining": sorted(gone), "kept": sorted(kept)}
         if retired or old_providers:
             self.draining.update(old_providers)
@@ -376,35 +389,42 @@ class ConfigReloader:
 
 
 class _Life:
-    """A provider started by a reload: started, then closed, in this one task of the gateway."""
+    """A provider started by a reload: started, then closed, in this one task of the gateway.
+
+    The task's shielded scope is entered before the provider starts, so the task groups a
+    provider enters in ``start`` nest inside it and exit in ``aclose`` in the same task; the
+    gateway's own cancellation never reaches it: ``close`` ends it (the gateway's exit stack
+    closes every one, ``ConfigReloader._close_all``), and cancels a start still under way."""
 
     def __init__(self, provider: Provider) -> None:
         self.provider = provider
         self.up = anyio.Event()
         self.closed = anyio.Event()
         self._close = anyio.Event()
+        self._scope: anyio.CancelScope | None = None
         self.error: BaseException | None = None
 
     def close(self) -> None:
         self._close.set()
+        if not self.up.is_set() and self._scope is not None:
+            self._scope.cancel()
 
     async def run(self) -> None:
         try:
-            try:
-                await self.provider.start()
-            except Exception as e:
-                self.error = e
+            with anyio.CancelScope(shield=True) as self._scope:
+                try:
+                    await self.provider.start()
+                except Exception as e:
+                    self.error = e
                 self.up.set()
-                with anyio.CancelScope(shield=True):
-                    await self.provider.aclose()
-                return
-            self.up.set()
-            await self._close.wait()
-        finally:
-            self.up.set()
-            try:
                 if self.error is None:
-                    with anyio.CancelScope(shield=True):
-                        await self.provider.aclose()
-            finally:
-                self.closed.set()
+                    await self._close.wait()
+                try:
+                    await self.provider.aclose()
+                except Exception:
+                    log.exception("provider %s did not close cleanly", self.provider.name)
+        finally:
+            if not self.up.is_set():  # its start was cancelled (it took too long)
+                self.error = self.error or TimeoutError("its start did not end in time")
+            self.up.set()
+            self.closed.set()
