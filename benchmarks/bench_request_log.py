@@ -8,7 +8,8 @@
    on twice; sequential calls alternate between all of them in a new order each round
    (``bench_llm.measure``). The figure is the log-on pair's added p50 over the log-off pair's.
 2. ``sustain``: the gateway's full call rate (``--clients`` workers for ``--seconds``) with the
-   log written to PostgreSQL; the records the log wrote and dropped, from ``/metrics``.
+   log written to PostgreSQL, and with the log off, in alternating rounds; the records the log
+   wrote and dropped, from ``/metrics``, and the rows in the table.
 3. ``query``: ``GET /admin/requests`` over HTTP on ``--rows`` records seeded in PostgreSQL (one
    ``INSERT ... SELECT generate_series`` in a schema of its own, dropped after): p50 and p99 per
    filter, first pages and cursor pages.
@@ -145,38 +146,54 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
-async def sustain(args: argparse.Namespace) -> dict[str, Any]:
+async def _drive(url: str, clients: int, seconds: float) -> tuple[int, float]:
+    """Calls by ``clients`` workers for ``seconds``: (calls, seconds taken)."""
+    call = openai_call(CHAT)
+    conns = [Conn.to(url) for _ in range(clients)]
+    try:
+        await warm(conns, call)
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            await spread(conns, call, 1000)
+            calls += 1000
+        return calls + clients, time.perf_counter() - t0
+    finally:
+        for conn in conns:
+            await conn.aclose()
+
+
+async def sustain(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The log on (PostgreSQL) and off, in alternating rounds of at most 10 s, ``--seconds`` each."""
     import psycopg
 
     schema = "mxbench_" + secrets.token_hex(4)
+    pg = f", url: {PG!r}, schema: {schema}"
+    out = [{"name": "log off", "calls": 0, "seconds": 0.0}, {"name": "log on (PostgreSQL)", "calls": 0,
+                                                            "seconds": 0.0}]
     try:
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
             fake = fake_upstream(stack)
-            url = gateway(stack, tmp, fake, "{}", f", url: {PG!r}, schema: {schema}")
-            call = openai_call(CHAT)
-            conns = [Conn.to(url) for _ in range(args.clients)]
-            try:
-                await warm(conns, call)
-                calls, t0 = 0, time.perf_counter()
-                while time.perf_counter() - t0 < args.seconds:
-                    await spread(conns, call, 2000)
-                    calls += 2000
-                elapsed = time.perf_counter() - t0
-            finally:
-                for conn in conns:
-                    await conn.aclose()
+            urls = [gateway(stack, tmp, fake, "{enabled: false}", pg), gateway(stack, tmp, fake, "{}", pg)]
+            rounds = max(1, round(args.seconds / 10))
+            for _ in range(rounds):
+                for row, url in zip(out, urls, strict=True):
+                    calls, took = await _drive(url, args.clients, args.seconds / rounds)
+                    row["calls"] += calls
+                    row["seconds"] += took
             await anyio.sleep(2.5)  # the writer's last batch (log.flush_interval_s: 1 s)
-            text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
-            written = metric(text, "multiplexer_records_written_total")
-            dropped = metric(text, "multiplexer_records_dropped_total")
-            failed = metric(text, "multiplexer_records_failed_total")
+            text = httpx.get(f"{urls[1]}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
+            on = out[1]
+            on["written"] = metric(text, "multiplexer_records_written_total")
+            on["dropped"] = metric(text, "multiplexer_records_dropped_total")
+            on["failed"] = metric(text, "multiplexer_records_failed_total")
         with psycopg.connect(PG, autocommit=True) as conn:
-            rows = conn.execute(f"SELECT COUNT(*) FROM {schema}.requests").fetchone()[0]  # type: ignore[index]
+            on["rows"] = conn.execute(f"SELECT COUNT(*) FROM {schema}.requests").fetchone()[0]  # type: ignore[index]
     finally:
         with psycopg.connect(PG, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-    return {"seconds": elapsed, "calls": calls + args.clients, "calls_per_s": calls / elapsed,
-            "written": written, "dropped": dropped, "failed": failed, "rows": rows}
+    for row in out:
+        row["calls_per_s"] = row["calls"] / row["seconds"]
+    return out
 
 
 def queries(now: float) -> list[tuple[str, dict[str, str]]]:
@@ -280,10 +297,12 @@ def main() -> None:
         saved["hot"] = rows
     if args.phase in ("sustain", "all"):
         s = anyio.run(sustain, args)
-        print(table(["seconds", "calls", "calls/s", "records written", "rows in PostgreSQL", "dropped",
-                     "failed"],
-                    [[f"{s['seconds']:.0f}", s["calls"], f"{s['calls_per_s']:.0f}", f"{s['written']:.0f}",
-                      s["rows"], f"{s['dropped']:.0f}", f"{s['failed']:.0f}"]]) + "\n")
+        print(table(["gateway", "seconds", "calls", "calls/s", "records written", "rows in PostgreSQL",
+                     "dropped", "failed"],
+                    [[r["name"], f"{r['seconds']:.0f}", r["calls"], f"{r['calls_per_s']:.0f}",
+                      f"{r['written']:.0f}" if "written" in r else "-", r.get("rows", "-"),
+                      f"{r['dropped']:.0f}" if "dropped" in r else "-",
+                      f"{r['failed']:.0f}" if "failed" in r else "-"] for r in s]) + "\n")
         saved["sustain"] = s
     if args.phase in ("query", "all"):
         q = anyio.run(query, args)

@@ -83,7 +83,9 @@ class RequestLog:
             message = error.message if not isinstance(detail, str) else f"{error.message}: {detail}"
         attempts = plan.attempts
         tried: list[tuple[str, str]] = list(attempts.tried) if attempts is not None else []
-        ran = attempts.number if attempts is not None else int(item is not None and plan.error is None)
+        # its own upstream attempts: none when refused before a lane took it, or when it shared
+        # another call's (joined in flight, answered from the cache)
+        ran = attempts.number if attempts is not None else int(lane is not None and shared is None)
         mode = item.options.get("mode") if item is not None else None
         tokens = self._tokens(outcome) if error is None else None
         cost = None if answer.cost_pico is None else -(-answer.cost_pico // 1000)
@@ -137,7 +139,7 @@ class RequestLog:
         batch = {"mode": mode, "share": share if isinstance(share, float) else None,
                  "shared": shared}
         attempts = [{"route": r, "outcome": why} for r, why in tried]
-        if item is not None and plan.error is None:
+        if lane is not None and shared is None:  # its last attempt (a lane took it)
             attempts.append({"route": plan.label, "outcome": "ok" if answer.error is None
                              else f"error {answer.error.code}"})
         timeline = [{"at_ms": 0.0, "event": "admitted"}]
