@@ -350,8 +350,12 @@ class StreamedReply:
         self._opened = opened
 
     def aiter_bytes(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they come (what ``providers/sse_relay.py`` splits into events)."""
-        return self._opened.__aiter__()
+        """The body's bytes as they come (what ``providers/sse_relay.py`` splits into events):
+        the body's own iterator where nothing came with the head, one generator fewer a chunk."""
+        opened = self._opened
+        if not opened.first and opened.rest is not None:
+            return opened.rest.__aiter__()
+        return opened.__aiter__()
 
     async def aiter_text(self) -> AsyncIterator[str]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

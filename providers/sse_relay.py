@@ -47,7 +47,8 @@ async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[Event]:
         buf = buf + chunk if buf else chunk
         start = 0
         while (end := buf.find(b"\n\n", start)) >= 0:
-            event = block(buf[start:end])
+            # a read of one whole event (a stream's usual one) is that event's bytes, uncopied
+            event = block(buf if start == 0 and end + 2 == len(buf) else buf[start:end + 2])
             start = end + 2
             if event is not None:
                 yield event
@@ -55,22 +56,27 @@ async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[Event]:
     if cr:
         buf += b"\n"
     if buf.strip(b"\n"):  # an event the body ended in without its blank line, as httpx_sse reads it
-        event = block(buf.rstrip(b"\n"))
+        event = block(buf.rstrip(b"\n") + b"\n\n")
         if event is not None:
             yield event
 
 
-def block(raw: bytes) -> Event | None:
-    """An event from its lines (without the blank line that ends it); None for one with no
-    field (comments only, or nothing)."""
-    raw = raw.lstrip(b"\n")
-    if raw.startswith(b"data: ") and b"\n" not in raw:  # OpenAI's every chunk
-        return Event("message", raw[6:], raw + b"\n\n", DATA)
-    if raw.startswith(b"event: "):  # Anthropic's and the Responses API's every event
-        line = raw.find(b"\n")
-        if line > 7 and raw.startswith(b"data: ", line + 1) and raw.find(b"\n", line + 1) < 0:
-            name = raw[7:line].decode("utf-8", "replace")
-            return Event(name, raw[line + 7:], raw + b"\n\n", NAMED)
+def block(wire: bytes) -> Event | None:
+    """An event from its lines and the blank line that ends it; None for one with no field
+    (comments only, or nothing)."""
+    if wire.startswith(b"\n"):
+        wire = wire.lstrip(b"\n")
+        if not wire:
+            return None
+    last = len(wire) - 2
+    if wire.startswith(b"data: ") and wire.find(b"\n", 0, last) < 0:  # OpenAI's every chunk
+        return Event("message", wire[6:last], wire, DATA)
+    if wire.startswith(b"event: "):  # Anthropic's and the Responses API's every event
+        line = wire.find(b"\n", 0, last)
+        if line > 7 and wire.startswith(b"data: ", line + 1) and wire.find(b"\n", line + 1, last) < 0:
+            name = wire[7:line].decode("utf-8", "replace")
+            return Event(name, wire[line + 7:last], wire, NAMED)
+    raw = wire[:last]
     name: str | None = None
     data: list[bytes] = []
     fields = False
