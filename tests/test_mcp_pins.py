@@ -97,6 +97,9 @@ async def test_a_changed_tool_is_quarantined_on_every_way_in_until_approved(tmp_
             assert r.status_code == 404
             r = await http.post(base + "/admin/mcp/tools/rug:lookup/approve", headers=admin)
             assert r.status_code == 200 and r.json()["status"] == "approved"
+            metrics = (await http.get(base + "/metrics", headers=admin)).text
+            for action in ("pinned", "changed", "approved"):
+                assert f'multiplexer_mcp_tool_changes_total{{action="{action}",provider="rug"}}' in metrics
             assert "rug_lookup" in await tools_of(gw)
             async with mcp_http_client(base + "/mcp", "auto", KEYS["alice"]) as client:
                 tool = next(t for t in (await client.list_tools()).tools if t.name == "rug_lookup")
@@ -144,10 +147,16 @@ async def _has(gw: Gateway, name: str) -> bool:
     return name in await tools_of(gw)
 
 
+def stored_keys(data: dict[str, Any]) -> dict[str, Any]:
+    data["server"]["key_store"] = {"enabled": True}  # the approval in the admin audit log too
+    return data
+
+
 async def test_the_cli_lists_and_approves_a_quarantined_tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv(ENV, ADMIN)
-    async with upstream_url() as url, running(parse_config(config_data(url, tmp_path))) as (gw, base):
+    async with upstream_url() as url, running(parse_config(stored_keys(config_data(url, tmp_path)))) \
+            as (gw, base):
         await change_and_wait(gw, "rug_rug", "changed")
         capsys.readouterr()
         assert await anyio.to_thread.run_sync(main, ["tools", "list", "--quarantined", "--url", base]) == 0
@@ -155,6 +164,11 @@ async def test_the_cli_lists_and_approves_a_quarantined_tool(tmp_path: Path, mon
         assert held["id"] == "rug:lookup" and held["diff"]["description"]["now"] == RUG
         assert await anyio.to_thread.run_sync(main, ["tools", "approve", "rug:lookup", "--url", base]) == 0
         assert json.loads(capsys.readouterr().out)["status"] == "approved"
+        async with httpx.AsyncClient() as http:
+            logged = (await http.get(base + "/admin/audit",
+                                     headers={"Authorization": f"Bearer {ADMIN}"})).json()
+        (row,) = [r for r in logged["data"] if r["action"] == "mcp_tool.approve"]
+        assert row["target"] == "rug:lookup" and row["actor"].startswith("admin:")
         assert await anyio.to_thread.run_sync(main, ["tools", "approve", "rug:gone", "--url", base]) == 1
         assert "404" in capsys.readouterr().err
         audit = ["tools", "audit", "--tool", "rug_rug", "--url", base]

@@ -7,6 +7,9 @@ A tool's id is ``PROVIDER:TOOL`` (the provider's name in the config, the upstrea
 from __future__ import annotations
 
 import json
+import logging
+import time
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -18,6 +21,7 @@ from starlette.routing import BaseRoute, Route
 
 from multiplexer.gateway.gateway import Gateway
 
+log = logging.getLogger(__name__)
 Routed = Callable[..., Route]  # admin_route with the gateway bound: (admin, path, endpoint, methods)
 Error = Callable[..., JSONResponse]  # admin_error: (status, message, detail=None)
 
@@ -73,14 +77,36 @@ def mount_tools(gateway: Gateway, admin: Any, route: Routed, error: Error) -> li
         if not sep or provider is None:
             return error(404, f"no pinned MCP tool {tool_id!r} (ids are PROVIDER:TOOL; "
                               "GET /admin/mcp/tools lists them)")
+        was = provider.pins.pins.get(tool)
+        old = was.approved_hash if was is not None else None
         pin = provider.approve_tool(tool)
         if pin is None:
             return error(404, f"MCP upstream {name!r} has no pinned tool {tool!r}")
         await provider.pins.flush()  # stored before the answer: other replicas read it from there
+        await admin_audit(gateway, request, tool_id, old, pin.approved_hash)
         return JSONResponse(entry(name, pin))
 
     return [route(admin, "/admin/mcp/tools", list_tools, ["GET"]),
             route(admin, "/admin/mcp/tools/{id:path}/approve", approve, ["POST"])]
+
+
+async def admin_audit(gateway: Gateway, request: Request, tool_id: str, old: str | None,
+                      new: str) -> None:
+    """The approval in the admin audit log (``GET /admin/audit``) beside the keys' changes, where
+    a key store is open; the pin's own change row is written either way."""
+    store = gateway.keys.store
+    if store is None or old == new:
+        return
+    from multiplexer.access.keystore import AuditRow
+
+    named = request.headers.get("x-admin-actor", "").strip()
+    actor = f"admin:{named[:100]}" if named else "admin"
+    row = AuditRow(uuid.uuid4().hex, time.time(), actor, "mcp_tool.approve", tool_id,
+                   {"old_hash": old, "new_hash": new})
+    try:
+        await store.run(store.record, row)
+    except Exception as e:  # the approval stands; its admin audit row is what is lost
+        log.warning("mcp tool approval: admin audit row not written: %s", str(e).splitlines()[0][:200])
 
 
 def number(request: Request, name: str, kind: type[float] | type[int]) -> float | int | None:
