@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from multiplexer.core.breaker import Breaker
 from multiplexer.core.cache_affinity import (
     AFFINITY_KEY,
+    CACHE_MOVED,
     CACHED_OPERATIONS,
     SESSION,
     call_key,
@@ -43,6 +45,10 @@ from multiplexer.core.cache_affinity import (
 from multiplexer.core.call import Item
 from multiplexer.core.clock import Clock
 
+# The options of the item whose key ``key_of`` gave last in this task: a request sent away from its
+# pick marks it (``CACHE_MOVED``), so the spend report books the move. Each request of a batch runs
+# in a task of its own (``run_each``), so each sees its own item's.
+_KEYED: ContextVar[dict[str, Any] | None] = ContextVar("keyed_item_options", default=None)
 _BUDGETS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 log = logging.getLogger(__name__)
@@ -122,14 +128,16 @@ class Endpoints:
             return None
         options = item.options
         key = options.get(AFFINITY_KEY)
+        if key is None:
+            params = item.params
+            session = options.get(SESSION)
+            if self.mode == "prefix" and session is None and type(params) is dict \
+                    and not params.get("prompt_cache_key") and self._short(item, params):
+                return None
+            key = call_key(params, self.mode, session)
         if key is not None:
-            return key  # type: ignore[no-any-return]
-        params = item.params
-        session = options.get(SESSION)
-        if self.mode == "prefix" and session is None and type(params) is dict \
-                and not params.get("prompt_cache_key") and self._short(item, params):
-            return None
-        return call_key(params, self.mode, session)
+            _KEYED.set(options)
+        return key  # type: ignore[no-any-return]
 
     def _short(self, item: Item, params: dict[str, Any]) -> bool:
         """Whether the prompt is under the minimum a provider caches (its estimate: the item's
@@ -156,8 +164,12 @@ class Endpoints:
                 break
         if chosen is None:
             chosen = min(usable, key=lambda e: e.outstanding)
-        if chosen is not home and self.on_move is not None:
-            self.on_move("overloaded" if home in usable else "endpoint_down")
+        if chosen is not home:
+            if self.on_move is not None:
+                self.on_move("overloaded" if home in usable else "endpoint_down")
+            noted = _KEYED.get()
+            if noted is not None:
+                noted[CACHE_MOVED] = True
         return chosen
 
     def _usable(self, ep: Endpoint, now: float) -> bool:

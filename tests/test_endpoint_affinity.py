@@ -11,7 +11,7 @@ import httpx
 import pytest
 import respx
 
-from multiplexer.core.cache_affinity import AFFINITY_KEY, SESSION, moves_tally
+from multiplexer.core.cache_affinity import AFFINITY_KEY, CACHE_MOVED, SESSION, moves_tally
 from providers.anthropic import AnthropicProvider
 from providers.openai import OpenAIProvider
 from tests.remote_helpers import chat_reply, item, make_provider, started
@@ -100,13 +100,17 @@ async def test_a_downed_home_moves_its_conversation_whole_and_counts_the_move(tm
         for base in BASES:
             mock.post(f"{base}/chat/completions").mock(side_effect=answer)
         async with started(p):
-            assert (await p.execute("chat", [item(p, "chat", turn(7, 0))]))[0].ok
+            first = item(p, "chat", turn(7, 0))
+            assert (await p.execute("chat", [first]))[0].ok
             home = seen[-1]
             down.add(home)
             seen.clear()
-            for n in range(1, 5):
-                assert (await p.execute("chat", [item(p, "chat", turn(7, n))]))[0].ok
+            moved = [item(p, "chat", turn(7, n)) for n in range(1, 5)]
+            for one in moved:
+                assert (await p.execute("chat", [one]))[0].ok
     assert len(set(seen)) == 1 and home not in seen  # one other endpoint took the rest
+    assert all(one.options.get(CACHE_MOVED) for one in moved)  # booked as moves (money/meter.py)
+    assert CACHE_MOVED not in first.options
     moves = moves_tally(p.ctx.metrics)
     assert moves.value("p@base_urls", "endpoint_down") >= 4
 
