@@ -105,7 +105,9 @@ async def reloading(pid: int, path: Path, port: int, phase: str, stop: anyio.Eve
         if stop.is_set():
             break
         n += 1
-        path.write_text(yaml.safe_dump(config(port, phase, n)))
+        new = path.with_suffix(".new")  # written beside it and renamed over it: never read half written
+        new.write_text(yaml.safe_dump(config(port, phase, n)))
+        new.replace(path)
         os.kill(pid, signal.SIGHUP)
     return n
 

@@ -178,8 +178,12 @@ async def test_an_invalid_config_is_refused_with_check_configs_lines(
         assert main(["check-config", str(path)]) != 0
         assert error["message"] in capsys.readouterr().err
         assert (await rpc(http, "one"))["result"]["tag"] == "a"  # the running config stays
+        path.write_text("")  # read while an editor rewrites it: refused, never "no routes"
+        r = await http.post("/admin/reload", headers=AUTH)
+        assert r.status_code == 400 and "is empty" in r.json()["error"]["message"], r.text
+        assert (await rpc(http, "one"))["result"]["tag"] == "a"
         metrics = (await http.get("/metrics")).text
-        assert 'multiplexer_config_reloads_total{result="invalid"} 1.0' in metrics
+        assert 'multiplexer_config_reloads_total{result="invalid"} 2.0' in metrics
         assert (await http.post("/admin/reload")).status_code == 401  # admin only
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
+import yaml
 from prometheus_client import Counter
 
 from multiplexer.core.lane import Lane
@@ -38,7 +39,7 @@ from multiplexer.core.provider import Provider, ProviderContext
 from multiplexer.core.router import Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.gateway.affinity import affinities
-from multiplexer.gateway.config import Config, ConfigError, ServerConfig, load_config
+from multiplexer.gateway.config import Config, ConfigError, ServerConfig, parse_config
 from multiplexer.gateway.replicas import limiter_for
 from multiplexer.money.prices import Prices
 
@@ -246,7 +247,19 @@ class ConfigReloader:
         """The file validated, then what ``check-config`` checks: the same lines it prints."""
         from multiplexer.gateway.config_checks import problems
 
-        config = load_config(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        if not text.strip():  # a file being written (truncated first): never "no routes at all"
+            raise ConfigError(f"invalid config:\n  {path} is empty (write the new file beside it "
+                              "and rename it over the old, so a reload never reads it half written)")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        config = parse_config(data, base_dir=path.parent)
+        config._source = path
         lines = problems(config)
         if lines:
             raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
