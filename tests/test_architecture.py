@@ -25,13 +25,15 @@ ALLOWED = {
     "backends": {"backends", "core"},  # shared-state engines (Redis), chosen by URL in the registry
     "money": {"money", "core", "jobs"},  # prices, cost, the savings ledger, spend and budgets
     "access": {"access", "core", "jobs"},  # the admin key, keys and teams as data, OAuth
+    "cache": {"cache", "core"},  # the semantic cache: its guard, vector index and log
     "records": {"records", "core", "jobs", "money"},  # sinks off the hot path, the request log
     # provider classes come from the registry's strings, by kind
-    "gateway": {"gateway", "core", "money", "access", "records"},
-    "faces": {"faces", "gateway", "core", "jobs", "money", "access", "records"},
+    "gateway": {"gateway", "core", "money", "access", "records", "cache"},
+    "faces": {"faces", "gateway", "core", "jobs", "money", "access", "records", "cache"},
     "sdk": {"sdk", "core", "transport"},
     # the CLI, the server and the public facade
-    "top": {"top", "sdk", "faces", "gateway", "core", "transport", "jobs", "money", "access", "records"},
+    "top": {"top", "sdk", "faces", "gateway", "core", "transport", "jobs", "money", "access", "records",
+            "cache"},
 }
 CORE_THIRD_PARTY = {"anyio", "orjson", "pydantic", "prometheus_client", "tenacity"}
 
@@ -41,7 +43,7 @@ def layer(module: str) -> str:
     if parts[0] != "multiplexer":
         return parts[0]
     if len(parts) > 1 and parts[1] in ("core", "gateway", "faces", "sdk", "transport", "backends", "jobs",
-                                            "money", "access", "records"):
+                                            "money", "access", "records", "cache"):
         return parts[1]
     return "top"
 

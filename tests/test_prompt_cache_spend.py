@@ -151,10 +151,10 @@ def test_an_old_store_gains_the_token_columns(old_store: Any) -> None:
     store = old_store()
     try:
         old = store.query(["key"], "2026-12-01", "2026-12-01")
-        assert old == [("alice", 3, 900, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)]  # no tokens known
-        store.add([(*OLD_ROW[:5], 1, 300, 0, 0, 0, 0, 0, 0, 0, 1000, 600, 25, 1, 40)])
+        assert old == [("alice", 3, 900, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)]  # no tokens known
+        store.add([(*OLD_ROW[:5], 1, 300, 0, 0, 0, 0, 0, 0, 0, 1000, 600, 25, 1, 40, 0)])
         store.add([("2026-12-01", "bob", "", "chat", "gpt-4o", 1, 300, 0, 0, 0, 0, 0, 0, 0, 400, 100,
-                    0, 0, 0)])
+                    0, 0, 0, 0)])
     finally:
         store.close()
     again = old_store()  # opened a second time: nothing to add, nothing lost
@@ -162,12 +162,12 @@ def test_an_old_store_gains_the_token_columns(old_store: Any) -> None:
         rows = again.query(["key"], "2026-12-01", "2026-12-01")
     finally:
         again.close()
-    assert rows == [("alice", 4, 1200, 0, 0, 0, 0, 0, 0, 0, 1000, 600, 25, 1, 40),
-                    ("bob", 1, 300, 0, 0, 0, 0, 0, 0, 0, 400, 100, 0, 0, 0)]
+    assert rows == [("alice", 4, 1200, 0, 0, 0, 0, 0, 0, 0, 1000, 600, 25, 1, 40, 0),
+                    ("bob", 1, 300, 0, 0, 0, 0, 0, 0, 0, 400, 100, 0, 0, 0, 0)]
     shown = sums_json(rows[0][1:])
     assert (shown["input_tokens"], shown["cache_read_tokens"], shown["cache_read_share"]) == (1000, 600, 0.6)
     assert (shown["cache_writes_usd"], shown["cache_moves"], shown["cache_moves_usd"]) == (25e-9, 1, 40e-9)
-    assert sums_json((*OLD_ROW[5:], 0, 0, 0, 0, 0))["cache_read_share"] is None  # no input tokens known
+    assert sums_json((*OLD_ROW[5:], 0, 0, 0, 0, 0, 0))["cache_read_share"] is None  # no input tokens known
 
 
 # -- through the gateway, against upstreams on 127.0.0.1 --------------------------------------

@@ -136,6 +136,22 @@ class Call:
     # The caller's session (``/v1``'s ``x-session-id`` header), a prompt-cache affinity key for
     # model groups and ``base_urls`` (``core/cache_affinity.py``). Set by a face; None: none.
     session: str | None = None
+    # What the face tells the semantic cache (opted out, the request's id) and what the cache
+    # answers (a hit, its similarity, the original request's id). Set by a face and the gateway.
+    cache: CacheNote | None = None
+
+
+@dataclass(slots=True)
+class CacheNote:
+    """A call and the semantic cache (``multiplexer/cache/``): ``off`` when the caller said
+    ``cache-control: no-cache`` or ``x-multiplexer-cache: off``; ``how`` (``semantic``) when the
+    answer came from it, with the stored answer's similarity and original request id."""
+
+    off: bool = False
+    request_id: str | None = None
+    how: str | None = None
+    similarity: float | None = None
+    original_request_id: str | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -62,6 +62,10 @@ class TtlCache:
     def __len__(self) -> int:
         return len(self._data)
 
+    def clear(self) -> None:
+        """Every answer dropped (``DELETE /admin/cache``)."""
+        self._data.clear()
+
 
 class InFlight:
     """Executions currently running, by dedup key."""

@@ -123,7 +123,13 @@ def _mcp_tools(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
     return mount_tools(gateway, admin, route, admin_error) + mount_audit(gateway, admin, route, admin_error)
 
 
-MOUNTS: Mounts = [_status, _keys, _spend, _mcp_tools, _reload]
+def _cache(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:
+    from multiplexer.faces.admin_cache import mount_cache
+
+    return mount_cache(gateway, admin, functools.partial(admin_route, gateway=gateway), admin_error)
+
+
+MOUNTS: Mounts = [_status, _keys, _spend, _mcp_tools, _reload, _cache]
 
 
 def admin_routes(gateway: Gateway, admin: AdminKey) -> list[BaseRoute]:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from multiplexer.core.asking import ASK_OPTION
 from multiplexer.core.cache_affinity import SESSION
-from multiplexer.core.call import Call, Item
+from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import Clock
 from multiplexer.core.dedup import canonical
 from multiplexer.core.errors import RpcError, invalid_params
@@ -63,6 +63,7 @@ class Plan:
     attempts: Any = None  # gateway/fallbacks.Attempts: the call may move on to other routes
     reservation: Any = None  # what a budget reserved for it (money/budgets.py), settled as it ends
     auto: bool = False  # ``mode: auto`` chose the route's mode by the call's deadline
+    cached: Outcome | None = None  # the semantic cache's answer (gateway/semantic.py)
     first_chunk_s: float | None = None  # a stream's time to its first chunk (the request log's)
 
 

@@ -19,6 +19,7 @@ from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_valid
 
 from multiplexer.access.entries import KeyEntry, TeamEntry, entry
 from multiplexer.access.settings import FilesSettings, KeyStoreSettings, OAuthSettings, VirtualServer
+from multiplexer.cache.settings import SemanticSection
 from multiplexer.core.paths import ConfigPath, context_for
 from multiplexer.core.policy import (
     GroupConfig,
@@ -219,6 +220,10 @@ class StateConfig(Strict):
 
 class CacheConfig(Strict):
     max_entries: int = Field(default=10_000, ge=0)
+    semantic: SemanticSection = Field(
+        default_factory=SemanticSection,
+        description="the semantic cache: paraphrased questions answered from stored answers "
+                    "(docs/semantic-cache.md); off unless a route, group, key or team is named")
 
 
 class TelemetryConfig(Strict):

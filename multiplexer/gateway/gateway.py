@@ -43,9 +43,11 @@ from multiplexer.gateway.flights import CachedOutcome, Unsent
 from multiplexer.gateway.job_fallbacks import JobFallbacks
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
 from multiplexer.gateway.request_log import request_log_for
+from multiplexer.gateway.semantic import ask_cache, semantic_for
 from multiplexer.gateway.spend import money_for, reserve_budgets, shared_how
 from multiplexer.gateway.telemetry import tracer_for
 from multiplexer.gateway.tickets import Handler, Ticket, run_here, settle
+from multiplexer.money.meter import SEMANTIC
 from multiplexer.money.prices import tokens_of
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,7 @@ class Gateway:
         self.keys = directory_for(config, self.quotas)  # YAML and stored keys, their access
         self.money = money_for(config, self.clock, self.metrics, self.state, self.keys)  # None: unpriced
         self.listeners: list[Any] = [] if self.money is None else [self.money.on_event]
+        self.semantic = semantic_for(self)  # None: no route, key or team semantically cached
         self.requests = request_log_for(config, self.clock, self.metrics, self.keys)  # None: log off
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
@@ -162,8 +165,12 @@ class Gateway:
                 stack.push_async_callback(self.money.aclose)  # task stopped (closed after them)
             if self.requests is not None:  # its last records written after the writer task stopped
                 stack.push_async_callback(self.requests.aclose)
+            if self.semantic is not None:  # its last writes sent once its task has stopped
+                stack.push_async_callback(self.semantic.aclose)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._abort_lanes)
+            if self.semantic is not None:
+                self._tg.start_soon(self.semantic.run)
             if self.money is not None:  # spend written and budgets settled off the call path
                 self._tg.start_soon(self.money.run)
             if self.requests is not None:  # the request log written off the call path
@@ -276,6 +283,8 @@ class Gateway:
         a thousand small tickets, not a thousand tasks.
         """
         plans = [self.admit(call) for call in calls]
+        if self.semantic is not None:  # admitted (access checked), not yet charged
+            await ask_cache(self, self.semantic, plans)
         grants = await self.decide(plans)
         tickets = [self.enqueue(p, g, alone=len(plans) == 1) for p, g in zip(plans, grants, strict=True)]
         try:
@@ -380,6 +389,12 @@ class Gateway:
             ticket.shape = call.shape
         if plan.error is not None or grant.refusal is not None:
             self._finish(ticket, Outcome.fail(plan.error or grant.refusal))  # type: ignore[arg-type]
+            return ticket
+        if plan.cached is not None:  # the semantic cache's answer: no quota, no budget, no lane
+            ticket.shared = SEMANTIC
+            if plan.span is not None:
+                self.tracer.shared(plan.span, SEMANTIC)
+            self._finish(ticket, plan.cached)
             return ticket
         try:
             if plan.handler is not None:

@@ -80,7 +80,8 @@ async def reserve_budgets(money: Money, quotas: Quotas, plans: Sequence[Plan],
     budgets = money.budgets
     todo, scopes = [], []
     for i, p in enumerate(plans):
-        if p.error is not None or p.item is None or grants[i].refusal is not None:
+        if p.error is not None or p.item is None or grants[i].refusal is not None or \
+                p.cached is not None:  # a semantic cache hit costs nothing: nothing to reserve
             continue
         found = budgets.budgets_of(p.call.identity)
         if not found:

@@ -21,7 +21,7 @@ from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError
 from multiplexer.core.metrics import Metrics
 from multiplexer.money.budgets import Budgets, Counters, Kept, LocalCounters, Reservation, Scope
-from multiplexer.money.meter import BATCH, CACHE, INFLIGHT, Meter, MoneyMetrics, Record
+from multiplexer.money.meter import BATCH, CACHE, INFLIGHT, SEMANTIC, Meter, MoneyMetrics, Record
 from multiplexer.money.own import KeySpend
 from multiplexer.money.prices import Prices
 from multiplexer.money.report import sums_json
@@ -30,7 +30,7 @@ from multiplexer.money.spend_store import COLUMNS, GROUPS, SUMS, PgSpendStore, S
 
 log = logging.getLogger(__name__)
 
-_HOW_COLUMN = {BATCH: 4, INFLIGHT: 5, CACHE: 6}  # index in SUMS of the saved_<how> sum
+_HOW_COLUMN = {BATCH: 4, INFLIGHT: 5, CACHE: 6, SEMANTIC: 14}  # index in SUMS of saved_<how>
 OVERVIEW_S = 5.0  # the admin dashboard's spend by day and key: read at most this often
 OVERVIEW_DAYS = 14
 
@@ -214,7 +214,7 @@ class Money:
                 column = _HOW_COLUMN.get(how)
                 if column is not None:
                     row[column] += saved - (prompt_saved if how == BATCH else 0)
-            if prompt_saved and how != INFLIGHT and how != CACHE:
+            if prompt_saved and how != INFLIGHT and how != CACHE and how != SEMANTIC:
                 row[7] += prompt_saved
             if requests_saved:
                 row[8] += round(requests_saved * 1_000_000)
@@ -226,7 +226,8 @@ class Money:
         out = []
         for g, s in sums.items():  # pico-dollars to nano, requests to thousandths; tokens as they are
             out.append((*g, s[0], *(-(-v // 1000) for v in s[1:3]), s[3], *(-(-v // 1000) for v in s[4:8]),
-                        -(-s[8] // 1000), s[9], s[10], -(-s[11] // 1000), s[12], -(-s[13] // 1000)))
+                        -(-s[8] // 1000), s[9], s[10], -(-s[11] // 1000), s[12], -(-s[13] // 1000),
+                        -(-s[14] // 1000)))
         return out
 
     async def report(self, group_by: Sequence[str], since: date | None, until: date | None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from multiplexer.money.prices import UNBILLED, Prices, Tokens, out_budget, token
 
 # What a call's saving came from (the ledger's and /metrics' ``how``): a fixed set.
 SYNC, BATCH, INFLIGHT, CACHE = "sync", "batch", "dedup", "cache"
+SEMANTIC = "semantic_cache"  # answered by the semantic cache (multiplexer/cache/)
 MAX_PENDING = 1_000_000  # records waiting for the writer; beyond this they are counted as dropped
 
 
@@ -82,7 +83,7 @@ class _Sums(Collector):
         for labels, value in list(self.m.spend.items()):
             spend.add_metric(labels, value)
         saved = CounterMetricFamily("multiplexer_saved_usd", "What the gateway saved on answered calls,"
-                                    " by what saved it (batch, dedup, cache, prompt_cache)",
+                                    " by what saved it (batch, dedup, cache, semantic_cache, prompt_cache)",
                                     labels=["route", "how"])
         for labels, value in list(self.m.saved.items()):
             saved.add_metric(labels, value)

@@ -85,4 +85,5 @@ def sums_json(values: Sequence[Any]) -> dict[str, Any]:
             "upstream_requests_saved": round(int(v["requests_saved"] or 0) / 1000, 3),
             "saved_by": {"batch": dollars(v["saved_batch"]), "dedup": dollars(v["saved_dedup"]),
                          "cache": dollars(v["saved_cache"]),
+                         "semantic_cache": dollars(v["saved_semantic_cache"]),
                          "prompt_cache": dollars(v["saved_prompt_cache"])}}

@@ -21,9 +21,10 @@ from typing import Any
 GROUPS = ("key", "team", "route", "model", "day")
 SUMS = ("calls", "cost", "saved", "unknown_calls", "saved_batch", "saved_dedup", "saved_cache",
         "saved_prompt_cache", "requests_saved", "input_tokens", "cache_read_tokens",
-        "cache_writes", "cache_moves", "cache_move_cost")
+        "cache_writes", "cache_moves", "cache_move_cost", "saved_semantic_cache")
 # columns a table made by an earlier version lacks
-ADDED = ("input_tokens", "cache_read_tokens", "cache_writes", "cache_moves", "cache_move_cost")
+ADDED = ("input_tokens", "cache_read_tokens", "cache_writes", "cache_moves", "cache_move_cost",
+         "saved_semantic_cache")
 COLUMNS = ("day", "key", "team", "route", "model", *SUMS)
 # key and team are '' for keyless callers and keys without a team (a primary key has no NULLs)
 TABLE = """CREATE TABLE IF NOT EXISTS {t} (
@@ -33,7 +34,7 @@ TABLE = """CREATE TABLE IF NOT EXISTS {t} (
   saved_prompt_cache BIGINT NOT NULL, requests_saved BIGINT NOT NULL,
   input_tokens BIGINT NOT NULL DEFAULT 0, cache_read_tokens BIGINT NOT NULL DEFAULT 0,
   cache_writes BIGINT NOT NULL DEFAULT 0, cache_moves BIGINT NOT NULL DEFAULT 0,
-  cache_move_cost BIGINT NOT NULL DEFAULT 0,
+  cache_move_cost BIGINT NOT NULL DEFAULT 0, saved_semantic_cache BIGINT NOT NULL DEFAULT 0,
   PRIMARY KEY (day, key, team, route, model))"""
 
 Row = tuple[Any, ...]  # COLUMNS in order

@@ -26,6 +26,7 @@ from multiplexer.faces.v1.common import (
     send_error,
 )
 from multiplexer.faces.v1.sse import Encode, stream_call
+from multiplexer.gateway.semantic import cache_headers, note_of_headers
 from multiplexer.money.report import pico_text
 
 # A stream may run long: without a route timeout it gets the SDKs' own 10 minutes, not the
@@ -89,6 +90,7 @@ class Endpoint:
         shaped and encoded as the call is answered (``Call.shape``), so one that cannot be is
         the call's error in ``/metrics`` too."""
         call.shape = encoded if shape is None else shaped(shape)
+        self.cache_note(call, scope, headers)
         outcome = None
         note = note_of(scope)
         if note is not None:
@@ -102,7 +104,8 @@ class Endpoint:
             raise http_error(outcome.error, self.surface)
         assert outcome.result_json is not None
         await send_encoded(send, 200, outcome.result_json,
-                           headers + self.v1.quota_headers(call.identity) + money_headers(outcome))
+                           headers + self.v1.quota_headers(call.identity) + money_headers(outcome)
+                           + cache_headers(call))
 
     async def stream(self, call: Call, scope: Scope, receive: Receive, send: Send,
                      headers: list[tuple[bytes, bytes]], encode: Encode,
@@ -111,6 +114,7 @@ class Endpoint:
             return encode(error_body(e))
 
         route = self.v1.gateway.resolve(call.method).route  # a group's: its first route
+        self.cache_note(call, scope, headers)
         note = note_of(scope)
         if note is not None:
             note.route = call.method
@@ -119,12 +123,24 @@ class Endpoint:
 
         try:
             await stream_call(self.v1.submit, call, scope, receive, send,
-                              lambda: [*headers, route_header(call), *self.v1.quota_headers(call.identity)],
+                              lambda: [*headers, route_header(call), *self.v1.quota_headers(call.identity),
+                                       *cache_headers(call)],
                               self.surface, encode=encode, error_event=error_event, tail=tail,
                               raw=RAW.get(encode))
         except HttpError:  # failed before its first chunk: the error says where it was tried last
             headers.append(route_header(call))
             raise
+
+    def cache_note(self, call: Call, scope: Scope, headers: list[tuple[bytes, bytes]]) -> None:
+        """What the request tells the semantic cache (opted out by its headers, its request id),
+        read only where the gateway has one."""
+        if self.v1.gateway.semantic is None:
+            return
+        note = note_of(scope)
+        rid = note.rid if note is not None else next(
+            (v for k, v in headers if k == self.surface.request_id_header), None)
+        call.cache = note_of_headers(dict(scope["headers"]),
+                                     None if rid is None else bytes(rid).decode("ascii", "replace"))
 
 
 ROUTE_HEADER = b"x-multiplexer-route"

@@ -1,0 +1,139 @@
+"""Where the semantic cache's answers outlive a process and reach the other replicas: one
+append-only log of operations (an answer stored, answers deleted, a scope's threshold raised),
+in Redis (a stream, with ``state.url``) or in the store's SQLite file. Every replica replays it
+at start and reads what was appended since every ``sync_ms``; entries carry their wall-clock
+expiry, so a replayed answer past its TTL is never served."""
+
+from __future__ import annotations
+
+import base64
+import sqlite3
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import numpy as np
+
+from multiplexer.cache.index import Entry
+from multiplexer.core.json_codec import dumps, loads
+
+LOG_MAX = 500_000  # operations a Redis stream keeps (approximately): older ones are trimmed
+
+
+def entry_op(entry: Entry) -> dict[str, Any]:
+    vector = None if entry.vector is None else \
+        base64.b64encode(entry.vector.astype(np.float16).tobytes()).decode()
+    return {"op": "put", "id": entry.id, "scope": entry.scope, "route": entry.route,
+            "neighbourhood": entry.neighbourhood, "exact": entry.exact, "text": entry.text,
+            "result": entry.result, "request_id": entry.request_id, "expires": entry.expires,
+            "vector": vector}
+
+
+def entry_of(op: dict[str, Any]) -> Entry:
+    raw = op.get("vector")
+    vector = None if raw is None else \
+        np.frombuffer(base64.b64decode(raw), dtype=np.float16).astype(np.float32)
+    return Entry(op["id"], op["scope"], op["route"], op["neighbourhood"], op["exact"], op["text"],
+                 op["result"], op.get("request_id"), float(op["expires"]), vector)
+
+
+class CacheLog(Protocol):
+    async def start(self) -> list[dict[str, Any]]: ...  # every operation kept, oldest first
+    async def append(self, ops: Sequence[dict[str, Any]]) -> None: ...
+    async def since(self) -> list[dict[str, Any]]: ...  # what was appended since the last read
+    async def aclose(self) -> None: ...
+
+
+class RedisLog:
+    """The log as a Redis stream (``<prefix>:semantic_cache``)."""
+
+    def __init__(self, url: str, prefix: str, block_ms: float) -> None:
+        import redis.asyncio as redis
+
+        self.redis = redis.from_url(url)
+        self.key = f"{prefix}:semantic_cache"
+        self.block_ms = int(block_ms)
+        self.last = "0-0"
+
+    async def start(self) -> list[dict[str, Any]]:
+        return await self._read(await self.redis.xrange(self.key, min="-", max="+"))
+
+    async def _read(self, rows: list[Any]) -> list[dict[str, Any]]:
+        out = []
+        for rid, fields in rows:
+            self.last = rid.decode() if isinstance(rid, bytes) else rid
+            body = fields.get(b"op") if b"op" in fields else fields.get("op")
+            if body is not None:
+                out.append(loads(body))
+        return out
+
+    async def append(self, ops: Sequence[dict[str, Any]]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for op in ops:
+                pipe.xadd(self.key, {"op": dumps(op)}, maxlen=LOG_MAX, approximate=True)
+            await pipe.execute()
+
+    async def since(self) -> list[dict[str, Any]]:
+        found = await self.redis.xread({self.key: self.last}, block=self.block_ms, count=10_000)
+        rows = [row for _, stream_rows in found for row in stream_rows]
+        return await self._read(rows)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+
+class SqliteLog:
+    """The log as a table of the store's SQLite file (``semantic_cache_log``), read by the
+    workers of one machine and kept across restarts."""
+
+    def __init__(self, path: Path, poll_s: float) -> None:
+        self.path = path
+        self.poll_s = poll_s
+        self.last = 0
+        self.db: sqlite3.Connection | None = None
+        self.lock = anyio.Lock()
+
+    def _open(self) -> sqlite3.Connection:
+        if self.db is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, timeout=5.0, check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("CREATE TABLE IF NOT EXISTS semantic_cache_log (seq INTEGER PRIMARY KEY "
+                       "AUTOINCREMENT, body BLOB NOT NULL, expires REAL NOT NULL)")
+            db.execute("DELETE FROM semantic_cache_log WHERE expires <= ?", (time.time(),))
+            self.db = db
+        return self.db
+
+    def _rows(self) -> list[dict[str, Any]]:
+        rows = self._open().execute("SELECT seq, body FROM semantic_cache_log WHERE seq > ? "
+                                    "ORDER BY seq", (self.last,)).fetchall()
+        if rows:
+            self.last = rows[-1][0]
+        return [loads(body) for _, body in rows]
+
+    def _append(self, ops: Sequence[dict[str, Any]]) -> None:
+        db = self._open()
+        keep = time.time() + 7 * 86400  # deletions and raised thresholds: a week
+        with db:
+            db.executemany("INSERT INTO semantic_cache_log (body, expires) VALUES (?, ?)",
+                           [(dumps(op), float(op.get("expires", keep))) for op in ops])
+
+    async def start(self) -> list[dict[str, Any]]:
+        async with self.lock:
+            return await anyio.to_thread.run_sync(self._rows)
+
+    async def append(self, ops: Sequence[dict[str, Any]]) -> None:
+        async with self.lock:
+            await anyio.to_thread.run_sync(self._append, ops)
+
+    async def since(self) -> list[dict[str, Any]]:
+        await anyio.sleep(self.poll_s)
+        async with self.lock:
+            return await anyio.to_thread.run_sync(self._rows)
+
+    async def aclose(self) -> None:
+        if self.db is not None:
+            self.db.close()
+            self.db = None

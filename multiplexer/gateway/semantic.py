@@ -1,0 +1,172 @@
+"""The gateway asks the semantic cache (``multiplexer/cache/``) between admission and
+``decide``: a call that admission routed (its key's access checked on the route and the model)
+and that the cache answers takes no quota and reserves no budget; it is answered in
+``enqueue`` like an exact cache hit, its cost avoided booked as ``semantic_cache``. A miss's
+answer is stored as the call is answered."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from multiplexer.core.call import CacheNote, Call, Outcome
+
+if TYPE_CHECKING:
+    from multiplexer.cache.semantic import Lookup, SemanticCache
+    from multiplexer.gateway.admission import Plan
+
+
+class Gateway(Protocol):
+    """What the cache's step reads of the gateway (no import of it: it imports this)."""
+
+    config: Any
+    metrics: Any
+    keys: Any
+    cache: Any
+
+    async def submit(self, call: Call) -> Outcome: ...
+
+log = logging.getLogger(__name__)
+CACHED_OPERATIONS = ("chat", "messages")
+
+
+def semantic_for(gw: Gateway) -> SemanticCache | None:
+    """The gateway's semantic cache, when the config names anything to cache (None: off)."""
+    section = gw.config.cache.semantic
+    if not section.enabled:
+        return None
+    from multiplexer.cache.semantic import SemanticCache
+    from multiplexer.cache.store import CacheLog, RedisLog, SqliteLog
+
+    state = gw.config.state
+    cache_log: CacheLog
+    if state.url is not None:
+        cache_log = RedisLog(state.url, state.prefix, section.sync_ms)
+    else:
+        cache_log = SqliteLog(Path(gw.config.store.path), section.sync_ms / 1000.0)
+
+    async def embed(route: str, texts: list[str]) -> list[np.ndarray] | None:
+        outcome = await gw.submit(Call(route, {"input": texts}, face="cache"))
+        if outcome.error is not None:
+            log.warning("semantic cache: embeddings route %s failed: %s", route, outcome.error.message)
+            return None
+        try:
+            data = sorted(outcome.result["data"], key=lambda d: d.get("index", 0))
+            matrix = np.asarray([d["embedding"] for d in data], dtype=np.float32)
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("semantic cache: embeddings route %s answered no vectors: %r", route, e)
+            return None
+        matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+        return list(matrix)
+
+    return SemanticCache(section, embed, gw.metrics.registry, cache_log)
+
+
+async def ask_cache(gw: Gateway, cache: SemanticCache, plans: Sequence[Plan]) -> None:
+    """Each routed plan the cache covers looked up; a hit's answer on ``plan.cached`` (a stream's
+    chunks already sent), its quota claim dropped; a miss's answer stored when it comes. The cache
+    fails open: a fault in it is logged and the calls go upstream."""
+    try:
+        await _ask(gw, cache, plans)
+    except Exception:
+        log.exception("semantic cache: lookup failed; the calls go upstream")
+
+
+async def _ask(gw: Gateway, cache: SemanticCache, plans: Sequence[Plan]) -> None:
+    lookups: list[tuple[Plan, Lookup]] = []
+    for plan in plans:
+        call, item = plan.call, plan.item
+        if plan.error is not None or item is None or plan.route is None:
+            continue
+        team = None
+        if call.identity is not None:
+            entry = gw.keys.entry(call.identity)
+            team = entry.team if entry is not None else None
+        settings = cache.settings_for(plan.label, call.method, call.identity, team)
+        if settings is None:
+            continue
+        note = call.cache
+        if note is not None and note.off:
+            cache.skipped(plan.label, "off")
+            continue
+        if item.operation not in CACHED_OPERATIONS or (call.sink is not None and item.operation != "chat"):
+            cache.skipped(plan.label, "stream" if call.sink is not None else "shape")
+            continue
+        if plan.dedup_key is not None and gw.cache.get(plan.dedup_key) is not None:
+            continue  # today's exact TTL cache answers it in enqueue
+        lookup = cache.ask(plan.label, settings, item.params, call.identity, team)
+        if lookup is None:
+            continue
+        lookup.request_id = note.request_id if note is not None else None
+        lookups.append((plan, lookup))
+    if not lookups:
+        return
+    await cache.lookup([lk for _, lk in lookups])
+    for plan, lk in lookups:
+        if lk.hit is None:
+            _store_when_answered(cache, plan.call, lk)
+        else:
+            await _answer(plan, lk)
+
+
+async def _answer(plan: Plan, lk: Lookup) -> None:
+    from multiplexer.cache.stream import chat_chunks
+
+    assert lk.hit is not None
+    call = plan.call
+    result = lk.hit.result
+    note = call.cache = call.cache or CacheNote()
+    note.how, note.similarity, note.original_request_id = "semantic", lk.similarity, lk.hit.request_id
+    if call.sink is not None:
+        chunks = chat_chunks(result, plan.item.params if plan.item is not None else None)
+        if chunks is None:
+            note.how = None
+            return
+        for chunk in chunks:
+            await call.sink.send(chunk)
+        result = {"usage": result.get("usage")}
+    plan.cached = Outcome(result=result)
+    plan.claim = None  # a hit takes nothing of the key's quotas
+
+
+def _store_when_answered(cache: SemanticCache, call: Call, lk: Lookup) -> None:
+    """The miss's answer kept as the gateway answers it: through the call's last step (``shape``),
+    which sees the provider's own successful outcome before the face shapes it."""
+    if call.sink is not None:
+        return  # a stream's answer is never whole here: it is not stored
+    shape = call.shape
+
+    def store_then_shape(outcome: Outcome) -> Outcome:
+        result = outcome.result
+        if isinstance(result, dict) and (result.get("choices") is not None
+                                         or result.get("type") == "message"):
+            cache.store(lk, result)
+        return outcome if shape is None else shape(outcome)
+
+    call.shape = store_then_shape
+
+
+def cache_headers(call: Call) -> list[tuple[bytes, bytes]]:
+    """``x-multiplexer-cache: semantic``, the similarity and the original request id on a hit."""
+    note = call.cache
+    if note is None or note.how is None:
+        return []
+    out = [(b"x-multiplexer-cache", note.how.encode()),
+           (b"x-multiplexer-cache-similarity", f"{note.similarity or 0.0:.4f}".encode())]
+    if note.original_request_id:
+        out.append((b"x-multiplexer-cache-original-request-id",
+                    note.original_request_id.encode("ascii", "replace")))
+    return out
+
+
+def note_of_headers(headers: dict[bytes, bytes], request_id: str | None) -> CacheNote:
+    """What a request's headers tell the cache: ``cache-control: no-cache`` (or ``no-store``)
+    and ``x-multiplexer-cache: off`` opt out."""
+    control = headers.get(b"cache-control", b"").lower()
+    off = b"no-cache" in control or b"no-store" in control or \
+        headers.get(b"x-multiplexer-cache", b"").strip().lower() in (b"off", b"0", b"false", b"no")
+    return CacheNote(off=off, request_id=request_id)
