@@ -40,6 +40,11 @@ def roots() -> ListRoots:
     return ListRoots()
 
 
+@server.tool(description="Returns the text it was given (asks nothing)")
+def plain(text: str) -> str:
+    return text
+
+
 @server.tool(description="Asks the user's name (a form), then greets them")
 def greet(name: Annotated[Name, Resolve(ask_name)]) -> str:
     return f"hello {name.name}"

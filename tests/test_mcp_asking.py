@@ -8,6 +8,7 @@ sample and list roots; as ``up`` it speaks 2026-07-28 (``input_required`` result
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,12 +17,13 @@ from typing import Any
 import anyio
 import mcp_types as types
 import pytest
-from mcp import MCPError
+import yaml
+from mcp import Client, MCPError, StdioServerParameters
 
 from multiplexer.gateway.config import parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
-from tests.mcp_helpers import ROOT, mcp_http_client, until_connected, wait_until
+from tests.mcp_helpers import ROOT, free_port, mcp_http_client, until_connected, wait_listening, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -160,3 +162,95 @@ async def test_a_client_that_goes_mid_question_ends_the_upstream_call(gateway: t
             return marker.exists() and marker.read_text() == "cancelled"
 
         await wait_until(upstream_cancelled)
+
+
+# -- a stdio client: the gateway as ``multiplexer serve --stdio`` -------------------------
+@pytest.fixture
+def stdio_gateway(tmp_path: Path) -> StdioServerParameters:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump({
+        "providers": {name: upstream(protocol) for name, protocol in UPSTREAMS.items()},
+        "routes": {f"{name}_*": {"provider": name} for name in UPSTREAMS},
+        "store": {"path": str(tmp_path / "store.db")},
+    }))
+    return StdioServerParameters(command=sys.executable,
+                                 args=["-m", "multiplexer", "serve", "--stdio", "--config", str(path)],
+                                 cwd=str(ROOT), env={"PYTHONPATH": str(ROOT)})
+
+
+async def test_stdio_clients_are_asked_too(stdio_gateway: StdioServerParameters) -> None:
+    """A handshake-era client of ``serve --stdio`` (one gateway process): each question of both
+    upstreams reaches it (a 2026-07-28 one takes the HTTP face's path, tested above)."""
+    answers = Answers()
+    async with Client(stdio_gateway, mode="legacy", **answers.callbacks()) as client:
+        for up in UPSTREAMS:
+            for tool, args, expected, _ in CASES:
+                assert text(await client.call_tool(f"{up}_{tool}", args)) == expected
+    assert answers.asked == [c[3] for c in CASES] * len(UPSTREAMS)
+
+
+class HttpAsking:
+    """``tests/asking_upstream.py --http`` on a port of its own."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.proc = subprocess.Popen([sys.executable, ASKING, "--http", "--port", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.mark.parametrize(("protocol", "transport"), [("legacy", "http"), ("legacy", "stdio")])
+async def test_concurrent_callers_each_get_only_their_own_question(protocol: str, transport: str) -> None:
+    """Over HTTP each question travels on its call's stream, so two callers at once are each asked
+    their own; over stdio nothing names the call, so with two in flight neither is asked (an
+    error), never the other's."""
+    server = HttpAsking() if transport == "http" else None
+    try:
+        provider = upstream(protocol)
+        if server is not None:
+            await wait_listening(server.port, server.proc)
+            provider = {"kind": "mcp", "url": server.url, "protocol": protocol, "restart_backoff_ms": 20}
+        config = {"server": {"host": "127.0.0.1", "port": 0, "mcp": {"ask_timeout_s": 5}},
+                  "providers": {"u": provider}, "routes": {"u_*": {"provider": "u"}}}
+        async with running(parse_config(config)) as (gw, url):
+            await until_connected(gw, ["u"])
+            both_asked = anyio.Event()
+            asked: list[str] = []
+            got: dict[str, str] = {}
+
+            def answering(name: str) -> Any:
+                async def elicit(ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+                    asked.append(name)
+                    if len(asked) == 2:
+                        both_asked.set()
+                    with anyio.move_on_after(0.3):  # over stdio the other is never asked
+                        await both_asked.wait()
+                    return types.ElicitResult(action="accept", content={"name": name})
+                return elicit
+
+            async def caller(name: str) -> None:
+                async with mcp_http_client(url + "/mcp", "legacy", elicitation_callback=answering(name)) as c:
+                    try:
+                        got[name] = text(await c.call_tool("u_greet", {}))
+                    except MCPError as e:
+                        got[name] = f"refused: {e.message}"
+
+            with anyio.fail_after(15):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(caller, "Ada")
+                    tg.start_soon(caller, "Bob")
+    finally:
+        if server is not None:
+            server.stop()
+    if transport == "http":
+        assert got == {"Ada": "hello Ada", "Bob": "hello Bob"} and sorted(asked) == ["Ada", "Bob"]
+    else:
+        for name, said in got.items():
+            other = "Bob" if name == "Ada" else "Ada"
+            assert other not in said, got
+        assert any("cannot tell which" in said for said in got.values()), got
