@@ -145,6 +145,8 @@ def add_commands(command: Command) -> None:
     tools_list.add_argument("--quarantined", action="store_true", help="only those held back")
     approve = tkinds2.add_parser("approve", help="serve a quarantined tool's new definition")
     approve.add_argument("id", help="PROVIDER:TOOL, as `tools list` shows it")
+    approve.add_argument("--hash", help="approve only if the tool still serves the definition of this "
+                                        "hash (the `hash` `tools list` showed)")
     audit = tkinds2.add_parser("audit", help="the record of tools/call, newest first")
     audit.add_argument("--key", help="one key's calls (its name or id, or an OAuth subject)")
     audit.add_argument("--tool")
@@ -203,7 +205,8 @@ def run_tools(args: argparse.Namespace) -> int:
         return _print(_request(args, "GET", "/admin/mcp/tools" + ("?status=quarantined"
                                                                   if args.quarantined else "")))
     if args.action == "approve":
-        return _print(_request(args, "POST", f"/admin/mcp/tools/{quote(args.id, safe=':')}/approve"))
+        body = {"hash": args.hash} if args.hash else None
+        return _print(_request(args, "POST", f"/admin/mcp/tools/{quote(args.id, safe=':')}/approve", body))
     query = {k: getattr(args, k) for k in ("key", "tool", "status", "since", "until", "limit", "cursor")
              if getattr(args, k) is not None}
     return _print(_request(args, "GET", "/admin/audit/tools" + (f"?{urlencode(query)}" if query else "")))

@@ -95,7 +95,11 @@ async def test_a_changed_tool_is_quarantined_on_every_way_in_until_approved(tmp_
 
             r = await http.post(base + "/admin/mcp/tools/rug:nothing/approve", headers=admin)
             assert r.status_code == 404
-            r = await http.post(base + "/admin/mcp/tools/rug:lookup/approve", headers=admin)
+            r = await http.post(base + "/admin/mcp/tools/rug:lookup/approve", headers=admin,
+                                json={"hash": held["approved_hash"]})  # not what is served now
+            assert r.status_code == 409 and r.json()["error"]["detail"] == {"hash": held["hash"]}
+            r = await http.post(base + "/admin/mcp/tools/rug:lookup/approve", headers=admin,
+                                json={"hash": held["hash"]})
             assert r.status_code == 200 and r.json()["status"] == "approved"
             metrics = (await http.get(base + "/metrics", headers=admin)).text
             for action in ("pinned", "changed", "approved"):
@@ -174,3 +178,23 @@ async def test_the_cli_lists_and_approves_a_quarantined_tool(tmp_path: Path, mon
         audit = ["tools", "audit", "--tool", "rug_rug", "--url", base]
         assert await anyio.to_thread.run_sync(main, audit) == 0
         assert json.loads(capsys.readouterr().out)["records"] == []  # called in-process, not over MCP
+
+
+async def test_an_approval_on_one_replica_reaches_another_through_the_store(tmp_path: Path) -> None:
+    """Two gateways on one store: both hold the changed tool; one approves; the other reads the
+    approval from the store (its reload runs every few seconds while it holds a tool: here, once)."""
+    async with upstream_url() as url, Gateway(parse_config(config_data(url, tmp_path))) as one, \
+            Gateway(parse_config(config_data(url, tmp_path))) as two:
+        heard = anyio.Event()
+        two.listeners.append(lambda event, data: heard.set()
+                             if event == "tool_pin" and data["action"] == "changed" else None)
+        await change_and_wait(one, "rug_rug", "changed")
+        with anyio.fail_after(10):
+            await heard.wait()
+        first, second = one.providers["rug"], two.providers["rug"]
+        assert first.quarantined("lookup") and second.quarantined("lookup")  # type: ignore[attr-defined]
+        assert first.approve_tool("lookup") is not None  # type: ignore[attr-defined]
+        await first.pins.flush()  # type: ignore[attr-defined]
+        await second.pins.reload()  # type: ignore[attr-defined]
+        assert not second.quarantined("lookup")  # type: ignore[attr-defined]
+        assert "rug_lookup" in await tools_of(two)

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from multiplexer.core.errors import Code, RpcError
 from multiplexer.gateway.gateway import Gateway
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,11 @@ def mount_tools(gateway: Gateway, admin: Any, route: Routed, error: Error) -> li
                               "GET /admin/mcp/tools lists them)")
         was = provider.pins.pins.get(tool)
         old = was.approved_hash if was is not None else None
+        expected = await expected_hash(request)
+        if was is not None and expected is not None and expected != was.seen_hash:
+            return error(409, f"{tool_id} changed again since the definition you read (its hash is "
+                              f"now {was.seen_hash}); read GET /admin/mcp/tools and approve that",
+                         {"hash": was.seen_hash})
         pin = provider.approve_tool(tool)
         if pin is None:
             return error(404, f"MCP upstream {name!r} has no pinned tool {tool!r}")
@@ -88,6 +94,21 @@ def mount_tools(gateway: Gateway, admin: Any, route: Routed, error: Error) -> li
 
     return [route(admin, "/admin/mcp/tools", list_tools, ["GET"]),
             route(admin, "/admin/mcp/tools/{id:path}/approve", approve, ["POST"])]
+
+
+async def expected_hash(request: Request) -> str | None:
+    """The hash the admin read (``{"hash": ...}``, optional): approved only if it is still served."""
+    raw = await request.body()
+    if not raw.strip():
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise RpcError(Code.INVALID_PARAMS, "the body: JSON, {\"hash\": \"<the hash you read>\"}") from None
+    found = body.get("hash") if isinstance(body, dict) else None
+    if found is not None and not isinstance(found, str):
+        raise RpcError(Code.INVALID_PARAMS, "hash: a string")
+    return found
 
 
 async def admin_audit(gateway: Gateway, request: Request, tool_id: str, old: str | None,
