@@ -92,7 +92,7 @@ class RequestStore:
                 raise
             self.conn.execute("COMMIT")
 
-    def _where(self, q: Query) -> tuple[str, list[Any]]:
+    def _where(self, q: Query, text: bool = True) -> tuple[str, list[Any]]:
         m = self.mark
         parts: list[str] = []
         args: list[Any] = []
@@ -106,7 +106,7 @@ class RequestStore:
             if value is not None:
                 parts.append(f"{column} {op} {m}")
                 args.append(value)
-        if q.error:
+        if q.error and text:
             parts.append(f"error {self.like} {m}")
             args.append("%" + q.error.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%")
             parts[-1] += " ESCAPE '\\'"
@@ -117,9 +117,18 @@ class RequestStore:
 
     def list(self, q: Query) -> list[tuple[Any, ...]]:
         """Rows (``LISTED``) matching ``q``, newest first, at most ``q.limit``."""
-        where, args = self._where(q)
-        sql = (f"SELECT {', '.join(LISTED)} FROM {self.table}{where} "
-               f"ORDER BY at DESC, id DESC LIMIT {int(q.limit)}")
+        order = f"ORDER BY at DESC, id DESC LIMIT {int(q.limit)}"
+        if q.error and any(getattr(q, f) is not None for f in FILTERS):
+            # the text looked for in the rows of the narrowest filter's index, newest first, until
+            # a page is found: a planner that guesses the text rare or common never scans the table
+            inner, args = self._where(q, text=False)
+            outer, more = self._where(Query(error=q.error))
+            sql = (f"SELECT {', '.join(LISTED)} FROM (SELECT * FROM {self.table}{inner} "
+                   f"ORDER BY at DESC, id DESC OFFSET 0) AS r{outer} {order}")
+            args += more
+        else:
+            where, args = self._where(q)
+            sql = f"SELECT {', '.join(LISTED)} FROM {self.table}{where} {order}"
         with self._lock:
             return [tuple(r) for r in self.conn.execute(sql, args).fetchall()]
 
