@@ -36,14 +36,13 @@ from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
 from tests.mcp_helpers import (
     ROOT,
-    HttpUpstream,
     free_port,
     http_upstream,
     http_upstream_process,
     mcp_http_client,
     wait_until,
 )
-from tests.redis_helpers import prefix, redis_url
+from tests.redis_helpers import drop_keys, prefix, redis_url
 from tests.rr_proxy import RoundRobin, round_robin
 
 pytestmark = pytest.mark.anyio
@@ -124,48 +123,74 @@ async def streaming(replicas: list[Replica], sid: str) -> int:
     return found[0]
 
 
-def one_session(replicas: list[Replica]) -> str:
-    """The one session id the replicas hold copies of."""
-    ids = {sid for gw, _ in replicas for sid in manager_of(gw).copies}
+def held(replicas: list[Replica]) -> set[str]:
+    """The session ids the replicas hold copies of."""
+    return {sid for gw, _ in replicas for sid in manager_of(gw).copies}
+
+
+def one_session(replicas: list[Replica], before: set[str]) -> str:
+    """The one session opened since ``before`` (the module's replicas serve every test)."""
+    ids = held(replicas) - before
     assert len(ids) == 1, ids
     return ids.pop()
 
 
+async def list_roots(ctx: Any) -> types.ListRootsResult:
+    return types.ListRootsResult(roots=[types.Root(uri="file:///work", name="work")])
+
+
+async def ask_on_call(ctx: Any, call_next: Any) -> Any:
+    """Middleware: the tool ``ask`` asks the client for its roots on its own response stream (as a
+    relayed elicitation is asked) and answers with the first."""
+    if ctx.method == "tools/call" and (ctx.params or {}).get("name") == "ask":
+        roots = await ctx.session.list_roots()
+        return {"content": [{"type": "text", "text": str(roots.roots[0].uri)}], "isError": False}
+    return await call_next(ctx)
+
+
+Deployment = tuple[list[Replica], str, RoundRobin, str]
+
+
 @pytest.fixture(scope="module")
-async def upstream() -> AsyncIterator[HttpUpstream]:
-    """One MCP upstream (``demo_tools.py --http``) for every replica of the module's tests."""
-    async with http_upstream_process() as process:
-        yield process
+async def shared() -> AsyncIterator[Deployment]:
+    """Three replicas behind the balancer, with one MCP upstream (``demo_tools.py --http``), for
+    the module's tests that leave them as they were."""
+    async with http_upstream_process() as upstream, deployment(upstream=upstream.url) as made:
+        for gw, _ in made[0]:
+            face_of(gw).server.middleware.insert(0, ask_on_call)
+        yield made
+    drop_keys([made[3]])  # its gateways have stopped (each test's own cleanup ran while they wrote)
 
 
 @pytest.mark.parametrize("mode", ["legacy", "auto"])
-async def test_every_session_works_through_a_round_robin_balancer(mode: str, upstream: HttpUpstream) -> None:
-    async with deployment(upstream=upstream.url) as (
-            replicas, url, proxy, _):
-        progress: list[float] = []
+async def test_every_session_works_through_a_round_robin_balancer(mode: str, shared: Deployment) -> None:
+    replicas, url, proxy, _ = shared
+    before = len(proxy.served)
+    rebuilt = [manager_of(gw).rebuilt for gw, _ in replicas]
+    progress: list[float] = []
 
-        async def on_progress(done: float, total: float | None, message: str | None) -> None:
-            progress.append(done)
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        progress.append(done)
 
-        async def session(n: int) -> None:
-            async with mcp_http_client(url, mode, key=KEYS["a"]) as client:
-                assert client.protocol_version == ("2025-11-25" if mode == "legacy" else "2026-07-28")
-                names = {t.name for t in (await client.list_tools()).tools}
-                assert {"echo", "tools_sleep"} <= names
-                for i in range(4):
-                    result = await client.call_tool("echo", {"session": n, "i": i})
-                    assert result.structured_content == {"session": n, "i": i}
-                slept = await client.call_tool("tools_sleep", {"seconds": 0.01, "steps": 2},
-                                               progress_callback=on_progress)
-                assert slept.structured_content == {"result": "slept"}
+    async def session(n: int) -> None:
+        async with mcp_http_client(url, mode, key=KEYS["a"]) as client:
+            assert client.protocol_version == ("2025-11-25" if mode == "legacy" else "2026-07-28")
+            names = {t.name for t in (await client.list_tools()).tools}
+            assert {"echo", "tools_sleep"} <= names
+            for i in range(4):
+                result = await client.call_tool("echo", {"session": n, "i": i})
+                assert result.structured_content == {"session": n, "i": i}
+            slept = await client.call_tool("tools_sleep", {"seconds": 0.01, "steps": 2},
+                                           progress_callback=on_progress)
+            assert slept.structured_content == {"result": "slept"}
 
-        async with anyio.create_task_group() as tg:
-            for n in range(4):
-                tg.start_soon(session, n)
-        assert set(proxy.served) == {0, 1, 2}
-        assert len(progress) == 8  # two steps of each session's sleep, from whichever replica ran it
-        if mode == "legacy":  # every replica served (and so rebuilt) sessions it did not open
-            assert all(manager_of(gw).rebuilt for gw, _ in replicas)
+    async with anyio.create_task_group() as tg:
+        for n in range(4):
+            tg.start_soon(session, n)
+    assert set(proxy.served[before:]) == {0, 1, 2}
+    assert len(progress) == 8  # two steps of each session's sleep, from whichever replica ran it
+    if mode == "legacy":  # every replica served (and so rebuilt) sessions it did not open
+        assert all(manager_of(gw).rebuilt > n for (gw, _), n in zip(replicas, rebuilt, strict=True))
 
 
 async def test_without_shared_state_the_sdk_manager_serves_as_before() -> None:
@@ -176,101 +201,97 @@ async def test_without_shared_state_the_sdk_manager_serves_as_before() -> None:
         assert type(session_manager(face_of(gw), "x")) is StreamableHTTPSessionManager
 
 
-async def test_a_list_change_on_one_replica_reaches_the_client_streaming_from_another() -> None:
-    async with deployment() as (replicas, url, _, _):
-        heard = anyio.Event()
+async def test_a_list_change_on_one_replica_reaches_the_client_streaming_from_another(
+        shared: Deployment) -> None:
+    replicas, url, _, _ = shared
+    before = held(replicas)
+    heard = anyio.Event()
 
-        async def on_message(message: Any) -> None:
-            if isinstance(message, types.ToolListChangedNotification):
-                heard.set()
+    async def on_message(message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            heard.set()
 
-        async with mcp_http_client(url, "legacy", key=KEYS["a"], message_handler=on_message) as client:
-            for i in range(3):  # every replica serves one of these, so each holds a copy
-                await client.call_tool("echo", {"i": i})
-            sid = one_session(replicas)
-            holder = await streaming(replicas, sid)
-            other = (holder + 1) % 3
-            assert sid in manager_of(replicas[other][0]).copies
-            replicas[other][0].notify("tools_changed", {})  # heard by that replica only
-            with anyio.fail_after(5):
-                await heard.wait()
+    async with mcp_http_client(url, "legacy", key=KEYS["a"], message_handler=on_message) as client:
+        for i in range(3):  # every replica serves one of these, so each holds a copy
+            await client.call_tool("echo", {"i": i})
+        sid = one_session(replicas, before)
+        holder = await streaming(replicas, sid)
+        other = (holder + 1) % 3
+        assert sid in manager_of(replicas[other][0]).copies
+        replicas[other][0].notify("tools_changed", {})  # heard by that replica only
+        with anyio.fail_after(5):
+            await heard.wait()
 
 
-async def test_server_requests_are_answered_through_whichever_replica_the_answer_reaches() -> None:
+async def test_server_requests_are_answered_through_whichever_replica_the_answer_reaches(
+        shared: Deployment) -> None:
     """A request to the client on a call's own stream (as a relayed elicitation is) and one on the
     standalone stream from a replica that does not hold it: the client's answer is a POST that the
     balancer may send anywhere, and it reaches the replica waiting for it."""
+    replicas, url, _, _ = shared
+    before = held(replicas)
+    forwarded = sum(manager_of(gw).forwarded for gw, _ in replicas)
     asked: list[int] = []
 
-    async def list_roots(ctx: Any) -> types.ListRootsResult:
+    async def counted(ctx: Any) -> types.ListRootsResult:
         asked.append(1)
-        return types.ListRootsResult(roots=[types.Root(uri="file:///work", name="work")])
+        return await list_roots(ctx)
 
-    async def ask_on_call(ctx: Any, call_next: Any) -> Any:
-        if ctx.method == "tools/call" and (ctx.params or {}).get("name") == "ask":
-            roots = await ctx.session.list_roots()
-            text = roots.roots[0].uri
-            return {"content": [{"type": "text", "text": str(text)}], "isError": False}
-        return await call_next(ctx)
+    async with mcp_http_client(url, "legacy", key=KEYS["a"], list_roots_callback=counted) as client:
+        for _ in range(6):  # asked from each replica; answers land on the next one
+            result = await client.call_tool("ask", {})
+            assert isinstance(result.content[0], types.TextContent)
+            assert result.content[0].text == "file:///work"
+        sid = one_session(replicas, before)
+        holder = await streaming(replicas, sid)
+        other = manager_of(replicas[(holder + 1) % 3][0]).copies[sid]
+        with anyio.fail_after(5):
+            roots = await other.connection.send_request(types.ListRootsRequest())
+        assert str(roots.roots[0].uri) == "file:///work"
+    assert len(asked) == 7
+    assert sum(manager_of(gw).forwarded for gw, _ in replicas) > forwarded
 
-    async with deployment() as (replicas, url, _, _):
+
+async def test_the_session_record_carries_capabilities_and_log_level_to_every_replica(
+        shared: Deployment) -> None:
+    replicas, url, _, pre = shared
+    before = held(replicas)
+    async with mcp_http_client(url, "legacy", key=KEYS["a"], list_roots_callback=list_roots) as client:
+        for i in range(3):  # every replica holds a copy before the level is set on one of them
+            await client.call_tool("echo", {"i": i})
+        sid = one_session(replicas, before)
+        await client.set_logging_level("error")
+        await client.call_tool("echo", {})
+
+        async def everywhere() -> bool:
+            return all(face_of(gw)._log_levels.get(id(manager_of(gw).copies[sid].connection))
+                       == "error" for gw, _ in replicas)
+
+        await wait_until(everywhere, timeout=5)
         for gw, _ in replicas:
-            face_of(gw).server.middleware.insert(0, ask_on_call)
-        async with mcp_http_client(url, "legacy", key=KEYS["a"], list_roots_callback=list_roots) as client:
-            for _ in range(6):  # asked from each replica; answers land on the next one
-                result = await client.call_tool("ask", {})
-                assert isinstance(result.content[0], types.TextContent)
-                assert result.content[0].text == "file:///work"
-            sid = one_session(replicas)
-            holder = await streaming(replicas, sid)
-            other = manager_of(replicas[(holder + 1) % 3][0]).copies[sid]
-            with anyio.fail_after(5):
-                roots = await other.connection.send_request(types.ListRootsRequest())
-            assert str(roots.roots[0].uri) == "file:///work"
-        assert len(asked) == 7
-        assert sum(manager_of(gw).forwarded for gw, _ in replicas) > 0
+            connection = manager_of(gw).copies[sid].connection
+            assert connection.protocol_version == "2025-11-25"
+            assert connection.client_params is not None
+            assert connection.client_params.client_info.name
+            assert connection.client_capabilities is not None
+            assert connection.client_capabilities.roots is not None
+        async with aioredis.Redis.from_url(redis_url()) as r:
+            keys = [k async for k in r.scan_iter(match=f"{pre}:mcp:*:s:{sid}")]
+            assert len(keys) == 1
+            record = await r.hgetall(keys[0])
+            assert record[b"level"] == b"error"
+            assert json.loads(record[b"owner"])["client_id"] == "a"
+            assert 0 < await r.pttl(keys[0]) <= 1800_000  # server.mcp.session_idle_s
 
 
-async def test_the_session_record_carries_capabilities_and_log_level_to_every_replica() -> None:
-    async with deployment() as (replicas, url, _, pre):
-        async def list_roots(ctx: Any) -> types.ListRootsResult:
-            return types.ListRootsResult(roots=[])
-
-        async with mcp_http_client(url, "legacy", key=KEYS["a"], list_roots_callback=list_roots) as client:
-            for i in range(3):  # every replica holds a copy before the level is set on one of them
-                await client.call_tool("echo", {"i": i})
-            sid = one_session(replicas)
-            await client.set_logging_level("error")
-            await client.call_tool("echo", {})
-
-            async def everywhere() -> bool:
-                return all(face_of(gw)._log_levels.get(id(manager_of(gw).copies[sid].connection))
-                           == "error" for gw, _ in replicas)
-
-            await wait_until(everywhere, timeout=5)
-            for gw, _ in replicas:
-                connection = manager_of(gw).copies[sid].connection
-                assert connection.protocol_version == "2025-11-25"
-                assert connection.client_params is not None
-                assert connection.client_params.client_info.name
-                assert connection.client_capabilities is not None
-                assert connection.client_capabilities.roots is not None
-            async with aioredis.Redis.from_url(redis_url()) as r:
-                keys = [k async for k in r.scan_iter(match=f"{pre}:mcp:*:s:{sid}")]
-                assert len(keys) == 1
-                record = await r.hgetall(keys[0])
-                assert record[b"level"] == b"error"
-                assert json.loads(record[b"owner"])["client_id"] == "a"
-                ttl = await r.pttl(keys[0])
-                assert 0 < ttl <= 1800_000
-
-
-async def test_delete_ends_the_session_on_every_replica() -> None:
-    async with deployment() as (replicas, url, _, pre), httpx.AsyncClient() as http:
+async def test_delete_ends_the_session_on_every_replica(shared: Deployment) -> None:
+    replicas, url, _, pre = shared
+    before = held(replicas)
+    async with httpx.AsyncClient() as http:
         async with mcp_http_client(url, "legacy", key=KEYS["a"]) as client:
             for i in range(3):
                 await client.call_tool("echo", {"i": i})
-            sid = one_session(replicas)
+            sid = one_session(replicas, before)
             assert all(sid in manager_of(gw).copies for gw, _ in replicas)
         # the client's DELETE went to one replica; every copy ends, and so does the record
 
@@ -279,7 +300,7 @@ async def test_delete_ends_the_session_on_every_replica() -> None:
 
         await wait_until(gone, timeout=5)
         async with aioredis.Redis.from_url(redis_url()) as r:
-            assert [k async for k in r.scan_iter(match=f"{pre}:mcp:*")] == []
+            assert [k async for k in r.scan_iter(match=f"{pre}:mcp:*:s:{sid}")] == []
         for _, base in replicas:
             r = await http.post(base + "/mcp", json=LIST, headers=_headers(KEYS["a"], sid))
             assert r.status_code == 404
@@ -290,34 +311,83 @@ def _headers(key: str, sid: str) -> dict[str, str]:
             "mcp-protocol-version": "2025-11-25", "accept": "application/json, text/event-stream"}
 
 
-async def test_a_session_is_not_found_with_another_key_on_any_replica() -> None:
-    async with (deployment() as (replicas, url, _, _), httpx.AsyncClient() as http,
-                mcp_http_client(url, "legacy", key=KEYS["a"]) as client):
-            await client.call_tool("echo", {})
-            sid = one_session(replicas)
-            for _, base in replicas:  # those holding a copy and those that would rebuild it
-                r = await http.post(base + "/mcp", json=LIST, headers=_headers(KEYS["b"], sid))
-                assert r.status_code == 404
-            await client.call_tool("echo", {})  # and it still works for its own key
+async def test_a_session_is_not_found_with_another_key_on_any_replica(shared: Deployment) -> None:
+    replicas, url, _, _ = shared
+    before = held(replicas)
+    async with httpx.AsyncClient() as http, mcp_http_client(url, "legacy", key=KEYS["a"]) as client:
+        await client.call_tool("echo", {})
+        sid = one_session(replicas, before)
+        for _, base in replicas:  # those holding a copy and those that would rebuild it
+            r = await http.post(base + "/mcp", json=LIST, headers=_headers(KEYS["b"], sid))
+            assert r.status_code == 404
+        await client.call_tool("echo", {})  # and it still works for its own key
 
 
-async def test_an_expired_record_ends_the_session_where_it_is_not_held() -> None:
-    async with deployment(2, session_idle_s=600) as (replicas, _, _, pre), httpx.AsyncClient() as http:
-        first, second = replicas
-        async with mcp_http_client(first[1] + "/mcp", "legacy", key=KEYS["a"]) as client:
-            await client.call_tool("echo", {})
-            sid = one_session(replicas)
-            async with aioredis.Redis.from_url(redis_url()) as r:
-                keys = [k async for k in r.scan_iter(match=f"{pre}:mcp:*:s:{sid}")]
-                assert 0 < await r.pttl(keys[0]) <= 600_000  # server.mcp.session_idle_s
-                await r.pexpire(keys[0], 1)  # as if idle that long on every replica
-                await wait_until(lambda: _absent(r, keys[0]), timeout=2)
-            got = await http.post(second[1] + "/mcp", json=LIST, headers=_headers(KEYS["a"], sid))
-            assert got.status_code == 404
+async def test_an_expired_record_ends_the_session_where_it_is_not_held(shared: Deployment) -> None:
+    replicas, _, _, pre = shared
+    before = held(replicas)
+    (_, first), (_, second) = replicas[:2]
+    async with httpx.AsyncClient() as http, \
+            mcp_http_client(first + "/mcp", "legacy", key=KEYS["a"]) as client:
+        await client.call_tool("echo", {})
+        sid = one_session(replicas, before)
+        async with aioredis.Redis.from_url(redis_url()) as r:
+            keys = [k async for k in r.scan_iter(match=f"{pre}:mcp:*:s:{sid}")]
+            await r.pexpire(keys[0], 1)  # as if idle for server.mcp.session_idle_s everywhere
+            await wait_until(lambda: _absent(r, keys[0]), timeout=2)
+        got = await http.post(second + "/mcp", json=LIST, headers=_headers(KEYS["a"], sid))
+        assert got.status_code == 404
 
 
 async def _absent(r: Any, key: bytes) -> bool:
     return not await r.exists(key)
+
+
+async def test_a_2025_03_26_batch_is_served_by_a_replica_that_did_not_open_its_session(
+        shared: Deployment) -> None:
+    """The one revision with JSON-RPC arrays, known from the session's record (no header says it)."""
+    replicas, _, _, _ = shared
+    accept = {"accept": "application/json, text/event-stream", "authorization": f"Bearer {KEYS['a']}"}
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-03-26", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    (_, first), (_, second) = replicas[:2]
+    async with httpx.AsyncClient() as http:
+        opened = await http.post(first + "/mcp", json=init, headers=accept)
+        session = {**accept, "mcp-session-id": opened.headers["mcp-session-id"]}
+        await http.post(first + "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                        headers=session)
+        r = await http.post(second + "/mcp", headers=session, json=[
+            {"jsonrpc": "2.0", "id": n, "method": "tools/call",
+             "params": {"name": "echo", "arguments": {"x": n}}} for n in (1, 2)])
+        await http.delete(first + "/mcp", headers=session)
+    assert r.status_code == 200
+    assert [x["result"]["structuredContent"] for x in r.json()] == [{"x": 1}, {"x": 2}]
+
+
+async def test_concurrent_first_requests_on_a_replica_share_one_rebuilt_copy(shared: Deployment) -> None:
+    replicas, _, _, _ = shared
+    (_, first), (gw, second) = replicas[:2]
+    accept = {"accept": "application/json, text/event-stream", "authorization": f"Bearer {KEYS['a']}"}
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+    rebuilt = manager_of(gw).rebuilt
+    async with httpx.AsyncClient() as http:
+        opened = await http.post(first + "/mcp", json=init, headers=accept)
+        sid = opened.headers["mcp-session-id"]
+        codes: list[int] = []
+
+        async def call(n: int) -> None:
+            body = {"jsonrpc": "2.0", "id": n, "method": "tools/call",
+                    "params": {"name": "echo", "arguments": {"n": n}}}
+            codes.append((await http.post(second + "/mcp", json=body, headers=_headers(KEYS["a"], sid)))
+                         .status_code)
+
+        async with anyio.create_task_group() as tg:
+            for n in range(8):
+                tg.start_soon(call, n)
+        await http.delete(first + "/mcp", headers=_headers(KEYS["a"], sid))
+    assert codes == [200] * 8
+    assert manager_of(gw).rebuilt == rebuilt + 1
 
 
 async def test_a_killed_replica_loses_no_session(tmp_path: Path) -> None:
@@ -340,8 +410,8 @@ async def test_a_killed_replica_loses_no_session(tmp_path: Path) -> None:
                 except httpx.HTTPError:
                     return False
 
-            replicas = [await stack.enter_async_context(running(parse_config(config(pre))))
-                        for _ in range(2)]
+            replicas = await stack.enter_async_context(
+                together([running(parse_config(config(pre))) for _ in range(2)]))
             await wait_until(healthy, timeout=60, poll=0.05)
             backends = [replicas[0][1], replicas[1][1], f"http://127.0.0.1:{port}"]
             base, proxy = await stack.enter_async_context(round_robin(backends))
@@ -360,21 +430,3 @@ async def test_a_killed_replica_loses_no_session(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-async def test_a_2025_03_26_batch_is_served_by_a_replica_that_did_not_open_its_session() -> None:
-    """The one revision with JSON-RPC arrays, known from the session's record (no header says it)."""
-    accept = {"accept": "application/json, text/event-stream", "authorization": f"Bearer {KEYS['a']}"}
-    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": "2025-03-26", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
-    async with deployment(2) as (replicas, _, _, _), httpx.AsyncClient() as http:
-        (_, first), (_, second) = replicas
-        opened = await http.post(first + "/mcp", json=init, headers=accept)
-        session = {**accept, "mcp-session-id": opened.headers["mcp-session-id"]}
-        await http.post(first + "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-                        headers=session)
-        r = await http.post(second + "/mcp", headers=session, json=[
-            {"jsonrpc": "2.0", "id": n, "method": "tools/call",
-             "params": {"name": "echo", "arguments": {"x": n}}} for n in (1, 2)])
-    assert r.status_code == 200
-    assert [x["result"]["structuredContent"] for x in r.json()] == [{"x": 1}, {"x": 2}]

@@ -244,6 +244,7 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
         self.ttl_s = float(idle or face.gateway.config.server.mcp.session_idle_s)
         self.touch_every_s = min(self.ttl_s / 10, 30.0)
         self.copies: dict[str, _Copy] = {}
+        self._starting: dict[str, anyio.Event] = {}  # sessions being rebuilt here: set once served
         self.rebuilt = 0  # sessions this replica served without having opened them
         self.forwarded = 0  # messages it handed to another replica
         self.id_base = secrets.randbelow(1 << 20) << 32  # under 2**53: exact in any JSON reader
@@ -275,6 +276,9 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
         if session_id is None:
             await super()._handle_stateful_request(scope, receive, send)
             return
+        starting = self._starting.get(session_id)
+        if starting is not None:  # another request of this session is rebuilding it here
+            await starting.wait()
         copy = self.copies.get(session_id)
         if session_id not in self._server_instances:
             copy = await self._rebuild(session_id, scope)
@@ -342,17 +346,23 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
             log.warning("not rebuilding MCP session %s: another credential or path", session_id[:64])
             return None
         async with self._session_creation_lock:
-            if session_id in self._server_instances:
-                return self.copies.get(session_id)
-            if self.max_sessions is not None and len(self._server_instances) >= self.max_sessions:
-                return None
-            transport = StreamableHTTPServerTransport(
-                mcp_session_id=session_id, is_json_response_enabled=self.json_response,
-                event_store=self.event_store, security_settings=self.security_settings,
-                retry_interval=self.retry_interval, idle_timeout=self.session_idle_timeout)
-            if owner is not None:
-                self._session_owners[session_id] = owner
-            self._server_instances[session_id] = transport
+            starting = self._starting.get(session_id)
+            if starting is None:
+                if session_id in self._server_instances:
+                    return self.copies.get(session_id)
+                if self.max_sessions is not None and len(self._server_instances) >= self.max_sessions:
+                    return None
+                transport = StreamableHTTPServerTransport(
+                    mcp_session_id=session_id, is_json_response_enabled=self.json_response,
+                    event_store=self.event_store, security_settings=self.security_settings,
+                    retry_interval=self.retry_interval, idle_timeout=self.session_idle_timeout)
+                if owner is not None:
+                    self._session_owners[session_id] = owner
+                self._server_instances[session_id] = transport
+                ready = self._starting[session_id] = anyio.Event()
+        if starting is not None:  # a request of the same session got here first: its copy
+            await starting.wait()
+            return self.copies.get(session_id)
         assert self._task_group is not None
         self.rebuilt += 1
         try:
@@ -361,6 +371,9 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
             log.exception("MCP session %s could not be rebuilt from its record", session_id[:64])
             await self._discard_session(session_id, transport)
             return None
+        finally:
+            del self._starting[session_id]
+            ready.set()
         return self.copies.get(session_id)
 
     async def _serve_opening_request(self, http_transport: StreamableHTTPServerTransport, scope: Scope,
