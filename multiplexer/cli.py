@@ -148,7 +148,7 @@ def _spend(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, TypeError):
             message = reply.text[:200]
         raise CliError(f"GET /admin/spend: {reply.status_code} {message}")
-    print(table(reply.json(), [g for g in args.by.split(",") if g]))
+    print(table(reply.json(), [g for g in args.by.split(",") if g], cache=args.cache))
     return 0
 
 
@@ -246,6 +246,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="comma-separated groups among key, team, route, model, day (default: key)")
     spend.add_argument("--since", default=None, help="first day, ISO (2026-12-01); default: all")
     spend.add_argument("--until", default=None, help="last day, ISO; default: today")
+    spend.add_argument("--cache", action="store_true",
+                       help="also the prompt caches' writes, moves and what the moves cost")
     spend.add_argument("--url", default=None,
                        help="the gateway (default: $MULTIPLEXER_URL, else http://127.0.0.1:8080)")
     spend.set_defaults(fn=_spend)

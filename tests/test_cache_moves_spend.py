@@ -58,3 +58,16 @@ def test_the_ledger_sums_them_and_the_report_shows_them() -> None:
     assert shown["cache_writes_usd"] == float(2 * (100 * Decimal("0.75") + 200 * 3) / M)
     assert shown["cache_moves_usd"] == float((100 * Decimal("2.7") + 100 * Decimal("3.45")
                                               + 200 * Decimal("5.7")) / M)
+
+
+def test_the_spend_table_shows_the_cache_columns_when_asked() -> None:
+    from multiplexer.money.report import table
+
+    row = {"route": "chat", "calls": 2, "cost_usd": 0.003, "saved_usd": 0.001, "unknown_cost_calls": 0,
+           "cache_read_share": 0.5, "cache_writes_usd": 0.00135, "cache_moves": 1, "cache_moves_usd": 0.0017}
+    body = {"rows": [row], "total": row}
+    plain = table(body, ["route"]).splitlines()
+    assert plain[0].split()[-1] == "cache_read_share"  # the default table as it was
+    wide = table(body, ["route"], cache=True).splitlines()
+    assert wide[0].split()[-3:] == ["cache_writes_usd", "cache_moves", "cache_moves_usd"]
+    assert wide[1].split()[-3:] == ["0.001350", "1", "0.001700"]

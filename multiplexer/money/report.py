@@ -41,14 +41,21 @@ def _cell(row: dict[str, Any], group: str) -> str:
     return f"{name} ({value})" if name and name != value else str(value)
 
 
-def table(body: dict[str, Any], groups: Sequence[str]) -> str:
-    """``GET /admin/spend``'s body as an aligned text table with a total line."""
+def table(body: dict[str, Any], groups: Sequence[str], cache: bool = False) -> str:
+    """``GET /admin/spend``'s body as an aligned text table with a total line; ``cache``: also
+    what prompt-cache writes cost beyond plain input, the cache moves and what they cost."""
     head = [*groups, "calls", "cost_usd", "saved_usd", "unknown_cost_calls", "cache_read_share"]
+    if cache:
+        head += ["cache_writes_usd", "cache_moves", "cache_moves_usd"]
 
     def sums(r: dict[str, Any]) -> list[str]:
         share = r.get("cache_read_share")
-        return [str(r.get("calls", 0)), f"{r.get('cost_usd', 0):.6f}", f"{r.get('saved_usd', 0):.6f}",
-                str(r.get("unknown_cost_calls", 0)), "-" if share is None else f"{share:.4f}"]
+        out = [str(r.get("calls", 0)), f"{r.get('cost_usd', 0):.6f}", f"{r.get('saved_usd', 0):.6f}",
+               str(r.get("unknown_cost_calls", 0)), "-" if share is None else f"{share:.4f}"]
+        if cache:
+            out += [f"{r.get('cache_writes_usd', 0):.6f}", str(r.get("cache_moves", 0)),
+                    f"{r.get('cache_moves_usd', 0):.6f}"]
+        return out
 
     lines = [[_cell(r, g) for g in groups] + sums(r) for r in body.get("rows", [])]
     lines.append((["total", *[""] * (len(groups) - 1)] if groups else []) + sums(body.get("total", {})))
