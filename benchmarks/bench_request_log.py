@@ -168,8 +168,8 @@ async def sustain(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     schema = "mxbench_" + secrets.token_hex(4)
     pg = f", url: {PG!r}, schema: {schema}"
-    out = [{"name": "log off", "calls": 0, "seconds": 0.0}, {"name": "log on (PostgreSQL)", "calls": 0,
-                                                            "seconds": 0.0}]
+    out: list[dict[str, Any]] = [{"name": "log off", "calls": 0, "seconds": 0.0},
+                                 {"name": "log on (PostgreSQL)", "calls": 0, "seconds": 0.0}]
     try:
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
             fake = fake_upstream(stack)

@@ -50,20 +50,20 @@ def test_filters_and_the_cursor_walk_every_row_once(store: RequestStore) -> None
     seen: list[int] = []
     q = Query(limit=5)
     while True:
-        page = store.list(q)
+        page = store.page(q)
         seen += [r[0] for r in page]
         if len(page) < q.limit:
             break
         q.cursor = (page[-1][1], page[-1][0])
     assert len(seen) == 23 == len(set(seen)) and seen == sorted(seen, reverse=True)
-    assert {r[3] for r in store.list(Query(key="alice", limit=50))} == {"alice"}
-    assert len(store.list(Query(team="t", limit=50))) == 11
-    assert len(store.list(Query(status="error", limit=50))) == 5
-    assert len(store.list(Query(code=-32000, limit=50))) == 5
-    assert len(store.list(Query(error="said no", limit=50))) == 5  # any case
-    assert len(store.list(Query(error="100%", limit=50))) == 0  # a LIKE wildcard is a character
-    assert [r[1] for r in store.list(Query(since=1010.0, until=1012.0))] == [1011.0, 1010.0]
-    first = store.list(Query(limit=1))[0]
+    assert {r[3] for r in store.page(Query(key="alice", limit=50))} == {"alice"}
+    assert len(store.page(Query(team="t", limit=50))) == 11
+    assert len(store.page(Query(status="error", limit=50))) == 5
+    assert len(store.page(Query(code=-32000, limit=50))) == 5
+    assert len(store.page(Query(error="said no", limit=50))) == 5  # any case
+    assert len(store.page(Query(error="100%", limit=50))) == 0  # a LIKE wildcard is a character
+    assert [r[1] for r in store.page(Query(since=1010.0, until=1012.0))] == [1011.0, 1010.0]
+    first = store.page(Query(limit=1))[0]
     got = store.get(first[0])
     assert got is not None and got["path"] == "{}" and got["at"] == 1022.0
     assert store.get(10**12) is None
@@ -76,7 +76,7 @@ def test_pruning_goes_in_steps_by_age_and_by_count(store: RequestStore) -> None:
     assert store.prune_step(before=None, max_rows=3) == STEP  # one step at a time
     assert store.prune_step(before=None, max_rows=3) == 2
     assert store.count() == 3
-    assert [r[1] for r in store.list(Query())] == [float(STEP + 9), float(STEP + 8), float(STEP + 7)]
+    assert [r[1] for r in store.page(Query())] == [float(STEP + 9), float(STEP + 8), float(STEP + 7)]
 
 
 def test_redaction_masks_secrets_and_keeps_the_rest() -> None:

@@ -116,7 +116,7 @@ def _row_id(request: Request) -> int:
 
 async def listing(gateway: Gateway, request: Request, own: str | None) -> Response:
     q = query_of(request.query_params, own)
-    return JSONResponse(await _log(gateway).list(q), headers=NO_STORE)
+    return JSONResponse(await _log(gateway).page(q), headers=NO_STORE)
 
 
 async def one(gateway: Gateway, request: Request, own: str | None) -> Response:

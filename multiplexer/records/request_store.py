@@ -115,7 +115,7 @@ class RequestStore:
             args += list(q.cursor)
         return (" WHERE " + " AND ".join(parts)) if parts else "", args
 
-    def list(self, q: Query) -> list[tuple[Any, ...]]:
+    def page(self, q: Query) -> list[tuple[Any, ...]]:
         """Rows (``LISTED``) matching ``q``, newest first, at most ``q.limit``."""
         order = f"ORDER BY at DESC, id DESC LIMIT {int(q.limit)}"
         if q.error and any(getattr(q, f) is not None for f in FILTERS):

@@ -94,7 +94,7 @@ class RequestLog:
         latency_ms = round(seconds * 1000, 3)
         first_ms = None if first is None else round(first * 1000, 3)
         path = self._path(plan, answer, lane, shared, tried, mode, latency_ms, first_ms, cost, saved)
-        bodies = (None, None)
+        bodies: tuple[str | None, str | None] = (None, None)
         if self.config.bodies:
             limit = self.config.max_body_bytes
             reply: Any = answer.built() if error is None else {"code": error.code, "message": message,
@@ -190,11 +190,11 @@ class RequestLog:
             self._reader = await anyio.to_thread.run_sync(self._open)
         return self._reader
 
-    async def list(self, q: Query) -> dict[str, Any]:
+    async def page(self, q: Query) -> dict[str, Any]:
         """A page of records, newest first, and the cursor of the next page (None: the last)."""
         await self.sink.flush()  # what this replica has not written yet shows too
         store = await self._read()
-        rows = await anyio.to_thread.run_sync(store.list, q)
+        rows = await anyio.to_thread.run_sync(store.page, q)
         out = [dict(zip(LISTED, r, strict=True)) for r in rows]
         cursor = f"{rows[-1][1]!r}:{rows[-1][0]}" if len(rows) == q.limit else None
         return {"requests": out, "next_cursor": cursor}
