@@ -73,6 +73,8 @@ NEGATIONS = {"not", "no", "never", "without", "none", "nobody", "nothing", "neit
 _AFTER = {"for": "for", "from": "src", "to": "dst", "into": "dst", "towards": "dst", "toward": "dst",
           "than": "cmp_b", "per": "per", "over": "over", "under": "under", "before": "before",
           "after": "after"}
+# words after which a short unit name (km, mb, l) is a unit, not a word
+_UNIT_BEFORE = {"to", "in", "into", "from", "per", "of"}
 # words that sit between a preposition and the word it governs
 _SKIP = {"the", "a", "an", "my", "your", "our", "their", "his", "her", "its", "this", "that"}
 
@@ -233,8 +235,8 @@ def _canon(raw: list[str], lowered: list[str], i: int) -> str:
         return "u:" + UNITS.get("\u00b0" + nxt, "\u00b0")
     st = stem(low)
     unit = UNITS.get(low) or _UNITS_STEMMED.get(st)
-    if unit is not None and (len(low) > 2 or low in "$\u20ac\u00a3%"
-                             or (i > 0 and _number(raw[i - 1]) is not None)):
+    if unit is not None and (len(low) > 2 or low in "$\u20ac\u00a3%" or (i > 0 and (
+            _number(raw[i - 1]) is not None or lowered[i - 1] in _UNIT_BEFORE))):
         return "u:" + unit
     if low in STOPWORDS and not (tok[0].isupper() and i > 0 and len(low) > 1):
         return ""  # a capitalised word mid-sentence is a name (Go, Swift), not a stop word

@@ -9,8 +9,9 @@ package here.
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,7 @@ class ScopeIndex:
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # by index key, LRU first
         self.exact: dict[str, Entry] = {}
         self.by_id: dict[str, Entry] = {}
-        self.expiring: deque[tuple[float, int]] = deque()
+        self.expiring: list[tuple[float, int]] = []  # a heap: the soonest to expire first
         self.index: Index | None = None
         self.dims = DIMS_UNKNOWN
 
@@ -78,7 +79,10 @@ class ScopeIndex:
         self.entries[entry.key] = entry
         self.exact[entry.exact] = entry
         self.by_id[entry.id] = entry
-        self.expiring.append((entry.expires, entry.key))
+        heapq.heappush(self.expiring, (entry.expires, entry.key))
+        if len(self.expiring) > 2 * self.max_entries + 1024:  # evicted entries' times dropped
+            self.expiring = [(e.expires, k) for k, e in self.entries.items()]
+            heapq.heapify(self.expiring)
         while len(self.entries) > self.max_entries:
             evicted.append(self.entries[next(iter(self.entries))])
             self.remove(evicted[-1])
@@ -108,7 +112,7 @@ class ScopeIndex:
         """Entries past their time removed (oldest first); how many."""
         n = 0
         while self.expiring and self.expiring[0][0] <= now:
-            _, key = self.expiring.popleft()
+            _, key = heapq.heappop(self.expiring)
             entry = self.entries.get(key)
             if entry is not None and entry.expires <= now:
                 self.remove(entry)

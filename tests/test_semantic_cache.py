@@ -1,0 +1,360 @@
+"""The semantic cache (multiplexer/cache/): a paraphrased last user turn answered from a stored
+answer through /v1/chat/completions, never across keys, routes or access; the guard on every
+neighbour; skips, opt-outs, TTL, LRU, the audit and wrong-hit reports, and replicas catching up.
+
+Embeddings come from a stand-in route (bag of words, hashed), so nothing loads a model: the
+real MiniLM's numbers are benchmarks/bench_semantic_cache.py's."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from multiplexer.cache.guard import disagreement
+from multiplexer.cache.index import Entry, ScopeIndex
+from multiplexer.cache.semantic import SemanticCache
+from multiplexer.cache.settings import SemanticSection
+from multiplexer.cache.store import SqliteLog
+from multiplexer.core.call import Item, Outcome
+from multiplexer.core.provider import Provider, ProviderContext
+from multiplexer.gateway.config import parse_config
+from multiplexer.gateway.gateway import Gateway
+from multiplexer.server import running
+
+pytestmark = pytest.mark.anyio
+ADMIN = "adm-" + "s" * 28
+ALICE, BOB, CAROL = "alice-key-0123456789", "bob-key-0123456789ab", "carol-key-0123456789"
+DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
+DIMS = 64
+
+
+def word_vector(text: str) -> np.ndarray:
+    """A bag of hashed words: texts that share most words sit close together."""
+    v = np.zeros(DIMS, dtype=np.float32)
+    for word in text.lower().replace("?", " ").replace(",", " ").split():
+        seed = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little")
+        v += np.random.default_rng(seed).standard_normal(DIMS).astype(np.float32)
+    return v / max(float(np.linalg.norm(v)), 1e-9)
+
+
+class Words(Provider):
+    """An embeddings route: each input's bag-of-words vector, OpenAI's shape."""
+
+    def __init__(self, ctx: ProviderContext | None = None) -> None:
+        self.name = "words"
+        self.calls = 0
+
+    async def execute(self, operation: str, items: Sequence[Item]) -> list[Outcome]:
+        out = []
+        for item in items:
+            self.calls += 1
+            texts = item.params["input"]
+            out.append(Outcome(result={"object": "list", "data": [
+                {"object": "embedding", "index": i, "embedding": word_vector(t).tolist()}
+                for i, t in enumerate(texts)]}))
+        return out
+
+
+def config(tmp_path: Path, alice: dict[str, Any] | None = None, **semantic: Any) -> Any:
+    section = semantic or {"routes": {"chat": {"threshold": 0.6, "embed": "embed"}}}
+    return parse_config({
+        "server": {"admin_key": ADMIN, "key_store": {"enabled": False}, "api_keys": {
+            "alice": {"key": ALICE, **(alice or {})}, "bob": {"key": BOB, "routes": ["embed"]},
+            "carol": CAROL}},
+        "store": {"path": str(tmp_path / "mux.db")},
+        "providers": {"words": {"kind": "echo"},
+                      "mock": {"kind": "mock", "price": {"input_per_mtok": 1, "output_per_mtok": 2}}},
+        "routes": {"embed": {"provider": "words", "operation": "embeddings"},
+                   "chat": {"provider": "mock", "operation": "chat", "models": ["mock-gpt"]},
+                   "chat2": {"provider": "mock", "operation": "chat", "models": ["mock-2"]}},
+        "cache": {"semantic": section},
+    })
+
+
+async def serve(tmp_path: Path, **semantic: Any) -> Gateway:
+    return Gateway(config(tmp_path, **semantic), providers={"words": Words()})
+
+
+def body(text: str, model: str = "mock-gpt", **more: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **more}
+
+
+def upstream(gw: Gateway) -> float:
+    return gw.metrics.registry.get_sample_value("multiplexer_upstream_requests_total",
+                                                {"provider": "mock"}) or 0.0
+
+
+class Client:
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+
+    async def chat(self, key: str, text: str, headers: dict[str, str] | None = None,
+                   **more: Any) -> httpx.Response:
+        return await self.http.post("/v1/chat/completions", json=body(text, **more),
+                                    headers={"authorization": f"Bearer {key}", **(headers or {})})
+
+    async def admin(self, method: str, path: str) -> httpx.Response:
+        return await self.http.request(method, path, headers={"authorization": f"Bearer {ADMIN}"})
+
+
+# -- the bypass first: access is checked before the cache is asked ------------------------------
+async def test_a_key_without_access_to_the_route_never_reads_its_cache(tmp_path: Path) -> None:
+    semantic = {"routes": {"chat": {"threshold": 0.6, "embed": "embed", "scope": "global"}}}
+    gw = await serve(tmp_path, **semantic)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        first = await c.chat(ALICE, "How do I reverse a list in Python?")
+        assert first.status_code == 200
+        assert (await c.chat(CAROL, "How can I reverse a Python list?")).headers.get(
+            "x-multiplexer-cache") == "semantic"  # global scope: another key with access shares it
+        refused = await c.chat(BOB, "How do I reverse a list in Python?")  # bob: embed only
+        assert refused.status_code in (403, 404), refused.text
+        assert "x-multiplexer-cache" not in refused.headers
+        assert "reverse" not in refused.text
+
+
+async def test_key_scope_keeps_each_keys_answers_its_own(tmp_path: Path) -> None:
+    gw = await serve(tmp_path)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        await c.chat(ALICE, "How do I reverse a list in Python?")
+        other = await c.chat(CAROL, "How do I reverse a list in Python?")
+        assert other.status_code == 200 and "x-multiplexer-cache" not in other.headers
+        assert upstream(gw) == 2
+
+
+# -- hits -------------------------------------------------------------------------------------
+async def test_a_paraphrase_is_answered_without_an_upstream_call(tmp_path: Path) -> None:
+    gw = await serve(tmp_path)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        first = await c.chat(ALICE, "How do I reverse a list in Python?")
+        assert first.status_code == 200 and upstream(gw) == 1
+        hit = await c.chat(ALICE, "How can I reverse a Python list?")
+        assert hit.status_code == 200, hit.text
+        assert hit.headers["x-multiplexer-cache"] == "semantic"
+        assert 0.6 <= float(hit.headers["x-multiplexer-cache-similarity"]) < 1.0
+        assert hit.headers["x-multiplexer-cache-original-request-id"] == first.headers["x-request-id"]
+        assert hit.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+        assert float(hit.headers["x-multiplexer-saved-usd"]) > 0
+        assert float(hit.headers["x-multiplexer-cost-usd"]) == 0
+        assert upstream(gw) == 1
+        embedded = gw.providers["words"].calls  # type: ignore[attr-defined]
+        again = await c.chat(ALICE, "How can I reverse a Python list?")  # exact: no embedding
+        assert again.headers["x-multiplexer-cache"] == "semantic"
+        assert gw.providers["words"].calls == embedded  # type: ignore[attr-defined]
+        # the guard: the same words in another order, another language, another number
+        for near in ("How do I reverse a list in Java?", "How do I not reverse a list in Python?"):
+            miss = await c.chat(ALICE, near)
+            assert "x-multiplexer-cache" not in miss.headers, near
+        assert upstream(gw) == 3
+        r = gw.metrics.registry
+        assert r.get_sample_value("multiplexer_semantic_cache_lookups_total",
+                                  {"route": "chat", "result": "hit"}) == 1
+        assert r.get_sample_value("multiplexer_semantic_cache_lookups_total",
+                                  {"route": "chat", "result": "exact"}) == 1
+        assert r.get_sample_value("multiplexer_saved_usd_total",
+                                  {"route": "chat", "how": "semantic_cache"}) > 0
+
+
+async def test_swapped_directions_hit_nothing_even_at_similarity_one(tmp_path: Path) -> None:
+    gw = await serve(tmp_path)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        await c.chat(ALICE, "How long is a flight from Paris to Rome?")
+        swapped = await c.chat(ALICE, "How long is a flight from Rome to Paris?")  # the same bag
+        assert "x-multiplexer-cache" not in swapped.headers
+        assert gw.metrics.registry.get_sample_value(
+            "multiplexer_semantic_cache_guard_refusals_total", {"route": "chat", "reason": "roles"}) == 1
+
+
+async def test_a_streamed_hit_is_sse_with_the_headers(tmp_path: Path) -> None:
+    gw = await serve(tmp_path)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        first = (await c.chat(ALICE, "How do I boil an egg?")).json()
+        hit = await c.chat(ALICE, "how do I boil an egg", stream=True,
+                           stream_options={"include_usage": True})
+        assert hit.status_code == 200 and hit.headers["content-type"].startswith("text/event-stream")
+        assert hit.headers["x-multiplexer-cache"] == "semantic"
+        events = [line[6:] for line in hit.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+        assert text == first["choices"][0]["message"]["content"]
+        usage = chunks[-1]["usage"]
+        assert {k: usage[k] for k in first["usage"]} == first["usage"]
+        assert upstream(gw) == 1
+
+
+async def test_what_is_never_cached(tmp_path: Path) -> None:
+    gw = await serve(tmp_path)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        q = "What is the capital of France?"
+        await c.chat(ALICE, q)
+        asks: list[tuple[dict[str, str], dict[str, Any]]] = [
+            ({"cache-control": "no-cache"}, {}),
+            ({"x-multiplexer-cache": "off"}, {}),
+            ({}, {"n": 2}),
+            ({}, {"temperature": 1.5}),  # another neighbourhood: parameters must match exactly
+            ({}, {"model": "mock-2"}),  # another route
+        ]
+        for headers, more in asks:
+            r = await c.chat(ALICE, q, headers, **more)
+            assert r.status_code == 200 and "x-multiplexer-cache" not in r.headers, (headers, more)
+        long = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2
+        tools = [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "t1", "content": "42"}]
+        for history in (long, tools):
+            messages = [*history, {"role": "user", "content": q}]
+            r = await h.post("/v1/chat/completions", headers={"authorization": f"Bearer {ALICE}"},
+                             json={"model": "mock-gpt", "messages": messages})
+            assert r.status_code == 200 and "x-multiplexer-cache" not in r.headers
+        skips = {s.labels["reason"] for m in gw.metrics.registry.collect()
+                 if m.name == "multiplexer_semantic_cache_skips" for s in m.samples}
+        assert {"off", "n", "long", "tools"} <= skips
+        assert upstream(gw) == 8
+
+
+async def test_a_hit_takes_no_quota(tmp_path: Path) -> None:
+    cfg = config(tmp_path, alice={"rpm": 1})
+    gw = Gateway(cfg, providers={"words": Words()})
+    async with running(cfg, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        assert (await c.chat(ALICE, "How do I reverse a list in Python?")).status_code == 200
+        hit = await c.chat(ALICE, "How can I reverse a Python list?")
+        assert hit.status_code == 200 and hit.headers["x-multiplexer-cache"] == "semantic"
+        assert (await c.chat(ALICE, "What is the capital of Peru?")).status_code == 429
+
+
+# -- the operator's side ------------------------------------------------------------------------
+async def test_audit_wrong_hits_and_delete(tmp_path: Path) -> None:
+    gw = await serve(tmp_path)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        await c.chat(ALICE, "How do I reverse a list in Python?")
+        hit = await c.chat(ALICE, "How can I reverse a Python list?")
+        hits = (await c.admin("GET", "/admin/cache/hits")).json()["hits"]
+        assert len(hits) == 1 and hits[0]["asked"] == "How can I reverse a Python list?"
+        assert hits[0]["matched"] == "How do I reverse a list in Python?"
+        assert hits[0]["original_request_id"] == hit.headers["x-multiplexer-cache-original-request-id"]
+        assert (await c.admin("POST", "/admin/cache/hits/nope/wrong")).status_code == 404
+        wrong = await c.admin("POST", f"/admin/cache/hits/{hits[0]['id']}/wrong")
+        assert wrong.status_code == 200 and wrong.json()["threshold_raised_by"] == pytest.approx(0.02)
+        assert gw.metrics.registry.get_sample_value("multiplexer_semantic_cache_wrong_hits_total",
+                                                    {"route": "chat"}) == 1
+        again = await c.chat(ALICE, "How can I reverse a Python list?")  # its entry is gone
+        assert "x-multiplexer-cache" not in again.headers
+        stats = (await c.admin("GET", "/admin/cache")).json()["routes"]["chat"]
+        assert stats["entries"] == 1 and stats["wrong_hits"] == 1
+        assert (await c.admin("DELETE", "/admin/cache?route=nope")).status_code == 404
+        assert (await c.admin("DELETE", "/admin/cache?route=chat&key=carol")).json() == {"deleted": 0}
+        assert (await c.admin("DELETE", "/admin/cache?route=chat")).json() == {"deleted": 1}
+        assert "x-multiplexer-cache" not in (await c.chat(ALICE, "How can I reverse a Python list?")).headers
+
+
+async def test_answers_expire_after_their_ttl(tmp_path: Path) -> None:
+    semantic = {"routes": {"chat": {"threshold": 0.6, "embed": "embed", "ttl_s": 60}}}
+    gw = await serve(tmp_path, **semantic)
+    now = [1_000_000.0]
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        assert gw.semantic is not None
+        gw.semantic.wall = lambda: now[0]
+        c = Client(h)
+        await c.chat(ALICE, "How do I reverse a list in Python?")
+        now[0] += 59
+        assert (await c.chat(ALICE, "How can I reverse a Python list?")).headers["x-multiplexer-cache"]
+        now[0] += 2
+        assert "x-multiplexer-cache" not in (await c.chat(ALICE, "How can I reverse a Python list?")).headers
+
+
+# -- the parts --------------------------------------------------------------------------------
+def test_the_guard_refuses_every_near_miss_of_the_three_sets() -> None:
+    for name in ("semantic_pairs.jsonl", "semantic_pairs_unseen.jsonl", "semantic_pairs_unseen2.jsonl"):
+        rows = [json.loads(line) for line in (DATA / name).read_text().splitlines()]
+        passed = [r for r in rows if r["label"] == "miss" and disagreement(r["a"], r["b"]) is None]
+        assert passed == [], name
+        paraphrases = [r for r in rows if r["label"] == "hit"]
+        agreed = sum(disagreement(r["a"], r["b"]) is None for r in paraphrases)
+        assert agreed >= 0.75 * len(paraphrases), (name, agreed, len(paraphrases))
+    assert len([line for line in (DATA / "semantic_pairs.jsonl").read_text().splitlines() if line]) >= 200
+
+
+@pytest.mark.parametrize(("a", "b", "why"), [
+    ("Convert 5 km to miles", "Convert 5 miles to km", "roles"),
+    ("What is 15% of 200?", "What is 20% of 200?", "numbers"),
+    ("What's new in Python 3.12?", "What's new in Python 3.11?", "numbers"),
+    ("How far is 10 km?", "How far is 10 miles?", "units"),
+    ("Why does my code work?", "Why doesn't my code work?", "negation"),
+    ("Did Google acquire YouTube?", "Did YouTube acquire Google?", "entity_order"),
+    ("How do I zoom in?", "How do I zoom out?", "particles"),
+    ("Should I approve the loan?", "Should I deny the loan?", "content"),
+    ("How much baking soda in cookies?", "How much baking powder in cookies?", "content"),
+    ("How do I reverse a list in Python?", "How can I reverse a Python list?", None),
+    ("Who wrote Hamlet?", "Who is the author of Hamlet?", None),
+])
+def test_the_guard_says_what_differs(a: str, b: str, why: str | None) -> None:
+    assert disagreement(a, b) == why
+
+
+def entry(i: int, expires: float = 2e9) -> Entry:
+    v = np.zeros(4, dtype=np.float32)
+    v[i % 4] = 1.0
+    return Entry(f"e{i}", "s", "chat", "n", f"x{i}", f"q{i}", {"i": i}, None, expires, v)
+
+
+def test_a_scope_keeps_its_most_recently_used_and_drops_the_expired() -> None:
+    index = ScopeIndex(max_entries=2)
+    a, b, c = entry(0), entry(1), entry(2, expires=10.0)
+    index.add(a)
+    index.add(b)
+    index.touch(a)  # b is now the least recently used
+    assert index.add(c) == [b]
+    assert set(index.by_id) == {"e0", "e2"}
+    assert [e.id for e, _ in index.nearest(a.vector, "n", now=0.0)] [:1] == ["e0"]  # type: ignore[arg-type]
+    assert index.nearest(a.vector, "other", now=0.0) == []  # type: ignore[arg-type]
+    assert index.expire(now=11.0) == 1 and set(index.by_id) == {"e0"}
+
+
+async def test_replicas_catch_up_through_the_store_within_a_second(tmp_path: Path) -> None:
+    section = SemanticSection.model_validate({"routes": {"chat": {"threshold": 0.6}}, "sync_ms": 50})
+
+    async def embed(route: str, texts: list[str]) -> list[np.ndarray]:
+        return [word_vector(t) for t in texts]
+
+    one = SemanticCache(section, embed, CollectorRegistry(), SqliteLog(tmp_path / "s.db", 0.05))
+    two = SemanticCache(section, embed, CollectorRegistry(), SqliteLog(tmp_path / "s.db", 0.05))
+    settings = section.routes["chat"]
+    params = body("How do I reverse a list in Python?")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one.run)
+        tg.start_soon(two.run)
+        lk = one.ask("chat", settings, params, "alice", None)
+        assert lk is not None
+        await one.lookup([lk])
+        one.store(lk, {"object": "chat.completion", "choices": []})
+        asked = two.ask("chat", settings, body("How can I reverse a Python list?"), "alice", None)
+        assert asked is not None
+        with anyio.fail_after(1.0):
+            while not two.scopes:
+                await anyio.sleep(0.01)
+        await two.lookup([asked])
+        assert asked.hit is not None and asked.hit.text == "How do I reverse a list in Python?"
+        one.clear()
+        with anyio.fail_after(1.0):
+            while any(len(s) for s in two.scopes.values()):
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    await one.aclose()
+    await two.aclose()
