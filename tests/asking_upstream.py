@@ -9,6 +9,7 @@ results, the handshake eras as requests pushed mid-call.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -75,6 +76,23 @@ async def visit(ctx: Context) -> str | types.InputRequiredResult:
         return answer.action
     result = await ctx.elicit_url("Sign in", "https://example.test/login", "e1")
     return result.action
+
+
+ASKED_AT = [0.0]  # when ``timed`` last asked (2026-07-28: its answer comes with a later request)
+NAME_FORM = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+@server.tool(description="Asks a name; returns the ms its answer took to come back, as this server saw")
+async def timed(ctx: Context) -> str | types.InputRequiredResult:
+    if ctx.protocol_version == "2026-07-28":
+        if not ctx.input_responses:
+            ASKED_AT[0] = time.perf_counter()
+            params = types.ElicitRequestFormParams(message="name?", requested_schema=NAME_FORM)
+            return types.InputRequiredResult(input_requests={"name": types.ElicitRequest(params=params)})
+        return f"{(time.perf_counter() - ASKED_AT[0]) * 1000:.4f}"
+    began = time.perf_counter()
+    await ctx.elicit("name?", Name)
+    return f"{(time.perf_counter() - began) * 1000:.4f}"
 
 
 @server.tool(description="Asks a name; writes `cancelled` to `marker` if the call is cancelled meanwhile")
