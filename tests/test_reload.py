@@ -117,7 +117,9 @@ async def test_a_route_change_is_served_at_once_and_audited(tmp_path: Path) -> N
         assert (await rpc(http, "one", {"x": 1}))["result"] == {"x": 1}  # echo now
         assert (await rpc(http, "two"))["result"]["tag"] == "a"
         assert Gated.started == ["a"]  # the unchanged provider was kept, not started again
-        rows = await gw.keys.store.run(gw.keys.store.audit, 10, "config")
+        store = gw.keys.store
+        assert store is not None
+        rows = await store.run(store.audit, 10, "config")
         assert [(r.action, r.actor, r.detail["result"]) for r in rows] == [("config.reload", "admin", "ok")]
         listed = (await http.get("/admin/audit?target=config", headers=AUTH)).json()["data"]
         assert [(a["action"], a["detail"]["routes"]["added"]) for a in listed] == [("config.reload", ["two"])]

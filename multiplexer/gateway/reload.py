@@ -332,8 +332,8 @@ class ConfigReloader:
             gw.started.add(name)
             if isinstance(limiter, SharedLimiter):
                 gw.start_background(limiter.run)
-        for rname, route in config.routes.items():
-            gw._lane_for(rname, route)
+        for rname, rconf in config.routes.items():
+            gw._lane_for(rname, rconf)
         for lane in retired:
             lane.close()
         lives = {n: self._lives.pop(n) for n in gone if n in self._lives}
