@@ -206,8 +206,8 @@ class Questions:
         except RpcError as e:
             return types.ErrorData(code=int(e.code), message=e.message, data=e.data)
 
-    async def sampling(self, ctx: ClientRequestContext,
-                       params: types.CreateMessageRequestParams) -> Any:
+    async def sampling(self, context: ClientRequestContext, params: types.CreateMessageRequestParams
+                       ) -> types.CreateMessageResult | types.CreateMessageResultWithTools | types.ErrorData:
         answer = await self._relayed("sampling/createMessage", _dump(params))
         if isinstance(answer, types.ErrorData):
             return answer
@@ -215,11 +215,12 @@ class Questions:
             return types.CreateMessageResultWithTools.model_validate(answer)
         return types.CreateMessageResult.model_validate(answer)
 
-    async def elicitation(self, ctx: ClientRequestContext, params: types.ElicitRequestParams) -> Any:
+    async def elicitation(self, context: ClientRequestContext,
+                          params: types.ElicitRequestParams) -> types.ElicitResult | types.ErrorData:
         answer = await self._relayed("elicitation/create", _dump(params))
         return answer if isinstance(answer, types.ErrorData) else types.ElicitResult.model_validate(answer)
 
-    async def roots(self, ctx: ClientRequestContext) -> Any:
+    async def roots(self, context: ClientRequestContext) -> types.ListRootsResult | types.ErrorData:
         answer = await self._relayed("roots/list", {})
         return answer if isinstance(answer, types.ErrorData) else types.ListRootsResult.model_validate(answer)
 

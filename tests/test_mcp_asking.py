@@ -120,7 +120,7 @@ async def test_the_deadline_pauses_while_the_client_is_asked(gateway: tuple[Gate
     _, url = gateway
     answers = Answers(delay_s=0.6)
     async with mcp_http_client(url, "legacy", **answers.callbacks()) as client:
-        result = await client.call_tool(f"{up}_greet", {}, meta={"timeout_ms": 300})
+        result = await client.call_tool(f"{up}_greet", {}, meta={"timeout_ms": 300})  # type: ignore[typeddict-unknown-key,arg-type]
     assert text(result) == "hello Ada" and answers.asked == ["elicit:form"]
 
 

@@ -19,7 +19,7 @@ Sampling may be answered by one of the gateway's own chat routes instead
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import mcp_types as types
@@ -137,7 +137,8 @@ class ClientAsker:
             with anyio.CancelScope() as scope:
                 self._on_end(scope)
                 result = await self.session.send_request(
-                    request, result_type, metadata=ServerMessageMetadata(related_request_id=self.request_id))
+                    cast("types.ServerRequest", request), result_type,
+                    metadata=ServerMessageMetadata(related_request_id=self.request_id))
             if self.gone:
                 raise ClientGone("the client's connection ended")
         except MCPError as e:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import mcp_types as types
@@ -32,6 +32,10 @@ __all__ = ["PREFIX", "Held", "Holds"]
 
 PREFIX = "mux-held:"
 Spawn = Callable[..., Any]
+# A retry for a call another replica holds: (requestState, identity, inputResponses, the refusal if
+# no replica does) -> what the holder's ``Held.next`` returned (``replica_sessions.py``).
+Elsewhere = Callable[[str, str | None, dict[str, Any], MCPError],
+                     Awaitable["Outcome | types.InputRequiredResult"]]
 
 
 class Held:
@@ -51,7 +55,7 @@ class Held:
         """A question from the upstream: handed to the client at its next request; its answer."""
         self._n += 1
         key = f"q{self._n}"
-        done, slot = anyio.Event(), []
+        done, slot = anyio.Event(), cast("list[dict[str, Any]]", [])
         self._asked[key] = (method, params)
         self._waiting[key] = (done, slot)
         self._changed.set()
@@ -95,6 +99,7 @@ class Holds:
     def __init__(self, collect_s: float) -> None:
         self.collect_s = collect_s  # how long a finished call waits for its client to collect it
         self.spawn: Spawn | None = None  # the face's task group (``McpFace.running``)
+        self.elsewhere: Elsewhere | None = None  # with state.url: resumed on the replica holding it
         self._held: dict[str, Held] = {}
 
     def __len__(self) -> int:

@@ -96,13 +96,14 @@ class Sampler:
     def route_for(self, preferences: Any) -> str:
         """The route the request's model hints name (the table above), else the configured one."""
         hints = preferences.get("hints") if isinstance(preferences, dict) else None
-        names = [h.get("name") for h in hints or [] if isinstance(h, dict) and isinstance(h.get("name"), str)]
+        names: list[str] = [h["name"] for h in hints or [] if isinstance(h, dict)
+                            and isinstance(h.get("name"), str)]
         if names:
             config = self.gateway.config
             known = [*config.routes, *config.groups]
             for hint in names:
                 if hint in known and self._may_use(hint):
-                    return str(hint)
+                    return hint
             for hint in names:
                 for name in known:
                     if hint in name and "*" not in name and self._may_use(name):
