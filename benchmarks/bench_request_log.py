@@ -204,7 +204,9 @@ def queries(now: float) -> list[tuple[str, dict[str, str]]]:
             ("a day, 2 weeks ago", {"since": str(now - 15 * day), "until": str(now - 14 * day)}),
             ("key + a day", {"key": "key-17", "since": str(now - 15 * day), "until": str(now - 14 * day)}),
             ("key + error text", {"key": "key-50", "error": "overloaded (1)"}),
-            ("status=error + route", {"status": "error", "route": "route-10"})]
+            ("status=error + route", {"status": "error", "route": "route-10"}),
+            ("status=error + team, none match", {"status": "error", "team": "team-3"}),
+            ("key + team", {"key": "key-17", "team": "team-17"})]
 
 
 async def query(args: argparse.Namespace) -> list[dict[str, Any]]:

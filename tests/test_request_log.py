@@ -63,6 +63,14 @@ def test_filters_and_the_cursor_walk_every_row_once(store: RequestStore) -> None
     assert len(store.page(Query(error="said no", limit=50))) == 5  # any case
     assert len(store.page(Query(error="100%", limit=50))) == 0  # a LIKE wildcard is a character
     assert [r[1] for r in store.page(Query(since=1010.0, until=1012.0))] == [1011.0, 1010.0]
+    # a filter beside a status, a text or neither: one index range, or each status's merged
+    alice = [r[1] for r in store.page(Query(key="alice", limit=4))]
+    assert alice == [1021.0, 1019.0, 1017.0, 1015.0]  # 1015 failed: both statuses, in order
+    later = store.page(Query(key="alice", limit=4, cursor=(1015.0, 16)))
+    assert [r[1] for r in later] == [1013.0, 1011.0, 1009.0, 1007.0]
+    assert [r[1] for r in store.page(Query(key="alice", status="error"))] == [1015.0, 1005.0]
+    assert [r[1] for r in store.page(Query(key="alice", error="said"))] == [1015.0, 1005.0]
+    assert store.page(Query(team="t", code=-32000, route="nowhere")) == []
     first = store.page(Query(limit=1))[0]
     got = store.get(first[0])
     assert got is not None and got["path"] == "{}" and got["at"] == 1022.0

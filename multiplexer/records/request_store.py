@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ COLUMNS = ("at", "request_id", "key", "team", "face", "method", "route", "model_
            "first_chunk_ms", "path", "request_body", "response_body")
 LISTED = ("id", *COLUMNS[:24])  # what a listing returns (not the path, not the bodies)
 FILTERS = ("key", "team", "route", "model", "status")  # equality filters, each with its index
+SPLIT = FILTERS[:4]  # those whose index has the status second
+STATUSES = ("ok", "error")
 STEP = 5000  # rows deleted per statement while pruning
 
 _TYPES = {"at": "DOUBLE PRECISION NOT NULL", "code": "INTEGER", "attempts": "INTEGER NOT NULL",
@@ -41,7 +43,10 @@ def _table(table: str, id_column: str) -> str:
 def _indexes(table: str, name: str) -> list[str]:
     out = [f"CREATE INDEX IF NOT EXISTS {name}_at ON {table} (at, id)",
            f"CREATE INDEX IF NOT EXISTS {name}_rid ON {table} (request_id)"]
-    out += [f"CREATE INDEX IF NOT EXISTS {name}_{c} ON {table} ({c}, at, id)" for c in FILTERS]
+    out.append(f"CREATE INDEX IF NOT EXISTS {name}_status ON {table} (status, at, id)")
+    # each other filter with the status second: "team X's errors" is one range; without a status
+    # a listing reads the two ranges (ok, error) newest first and merges them (``page``)
+    out += [f"CREATE INDEX IF NOT EXISTS {name}_{c}_s ON {table} ({c}, status, at, id)" for c in SPLIT]
     return out
 
 
@@ -67,6 +72,7 @@ class RequestStore:
     """The SQLite table (its own connection to the job store's file)."""
 
     mark = "?"
+    unlimited = "LIMIT -1"
     like = "LIKE"  # case-insensitive for ASCII in SQLite
 
     def __init__(self, path: str | Path) -> None:
@@ -118,17 +124,30 @@ class RequestStore:
     def page(self, q: Query) -> list[tuple[Any, ...]]:
         """Rows (``LISTED``) matching ``q``, newest first, at most ``q.limit``."""
         order = f"ORDER BY at DESC, id DESC LIMIT {int(q.limit)}"
-        if q.error and any(getattr(q, f) is not None for f in FILTERS):
+        cols = ", ".join(LISTED)
+        split = any(getattr(q, f) is not None for f in SPLIT)
+        if q.status is None and (q.code is not None or q.error):
+            q = replace(q, status="error")  # only a failed call has a code or an error's text
+        if q.error and split:
             # the text looked for in the rows of the narrowest filter's index, newest first, until
             # a page is found: a planner that guesses the text rare or common never scans the table
             inner, args = self._where(q, text=False)
             outer, more = self._where(Query(error=q.error))
-            sql = (f"SELECT {', '.join(LISTED)} FROM (SELECT * FROM {self.table}{inner} "
-                   f"ORDER BY at DESC, id DESC OFFSET 0) AS r{outer} {order}")
+            sql = (f"SELECT {cols} FROM (SELECT * FROM {self.table}{inner} "
+                   f"ORDER BY at DESC, id DESC {self.unlimited} OFFSET 0) AS r{outer} {order}")
             args += more
+        elif split and q.status is None:
+            # a page of each status's range, merged: at most two pages read whatever the table
+            sql, args = "", []
+            for status in STATUSES:
+                where, more = self._where(replace(q, status=status))
+                sql += (" UNION ALL " if sql else "") + (
+                    f"SELECT * FROM (SELECT {cols} FROM {self.table}{where} {order}) AS {status}_")
+                args += more
+            sql += f" {order}"
         else:
             where, args = self._where(q)
-            sql = f"SELECT {', '.join(LISTED)} FROM {self.table}{where} {order}"
+            sql = f"SELECT {cols} FROM {self.table}{where} {order}"
         with self._lock:
             return [tuple(r) for r in self.conn.execute(sql, args).fetchall()]
 
@@ -179,6 +198,7 @@ class PgRequestStore(RequestStore):
     """The same table in PostgreSQL, in the job store's schema: every replica writes to it."""
 
     mark = "%s"
+    unlimited = "LIMIT ALL"
     like = "ILIKE"
 
     def __init__(self, url: str, schema: str) -> None:
