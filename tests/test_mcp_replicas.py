@@ -17,7 +17,6 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -40,6 +39,7 @@ from tests.mcp_helpers import (
     http_upstream,
     http_upstream_process,
     mcp_http_client,
+    wait_listening,
     wait_until,
 )
 from tests.redis_helpers import drop_keys, prefix, redis_url
@@ -52,12 +52,17 @@ KEYS = {"a": "key-a-" + "x" * 20, "b": "key-b-" + "y" * 20}
 Replica = tuple[Gateway, str]
 
 
-def config(state_prefix: str, upstream: str | None = None, **mcp: Any) -> dict[str, Any]:
+def config(state_prefix: str, upstream: str | None = None, asking: str | None = None,
+           **mcp: Any) -> dict[str, Any]:
     providers: dict[str, Any] = {"e": {"kind": "echo"}}
     routes: dict[str, Any] = {"echo": {"provider": "e"}}
     if upstream is not None:
         providers["tools"] = http_upstream(upstream)
         routes["tools_*"] = {"provider": "tools"}
+    if asking is not None:  # tests/asking_upstream.py, spoken to in each era
+        for name, protocol in (("up", "auto"), ("leg", "legacy")):
+            providers[name] = {"kind": "mcp", "url": asking, "protocol": protocol, "restart_backoff_ms": 20}
+            routes[f"{name}_*"] = {"provider": name, "timeout_ms": 20_000}
     return {
         "server": {"host": "127.0.0.1", "port": 0, "api_keys": KEYS, "mcp": mcp},
         "state": {"url": redis_url(), "prefix": state_prefix},
@@ -67,12 +72,12 @@ def config(state_prefix: str, upstream: str | None = None, **mcp: Any) -> dict[s
 
 
 @asynccontextmanager
-async def deployment(n: int = 3, upstream: str | None = None, **mcp: Any
+async def deployment(n: int = 3, upstream: str | None = None, asking: str | None = None, **mcp: Any
                      ) -> AsyncIterator[tuple[list[Replica], str, RoundRobin, str]]:
     """``n`` replicas of one config (one ``state.prefix``) behind the balancer: (replicas, its
     /mcp URL, the balancer, the prefix)."""
     pre = prefix()
-    gateways = [running(parse_config(config(pre, upstream, **mcp))) for _ in range(n)]
+    gateways = [running(parse_config(config(pre, upstream, asking, **mcp))) for _ in range(n)]
     async with together(gateways) as replicas, round_robin([url for _, url in replicas]) as (base, proxy):
         yield replicas, base + "/mcp", proxy, pre
 
@@ -151,14 +156,46 @@ async def ask_on_call(ctx: Any, call_next: Any) -> Any:
 Deployment = tuple[list[Replica], str, RoundRobin, str]
 
 
+SPARE: dict[str, Any] = {}  # the fourth replica: a process the module's last test kills
+
+
 @pytest.fixture(scope="module")
-async def shared() -> AsyncIterator[Deployment]:
-    """Three replicas behind the balancer, with one MCP upstream (``demo_tools.py --http``), for
-    the module's tests that leave them as they were."""
-    async with http_upstream_process() as upstream, deployment(upstream=upstream.url) as made:
-        for gw, _ in made[0]:
-            face_of(gw).server.middleware.insert(0, ask_on_call)
-        yield made
+async def shared(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Deployment]:
+    """Three replicas behind the balancer, with two MCP upstreams (``demo_tools.py`` and
+    ``asking_upstream.py`` over HTTP), for the module's tests that leave them as they were; and a
+    fourth replica of the same deployment as a ``multiplexer serve`` process, started now so that
+    its start-up overlaps the tests before the one that kills it."""
+    port = free_port()
+    asking_port = free_port()
+    asking = subprocess.Popen([sys.executable, str(ROOT / "tests" / "asking_upstream.py"), "--http",
+                               "--port", str(asking_port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    spare: subprocess.Popen[bytes] | None = None
+    try:
+        async with http_upstream_process() as upstream:
+            await wait_listening(asking_port, asking)
+            asking_url = f"http://127.0.0.1:{asking_port}/mcp"
+            async with deployment(upstream=upstream.url, asking=asking_url, ask_timeout_s=5) as made:
+                data = config(made[3], upstream.url, asking_url, ask_timeout_s=5)
+                data["server"]["port"] = port
+                tmp = tmp_path_factory.mktemp("spare")
+                data["store"] = {"path": str(tmp / "store.db")}
+                (tmp / "replica.yaml").write_text(yaml.safe_dump(data))
+                spare = subprocess.Popen([sys.executable, "-m", "multiplexer", "serve", "--config",
+                                          str(tmp / "replica.yaml")],
+                                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                SPARE.update(proc=spare, url=f"http://127.0.0.1:{port}")
+                for gw, _ in made[0]:
+                    face_of(gw).server.middleware.insert(0, ask_on_call)
+                yield made
+                if spare.poll() is None:
+                    spare.kill()
+                    spare.wait()
+    finally:
+        for proc in (asking, spare):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
     drop_keys([made[3]])  # its gateways have stopped (each test's own cleanup ran while they wrote)
 
 
@@ -390,43 +427,55 @@ async def test_concurrent_first_requests_on_a_replica_share_one_rebuilt_copy(sha
     assert manager_of(gw).rebuilt == rebuilt + 1
 
 
-async def test_a_killed_replica_loses_no_session(tmp_path: Path) -> None:
-    """The third replica is a ``multiplexer serve`` process, SIGKILLed while sessions are open: the
-    balancer skips it and every session goes on through the other two."""
-    pre = prefix()
-    port = free_port()
-    path = tmp_path / "replica.yaml"
-    data = config(pre)
-    data["server"]["port"] = port
-    data["store"] = {"path": str(tmp_path / "store.db")}
-    path.write_text(yaml.safe_dump(data))
-    proc = subprocess.Popen([sys.executable, "-m", "multiplexer", "serve", "--config", str(path)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        async with AsyncExitStack() as stack, httpx.AsyncClient() as http:
-            async def healthy() -> bool:
-                try:
-                    return (await http.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
-                except httpx.HTTPError:
-                    return False
+async def test_every_question_reaches_its_client_whichever_replica_each_request_reaches(
+        shared: Deployment) -> None:
+    """An upstream's questions mid-call (elicitation in both modes, sampling, roots), relayed to
+    clients of both eras from upstreams of both eras: a handshake-era client answers with a POST
+    that may reach any replica; a 2026-07-28 client retries its call with the answers (the call
+    is held open on the replica that runs it, against a handshake-era upstream), and the retry
+    may reach any replica too."""
+    from tests.test_mcp_asking import CASES, Answers, text
 
-            replicas = await stack.enter_async_context(
-                together([running(parse_config(config(pre))) for _ in range(2)]))
-            await wait_until(healthy, timeout=60, poll=0.05)
-            backends = [replicas[0][1], replicas[1][1], f"http://127.0.0.1:{port}"]
-            base, proxy = await stack.enter_async_context(round_robin(backends))
-            clients = [await stack.enter_async_context(
-                mcp_http_client(base + "/mcp", "legacy", key=KEYS["a"])) for _ in range(3)]
+    replicas, url, proxy, _ = shared
+    before = len(proxy.served)
+    forwarded = sum(manager_of(gw).forwarded for gw, _ in replicas)
+    for mode in ("legacy", "auto"):
+        for up in ("up", "leg"):
+            answers = Answers()
+            async with mcp_http_client(url, mode, key=KEYS["a"], **answers.callbacks()) as client:
+                for tool, args, expected, _ in CASES:
+                    with anyio.fail_after(10):
+                        result = await client.call_tool(f"{up}_{tool}", args)
+                    assert text(result) == expected, (mode, up, tool)
+            assert answers.asked == [c[3] for c in CASES]
+    assert set(proxy.served[before:]) == {0, 1, 2}
+    assert sum(manager_of(gw).forwarded for gw, _ in replicas) > forwarded
+
+
+async def test_a_killed_replica_loses_no_session(shared: Deployment) -> None:
+    """A replica of the deployment that is a ``multiplexer serve`` process, SIGKILLed while
+    sessions are open: the balancer skips it and every session goes on through the others."""
+    replicas, _, _, _ = shared
+    spare: subprocess.Popen[bytes] = SPARE["proc"]
+    async with httpx.AsyncClient() as http:
+        async def healthy() -> bool:
+            try:
+                return (await http.get(SPARE["url"] + "/healthz")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await wait_until(healthy, timeout=60, poll=0.05)
+    async with AsyncExitStack() as stack:
+        base, proxy = await stack.enter_async_context(
+            round_robin([replicas[0][1], replicas[1][1], SPARE["url"]]))
+        clients = [await stack.enter_async_context(
+            mcp_http_client(base + "/mcp", "legacy", key=KEYS["a"])) for _ in range(3)]
+        for n, client in enumerate(clients):
+            await client.call_tool("echo", {"n": n})
+        assert 2 in proxy.served  # the process replica opened or served sessions
+        spare.send_signal(signal.SIGKILL)
+        await anyio.to_thread.run_sync(spare.wait, 10)
+        for _ in range(3):
             for n, client in enumerate(clients):
-                await client.call_tool("echo", {"n": n})
-            assert 2 in proxy.served  # the process replica opened or served sessions
-            proc.send_signal(signal.SIGKILL)
-            await anyio.to_thread.run_sync(proc.wait, 10)
-            for _ in range(3):
-                for n, client in enumerate(clients):
-                    result = await client.call_tool("echo", {"n": n, "after": True})
-                    assert result.structured_content == {"n": n, "after": True}
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+                result = await client.call_tool("echo", {"n": n, "after": True})
+                assert result.structured_content == {"n": n, "after": True}

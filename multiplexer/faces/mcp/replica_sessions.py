@@ -39,7 +39,8 @@ from typing import Any, Protocol
 
 import anyio
 import mcp_types as types
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
+from mcp import MCPError
 from mcp.server import ServerRequestContext
 from mcp.server.auth.middleware.bearer_auth import (
     AuthenticatedUser,
@@ -66,6 +67,8 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERS
 from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
 
+from multiplexer.core.call import Outcome
+from multiplexer.core.errors import RpcError
 from multiplexer.core.state import StateUnavailable
 from multiplexer.faces.mcp.server import McpFace, connection_of
 
@@ -74,6 +77,7 @@ log = logging.getLogger(__name__)
 _LIST_CHANGED = frozenset({"notifications/tools/list_changed", "notifications/resources/list_changed",
                            "notifications/prompts/list_changed"})
 DUPLICATE_WINDOW_S = 1.0  # one list change heard by several replicas reaches a client once
+ACK_S = 2.0  # how long a retry waits for the replica holding its call to say so
 
 
 class SessionStore(Protocol):
@@ -249,12 +253,16 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
         self.forwarded = 0  # messages it handed to another replica
         self.id_base = secrets.randbelow(1 << 20) << 32  # under 2**53: exact in any JSON reader
         self._degraded = face.gateway.metrics.state_degraded_count
+        self._tg: TaskGroup | None = None
+        self._resumes: dict[str, tuple[anyio.Event, anyio.Event, dict[str, Any]]] = {}  # ack, done, reply
         face.server.middleware.append(self._record)
+        face.holds.elsewhere = self._resume_elsewhere
 
     # -- lifetime ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def run(self) -> AsyncIterator[None]:
         async with super().run(), anyio.create_task_group() as tg:
+            self._tg = tg
             await tg.start(partial(self.store.listen, self.mount, self._heard))
             tg.start_soon(self._keep_streamed)
             try:
@@ -489,6 +497,13 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
 
     async def _heard(self, data: dict[str, Any]) -> None:
         session_id, kind = data.get("s"), data.get("k")
+        if kind == "resume":
+            if self._tg is not None:
+                self._tg.start_soon(self._resume_here, data)
+            return
+        if kind in ("ack", "done"):
+            self._replied(kind, data)
+            return
         if not isinstance(session_id, str):
             return
         if kind == "end":
@@ -516,6 +531,104 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
                 await copy.dispatcher.take(message)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the copy is ending
+
+    # -- 2026-07-28 calls held for their client's answers (held.py), resumed on another replica ----
+    async def _resume_elsewhere(self, state: str, identity: str | None, responses: dict[str, Any],
+                                refusal: MCPError) -> Outcome | types.InputRequiredResult:
+        """A retry whose call another replica holds: its answers go there, and what the held call
+        says next (its next questions, or its outcome) comes back. No replica holds it: ``refusal``."""
+        asked = secrets.token_hex(8)
+        acked, done = anyio.Event(), anyio.Event()
+        reply: dict[str, Any] = {}
+        self._resumes[asked] = (acked, done, reply)
+        try:
+            await self.store.publish(self.mount, {"k": "resume", "q": asked, "t": state, "i": identity,
+                                                  "r": responses})
+            with anyio.move_on_after(ACK_S):
+                await acked.wait()
+            if not acked.is_set():
+                raise refusal
+            with anyio.fail_after(self._resume_limit_s()):
+                await done.wait()
+        except StateUnavailable:
+            self._degraded("mcp_sessions")
+            raise refusal from None
+        except TimeoutError:
+            raise MCPError(types.INTERNAL_ERROR, "the replica holding this call stopped answering",
+                           {"requestState": state}) from None
+        finally:
+            del self._resumes[asked]
+        return _decoded(reply["o"])
+
+    def _resume_limit_s(self) -> float:
+        """The longest a held call may take to say what it does next: a question's wait, then the
+        call's own time."""
+        server = self.face.gateway.config.server
+        return server.mcp.ask_timeout_s + server.default_timeout_ms / 1000
+
+    def _replied(self, kind: str, data: dict[str, Any]) -> None:
+        waiting = self._resumes.get(str(data.get("q")))
+        if waiting is None or data.get("to") != self.store.replica_id:
+            return
+        acked, done, reply = waiting
+        acked.set()
+        if kind == "done":
+            reply["o"] = data.get("o")
+            done.set()
+
+    async def _resume_here(self, data: dict[str, Any]) -> None:
+        """Another replica's retry of a call held here: answered as a retry reaching this one is."""
+        state = data.get("t")
+        identity = data.get("i")
+        try:
+            held = self.face.holds.resuming(state if isinstance(state, str) else None,
+                                            identity if isinstance(identity, str) else None)
+        except MCPError:
+            return  # not here (or not this caller's)
+        if held is None:
+            return
+        answer = {"q": data.get("q"), "to": data.get("from")}
+        try:
+            await self.store.publish(self.mount, {"k": "ack", **answer})
+            responses = data.get("r")
+            held.answer(responses if isinstance(responses, dict) else {})
+            got = await held.next()
+            if isinstance(got, Outcome):
+                held.collected.set()
+            await self.store.publish(self.mount, {"k": "done", **answer, "o": _encoded(got)})
+        except StateUnavailable:
+            self._degraded("mcp_sessions")
+
+
+def _encoded(got: Outcome | types.InputRequiredResult) -> dict[str, Any]:
+    if isinstance(got, types.InputRequiredResult):
+        return {"input_required": got.model_dump(by_alias=True, mode="json", exclude_none=True)}
+    body: dict[str, Any] = {"cost": got.cost_pico, "saved": got.saved_pico}
+    if got.error is not None:
+        body["error"] = got.error.to_dict()
+    elif got.result_json is not None:
+        body["result_json"] = got.result_json.decode()
+    else:
+        body["result"] = got.result
+    return body
+
+
+def _decoded(body: Any) -> Outcome | types.InputRequiredResult:
+    if not isinstance(body, dict):
+        raise MCPError(types.INTERNAL_ERROR, "the replica holding this call answered nothing usable")
+    if "input_required" in body:
+        return types.InputRequiredResult.model_validate(body["input_required"])
+    error = body.get("error")
+    if isinstance(error, dict):
+        outcome = Outcome(error=RpcError(int(error.get("code", types.INTERNAL_ERROR)),
+                                         str(error.get("message", "")), error.get("data")))
+    elif isinstance(body.get("result_json"), str):
+        outcome = Outcome(result_json=body["result_json"].encode())
+    else:
+        outcome = Outcome(body.get("result"))
+    outcome.cost_pico = body.get("cost")
+    outcome.saved_pico = int(body.get("saved") or 0)
+    return outcome
 
 
 __all__ = ["ReplicaSessionManager", "SessionStore", "session_manager"]

@@ -367,7 +367,13 @@ class McpFace:
         """A 2026-07-28 client's call to an upstream that asks mid-call (``held.py``): run held
         for its answers, or resumed by its retry; else as any call."""
         resume = asker.resume or {}
-        held = self.holds.resuming(resume.get("requestState"), call.identity)
+        try:
+            held = self.holds.resuming(resume.get("requestState"), call.identity)
+        except MCPError as refusal:  # not held here: perhaps on another replica
+            if self.holds.elsewhere is None:
+                raise
+            return await self.holds.elsewhere(resume["requestState"], call.identity,
+                                              resume.get("inputResponses") or {}, refusal)
         if held is not None:
             held.answer(resume.get("inputResponses") or {})
         elif self._asks_mid_call(call.method):
