@@ -252,3 +252,17 @@ async def test_the_writer_prunes_by_count(tmp_path: Path) -> None:
         assert await gw.requests.prune() == 3
         rows = (await http.get("/admin/requests", headers={"authorization": f"Bearer {ADMIN}"})).json()
         assert len(rows["requests"]) == 2
+
+
+async def test_a_store_that_cannot_be_read_is_a_503(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with running(gateway_config(tmp_path), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {ADMIN}"}) as http:
+        assert gw.requests is not None
+
+        def gone() -> Any:
+            raise OSError("database gone")
+
+        monkeypatch.setattr(gw.requests, "_open", gone)
+        for path in ("/admin/requests", "/admin/requests/1"):
+            r = await http.get(path)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable", path

@@ -12,6 +12,7 @@ of its key's through the gateway's quota decision; errors are the admin API's sh
 
 from __future__ import annotations
 
+import logging
 import math
 from datetime import UTC, datetime
 from typing import Any
@@ -22,13 +23,14 @@ from starlette.routing import BaseRoute, Route
 
 from multiplexer.access.admin import AdminKey
 from multiplexer.core.errors import Code, RpcError, invalid_params
-from multiplexer.faces.admin import QuotaRefused, admin_route, refusal
+from multiplexer.faces.admin import QuotaRefused, admin_error, admin_route, refusal
 from multiplexer.faces.auth import Authenticator
 from multiplexer.faces.ui.face import NO_STORE, PAGE_HEADERS, Viewer, static_files
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.records.request_store import FILTERS, Query
 from multiplexer.records.requests import RequestLog, parse_cursor
 
+log = logging.getLogger(__name__)
 MAX_LIMIT = 500
 PARAMS = {*FILTERS, "request_id", "since", "until", "error", "limit", "cursor"}
 
@@ -116,11 +118,27 @@ def _row_id(request: Request) -> int:
 
 async def listing(gateway: Gateway, request: Request, own: str | None) -> Response:
     q = query_of(request.query_params, own)
-    return JSONResponse(await _log(gateway).page(q), headers=NO_STORE)
+    try:
+        found = await _log(gateway).page(q)
+    except RpcError:
+        raise
+    except Exception:
+        return _unreadable()
+    return JSONResponse(found, headers=NO_STORE)
+
+
+def _unreadable() -> Response:
+    log.exception("the request log could not be read")
+    return admin_error(503, "the request log's store could not be read; the gateway's log says why")
 
 
 async def one(gateway: Gateway, request: Request, own: str | None) -> Response:
-    row = await _log(gateway).get(_row_id(request))
+    try:
+        row = await _log(gateway).get(_row_id(request))
+    except RpcError:
+        raise
+    except Exception:
+        return _unreadable()
     if row is None or (own is not None and row.get("key") != own):
         raise RpcError(Code.NOT_FOUND, "Not found", {"detail": "no such request record"})
     return JSONResponse(row, headers=NO_STORE)
