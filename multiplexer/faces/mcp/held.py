@@ -10,7 +10,9 @@ upstream request) open until the client's retry brings the answer: that retry
 resumes the same upstream call, and is answered with its result or its next
 question. ``requestState`` names the held call (``mux-held:`` and a random
 token, bound to the caller's identity); a retry with an unknown one (the call
-ended, its questions timed out, or another replica holds it) is refused.
+ended, its questions timed out, or another replica holds it) is refused, unless
+the replicas share ``state.url``: then the replica holding it resumes it
+(``replica_sessions.py``).
 
 A client that never comes back leaves its question unanswered: the upstream is
 answered with a timeout after ``server.mcp.ask_timeout_s`` and the call ends.
