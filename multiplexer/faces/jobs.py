@@ -26,6 +26,7 @@ from multiplexer.core.jsonrpc import is_unicode
 from multiplexer.core.provider import BatchCapable, ToolSpec
 from multiplexer.gateway.admission import job_item
 from multiplexer.gateway.gateway import Gateway
+from multiplexer.gateway.reload import on_reload
 
 log = logging.getLogger(__name__)
 MAX_CALLS_PER_SUBMIT = 100_000
@@ -69,6 +70,9 @@ def attach_jobs(gateway: Gateway) -> JobFace | None:
     if not managers:
         return None
     face = gateway.faces["jobs"] = JobFace(gateway, managers)
+    # a config reload: new jobs go to the providers now serving (a provider started anew by it
+    # has a manager of its own, over the same store); jobs.* itself needs one at start
+    on_reload(gateway, lambda _: setattr(face, "managers", batch_managers(gateway) or face.managers))
     handlers: dict[str, Callable[[Call], Awaitable[Any]]] = {
         "jobs.submit": face.submit, "jobs.status": face.status, "jobs.results": face.results,
         "jobs.cancel": face.cancel, "jobs.list": face.list, "jobs.delete": face.delete,

@@ -35,7 +35,7 @@ from prometheus_client import Counter
 from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import Limiter
 from multiplexer.core.policy import ProviderConfig, RouteConfig
-from multiplexer.core.provider import Provider, ProviderContext
+from multiplexer.core.provider import BatchCapable, Provider, ProviderContext
 from multiplexer.core.router import Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.gateway.affinity import affinities
@@ -392,6 +392,8 @@ class ConfigReloader:
                 with anyio.move_on_after(2.0):
                     await limiter.drain()
             life = lives.get(name)
+            if life is not None and isinstance(providers[name], BatchCapable):
+                life = None  # its remote batch jobs run on: it closes with the gateway (_open)
             if life is not None:
                 life.close()
                 await life.closed.wait()
