@@ -388,7 +388,9 @@ class Fallbacks:
         came_from, first_reason = att.route, reason
         while queue:
             name = queue.pop(0)
-            route = self.routes[name]
+            route = self.routes.get(name)
+            if route is None or route.provider not in self.gw.providers:  # gone in a config reload
+                continue
             if att.budget is not None:
                 att.budget.reserve = min(len(att.queue), max(att.budget.left - 1, 0))
             provider = self.gw.providers[route.provider]
