@@ -479,3 +479,30 @@ async def test_a_killed_replica_loses_no_session(shared: Deployment) -> None:
             for n, client in enumerate(clients):
                 result = await client.call_tool("echo", {"n": n, "after": True})
                 assert result.structured_content == {"n": n, "after": True}
+
+
+async def test_with_redis_down_a_new_session_stays_on_its_replica_and_outlives_the_outage() -> None:
+    """Opened while Redis is unreachable: served where it was opened (another replica cannot know
+    it: 404), counted as degraded, and not ended by the replica's next touch once Redis is back
+    (it has no record there to touch)."""
+    from tests.redis_helpers import own_redis
+
+    with own_redis() as server:
+        data = config(prefix(), session_idle_s=1.0)  # a touch every 0.1 s
+        data["state"]["url"] = server.url
+        gateways = [running(parse_config(data)) for _ in range(2)]
+        async with together(gateways) as replicas, httpx.AsyncClient() as http:
+            (gw, first), (_, second) = replicas
+            server.stop()
+            async with mcp_http_client(first + "/mcp", "legacy", key=KEYS["a"]) as client:
+                await client.call_tool("echo", {})
+                (sid,) = manager_of(gw).copies
+                assert not manager_of(gw).copies[sid].shared
+                got = await http.post(second + "/mcp", json=LIST, headers=_headers(KEYS["a"], sid))
+                assert got.status_code == 404
+                assert "mcp_sessions" in gw.metrics.render().decode()
+                server.start()
+                for n in range(5):  # past several touch intervals, Redis answering again
+                    result = await client.call_tool("echo", {"n": n})
+                    assert result.structured_content == {"n": n}
+                    await anyio.sleep(0.05)

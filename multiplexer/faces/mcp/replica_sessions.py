@@ -131,6 +131,7 @@ class _Copy:
     dispatcher: _Dispatcher
     connection: Connection
     streams: int = 0  # the client's GET streams open here
+    shared: bool = True  # False: opened while the shared state was unreachable, kept here only
     touched: float = field(default_factory=time.monotonic)
     heard: dict[str, float] = field(default_factory=dict)  # list change -> when last sent
 
@@ -321,6 +322,8 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
         """The session's idle time starts again everywhere; False (and this copy dropped) if the
         shared state no longer has it."""
         copy.touched = time.monotonic()
+        if not copy.shared:
+            return True  # no record to keep: the session lives here, idling out as the SDK's do
         try:
             alive = await self.store.touch(self.mount, session_id, self.ttl_s)
         except StateUnavailable:
@@ -469,6 +472,9 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
                     await self.store.publish(self.mount, {"k": "level", "s": session_id, "v": level})
         except StateUnavailable:
             self._degraded("mcp_sessions")
+            copy = self.copies.get(session_id)
+            if copy is not None and ctx.method == "initialize":
+                copy.shared = False
             log.warning("MCP session %s not shared: the shared state is unreachable; it stays on "
                         "this replica", session_id[:64])
         return result
