@@ -1,9 +1,10 @@
 """A lean fake OpenAI streaming upstream for ``bench_streams``: every POST is a chat stream of
-``--chunks`` events ``--gap-ms`` apart (the first at once), a usage chunk and ``[DONE]``, shaped
-as OpenAI sends them with ``stream_options.include_usage`` (``"usage":null`` on every content
-chunk). Bare asyncio protocols, one timer per stream: the fake must stay cheap next to the
-gateway it feeds. ``GET /stats`` says how many streams were open at once at most (``POST
-/reset`` starts the count again); ``GET /`` answers for the readiness wait.
+``--chunks`` events (or the request's ``max_tokens``) ``--gap-ms`` apart (the first at once), a
+usage chunk and ``[DONE]``, shaped as OpenAI sends them with ``stream_options.include_usage``
+(``"usage":null`` on every content chunk). Bare asyncio protocols, one timer per stream: the
+fake must stay cheap next to the gateway it feeds. ``GET /stats`` says how many streams were
+open at once at most (``POST /reset`` starts the count again); ``GET /`` answers for the
+readiness wait.
 
     python -m benchmarks._stream_fake --port 8123 [--procs 4]
 """
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 
@@ -25,6 +27,9 @@ CHUNK = (b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":170
 USAGE = (b'{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,'
          b'"model":"gpt-bench","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":%d,'
          b'"total_tokens":%d}}')
+
+
+MAX_TOKENS = re.compile(rb'"max_tokens":\s*(\d+)')  # a request's own length, else --chunks
 
 
 def framed(data: bytes) -> bytes:
@@ -74,10 +79,12 @@ class Fake(asyncio.Protocol):
                     length = int(value)
             if len(self.buf) < end + 4 + length:
                 return
+            body = self.buf[end + 4:end + 4 + length]
             self.buf = self.buf[end + 4 + length:]
-            self.request(head.split(" ", 2))
+            asked = MAX_TOKENS.search(body)
+            self.request(head.split(" ", 2), int(asked.group(1)) if asked else self.chunks)
 
-    def request(self, line: list[str]) -> None:
+    def request(self, line: list[str], chunks: int) -> None:
         assert self.transport is not None
         method, path = line[0], line[1]
         if method == "GET" or (method == "POST" and path == "/reset"):
@@ -93,6 +100,7 @@ class Fake(asyncio.Protocol):
                                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
             return
         self.streaming = True
+        self.length = chunks
         Stats.open += 1
         Stats.streams += 1
         Stats.max_open = max(Stats.max_open, Stats.open)
@@ -106,14 +114,14 @@ class Fake(asyncio.Protocol):
         assert self.transport is not None
         if self.transport.is_closing():
             return
-        if self.sent < self.chunks:
+        if self.sent < self.length:
             self.transport.write(framed(CHUNK % self.sent))
             self.sent += 1
             self.next_at += self.gap
             self.timer = asyncio.get_running_loop().call_at(self.next_at, self.tick)
             return
         self.timer = None
-        self.transport.write(framed(USAGE % (self.chunks, self.chunks + 12)) + framed(b"[DONE]")
+        self.transport.write(framed(USAGE % (self.length, self.length + 12)) + framed(b"[DONE]")
                              + b"0\r\n\r\n")
         self._closed()
 

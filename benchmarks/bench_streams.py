@@ -14,7 +14,9 @@ while calls keep arriving. Per target and N the table gives
   its first event, and of the time between events as the client reads them, over the direct
   p99 of the same N in the same run;
 - CPU per chunk: the gateway's CPU time (its workers' with ``--workers``) over the chunks it
-  relayed;
+  relayed; then the same streams run again with 2 chunks each, and the difference splits it
+  into the relay's CPU per chunk and what a stream costs beyond its chunks (its request,
+  admission, upstream request, pricing: "setup per stream");
 - RSS per stream: the gateway's peak RSS during the run over its RSS at rest (a fresh gateway
   per N, after a warm-up), per stream.
 
@@ -49,7 +51,6 @@ import psutil
 from benchmarks._procs import ROOT, free_port, logged_child, percentile, save, table
 
 CHUNKS = 40
-EVENTS = CHUNKS + 2  # the content chunks, the usage chunk and [DONE]
 CONFIG = """
 server: {{host: 127.0.0.1, port: {port}, admin_key: bench-admin-key-0123456789}}
 store: {{path: {store}}}
@@ -60,14 +61,17 @@ routes:
   chat: {{provider: oai, operation: chat, models: [gpt-bench]}}
 """
 SERVE = "import sys; sys.path.insert(0, {tree!r}); from multiplexer.cli import main; sys.exit(main())"
-BODY = json.dumps({"model": "gpt-bench", "messages": [{"role": "user", "content": "hi"}],
-                   "stream": True, "stream_options": {"include_usage": True}}).encode()
+SHORT = 2  # the chunks of the streams that measure what a stream costs beyond its chunks
 
 
-def request(path: str, port: int) -> bytes:
+def request(path: str, port: int, chunks: int) -> bytes:
+    """A streamed chat call; ``max_tokens`` tells the fake how many chunks to send."""
+    body = json.dumps({"model": "gpt-bench", "messages": [{"role": "user", "content": "hi"}],
+                       "stream": True, "stream_options": {"include_usage": True},
+                       "max_tokens": chunks}).encode()
     return (b"POST %s HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
             b"authorization: Bearer sk-bench\r\ncontent-length: %d\r\n\r\n%s"
-            % (path.encode(), port, len(BODY), BODY))
+            % (path.encode(), port, len(body), body))
 
 
 @dataclass
@@ -86,8 +90,10 @@ class Stream(asyncio.Protocol):
     """One keep-alive connection running streams back to back; it reads only what it counts:
     events (blank lines), the status line and the end of the chunked body."""
 
-    def __init__(self, req: bytes, rounds: int, runs: Runs, done: asyncio.Future[None]) -> None:
+    def __init__(self, req: bytes, events: int, rounds: int, runs: Runs,
+                 done: asyncio.Future[None]) -> None:
         self.req = req
+        self.events = events
         self.rounds = rounds
         self.runs = runs
         self.done = done
@@ -127,7 +133,7 @@ class Stream(asyncio.Protocol):
         if times:
             runs.firsts.append(times[0] - self.sent)
             runs.gaps.extend(b - a for a, b in itertools.pairwise(times))
-        if len(times) == EVENTS and b"data: [DONE]" in self.tail:
+        if len(times) == self.events and b"data: [DONE]" in self.tail:
             runs.whole += 1
         else:
             runs.errors.append(f"{len(times)} events, ending {self.tail!r}")
@@ -152,16 +158,18 @@ class Stream(asyncio.Protocol):
             self.done.set_result(None)
 
 
-async def run_streams(port: int, path: str, n: int, rounds: int, spread: float) -> Runs:
+async def run_streams(port: int, path: str, n: int, rounds: int, spread: float,
+                      chunks: int = CHUNKS) -> Runs:
     loop = asyncio.get_running_loop()
     runs = Runs()
-    req = request(path, port)
+    req = request(path, port, chunks)
 
     async def worker(delay: float) -> None:
         await asyncio.sleep(delay)
         done: asyncio.Future[None] = loop.create_future()
         try:
-            await loop.create_connection(lambda: Stream(req, rounds, runs, done), "127.0.0.1", port)
+            await loop.create_connection(lambda: Stream(req, chunks + 2, rounds, runs, done),
+                                         "127.0.0.1", port)
         except OSError as e:
             runs.errors.append(f"connect: {e}")
             return
@@ -259,8 +267,16 @@ def measure(port: int, fake: int, n: int, args: argparse.Namespace,
     with Peak(gw.rss) as peak:
         runs = asyncio.run(run_streams(port, path, n, args.rounds, spread))
     cpu = gw.cpu() - cpu
-    extra = {"max_open": fake_stats(fake)["max_open"],
+    max_open = fake_stats(fake)["max_open"]
+    time.sleep(0.3)
+    short_cpu = gw.cpu()  # the same streams, SHORT chunks each: what a stream costs beyond them
+    short = asyncio.run(run_streams(port, path, n, args.rounds, spread, SHORT))
+    short_cpu = gw.cpu() - short_cpu
+    relay = (cpu - short_cpu) / max(runs.events - short.events, 1)
+    extra = {"max_open": max_open,
              "cpu_us_per_chunk": cpu * 1e6 / max(runs.events, 1),
+             "relay_us_per_chunk": relay * 1e6,
+             "setup_us_per_stream": (short_cpu - relay * short.events) * 1e6 / max(short.streams, 1),
              "rss_kb_per_stream": max(peak.peak - idle, 0) / 1024 / n}
     return runs, extra
 
@@ -323,6 +339,8 @@ def main() -> None:
                        "added_first_p99_ms": None if direct_row else (f99 - first99) * 1000,
                        "added_gap_p99_ms": None if direct_row else (g99 - gap99) * 1000,
                        "cpu_us_per_chunk": extra.get("cpu_us_per_chunk"),
+                       "relay_us_per_chunk": extra.get("relay_us_per_chunk"),
+                       "setup_us_per_stream": extra.get("setup_us_per_stream"),
                        "rss_kb_per_stream": extra.get("rss_kb_per_stream"),
                        "first_errors": runs.errors[:3]}
                 data.append(row)
@@ -330,17 +348,20 @@ def main() -> None:
                              f"{f99 * 1000:.1f}" if direct_row else f"{(f99 - first99) * 1000:+.1f}",
                              f"{g99 * 1000:.1f}" if direct_row else f"{(g99 - gap99) * 1000:+.1f}",
                              "" if direct_row else f"{extra['cpu_us_per_chunk']:.0f}",
+                             "" if direct_row else f"{extra['relay_us_per_chunk']:.0f}",
+                             "" if direct_row else f"{extra['setup_us_per_stream']:.0f}",
                              "" if direct_row else f"{extra['rss_kb_per_stream']:.1f}"])
                 if runs.errors:
                     print(f"{name} at {n}: {len(runs.errors)} errors, e.g. {runs.errors[:2]}",
                           file=sys.stderr)
             print(table(["streams", "target", "max open upstream", "whole streams",
                          "added first-chunk p99 ms (direct: p99)", "added gap p99 ms (direct: p99)",
-                         "CPU us/chunk", "RSS KB/stream"], rows[-len(results):]), flush=True)
+                         "CPU us/chunk", "relay us/chunk", "setup us/stream", "RSS KB/stream"],
+                        rows[-len(results):]), flush=True)
     print()
     print(table(["streams", "target", "max open upstream", "whole streams",
                  "added first-chunk p99 ms (direct: p99)", "added gap p99 ms (direct: p99)",
-                 "CPU us/chunk", "RSS KB/stream"], rows))
+                 "CPU us/chunk", "relay us/chunk", "setup us/stream", "RSS KB/stream"], rows))
     save("streams", {"rows": data, "argv": sys.argv[1:]})
 
 
