@@ -1,4 +1,5 @@
-"""An upstream's questions during a call reach the one client that made it (issue 54, part 1).
+"""An upstream's questions during a call reach the one client that made it (issue 54, part 1), and
+sampling is answered by a chat route of the gateway under the calling key (part 2).
 
 Upstream: ``tests/asking_upstream.py`` (``mcp`` 2.x), whose tools elicit (form and URL),
 sample and list roots; as ``up`` it speaks 2026-07-28 (``input_required`` results), as
@@ -11,16 +12,21 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import mcp_types as types
 import pytest
-import yaml
-from mcp import Client, MCPError, StdioServerParameters
+from mcp import Client, MCPError
 
-from multiplexer.gateway.config import parse_config
+from multiplexer.faces.mcp.asking import ClientAsker
+from multiplexer.faces.mcp.sampling import FACE, Sampler, chat_body, sampling_result
+from multiplexer.faces.mcp.server import McpFace
+from multiplexer.gateway.config import McpSamplingConfig, parse_config
 from multiplexer.gateway.gateway import Gateway
 from multiplexer.server import running
 from tests.mcp_helpers import ROOT, free_port, mcp_http_client, until_connected, wait_listening, wait_until
@@ -30,6 +36,8 @@ pytestmark = pytest.mark.anyio
 ASKING = str(ROOT / "tests" / "asking_upstream.py")
 UPSTREAMS = {"up": "auto", "leg": "legacy"}  # route prefix -> the upstream's era (protocol)
 MODES = ["auto", "legacy"]  # the client's: 2026-07-28, 2025-11-25
+ALICE, BOB, ADMIN = "sk-alice-asking", "sk-bob-asking", "sk-admin-asking"
+PER_CALL = Decimal("0.25")
 
 
 def upstream(protocol: str) -> dict[str, Any]:
@@ -37,14 +45,52 @@ def upstream(protocol: str) -> dict[str, Any]:
             "restart_backoff_ms": 20, "limits": {"concurrency": 16}}
 
 
+class HttpAsking:
+    """``tests/asking_upstream.py --http`` on a port of its own."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.proc = subprocess.Popen([sys.executable, ASKING, "--http", "--port", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 @pytest.fixture(scope="module")
-async def gateway() -> AsyncIterator[tuple[Gateway, str]]:
-    config = {"server": {"host": "127.0.0.1", "port": 0, "mcp": {"ask_timeout_s": 5}},
-              "providers": {name: upstream(protocol) for name, protocol in UPSTREAMS.items()},
-              "routes": {f"{name}_*": {"provider": name, "timeout_ms": 20_000} for name in UPSTREAMS}}
-    async with running(parse_config(config)) as (gw, url):
-        await until_connected(gw, UPSTREAMS)
-        yield gw, url + "/mcp"
+async def gateway(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Gateway, str]]:
+    folder = tmp_path_factory.mktemp("asking")
+    http = HttpAsking()  # a handshake-era upstream over Streamable HTTP: ``legh``
+    try:
+        await wait_listening(http.port, http.proc)
+        config = {
+            "server": {"host": "127.0.0.1", "port": 0, "admin_key": ADMIN,
+                       "api_keys": {"alice": {"key": ALICE},
+                                    "bob": {"key": BOB, "routes": ["up_*", "leg_*"]}},
+                       "mcp": {"ask_timeout_s": 5, "sampling": {"route": "chat", "when": "client_lacks"}}},
+            "store": {"path": str(folder / "store.db")},
+            "spend": {"flush_interval_s": 0.05},
+            "log": {"flush_interval_s": 0.05},
+            "providers": {**{name: upstream(protocol) for name, protocol in UPSTREAMS.items()},
+                          "legh": {"kind": "mcp", "url": http.url, "protocol": "legacy",
+                                   "restart_backoff_ms": 20},
+                          "m": {"kind": "mock", "price": {"per_call": str(PER_CALL)}}},
+            "routes": {**{f"{name}_*": {"provider": name, "timeout_ms": 20_000}
+                          for name in (*UPSTREAMS, "legh")},
+                       "chat": {"provider": "m", "operation": "chat"}},
+        }
+        async with running(parse_config(config)) as (gw, url):
+            await until_connected(gw, [*UPSTREAMS, "legh"])
+            yield gw, url + "/mcp"
+    finally:
+        http.stop()
+
+
+def as_alice(url: str, mode: str, **kw: Any) -> Any:
+    return mcp_http_client(url, mode, key=ALICE, **kw)
 
 
 class Answers:
@@ -92,7 +138,7 @@ async def test_each_question_reaches_the_calling_client(gateway: tuple[Gateway, 
                                                         mode: str) -> None:
     _, url = gateway
     answers = Answers()
-    async with mcp_http_client(url, mode, **answers.callbacks()) as client:
+    async with as_alice(url, mode, **answers.callbacks()) as client:
         for tool, args, expected, asked in CASES:
             result = await client.call_tool(f"{up}_{tool}", args)
             assert not result.is_error, result
@@ -106,7 +152,7 @@ async def test_each_question_reaches_the_calling_client(gateway: tuple[Gateway, 
 async def test_a_client_without_the_capability_gets_the_error_naming_it(
         gateway: tuple[Gateway, str], up: str, mode: str) -> None:
     _, url = gateway
-    async with mcp_http_client(url, mode) as client:  # declares nothing
+    async with as_alice(url, mode) as client:  # declares nothing
         with pytest.raises(MCPError) as caught:
             result = await client.call_tool(f"{up}_greet", {})
             raise AssertionError(f"answered: {result}")
@@ -119,7 +165,7 @@ async def test_the_deadline_pauses_while_the_client_is_asked(gateway: tuple[Gate
     """The call may take 0.3 s; its client takes 0.6 s to answer, which is not counted."""
     _, url = gateway
     answers = Answers(delay_s=0.6)
-    async with mcp_http_client(url, "legacy", **answers.callbacks()) as client:
+    async with as_alice(url, "legacy", **answers.callbacks()) as client:
         result = await client.call_tool(f"{up}_greet", {}, meta={"timeout_ms": 300})  # type: ignore[typeddict-unknown-key,arg-type]
     assert text(result) == "hello Ada" and answers.asked == ["elicit:form"]
 
@@ -130,7 +176,7 @@ async def test_asking_is_bounded_by_ask_timeout_s(gateway: tuple[Gateway, str], 
     gw, url = gateway
     monkeypatch.setattr(gw.config.server.mcp, "ask_timeout_s", 0.2)
     answers = Answers(delay_s=5)
-    async with mcp_http_client(url, "legacy", **answers.callbacks()) as client:
+    async with as_alice(url, "legacy", **answers.callbacks()) as client:
         with anyio.fail_after(4):
             try:
                 result = await client.call_tool(f"{up}_greet", {})
@@ -152,7 +198,7 @@ async def test_a_client_that_goes_mid_question_ends_the_upstream_call(gateway: t
         raise AssertionError
 
     with anyio.fail_after(10):
-        async with mcp_http_client(url, "legacy", elicitation_callback=never) as client, \
+        async with as_alice(url, "legacy", elicitation_callback=never) as client, \
                 anyio.create_task_group() as tg:
             tg.start_soon(client.call_tool, "leg_held", {"marker": str(marker)})
             await asked.wait()
@@ -164,93 +210,174 @@ async def test_a_client_that_goes_mid_question_ends_the_upstream_call(gateway: t
         await wait_until(upstream_cancelled)
 
 
-# -- a stdio client: the gateway as ``multiplexer serve --stdio`` -------------------------
-@pytest.fixture
-def stdio_gateway(tmp_path: Path) -> StdioServerParameters:
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump({
-        "providers": {name: upstream(protocol) for name, protocol in UPSTREAMS.items()},
-        "routes": {f"{name}_*": {"provider": name} for name in UPSTREAMS},
-        "store": {"path": str(tmp_path / "store.db")},
-    }))
-    return StdioServerParameters(command=sys.executable,
-                                 args=["-m", "multiplexer", "serve", "--stdio", "--config", str(path)],
-                                 cwd=str(ROOT), env={"PYTHONPATH": str(ROOT)})
+# -- a stdio client: the stdio face's server loop (``serve --stdio`` runs it over its pipes) ---
+@asynccontextmanager
+async def stdio_face(gw: Gateway) -> AsyncIterator[Any]:
+    """A client transport to a new ``McpFace`` of the running gateway, served as ``serve --stdio``
+    serves it (``server.run`` on a pair of streams, no HTTP, no identity), over memory streams."""
+    face = McpFace(gw)
+    to_server, from_client = anyio.create_memory_object_stream[Any](16)
+    to_client, from_server = anyio.create_memory_object_stream[Any](16)
+    async with face.running(), anyio.create_task_group() as tg:
+        tg.start_soon(face.server.run, from_client, to_client, face.server.create_initialization_options())
+        yield from_server, to_server
+        tg.cancel_scope.cancel()
 
 
-async def test_stdio_clients_are_asked_too(stdio_gateway: StdioServerParameters) -> None:
-    """A handshake-era client of ``serve --stdio`` (one gateway process): each question of both
-    upstreams reaches it (a 2026-07-28 one takes the HTTP face's path, tested above)."""
+@pytest.mark.parametrize("mode", MODES)
+async def test_stdio_clients_are_asked_too(gateway: tuple[Gateway, str], mode: str) -> None:
+    """One client session on the stdio face: each question of both upstream eras reaches it."""
+    gw, _ = gateway
     answers = Answers()
-    async with Client(stdio_gateway, mode="legacy", **answers.callbacks()) as client:
+    async with Client(stdio_face(gw), mode=mode, **answers.callbacks()) as client:
         for up in UPSTREAMS:
             for tool, args, expected, _ in CASES:
                 assert text(await client.call_tool(f"{up}_{tool}", args)) == expected
     assert answers.asked == [c[3] for c in CASES] * len(UPSTREAMS)
 
 
-class HttpAsking:
-    """``tests/asking_upstream.py --http`` on a port of its own."""
+@pytest.mark.parametrize("up", ["legh", "leg"])
+async def test_concurrent_callers_each_get_only_their_own_question(gateway: tuple[Gateway, str],
+                                                                   up: str) -> None:
+    """Over HTTP (``legh``) each question travels on its call's stream, so two callers at once are
+    each asked their own; over stdio (``leg``) nothing names the call, so with two in flight the
+    question is refused (an error), never put to the other caller."""
+    _, url = gateway
+    both_asked = anyio.Event()
+    asked: list[str] = []
+    got: dict[str, str] = {}
 
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/mcp"
-        self.proc = subprocess.Popen([sys.executable, ASKING, "--http", "--port", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def answering(name: str) -> Any:
+        async def elicit(ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+            asked.append(name)
+            if len(asked) == 2:
+                both_asked.set()
+            with anyio.move_on_after(0.3):  # over stdio the other is never asked
+                await both_asked.wait()
+            return types.ElicitResult(action="accept", content={"name": name})
+        return elicit
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+    async def caller(name: str) -> None:
+        async with as_alice(url, "legacy", elicitation_callback=answering(name)) as client:
+            try:
+                got[name] = text(await client.call_tool(f"{up}_greet", {}))
+            except MCPError as e:
+                got[name] = f"refused: {e.message}"
 
-
-@pytest.mark.parametrize(("protocol", "transport"), [("legacy", "http"), ("legacy", "stdio")])
-async def test_concurrent_callers_each_get_only_their_own_question(protocol: str, transport: str) -> None:
-    """Over HTTP each question travels on its call's stream, so two callers at once are each asked
-    their own; over stdio nothing names the call, so with two in flight neither is asked (an
-    error), never the other's."""
-    server = HttpAsking() if transport == "http" else None
-    try:
-        provider = upstream(protocol)
-        if server is not None:
-            await wait_listening(server.port, server.proc)
-            provider = {"kind": "mcp", "url": server.url, "protocol": protocol, "restart_backoff_ms": 20}
-        config = {"server": {"host": "127.0.0.1", "port": 0, "mcp": {"ask_timeout_s": 5}},
-                  "providers": {"u": provider}, "routes": {"u_*": {"provider": "u"}}}
-        async with running(parse_config(config)) as (gw, url):
-            await until_connected(gw, ["u"])
-            both_asked = anyio.Event()
-            asked: list[str] = []
-            got: dict[str, str] = {}
-
-            def answering(name: str) -> Any:
-                async def elicit(ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
-                    asked.append(name)
-                    if len(asked) == 2:
-                        both_asked.set()
-                    with anyio.move_on_after(0.3):  # over stdio the other is never asked
-                        await both_asked.wait()
-                    return types.ElicitResult(action="accept", content={"name": name})
-                return elicit
-
-            async def caller(name: str) -> None:
-                async with mcp_http_client(url + "/mcp", "legacy", elicitation_callback=answering(name)) as c:
-                    try:
-                        got[name] = text(await c.call_tool("u_greet", {}))
-                    except MCPError as e:
-                        got[name] = f"refused: {e.message}"
-
-            with anyio.fail_after(15):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(caller, "Ada")
-                    tg.start_soon(caller, "Bob")
-    finally:
-        if server is not None:
-            server.stop()
-    if transport == "http":
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(caller, "Ada")
+            tg.start_soon(caller, "Bob")
+    if up == "legh":
         assert got == {"Ada": "hello Ada", "Bob": "hello Bob"} and sorted(asked) == ["Ada", "Bob"]
     else:
         for name, said in got.items():
             other = "Bob" if name == "Ada" else "Ada"
             assert other not in said, got
         assert any("cannot tell which" in said for said in got.values()), got
+
+
+# -- sampling through the gateway's routes (issue 54, part 2) -------------------------------
+AS_ADMIN = {"authorization": f"Bearer {ADMIN}"}
+
+
+async def spend(url: str) -> dict[tuple[str, str], tuple[int, Decimal]]:
+    async with httpx.AsyncClient(base_url=url.removesuffix("/mcp")) as http:
+        r = await http.get("/admin/spend?group_by=key,route", headers=AS_ADMIN)
+    assert r.status_code == 200, r.text
+    rows = r.json()["rows"]
+    return {(row["key"], row["route"]): (row["calls"], Decimal(str(row["cost_usd"]))) for row in rows}
+
+
+@pytest.mark.parametrize("up", ["up", "leg"])
+async def test_a_key_that_may_not_use_the_sampling_route_is_refused(gateway: tuple[Gateway, str],
+                                                                    up: str) -> None:
+    """The bypass test: sampling is a call of the calling key, checked by admission like any."""
+    _, url = gateway
+    before = await spend(url)
+    async with mcp_http_client(url, "auto", key=BOB) as client:
+        try:
+            result = await client.call_tool(f"{up}_haiku", {"topic": "sea"})
+            refusal = text(result) if result.is_error else f"answered: {text(result)}"
+        except Exception as e:  # the upstream's failure, as the SDK raises it
+            refusal = str(e)
+    assert "Permission denied: this key may not use route 'chat'" in refusal, refusal
+    after = await spend(url)
+    assert after.get(("bob", "chat")) is None and after.get(("bob", "chat")) == before.get(("bob", "chat"))
+
+
+@pytest.mark.parametrize("up", ["up", "leg"])
+async def test_sampling_is_answered_by_the_route_and_booked_to_the_caller(gateway: tuple[Gateway, str],
+                                                                         up: str) -> None:
+    _, url = gateway
+    calls, cost = (await spend(url)).get(("alice", "chat"), (0, Decimal(0)))
+    async with mcp_http_client(url, "auto", key=ALICE) as client:  # declares no sampling
+        result = await client.call_tool(f"{up}_haiku", {"topic": "the sea at night"})
+    assert not result.is_error, result
+    model, _, reply = text(result).partition(": ")
+    assert reply and model  # the mock route's reply to the topic, and the model it names
+    assert (await spend(url))[("alice", "chat")] == (calls + 1, cost + PER_CALL)
+    async with httpx.AsyncClient(base_url=url.removesuffix("/mcp")) as http:  # its source, in the request log
+
+        async def recorded() -> bool:
+            r = await http.get("/admin/requests", headers=AS_ADMIN, params={"key": "alice", "route": "chat"})
+            return any(row["face"] == FACE for row in r.json()["requests"])
+
+        await wait_until(recorded)
+
+
+async def test_a_client_with_sampling_is_asked_when_it_lacks_nothing(gateway: tuple[Gateway, str]) -> None:
+    _, url = gateway
+    asked: list[str] = []
+
+    async def sample(ctx: Any, params: types.CreateMessageRequestParams) -> types.CreateMessageResult:
+        asked.append("sample")
+        return types.CreateMessageResult(role="assistant", model="client-model",
+                                         content=types.TextContent(type="text", text="own"))
+
+    async with mcp_http_client(url, "legacy", key=ALICE, sampling_callback=sample) as client:
+        result = await client.call_tool("leg_haiku", {"topic": "sea"})
+    assert text(result) == "client-model: own" and asked == ["sample"]
+
+
+def test_model_hints_pick_the_route_the_table_says(tmp_path: Path) -> None:
+    config = parse_config({
+        "providers": {"m": {"kind": "mock"}},
+        "routes": {name: {"provider": "m", "operation": "chat"}
+                   for name in ("chat", "fast-chat", "big-chat")},
+    })
+    gw = Gateway(config)
+    sampler = Sampler(gw, McpSamplingConfig(route="chat"), None)
+    assert sampler.route_for(None) == "chat"
+    assert sampler.route_for({"hints": [{"name": "big-chat"}]}) == "big-chat"  # a name: that route
+    assert sampler.route_for({"hints": [{"name": "nope"}, {"name": "fast"}]}) == "fast-chat"  # a part of one
+    assert sampler.route_for({"hints": [{"name": "claude-3"}]}) == "chat"  # none: the configured route
+
+
+def test_sampling_requests_and_answers_translate() -> None:
+    body = chat_body({"messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}],
+                      "systemPrompt": "be brief", "maxTokens": 5, "temperature": 0.2, "stopSequences": ["."]})
+    assert body == {"messages": [{"role": "system", "content": "be brief"},
+                                 {"role": "user", "content": "hi"}],
+                    "max_tokens": 5, "temperature": 0.2, "stop": ["."]}
+    completion = {"model": "m1", "choices": [{"message": {"content": "yo"}, "finish_reason": "length"}]}
+    answer = sampling_result(completion, "chat")
+    assert answer == {"role": "assistant", "content": {"type": "text", "text": "yo"}, "model": "m1",
+                      "stopReason": "maxTokens"}
+
+
+def test_always_answers_even_a_client_that_samples() -> None:
+    class Ctx:
+        caps = types.ClientCapabilities(sampling=types.SamplingCapability())
+        session = type("S", (), {"client_capabilities": caps})()
+        request_id = 1
+        protocol_version = "2025-11-25"
+
+    gw = Gateway(parse_config({"providers": {"m": {"kind": "mock"}},
+                               "routes": {"chat": {"provider": "m", "operation": "chat"}}}))
+    lacks = ClientAsker(Ctx(), 5, Sampler(gw, McpSamplingConfig(route="chat"), None), None)  # type: ignore[arg-type]
+    always = ClientAsker(Ctx(), 5, Sampler(gw, McpSamplingConfig(route="chat", when="always"), None),  # type: ignore[arg-type]
+                         None)
+    assert not lacks.answers_here("sampling/createMessage", {})
+    assert always.answers_here("sampling/createMessage", {})
+    assert not always.answers_here("roots/list", {})
