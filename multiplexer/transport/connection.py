@@ -35,9 +35,10 @@ class Conn(asyncio.Protocol):
     The task using it checks the state (``done``, ``status``, ``closed``, ``failed``,
     ``expired``, ``write_paused``) and calls ``wait`` until it changes."""
 
-    __slots__ = ("chunks", "closed", "done", "expired", "failed", "got", "head_only", "headers",
-                 "idle", "keep", "loop", "lost", "parser", "poller", "read_paused", "small", "status",
-                 "stray", "timeout", "timer", "transport", "unread", "waiter", "write_paused")
+    __slots__ = ("chunks", "closed", "deadline", "done", "expired", "failed", "got", "head_only",
+                 "headers", "idle", "keep", "loop", "lost", "parser", "poller", "read_paused", "small",
+                 "status", "stray", "timeout", "timer", "timer_at", "transport", "unread", "waiter",
+                 "write_paused")
     headers: list[tuple[bytes, bytes]]
     chunks: list[bytes]
     transport: asyncio.Transport
@@ -54,6 +55,8 @@ class Conn(asyncio.Protocol):
         self.write_paused = self.read_paused = self.expired = False
         self.waiter: asyncio.Future[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0  # when ``timer`` fires
+        self.deadline: float | None = None  # when an armed wait expires (the loop's clock)
         self.timeout: float | None = None
         self.poller: select.poll | None = None
         self.reset()
@@ -106,25 +109,44 @@ class Conn(asyncio.Protocol):
             self.waiter = None
 
     def arm(self, timeout: float | None) -> None:
-        """Set ``expired`` (and wake the task) after ``timeout`` seconds; ``None``: never."""
-        self.disarm()
+        """Set ``expired`` (and wake the task) after ``timeout`` seconds; ``None``: never.
+
+        A stream arms before every read: its timer is kept across them, and when it fires
+        before the latest deadline it waits again for that one (a timer made and cancelled
+        per chunk cost every open stream a few microseconds a chunk)."""
         self.expired, self.timeout = False, timeout
-        if timeout is not None:
-            self.timer = self.loop.call_later(timeout, self._expire)
+        if timeout is None:
+            self.deadline = None
+            return
+        self.deadline = deadline = self.loop.time() + timeout
+        if self.timer is not None:
+            if self.timer_at <= deadline:
+                return  # fires first, and waits on for this deadline
+            self.timer.cancel()
+        self.timer, self.timer_at = self.loop.call_at(deadline, self._expire), deadline
 
     def disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        """No wait expires (a kept timer lapses when it fires)."""
+        self.deadline = None
 
     def close(self) -> None:
         self.closed = self.stray = True
         self.disarm()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         with contextlib.suppress(AttributeError):  # never connected
             self.transport.abort()  # no TLS close_notify: none was awaited before either
 
     def _expire(self) -> None:
-        self.timer, self.expired = None, True
+        self.timer = None
+        deadline = self.deadline
+        if deadline is None:
+            return
+        if self.loop.time() < deadline:  # armed again since it was set: wait for that deadline
+            self.timer, self.timer_at = self.loop.call_at(deadline, self._expire), deadline
+            return
+        self.deadline, self.expired = None, True
         self._wake()
 
     def _wake(self) -> None:
@@ -160,7 +182,7 @@ class Conn(asyncio.Protocol):
             self.transport.pause_reading()
         if self.ready():
             self._wake()
-        elif waiting_head and self.status and self.timer is not None:
+        elif waiting_head and self.status and self.deadline is not None:
             self.arm(self.timeout)  # the rest of a small reply gets a read timeout of its own
 
     def eof_received(self) -> bool | None:
