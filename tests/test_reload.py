@@ -82,7 +82,7 @@ def conf(tmp_path: Path, *, tag: str = "a", routes: dict[str, Any] | None = None
     data: dict[str, Any] = {
         "server": server,
         "store": {"path": str(tmp_path / "mux.db")},
-        "providers": {"g": {"kind": "gated", "tag": tag}, "e": {"kind": "echo"}},
+        "providers": {"g": {"kind": "gated", "tag": tag}, "e": {"kind": "echo"}, "m": {"kind": "mock"}},
         "routes": routes if routes is not None else {"one": {"provider": "g"}},
     }
     data.update(extra or {})
@@ -107,13 +107,18 @@ async def test_a_route_change_is_served_at_once_and_audited(tmp_path: Path) -> N
             httpx.AsyncClient(base_url=url) as http:
         assert (await rpc(http, "one"))["result"]["tag"] == "a"
         assert (await rpc(http, "two"))["error"]["code"] == -32601
-        write(path, conf(tmp_path, routes={"one": {"provider": "e"}, "two": {"provider": "g"}}))
+        write(path, conf(tmp_path, routes={"one": {"provider": "e"}, "two": {"provider": "g"},
+                                           "chat": {"provider": "m", "operation": "chat",
+                                                    "models": ["fresh-model"]}}))
         r = await http.post("/admin/reload", headers=AUTH)
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["result"] == "ok"
-        assert body["routes"] == {"added": ["two"], "removed": [], "changed": ["one"]}
-        assert body["providers"] == {"started": [], "draining": [], "kept": ["e", "g"]}
+        assert body["routes"] == {"added": ["chat", "two"], "removed": [], "changed": ["one"]}
+        assert body["providers"] == {"started": [], "draining": [], "kept": ["e", "g", "m"]}
+        chat = await http.post("/v1/chat/completions", json={
+            "model": "fresh-model", "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200, chat.text  # /v1's model names read again
         assert (await rpc(http, "one", {"x": 1}))["result"] == {"x": 1}  # echo now
         assert (await rpc(http, "two"))["result"]["tag"] == "a"
         assert Gated.started == ["a"]  # the unchanged provider was kept, not started again
@@ -122,7 +127,8 @@ async def test_a_route_change_is_served_at_once_and_audited(tmp_path: Path) -> N
         rows = await store.run(store.audit, 10, "config")
         assert [(r.action, r.actor, r.detail["result"]) for r in rows] == [("config.reload", "admin", "ok")]
         listed = (await http.get("/admin/audit?target=config", headers=AUTH)).json()["data"]
-        assert [(a["action"], a["detail"]["routes"]["added"]) for a in listed] == [("config.reload", ["two"])]
+        assert [(a["action"], a["detail"]["routes"]["added"]) for a in listed] == [
+            ("config.reload", ["chat", "two"])]
         metrics = (await http.get("/metrics")).text
         assert 'multiplexer_config_reloads_total{result="ok"} 1.0' in metrics
 
@@ -144,7 +150,7 @@ async def test_an_in_flight_call_finishes_on_the_old_provider_which_is_then_clos
             write(path, conf(tmp_path, tag="b"))
             r = await http.post("/admin/reload", headers=AUTH)
             assert r.status_code == 200, r.text
-            assert r.json()["providers"] == {"started": ["g"], "draining": ["g"], "kept": ["e"]}
+            assert r.json()["providers"] == {"started": ["g"], "draining": ["g"], "kept": ["e", "m"]}
             assert (await rpc(http, "one"))["result"]["tag"] == "b"  # new calls: the new provider
             assert Gated.closed == []  # the old one still runs its call
             reloader = gw.faces["reloader"]
