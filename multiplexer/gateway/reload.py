@@ -341,6 +341,11 @@ class ConfigReloader:
         self._open = [life for life in self._open if not life.closed.is_set()]
         self._open += [life for _, _, life in started.values()]
         done.providers = {"started": sorted(started), "draining": sorted(gone), "kept": sorted(kept)}
+        if any(done.routes.values()) or started or gone:  # MCP clients list the tools again
+            gw.notify("tools_changed", {"provider": None, "reason": "config reload"})
+            if started or gone:
+                gw.notify("resources_changed", {"provider": None, "reason": "config reload"})
+                gw.notify("prompts_changed", {"provider": None, "reason": "config reload"})
         if retired or old_providers:
             self.draining.update(old_providers)
             gw.start_background(self._drain, retired, old_providers, old_limiters, lives)
