@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 from usearch.index import Index
 
-DIMS_UNKNOWN = 0
 NEIGHBOURS = 8  # candidates a lookup reads, nearest first; each must then pass the guard
 
 _ids = itertools.count(1)
@@ -42,31 +41,86 @@ class Entry:
     aliases: list[str] = field(default_factory=list)  # exact requests a semantic hit matched to it
 
 
+SMALL = 256  # a neighbourhood up to this many answers is scanned exactly; above, an HNSW index
+
+
+def _hnsw(dims: int) -> Index:
+    return Index(ndim=dims, metric="cos", dtype="f16", connectivity=16, expansion_add=64,
+                 expansion_search=48)
+
+
+class _Hood:
+    """One neighbourhood's entries with vectors: a matrix scanned exactly while it is small (an
+    index costs about 50 KB even empty), an HNSW index once it is not."""
+
+    __slots__ = ("entries", "index", "keys", "matrix")
+
+    def __init__(self) -> None:
+        self.entries: dict[int, Entry] = {}
+        self.index: Index | None = None
+        self.keys: list[int] | None = None
+        self.matrix: np.ndarray | None = None
+
+    def add(self, entry: Entry) -> None:
+        assert entry.vector is not None
+        self.entries[entry.key] = entry
+        self.matrix = self.keys = None
+        if self.index is not None:
+            self.index.add(entry.key, entry.vector, threads=1)
+            entry.vector = None  # the index keeps it (float16): one copy, not two
+        elif len(self.entries) > SMALL:
+            self.index = _hnsw(entry.vector.shape[0])
+            keys = np.fromiter(self.entries, dtype=np.uint64, count=len(self.entries))
+            self.index.add(keys, np.stack([e.vector for e in self.entries.values()]))  # type: ignore[misc]
+            for e in self.entries.values():
+                e.vector = None
+
+    def remove(self, entry: Entry) -> None:
+        if self.entries.pop(entry.key, None) is not None:
+            self.matrix = self.keys = None
+            if self.index is not None:
+                self.index.remove(entry.key)
+
+    def nearest(self, vector: np.ndarray, count: int) -> list[tuple[int, float]]:
+        if self.index is not None:
+            found = self.index.search(vector, min(count, len(self.index)), threads=1)
+            return [(k, 1.0 - d) for k, d in zip(found.keys.tolist(), found.distances.tolist(),
+                                                 strict=True)]
+        if self.matrix is None or self.keys is None:
+            self.keys = list(self.entries)
+            self.matrix = np.stack([e.vector for e in self.entries.values()])  # type: ignore[misc]
+        if self.matrix.shape[1] != vector.shape[0]:
+            return []
+        sims = self.matrix @ vector
+        top = np.argsort(-sims)[:count]
+        return [(self.keys[i], float(sims[i])) for i in top.tolist()]
+
+    @property
+    def memory_bytes(self) -> int:
+        if self.index is not None:
+            return int(self.index.memory_usage)
+        return 0 if self.matrix is None else int(self.matrix.nbytes)
+
+
 class ScopeIndex:
-    """Entries of one scope, at most ``max_entries``, the least recently used out first."""
+    """Entries of one scope, at most ``max_entries`` over all its neighbourhoods, the least
+    recently used out first; a lookup searches its own neighbourhood only."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # by index key, LRU first
         self.exact: dict[str, Entry] = {}
+        self.alias_similarity: dict[str, float] = {}  # an alias's similarity when it first hit
         self.by_id: dict[str, Entry] = {}
         self.expiring: list[tuple[float, int]] = []  # a heap: the soonest to expire first
-        self.index: Index | None = None
-        self.dims = DIMS_UNKNOWN
+        self.hoods: dict[str, _Hood] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.index.memory_usage) if self.index is not None else 0
-
-    def _index_for(self, dims: int) -> Index:
-        if self.index is None or self.dims != dims:
-            self.index = Index(ndim=dims, metric="cos", dtype="f16", connectivity=16,
-                               expansion_add=64, expansion_search=48)
-            self.dims = dims
-        return self.index
+        return sum(h.memory_bytes for h in self.hoods.values())
 
     def add(self, entry: Entry) -> list[Entry]:
         """Keep ``entry`` (replacing one with the same exact request); the entries evicted."""
@@ -75,7 +129,10 @@ class ScopeIndex:
         if old is not None:
             self.remove(old)
         if entry.vector is not None:
-            self._index_for(entry.vector.shape[0]).add(entry.key, entry.vector)
+            hood = self.hoods.get(entry.neighbourhood)
+            if hood is None:
+                hood = self.hoods[entry.neighbourhood] = _Hood()
+            hood.add(entry)
         self.entries[entry.key] = entry
         self.exact[entry.exact] = entry
         self.by_id[entry.id] = entry
@@ -88,10 +145,11 @@ class ScopeIndex:
             self.remove(evicted[-1])
         return evicted
 
-    def alias(self, exact: str, entry: Entry) -> None:
+    def alias(self, exact: str, entry: Entry, similarity: float) -> None:
         """A request that a semantic hit answered with ``entry``: its repeat is an exact hit."""
         if entry.key in self.entries and exact not in self.exact and len(entry.aliases) < 64:
             self.exact[exact] = entry
+            self.alias_similarity[exact] = similarity
             entry.aliases.append(exact)
 
     def remove(self, entry: Entry) -> None:
@@ -100,9 +158,13 @@ class ScopeIndex:
         for exact in (entry.exact, *entry.aliases):
             if self.exact.get(exact) is entry:
                 del self.exact[exact]
+            self.alias_similarity.pop(exact, None)
         self.by_id.pop(entry.id, None)
-        if entry.vector is not None and self.index is not None:
-            self.index.remove(entry.key)
+        hood = self.hoods.get(entry.neighbourhood)
+        if hood is not None:
+            hood.remove(entry)
+            if not hood.entries:
+                del self.hoods[entry.neighbourhood]
 
     def touch(self, entry: Entry) -> None:
         if entry.key in self.entries:
@@ -123,13 +185,12 @@ class ScopeIndex:
                 count: int = NEIGHBOURS) -> list[tuple[Entry, float]]:
         """Live entries of ``neighbourhood`` near ``vector``, nearest first, with their cosine
         similarity."""
-        if self.index is None or len(self.index) == 0 or vector.shape[0] != self.dims:
+        hood = self.hoods.get(neighbourhood)
+        if hood is None:
             return []
-        found = self.index.search(vector, min(count, len(self.index)))
         out = []
-        for key, distance in zip(found.keys.tolist(), found.distances.tolist(), strict=True):
+        for key, similarity in hood.nearest(vector, count):
             entry = self.entries.get(key)
-            if entry is None or entry.neighbourhood != neighbourhood or entry.expires <= now:
-                continue
-            out.append((entry, 1.0 - float(distance)))
+            if entry is not None and entry.expires > now:
+                out.append((entry, similarity))
         return out

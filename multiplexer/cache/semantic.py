@@ -158,7 +158,8 @@ class SemanticCache:
             return False
         assert index is not None
         index.touch(entry)
-        lookup.hit, lookup.similarity, lookup.exact = entry, 1.0, True
+        lookup.hit, lookup.exact = entry, True
+        lookup.similarity = index.alias_similarity.get(lookup.ask.exact, 1.0)
         self._hit(lookup)
         return True
 
@@ -196,7 +197,7 @@ class SemanticCache:
                     self.refusals.labels(lk.route, reason).inc()
                     continue
             index.touch(entry)
-            index.alias(lk.ask.exact, entry)
+            index.alias(lk.ask.exact, entry, similarity)
             lk.hit, lk.similarity = entry, similarity
             self._hit(lk, counted=True)
             return
@@ -231,8 +232,10 @@ class SemanticCache:
         entry = Entry(f"{self.replica}-{next(self._seq)}", lk.scope, lk.route, lk.ask.neighbourhood,
                       lk.ask.exact, lk.ask.text, result, lk.request_id,
                       self.wall() + lk.settings.ttl_s, lk.vector)
+        op = {**entry_op(entry), "max_entries": lk.settings.max_entries} if self.log is not None else None
         self._add(entry, lk.settings.max_entries)
-        self._send({**entry_op(entry), "max_entries": lk.settings.max_entries})
+        if op is not None:
+            self._send(op)
 
     def _add(self, entry: Entry, max_entries: int) -> None:
         index = self.scopes.get(entry.scope)
