@@ -40,6 +40,8 @@ from multiplexer.core.router import Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.gateway.affinity import affinities
 from multiplexer.gateway.config import Config, ConfigError, ServerConfig, parse_config
+from multiplexer.gateway.gateway import with_kind_defaults
+from multiplexer.gateway.registry import provider_class
 from multiplexer.gateway.replicas import limiter_for
 from multiplexer.money.prices import Prices
 
@@ -157,7 +159,11 @@ class ConfigReloader:
         started = time.perf_counter()
         with anyio.CancelScope(shield=True):
             async with self._lock:
-                done = await self._reload()
+                try:
+                    done = await self._reload()
+                except Exception as e:  # a bug here must not end the gateway (SIGHUP's task is its own)
+                    log.exception("config reload failed inside the gateway")
+                    done = Reloaded("failed", [f"internal error: {type(e).__name__}"])
             done.seconds = time.perf_counter() - started
             self.reloads.labels(done.result).inc()
             if done.result == "ok":
@@ -221,9 +227,6 @@ class ConfigReloader:
         kept: list[str] = []
         try:
             for name, pconf in new.providers.items():
-                from multiplexer.gateway.gateway import with_kind_defaults
-                from multiplexer.gateway.registry import provider_class
-
                 cls = provider_class(pconf.kind)
                 pconf = config.providers[name] = with_kind_defaults(pconf, cls)
                 running = old.providers.get(name)
@@ -327,7 +330,10 @@ class ConfigReloader:
             gw.money.meter.prices = gw.money.budgets.prices = prices
             gw.money.budgets.config = config.budgets
         for hook in list(gw.faces.get(HOOKS, ())):
-            hook(config)
+            try:
+                hook(config)
+            except Exception:  # one face's bug: the others and the gateway take the new config
+                log.exception("a face did not take the reloaded config")
         for name, (_, limiter, _) in started.items():
             gw.started.add(name)
             if isinstance(limiter, SharedLimiter):
