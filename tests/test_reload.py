@@ -47,7 +47,9 @@ class Gated(Provider):
 
     async def start(self) -> None:
         """A task group left open until ``aclose``, as an MCP upstream's session supervisor is:
-        its start and its close must run in one task."""
+        its start and its close must run in one task. Tag ``boom`` does not start."""
+        if self.ctx.settings.tag == "boom":
+            raise RuntimeError("upstream unreachable")
         self._stack = AsyncExitStack()
         tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._stack.callback(tg.cancel_scope.cancel)
@@ -55,6 +57,8 @@ class Gated(Provider):
         Gated.started.append(self.ctx.settings.tag)
 
     async def aclose(self) -> None:
+        if self.ctx.settings.tag == "boom":
+            return
         await self._stack.aclose()
         Gated.closed.append(self.ctx.settings.tag)
 
@@ -195,6 +199,12 @@ async def test_an_invalid_config_is_refused_with_check_configs_lines(
         metrics = (await http.get("/metrics")).text
         assert 'multiplexer_config_reloads_total{result="invalid"} 2.0' in metrics
         assert (await http.post("/admin/reload")).status_code == 401  # admin only
+        write(path, conf(tmp_path, tag="boom"))  # valid, but its new provider does not start
+        r = await http.post("/admin/reload", headers=AUTH)
+        assert r.status_code == 409, r.text
+        assert r.json()["error"]["detail"]["errors"] == [
+            "providers.g: did not start: RuntimeError: upstream unreachable"]
+        assert (await rpc(http, "one"))["result"]["tag"] == "a"  # the running config stays
 
 
 async def test_keys_and_prices_reload(tmp_path: Path) -> None:
