@@ -95,7 +95,7 @@ async def test_the_api_and_the_stream_answer_only_a_key(tmp_path: Path) -> None:
         admin = (await http.get("/ui/api/state", headers=AS_ADMIN)).json()
         assert admin["view"] == "admin" and admin["identity"] is None
         assert set(admin["panels"]) == {"routes", "limits", "jobs", "mcp", "local", "state", "spend",
-                                        "breakers"}
+                                        "breakers", "cache"}
         own = (await http.get("/ui/api/state", headers={"authorization": f"Bearer {KEY}"})).json()
         assert own["view"] == "key" and own["identity"] == "alice"
         assert set(own["panels"]) == {"jobs", "spend"}  # a caller sees nothing of the others

@@ -294,6 +294,20 @@ async def breakers(view: View) -> dict[str, Any]:
                          for labels, v in s.rows("multiplexer_attempts_total")}}
 
 
+@panel("cache")
+async def cache(view: View) -> dict[str, Any]:
+    """The semantic cache per route: hit rate, hits, lookups, what it saved (``/metrics``'
+    ``multiplexer_saved_usd{how="semantic_cache"}``), index size and wrong hits reported."""
+    gw = view.gateway
+    if gw.semantic is None:
+        return not_configured("no route, key or team is semantically cached (cache.semantic)")
+    from multiplexer.faces.admin_cache import cache_stats
+
+    saved = view.samples.by("multiplexer_saved_usd_total", "route", how="semantic_cache")
+    return {"configured": True, "routes": [{"route": route, **stats, "saved_usd": saved.get(route, 0.0)}
+                                           for route, stats in cache_stats(gw).items()]}
+
+
 def finite(value: Any) -> Any:
     """JSON has no infinities: a bound or limit of inf is written as null."""
     if isinstance(value, float) and not math.isfinite(value):

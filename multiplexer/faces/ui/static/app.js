@@ -329,19 +329,27 @@ function breakersPanel(b) {
     `<h3>fallbacks taken</h3>` + (fb.length ? table(["from → to", "reason", "calls"], fb) : empty("none yet")));
 }
 
+function cachePanel(c) {
+  const rows = c.routes.map((r) => `<tr><td>${esc(r.route)}</td><td>${v(`cache.${r.route}.rate`, num(100 * r.hit_rate, 1) + "%")}</td>` +
+    `<td>${r.hits}</td><td>${r.lookups}</td><td>$${num(r.saved_usd, 6)}</td><td>${v(`cache.${r.route}.entries`, r.entries)}</td>` +
+    `<td>${r.wrong_hits ? `<span class="warn">${r.wrong_hits}</span>` : 0}</td></tr>`);
+  body("cache", rows.length ? table(["route", "hit rate", "hits", "lookups", "saved", "index size", "wrong hits"], rows)
+                            : empty("no cached route has been called yet"));
+}
+
 function render(s) {
   remember(s);
   const p = s.panels, admin = s.view === "admin";
   document.body.dataset.tick = s.tick;
   const who = s.key_name && s.key_name !== s.identity ? `${s.key_name} (${s.identity})` : s.identity;
   $("#who").textContent = (admin ? "admin" : "key " + who) + " · v" + s.version;
-  for (const name of ["routes", "limits", "mcp", "local", "state", "breakers", "spend", "jobs"]) show(name, name in p);
+  for (const name of ["routes", "limits", "mcp", "local", "state", "breakers", "cache", "spend", "jobs"]) show(name, name in p);
   $("#kpis").hidden = !p.routes;
   document.querySelectorAll(".charts").forEach((el) => { if (el.parentElement === $("#main")) el.hidden = !p.routes; });
   $("#panel-spend").classList.toggle("span2", !admin);  // a key's own: by route and model, wider
   const renderers = {routes: routesPanel, limits: limitsPanel, jobs: (j) => jobsPanel(j, admin), mcp: mcpPanel,
                      local: localPanel, state: statePanel, spend: admin ? spendPanel : ownSpendPanel,
-                     breakers: breakersPanel};
+                     breakers: breakersPanel, cache: cachePanel};
   for (const [name, panel] of Object.entries(p)) {
     if (panel.error) body(name, `<div class="err">this panel failed: ${esc(panel.error)}</div>`);
     else if (panel.configured === false) body(name, empty(panel.detail));
