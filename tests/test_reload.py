@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from multiplexer.core.call import Item, Outcome
+from multiplexer.core.errors import Code
 from multiplexer.core.provider import Provider
 from multiplexer.gateway import registry
 from multiplexer.gateway.config import load_config
@@ -207,22 +208,30 @@ async def test_an_invalid_config_is_refused_with_check_configs_lines(
         assert (await rpc(http, "one"))["result"]["tag"] == "a"  # the running config stays
 
 
-async def test_keys_and_prices_reload(tmp_path: Path) -> None:
+async def test_keys_quotas_and_prices_reload(tmp_path: Path) -> None:
     path = tmp_path / "gw.yaml"
     data = conf(tmp_path, keys={"alice": KEY})
     data["server"]["key_store"] = {"enabled": False}
     write(path, data)
-    async with running(load_config(path), port=0) as (_, url), \
+    async with running(load_config(path), port=0) as (gw, url), \
             httpx.AsyncClient(base_url=url) as http:
+        assert gw.money is not None
+        assert gw.money.budgets.prices.rates("one", "g", None) is None  # nobody prices it yet
         alice = {"headers": {"authorization": f"Bearer {KEY}"}}
         assert (await rpc(http, "one", **alice))["result"]["tag"] == "a"
         data["server"]["api_keys"] = {"alice": {"key": KEY, "routes": ["none"]}, "bob": "bob-key-0123456789"}
+        data["server"]["quotas"] = {"bob": {"rpm": 1}}
+        data["routes"]["one"]["price"] = {"input_per_mtok": 5, "output_per_mtok": 7}
         write(path, data)
         assert (await http.post("/admin/reload", headers=AUTH)).status_code == 200
-        refused = await rpc(http, "one", **alice)
+        refused = await rpc(http, "one", **alice)  # its access narrowed: no route for it now
         assert refused["error"]["code"] != 0 and "result" not in refused
-        bob = await rpc(http, "one", headers={"authorization": "Bearer bob-key-0123456789"})
-        assert bob["result"]["tag"] == "a"
+        bob = {"headers": {"authorization": "Bearer bob-key-0123456789"}}
+        assert (await rpc(http, "one", **bob))["result"]["tag"] == "a"  # a key added
+        assert (await rpc(http, "one", **bob))["error"]["code"] == Code.RATE_LIMITED  # its quota: rpm 1
+        rates = gw.money.budgets.prices.rates("one", "g", None)
+        assert rates is not None and (rates.input, rates.output) == (5, 7)
+        assert gw.money.meter.prices is gw.money.budgets.prices
 
 
 async def test_reloads_under_a_steady_stream_of_calls_lose_none(tmp_path: Path) -> None:
