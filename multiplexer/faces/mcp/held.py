@@ -51,6 +51,7 @@ class Held:
         self._waiting: dict[str, tuple[anyio.Event, list[dict[str, Any]]]] = {}  # key -> its answer slot
         self._changed = anyio.Event()
         self.collected = anyio.Event()  # the client has its outcome
+        self.scope = anyio.CancelScope()  # the call's task: cancelled when its client abandons it
         self._n = 0
 
     async def ask(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +129,10 @@ class Holds:
 
     async def _run(self, held: Held, submit: Callable[[], Awaitable[Outcome]]) -> None:
         try:
-            held.finish(await submit())
+            with held.scope:
+                held.finish(await submit())
+            if held.outcome is None:
+                return  # cancelled: its client abandoned the call
             with anyio.move_on_after(self.collect_s):  # its client may still come for it
                 await held.collected.wait()
         finally:

@@ -381,7 +381,11 @@ class McpFace:
         if held is None:
             return await self.gateway.submit(call)
         asker.held = held
-        got = await held.next()
+        try:
+            got = await held.next()
+        except anyio.get_cancelled_exc_class():
+            held.scope.cancel()  # the client cancelled its request, or went: the call ends upstream
+            raise
         if isinstance(got, Outcome):
             held.collected.set()
         return got
