@@ -43,7 +43,7 @@ from .packing import (
 )
 from .prompt_cache import PromptCacheRouteSettings, PromptCacheSettings, mode_of, openai_cache_key
 from .ratelimit_headers import openai_limits
-from .sse_relay import Event, valued
+from .sse_relay import Event, escaped, valued
 
 # Responses events read whole: the last (its usage), an error, and any without its name.
 _READ_EVENTS = frozenset({*RESPONSE_ENDS, "error", "message"})
@@ -170,7 +170,8 @@ class OpenAIProvider(LlmProvider):
         ``"usage":null`` on every chunk), a Responses event named and not its last or an error."""
         if item.operation == "responses":
             return event.name not in _READ_EVENTS
-        return not valued(event.data, b'"usage"') and not valued(event.data, b'"error"')
+        data = event.data
+        return not valued(data, b'"usage"') and not valued(data, b'"error"') and not escaped(data)
 
     # -- execution -------------------------------------------------------------
     async def execute_now(self, operation: str, items: Sequence[Item]) -> list[Outcome]:

@@ -17,7 +17,7 @@ import pytest
 
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
-from providers.sse_relay import DATA, NAMED, events, valued
+from providers.sse_relay import DATA, NAMED, escaped, events, valued
 
 pytestmark = pytest.mark.anyio
 KEY = "sk-stream-relay-0123456789"
@@ -55,11 +55,12 @@ async def test_events_are_split_as_the_sse_spec_reads_them() -> None:
 
 
 def test_usage_is_found_only_with_a_value() -> None:
-    assert not valued(CONTENT[0], b'"usage"')  # null, and an escape of no letter
+    assert not valued(CONTENT[0], b'"usage"')  # null
     assert not valued(CONTENT[1], b'"usage"')  # in the text (escaped quotes), and null after spaces
     assert valued(USAGE, b'"usage"')
     assert valued(b'{"usage":\n{"prompt_tokens": 1}}', b'"usage"')
-    assert valued(b'{"\\u0075sage": {"prompt_tokens": 1}}', b'"usage"')  # spelled with escapes
+    assert escaped(b'{"\\u0075sage": {"prompt_tokens": 1}}')  # spelled with escapes: parsed
+    assert not escaped(CONTENT[0])  # an escape of no ASCII letter
     assert valued(b'{"error": {"message": "x"}}', b'"error"')
     assert not valued(b'{"error": null}', b'"error"')
 
