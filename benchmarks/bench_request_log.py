@@ -294,8 +294,10 @@ def main() -> None:
         cpu = [r["proxy_cpu_ms_per_call"] or 0.0 for r in rows[1:5]]
         print(f"\nA/A: the log-off copies {abs(off1 - off2):.0f} us apart, the log-on copies "
               f"{abs(on1 - on2):.0f} us; log on over off: {((on1 + on2) - (off1 + off2)) / 2:+.0f} us of "
-              f"added p50, {((cpu[2] + cpu[3]) - (cpu[0] + cpu[1])) / 2 * 1e3:+.0f} us of CPU per call "
-              "(floor: 20 us)\n")
+              "added p50 (floor: 20 us), "
+              f"{((cpu[2] + cpu[3]) - (cpu[0] + cpu[1])) / 2 * 1e3:+.0f} us of the gateway's CPU per call "
+              f"(the writer's, off the call's path; the A/A copies {abs(cpu[0] - cpu[1]) * 1e3:.0f} us "
+              "apart)\n")
         saved["hot"] = rows
     if args.phase in ("sustain", "all"):
         s = anyio.run(sustain, args)
