@@ -266,3 +266,15 @@ async def test_a_store_that_cannot_be_read_is_a_503(tmp_path: Path, monkeypatch:
         for path in ("/admin/requests", "/admin/requests/1"):
             r = await http.get(path)
             assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable", path
+
+
+async def test_what_is_queued_is_written_as_the_gateway_stops(tmp_path: Path) -> None:
+    async with running(gateway_config(tmp_path), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        await rpc(http, ALICE, "echo", {"x": 1})
+        assert gw.requests is not None and len(gw.requests.sink) == 1  # the writer waits a minute
+    store = RequestStore(tmp_path / "jobs.db")
+    try:
+        assert [r[3] for r in store.page(Query())] == ["alice"]
+    finally:
+        store.close()
