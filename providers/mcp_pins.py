@@ -73,7 +73,7 @@ class ToolPins:
         self.wall = wall
         self.pins: dict[str, Pin] = {}
         self.held: set[str] = set()  # quarantined tools' names
-        self._pending: dict[str, Pin] = {}
+        self._pending: dict[str, tuple[Pin, bool]] = {}  # tool -> (its pin, approved here)
         self._changes: list[tuple[float, str, str, str, str, str]] = []
         self._wake = anyio.Event()
         self.loaded = False
@@ -133,7 +133,8 @@ class ToolPins:
             self.held.add(pin.tool)
         else:
             self.held.discard(pin.tool)
-        self._pending[pin.tool] = pin
+        approved = action == "approved" or (pin.tool in self._pending and self._pending[pin.tool][1])
+        self._pending[pin.tool] = (pin, approved)
         new = pin.approved_hash if action == "approved" else pin.seen_hash
         self._changes.append((pin.updated_at, self.provider, pin.tool, action, old, new))
         if action == "changed":
@@ -171,8 +172,8 @@ class ToolPins:
             await anyio.to_thread.run_sync(self.tables.save, pins, changes)
         except Exception:
             log.exception("mcp upstream %s: tool pins not saved; retrying", self.provider)
-            for pin in pins:
-                self._pending.setdefault(pin.tool, pin)
+            for pin, approved in pins:
+                self._pending.setdefault(pin.tool, (pin, approved))
             self._changes[:0] = changes
 
     async def reload(self) -> None:
@@ -180,8 +181,7 @@ class ToolPins:
         stored = await anyio.to_thread.run_sync(self.tables.pins, self.provider)
         for other in stored:
             mine = self.pins.get(other.tool)
-            if (mine is not None and mine.quarantined and other.approved_hash == mine.seen_hash
-                    and other.tool not in self._pending):
+            if mine is not None and mine.quarantined and other.approved_hash == mine.seen_hash:
                 mine.approved_hash, mine.approved_def = other.approved_hash, other.approved_def
                 self.held.discard(mine.tool)
                 self.on_change("approved", mine.tool, mine)

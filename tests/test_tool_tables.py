@@ -39,14 +39,20 @@ def row(at: float, tool: str = "t", status: str = "ok", identity: str = "alice",
 
 def test_pins_are_replaced_whole_and_their_changes_kept_in_order(tables: ToolTables) -> None:
     first = Pin("p", "t", "a", '{"description":"x"}', "a", '{"description":"x"}', 1.0)
-    tables.save([first], [(1.0, "p", "t", "pinned", "", "a")])
+    tables.save([(first, False)], [(1.0, "p", "t", "pinned", "", "a")])
     changed = Pin("p", "t", "a", '{"description":"x"}', "b", '{"description":"y"}', 2.0)
-    tables.save([changed], [(2.0, "p", "t", "changed", "a", "b")])
+    tables.save([(changed, False)], [(2.0, "p", "t", "changed", "a", "b")])
     (stored,) = tables.pins("p")
     assert stored == changed and stored.quarantined
     assert stored.diff() == {"description": {"approved": "x", "now": "y"}}
     assert tables.pins("other") == []
-    assert [c[1] for c in tables.changes("p", "t")] == ["changed", "pinned"]
+    approved = Pin("p", "t", "b", '{"description":"y"}', "b", '{"description":"y"}', 3.0)
+    tables.save([(approved, True)], [(3.0, "p", "t", "approved", "a", "b")])
+    # another replica's late write of the change it saw keeps the approval it never knew of
+    tables.save([(changed, False)], [(2.5, "p", "t", "changed", "a", "b")])
+    (stored,) = tables.pins("p")
+    assert not stored.quarantined and stored.approved_hash == "b"
+    assert [c[1] for c in tables.changes("p", "t")] == ["approved", "changed", "changed", "pinned"]
 
 
 def test_audit_filters_cursor_and_retention(tables: ToolTables) -> None:

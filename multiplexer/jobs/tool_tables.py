@@ -120,18 +120,25 @@ class ToolTables:
                           (provider,) if provider else ())
         return [Pin(*r) for r in rows]
 
-    def save(self, pins: Sequence[Pin], changes: Sequence[tuple[float, str, str, str, str, str]]) -> None:
-        """Pins written (each replacing its row) and their change rows, in one transaction."""
-        upsert = (f"INSERT INTO {self.prefix}mcp_tool_pins (provider, tool, approved_hash, "
-                  "approved_def, seen_hash, seen_def, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?) "
-                  "ON CONFLICT (provider, tool) DO UPDATE SET approved_hash = excluded.approved_hash, "
-                  "approved_def = excluded.approved_def, seen_hash = excluded.seen_hash, "
-                  "seen_def = excluded.seen_def, updated_at = excluded.updated_at")
+    def save(self, pins: Sequence[tuple[Pin, bool]],
+             changes: Sequence[tuple[float, str, str, str, str, str]]) -> None:
+        """Pins and their change rows, in one transaction. A pin saved with ``True`` was approved
+        here (its row replaced whole); with ``False`` only what the upstream serves now is written
+        (a new row takes its approved definition too), so a replica that saw a change never
+        writes back an approved definition another replica has replaced since."""
+        cols = ("provider, tool, approved_hash, approved_def, seen_hash, seen_def, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (provider, tool) DO UPDATE SET ")
+        approved = (f"INSERT INTO {self.prefix}mcp_tool_pins ({cols}approved_hash = "
+                    "excluded.approved_hash, approved_def = excluded.approved_def, seen_hash = "
+                    "excluded.seen_hash, seen_def = excluded.seen_def, updated_at = excluded.updated_at")
+        seen = (f"INSERT INTO {self.prefix}mcp_tool_pins ({cols}seen_hash = excluded.seen_hash, "
+                "seen_def = excluded.seen_def, updated_at = excluded.updated_at")
         log = (f"INSERT INTO {self.prefix}mcp_tool_changes (at, provider, tool, action, old_hash, new_hash)"
                " VALUES (?, ?, ?, ?, ?, ?)")
-        rows = [(p.provider, p.tool, p.approved_hash, p.approved_def, p.seen_hash, p.seen_def,
-                 p.updated_at) for p in sorted(pins, key=lambda p: (p.provider, p.tool))]
-        self._many([(upsert, rows), (log, changes)])
+        ordered = sorted(pins, key=lambda p: (p[0].provider, p[0].tool))
+        rows = {flag: [(p.provider, p.tool, p.approved_hash, p.approved_def, p.seen_hash, p.seen_def,
+                        p.updated_at) for p, was in ordered if was == flag] for flag in (True, False)}
+        self._many([(approved, rows[True]), (seen, rows[False]), (log, changes)])
 
     def changes(self, provider: str, tool: str, limit: int = 20) -> list[tuple[Any, ...]]:
         """(at, action, old_hash, new_hash), newest first."""
@@ -183,7 +190,7 @@ class PgToolTables(ToolTables):
         self._lock = threading.Lock()
         self.conn = connect(url)
         with self.conn.transaction():  # two replicas starting at once: one creates the tables
-            self.conn.execute("SELECT pg_advisory_xact_lock(7342)")
+            self.conn.execute("SELECT pg_advisory_xact_lock(7345)")  # this room's own lock number
             self.conn.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
             for table in (PINS, CHANGES, AUDIT_PG, AUDIT_INDEX):
                 self.conn.execute(table.format(t=self.prefix))
