@@ -203,8 +203,6 @@ class McpProvider(Provider):
                 return Outcome.fail(refused)
         timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
         asker = cast("Asker | None", item.options.get(ASK_OPTION))  # set by a face, never the wire
-        if asker is not None and timeout is not None:
-            timeout -= asker.ask_timeout_s  # the face gave the call that much more for its questions
         self._sent.inc()
         try:
             result = await self.requests.call(

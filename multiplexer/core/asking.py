@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ASK_OPTION", "Asker", "ClientGone"]
+from multiplexer.core.call import Item
+
+__all__ = ["ASK_OPTION", "Asker", "ClientGone", "carry"]
 
 ASK_OPTION = "ask"  # an item's ``options`` key for its ``Asker`` (set from ``Call.ask``)
 
@@ -53,3 +55,12 @@ class Asker(Protocol):
         """The answer (the result's JSON). Raises ``ClientGone`` when the client went away, or an
         ``RpcError`` that the upstream is answered with (the client's error, or a refusal)."""
         ...
+
+
+def carry(item: Item, asker: Asker) -> None:
+    """The item takes its caller's ``Asker``. The face gave the caller ``ask_timeout_s`` more than
+    the call's timeout, for the questions it may be asked; the item keeps the call's own deadline
+    (its queue and its provider go by it), which its provider pauses while the client is asked."""
+    item.options[ASK_OPTION] = asker
+    if item.deadline is not None:
+        item.deadline -= asker.ask_timeout_s

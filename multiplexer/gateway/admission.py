@@ -21,7 +21,7 @@ from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from multiplexer.core.asking import ASK_OPTION
+from multiplexer.core.asking import carry
 from multiplexer.core.cache_affinity import SESSION
 from multiplexer.core.call import Call, Item, Outcome
 from multiplexer.core.clock import Clock
@@ -245,7 +245,7 @@ def routed_item(gw: Admits, plan: Plan, resolved: Resolved, provider: Provider) 
     if call.log is not None:
         item.options["log"] = LogFanout([call.log])
     if call.ask is not None:
-        item.options[ASK_OPTION] = call.ask
+        carry(item, call.ask)
     if span is not None:
         item.trace = TraceSlot(span)
         gw.tracer.routed(span, item, route.provider, gw.config.providers[route.provider].kind)

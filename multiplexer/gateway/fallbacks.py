@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from multiplexer.core.asking import ASK_OPTION
+from multiplexer.core.asking import carry
 from multiplexer.core.attempts import BUDGET, Budget
 from multiplexer.core.breaker import Breakers, SharesBreakers, State
 from multiplexer.core.cache_affinity import AFFINITY_KEY, CACHE_MOVED
@@ -463,7 +463,7 @@ class Fallbacks:
         if call.log is not None:
             item.options["log"] = LogFanout([call.log])
         if call.ask is not None:
-            item.options[ASK_OPTION] = call.ask
+            carry(item, call.ask)
         if att.budget is not None:
             item.options[BUDGET] = att.budget
         if att.span is not None:
