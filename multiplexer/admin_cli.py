@@ -150,7 +150,7 @@ def add_commands(command: Command) -> None:
     audit = tkinds2.add_parser("audit", help="the record of tools/call, newest first")
     audit.add_argument("--key", help="one key's calls (its name or id, or an OAuth subject)")
     audit.add_argument("--tool")
-    audit.add_argument("--status", choices=["ok", "error", "refused"])
+    audit.add_argument("--status", choices=["ok", "error", "refused", "input_required"])
     audit.add_argument("--since", type=float, help="Unix seconds")
     audit.add_argument("--until", type=float, help="Unix seconds")
     audit.add_argument("--limit", type=int)

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 Routed = Callable[..., Route]  # admin_route with the gateway bound: (admin, path, endpoint, methods)
 Error = Callable[..., JSONResponse]  # admin_error: (status, message, detail=None)
 
-STATUSES = ("ok", "error", "refused")
+STATUSES = ("ok", "error", "refused", "input_required")
 MAX_LIMIT = 1000
 
 

@@ -150,7 +150,11 @@ def outcome_of(result: Any) -> tuple[str, int | None]:
         if not result.is_error:
             return "ok", None
         detail = (result.meta or {}).get(ERROR_META_KEY)
+    elif isinstance(result, types.InputRequiredResult):
+        return "input_required", None  # a 2026-07-28 client is asked; its answer is a call of its own
     elif isinstance(result, dict):
+        if result.get("resultType") == "input_required":
+            return "input_required", None
         if not result.get("isError"):
             return "ok", None
         detail = (result.get("_meta") or {}).get(ERROR_META_KEY)
