@@ -381,3 +381,9 @@ def test_always_answers_even_a_client_that_samples() -> None:
     assert not lacks.answers_here("sampling/createMessage", {})
     assert always.answers_here("sampling/createMessage", {})
     assert not always.answers_here("roots/list", {})
+
+
+def test_the_sampling_route_must_exist() -> None:
+    with pytest.raises(ValueError, match=r"server\.mcp\.sampling\.route: 'nope' is no route or model group"):
+        parse_config({"server": {"mcp": {"sampling": {"route": "nope"}}},
+                      "providers": {"m": {"kind": "mock"}}, "routes": {"chat": {"provider": "m"}}})

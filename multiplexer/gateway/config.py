@@ -293,6 +293,9 @@ class Config(Strict):
                 raise ValueError(f"routes.{name}: a wildcard may only end a route name")
         kinds = {name: p.kind for name, p in self.providers.items()}
         lines = chains.problems(self.routes, self.groups, kinds)  # fallbacks and groups
+        sampling = self.server.mcp.sampling
+        if sampling is not None and sampling.route not in self.routes and sampling.route not in self.groups:
+            lines.append(f"server.mcp.sampling.route: {sampling.route!r} is no route or model group")
         if lines:
             raise ValueError("\n  ".join(lines))
         return self
