@@ -23,7 +23,7 @@ from multiplexer.cache.guard import disagreement
 from multiplexer.cache.index import Entry, ScopeIndex
 from multiplexer.cache.semantic import SemanticCache
 from multiplexer.cache.settings import SemanticSection
-from multiplexer.cache.store import SqliteLog
+from multiplexer.cache.store import CacheLog, RedisLog, SqliteLog
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.provider import Provider, ProviderContext
 from multiplexer.gateway.config import parse_config
@@ -327,14 +327,24 @@ def test_a_scope_keeps_its_most_recently_used_and_drops_the_expired() -> None:
     assert index.expire(now=11.0) == 1 and set(index.by_id) == {"e0"}
 
 
-async def test_replicas_catch_up_through_the_store_within_a_second(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["sqlite", "redis"])
+async def test_replicas_catch_up_within_a_second(tmp_path: Path, where: str) -> None:
     section = SemanticSection.model_validate({"routes": {"chat": {"threshold": 0.6}}, "sync_ms": 50})
 
     async def embed(route: str, texts: list[str]) -> list[np.ndarray]:
         return [word_vector(t) for t in texts]
 
-    one = SemanticCache(section, embed, CollectorRegistry(), SqliteLog(tmp_path / "s.db", 0.05))
-    two = SemanticCache(section, embed, CollectorRegistry(), SqliteLog(tmp_path / "s.db", 0.05))
+    def log() -> CacheLog:
+        if where == "sqlite":
+            return SqliteLog(tmp_path / "s.db", 0.05)
+        return RedisLog(url, key_prefix, 50)
+
+    if where == "redis":
+        from tests.redis_helpers import prefix, redis_url
+
+        url, key_prefix = redis_url(), prefix()
+    one = SemanticCache(section, embed, CollectorRegistry(), log())
+    two = SemanticCache(section, embed, CollectorRegistry(), log())
     settings = section.routes["chat"]
     params = body("How do I reverse a list in Python?")
     async with anyio.create_task_group() as tg:

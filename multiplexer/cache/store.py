@@ -58,7 +58,8 @@ class RedisLog:
         self.last = "0-0"
 
     async def start(self) -> list[dict[str, Any]]:
-        return await self._read(await self.redis.xrange(self.key, min="-", max="+"))
+        rows: Any = await self.redis.xrange(self.key, min="-", max="+")
+        return await self._read(rows or [])
 
     async def _read(self, rows: list[Any]) -> list[dict[str, Any]]:
         out = []
@@ -76,8 +77,8 @@ class RedisLog:
             await pipe.execute()
 
     async def since(self) -> list[dict[str, Any]]:
-        found = await self.redis.xread({self.key: self.last}, block=self.block_ms, count=10_000)
-        rows = [row for _, stream_rows in found for row in stream_rows]
+        found: Any = await self.redis.xread({self.key: self.last}, block=self.block_ms, count=10_000)
+        rows = [row for _, stream_rows in found or [] for row in stream_rows]
         return await self._read(rows)
 
     async def aclose(self) -> None:
