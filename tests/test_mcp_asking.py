@@ -387,3 +387,24 @@ def test_the_sampling_route_must_exist() -> None:
     with pytest.raises(ValueError, match=r"server\.mcp\.sampling\.route: 'nope' is no route or model group"):
         parse_config({"server": {"mcp": {"sampling": {"route": "nope"}}},
                       "providers": {"m": {"kind": "mock"}}, "routes": {"chat": {"provider": "m"}}})
+
+
+async def test_a_held_call_resumes_only_for_the_key_that_made_it(gateway: tuple[Gateway, str]) -> None:
+    """A 2026-07-28 client's call to a handshake-era upstream, held for its answer: another key's
+    retry with its ``requestState`` is refused and answers nothing; its own key's resumes it."""
+    _, url = gateway
+    answer = {"name": types.ElicitResult(action="accept", content={"name": "Ada"})}
+    async with as_alice(url, "auto", **Answers().callbacks()) as alice, \
+            mcp_http_client(url, "auto", key=BOB) as bob:
+        first = await alice.session.call_tool("leg_greet", {}, allow_input_required=True)
+        assert isinstance(first, types.InputRequiredResult), first
+        assert first.request_state is not None and first.request_state.startswith("mux-held:")
+        (key,) = first.input_requests or {}
+        answers: Any = {key: answer["name"]}
+        with pytest.raises(MCPError) as caught:
+            await bob.session.call_tool("leg_greet", {}, input_responses=answers,
+                                        request_state=first.request_state, allow_input_required=True)
+        assert "requestState names no call held here" in caught.value.message
+        done = await alice.session.call_tool("leg_greet", {}, input_responses=answers,
+                                             request_state=first.request_state, allow_input_required=True)
+    assert isinstance(done, types.CallToolResult) and text(done) == "hello Ada"
