@@ -65,7 +65,8 @@ class Words(Provider):
 
 
 def config(tmp_path: Path, alice: dict[str, Any] | None = None, **semantic: Any) -> Any:
-    section = semantic or {"routes": {"chat": {"threshold": 0.6, "embed": "embed"}}}
+    section = semantic or {"routes": {"chat": {"threshold": 0.6, "embed": "embed"},
+                                      "claude": {"threshold": 0.6, "embed": "embed"}}}
     return parse_config({
         "server": {"admin_key": ADMIN, "key_store": {"enabled": False}, "api_keys": {
             "alice": {"key": ALICE, **(alice or {})}, "bob": {"key": BOB, "routes": ["embed"]},
@@ -75,7 +76,8 @@ def config(tmp_path: Path, alice: dict[str, Any] | None = None, **semantic: Any)
                       "mock": {"kind": "mock", "price": {"input_per_mtok": 1, "output_per_mtok": 2}}},
         "routes": {"embed": {"provider": "words", "operation": "embeddings"},
                    "chat": {"provider": "mock", "operation": "chat", "models": ["mock-gpt"]},
-                   "chat2": {"provider": "mock", "operation": "chat", "models": ["mock-2"]}},
+                   "chat2": {"provider": "mock", "operation": "chat", "models": ["mock-2"]},
+                   "claude": {"provider": "mock", "operation": "messages", "models": ["mock-claude"]}},
         "cache": {"semantic": section},
     })
 
@@ -238,6 +240,20 @@ async def test_a_hit_takes_no_quota(tmp_path: Path) -> None:
         assert (await c.chat(ALICE, "What is the capital of Peru?")).status_code == 429
 
 
+async def test_anthropic_messages_hit_in_their_own_shape(tmp_path: Path) -> None:
+    gw = await serve(tmp_path)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        async def ask(text: str) -> httpx.Response:
+            return await h.post("/v1/messages", headers={"x-api-key": ALICE}, json={
+                "model": "mock-claude", "max_tokens": 64, "messages": [{"role": "user", "content": text}]})
+
+        first = await ask("How do I reverse a list in Python?")
+        hit = await ask("How can I reverse a Python list?")
+        assert hit.status_code == 200 and hit.headers["x-multiplexer-cache"] == "semantic"
+        assert hit.json()["type"] == "message" and hit.json()["content"] == first.json()["content"]
+        assert upstream(gw) == 1
+
+
 # -- the operator's side ------------------------------------------------------------------------
 async def test_audit_wrong_hits_and_delete(tmp_path: Path) -> None:
     gw = await serve(tmp_path)
@@ -258,6 +274,8 @@ async def test_audit_wrong_hits_and_delete(tmp_path: Path) -> None:
         assert "x-multiplexer-cache" not in again.headers
         stats = (await c.admin("GET", "/admin/cache")).json()["routes"]["chat"]
         assert stats["entries"] == 1 and stats["wrong_hits"] == 1
+        spend = (await c.admin("GET", "/admin/spend")).json()["total"]
+        assert spend["calls"] == 3 and spend["saved_by"]["semantic_cache"] > 0
         assert (await c.admin("DELETE", "/admin/cache?route=nope")).status_code == 404
         assert (await c.admin("DELETE", "/admin/cache?route=chat&key=carol")).json() == {"deleted": 0}
         assert (await c.admin("DELETE", "/admin/cache?route=chat")).json() == {"deleted": 1}
