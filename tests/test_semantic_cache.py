@@ -254,6 +254,61 @@ async def test_anthropic_messages_hit_in_their_own_shape(tmp_path: Path) -> None
         assert upstream(gw) == 1
 
 
+async def test_a_hit_reserves_no_budget(tmp_path: Path) -> None:
+    semantic = {"routes": {"chat": {"threshold": 0.6, "embed": "embed", "scope": "global"}}}
+    cfg = config(tmp_path, alice={"budget_usd": {"daily": 0}}, **semantic)  # alice may spend nothing
+    gw = Gateway(cfg, providers={"words": Words()})
+    async with running(cfg, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        assert (await c.chat(CAROL, "How do I reverse a list in Python?")).status_code == 200
+        assert (await c.chat(ALICE, "What is the capital of Peru?")).status_code in (402, 429)
+        hit = await c.chat(ALICE, "How can I reverse a Python list?")
+        assert hit.status_code == 200 and hit.headers["x-multiplexer-cache"] == "semantic"
+
+
+def test_a_keys_settings_win_over_its_teams_and_its_routes() -> None:
+    section = SemanticSection.model_validate({
+        "routes": {"chat": {"threshold": 0.9}}, "teams": {"t": {"threshold": 0.8}},
+        "keys": {"k": {"threshold": 0.7}}})
+
+    async def embed(route: str, texts: list[str]) -> None:
+        return None
+
+    cache = SemanticCache(section, embed, CollectorRegistry())
+    assert cache.settings_for("chat", None, "k", "t").threshold == 0.7  # type: ignore[union-attr]
+    assert cache.settings_for("chat", None, "other", "t").threshold == 0.8  # type: ignore[union-attr]
+    assert cache.settings_for("chat", None, None, None).threshold == 0.9  # type: ignore[union-attr]
+    assert cache.settings_for("chat2", "group", None, None) is None
+    assert cache.settings_for("member", "chat", None, None).threshold == 0.9  # type: ignore[union-attr]
+
+
+async def test_answers_outlive_a_restart_in_the_store(tmp_path: Path) -> None:
+    section = SemanticSection.model_validate({"routes": {"chat": {"threshold": 0.6}}})
+
+    async def embed(route: str, texts: list[str]) -> list[np.ndarray]:
+        return [word_vector(t) for t in texts]
+
+    settings = section.routes["chat"]
+    before = SemanticCache(section, embed, CollectorRegistry(), SqliteLog(tmp_path / "s.db", 0.05))
+    lk = before.ask("chat", settings, body("How do I reverse a list in Python?"), "alice", None)
+    assert lk is not None
+    await before.lookup([lk])
+    before.store(lk, {"object": "chat.completion", "choices": []})
+    await before.aclose()  # what was not written yet is written as it closes
+    after = SemanticCache(section, embed, CollectorRegistry(), SqliteLog(tmp_path / "s.db", 0.05))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(after.run)
+        with anyio.fail_after(1.0):
+            while not after.scopes:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    asked = after.ask("chat", settings, body("How can I reverse a Python list?"), "alice", None)
+    assert asked is not None
+    await after.lookup([asked])
+    assert asked.hit is not None
+    await after.aclose()
+
+
 # -- the operator's side ------------------------------------------------------------------------
 async def test_audit_wrong_hits_and_delete(tmp_path: Path) -> None:
     gw = await serve(tmp_path)
