@@ -93,13 +93,13 @@ class Relay:
         refused = asker.refusal(method, params)
         if refused is not None:
             raise RpcError(*refused)
-        here = asker.answers_here(method, params)
-        if not here:
-            self._pause()
+        self.asked += 1
+        if asker.answers_here(method, params):  # the gateway's own route: a call under its deadline
+            return await asker.ask(method, params)
+        self._pause()
         began = anyio.current_time()
         try:
-            with anyio.move_on_after(math.inf if here else max(self.allowance, 0.0)):
-                self.asked += 1
+            with anyio.move_on_after(max(self.allowance, 0.0)):
                 return await asker.ask(method, params)
             raise RpcError(types.REQUEST_TIMEOUT, "the client did not answer in time",
                            {"detail": "server.mcp.ask_timeout_s ran out while the client was asked",
@@ -110,11 +110,10 @@ class Relay:
                 self.scope.cancel()
             raise RpcError(types.CONNECTION_CLOSED, "the client went away", {"method": method}) from None
         finally:
-            if not here:
-                waited_s = anyio.current_time() - began
-                self.allowance -= waited_s
-                self.spent += waited_s
-                self._resume()
+            waited_s = anyio.current_time() - began
+            self.allowance -= waited_s
+            self.spent += waited_s
+            self._resume()
 
     async def resume(self, params: types.CallToolRequestParams,
                      result: types.InputRequiredResult) -> types.CallToolRequestParams | None:
@@ -173,8 +172,11 @@ class Questions:
     """Per upstream: the SDK client's callbacks for the questions it is asked, and the relays of
     the calls in flight (stdio tells a question's call by there being one)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, by_stream: bool) -> None:
         self.name = name
+        # Streamable HTTP: a question names its call by the stream it came on; one that came on
+        # none (the standalone stream) belongs to no call. stdio: by being the one in flight.
+        self.by_stream = by_stream
         self._inflight: dict[int, Relay] = {}
 
     @contextmanager
@@ -190,7 +192,7 @@ class Questions:
 
     def _relay(self) -> Relay | None:
         relay = ASKING.get()
-        if relay is not None:
+        if relay is not None or self.by_stream:
             return relay
         live = list(self._inflight.values())
         return live[0] if len(live) == 1 else None
@@ -198,9 +200,10 @@ class Questions:
     async def _relayed(self, method: str, params: dict[str, Any]) -> dict[str, Any] | types.ErrorData:
         relay = self._relay()
         if relay is None:
-            return types.ErrorData(code=types.INVALID_REQUEST,
-                                   message=f"{method}: the gateway cannot tell which of its calls asked "
-                                           "(several are in flight on this connection)")
+            why = ("it came on no call's stream" if self.by_stream
+                   else "several calls are in flight on this connection")
+            message = f"{method}: the gateway cannot tell which of its calls asked ({why})"
+            return types.ErrorData(code=types.INVALID_REQUEST, message=message)
         try:
             return await relay.answer(method, params)
         except RpcError as e:

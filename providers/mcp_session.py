@@ -52,7 +52,8 @@ class UpstreamSession:
         self.clock = clock
         self._on_lists = on_lists  # "resources" / "prompts": the upstream's list changed
         self.tool_list = ToolList(name, settings.max_pages, clock, on_tools)
-        self.questions = Questions(name)  # what the upstream asks mid-call, to the call's client
+        # what the upstream asks mid-call, to the call's client
+        self.questions = Questions(name, by_stream=settings.transport == "http")
         self.generation = 0
         self.connects = 0
         self.failures = 0  # connection attempts that failed since the session was last up
