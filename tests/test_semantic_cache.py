@@ -400,6 +400,28 @@ def test_a_scope_keeps_its_most_recently_used_and_drops_the_expired() -> None:
     assert index.expire(now=11.0) == 1 and set(index.by_id) == {"e0"}
 
 
+def test_a_large_neighbourhood_moves_to_an_hnsw_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiplexer.cache.index as index_module
+
+    monkeypatch.setattr(index_module, "SMALL", 3)
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((40, DIMS)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = ScopeIndex(max_entries=30)
+    entries = [Entry(f"e{i}", "s", "chat", "n", f"x{i}", f"q{i}", {}, None, 2e9, vectors[i].copy())
+               for i in range(40)]
+    for e in entries:
+        index.add(e)
+    hood = index.hoods["n"]
+    assert hood.index is not None and len(hood.index) == 30 and len(index) == 30  # 10 evicted
+    for i in (10, 25, 39):
+        found = index.nearest(vectors[i], "n", now=0.0)
+        assert found[0][0].id == f"e{i}" and found[0][1] == pytest.approx(1.0, abs=1e-2)
+    assert index.nearest(vectors[0], "n", now=0.0)[0][0].id != "e0"  # evicted
+    index.remove(entries[39])
+    assert all(e.id != "e39" for e, _ in index.nearest(vectors[39], "n", now=0.0))
+
+
 @pytest.mark.parametrize("where", ["sqlite", "redis"])
 async def test_replicas_catch_up_within_a_second(tmp_path: Path, where: str) -> None:
     section = SemanticSection.model_validate({"routes": {"chat": {"threshold": 0.6}}, "sync_ms": 50})

@@ -70,6 +70,7 @@ class Audit:
     request_id: str | None
     original_request_id: str | None
     exact: bool
+    step: float  # what a wrong report raises the scope's threshold by (its settings' wrong_step)
     wrong: bool = False
 
     def view(self) -> dict[str, Any]:
@@ -222,7 +223,7 @@ class SemanticCache:
         if self.audit.maxlen:
             self.audit.append(Audit(lk.hit_id, self.wall(), lk.route, lk.scope, lk.hit.id,
                                     lk.similarity, lk.ask.text, lk.hit.text, lk.request_id,
-                                    lk.hit.request_id, lk.exact))
+                                    lk.hit.request_id, lk.exact, lk.settings.wrong_step))
 
     # -- stores ----------------------------------------------------------------------------
     def store(self, lk: Lookup, result: Any) -> None:
@@ -294,19 +295,12 @@ class SemanticCache:
             entry = None if scope is None else scope.by_id.get(found.entry_id)
             if entry is not None and scope is not None:
                 scope.remove(entry)
-            step = self._settings_step(found.route)
-            self.raised[found.scope] = self.raised.get(found.scope, 0.0) + step
+            self.raised[found.scope] = self.raised.get(found.scope, 0.0) + found.step
             self.wrong_hits.labels(found.route).inc()
             self._counts(found.route).wrong += 1
             self._send({"op": "del", "ids": [found.entry_id]})
             self._send({"op": "raise", "scope": found.scope, "to": self.raised[found.scope]})
         return {**found.view(), "threshold_raised_by": round(self.raised.get(found.scope, 0.0), 4)}
-
-    def _settings_step(self, route: str) -> float:
-        s = self.section.routes.get(route)
-        if s is None:
-            s = next(iter([*self.section.keys.values(), *self.section.teams.values()]), None)
-        return s.wrong_step if s is not None else 0.02
 
     def clear(self, route: str | None = None, key: str | None = None) -> int:
         """Entries removed by route, by key (its own scope), or all; how many."""
