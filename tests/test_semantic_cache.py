@@ -266,6 +266,15 @@ async def test_a_hit_reserves_no_budget(tmp_path: Path) -> None:
         assert hit.status_code == 200 and hit.headers["x-multiplexer-cache"] == "semantic"
 
 
+def test_names_the_cache_reads_must_exist(tmp_path: Path) -> None:
+    from multiplexer.gateway.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        config(tmp_path, routes={"chatt": {"embed": "embed"}}, keys={"k": {"embed": "nope"}})
+    assert "cache.semantic.routes.chatt: no route or model group named 'chatt'" in str(e.value)
+    assert "cache.semantic.keys.k.embed: 'nope' is no route" in str(e.value)
+
+
 def test_a_keys_settings_win_over_its_teams_and_its_routes() -> None:
     section = SemanticSection.model_validate({
         "routes": {"chat": {"threshold": 0.9}}, "teams": {"t": {"threshold": 0.8}},

@@ -5,6 +5,7 @@ settings win over its team's, a team's over the route's."""
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,3 +63,13 @@ class SemanticSection(BaseModel):
     @property
     def enabled(self) -> bool:
         return bool(self.routes or self.keys or self.teams)
+
+    def problems(self, routes: Container[str], groups: Container[str]) -> list[str]:
+        """One line per name that does not exist: a cached route or group, an embeddings route."""
+        out = [f"cache.semantic.routes.{name}: no route or model group named {name!r}"
+               for name in self.routes if name not in routes and name not in groups]
+        for where, found in (("routes", self.routes), ("keys", self.keys), ("teams", self.teams)):
+            out += [f"cache.semantic.{where}.{name}.embed: {s.embed!r} is no route (the local pool's "
+                    "is embed_local, with the local extra)" for name, s in found.items()
+                    if s.embed not in routes]
+        return out

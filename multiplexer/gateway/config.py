@@ -296,6 +296,7 @@ class Config(Strict):
         sampling = self.server.mcp.sampling
         if sampling is not None and sampling.route not in self.routes and sampling.route not in self.groups:
             lines.append(f"server.mcp.sampling.route: {sampling.route!r} is no route or model group")
+        lines += self.cache.semantic.problems(self.routes, self.groups)
         if lines:
             raise ValueError("\n  ".join(lines))
         return self

@@ -42,14 +42,6 @@ def semantic_for(gw: Gateway) -> SemanticCache | None:
     from multiplexer.cache.semantic import SemanticCache
     from multiplexer.cache.store import CacheLog, RedisLog, SqliteLog
 
-    config = gw.config
-    for name in section.routes:
-        if name not in config.routes and name not in config.groups:
-            raise ValueError(f"cache.semantic.routes: no route or model group named {name!r}")
-    for settings in [*section.routes.values(), *section.keys.values(), *section.teams.values()]:
-        if settings.embed not in config.routes:
-            raise ValueError(f"cache.semantic: the embeddings route {settings.embed!r} is not a route "
-                             f"(the local pool's is embed_local, with the local extra)")
     state = gw.config.state
     cache_log: CacheLog
     if state.url is not None:
