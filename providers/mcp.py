@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from multiplexer.core.asking import ASK_OPTION, Asker
 from multiplexer.core.call import Item, Outcome
-from multiplexer.core.errors import Code, RpcError, invalid_params
+from multiplexer.core.errors import Code, RpcError, invalid_params, timeout_error
 from multiplexer.core.gather import gather
 from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import code_label
@@ -195,14 +195,18 @@ class McpProvider(Provider):
     async def _one(self, item: Item) -> Outcome:
         progress = item.options.get("progress")
         log = item.options.get("log")
+        timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
+        asker = cast("Asker | None", item.options.get(ASK_OPTION))  # set by a face, never the wire
+        if asker is not None and timeout is not None:
+            timeout -= asker.ask_timeout_s  # the caller's own timeout (the face added this for asking)
+            if timeout <= 0:  # it ran out while the call waited its turn
+                return Outcome.fail(timeout_error("queued"))
         raw = item.options.get("tool_limits")
         taken = None
         if raw or self.tool_limits.own:
             taken, refused = self.tool_limits.take(item.route, raw, item.method)
             if refused is not None:
                 return Outcome.fail(refused)
-        timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
-        asker = cast("Asker | None", item.options.get(ASK_OPTION))  # set by a face, never the wire
         self._sent.inc()
         try:
             result = await self.requests.call(

@@ -58,9 +58,7 @@ class Asker(Protocol):
 
 
 def carry(item: Item, asker: Asker) -> None:
-    """The item takes its caller's ``Asker``. The face gave the caller ``ask_timeout_s`` more than
-    the call's timeout, for the questions it may be asked; the item keeps the call's own deadline
-    (its queue and its provider go by it), which its provider pauses while the client is asked."""
+    """The item takes its caller's ``Asker``. The face gave the call ``ask_timeout_s`` more than its
+    timeout, for the questions it may be asked; the provider keeps to the call's own timeout (what
+    is left of it less ``ask_timeout_s``), which it pauses while the client is asked."""
     item.options[ASK_OPTION] = asker
-    if item.deadline is not None:
-        item.deadline -= asker.ask_timeout_s
