@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from multiplexer.cache.guard import disagreement
+from multiplexer.cache.guard import disagreement, facts
 from multiplexer.cache.index import Entry, ScopeIndex
 from multiplexer.cache.key import Ask, ask_of
 from multiplexer.cache.settings import SemanticSection, SemanticSettings
@@ -233,6 +233,8 @@ class SemanticCache:
         entry = Entry(f"{self.replica}-{next(self._seq)}", lk.scope, lk.route, lk.ask.neighbourhood,
                       lk.ask.exact, lk.ask.text, result, lk.request_id,
                       self.wall() + lk.settings.ttl_s, lk.vector)
+        if lk.settings.guard:
+            facts(entry.text)  # read now, on the miss, not on the hit that compares with it first
         op = {**entry_op(entry), "max_entries": lk.settings.max_entries} if self.log is not None else None
         self._add(entry, lk.settings.max_entries)
         if op is not None:
