@@ -185,6 +185,12 @@ class RequestLog:
             self._writer = self._reader = None
 
     # -- reading ---------------------------------------------------------------------
+    async def _catch_up(self) -> None:
+        """What this replica has not written yet shows too, when that is one insert; a longer
+        queue is the writer's (a read never waits for thousands of rows)."""
+        if 0 < len(self.sink) <= self.config.batch:
+            await self.sink.flush()
+
     async def _read(self) -> RequestStore:
         if self._reader is None:
             self._reader = await anyio.to_thread.run_sync(self._open)
@@ -192,7 +198,7 @@ class RequestLog:
 
     async def page(self, q: Query) -> dict[str, Any]:
         """A page of records, newest first, and the cursor of the next page (None: the last)."""
-        await self.sink.flush()  # what this replica has not written yet shows too
+        await self._catch_up()
         store = await self._read()
         rows = await anyio.to_thread.run_sync(store.page, q)
         out = [dict(zip(LISTED, r, strict=True)) for r in rows]
@@ -200,7 +206,7 @@ class RequestLog:
         return {"requests": out, "next_cursor": cursor}
 
     async def get(self, row_id: int) -> dict[str, Any] | None:
-        await self.sink.flush()
+        await self._catch_up()
         store = await self._read()
         row = await anyio.to_thread.run_sync(store.get, row_id)
         if row is not None and isinstance(row.get("path"), str):
