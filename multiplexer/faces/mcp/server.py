@@ -406,7 +406,13 @@ class McpFace:
                                        include={"input_responses", "request_state"})
         sampler = (Sampler(self.gateway, settings.sampling, call.identity)
                    if settings.sampling is not None else None)
-        call.ask = ClientAsker(ctx, settings.ask_timeout_s, sampler, resume, connection_of(ctx))
+        asker = call.ask = ClientAsker(ctx, settings.ask_timeout_s, sampler, resume, connection_of(ctx))
+        # Only a call that may wait for its client gets the extra time: a handshake-era client that
+        # declared a capability it can be asked under, or a 2026-07-28 one whose call would be held
+        # (a 2026-07-28 upstream's questions go back to such a client at once: no wait).
+        if not (asker.may_wait() if not asker.passthrough else self._asks_mid_call(call.method)):
+            asker.ask_timeout_s = 0.0
+            return
         if call.timeout_ms is None:
             route = self.gateway.resolve(call.method).route
             call.timeout_ms = route.timeout_ms or self.gateway.config.server.default_timeout_ms
