@@ -210,6 +210,7 @@ async def test_what_is_never_cached(tmp_path: Path) -> None:
             ({}, {"n": 2}),
             ({}, {"temperature": 1.5}),  # another neighbourhood: parameters must match exactly
             ({}, {"model": "mock-2"}),  # another route
+            ({}, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
         ]
         for headers, more in asks:
             r = await c.chat(ALICE, q, headers, **more)
@@ -226,7 +227,7 @@ async def test_what_is_never_cached(tmp_path: Path) -> None:
         skips = {s.labels["reason"] for m in gw.metrics.registry.collect()
                  if m.name == "multiplexer_semantic_cache_skips" for s in m.samples}
         assert {"off", "n", "long", "tools"} <= skips
-        assert upstream(gw) == 8
+        assert upstream(gw) == 9
 
 
 async def test_a_hit_takes_no_quota(tmp_path: Path) -> None:

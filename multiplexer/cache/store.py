@@ -19,7 +19,7 @@ import numpy as np
 from multiplexer.cache.index import Entry
 from multiplexer.core.json_codec import dumps, loads
 
-LOG_MAX = 500_000  # operations a Redis stream keeps (approximately): older ones are trimmed
+PRUNE_EVERY = 256  # SQLite: expired operations deleted once per this many appends
 
 
 def entry_op(entry: Entry) -> dict[str, Any]:
@@ -47,14 +47,16 @@ class CacheLog(Protocol):
 
 
 class RedisLog:
-    """The log as a Redis stream (``<prefix>:semantic_cache``)."""
+    """The log as a Redis stream (``<prefix>:semantic_cache``), trimmed to the longest TTL: an
+    operation older than every answer it could concern is dropped (stream ids are times)."""
 
-    def __init__(self, url: str, prefix: str, block_ms: float) -> None:
+    def __init__(self, url: str, prefix: str, block_ms: float, keep_s: float = 7 * 86400) -> None:
         import redis.asyncio as redis
 
         self.redis = redis.from_url(url)
         self.key = f"{prefix}:semantic_cache"
         self.block_ms = int(block_ms)
+        self.keep_s = keep_s
         self.last = "0-0"
 
     async def start(self) -> list[dict[str, Any]]:
@@ -71,9 +73,10 @@ class RedisLog:
         return out
 
     async def append(self, ops: Sequence[dict[str, Any]]) -> None:
+        oldest = f"{int((time.time() - self.keep_s) * 1000)}-0"
         async with self.redis.pipeline(transaction=False) as pipe:
             for op in ops:
-                pipe.xadd(self.key, {"op": dumps(op)}, maxlen=LOG_MAX, approximate=True)
+                pipe.xadd(self.key, {"op": dumps(op)}, minid=oldest, approximate=True)
             await pipe.execute()
 
     async def since(self) -> list[dict[str, Any]]:
@@ -93,6 +96,7 @@ class SqliteLog:
         self.path = path
         self.poll_s = poll_s
         self.last = 0
+        self.appended = 0
         self.db: sqlite3.Connection | None = None
         self.lock = anyio.Lock()
 
@@ -120,6 +124,9 @@ class SqliteLog:
         with db:
             db.executemany("INSERT INTO semantic_cache_log (body, expires) VALUES (?, ?)",
                            [(dumps(op), float(op.get("expires", keep))) for op in ops])
+        self.appended += 1
+        if self.appended % PRUNE_EVERY == 0:
+            db.execute("DELETE FROM semantic_cache_log WHERE expires <= ?", (time.time(),))
 
     async def start(self) -> list[dict[str, Any]]:
         async with self.lock:

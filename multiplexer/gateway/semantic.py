@@ -45,7 +45,9 @@ def semantic_for(gw: Gateway) -> SemanticCache | None:
     state = gw.config.state
     cache_log: CacheLog
     if state.url is not None:
-        cache_log = RedisLog(state.url, state.prefix, section.sync_ms)
+        longest = max(s.ttl_s for s in [*section.routes.values(), *section.keys.values(),
+                                        *section.teams.values()])
+        cache_log = RedisLog(state.url, state.prefix, section.sync_ms, keep_s=longest)
     else:
         cache_log = SqliteLog(Path(gw.config.store.path), section.sync_ms / 1000.0)
 
