@@ -72,10 +72,9 @@ def block(wire: bytes) -> Event | None:
     if wire.startswith(b"data: ") and wire.find(b"\n", 0, last) < 0:  # OpenAI's every chunk
         return Event("message", wire[6:last], wire, DATA)
     if wire.startswith(b"event: "):  # Anthropic's and the Responses API's every event
-        line = wire.find(b"\n", 0, last)
-        if line > 7 and wire.startswith(b"data: ", line + 1) and wire.find(b"\n", line + 1, last) < 0:
-            name = wire[7:line].decode("utf-8", "replace")
-            return Event(name, wire[line + 7:last], wire, NAMED)
+        end = wire.find(b"\n", 0, last)
+        if end > 7 and wire.startswith(b"data: ", end + 1) and wire.find(b"\n", end + 1, last) < 0:
+            return Event(wire[7:end].decode("utf-8", "replace"), wire[end + 7:last], wire, NAMED)
     raw = wire[:last]
     name: str | None = None
     data: list[bytes] = []

@@ -115,13 +115,13 @@ class _Events:
     async def _one(self, chunk: Chunk) -> None:
         if self.broken is not None:
             raise anyio.BrokenResourceError
-        if self.held or (type(chunk) is not bytes and final_usage(chunk) is not None):
+        if self.held or (not isinstance(chunk, bytes) and final_usage(chunk) is not None):
             self.held.append(chunk)
         elif not await self.out(chunk):
             raise anyio.BrokenResourceError
 
     async def out(self, chunk: Chunk) -> bool:
-        if type(chunk) is bytes:  # an upstream's event in this face's shape, as it came
+        if isinstance(chunk, bytes):  # an upstream's event in this face's shape, as it came
             event = chunk
         else:
             try:
