@@ -187,3 +187,29 @@ async def test_an_abandoned_relayed_stream_is_booked_by_the_chunks_it_was_sent(t
     three, five = await abandoned(tmp_path / "3", 3), await abandoned(tmp_path / "5", 5)
     assert three > 0
     assert five - three == Decimal(2 * 10) / 10**6
+
+
+def test_the_servers_chunk_writer_frames_chunks_and_never_ends_a_body() -> None:
+    """A chunk after the head goes out framed as uvicorn frames it; an empty one (an event that
+    encodes to nothing) writes nothing, since an empty chunk would end the body; and where
+    uvicorn's own send must act (no head yet, a client reading slower, the response over) the
+    writer says so."""
+    from types import SimpleNamespace
+
+    from multiplexer.faces.server_protocol import JoinedWrites, _chunk_writer
+
+    written: list[bytes] = []
+    transport = SimpleNamespace(write=written.append, is_closing=lambda: False)
+    joined = JoinedWrites(transport, SimpleNamespace())  # type: ignore[arg-type]  # write_now needs no loop
+    cycle = SimpleNamespace(response_started=True, chunked_encoding=True, response_complete=False,
+                            disconnected=False, flow=SimpleNamespace(write_paused=False),
+                            scope={"method": "POST"})
+    write = _chunk_writer(cycle, joined)  # type: ignore[arg-type]
+    assert write(b"data: {}\n\n") and write(b"")
+    assert written == [b"a\r\ndata: {}\n\n\r\n"]
+    for field, value in (("response_started", False), ("response_complete", True)):
+        setattr(cycle, field, value)
+        assert not write(b"x")
+        setattr(cycle, field, not value)
+    cycle.flow.write_paused = True
+    assert not write(b"x") and written == [b"a\r\ndata: {}\n\n\r\n"]

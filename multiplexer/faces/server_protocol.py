@@ -95,7 +95,8 @@ def _chunk_writer(cycle: RequestResponseCycle, joined: JoinedWrites) -> Callable
         if not cycle.response_started or not cycle.chunked_encoding or cycle.response_complete \
                 or cycle.disconnected or cycle.flow.write_paused or cycle.scope["method"] == "HEAD":
             return False
-        joined.write_now(b"%x\r\n%b\r\n" % (len(body), body))
+        if body:  # an empty chunk would end a chunked body: there is nothing to write
+            joined.write_now(b"%x\r\n%b\r\n" % (len(body), body))
         return True
 
     return write
