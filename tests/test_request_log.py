@@ -278,3 +278,19 @@ async def test_what_is_queued_is_written_as_the_gateway_stops(tmp_path: Path) ->
         assert [r[3] for r in store.page(Query())] == ["alice"]
     finally:
         store.close()
+
+
+async def test_a_batch_s_lane_lines_carry_its_id(tmp_path: Path) -> None:
+    pytest.importorskip("openai")
+    from tests.test_v1_batches import gateway, jsonl, line, until_ended
+
+    async with gateway(tmp_path) as (_, gw, client):
+        rows = [line(f"e{i}", {"model": "mock-embed", "input": f"text {i}"}, "/v1/embeddings")
+                for i in range(2)]
+        upload = await client.files.create(file=("e.jsonl", jsonl(rows)), purpose="batch")
+        batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings",
+                                            completion_window="24h")
+        assert (await until_ended(client, batch.id)).status == "completed"
+        assert gw.requests is not None
+        found = (await gw.requests.page(Query(route="mock_embed")))["requests"]
+        assert [(r["batch_id"], r["status"]) for r in found] == [(batch.id, "ok")] * 2
