@@ -33,9 +33,10 @@ from multiplexer.records.sink import RecordSink
 
 log = logging.getLogger(__name__)
 
-MAX_USAGE_JSON = 256 * 1024  # a result only its JSON holds is read for its usage up to this size
-# what ``ended`` queues: (wall time, request id, plan, provider outcome, answer, lane, shared, seconds)
-Ended = tuple[float, bytes | None, Any, Any, Any, str | None, str | None, float]
+MAX_USAGE_JSON = 256 * 1024  # a result only its JSON holds is kept for its usage up to this size
+# what ``ended`` queues: the call's scalars (``Ended`` below), never its params or its answer
+# unless ``log.bodies`` keeps them, so a full queue holds small tuples
+Ended = tuple[Any, ...]
 
 
 class RequestLog:
@@ -55,8 +56,40 @@ class RequestLog:
     # -- the call's path -------------------------------------------------------------
     def ended(self, plan: Any, outcome: Any, answer: Any, lane: str | None, shared: str | None,
               seconds: float) -> None:
-        """A call ended (``Gateway._finish``): queued as it is, never waited for."""
-        self.sink.put((self.wall(), REQUEST_ID.get(), plan, outcome, answer, lane, shared, seconds))
+        """A call ended (``Gateway._finish``): its scalars queued, never waited for. What is read
+        here is attributes and two dict lookups; the row is made on the writer."""
+        call, item, error = plan.call, plan.item, answer.error
+        params = call.params
+        asked = params.get("model") if type(params) is dict else None
+        if item is not None:
+            options = item.options
+            served = item.params.get("model") if type(item.params) is dict else None
+            mode, share = options.get("mode"), options.get("upstream_share")
+        else:
+            served = mode = share = None
+        usage: Any = None
+        if error is None:
+            result = outcome.built()
+            if type(result) is dict:
+                usage = usage_of(result)
+            elif result is None and outcome.result_json is not None \
+                    and len(outcome.result_json) <= MAX_USAGE_JSON:
+                usage = outcome.result_json  # read on the writer
+        attempts = plan.attempts
+        bodies = None
+        if self.config.bodies:
+            bodies = (params, answer.built() if error is None else None, answer.result_json)
+        batch = call.batch_id
+        if batch is None and call.method == "jobs.submit" and error is None:
+            built = answer.built()
+            batch = built.get("job_id") if type(built) is dict else None
+        self.sink.put((
+            self.wall(), REQUEST_ID.get(), call.identity, call.face, call.method, plan.label, asked,
+            served, mode, share, error, answer.cost_pico, answer.saved_pico,
+            None if attempts is None else attempts.tried, None if attempts is None else attempts.number,
+            None if attempts is None else attempts.group, None if plan.error is None else plan.error.code,
+            plan.handler is not None, plan.auto, plan.deadline - plan.started, plan.first_chunk_s, batch,
+            usage, lane, shared, seconds, bodies))
 
     # -- the writer ------------------------------------------------------------------
     def _open(self) -> RequestStore:
@@ -70,84 +103,53 @@ class RequestLog:
 
     def row(self, ended: Ended) -> tuple[Any, ...]:
         """A record's row (``request_store.COLUMNS``), built on the writer's thread."""
-        at, rid, plan, outcome, answer, lane, shared, seconds = ended
-        call = plan.call
-        item = plan.item
-        asked = call.params.get("model") if isinstance(call.params, dict) else None
-        served = item.params.get("model") if item is not None and isinstance(item.params, dict) else None
-        error = answer.error
+        (at, rid, key, face, method, label, asked, served, mode, share, error, cost_pico, saved_pico,
+         tried, number, group, refused, gateway_method, auto, deadline, first, batch, usage, lane,
+         shared, seconds, bodies) = ended
         message = None
         if error is not None:
             data = error.data if isinstance(error.data, dict) else {}
             detail = data.get("detail")
             message = error.message if not isinstance(detail, str) else f"{error.message}: {detail}"
-        attempts = plan.attempts
-        tried: list[tuple[str, str]] = list(attempts.tried) if attempts is not None else []
+        tried = list(tried or ())
         # its own upstream attempts: none when refused before a lane took it, or when it shared
         # another call's (joined in flight, answered from the cache)
-        ran = attempts.number if attempts is not None else int(lane is not None and shared is None)
-        mode = item.options.get("mode") if item is not None else None
-        tokens = self._tokens(outcome) if error is None else None
-        cost = None if answer.cost_pico is None else -(-answer.cost_pico // 1000)
-        saved = -(-answer.saved_pico // 1000) if answer.saved_pico else 0
-        first = getattr(plan, "first_chunk_s", None)
+        ran = number if number is not None else int(lane is not None and shared is None)
+        tokens = _tokens(usage)
+        cost = None if cost_pico is None else -(-cost_pico // 1000)
+        saved = -(-saved_pico // 1000) if saved_pico else 0
         latency_ms = round(seconds * 1000, 3)
         first_ms = None if first is None else round(first * 1000, 3)
-        path = self._path(plan, answer, lane, shared, tried, mode, latency_ms, first_ms, cost, saved)
-        bodies: tuple[str | None, str | None] = (None, None)
-        if self.config.bodies:
-            limit = self.config.max_body_bytes
-            reply: Any = answer.built() if error is None else {"code": error.code, "message": message,
-                                                                "data": error.data}
-            if reply is None and error is None:
-                reply = answer.result_json
-            bodies = (redacted_text(call.params, limit), redacted_text(reply, limit))
-        key = call.identity
-        return (at, None if rid is None else rid.decode("ascii", "replace"), key, self.team_of(key),
-                call.face or "rpc", call.method[:200], plan.label, _text(asked), _text(served),
-                "ok" if error is None else "error", None if error is None else error.code,
-                None if message is None else message[:2000], ran, len(tried),
-                _batch_of(call, answer), mode, shared,
-                None if tokens is None else tokens.input, None if tokens is None else tokens.output,
-                None if tokens is None else tokens.cache_read, cost, saved, latency_ms, first_ms,
-                orjson.dumps(path).decode(), *bodies)  # its numbers are finite: no check
-
-    @staticmethod
-    def _tokens(outcome: Any) -> Any:
-        result = outcome.built()
-        if result is None and outcome.result_json is not None and len(outcome.result_json) <= MAX_USAGE_JSON:
-            try:
-                result = loads(outcome.result_json)
-            except ValueError:
-                return None
-        return tokens_of(usage_of(result)) if isinstance(result, dict) else None
-
-    @staticmethod
-    def _path(plan: Any, answer: Any, lane: str | None, shared: str | None, tried: list[tuple[str, str]],
-              mode: Any, latency_ms: float, first_ms: float | None, cost: int | None,
-              saved: int) -> dict[str, Any]:
-        """What ``GET /admin/requests/{id}`` draws: admission, lane, batch, attempts, cost, and
-        the timeline (ms from admission)."""
-        call, item = plan.call, plan.item
-        deadline = plan.deadline - plan.started
-        admission: dict[str, Any] = {
-            "method": call.method[:200], "route": plan.label, "mode": mode, "auto": bool(plan.auto),
-            "deadline_ms": round(deadline * 1000, 3) if math.isfinite(deadline) else None,
-            "gateway_method": plan.handler is not None, "group": getattr(plan.attempts, "group", "") or None,
-            "refused": plan.error.code if plan.error is not None else None}
-        share = item.options.get("upstream_share") if item is not None else None
-        batch = {"mode": mode, "share": share if isinstance(share, float) else None,
-                 "shared": shared}
         attempts = [{"route": r, "outcome": why} for r, why in tried]
         if lane is not None and shared is None:  # its last attempt (a lane took it)
-            attempts.append({"route": plan.label, "outcome": "ok" if answer.error is None
-                             else f"error {answer.error.code}"})
+            attempts.append({"route": label, "outcome": "ok" if error is None else f"error {error.code}"})
         timeline = [{"at_ms": 0.0, "event": "admitted"}]
         if first_ms is not None:
             timeline.append({"at_ms": first_ms, "event": "first chunk"})
-        timeline.append({"at_ms": latency_ms, "event": "answered" if answer.error is None else "failed"})
-        return {"admission": admission, "lane": lane, "batch": batch, "attempts": attempts,
-                "cost": {"cost_nano_usd": cost, "saved_nano_usd": saved}, "timeline": timeline}
+        timeline.append({"at_ms": latency_ms, "event": "answered" if error is None else "failed"})
+        path = {  # what GET /admin/requests/{id} draws
+            "admission": {"method": method[:200], "route": label, "mode": mode, "auto": bool(auto),
+                          "deadline_ms": round(deadline * 1000, 3) if math.isfinite(deadline) else None,
+                          "gateway_method": gateway_method, "group": group or None, "refused": refused},
+            "lane": lane, "batch": {"mode": mode, "share": share if isinstance(share, float) else None,
+                                    "shared": shared},
+            "attempts": attempts, "cost": {"cost_nano_usd": cost, "saved_nano_usd": saved},
+            "timeline": timeline}
+        texts: tuple[str | None, str | None] = (None, None)
+        if bodies is not None:
+            limit = self.config.max_body_bytes
+            sent, built, encoded = bodies
+            reply: Any = {"code": error.code, "message": message, "data": error.data} if error is not None \
+                else (built if built is not None else encoded)
+            texts = (redacted_text(sent, limit), redacted_text(reply, limit))
+        return (at, None if rid is None else rid.decode("ascii", "replace"), key, self.team_of(key),
+                face or "rpc", method[:200], label, _text(asked), _text(served),
+                "ok" if error is None else "error", None if error is None else error.code,
+                None if message is None else message[:2000], ran, len(tried),
+                None if batch is None else str(batch), mode, shared,
+                None if tokens is None else tokens.input, None if tokens is None else tokens.output,
+                None if tokens is None else tokens.cache_read, cost, saved, latency_ms, first_ms,
+                orjson.dumps(path).decode(), *texts)  # its numbers are finite: no check
 
     # -- lifetime ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -214,15 +216,15 @@ class RequestLog:
         return row
 
 
-def _batch_of(call: Any, answer: Any) -> str | None:
-    """The client's batch a call is a line of, or the job a ``jobs.submit`` made."""
-    if call.batch_id is not None:
-        return str(call.batch_id)
-    if call.method == "jobs.submit" and answer.error is None:
-        result = answer.built()
-        job = result.get("job_id") if isinstance(result, dict) else None
-        return job if isinstance(job, str) else None
-    return None
+def _tokens(usage: Any) -> Any:
+    """The usage's tokens in one shape; ``usage`` as ``ended`` kept it (a result's JSON: read here)."""
+    if isinstance(usage, bytes):
+        try:
+            result = loads(usage)
+        except ValueError:
+            return None
+        usage = usage_of(result) if isinstance(result, dict) else None
+    return tokens_of(usage)
 
 
 def _text(value: Any) -> str | None:
