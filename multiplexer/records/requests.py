@@ -1,9 +1,9 @@
 """The request log: one record per call, whatever ended it, searchable by the operator.
 
 The gateway hands each call's end to ``RequestLog.ended`` (``Gateway._finish``): it takes the
-wall time and the HTTP request's id, puts the call's finished objects on a ``RecordSink`` and
-returns; nothing is read, built or written on the call's path. The sink's writer makes the rows
-on its worker thread (the route and model asked and served, the error, the attempts, the tokens
+wall time, the HTTP request's id and the call's scalars, puts them on a ``RecordSink`` and
+returns; nothing is built or written on the call's path. The sink's writer makes the rows on its
+worker thread (the route and model asked and served, the error, the attempts, the tokens
 from the provider's usage, the cost, the path the call took as JSON, the bodies when
 ``log.bodies`` is on, through the redaction hook) and adds them a batch at a time to the table
 in the job store's database (``request_store.py``). Old rows are deleted in steps of a few
