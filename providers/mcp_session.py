@@ -163,6 +163,8 @@ class UpstreamSession:
             # declared to the upstream (elicitation form and URL, sampling, roots): its questions
             # are relayed to the client whose call asks them (``mcp_ask``)
             sampling_callback=self.questions.sampling,
+            # with tools too: relayed only to a client that declared them (else -32021 names it)
+            sampling_capabilities=types.SamplingCapability(tools=types.SamplingToolsCapability()),
             elicitation_callback=self.questions.elicitation,
             list_roots_callback=self.questions.roots,
             client_info=types.Implementation(name="multiplexer", version=__version__),

@@ -58,6 +58,17 @@ def haiku(topic: str, reply: Annotated[types.CreateMessageResult, Resolve(sample
     return f"{reply.model}: {text}"
 
 
+def sample_with_tools() -> Sample:
+    lookup = types.Tool(name="lookup", input_schema={"type": "object"})
+    message = types.SamplingMessage(role="user", content=types.TextContent(type="text", text="look it up"))
+    return Sample([message], max_tokens=16, tools=[lookup])
+
+
+@server.tool(description="Asks the client's model, offering it a tool")
+def tooled(reply: Annotated[types.CreateMessageResultWithTools, Resolve(sample_with_tools)]) -> str:
+    return f"{reply.model}: {len(reply.content_as_list)} block(s)"
+
+
 @server.tool(description="Lists the client's roots")
 def where(found: Annotated[types.ListRootsResult, Resolve(roots)]) -> str:
     return ",".join(str(r.uri) for r in found.roots)

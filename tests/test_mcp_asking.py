@@ -408,3 +408,24 @@ async def test_a_held_call_resumes_only_for_the_key_that_made_it(gateway: tuple[
         done = await alice.session.call_tool("leg_greet", {}, input_responses=answers,
                                              request_state=first.request_state, allow_input_required=True)
     assert isinstance(done, types.CallToolResult) and text(done) == "hello Ada"
+
+
+@pytest.mark.parametrize(("up", "mode"), [("leg", "legacy"), ("up", "auto"), ("up", "legacy")])
+async def test_sampling_with_tools_reaches_only_a_client_that_declared_them(gateway: tuple[Gateway, str],
+                                                                            up: str, mode: str) -> None:
+    _, url = gateway
+
+    async def sample(ctx: Any, params: types.CreateMessageRequestParams
+                     ) -> types.CreateMessageResultWithTools:
+        assert params.tools and params.tools[0].name == "lookup"
+        return types.CreateMessageResultWithTools(role="assistant", model="tooling-model",
+                                                  content=[types.TextContent(type="text", text="ok")])
+
+    tools = types.SamplingCapability(tools=types.SamplingToolsCapability())
+    async with as_alice(url, mode, sampling_callback=sample, sampling_capabilities=tools) as client:
+        assert text(await client.call_tool(f"{up}_tooled", {})) == "tooling-model: 1 block(s)"
+    async with as_alice(url, mode, sampling_callback=sample) as client:  # sampling, without tools
+        with pytest.raises(MCPError) as caught:
+            result = await client.call_tool(f"{up}_tooled", {})
+            raise AssertionError(f"answered: {result}")
+    assert "sampling.tools" in caught.value.message

@@ -111,8 +111,8 @@ class ClientAsker:
 
     def answers_here(self, method: str, params: dict[str, Any]) -> bool:
         sampler = self.sampler
-        if sampler is None or method != "sampling/createMessage":
-            return False
+        if sampler is None or method != "sampling/createMessage" or params.get("tools"):
+            return False  # sampling with tools is the client's to answer (the routes take none)
         return sampler.always or missing_capability(method, params, self.capabilities) is not None
 
     def refusal(self, method: str, params: dict[str, Any]) -> tuple[int, str, Any] | None:
@@ -137,6 +137,8 @@ class ClientAsker:
             # 2026-07-28 dropped the id a handshake-era URL elicitation must carry
             params = {**params, "elicitationId": f"mux-{uuid.uuid4().hex}"}
         request_type, result_type = _WIRE[method]
+        if method == "sampling/createMessage" and (params.get("tools") or params.get("toolChoice")):
+            result_type = types.CreateMessageResultWithTools
         request = request_type.model_validate({"method": method, "params": params or None})
         try:
             with anyio.CancelScope() as scope:
