@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from multiplexer.core.asking import ASK_OPTION, Asker
 from multiplexer.core.call import Item, Outcome
-from multiplexer.core.errors import Code, RpcError, invalid_params, timeout_error
+from multiplexer.core.errors import Code, RpcError, invalid_params
 from multiplexer.core.gather import gather
 from multiplexer.core.logs import LogFanout
 from multiplexer.core.metrics import code_label
@@ -197,10 +197,6 @@ class McpProvider(Provider):
         log = item.options.get("log")
         timeout = None if item.deadline is None else item.deadline - self.ctx.clock.now()
         asker = cast("Asker | None", item.options.get(ASK_OPTION))  # set by a face, never the wire
-        if asker is not None and timeout is not None:
-            timeout -= asker.ask_timeout_s  # the caller's own timeout (the face added this for asking)
-            if timeout <= 0:  # it ran out while the call waited its turn
-                return Outcome.fail(timeout_error("queued"))
         raw = item.options.get("tool_limits")
         taken = None
         if raw or self.tool_limits.own:
@@ -214,7 +210,7 @@ class McpProvider(Provider):
                 progress=progress if callable(progress) else None,
                 retry_safe=bool(item.options.get(_RETRY_SAFE)),
                 log=log if isinstance(log, LogFanout) and self.settings.forward_logs else None,
-                relay=Relay(self.name, asker),
+                relay=Relay(self.name, asker, item, self.ctx.clock),
                 resume=asker.resume if asker is not None else None,
             )
         except RpcError as e:

@@ -429,3 +429,22 @@ async def test_sampling_with_tools_reaches_only_a_client_that_declared_them(gate
             result = await client.call_tool(f"{up}_tooled", {})
             raise AssertionError(f"answered: {result}")
     assert "sampling.tools" in caught.value.message
+
+
+async def test_the_deadline_pauses_for_a_call_that_waited_its_turn_too(gateway: tuple[Gateway, str]) -> None:
+    """The same with the lane busy, so the call is handed to a lane worker and its caller waits
+    on its ticket (not run in its own task): the ticket's deadline moves with the pause."""
+    _, url = gateway
+    first, second = Answers(delay_s=1.0), Answers(delay_s=0.6)
+    async with as_alice(url, "legacy", **first.callbacks()) as busy, \
+            as_alice(url, "legacy", **second.callbacks()) as client, anyio.create_task_group() as tg:
+        tg.start_soon(busy.call_tool, "legh_greet", {})
+        await wait_until(lambda_async(lambda: bool(first.asked)))
+        result = await client.call_tool("legh_greet", {}, meta={"timeout_ms": 300})  # type: ignore[typeddict-unknown-key,arg-type]
+    assert text(result) == "hello Ada" and second.asked == ["elicit:form"]
+
+
+def lambda_async(check: Any) -> Any:
+    async def predicate() -> bool:
+        return bool(check())
+    return predicate

@@ -36,7 +36,7 @@ class Asker(Protocol):
     # and its retry (``inputResponses`` with ``requestState``) resumes the call upstream.
     passthrough: bool
     # The longest the call may spend waiting for this client's answers, in all: its deadline
-    # pauses while it is asked (the face added this much to the call's timeout).
+    # pauses while it is asked, for at most this long.
     ask_timeout_s: float
     # A 2026-07-28 client's retry: ``inputResponses`` and ``requestState`` to send upstream
     # with the call (the answers to the ``input_required`` result it was handed); else None.
@@ -58,7 +58,6 @@ class Asker(Protocol):
 
 
 def carry(item: Item, asker: Asker) -> None:
-    """The item takes its caller's ``Asker``. The face gave the call ``ask_timeout_s`` more than its
-    timeout, for the questions it may be asked; the provider keeps to the call's own timeout (what
-    is left of it less ``ask_timeout_s``), which it pauses while the client is asked."""
+    """The item takes its caller's ``Asker``; its provider pauses the item's deadline (which the
+    caller's ticket follows) while the client is asked."""
     item.options[ASK_OPTION] = asker

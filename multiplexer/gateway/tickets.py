@@ -126,8 +126,13 @@ async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> Non
         ready.clear()
         now = clock.now()
         while deadlines and deadlines[0][0] <= now:
-            t = waiting[heapq.heappop(deadlines)[1]]
+            i = heapq.heappop(deadlines)[1]
+            t = waiting[i]
             if t.outcome is None:
+                later = postponed(t)
+                if later is not None:
+                    heapq.heappush(deadlines, (later, i))
+                    continue
                 finish(t, Outcome.fail(deadline_error(t)), withdraw=True)
                 left -= 1
         if left <= 0:
@@ -139,18 +144,35 @@ async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> Non
         await wait_own(clock, waiter.wake, deadlines[0][0] if deadlines else math.inf)
 
 
+def postponed(t: Ticket) -> float | None:
+    """The later deadline the call's item took since it was admitted, now the ticket's too; None:
+    none. An MCP call's provider moves it while the call's client is asked a question (the
+    deadline pauses, ``core/asking``); nothing else moves an item's deadline."""
+    p = t.pending
+    later = p.item.deadline if p is not None else None
+    if later is None or later <= t.deadline:
+        return None
+    t.deadline = later
+    return later
+
+
 class _Expiry:
     """The deadline of a call run in its caller's task: at it, the call ends with its timeout
     and, withdrawn, its batch is cancelled, as ``settle`` does for a call that waits."""
 
-    __slots__ = ("finish", "ticket")
+    __slots__ = ("clock", "finish", "ticket", "timer")
 
-    def __init__(self, ticket: Ticket, finish: Finish) -> None:
-        self.ticket, self.finish = ticket, finish
+    def __init__(self, ticket: Ticket, finish: Finish, clock: Clock) -> None:
+        self.ticket, self.finish, self.clock = ticket, finish, clock
+        self.timer: Any = None
 
     def set(self) -> None:
         t = self.ticket
         if t.outcome is None:
+            later = postponed(t)
+            if later is not None:
+                self.timer = self.clock.wake_at(self, later)
+                return
             self.finish(t, Outcome.fail(deadline_error(t)), withdraw=True)
 
 
@@ -159,11 +181,14 @@ async def run_here(t: Ticket, clock: Clock, finish: Finish) -> None:
     ticket its outcome."""
     batch, t.batch = t.batch, None
     assert t.lane is not None and t.pending is not None
-    timer = clock.wake_at(_Expiry(t, finish), t.deadline) if t.deadline != math.inf else None
+    expiry = None
+    if t.deadline != math.inf:
+        expiry = _Expiry(t, finish, clock)
+        expiry.timer = clock.wake_at(expiry, t.deadline)
     try:
         await t.lane.run_here(batch)
     finally:
-        if timer is not None:
-            timer.cancel()
+        if expiry is not None:
+            expiry.timer.cancel()
     if t.outcome is None:
         finish(t, t.pending.future.outcome())  # type: ignore[arg-type]

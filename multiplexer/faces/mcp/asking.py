@@ -91,11 +91,6 @@ class ClientAsker:
         self.resume = resume
         self.held: Held | None = None  # where a 2026-07-28 client's call waits for its answers
 
-    def may_wait(self) -> bool:
-        """Whether a question could be put to this client: it declared a capability to be asked under."""
-        caps = self.capabilities
-        return caps is not None and any(c is not None for c in (caps.elicitation, caps.sampling, caps.roots))
-
     def _on_end(self, scope: anyio.CancelScope) -> None:
         """Stop waiting for an answer when the client's connection ends (registered only when a
         question is put, on the connection's own teardown)."""

@@ -397,8 +397,8 @@ class McpFace:
 
     def _may_be_asked(self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams,
                       call: Call) -> None:
-        """The call's way back to this client for its upstream's questions (``asking.py``), and the
-        time they may take added to its deadline (which pauses while the client is asked)."""
+        """The call's way back to this client for its upstream's questions (``asking.py``); its
+        deadline pauses while the client is asked (``providers/mcp_ask.Relay``)."""
         settings = self.gateway.config.server.mcp
         resume = None
         if params.input_responses is not None or params.request_state is not None:
@@ -406,17 +406,7 @@ class McpFace:
                                        include={"input_responses", "request_state"})
         sampler = (Sampler(self.gateway, settings.sampling, call.identity)
                    if settings.sampling is not None else None)
-        asker = call.ask = ClientAsker(ctx, settings.ask_timeout_s, sampler, resume, connection_of(ctx))
-        # Only a call that may wait for its client gets the extra time: a handshake-era client that
-        # declared a capability it can be asked under, or a 2026-07-28 one whose call would be held
-        # (a 2026-07-28 upstream's questions go back to such a client at once: no wait).
-        if not (asker.may_wait() if not asker.passthrough else self._asks_mid_call(call.method)):
-            asker.ask_timeout_s = 0.0
-            return
-        if call.timeout_ms is None:
-            route = self.gateway.resolve(call.method).route
-            call.timeout_ms = route.timeout_ms or self.gateway.config.server.default_timeout_ms
-        call.timeout_ms += settings.ask_timeout_s * 1000
+        call.ask = ClientAsker(ctx, settings.ask_timeout_s, sampler, resume, connection_of(ctx))
 
     # -- upstream log messages ------------------------------------------------------
     async def set_log_level(self, ctx: ServerRequestContext[Any, Any],
