@@ -28,6 +28,7 @@ from multiplexer.core.limiter import upstream_request
 from multiplexer.core.metrics import status_label
 from multiplexer.core.provider import ProviderContext
 from multiplexer.core.retry import Retryable, with_retries
+from multiplexer.transport.connection import Conn
 from multiplexer.transport.http1 import Http1Transport, Opened
 
 from .endpoints import BreakerOpen, Endpoints
@@ -356,6 +357,10 @@ class StreamedReply:
         if not opened.first and opened.rest is not None:
             return opened.rest.__aiter__()
         return opened.__aiter__()
+
+    def connection(self) -> Conn | None:
+        """The connection the body comes on (``Opened.connection``)."""
+        return self._opened.connection()
 
     async def aiter_text(self) -> AsyncIterator[str]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

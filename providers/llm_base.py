@@ -19,13 +19,13 @@ from multiplexer.core.policy import BatchPolicy, RouteConfig
 from multiplexer.core.provider import Provider, ProviderContext, stream_sink
 from multiplexer.core.sink import ChunkSink
 
-from .api_client import ApiClient, run_each
+from .api_client import ApiClient, StreamedReply, run_each
 from .batch.backend import BatchBackend
 from .batch.jobs import JobManager
 from .batch.sync_fallback import SyncFallback
 from .dedup_rules import deterministic_chat
 from .formations import PackOrSingle
-from .sse_relay import Event, events
+from .sse_relay import Event, Relay, Splitter, events, plain
 
 # In-flight requests when the config says none: a hosted API takes thousands at once and
 # says what it allows in its rate-limit headers, which the lane's limiter learns; a
@@ -188,15 +188,18 @@ class LlmProvider(Provider):
         usage: dict[str, Any] = {}
         ended = False
         raw = sink.raw
+        splitter = Splitter()
+        conn = response.connection() if isinstance(response, StreamedReply) else None
+        if conn is not None and raw is not None and sink.writes_now:  # chunks from the read callback
+            conn.relay = Relay(conn, splitter, sink, raw, lambda event: self.passes(item, event))
         try:
             kind = response.headers.get("content-type", "").partition(";")[0]
             if "text/event-stream" not in kind:  # as httpx_sse says it
                 raise SSEError("Expected response header Content-Type to contain "
                                f"'text/event-stream', got {kind!r}")
-            async for event in events(response.aiter_bytes()):
+            async for event in events(response.aiter_bytes(), splitter):
                 body = event.data
-                if event.form is not None and event.form == raw and body[:1] == b"{" \
-                        and body[-1:] == b"}" and self.passes(item, event):
+                if plain(event, raw) and self.passes(item, event):
                     await sink.send(event.wire)
                     continue
                 if body == b"[DONE]":
@@ -221,6 +224,8 @@ class LlmProvider(Provider):
             broke = f"the stream broke off: {type(e).__name__}: {e}"
             return Outcome.fail(upstream_unavailable(self.name, broke))
         finally:
+            if conn is not None:
+                conn.relay = None
             await response.aclose()
         if not ended:
             return Outcome.fail(upstream_unavailable(self.name, "the stream ended before its last event"))

@@ -13,9 +13,10 @@ nothing but comments are skipped; a field's value loses one leading space.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from multiplexer.core.sink import DATA, NAMED
+from multiplexer.core.sink import DATA, NAMED, ChunkSink
+from multiplexer.transport.connection import Conn
 
 
 class Event:
@@ -32,33 +33,105 @@ class Event:
         self.form = form
 
 
-async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[Event]:
-    """The events in a reply's body, each as soon as its blank line arrives."""
-    buf = b""
-    cr = False  # the last read ended in ``\r``: it may be half of a ``\r\n``
-    async for chunk in chunks:
-        if cr:
+class Splitter:
+    """A reply's bytes as events, as they come; shared by the stream's task (``events``) and the
+    connection's read callback (``Relay``), so neither loses the other's half-read event."""
+
+    __slots__ = ("buf", "cr", "pending")
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.cr = False  # the last read ended in ``\r``: it may be half of a ``\r\n``
+        self.pending: list[Event] = []  # split by the relay, left for the task, in order
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        """The events the bytes so far complete, in order."""
+        if self.cr:
             chunk = b"\r" + chunk
-            cr = False
+            self.cr = False
         if b"\r" in chunk:
             if chunk.endswith(b"\r"):
-                chunk, cr = chunk[:-1], True
+                chunk, self.cr = chunk[:-1], True
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        buf = buf + chunk if buf else chunk
+        buf = self.buf + chunk if self.buf else chunk
+        out: list[Event] = []
         start = 0
         while (end := buf.find(b"\n\n", start)) >= 0:
             # a read of one whole event (a stream's usual one) is that event's bytes, uncopied
             event = block(buf if start == 0 and end + 2 == len(buf) else buf[start:end + 2])
             start = end + 2
             if event is not None:
+                out.append(event)
+        self.buf = buf[start:] if start else buf
+        return out
+
+    def end(self) -> Event | None:
+        """An event the body ended in without its blank line, as httpx_sse reads it."""
+        buf = self.buf + b"\n" if self.cr else self.buf
+        return block(buf.rstrip(b"\n") + b"\n\n") if buf.strip(b"\n") else None
+
+
+async def events(chunks: AsyncIterator[bytes], splitter: Splitter | None = None) -> AsyncIterator[Event]:
+    """The events in a reply's body, each as soon as its blank line arrives (first those the
+    relay left to the task)."""
+    splitter = splitter or Splitter()
+    async for chunk in chunks:
+        if splitter.pending:
+            pending, splitter.pending = splitter.pending, []
+            for event in pending:
                 yield event
-        buf = buf[start:]
-    if cr:
-        buf += b"\n"
-    if buf.strip(b"\n"):  # an event the body ended in without its blank line, as httpx_sse reads it
-        event = block(buf.rstrip(b"\n") + b"\n\n")
-        if event is not None:
+        for event in splitter.feed(chunk):
             yield event
+    for event in splitter.pending:
+        yield event
+    last = splitter.end()
+    if last is not None:
+        yield last
+
+
+def plain(event: Event, raw: str | None) -> bool:
+    """Whether an event may go to a reader that takes ``raw`` events as bytes: in that form, and
+    a JSON object (what the caller's SDK will parse), before what it says is looked at."""
+    data = event.data
+    return event.form is not None and event.form == raw and data[:1] == b"{" and data[-1:] == b"}"
+
+
+class Relay:
+    """A stream's events relayed from its upstream connection's read callback (``Conn.relay``)
+    while the stream's task waits for bytes with nothing before them: each event that may go
+    as it came is written to the reader at once, so the task is not woken for a chunk (that
+    wake-up and the task's way back to its read were most of what a relayed chunk cost after
+    its JSON was no longer parsed). The first event that may not (usage, an error, the end, a
+    reader that cannot take it now) and every one after it are left to the task, in order."""
+
+    __slots__ = ("conn", "passes", "raw", "sink", "splitter")
+
+    def __init__(self, conn: Conn, splitter: Splitter, sink: ChunkSink, raw: str,
+                 passes: Callable[[Event], bool]) -> None:
+        self.conn = conn
+        self.splitter = splitter
+        self.sink = sink
+        self.raw = raw
+        self.passes = passes
+
+    def __call__(self) -> bool:
+        conn, splitter = self.conn, self.splitter
+        if splitter.pending or splitter.cr:
+            return False
+        for chunk in conn.chunks:
+            if b"\r" in chunk:  # line ends to normalise: the task's (rare) way
+                return False
+        sink, raw, passes, left = self.sink, self.raw, self.passes, splitter.pending
+        for chunk in conn.take():
+            for event in splitter.feed(chunk):
+                if left or not (plain(event, raw) and passes(event)
+                                and sink.write_now(event.wire or b"")):
+                    left.append(event)
+        if left:
+            conn.chunks.append(b"")  # a read for the task, which takes the events left first
+            return False
+        conn.arm(conn.timeout)  # the read timeout runs from the last bytes read
+        return True
 
 
 def block(wire: bytes) -> Event | None:

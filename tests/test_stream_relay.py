@@ -17,7 +17,7 @@ import pytest
 
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
-from providers.sse_relay import DATA, NAMED, escaped, events, valued
+from providers.sse_relay import DATA, NAMED, Relay, escaped, events, valued
 
 pytestmark = pytest.mark.anyio
 KEY = "sk-stream-relay-0123456789"
@@ -69,9 +69,10 @@ class Upstream:
     """A bare HTTP/1.1 upstream streaming ``events`` (each one chunk), then holding the stream
     open when ``hold`` (until the gateway lets go), else ending it with ``[DONE]``."""
 
-    def __init__(self, events: list[bytes], hold: bool = False) -> None:
+    def __init__(self, events: list[bytes], hold: bool = False, gap_s: float = 0.0) -> None:
         self.events = events
         self.hold = hold
+        self.gap_s = gap_s  # between events: each its own read, as a model's tokens come
         self.bodies: list[bytes] = []
         self.let_go = anyio.Event()
 
@@ -86,6 +87,8 @@ class Upstream:
             event = b"data: " + data + b"\n\n"
             writer.write(b"%x\r\n%b\r\n" % (len(event), event))
             await writer.drain()
+            if self.gap_s:
+                await asyncio.sleep(self.gap_s)
         if self.hold:
             await reader.read()  # b"" once the gateway closes the connection
             self.let_go.set()
@@ -169,7 +172,7 @@ async def test_an_error_chunk_is_read_not_relayed(tmp_path: Path) -> None:
 
 async def abandoned(tmp_path: Path, chunks: int) -> Decimal:
     """What a stream its client left after ``chunks`` relayed chunks is booked at."""
-    upstream = Upstream(CONTENT[:1] * chunks, hold=True)
+    upstream = Upstream(CONTENT[:1] * chunks, hold=True, gap_s=0.01)  # relayed from the callback
     async with gateway(tmp_path, upstream) as (_, client):
         async with client.stream("POST", "/v1/chat/completions", json=ask()) as r:
             seen = 0
@@ -213,3 +216,27 @@ def test_the_servers_chunk_writer_frames_chunks_and_never_ends_a_body() -> None:
         setattr(cycle, field, not value)
     cycle.flow.write_paused = True
     assert not write(b"x") and written == [b"a\r\ndata: {}\n\n\r\n"]
+
+
+async def test_chunks_are_relayed_from_the_read_callback_in_order(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spaced chunks go out from the upstream connection's read callback while the stream's task
+    waits (no wake-up a chunk), in order and as they came; the usage chunk and the end are left
+    to the task, which still prices the call."""
+    relayed: list[bool] = []
+    call = Relay.__call__
+
+    def counted(self: Relay) -> bool:
+        relayed.append(call(self))
+        return relayed[-1]
+
+    monkeypatch.setattr(Relay, "__call__", counted)
+    content = [CONTENT[0], CONTENT[1]] * 5 + [CONTENT[2]]
+    async with gateway(tmp_path, Upstream([*content, USAGE], gap_s=0.01)) as (_, client):
+        r = await client.post("/v1/chat/completions",
+                              json=ask(stream_options={"include_usage": True}))
+        events = r.content.split(b"\n\n")
+        assert events[:len(content)] == [b"data: " + c for c in content]
+        assert b'"cost_usd"' in events[len(content)] and events[-2:] == [b"data: [DONE]", b""]
+        assert relayed.count(True) >= 5  # most chunks never woke the task
+        assert await spend(client, 1) == Decimal(1000 * 2 + 2000 * 10) / 10**6

@@ -31,7 +31,7 @@ class ChunkSink:
     is an object, or an event's bytes as the upstream sent them where ``raw`` says the reader
     takes them."""
 
-    __slots__ = ("_first", "_stream", "hold", "raw", "sent")
+    __slots__ = ("_first", "_stream", "_write_now", "hold", "raw", "sent")
 
     def __init__(self, stream: Reader,
                  first: Callable[[], None] | None = None) -> None:
@@ -45,6 +45,7 @@ class ChunkSink:
         # "named": ``event:`` and ``data:``), when it takes an upstream's event in that shape as
         # the upstream's bytes (``providers/sse_relay.py``); None: chunks only as objects
         self.raw: str | None = getattr(stream, "raw", None)
+        self._write_now: Callable[[bytes], bool] | None = getattr(stream, "write_now", None)
 
     @property
     def started(self) -> bool:
@@ -61,6 +62,20 @@ class ChunkSink:
             self._started()
         self.sent += 1
         await self._stream.send(chunk)
+
+    @property
+    def writes_now(self) -> bool:
+        """Whether the reader can take a raw chunk at once, outside any task (``write_now``)."""
+        return self._write_now is not None and self.raw is not None
+
+    def write_now(self, chunk: bytes) -> bool:
+        """A raw chunk written at once where the reader can (a chunk already went the usual
+        way, and nothing waits before this one); False where it must be ``send``."""
+        write = self._write_now
+        if write is None or self._first is not None or not write(chunk):
+            return False
+        self.sent += 1
+        return True
 
     def send_nowait(self, chunk: Any) -> None:
         if self._first is not None:

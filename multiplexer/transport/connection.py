@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import select
 import socket
+from collections.abc import Callable
 from typing import cast
 
 import httptools
@@ -36,9 +37,9 @@ class Conn(asyncio.Protocol):
     ``expired``, ``write_paused``) and calls ``wait`` until it changes."""
 
     __slots__ = ("chunks", "closed", "deadline", "done", "expired", "failed", "got", "head_only",
-                 "headers", "idle", "keep", "loop", "lost", "parser", "poller", "read_paused", "small",
-                 "status", "stray", "timeout", "timer", "timer_at", "transport", "unread", "waiter",
-                 "write_paused")
+                 "headers", "idle", "keep", "loop", "lost", "parser", "poller", "read_paused", "relay",
+                 "small", "status", "stray", "timeout", "timer", "timer_at", "transport", "unread",
+                 "waiter", "write_paused")
     headers: list[tuple[bytes, bytes]]
     chunks: list[bytes]
     transport: asyncio.Transport
@@ -59,9 +60,13 @@ class Conn(asyncio.Protocol):
         self.deadline: float | None = None  # when an armed wait expires (the loop's clock)
         self.timeout: float | None = None
         self.poller: select.poll | None = None
+        # what takes a streamed body's bytes as they are read, while the task waits for them:
+        # True when it took them all (the task is not woken), False to wake the task
+        self.relay: Callable[[], bool] | None = None
         self.reset()
 
     def reset(self) -> None:
+        self.relay = None
         self.status, self.headers, self.chunks = 0, [], []
         self.done = self.keep = self.got = self.small = False
         self.unread = 0
@@ -180,6 +185,10 @@ class Conn(asyncio.Protocol):
         if self.unread > HIGH_WATER and not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()
+        relay, waiter = self.relay, self.waiter
+        if relay is not None and waiter is not None and not waiter.done() and self.chunks \
+                and not self.done and relay():
+            return  # every byte relayed while the task waits: nothing to wake it for
         if self.ready():
             self._wake()
         elif waiting_head and self.status and self.deadline is not None:

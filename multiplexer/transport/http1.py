@@ -78,6 +78,11 @@ class Opened:
             async for chunk in self.rest:
                 yield chunk
 
+    def connection(self) -> Conn | None:
+        """The connection the rest of the body comes on, where nothing is left to read before it
+        (what a relay of its bytes takes them from, ``Conn.relay``)."""
+        return self.rest.connection if self.rest is not None and not self.first else None
+
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self])
 
@@ -286,6 +291,11 @@ class _Body(httpx.AsyncByteStream):
                 raise
             finally:
                 conn.disarm()
+
+    @property
+    def connection(self) -> Conn | None:
+        """The connection the rest is read from, until it is handed back."""
+        return self._conn
 
     def _end(self, keep: bool) -> None:
         conn, self._conn = self._conn, None

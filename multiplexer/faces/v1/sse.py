@@ -87,6 +87,15 @@ class _Events:
         if self.drainer is None:
             self.drainer = asyncio.get_running_loop().create_task(self._drain())
 
+    def write_now(self, event: bytes) -> bool:
+        """An upstream's event in this face's shape, written at once from the upstream
+        connection's read callback: only after the head, with nothing queued or held before
+        it, the stream unbroken and the server able to write it now (``CHUNK``)."""
+        if not self.started or self.held or self.pending or self.drainer is not None \
+                or self.broken is not None or self._chunk is None:
+            return False
+        return self._chunk(event)
+
     def close(self) -> None:
         """Nothing to close: the stream ends when the call's outcome comes back."""
 
