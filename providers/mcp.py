@@ -77,7 +77,7 @@ class McpProvider(Provider):
         self._stack: AsyncExitStack | None = None
         self._sent = ctx.metrics.upstream_requests.labels(ctx.name)
         self.pins = ToolPins(ctx.name, self._tables, self._pin_changed) if self.settings.pin else None
-        self.tool_limits = ToolLimits(ctx.clock, self.settings.tool_limits)
+        self.tool_limits = ToolLimits(ctx.clock, self.settings.tool_limits, ctx.limiter)
 
     async def start(self) -> None:
         """Start the session supervisor and give the first connection a bounded chance to come up."""
@@ -200,7 +200,7 @@ class McpProvider(Provider):
         raw = item.options.get("tool_limits")
         taken = None
         if raw or self.tool_limits.own:
-            taken, refused = self.tool_limits.take(item.route, raw, item.method)
+            taken, refused = await self.tool_limits.take(item.route, raw, item.method)
             if refused is not None:
                 return Outcome.fail(refused)
         self._sent.inc()

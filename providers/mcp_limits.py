@@ -1,11 +1,12 @@
 """Per-tool limits of an MCP upstream (``tool_limits``: globs under a provider or a route).
 
-Each glob's rpm and concurrency are charged in the provider's limiter module
-(``core/limiter.NamedLimits``, the same token buckets as the provider's own limits): a call over
-its tool's share is refused at once with -32003 (``limit``: ``tool_rpm`` or
-``tool_concurrency``), never queued. A tool's ``timeout_ms`` shortens its calls' deadline. A
-route's globs are its own share; a provider's are shared by every route to it; a call is charged
-under both where both match (the first matching glob of each).
+Each glob's rpm and concurrency are charged through the provider's one limiter
+(``Limiter.named``: ``core/limiter.NamedLimits``, the same token buckets as the provider's own
+limits, shared as they are: each worker of ``serve --workers N`` its part, every replica and
+worker together with ``state.url``): a call over its tool's share is refused at once with -32003
+(``limit``: ``tool_rpm`` or ``tool_concurrency``), never queued. A tool's ``timeout_ms``
+shortens its calls' deadline. A route's globs are its own share; a provider's are shared by every
+route to it; a call is charged under both where both match (the first matching glob of each).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, rate_limited
-from multiplexer.core.limiter import NamedLimit, NamedLimits
+from multiplexer.core.limiter import Limiter, NamedLimit, NamedLimits
 
 
 class ToolLimit(BaseModel):
@@ -43,18 +44,30 @@ class McpRouteSettings(BaseModel):
                                           "tool names (the route's own share; see docs/mcp.md)")
 
 
-def named(clock: Clock, limits: Mapping[str, ToolLimit]) -> NamedLimits:
+def named(clock: Clock, limits: Mapping[str, ToolLimit], limiter: Limiter | None = None,
+          scope: str = "") -> NamedLimits:
     rules = [(glob, limit.rpm, limit.concurrency) for glob, limit in limits.items()
              if limit.rpm or limit.concurrency]
-    return NamedLimits(clock, rules, lambda glob, name: fnmatchcase(name, glob))
+    if limiter is None:
+        return NamedLimits(clock, rules, _matches)
+    return limiter.named(scope, rules, _matches)
+
+
+def _matches(glob: str, name: str) -> bool:
+    return fnmatchcase(name, glob)
+
+
+Taken = list[tuple[NamedLimits, NamedLimit]]
 
 
 class ToolLimits:
-    """A provider's ``tool_limits`` and each route's, built once per route on its first call."""
+    """A provider's ``tool_limits`` and each route's, built once per route on its first call, on
+    the provider's limiter (``scope``: ``provider`` or ``route:<name>``)."""
 
-    def __init__(self, clock: Clock, own: Mapping[str, ToolLimit]) -> None:
+    def __init__(self, clock: Clock, own: Mapping[str, ToolLimit], limiter: Limiter | None = None) -> None:
         self.clock = clock
-        self.own = named(clock, own)
+        self.limiter = limiter
+        self.own = named(clock, own, limiter, "provider")
         self.own_timeouts = {g: lim.timeout_ms for g, lim in own.items() if lim.timeout_ms}
         self._routes: dict[str, tuple[NamedLimits, dict[str, float]]] = {}
         self.any_routes = False
@@ -64,7 +77,7 @@ class ToolLimits:
         if found is None:
             settings = McpRouteSettings.model_validate({"tool_limits": raw or {}})
             limits = settings.tool_limits
-            found = self._routes[name] = (named(self.clock, limits),
+            found = self._routes[name] = (named(self.clock, limits, self.limiter, f"route:{name}"),
                                           {g: lim.timeout_ms for g, lim in limits.items() if lim.timeout_ms})
             self.any_routes = self.any_routes or bool(limits)
         return found
@@ -76,24 +89,24 @@ class ToolLimits:
         found = [ms for glob, ms in timeouts if fnmatchcase(tool, glob)]
         return min(found) / 1000 if found else None
 
-    def take(self, route: str, raw: object, tool: str) -> tuple[list[NamedLimit], RpcError | None]:
+    async def take(self, route: str, raw: object, tool: str) -> tuple[Taken, RpcError | None]:
         """Charge a call of ``tool``: the limits to ``finish``, or none and the refusal."""
-        taken: list[NamedLimit] = []
+        taken: Taken = []
         sets = [self.route(route, raw)[0], self.own] if raw else [self.own]
         for limits in sets:
             if not limits:
                 continue
-            limit, spent, wait = limits.take(tool)
+            limit, spent, wait = await limits.acquire(tool)
             if spent is not None:
                 self.finish(taken)
-                rule = limits.of(tool)
+                rule = limits.rule_of(tool)
                 return [], rate_limited(f"tool_{spent}", wait if spent == "rpm" else 1.0, tool=tool,
-                                        rule=rule.rule if rule is not None else None)
+                                        rule=rule[0] if rule is not None else None)
             if limit is not None:
-                taken.append(limit)
+                taken.append((limits, limit))
         return taken, None
 
     @staticmethod
-    def finish(taken: list[NamedLimit]) -> None:
-        for limit in taken:
-            NamedLimits.finish(limit)
+    def finish(taken: Taken) -> None:
+        for limits, limit in taken:
+            limits.finish(limit)

@@ -46,6 +46,7 @@ class Permit:
     id: str = ""
     shared: bool = False
     deadline: float | None = None  # the last of its callers' deadlines (None: one has none)
+    key: str = ""  # a named limit's (a tool's) set in the shared state; "" the provider's own
 
 
 class Limiter(Protocol):
@@ -77,6 +78,9 @@ class Limiter(Protocol):
     def pause(self, seconds: float) -> None: ...
 
     def observe(self, kind: str, limit: float | None, remaining: float, reset_in: float) -> None: ...
+
+    def named(self, scope: str, rules: Sequence[tuple[str, float | None, int]],
+              matches: Callable[[str, str], bool]) -> NamedLimits: ...
 
 
 class Upstream:
@@ -245,6 +249,7 @@ class RateLimiter:
         self.paused_until = 0.0
         self.concurrency = concurrency
         self.in_flight = 0
+        self.share = 1  # the processes enforcing this provider's limits apart (each its part)
         self._wakes: list[Callable[[], None]] = []
 
     def full(self) -> bool:
@@ -327,45 +332,73 @@ class RateLimiter:
                 self.tokens = bucket
         bucket.observe(limit, remaining, reset_in, now)
 
+    def named(self, scope: str, rules: Sequence[tuple[str, float | None, int]],
+              matches: Callable[[str, str], bool]) -> NamedLimits:
+        """Limits per name (an MCP tool's ``tool_limits``) kept as this provider's are: in this
+        process, each of ``share`` workers enforcing its part. ``scope`` names the set (a route's
+        own, or the provider's) where the limits are kept apart from this process."""
+        return NamedLimits(self.clock, rules, matches, share=self.share)
+
 
 
 @dataclass(slots=True)
 class NamedLimit:
     """One name's (an MCP tool's) share of its provider's limits: a requests-per-minute bucket and
-    a count of its calls in flight; refused, never queued, when either is spent."""
+    a count of its calls in flight; refused, never queued, when either is spent. ``lease``: a
+    call's concurrency slot in the replicas' shared state (``SharedNamedLimits``)."""
 
     rule: str  # the glob that gave these limits, for the refusal's message
     requests: TokenBucket | None
     concurrency: int  # 0: no cap
     in_flight: int = 0
+    key: str = ""  # shared: where its limits are kept in the shared state ("" here)
+    lease: str = ""
+
+
+def _part(amount: float | None, share: int) -> float | None:
+    return amount / share if amount and share > 1 else amount
 
 
 class NamedLimits:
     """Limits per name under one provider (``tool_limits``: rpm and concurrency per tool glob), kept
     beside its ``Limiter``'s buckets and charged with the same ``TokenBucket``: a call of a name
     over its share is refused at once (``take`` says why), so it never holds a lane slot waiting.
-    In this process: each replica (and each worker of ``serve --workers N``) keeps its own."""
+    Made by the provider's limiter (``Limiter.named``), so they are shared as its limits are: here,
+    in this process, each of ``share`` workers of ``serve --workers N`` keeping its part of each
+    limit (never the whole); with ``state.url``, ``core/shared_limiter.SharedNamedLimits``."""
 
     def __init__(self, clock: Clock, rules: Sequence[tuple[str, float | None, int]],
-                 matches: Callable[[str, str], bool]) -> None:
+                 matches: Callable[[str, str], bool], share: int = 1) -> None:
         self.clock = clock
-        self.rules = list(rules)  # (glob, rpm, concurrency), the first glob that matches wins
+        # (glob, rpm, concurrency) as configured, the first glob that matches wins
+        self.rules = list(rules)
+        self.share = max(1, share)
         self._matches = matches
         self._by_name: dict[str, NamedLimit | None] = {}
 
     def __bool__(self) -> bool:
         return bool(self.rules)
 
+    def rule_of(self, name: str) -> tuple[str, float | None, int] | None:
+        """The first rule whose glob matches ``name``."""
+        for rule in self.rules:
+            if self._matches(rule[0], name):
+                return rule
+        return None
+
     def of(self, name: str) -> NamedLimit | None:
         found = self._by_name.get(name, False)
         if found is not False:
             return found  # type: ignore[return-value]
         limit = None
-        for glob, rpm, concurrency in self.rules:
-            if self._matches(glob, name):
-                bucket = TokenBucket.per_minute(rpm, self.clock.now()) if rpm else None
-                limit = NamedLimit(glob, bucket, concurrency)
-                break
+        rule = self.rule_of(name)
+        if rule is not None:
+            glob, rpm, concurrency = rule
+            rpm = _part(rpm, self.share)
+            if concurrency and self.share > 1:
+                concurrency = max(1, concurrency // self.share)
+            bucket = TokenBucket.per_minute(rpm, self.clock.now()) if rpm else None
+            limit = NamedLimit(glob, bucket, concurrency)
         self._by_name[name] = limit
         return limit
 
@@ -386,6 +419,9 @@ class NamedLimits:
         limit.in_flight += 1
         return limit, None, 0.0
 
-    @staticmethod
-    def finish(limit: NamedLimit) -> None:
+    async def acquire(self, name: str) -> tuple[NamedLimit | None, str | None, float]:
+        """``take``, where the decision may need a round trip (the shared state's)."""
+        return self.take(name)
+
+    def finish(self, limit: NamedLimit) -> None:
         limit.in_flight -= 1

@@ -19,13 +19,13 @@ import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
 
 from multiplexer.core.clock import Clock
-from multiplexer.core.limiter import OnWait, Permit, RateLimiter
+from multiplexer.core.limiter import NamedLimit, NamedLimits, OnWait, Permit, RateLimiter
 from multiplexer.core.state import Granted, Learned, LimitSpec, SharedState, StateUnavailable
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ RETRY_SHARED_S = 1.0  # after a failure, decide locally this long before trying 
 MIN_POLL_S, MAX_POLL_S = 0.001, 0.05  # waiting for a concurrency slot: look again this often
 MAX_GRANT = 64  # waiters one round trip asks for at most
 NEAR_S = 0.1  # a waiter whose callers give up sooner is served after those with more time
+_NO_LIMITS = LimitSpec()
 
 
 
@@ -78,6 +79,7 @@ class SharedLimiter(RateLimiter):
         self._next_at = -math.inf  # when the shared state said the next permit can be had
         self._next_limit = ""  # and the limit that holds it until then
         self._poll = MIN_POLL_S
+        self._named_held: dict[str, set[str]] = {}  # a named set's key -> its slots held here
 
     # -- what the lane and providers call (sync) ------------------------------------
     def delay(self, requests: int, tokens: int) -> tuple[float, str]:
@@ -95,6 +97,23 @@ class SharedLimiter(RateLimiter):
         self._learned.append(Learned(kind, limit, remaining, reset_in))
         del self._learned[:-8]  # the freshest readings are all that count
         self._local.observe(kind, limit, remaining, reset_in)
+
+    def named(self, scope: str, rules: Sequence[tuple[str, float | None, int]],
+              matches: Callable[[str, str], bool]) -> NamedLimits:
+        """Limits per name (an MCP tool's), kept in the shared state beside this provider's."""
+        return SharedNamedLimits(self, scope, rules, matches)
+
+    def hold_named(self, key: str, lease_id: str) -> None:
+        self._named_held.setdefault(key, set()).add(lease_id)
+
+    def release_named(self, key: str, lease_id: str) -> None:
+        """A named slot's call ended: freed in the shared state off the caller's path."""
+        held = self._named_held.get(key)
+        if held is not None:
+            held.discard(lease_id)
+            if not held:
+                del self._named_held[key]
+        self._settle_send.send_nowait((Permit(slot=False, id=lease_id, shared=True, key=key), False))
 
     # -- around each batch (async) -------------------------------------------------
     async def ready(self, permit: Permit, on_wait: OnWait | None = None) -> None:
@@ -264,6 +283,12 @@ class SharedLimiter(RateLimiter):
     async def _settle(self, lease: Permit, back: bool = False) -> None:
         """Settle one ended lease (``back``: granted, never used: its request and tokens are
         refunded too) with the corrections gathered since the last settlement."""
+        if lease.key:  # a named slot (a tool's): nothing of the provider's own to settle
+            try:
+                await self.state.settle(lease.key, lease.id, 0.0, [], _NO_LIMITS)
+            except StateUnavailable as e:
+                self._degrade(e)  # the slot expires with its lease
+            return
         delta, self._delta = self._delta, 0.0
         learned, self._learned = self._learned, []
         if not lease.shared and self.clock.now() < self._down_until:
@@ -312,6 +337,12 @@ class SharedLimiter(RateLimiter):
                     await self.state.renew(self.name, list(self._held))
                 except StateUnavailable as e:
                     self._degrade(e)
+            for key, held in list(self._named_held.items()):
+                try:
+                    await self.state.renew(key, list(held))
+                except StateUnavailable as e:
+                    self._degrade(e)
+                    break
 
     # -- degraded: this replica's share ---------------------------------------------
     def _degrade(self, error: BaseException) -> None:
@@ -359,3 +390,63 @@ class SharedLimiter(RateLimiter):
             await self._slot_freed.wait()
         self._local_in_flight += 1
         return True
+
+
+class SharedNamedLimits(NamedLimits):
+    """``NamedLimits`` (an MCP upstream's ``tool_limits``) in the replicas' shared state, beside their
+    provider's limits and on the same script: each name's rpm bucket and concurrency slots decided
+    for every replica (and every worker) in one round trip, refused at once when spent. A slot is
+    a lease its replica renews while the call runs and frees as it ends. While the shared state is
+    unreachable, this replica enforces its share (each limit over the live replicas) and counts it."""
+
+    def __init__(self, owner: SharedLimiter, scope: str, rules: Sequence[tuple[str, float | None, int]],
+                 matches: Callable[[str, str], bool]) -> None:
+        super().__init__(owner.clock, rules, matches)
+        self.owner = owner
+        self.scope = scope
+        self._local: NamedLimits | None = None  # degraded: this replica's share
+        self._keys: dict[tuple[str, str], str] = {}
+
+    def _key(self, glob: str, name: str) -> str:
+        key = self._keys.get((glob, name))
+        if key is None:  # the shared state hashes it into one slot of its own
+            key = self._keys[(glob, name)] = "\x1f".join((self.owner.name, "tool", self.scope, glob, name))
+        return key
+
+    async def acquire(self, name: str) -> tuple[NamedLimit | None, str | None, float]:
+        rule = self.rule_of(name)
+        if rule is None:
+            return None, None, 0.0
+        glob, rpm, concurrency = rule
+        owner = self.owner
+        if owner.clock.now() >= owner._down_until:
+            key = self._key(glob, name)
+            lease = owner._lease_id() if concurrency else ""
+            try:  # shielded: a slot granted as the caller goes is still freed (below, by finish)
+                with anyio.fail_after(2 * owner.state.timeout_s, shield=True):
+                    got = await owner.state.acquire_many(key, [(lease, 0)],
+                                                         LimitSpec(rpm or 0.0, 0.0, concurrency))
+            except (StateUnavailable, TimeoutError) as e:
+                owner._degrade(e)  # a slot a lost answer took expires with its lease
+            else:
+                if not got.granted:
+                    return None, got.limit or "rpm", got.wait if got.limit == "rpm" else 0.0
+                if lease:
+                    owner.hold_named(key, lease)
+                return NamedLimit(glob, None, concurrency, 1, key=key, lease=lease), None, 0.0
+        return self._degraded(name)
+
+    def _degraded(self, name: str) -> tuple[NamedLimit | None, str | None, float]:
+        owner = self.owner
+        share = owner.state.live_replicas()
+        if self._local is None or self._local.share != share:
+            self._local = NamedLimits(self.clock, self.rules, self._matches, share=share)
+        if owner._on_degraded is not None:
+            owner._on_degraded("limits")
+        return self._local.take(name)
+
+    def finish(self, limit: NamedLimit) -> None:
+        if not limit.key:  # decided on this replica's share
+            limit.in_flight -= 1
+        elif limit.lease:
+            self.owner.release_named(limit.key, limit.lease)

@@ -64,7 +64,9 @@ def limiter_for(name: str, pconf: ProviderConfig, clock: Clock, state: SharedSta
     limits = pconf.limits
     if state is None:
         limits = share_of_limits(limits, share)
-        return RateLimiter(clock, limits.rpm, limits.tpm, limits.concurrency)
+        local = RateLimiter(clock, limits.rpm, limits.tpm, limits.concurrency)
+        local.share = share  # its named limits (MCP tool_limits) are split the same way
+        return local
     spec = LimitSpec(limits.rpm or 0.0, limits.tpm or 0.0, limits.concurrency)
     return SharedLimiter(clock, name, spec, state, on_degraded=metrics.state_degraded_count)
 
