@@ -65,9 +65,13 @@ class Words(Provider):
 
 
 def config(tmp_path: Path, alice: dict[str, Any] | None = None, **semantic: Any) -> Any:
+    return parse_config(raw_config(tmp_path, alice, **semantic))
+
+
+def raw_config(tmp_path: Path, alice: dict[str, Any] | None = None, **semantic: Any) -> Any:
     section = semantic or {"routes": {"chat": {"threshold": 0.6, "embed": "embed"},
                                       "claude": {"threshold": 0.6, "embed": "embed"}}}
-    return parse_config({
+    return {
         "server": {"admin_key": ADMIN, "key_store": {"enabled": False}, "api_keys": {
             "alice": {"key": ALICE, **(alice or {})}, "bob": {"key": BOB, "routes": ["embed"]},
             "carol": CAROL}},
@@ -79,7 +83,7 @@ def config(tmp_path: Path, alice: dict[str, Any] | None = None, **semantic: Any)
                    "chat2": {"provider": "mock", "operation": "chat", "models": ["mock-2"]},
                    "claude": {"provider": "mock", "operation": "messages", "models": ["mock-claude"]}},
         "cache": {"semantic": section},
-    })
+    }
 
 
 async def serve(tmp_path: Path, **semantic: Any) -> Gateway:
@@ -473,3 +477,162 @@ async def test_replicas_catch_up_within_a_second(tmp_path: Path, where: str) -> 
         tg.cancel_scope.cancel()
     await one.aclose()
     await two.aclose()
+
+
+# -- streams: a streamed miss stored, Anthropic's streamed hits ---------------------------------
+def sse_text(r: httpx.Response) -> str:
+    """The text of an OpenAI chat stream's chunks."""
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return "".join(ch["choices"][0]["delta"].get("content") or "" for ch in map(json.loads, events[:-1])
+                   if ch["choices"])
+
+
+def named_events(r: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    """Anthropic's stream as (event name, data) pairs."""
+    out = []
+    for block in r.text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+async def test_a_streamed_miss_is_stored_and_answers_a_paraphrase_either_way(tmp_path: Path) -> None:
+    gw = await serve(tmp_path)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        first = await c.chat(ALICE, "How do I boil an egg?", stream=True)
+        assert first.status_code == 200 and "x-multiplexer-cache" not in first.headers
+        text = sse_text(first)
+        assert text and upstream(gw) == 1
+        whole = await c.chat(ALICE, "how do I boil an egg")  # not streamed: the assembled answer
+        assert whole.headers["x-multiplexer-cache"] == "semantic"
+        assert whole.json()["choices"][0]["message"]["content"] == text
+        assert whole.json()["choices"][0]["finish_reason"] == "stop"
+        streamed = await c.chat(ALICE, "How do I boil an egg", stream=True)
+        assert streamed.headers["x-multiplexer-cache"] == "semantic" and sse_text(streamed) == text
+        assert upstream(gw) == 1
+        # a stream whose caller opted out is neither looked up nor stored
+        off = await c.chat(ALICE, "What is the capital of Peru?", {"x-multiplexer-cache": "off"},
+                           stream=True)
+        assert off.status_code == 200
+        again = await c.chat(ALICE, "What is the capital of Peru?")
+        assert "x-multiplexer-cache" not in again.headers and upstream(gw) == 3
+
+
+async def test_anthropic_streams_are_stored_and_hit_as_the_real_apis_events(tmp_path: Path) -> None:
+    gw = await serve(tmp_path)
+    async with running(gw.config, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        async def ask(text: str, stream: bool) -> httpx.Response:
+            return await h.post("/v1/messages", headers={"x-api-key": ALICE}, json={
+                "model": "mock-claude", "max_tokens": 64, "stream": stream,
+                "messages": [{"role": "user", "content": text}]})
+
+        first = await ask("How do I reverse a list in Python?", stream=True)
+        assert first.status_code == 200 and "x-multiplexer-cache" not in first.headers
+        text = "".join(d["delta"]["text"] for name, d in named_events(first)
+                       if name == "content_block_delta")
+        whole = await ask("How can I reverse a Python list?", stream=False)
+        assert whole.headers["x-multiplexer-cache"] == "semantic"
+        assert whole.json()["content"] == [{"type": "text", "text": text}]
+        assert whole.json()["stop_reason"] == "end_turn"
+        hit = await ask("How can I reverse a list in Python", stream=True)
+        assert hit.status_code == 200 and hit.headers["x-multiplexer-cache"] == "semantic"
+        assert hit.headers["content-type"].startswith("text/event-stream")
+        events = named_events(hit)
+        names = [name for name, _ in events]
+        assert names[:3] == ["message_start", "content_block_start", "ping"]
+        assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+        assert set(names[3:-3]) == {"content_block_delta"}
+        assert all(name == d["type"] for name, d in events)
+        start = events[0][1]["message"]
+        assert start["type"] == "message" and start["content"] == [] and start["stop_reason"] is None
+        assert "".join(d["delta"]["text"] for name, d in events if name == "content_block_delta") == text
+        assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+        assert events[-2][1]["usage"]["output_tokens"] == whole.json()["usage"]["output_tokens"]
+        assert upstream(gw) == 1
+
+
+def test_a_relayed_streams_bytes_add_up_to_the_whole_answer() -> None:
+    from multiplexer.cache.stream import whole
+
+    chunks: list[Any] = [
+        b'data: {"id":"c1","object":"chat.completion.chunk","created":5,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n',
+        b'data: {"id":"c1","object":"chat.completion.chunk","created":5,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"content":"h\\u00e9llo"},"finish_reason":null}]}\n\n',
+        {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+         "choices": [{"index": 0, "delta": {"content": " you"}, "finish_reason": "length"}]},
+        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+    ]
+    found = whole("chat", chunks, {})
+    assert found is not None and found["choices"][0]["message"]["content"] == "h\u00e9llo you"
+    assert found["choices"][0]["finish_reason"] == "length" and found["usage"]["completion_tokens"] == 2
+    tool = {"id": "c1", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]},
+                                     "finish_reason": None}]}
+    assert whole("chat", [*chunks[:2], tool, chunks[2]], {}) is None  # a tool call: not stored
+    assert whole("chat", chunks[:2], {}) is None  # never finished
+    named = [b'event: message_start\ndata: {"type":"message_start","message":{"id":"m1","model":"c",'
+             b'"usage":{"input_tokens":4,"output_tokens":1}}}\n\n',
+             {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+             {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}},
+             {"type": "content_block_stop", "index": 0},
+             {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2}},
+             {"type": "message_stop"}]
+    message = whole("messages", named, None)
+    assert message is not None and message["content"] == [{"type": "text", "text": "Hi"}]
+    assert message["usage"] == {"input_tokens": 4, "output_tokens": 2}
+    thinking = {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking"}}
+    assert whole("messages", [named[0], thinking, *named[2:]], None) is None
+    assert whole("messages", named[:-1], None) is None  # no message_stop: cut short
+
+
+async def test_an_upstreams_relayed_bytes_are_stored_as_the_whole_answer(tmp_path: Path) -> None:
+    import asyncio
+
+    pieces = [b'{"id":"c9","object":"chat.completion.chunk","created":7,"model":"gpt-up","choices":'
+              b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}],"usage":null}',
+              b'{"id":"c9","object":"chat.completion.chunk","created":7,"model":"gpt-up","choices":'
+              b'[{"index":0,"delta":{"content":"Boil it for"},"finish_reason":null}],"usage":null}',
+              b'{"id":"c9","object":"chat.completion.chunk","created":7,"model":"gpt-up","choices":'
+              b'[{"index":0,"delta":{"content":" nine minutes."},"finish_reason":"stop"}],"usage":null}',
+              b'{"id":"c9","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":5,"total_tokens":14}}',
+              b"[DONE]"]
+    asked: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        asked.append(await reader.readexactly(length))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for data in pieces:
+            event = b"data: " + data + b"\n\n"
+            writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    raw = raw_config(tmp_path)
+    raw["providers"]["oai"] = {"kind": "openai", "base_url": f"http://127.0.0.1:{port}/v1",
+                               "api_key": "sk-up", "retry": {"attempts": 1}}
+    raw["routes"]["up"] = {"provider": "oai", "operation": "chat", "models": ["gpt-up"]}
+    raw["cache"]["semantic"]["routes"] = {"up": {"threshold": 0.6, "embed": "embed"}}
+    cfg = parse_config(raw)
+    gw = Gateway(cfg, providers={"words": Words()})
+    try:
+        async with running(cfg, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+            c = Client(h)
+            first = await c.chat(ALICE, "How long do I boil an egg?", model="gpt-up", stream=True)
+            assert first.status_code == 200 and sse_text(first) == "Boil it for nine minutes."
+            hit = await c.chat(ALICE, "how long do I boil an egg", model="gpt-up")
+            assert hit.headers["x-multiplexer-cache"] == "semantic", hit.text
+            answer = hit.json()
+            assert answer["choices"][0]["message"]["content"] == "Boil it for nine minutes."
+            assert answer["id"] == "c9" and answer["usage"]["completion_tokens"] == 5
+            assert len(asked) == 1
+    finally:
+        server.close()

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from multiplexer.core.call import CacheNote, Call, Outcome
+from multiplexer.core.provider import STREAM
+from multiplexer.core.sink import ChunkSink
 
 if TYPE_CHECKING:
     from multiplexer.cache.semantic import Lookup, SemanticCache
@@ -95,8 +97,8 @@ async def _ask(gw: Gateway, cache: SemanticCache, plans: Sequence[Plan]) -> None
         if note is not None and note.off:
             cache.skipped(plan.label, "off")
             continue
-        if item.operation not in CACHED_OPERATIONS or (call.sink is not None and item.operation != "chat"):
-            cache.skipped(plan.label, "stream" if call.sink is not None else "shape")
+        if item.operation not in CACHED_OPERATIONS:
+            cache.skipped(plan.label, "shape")
             continue
         if plan.dedup_key is not None and gw.cache.get(plan.dedup_key) is not None:
             continue  # today's exact TTL cache answers it in enqueue
@@ -110,21 +112,21 @@ async def _ask(gw: Gateway, cache: SemanticCache, plans: Sequence[Plan]) -> None
     await cache.lookup([lk for _, lk in lookups])
     for plan, lk in lookups:
         if lk.hit is None:
-            _store_when_answered(cache, plan.call, lk)
+            _store_when_answered(cache, plan, lk)
         else:
             await _answer(plan, lk)
 
 
 async def _answer(plan: Plan, lk: Lookup) -> None:
-    from multiplexer.cache.stream import chat_chunks
+    from multiplexer.cache.stream import replayed
 
-    assert lk.hit is not None
+    assert lk.hit is not None and plan.item is not None
     call = plan.call
     result = lk.hit.result
     note = call.cache = call.cache or CacheNote()
     note.how, note.similarity, note.original_request_id = "semantic", lk.similarity, lk.hit.request_id
-    if call.sink is not None:
-        chunks = chat_chunks(result, plan.item.params if plan.item is not None else None)
+    if call.sink is not None:  # OpenAI's chunks or Anthropic's events, as the route streams them
+        chunks = replayed(plan.item.operation, result, plan.item.params)
         if chunks is None:
             note.how = None
             return
@@ -135,17 +137,36 @@ async def _answer(plan: Plan, lk: Lookup) -> None:
     plan.claim = None  # a hit takes nothing of the key's quotas
 
 
-def _store_when_answered(cache: SemanticCache, call: Call, lk: Lookup) -> None:
+def _store_when_answered(cache: SemanticCache, plan: Plan, lk: Lookup) -> None:
     """The miss's answer kept as the gateway answers it: through the call's last step (``shape``),
-    which sees the provider's own successful outcome before the face shapes it."""
-    if call.sink is not None:
-        return  # a stream's answer is never whole here: it is not stored
+    which sees the provider's own successful outcome before the face shapes it. A stream's
+    chunks are kept as they are relayed (only for this call: its sink's reader is wrapped) and
+    stored, assembled, as the whole answer once the stream ended well."""
+    from multiplexer.cache.stream import Recorder, whole
+
+    call, item = plan.call, plan.item
+    assert item is not None
     shape = call.shape
+    recorder: Recorder | None = None
+    if call.sink is not None:
+        sink = item.options.get(STREAM)
+        if not isinstance(sink, ChunkSink) or sink.started:
+            return
+        recorder = Recorder(call.sink)
+        # the same reader, seen through the recorder; the first chunk still timed from admission
+        item.options[STREAM] = ChunkSink(recorder, sink._first)
+    operation = item.operation
 
     def store_then_shape(outcome: Outcome) -> Outcome:
         result = outcome.result
-        if isinstance(result, dict) and (result.get("choices") is not None
-                                         or result.get("type") == "message"):
+        if recorder is not None:
+            usage = result.get("usage") if isinstance(result, dict) else None
+            answer = whole(operation, recorder.chunks, usage)
+            recorder.chunks = []
+            if answer is not None:
+                cache.store(lk, answer)
+        elif isinstance(result, dict) and (result.get("choices") is not None
+                                           or result.get("type") == "message"):
             cache.store(lk, result)
         return outcome if shape is None else shape(outcome)
 
