@@ -162,16 +162,18 @@ async def test_an_in_flight_call_finishes_on_the_old_provider_which_is_then_clos
             assert reloader.draining == {"g"}
             Gated.GATE.set()
         assert held["result"]["tag"] == "a"  # finished where it was admitted
-        with anyio.fail_after(5):  # drained: its lanes gone (closed with the gateway)
+        with anyio.fail_after(5):  # drained: the provider the gateway started is closed now
             await reloader.wait_until(lambda: not reloader.draining)
-        # a provider from the gateway's start stays open until the gateway stops; one a reload
-        # started is closed as soon as its lanes drain (below)
+        assert Gated.closed == ["a"]
+        assert [life.provider.ctx.settings.tag for life in gw.lives.open
+                if life.provider.name == "g"] == ["b"]
         write(path, conf(tmp_path, tag="c"))
         assert (await http.post("/admin/reload", headers=AUTH)).status_code == 200
-        with anyio.fail_after(5):  # one a reload started: closed once drained
+        with anyio.fail_after(5):  # one a reload started: closed once drained too
             await reloader.wait_until(lambda: "b" in Gated.closed)
         assert (await rpc(http, "one"))["result"]["tag"] == "c"
-    assert sorted(Gated.closed) == ["a", "b", "c"]
+        assert Gated.closed == ["a", "b"]
+    assert Gated.closed == ["a", "b", "c"]
 
 
 async def test_an_invalid_config_is_refused_with_check_configs_lines(

@@ -41,6 +41,7 @@ from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.gateway.affinity import affinities
 from multiplexer.gateway.config import Config, ConfigError, ServerConfig, parse_config
 from multiplexer.gateway.gateway import with_kind_defaults
+from multiplexer.gateway.provider_life import ProviderLife
 from multiplexer.gateway.registry import provider_class
 from multiplexer.gateway.replicas import limiter_for
 from multiplexer.money.prices import Prices
@@ -135,8 +136,6 @@ class ConfigReloader:
         self._lock = anyio.Lock()
         self._retired = 0  # lanes retired so far (their keys in gateway.lanes while they drain)
         self.draining: set[str] = set()  # providers whose lanes are still running what they hold
-        self._lives: dict[str, _Life] = {}  # the providers a reload started, by name
-        self._open: list[_Life] = []  # ... and those of them draining, until closed
         self.finished = 0  # reloads ended, whatever their result
         self._moved: anyio.Event | None = None  # set when a reload ends or a provider drains
         self.reloads = Counter("multiplexer_config_reloads", "Config reloads (SIGHUP, POST "
@@ -145,13 +144,6 @@ class ConfigReloader:
                                registry=gateway.metrics.registry)
         for result in ("ok", "invalid", "failed"):
             self.reloads.labels(result)
-        stack = gateway._stack  # running: the providers a reload started close as it stops
-        if stack is not None:
-            stack.callback(self._close_all)
-
-    def _close_all(self) -> None:
-        for life in self._open:
-            life.close()
 
     async def reload(self, actor: str = "sighup") -> Reloaded:
         """Read the file again and apply it; the answer says what changed or why not. Shielded:
@@ -223,7 +215,7 @@ class ConfigReloader:
                 check(config)
         except ConfigError as e:
             return Reloaded("invalid", [line.strip() for line in str(e).splitlines()])
-        started: dict[str, tuple[Provider, Limiter, _Life]] = {}
+        started: dict[str, tuple[Provider, Limiter, ProviderLife]] = {}
         kept: list[str] = []
         try:
             for name, pconf in new.providers.items():
@@ -236,8 +228,7 @@ class ConfigReloader:
                 started[name] = await self._start(name, pconf, cls, config)
         except Exception as e:
             for _, _, life in started.values():
-                life.close()
-                await life.closed.wait()
+                await gw.lives.close(life)
             what = f"providers.{name}: did not start: {type(e).__name__}: {e}"
             return Reloaded("failed", [what])
         done = Reloaded("ok", restart_needed=restart_needed(old, new))
@@ -269,10 +260,10 @@ class ConfigReloader:
         return config
 
     async def _start(self, name: str, pconf: ProviderConfig, cls: type[Provider],
-                     config: Config) -> tuple[Provider, Limiter, _Life]:
-        """A provider built and started as the gateway starts its own, in a task of the gateway's
-        that also closes it (a provider may hold task groups, exited in the task that entered
-        them)."""
+                     config: Config) -> tuple[Provider, Limiter, ProviderLife]:
+        """A provider built and started as the gateway starts its own, in a task of its own that
+        also closes it (``gateway/provider_life.py``: a provider may hold task groups, exited in
+        the task that entered them)."""
         gw = self.gw
         limiter = limiter_for(name, pconf, gw.clock, gw.state, gw.metrics, gw.share)
         settings = cls.Settings.model_validate(pconf.extra, context=config.paths_context())
@@ -284,18 +275,10 @@ class ConfigReloader:
             job_fallback=gw.job_fallbacks,
         )
         provider = cls(ctx)
-        life = _Life(provider)
-        gw.start_background(life.run)
-        with anyio.move_on_after(START_TIMEOUT_S):
-            await life.up.wait()
-        if not life.up.is_set():
-            life.close()
-            await life.up.wait()
-        if life.error is not None:
-            raise life.error
+        life = await gw.lives.start(provider, START_TIMEOUT_S)
         return provider, limiter, life
 
-    def _swap(self, old: Config, config: Config, started: dict[str, tuple[Provider, Limiter, _Life]],
+    def _swap(self, old: Config, config: Config, started: dict[str, tuple[Provider, Limiter, ProviderLife]],
               kept: list[str], done: Reloaded) -> None:
         """The one step (no await): every reference admission reads, replaced together."""
         gw = self.gw
@@ -342,10 +325,7 @@ class ConfigReloader:
             gw._lane_for(rname, rconf)
         for lane in retired:
             lane.close()
-        lives = {n: self._lives.pop(n) for n in gone if n in self._lives}
-        self._lives.update({n: life for n, (_, _, life) in started.items()})
-        self._open = [life for life in self._open if not life.closed.is_set()]
-        self._open += [life for _, _, life in started.values()]
+        lives = {n: life for n, p in old_providers.items() for life in gw.lives.open if life.provider is p}
         done.providers = {"started": sorted(started), "draining": sorted(gone), "kept": sorted(kept)}
         if any(done.routes.values()) or started or gone:  # MCP clients list the tools again
             gw.notify("tools_changed", {"provider": None, "reason": "config reload"})
@@ -390,9 +370,10 @@ class ConfigReloader:
         gw.keys.configure(config.server.api_keys, config.server.teams, set(after))
 
     async def _drain(self, lanes: list[Lane], providers: dict[str, Provider],
-                     limiters: dict[str, Limiter], lives: dict[str, _Life]) -> None:
-        """The retired lanes run what they hold, then leave; then the providers they served close
-        (one a reload started, in its own task; one the gateway started, with the gateway)."""
+                     limiters: dict[str, Limiter], lives: dict[str, ProviderLife]) -> None:
+        """The retired lanes run what they hold, then leave; then the providers they served close,
+        in their own tasks, whether the gateway or a reload started them (but one with a batch
+        API, whose remote batch jobs may still run: that one closes with the gateway)."""
         for lane in lanes:
             await lane.drained.wait()
         gw = self.gw
@@ -404,53 +385,10 @@ class ConfigReloader:
                     await limiter.drain()
             life = lives.get(name)
             if life is not None and isinstance(providers[name], BatchCapable):
-                life = None  # its remote batch jobs run on: it closes with the gateway (_open)
+                life = None  # its remote batch jobs run on: it closes with the gateway
             if life is not None:
-                life.close()
-                await life.closed.wait()
+                await gw.lives.close(life)
             self.draining.discard(name)
             self._tick()
             log.info("provider %s: its old settings drained%s", name,
                      " and closed" if life is not None else " (closed when the gateway stops)")
-
-
-class _Life:
-    """A provider started by a reload: started, then closed, in this one task of the gateway.
-
-    The task's shielded scope is entered before the provider starts, so the task groups a
-    provider enters in ``start`` nest inside it and exit in ``aclose`` in the same task; the
-    gateway's own cancellation never reaches it: ``close`` ends it (the gateway's exit stack
-    closes every one, ``ConfigReloader._close_all``), and cancels a start still under way."""
-
-    def __init__(self, provider: Provider) -> None:
-        self.provider = provider
-        self.up = anyio.Event()
-        self.closed = anyio.Event()
-        self._close = anyio.Event()
-        self._scope: anyio.CancelScope | None = None
-        self.error: BaseException | None = None
-
-    def close(self) -> None:
-        self._close.set()
-        if not self.up.is_set() and self._scope is not None:
-            self._scope.cancel()
-
-    async def run(self) -> None:
-        try:
-            with anyio.CancelScope(shield=True) as self._scope:
-                try:
-                    await self.provider.start()
-                except Exception as e:
-                    self.error = e
-                self.up.set()
-                if self.error is None:
-                    await self._close.wait()
-                try:
-                    await self.provider.aclose()
-                except Exception:
-                    log.exception("provider %s did not close cleanly", self.provider.name)
-        finally:
-            if not self.up.is_set():  # its start was cancelled (it took too long)
-                self.error = self.error or TimeoutError("its start did not end in time")
-            self.up.set()
-            self.closed.set()

@@ -4,7 +4,8 @@ stdout carries only protocol frames: logs go to stderr, the SDK points fd 1 at
 stderr while serving, and upstream children get their own pipes. The gateway
 stops when the client closes stdin or on SIGTERM/SIGINT; closing it reaps every
 upstream child. stdin is read by a daemon thread with ``os.read`` so a signal
-can end the process even while a read is blocked.
+can end the process even while a read is blocked. SIGHUP reads the config file again
+(``gateway/reload.py``, as ``serve`` does); the client is told the tools changed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from multiplexer.faces.mcp.server import McpFace
 from multiplexer.gateway import heap
 from multiplexer.gateway.config import Config
 from multiplexer.gateway.gateway import Gateway
+from multiplexer.gateway.reload import ConfigReloader
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +100,19 @@ async def stdin_lines(fd: int = 0, max_line: int = 8 * 1024 * 1024) -> AsyncIter
 async def serve_stdio(config: Config) -> None:
     async with Gateway(config) as gateway:
         attach_jobs(gateway)
+        reloader = gateway.faces["reloader"] = ConfigReloader(gateway, config.source)  # SIGHUP
         face = McpFace(gateway)
         server = face.server
         heap.serving(gateway)
         async with face.running(), anyio.create_task_group() as tg:
 
             async def stop_on_signal() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                     async for sig in signals:
+                        if sig == signal.SIGHUP:
+                            log.info("received SIGHUP: reloading the config")
+                            gateway.start_background(reloader.reload, "sighup")
+                            continue
                         log.info("received %s: stopping", signal.Signals(sig).name)
                         tg.cancel_scope.cancel()
                         return
