@@ -41,6 +41,7 @@ from multiplexer.gateway.config import Config, ProviderConfig, RouteConfig
 from multiplexer.gateway.fallbacks import Fallbacks
 from multiplexer.gateway.flights import CachedOutcome, Unsent
 from multiplexer.gateway.job_fallbacks import JobFallbacks
+from multiplexer.gateway.provider_life import ProviderLives
 from multiplexer.gateway.replicas import flights_for, limiter_for, open_state, quotas_for
 from multiplexer.gateway.request_log import request_log_for
 from multiplexer.gateway.semantic import ask_cache, semantic_for
@@ -126,6 +127,7 @@ class Gateway:
         self._tg: anyio.abc.TaskGroup | None = None
         self.faces: dict[str, Any] = {}  # what composers attached (the jobs.* face, ...), by name
         self.started: set[str] = set()  # providers whose start has returned
+        self.lives = ProviderLives()  # each provider's own task: started and closed in it
         self.closing = False
 
     # -- lifecycle -------------------------------------------------------------
@@ -138,6 +140,7 @@ class Gateway:
             if self.state is not None:
                 await self.state.start()
                 stack.push_async_callback(self.state.aclose)
+            self.lives = await stack.enter_async_context(ProviderLives())
             for name, pconf in list(self.config.providers.items()):
                 cls = type(self.providers[name]) if name in self.providers else provider_class(pconf.kind)
                 pconf = self.config.providers[name] = with_kind_defaults(pconf, cls)
@@ -156,9 +159,7 @@ class Gateway:
                         job_fallback=self.job_fallbacks,
                     )
                     self.providers[name] = cls(ctx)
-                provider = self.providers[name]
-                await provider.start()
-                stack.push_async_callback(provider.aclose)
+                await self.lives.start(self.providers[name])  # closed when drained or as we stop
                 self.started.add(name)
             await stack.enter_async_context(keys_running(self.keys, self.config))
             if self.money is not None:  # its last batch written once the lanes and the writer
