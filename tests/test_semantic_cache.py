@@ -23,7 +23,7 @@ from multiplexer.cache.guard import disagreement
 from multiplexer.cache.index import Entry, ScopeIndex
 from multiplexer.cache.semantic import SemanticCache
 from multiplexer.cache.settings import SemanticSection
-from multiplexer.cache.store import CacheLog, RedisLog, SqliteLog
+from multiplexer.cache.store import CacheLog, PgLog, RedisLog, SqliteLog
 from multiplexer.core.call import Item, Outcome
 from multiplexer.core.provider import Provider, ProviderContext
 from multiplexer.gateway.config import parse_config
@@ -436,8 +436,28 @@ def test_a_large_neighbourhood_moves_to_an_hnsw_index(monkeypatch: pytest.Monkey
     assert all(e.id != "e39" for e, _ in index.nearest(vectors[39], "n", now=0.0))
 
 
-@pytest.mark.parametrize("where", ["sqlite", "redis"])
+@pytest.mark.parametrize("where", ["sqlite", "redis", "postgres"])
 async def test_replicas_catch_up_within_a_second(tmp_path: Path, where: str) -> None:
+    if where == "postgres":
+        from tests.pg_helpers import throwaway_schema
+
+        with throwaway_schema() as (url, schema, _):
+            await replicas_catch_up(tmp_path, where, url, schema)
+        # a gateway with a PostgreSQL store and no Redis logs its answers there
+        from types import SimpleNamespace
+
+        from multiplexer.gateway.semantic import semantic_for
+
+        raw = raw_config(tmp_path)
+        raw["store"] = {"path": str(tmp_path / "mux.db"), "url": url, "schema": schema}
+        gw = SimpleNamespace(config=parse_config(raw), metrics=SimpleNamespace(registry=CollectorRegistry()))
+        cache = semantic_for(gw)  # type: ignore[arg-type]
+        assert cache is not None and isinstance(cache.log, PgLog) and cache.log.schema == schema
+    else:
+        await replicas_catch_up(tmp_path, where)
+
+
+async def replicas_catch_up(tmp_path: Path, where: str, pg_url: str = "", schema: str = "") -> None:
     section = SemanticSection.model_validate({"routes": {"chat": {"threshold": 0.6}}, "sync_ms": 50})
 
     async def embed(route: str, texts: list[str]) -> list[np.ndarray]:
@@ -446,6 +466,8 @@ async def test_replicas_catch_up_within_a_second(tmp_path: Path, where: str) -> 
     def log() -> CacheLog:
         if where == "sqlite":
             return SqliteLog(tmp_path / "s.db", 0.05)
+        if where == "postgres":
+            return PgLog(pg_url, schema, 0.05)
         return RedisLog(url, key_prefix, 50)
 
     if where == "redis":
@@ -474,6 +496,15 @@ async def test_replicas_catch_up_within_a_second(tmp_path: Path, where: str) -> 
         with anyio.fail_after(1.0):
             while any(len(s) for s in two.scopes.values()):
                 await anyio.sleep(0.01)
+        # an answer stored right after the clear outlives the clear read back from the log
+        again = one.ask("chat", settings, body("What is the capital of Peru?"), "alice", None)
+        assert again is not None
+        await one.lookup([again])
+        one.store(again, {"object": "chat.completion", "choices": []})
+        with anyio.fail_after(1.0):
+            while not any(len(s) for s in two.scopes.values()):
+                await anyio.sleep(0.01)
+        assert sum(len(s) for s in one.scopes.values()) == 1
         tg.cancel_scope.cancel()
     await one.aclose()
     await two.aclose()

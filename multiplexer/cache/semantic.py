@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -103,7 +104,7 @@ class SemanticCache:
         self.embed = embed
         self.log = log_
         self.wall = wall
-        self.replica = f"{os.getpid():x}{int(time.time() * 1000) % 1_000_000:x}"
+        self.replica = f"{os.getpid():x}{secrets.token_hex(4)}"  # its own ops in the log: skipped
         self._seq = itertools.count(1)
         self.scopes: dict[str, ScopeIndex] = {}
         self.scope_route: dict[str, str] = {}
@@ -254,11 +255,15 @@ class SemanticCache:
         if len(q.ops) >= 100_000:
             q.dropped += 1
             return
+        op["by"] = self.replica  # read back from the log, it is not applied a second time
         q.ops.append(op)
         q.event.set()
 
     def apply(self, op: dict[str, Any]) -> None:
-        """An operation from the log (this replica's own are already applied)."""
+        """An operation from the log (this replica's own are already applied: a clear read back
+        after this replica stored new answers would remove them)."""
+        if op.get("by") == self.replica:
+            return
         kind = op.get("op")
         if kind == "put":
             scope = self.scopes.get(op["scope"])

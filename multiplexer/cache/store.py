@@ -1,8 +1,9 @@
 """Where the semantic cache's answers outlive a process and reach the other replicas: one
 append-only log of operations (an answer stored, answers deleted, a scope's threshold raised),
-in Redis (a stream, with ``state.url``) or in the store's SQLite file. Every replica replays it
-at start and reads what was appended since every ``sync_ms``; entries carry their wall-clock
-expiry, so a replayed answer past its TTL is never served."""
+in Redis (a stream, with ``state.url``), else in the store's PostgreSQL database (with
+``store.url``) or its SQLite file. Every replica replays it at start and reads what was appended
+since every ``sync_ms``; entries carry their wall-clock expiry, so a replayed answer past its TTL
+is never served."""
 
 from __future__ import annotations
 
@@ -145,3 +146,80 @@ class SqliteLog:
         if self.db is not None:
             self.db.close()
             self.db = None
+
+
+class PgLog:
+    """The log as a table of the store's PostgreSQL database (``semantic_cache_log`` in
+    ``store.schema``), for replicas that share a database and no Redis. Each replica reads the
+    rows past the last id it read, every ``sync_ms``. Appends take one transaction-scoped
+    advisory lock, so ids become visible in the order they were given: a reader that has seen
+    id n never later finds a row below n committed behind it."""
+
+    LOCK = 7332  # the advisory lock of the log's appends (the job store's tables use 7331)
+
+    def __init__(self, url: str, schema: str, poll_s: float) -> None:
+        self.url = url
+        self.schema = schema
+        self.poll_s = poll_s
+        self.last = 0
+        self.appended = 0
+        self.conn: Any = None
+        self.lock = anyio.Lock()
+        self.table = ""
+
+    def _open(self) -> Any:
+        if self.conn is None:
+            from psycopg import sql
+
+            from multiplexer.jobs.pg_connect import connect
+
+            conn = connect(self.url)
+            schema = sql.Identifier(self.schema)
+            table = sql.Identifier(self.schema, "semantic_cache_log")
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.LOCK,))  # one creates it
+                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
+                conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (seq BIGSERIAL PRIMARY KEY, "
+                                     "body BYTEA NOT NULL, expires DOUBLE PRECISION NOT NULL)")
+                             .format(table))
+            self.table = table.as_string(conn)
+            conn.execute(f"DELETE FROM {self.table} WHERE expires <= %s", (time.time(),))
+            self.conn = conn
+        return self.conn
+
+    def _rows(self) -> list[dict[str, Any]]:
+        rows = self._open().execute(f"SELECT seq, body FROM {self.table} WHERE seq > %s "
+                                    "ORDER BY seq", (self.last,)).fetchall()
+        if rows:
+            self.last = rows[-1][0]
+        return [loads(bytes(body)) for _, body in rows]
+
+    def _append(self, ops: Sequence[dict[str, Any]]) -> None:
+        conn = self._open()
+        keep = time.time() + 7 * 86400  # deletions and raised thresholds: a week
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.LOCK,))
+            with conn.cursor() as cur:
+                cur.executemany(f"INSERT INTO {self.table} (body, expires) VALUES (%s, %s)",
+                                [(dumps(op), float(op.get("expires", keep))) for op in ops])
+        self.appended += 1
+        if self.appended % PRUNE_EVERY == 0:
+            conn.execute(f"DELETE FROM {self.table} WHERE expires <= %s", (time.time(),))
+
+    async def start(self) -> list[dict[str, Any]]:
+        async with self.lock:
+            return await anyio.to_thread.run_sync(self._rows)
+
+    async def append(self, ops: Sequence[dict[str, Any]]) -> None:
+        async with self.lock:
+            await anyio.to_thread.run_sync(self._append, ops)
+
+    async def since(self) -> list[dict[str, Any]]:
+        await anyio.sleep(self.poll_s)
+        async with self.lock:
+            return await anyio.to_thread.run_sync(self._rows)
+
+    async def aclose(self) -> None:
+        if self.conn is not None:
+            conn, self.conn = self.conn, None
+            await anyio.to_thread.run_sync(conn.close)

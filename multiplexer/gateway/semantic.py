@@ -42,7 +42,7 @@ def semantic_for(gw: Gateway) -> SemanticCache | None:
     if not section.enabled:
         return None
     from multiplexer.cache.semantic import SemanticCache
-    from multiplexer.cache.store import CacheLog, RedisLog, SqliteLog
+    from multiplexer.cache.store import CacheLog, PgLog, RedisLog, SqliteLog
 
     state = gw.config.state
     cache_log: CacheLog
@@ -50,6 +50,8 @@ def semantic_for(gw: Gateway) -> SemanticCache | None:
         longest = max(s.ttl_s for s in [*section.routes.values(), *section.keys.values(),
                                         *section.teams.values()])
         cache_log = RedisLog(state.url, state.prefix, section.sync_ms, keep_s=longest)
+    elif gw.config.store.url is not None:  # replicas sharing a PostgreSQL store and no Redis
+        cache_log = PgLog(gw.config.store.url, gw.config.store.schema_, section.sync_ms / 1000.0)
     else:
         cache_log = SqliteLog(Path(gw.config.store.path), section.sync_ms / 1000.0)
 
