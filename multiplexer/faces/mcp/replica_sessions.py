@@ -18,7 +18,11 @@ and the one place that knows its private parts) adds:
   replica not waiting for it goes to the one that is (server-to-client request ids are unique per
   replica, so two replicas' requests never share one); a ``DELETE`` ends every replica's copy;
 - **no replica owns a session**: one that stops or dies takes nothing of anyone's with it; a copy
-  that idles out, or a replica shutting down, drops only its copy.
+  that idles out, or a replica shutting down, drops only its copy;
+- **one count of open sessions**: ``server.mcp.max_sessions`` and ``max_sessions_per_key`` are
+  checked against every replica's sessions as one opens (503 ``Too many open sessions``, or 429
+  ``mcp_sessions`` for the key, as on one replica); a session leaves the count when its client
+  ends it (``DELETE``), when it idles out everywhere, or when its opening request fails.
 
 Redis unreachable: a replica serves the sessions it holds and counts ``mcp_sessions`` in
 ``multiplexer_state_degraded_total``; a session it does not hold answers 404 as before.
@@ -68,8 +72,9 @@ from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
 
 from multiplexer.core.call import Outcome
-from multiplexer.core.errors import RpcError
+from multiplexer.core.errors import Code, RpcError
 from multiplexer.core.state import StateUnavailable
+from multiplexer.faces.http import rpc_error
 from multiplexer.faces.mcp.server import McpFace, connection_of
 
 log = logging.getLogger(__name__)
@@ -90,7 +95,9 @@ class SessionStore(Protocol):
     async def touch(self, mount: str, session_id: str, ttl_s: float) -> bool: ...
     async def set_field(self, mount: str, session_id: str, field: str, value: str,
                         ttl_s: float) -> bool: ...
-    async def delete(self, mount: str, session_id: str) -> None: ...
+    async def delete(self, mount: str, session_id: str, owner: str = "") -> None: ...
+    async def open(self, mount: str, session_id: str, owner: str, ttl_s: float, most: int | None,
+                   per_owner: int | None) -> tuple[bool, str, int]: ...
     async def publish(self, mount: str, message: dict[str, Any]) -> None: ...
     async def listen(self, mount: str, deliver: Callable[[dict[str, Any]], Awaitable[None]], *,
                      task_status: TaskStatus[None] = ...) -> None: ...
@@ -393,14 +400,49 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
         kept only if it is answered."""
         session_id = http_transport.mcp_session_id
         assert session_id is not None and self._task_group is not None
-        established = False
+        established = counted = False
+        owner = json.dumps(_owner(scope))
         try:
+            refusal, counted = await self._count_open(session_id, owner)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
             await self._task_group.start(partial(self._serve, http_transport, None))
             status = await _send_and_report_status(http_transport.handle_request, scope, receive, send)
             established = status is not None and status < 400
         finally:
             if not established:
                 await self._discard_session(session_id, http_transport)
+                if counted:
+                    with anyio.CancelScope(shield=True):
+                        await self._uncount(session_id, owner)
+
+    async def _count_open(self, session_id: str, owner: str) -> tuple[Any, bool]:
+        """The opening session counted for every replica under ``max_sessions`` and
+        ``max_sessions_per_key``: (None, whether it was counted) or (the refusal to send, False).
+        The shared state unreachable: this replica's own caps only, the decision counted."""
+        mcp = self.face.gateway.config.server.mcp
+        try:
+            taken, cap, held = await self.store.open(self.mount, session_id, owner, self.ttl_s,
+                                                     self.max_sessions, mcp.max_sessions_per_key)
+        except StateUnavailable:
+            self._degraded("mcp_sessions")
+            return None, False
+        if taken:
+            return None, True
+        if cap == "key":
+            error = RpcError(Code.RATE_LIMITED, "Rate limited: too many open MCP sessions for this key",
+                             {"limit": "mcp_sessions", "max": mcp.max_sessions_per_key, "open": held})
+            return rpc_error(429, error), False
+        log.warning("Refusing to open a new session: %d sessions are open on the replicas", held)
+        error = RpcError(types.INTERNAL_ERROR, "Too many open sessions")
+        return rpc_error(503, error), False
+
+    async def _uncount(self, session_id: str, owner: str) -> None:
+        try:
+            await self.store.delete(self.mount, session_id, owner)
+        except StateUnavailable:
+            self._degraded("mcp_sessions")  # it leaves the count as it idles out
 
     async def _serve(self, transport: StreamableHTTPServerTransport, record: dict[str, str] | None, *,
                      task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
