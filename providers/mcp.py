@@ -210,7 +210,7 @@ class McpProvider(Provider):
                 progress=progress if callable(progress) else None,
                 retry_safe=bool(item.options.get(_RETRY_SAFE)),
                 log=log if isinstance(log, LogFanout) and self.settings.forward_logs else None,
-                relay=Relay(self.name, asker, item, self.ctx.clock),
+                relay=Relay(self.name, asker, item),
                 resume=asker.resume if asker is not None else None,
             )
         except RpcError as e:

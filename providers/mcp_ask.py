@@ -34,9 +34,8 @@ import mcp_types as types
 from mcp.client.session import ClientRequestContext
 from pydantic import TypeAdapter
 
-from multiplexer.core.asking import Asker, ClientGone
+from multiplexer.core.asking import PAUSED, Asker, ClientGone
 from multiplexer.core.call import Item
-from multiplexer.core.clock import Clock
 from multiplexer.core.errors import RpcError, cancelled, timeout_error
 
 __all__ = ["ASKING", "MAX_ROUNDS", "Questions", "Relay"]
@@ -49,15 +48,12 @@ _RESPONSES: TypeAdapter[Any] = TypeAdapter(types.InputResponses)
 class Relay:
     """One upstream ``tools/call``'s way back to its caller, and its deadline, paused while asking."""
 
-    def __init__(self, provider: str, asker: Asker | None, item: Item | None = None,
-                 clock: Clock | None = None) -> None:
+    def __init__(self, provider: str, asker: Asker | None, item: Item | None = None) -> None:
         self.provider = provider
         self.asker = asker
-        # the call's item: its deadline (which its caller's ticket follows, ``gateway/tickets``)
-        # moves with the pause, on the gateway's clock
+        # the call's item: how far the pause moved its deadline (``PAUSED``), which its callers'
+        # tickets follow (``gateway/tickets.postponed``)
         self.item = item
-        self.clock = clock
-        self._item_left = 0.0
         self.allowance = getattr(asker, "ask_timeout_s", 0.0) if asker is not None else 0.0
         self.scope: anyio.CancelScope | None = None
         self.gone = False
@@ -78,25 +74,23 @@ class Relay:
             raise timeout_error("upstream")
 
     def _pause(self) -> None:
-        scope, item, clock = self.scope, self.item, self.clock
+        scope, item = self.scope, self.item
         if self._asking == 0:
             if scope is not None:
                 self._left = scope.deadline - anyio.current_time()
                 scope.deadline = math.inf
-            if item is not None and item.deadline is not None and clock is not None:
-                # while asking, the most the asking may take; the time it took, once answered
-                self._item_left = item.deadline - clock.now()
-                item.deadline = clock.now() + self._item_left + max(self.allowance, 0.0)
+            if item is not None:  # while asking, the most the asking may take
+                item.options[PAUSED] = self.spent + max(self.allowance, 0.0)
         self._asking += 1
 
     def _resume(self) -> None:
         self._asking -= 1
-        scope, item, clock = self.scope, self.item, self.clock
+        scope, item = self.scope, self.item
         if self._asking == 0:
             if scope is not None and not scope.cancel_called:
                 scope.deadline = anyio.current_time() + self._left
-            if item is not None and item.deadline is not None and clock is not None:
-                item.deadline = clock.now() + self._item_left
+            if item is not None:  # once answered, the time it took
+                item.options[PAUSED] = self.spent
 
     async def answer(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         """The caller's answer to one question; an ``RpcError`` the upstream is answered with."""

@@ -18,9 +18,12 @@ from typing import Any, Protocol, runtime_checkable
 
 from multiplexer.core.call import Item
 
-__all__ = ["ASK_OPTION", "Asker", "ClientGone", "carry"]
+__all__ = ["ASK_OPTION", "PAUSED", "Asker", "ClientGone", "carry"]
 
 ASK_OPTION = "ask"  # an item's ``options`` key for its ``Asker`` (set from ``Call.ask``)
+# An item's ``options`` key: the seconds its call's deadline has moved for its client's questions
+# (while one is out, the most the asking may take); its callers' tickets follow it.
+PAUSED = "ask_paused_s"
 
 
 class ClientGone(Exception):

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from multiplexer.core.asking import PAUSED
 from multiplexer.core.batching import Pending
 from multiplexer.core.call import Call, Outcome
 from multiplexer.core.clock import Clock, wait_own
@@ -56,6 +57,7 @@ class Ticket:
     plan: Any = None  # its admission plan, when calls are priced (``spend.enabled``)
     shared: str | None = None  # how it shared another's execution: ``dedup``, ``cache``
     batch: Any = None  # its lane's batch of it alone, to run in the caller's task (``run_here``)
+    paused: float = 0.0  # seconds its deadline moved while its client was asked (``postponed``)
 
     def leave_fanouts(self) -> None:
         """Stop receiving the shared execution's progress and log messages (the call ended, or
@@ -145,15 +147,16 @@ async def settle(tickets: Sequence[Ticket], clock: Clock, finish: Finish) -> Non
 
 
 def postponed(t: Ticket) -> float | None:
-    """The later deadline the call's item took since it was admitted, now the ticket's too; None:
-    none. An MCP call's provider moves it while the call's client is asked a question (the
-    deadline pauses, ``core/asking``); nothing else moves an item's deadline."""
+    """The ticket's deadline, moved by as much as its item's call paused for its client's questions
+    since it was last moved (an MCP call's provider pauses it while the client is asked,
+    ``core/asking.PAUSED``); None: it did not move."""
     p = t.pending
-    later = p.item.deadline if p is not None else None
-    if later is None or later <= t.deadline:
+    paused = p.item.options.get(PAUSED) if p is not None else None
+    if not paused or paused <= t.paused:
         return None
-    t.deadline = later
-    return later
+    t.deadline += paused - t.paused
+    t.paused = paused
+    return t.deadline
 
 
 class _Expiry:
