@@ -667,3 +667,49 @@ async def test_an_upstreams_relayed_bytes_are_stored_as_the_whole_answer(tmp_pat
             assert len(asked) == 1
     finally:
         server.close()
+
+
+# -- a reload re-applies cache.semantic -------------------------------------------------------
+async def test_a_reload_turns_the_cache_on_and_applies_new_settings_to_new_calls(tmp_path: Path) -> None:
+    import yaml
+
+    from multiplexer.gateway.config import load_config
+
+    path = tmp_path / "gw.yaml"
+    raw = raw_config(tmp_path)
+    raw.pop("cache")
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path)
+    gw = Gateway(cfg, providers={"words": Words()})
+    q, paraphrase = "How do I reverse a list in Python?", "How can I reverse a Python list?"
+
+    async def reload(semantic: dict[str, Any]) -> dict[str, Any]:
+        path.write_text(yaml.safe_dump({**raw, "cache": {"semantic": semantic}}))
+        r = await c.admin("POST", "/admin/reload")
+        assert r.status_code == 200 and r.json()["result"] == "ok", r.text
+        assert "cache" not in r.json()["restart_needed"]
+        return r.json()  # type: ignore[no-any-return]
+
+    async with running(cfg, port=0, gateway=gw) as (_, url), httpx.AsyncClient(base_url=url) as h:
+        c = Client(h)
+        assert gw.semantic is None
+        await reload({"routes": {"chat": {"threshold": 0.6, "embed": "embed"}}, "sync_ms": 50})
+        assert gw.semantic is not None  # turned on: stores and answers from now on
+        await c.chat(ALICE, q)
+        assert (await c.chat(ALICE, paraphrase)).headers.get("x-multiplexer-cache") == "semantic"
+        # a higher threshold for new calls; the scope is unchanged, so its answers are kept
+        await reload({"routes": {"chat": {"threshold": 0.99, "embed": "embed"}}})
+        far = await c.chat(ALICE, "How would I reverse a Python list?")
+        assert "x-multiplexer-cache" not in far.headers
+        assert (await c.chat(ALICE, q)).headers.get("x-multiplexer-cache") == "semantic"  # kept
+        assert gw.semantic.sizes()["chat"] == 2
+        # another scope (every caller's): the key's answers are no longer any call's, dropped
+        await reload({"routes": {"chat": {"threshold": 0.6, "embed": "embed", "scope": "global"}}})
+        assert gw.semantic.sizes().get("chat", 0) == 0
+        assert "x-multiplexer-cache" not in (await c.chat(ALICE, q)).headers
+        assert (await c.chat(CAROL, paraphrase)).headers.get("x-multiplexer-cache") == "semantic"
+        # turned off: nothing is looked up or stored, nothing kept
+        await reload({})
+        assert "x-multiplexer-cache" not in (await c.chat(CAROL, paraphrase)).headers
+        assert gw.semantic.sizes() == {}
+        assert upstream(gw) == 4

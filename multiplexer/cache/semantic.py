@@ -16,7 +16,7 @@ import os
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +144,7 @@ class SemanticCache:
             team: str | None) -> Lookup | None:
         owner = {"key": f"key:{identity or '-'}", "team": f"team:{team or '-'}",
                  "global": "global"}[settings.scope]
-        scope = f"{route}|{owner}"
+        scope = f"{route}|{owner}|{settings.embed}"  # vectors of one embeddings route only
         ask = ask_of(params, route=route, scope=scope, max_messages=settings.max_messages)
         if isinstance(ask, str):
             self.skipped(route, ask)
@@ -246,6 +246,7 @@ class SemanticCache:
         if index is None:
             index = self.scopes[entry.scope] = ScopeIndex(max_entries)
             self.scope_route[entry.scope] = entry.route
+        index.max_entries = max_entries  # a reload's new bound, from the next answer on
         index.add(entry)
 
     def _send(self, op: dict[str, Any]) -> None:
@@ -285,6 +286,34 @@ class SemanticCache:
         s = self.section.routes.get(route)
         return s.max_entries if s is not None else 10_000
 
+    # -- a reload ---------------------------------------------------------------------------
+    def configure(self, section: SemanticSection, groups: Mapping[str, Sequence[str]]) -> list[str]:
+        """A reloaded ``cache.semantic``, for the calls that come after it (new routes, keys,
+        teams, thresholds, TTLs and bounds); ``groups``: each model group's routes. A scope's
+        answers are kept where some new settings still make the same scope (its route, its kind
+        of owner and its embeddings route), the rest dropped here (not through the log: each
+        replica reloads its own file); the scopes dropped."""
+        self.section = section
+        if self.audit.maxlen != section.audit_size:
+            self.audit = deque(self.audit, maxlen=section.audit_size)
+        for name, value in (("poll_s", section.sync_ms / 1000.0), ("block_ms", int(section.sync_ms))):
+            if hasattr(self.log, name):
+                setattr(self.log, name, value)
+        every = [*section.keys.values(), *section.teams.values()]
+        dropped = []
+        for name in list(self.scopes):
+            route, _, rest = name.partition("|")
+            owner, _, embed = rest.partition("|")
+            kind = owner.partition(":")[0]
+            found = [section.routes.get(route),
+                     *(section.routes.get(g) for g, members in groups.items() if route in members)]
+            if not any(s is not None and s.scope == kind and s.embed == embed for s in [*found, *every]):
+                del self.scopes[name]
+                self.scope_route.pop(name, None)
+                self.raised.pop(name, None)
+                dropped.append(name)
+        return dropped
+
     # -- admin ------------------------------------------------------------------------------
     def hits(self, limit: int = 100) -> list[dict[str, Any]]:
         """The newest hits kept for audit, newest first."""
@@ -318,7 +347,8 @@ class SemanticCache:
     def _clear(self, route: str | None, key: str | None) -> int:
         n = 0
         for name in list(self.scopes):
-            scope_route, _, owner = name.partition("|")
+            scope_route, _, rest = name.partition("|")
+            owner = rest.partition("|")[0]
             if route is not None and scope_route != route:
                 continue
             if key is not None and owner != f"key:{key}":

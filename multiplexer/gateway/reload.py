@@ -102,7 +102,10 @@ def _own_lane(route: RouteConfig) -> bool:
 def restart_needed(old: Config, new: Config) -> list[str]:
     """The keys whose new values only a restart applies, where the file changed them."""
     out = [name for name in type(old).model_fields
-           if name not in RELOADED and name != "server" and getattr(old, name) != getattr(new, name)]
+           if name not in RELOADED and name not in ("server", "cache")
+           and getattr(old, name) != getattr(new, name)]
+    if old.cache.max_entries != new.cache.max_entries:  # cache.semantic is reloaded
+        out.append("cache.max_entries")
     out += [f"server.{name}" for name in ServerConfig.model_fields
             if name not in SERVER_RELOADED and name not in SERVER_UNCOMPARED
             and getattr(old.server, name) != getattr(new.server, name)]
@@ -112,7 +115,9 @@ def restart_needed(old: Config, new: Config) -> list[str]:
 def merged(old: Config, new: Config) -> Config:
     """The running config with what a reload applies taken from ``new``."""
     server = old.server.model_copy(update={k: getattr(new.server, k) for k in SERVER_RELOADED})
-    config = old.model_copy(update={"server": server, **{k: getattr(new, k) for k in RELOADED}})
+    cache = old.cache.model_copy(update={"semantic": new.cache.semantic})  # the semantic cache's
+    config = old.model_copy(update={"server": server, "cache": cache,
+                                    **{k: getattr(new, k) for k in RELOADED}})
     config.providers = dict(new.providers)  # completed below with each kind's defaults
     return config
 
@@ -308,6 +313,7 @@ class ConfigReloader:
         gw.router = Router(config.routes, {g: c.routes for g, c in config.groups.items()})
         self._fallbacks(old, config)
         self._keys(old, config)
+        self._semantic(config)
         if gw.money is not None:
             prices = Prices(config.providers, config.routes)
             gw.money.meter.prices = gw.money.budgets.prices = prices
@@ -357,6 +363,21 @@ class ConfigReloader:
                       if r.fallbacks or r.context_window_fallbacks
                       or "max_attempts" in r.model_fields_set or r.provider in policies}
         fb.affinity = affinities(fb.groups, fb.routes)
+
+    def _semantic(self, config: Config) -> None:
+        """``cache.semantic`` for new calls (``SemanticCache.configure``: answers kept where their
+        scope is unchanged); one turned on by the reload starts now. Turned off, the cache stays
+        with nothing to cache (its metrics registered once)."""
+        gw = self.gw
+        section = config.cache.semantic
+        if gw.semantic is not None:
+            gw.semantic.configure(section, {g: c.routes for g, c in config.groups.items()})
+        elif section.enabled:
+            from multiplexer.gateway.semantic import run_semantic, semantic_for
+
+            gw.semantic = semantic_for(gw)
+            if gw.semantic is not None:
+                gw.start_background(run_semantic, gw.semantic)
 
     def _keys(self, old: Config, config: Config) -> None:
         """The config's keys, teams and ``server.quotas``: their rules and limits for new calls

@@ -72,6 +72,18 @@ def semantic_for(gw: Gateway) -> SemanticCache | None:
     return SemanticCache(section, embed, gw.metrics.registry, cache_log)
 
 
+async def run_semantic(cache: SemanticCache) -> None:
+    """A cache a reload turned on: its background task, and its last writes sent as it stops
+    (the gateway's own is closed by its exit stack)."""
+    import anyio
+
+    try:
+        await cache.run()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await cache.aclose()
+
+
 async def ask_cache(gw: Gateway, cache: SemanticCache, plans: Sequence[Plan]) -> None:
     """Each routed plan the cache covers looked up; a hit's answer on ``plan.cached`` (a stream's
     chunks already sent), its quota claim dropped; a miss's answer stored when it comes. The cache
