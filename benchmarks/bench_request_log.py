@@ -174,12 +174,16 @@ async def sustain(args: argparse.Namespace) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
             fake = fake_upstream(stack)
             urls = [gateway(stack, tmp, fake, "{enabled: false}", pg), gateway(stack, tmp, fake, "{}", pg)]
+            pids = [pid_of(url) for url in urls]
             rounds = max(1, round(args.seconds / 10))
             for _ in range(rounds):
-                for row, url in zip(out, urls, strict=True):
+                for row, url, pid in zip(out, urls, pids, strict=True):
+                    before = cpu_of(pid), database_cpu()
                     calls, took = await _drive(url, args.clients, args.seconds / rounds)
                     row["calls"] += calls
                     row["seconds"] += took
+                    row["gateway_cpu"] = row.get("gateway_cpu", 0.0) + cpu_of(pid) - before[0]
+                    row["database_cpu"] = row.get("database_cpu", 0.0) + database_cpu() - before[1]
             await anyio.sleep(2.5)  # the writer's last batch (log.flush_interval_s: 1 s)
             text = httpx.get(f"{urls[1]}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
             on = out[1]
@@ -193,7 +197,29 @@ async def sustain(args: argparse.Namespace) -> list[dict[str, Any]]:
             conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
     for row in out:
         row["calls_per_s"] = row["calls"] / row["seconds"]
+        row["gateway_cpu_us"] = row["gateway_cpu"] / row["calls"] * 1e6
+        row["database_cpu_us"] = row["database_cpu"] / row["calls"] * 1e6
     return out
+
+
+def cpu_of(pid: int | None) -> float:
+    import psutil
+
+    if pid is None:
+        return 0.0
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def database_cpu() -> float:
+    """CPU seconds of this machine's PostgreSQL processes so far (the database shares the cores)."""
+    import psutil
+
+    total = 0.0
+    for proc in psutil.process_iter(["name", "cpu_times"]):
+        if proc.info["name"] and proc.info["name"].startswith("postgres") and proc.info["cpu_times"]:
+            total += proc.info["cpu_times"].user + proc.info["cpu_times"].system
+    return total
 
 
 def queries(now: float) -> list[tuple[str, dict[str, str]]]:
@@ -301,9 +327,10 @@ def main() -> None:
         saved["hot"] = rows
     if args.phase in ("sustain", "all"):
         s = anyio.run(sustain, args)
-        print(table(["gateway", "seconds", "calls", "calls/s", "records written", "rows in PostgreSQL",
-                     "dropped", "failed"],
+        print(table(["gateway", "seconds", "calls", "calls/s", "gateway CPU us/call",
+                     "PostgreSQL CPU us/call", "records written", "rows in PostgreSQL", "dropped", "failed"],
                     [[r["name"], f"{r['seconds']:.0f}", r["calls"], f"{r['calls_per_s']:.0f}",
+                      f"{r['gateway_cpu_us']:.0f}", f"{r['database_cpu_us']:.0f}",
                       f"{r['written']:.0f}" if "written" in r else "-", r.get("rows", "-"),
                       f"{r['dropped']:.0f}" if "dropped" in r else "-",
                       f"{r['failed']:.0f}" if "failed" in r else "-"] for r in s]) + "\n")
