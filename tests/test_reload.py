@@ -286,3 +286,73 @@ async def test_reloads_under_a_steady_stream_of_calls_lose_none(tmp_path: Path) 
     assert answered == sent and answered >= 120
     assert {"a", "t4"} <= tags
     assert sorted(Gated.closed) == ["a", "t0", "t1", "t2", "t3", "t4"]
+
+
+async def test_request_log_and_tool_audit_settings_reload(tmp_path: Path) -> None:
+    """``log:`` and ``audit:`` apply at once (bodies kept from the next call on), all but
+    ``log.enabled`` and ``audit.tools``, which are named in ``restart_needed``."""
+    path = tmp_path / "gw.yaml"
+    data = conf(tmp_path, routes={"one": {"provider": "e"}})
+    write(path, data)
+    async with running(load_config(path), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        assert gw.requests is not None
+        audit = gw.faces["tool_audit"]  # the /mcp face's tool-call audit
+        assert (await rpc(http, "one", {"before": 1}))["result"] == {"before": 1}
+        data["log"] = {"bodies": True, "queue": 500, "batch": 10, "flush_interval_s": 0.5,
+                       "retention_days": 3}
+        data["audit"] = {"tools": False, "arguments": True, "max_argument_bytes": 128, "queue": 77}
+        write(path, data)
+        r = await http.post("/admin/reload", headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert r.json()["restart_needed"] == ["audit.tools"]
+        log_conf = gw.requests.config
+        assert (log_conf.bodies, log_conf.retention_days, log_conf.enabled) == (True, 3, True)
+        sink = gw.requests.sink
+        assert (sink.capacity, sink.batch, sink.interval_s) == (500, 10, 0.5)
+        assert (audit.settings.arguments, audit.settings.max_argument_bytes) == (True, 128)
+        assert audit.settings.tools is True and gw.config.audit.tools is True  # until a restart
+        assert audit.sink.capacity == 77
+        assert (await rpc(http, "one", {"after": 2}))["result"] == {"after": 2}
+        listed = (await http.get("/admin/requests", headers=AUTH)).json()["requests"]
+        bodies = []
+        for row in listed:
+            one = (await http.get(f"/admin/requests/{row['id']}", headers=AUTH)).json()
+            bodies.append(one["request_body"])
+        assert bodies[1] is None and bodies[0] is not None and '"after"' in bodies[0], bodies
+        data["log"]["enabled"] = False
+        write(path, data)
+        r = await http.post("/admin/reload", headers=AUTH)
+        assert r.json()["restart_needed"] == ["audit.tools", "log.enabled"], r.text
+        assert gw.requests.config.enabled is True and gw.requests.config.bodies is True
+
+
+async def test_a_routes_tool_limits_reload_on_a_kept_mcp_provider(tmp_path: Path) -> None:
+    """An MCP upstream kept by a reload (its settings unchanged) takes a route's new
+    ``tool_limits`` from the route's next call."""
+    from multiplexer.core.clock import ManualClock
+    from multiplexer.gateway.gateway import Gateway
+    from multiplexer.gateway.reload import ConfigReloader
+    from tests.mcp_helpers import call
+    from tests.pin_helpers import config_data, upstream_url
+
+    async with upstream_url() as url:
+        path = tmp_path / "gw.yaml"
+        data = config_data(url, tmp_path)
+        data["routes"]["rug_*"]["tool_limits"] = {"look*": {"rpm": 1}}
+        write(path, data)
+        async with Gateway(load_config(path), clock=ManualClock()) as gw:
+            reloader = ConfigReloader(gw, path)
+            assert [(await call(gw, "rug_lookup", {"word": str(i)})).ok for i in range(2)] == [True, False]
+            data["routes"]["rug_*"]["tool_limits"] = {"look*": {"rpm": 3}}
+            write(path, data)
+            done = await reloader.reload("test")
+            assert done.result == "ok", done.errors
+            assert done.providers["kept"] == ["rug"] and done.routes["changed"] == ["rug_*"]
+            outcomes = [await call(gw, "rug_lookup", {"word": str(i)}) for i in range(4)]
+            assert [o.ok for o in outcomes] == [True, True, True, False]
+            assert outcomes[3].error.code == Code.RATE_LIMITED
+            del data["routes"]["rug_*"]["tool_limits"]
+            write(path, data)
+            assert (await reloader.reload("test")).result == "ok"
+            assert all([(await call(gw, "rug_lookup", {"word": str(i)})).ok for i in range(5)])

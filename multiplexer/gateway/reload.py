@@ -55,6 +55,10 @@ Result = Literal["ok", "invalid", "failed"]
 # what a reload applies; everything else in the file waits for a restart
 RELOADED = ("providers", "routes", "groups", "budgets")
 SERVER_RELOADED = ("api_keys", "teams", "quotas")
+# sections applied at once but for the keys named (those wait for a restart): the request log's
+# and the tool-call audit's settings are read again (their writers and the MCP faces' wrapping
+# stay as they started)
+PARTLY_RELOADED = {"log": ("enabled",), "audit": ("tools",)}
 # set from the command line, not only the file (``--workers``, a worker's slot): never compared
 SERVER_UNCOMPARED = ("workers",)
 # a provider's keys that reach new calls without starting it again (read through ``Prices``)
@@ -102,8 +106,10 @@ def _own_lane(route: RouteConfig) -> bool:
 def restart_needed(old: Config, new: Config) -> list[str]:
     """The keys whose new values only a restart applies, where the file changed them."""
     out = [name for name in type(old).model_fields
-           if name not in RELOADED and name not in ("server", "cache")
+           if name not in RELOADED and name not in ("server", "cache") and name not in PARTLY_RELOADED
            and getattr(old, name) != getattr(new, name)]
+    out += [f"{section}.{key}" for section, keys in PARTLY_RELOADED.items() for key in keys
+            if getattr(getattr(old, section), key) != getattr(getattr(new, section), key)]
     if old.cache.max_entries != new.cache.max_entries:  # cache.semantic is reloaded
         out.append("cache.max_entries")
     out += [f"server.{name}" for name in ServerConfig.model_fields
@@ -116,7 +122,10 @@ def merged(old: Config, new: Config) -> Config:
     """The running config with what a reload applies taken from ``new``."""
     server = old.server.model_copy(update={k: getattr(new.server, k) for k in SERVER_RELOADED})
     cache = old.cache.model_copy(update={"semantic": new.cache.semantic})  # the semantic cache's
-    config = old.model_copy(update={"server": server, "cache": cache,
+    partly = {section: getattr(new, section).model_copy(  # log:, audit: but for the keys named
+        update={key: getattr(getattr(old, section), key) for key in keys})
+        for section, keys in PARTLY_RELOADED.items()}
+    config = old.model_copy(update={"server": server, "cache": cache, **partly,
                                     **{k: getattr(new, k) for k in RELOADED}})
     config.providers = dict(new.providers)  # completed below with each kind's defaults
     return config
@@ -314,6 +323,9 @@ class ConfigReloader:
         self._fallbacks(old, config)
         self._keys(old, config)
         self._semantic(config)
+        if gw.requests is not None:
+            gw.requests.reconfigure(config.log)
+        self._route_options(old, config, kept)
         if gw.money is not None:
             prices = Prices(config.providers, config.routes)
             gw.money.meter.prices = gw.money.budgets.prices = prices
@@ -378,6 +390,20 @@ class ConfigReloader:
             gw.semantic = semantic_for(gw)
             if gw.semantic is not None:
                 gw.start_background(run_semantic, gw.semantic)
+
+    def _route_options(self, old: Config, config: Config, kept: list[str]) -> None:
+        """What a kept provider built from a route's own keys on the route's first call (an MCP
+        upstream's route ``tool_limits``, ``providers/mcp_limits.ToolLimits``) is forgotten for
+        each route changed or removed, and built again from the new keys on its next call (a
+        changed provider is started anew and reads them fresh)."""
+        changed = [name for name, route in old.routes.items() if config.routes.get(name) != route]
+        if not changed:
+            return
+        for name in kept:
+            built = getattr(getattr(self.gw.providers.get(name), "tool_limits", None), "_routes", None)
+            if isinstance(built, dict):
+                for route_name in changed:
+                    built.pop(route_name, None)
 
     def _keys(self, old: Config, config: Config) -> None:
         """The config's keys, teams and ``server.quotas``: their rules and limits for new calls

@@ -53,6 +53,14 @@ class RequestLog:
             "requests", self._write, registry=registry, capacity=config.queue, batch=config.batch,
             interval_s=config.flush_interval_s)
 
+    def reconfigure(self, config: RequestLogConfig) -> None:
+        """A config reload's ``log:`` (``enabled`` waits for a restart): bodies from the next
+        call's end, the queue's size, batch and interval from the writer's next look, the limits
+        from the next prune (its interval once the current one has passed)."""
+        self.config = config
+        self.sink.capacity, self.sink.batch, self.sink.interval_s = (
+            config.queue, config.batch, config.flush_interval_s)
+
     # -- the call's path -------------------------------------------------------------
     def ended(self, plan: Any, outcome: Any, answer: Any, lane: str | None, shared: str | None,
               seconds: float) -> None:

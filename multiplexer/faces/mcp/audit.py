@@ -22,6 +22,7 @@ import mcp_types as types
 from mcp import MCPError
 
 from multiplexer.core.errors import Code
+from multiplexer.gateway.reload import on_reload
 from multiplexer.jobs.tool_tables import AuditRow, ToolTables, open_tool_tables
 from multiplexer.records.redact import redacted_text
 from multiplexer.records.sink import RecordSink
@@ -59,6 +60,13 @@ class ToolAudit:
         self._users = 0
         self._pruned = 0.0
         self.base = gateway.config.server.mcp.path.rstrip("/")
+
+    def reconfigure(self, config: Any) -> None:
+        """A config reload's ``audit:`` (``tools`` waits for a restart): read by the writer's
+        next batch; the queue's size and interval at once."""
+        settings: AuditConfig = config.audit
+        self.settings = settings
+        self.sink.capacity, self.sink.interval_s = settings.queue, settings.flush_interval_s
 
     @property
     def tables(self) -> ToolTables:
@@ -174,4 +182,5 @@ def audit_of(gateway: Any) -> ToolAudit | None:
         if not settings.tools:
             return None
         found = gateway.faces[AUDIT_KEY] = ToolAudit(gateway, settings)
+        on_reload(gateway, found.reconfigure)  # audit: read again by a config reload
     return found if isinstance(found, ToolAudit) else None
