@@ -56,7 +56,7 @@ async def test_batches_keep_order_by_size_and_close_flushes_the_rest() -> None:
     assert len(sink) == 0 and sink.written == 6
 
 
-async def test_a_failed_batch_is_counted_and_the_writer_goes_on() -> None:
+async def test_a_record_the_store_refuses_costs_that_record_alone_and_the_writer_goes_on() -> None:
     registry = CollectorRegistry()
     seen: list[int] = []
     calls = threading.Lock()
@@ -64,15 +64,29 @@ async def test_a_failed_batch_is_counted_and_the_writer_goes_on() -> None:
     def write(batch: Sequence[int]) -> None:
         with calls:
             if 0 in batch:
-                raise RuntimeError("database gone")
+                raise RuntimeError("not a value the store keeps")
             seen.extend(batch)
 
     sink: RecordSink[int] = RecordSink("f", write, registry=registry, batch=2)
     for i in range(4):
         sink.put(i)
     await sink.aclose()
-    assert seen == [2, 3] and sink.failed == 2
-    assert _value(registry, "multiplexer_records_failed", "f") == 2
+    assert seen == [1, 2, 3] and (sink.failed, sink.written) == (1, 3)
+    assert _value(registry, "multiplexer_records_failed", "f") == 1
+
+
+async def test_a_store_that_is_down_fails_every_record_counted_once() -> None:
+    registry = CollectorRegistry()
+
+    def write(batch: Sequence[int]) -> None:
+        raise RuntimeError("database gone")
+
+    sink: RecordSink[int] = RecordSink("d", write, registry=registry, batch=3)
+    for i in range(5):
+        sink.put(i)
+    await sink.aclose()
+    assert (sink.failed, sink.written) == (5, 0)
+    assert _value(registry, "multiplexer_records_failed", "d") == 5
 
 
 def test_bad_sizes_are_refused() -> None:

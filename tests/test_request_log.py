@@ -280,6 +280,25 @@ async def test_what_is_queued_is_written_as_the_gateway_stops(tmp_path: Path) ->
         store.close()
 
 
+async def test_a_lone_surrogate_in_a_method_is_recorded_and_costs_no_other_record(tmp_path: Path) -> None:
+    """JSON may escape a lone surrogate (``\\ud800``); neither SQLite nor the path's JSON keep one:
+    the record keeps ``?`` in its place, and the calls written in the same batch are kept."""
+    body = '{"jsonrpc": "2.0", "id": 1, "method": "echo\\ud800x", "params": {}}'
+    async with running(gateway_config(tmp_path), port=0) as (gw, url), \
+            httpx.AsyncClient(base_url=url) as http:
+        r = await http.post("/rpc", content=body, headers={"authorization": f"Bearer {ALICE}",
+                                                             "content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["error"]["code"] == -32601
+        await rpc(http, ALICE, "echo", {"x": 1})
+        assert gw.requests is not None and len(gw.requests.sink) == 2  # one batch, written at the stop
+    store = RequestStore(tmp_path / "jobs.db")
+    try:
+        methods = sorted(r[COLUMNS.index("method") + 1] for r in store.page(Query()))
+        assert methods == ["echo", "echo?x"]
+    finally:
+        store.close()
+
+
 async def test_a_batch_s_lane_lines_carry_its_id(tmp_path: Path) -> None:
     pytest.importorskip("openai")
     from tests.test_v1_batches import gateway, jsonl, line, until_ended

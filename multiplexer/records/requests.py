@@ -114,11 +114,12 @@ class RequestLog:
         (at, rid, key, face, method, label, asked, served, mode, share, error, cost_pico, saved_pico,
          tried, number, group, refused, gateway_method, auto, deadline, first, batch, usage, lane,
          shared, seconds, bodies) = ended
+        method, label, group = _utf8(method), _utf8(label), _utf8(group)
         message = None
         if error is not None:
             data = error.data if isinstance(error.data, dict) else {}
             detail = data.get("detail")
-            message = error.message if not isinstance(detail, str) else f"{error.message}: {detail}"
+            message = _utf8(error.message if not isinstance(detail, str) else f"{error.message}: {detail}")
         tried = list(tried or ())
         # its own upstream attempts: none when refused before a lane took it, or when it shared
         # another call's (joined in flight, answered from the cache)
@@ -236,7 +237,15 @@ def _tokens(usage: Any) -> Any:
 
 
 def _text(value: Any) -> str | None:
-    return value[:200] if isinstance(value, str) else None
+    return _utf8(value[:200]) if isinstance(value, str) else None
+
+
+def _utf8(value: Any) -> Any:
+    """A caller's text as a store and JSON can keep it: a lone surrogate (a JSON body may carry
+    ``\\ud800``) becomes ``?``, where it would fail the whole batch's write."""
+    if not isinstance(value, str) or value.isascii():
+        return value
+    return value.encode("utf-8", "replace").decode("utf-8")
 
 
 def parse_cursor(raw: str) -> tuple[float, int]:

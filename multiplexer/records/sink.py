@@ -104,17 +104,30 @@ class RecordSink(Generic[T]):
         try:
             if self.redact is not None:
                 taken = [self.redact(r) for r in taken]
+        except Exception:
+            self._failed(len(taken))
+            return
+        self._write_redacted(taken)
+
+    def _write_redacted(self, taken: list[T]) -> None:
+        try:
             self._write(taken)
         except Exception:
-            self.failed += len(taken)
-            if self._counted is not None:
-                self._counted[1].inc(len(taken))
-            log.exception("the %s sink could not write %d records; /metrics counts them",
-                          self.name, len(taken))
+            if len(taken) > 1:  # one record the store refuses costs that record, not its batch
+                for record in taken:
+                    self._write_redacted([record])
+                return
+            self._failed(1)
             return
         self.written += len(taken)
         if self._counted is not None:
             self._counted[2].inc(len(taken))
+
+    def _failed(self, n: int) -> None:
+        self.failed += n
+        if self._counted is not None:
+            self._counted[1].inc(n)
+        log.exception("the %s sink could not write %d record(s); /metrics counts them", self.name, n)
 
     async def aclose(self) -> None:
         """No more records; what is queued is written (shielded: a shutdown's cancel waits)."""
