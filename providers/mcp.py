@@ -33,7 +33,7 @@ from multiplexer.jobs.tool_tables import Pin, ToolTables, open_tool_tables
 from .mcp_ask import Relay
 from .mcp_limits import McpRouteSettings, ToolLimits
 from .mcp_listing import Catalog
-from .mcp_pins import ToolPins, changes_counter
+from .mcp_pins import ToolPins, canonical, changes_counter, definition, digest
 from .mcp_request import Requester
 from .mcp_session import UpstreamSession
 from .mcp_transport import McpSettings
@@ -137,7 +137,10 @@ class McpProvider(Provider):
     def _tools_changed(self, tools: dict[str, types.Tool]) -> None:
         if self.pins is not None:  # in the step that installs the listing: never served unchecked
             self.pins.check(tools)
-        self.ctx.notify("tools_changed", {"provider": self.name, "tools": sorted(tools)})
+        # the definitions' digest names this change alike on every replica that hears it
+        definitions = canonical([definition(t) for _, t in sorted(tools.items())])
+        self.ctx.notify("tools_changed", {"provider": self.name, "tools": sorted(tools),
+                                          "digest": digest(definitions)})
 
     def _lists_changed(self, kind: str) -> None:
         self.ctx.notify(f"{kind}_changed", {"provider": self.name})

@@ -22,7 +22,9 @@ and the one place that knows its private parts) adds:
 - **one count of open sessions**: ``server.mcp.max_sessions`` and ``max_sessions_per_key`` are
   checked against every replica's sessions as one opens (503 ``Too many open sessions``, or 429
   ``mcp_sessions`` for the key, as on one replica); a session leaves the count when its client
-  ends it (``DELETE``), when it idles out everywhere, or when its opening request fails.
+  ends it (``DELETE``), when it idles out everywhere, or when its opening request fails;
+- **list changes for every replica's listeners**: a list change this replica hears goes on the
+  channel, and one another replica heard reaches this one's listeners (``changes.py``: once each).
 
 Redis unreachable: a replica serves the sessions it holds and counts ``mcp_sessions`` in
 ``multiplexer_state_degraded_total``; a session it does not hold answers 404 as before.
@@ -265,6 +267,8 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
         self._resumes: dict[str, tuple[anyio.Event, anyio.Event, dict[str, Any]]] = {}  # ack, done, reply
         face.server.middleware.append(self._record)
         face.holds.elsewhere = self._resume_elsewhere
+        self._changes_send, self._changes_recv = anyio.create_memory_object_stream[tuple[str, str]](64)
+        face.changes.share = self._share_change
 
     # -- lifetime ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -273,6 +277,7 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
             self._tg = tg
             await tg.start(partial(self.store.listen, self.mount, self._heard))
             tg.start_soon(self._keep_streamed)
+            tg.start_soon(self._publish_changes)
             try:
                 yield
             finally:
@@ -543,8 +548,24 @@ class ReplicaSessionManager(StreamableHTTPSessionManager):
         except StateUnavailable:
             self._degraded("mcp_sessions")
 
+    def _share_change(self, event: str, change: str) -> None:
+        """A list change this replica heard, for the others' listeners (best effort, like the
+        notification itself: dropped when 64 wait to go)."""
+        with contextlib.suppress(anyio.WouldBlock):
+            self._changes_send.send_nowait((event, change))
+
+    async def _publish_changes(self) -> None:
+        async for event, change in self._changes_recv:
+            try:
+                await self.store.publish(self.mount, {"k": "list", "e": event, "c": change})
+            except StateUnavailable:
+                self._degraded("mcp_sessions")
+
     async def _heard(self, data: dict[str, Any]) -> None:
         session_id, kind = data.get("s"), data.get("k")
+        if kind == "list":
+            self.face.changed_elsewhere(str(data.get("e")), str(data.get("c")))
+            return
         if kind == "resume":
             if self._tg is not None:
                 self._tg.start_soon(self._resume_here, data)

@@ -41,6 +41,7 @@ from multiplexer.core.version import VERSION as __version__
 from multiplexer.faces.jobs import JobFace
 from multiplexer.faces.mcp.asking import ClientAsker
 from multiplexer.faces.mcp.audit import audit_of
+from multiplexer.faces.mcp.changes import ListChanges
 from multiplexer.faces.mcp.held import Holds
 from multiplexer.faces.mcp.resources import UpstreamCatalog
 from multiplexer.faces.mcp.sampling import Sampler
@@ -117,6 +118,7 @@ class McpFace:
         self._counted: set[int] = set()  # connections counted in ``_open``
         self._log_levels: dict[int, str] = {}  # handshake-era connections' logging/setLevel, by id
         self._changed: set[str] = set()  # list-change events waiting for the broadcaster
+        self.changes = ListChanges()  # each list change once, heard here or from another replica
         self._upstream_kinds: dict[type, bool] = {}  # provider class -> is an McpUpstream
         self._wake: anyio.Event | None = None  # made in ``running``, inside the event loop
         self.upstream = UpstreamCatalog(gateway, self.cache_hint, self.may_use_prefix)
@@ -179,10 +181,18 @@ class McpFace:
         return self.audit.running() if self.audit is not None else nullcontext()
 
     def _on_event(self, event: str, data: dict[str, Any]) -> None:
-        if event in _LIST_CHANGES:
-            self._changed.add(event)  # a change already waiting covers this one
-            if self._wake is not None:
-                self._wake.set()
+        if event in _LIST_CHANGES and self.changes.heard_here(event, data):
+            self._list_changed(event)
+
+    def changed_elsewhere(self, event: str, change: str) -> None:
+        """A list change another replica heard (``changes.py``), for this replica's listeners."""
+        if event in _LIST_CHANGES and self.changes.heard_there(change):
+            self._list_changed(event)
+
+    def _list_changed(self, event: str) -> None:
+        self._changed.add(event)  # a change already waiting covers this one
+        if self._wake is not None:
+            self._wake.set()
 
     async def _broadcast(self) -> None:
         while True:
