@@ -7,6 +7,7 @@ looks like a bearer credential (``Bearer ...``, ``sk-...``) is masked wherever i
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -48,8 +49,19 @@ def redacted_text(value: Any, max_bytes: int) -> str | None:
             value = loads(bytes(value))
         except ValueError:
             value = bytes(value).decode("utf-8", "replace")
-    text = dumps(redact(value)).decode("utf-8", "replace")
+    try:
+        text = dumps(redact(value)).decode("utf-8", "replace")
+    except TypeError:  # a lone surrogate: the stdlib writes it escaped, as JSON allows
+        text = json.dumps(redact(value), default=str)
     if len(text) > max_bytes:
         cut = text.encode("utf-8")[:max_bytes].decode("utf-8", "ignore")
         return cut + f"...[cut: {len(text)} characters]"
     return text
+
+
+def storable(value: Any) -> Any:
+    """A caller's text as a store and JSON can keep it: a lone surrogate (a JSON body may carry
+    ``\\ud800``) becomes ``?``, where it would fail the write of its record."""
+    if not isinstance(value, str) or value.isascii():
+        return value
+    return value.encode("utf-8", "replace").decode("utf-8")

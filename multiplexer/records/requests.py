@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from multiplexer.core.json_codec import loads
 from multiplexer.money.prices import tokens_of, usage_of
 from multiplexer.records.context import REQUEST_ID
-from multiplexer.records.redact import redacted_text
+from multiplexer.records.redact import redacted_text, storable
 from multiplexer.records.request_store import LISTED, STEP, PgRequestStore, Query, RequestStore
 from multiplexer.records.settings import RequestLogConfig
 from multiplexer.records.sink import RecordSink
@@ -114,12 +114,12 @@ class RequestLog:
         (at, rid, key, face, method, label, asked, served, mode, share, error, cost_pico, saved_pico,
          tried, number, group, refused, gateway_method, auto, deadline, first, batch, usage, lane,
          shared, seconds, bodies) = ended
-        method, label, group = _utf8(method), _utf8(label), _utf8(group)
+        method, label, group = storable(method), storable(label), storable(group)
         message = None
         if error is not None:
             data = error.data if isinstance(error.data, dict) else {}
             detail = data.get("detail")
-            message = _utf8(error.message if not isinstance(detail, str) else f"{error.message}: {detail}")
+            message = storable(error.message if not isinstance(detail, str) else f"{error.message}: {detail}")
         tried = list(tried or ())
         # its own upstream attempts: none when refused before a lane took it, or when it shared
         # another call's (joined in flight, answered from the cache)
@@ -237,15 +237,8 @@ def _tokens(usage: Any) -> Any:
 
 
 def _text(value: Any) -> str | None:
-    return _utf8(value[:200]) if isinstance(value, str) else None
+    return storable(value[:200]) if isinstance(value, str) else None
 
-
-def _utf8(value: Any) -> Any:
-    """A caller's text as a store and JSON can keep it: a lone surrogate (a JSON body may carry
-    ``\\ud800``) becomes ``?``, where it would fail the whole batch's write."""
-    if not isinstance(value, str) or value.isascii():
-        return value
-    return value.encode("utf-8", "replace").decode("utf-8")
 
 
 def parse_cursor(raw: str) -> tuple[float, int]:

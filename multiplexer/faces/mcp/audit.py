@@ -24,7 +24,7 @@ from mcp import MCPError
 from multiplexer.core.errors import Code
 from multiplexer.gateway.reload import on_reload
 from multiplexer.jobs.tool_tables import AuditRow, ToolTables, open_tool_tables
-from multiplexer.records.redact import redacted_text
+from multiplexer.records.redact import redacted_text, storable
 from multiplexer.records.sink import RecordSink
 from multiplexer.records.tool_audit_settings import AuditConfig
 
@@ -43,7 +43,7 @@ Noted = tuple[float, str, str, str, Any, int | None, float, Any]
 def args_hash(arguments: Any) -> str:
     text = json.dumps(arguments if arguments is not None else {}, sort_keys=True, separators=(",", ":"),
                       ensure_ascii=False, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()  # a fuzzer's lone surrogate too
 
 
 class ToolAudit:
@@ -81,7 +81,7 @@ class ToolAudit:
         for at, identity, server, tool, status, code, duration_ms, arguments in noted:
             if not isinstance(status, str):
                 status, code = outcome_of(status)
-            rows.append(AuditRow(at, identity, server, tool, status, code, duration_ms,
+            rows.append(AuditRow(at, storable(identity), server, storable(tool), status, code, duration_ms,
                                  args_hash(arguments), redacted_text(arguments, most) if keep else None))
         tables = self.tables
         tables.add_audit(rows)
