@@ -153,9 +153,13 @@ class Requester:
             finally:
                 CURRENT.reset(token)
 
-        if relay is None:
-            return await logged()
-        with relay.deadline(deadline - clock.now()), self.session.questions.carrying(relay):
+        questions = self.session.questions
+        if relay is None or (relay.asker is None and questions.by_stream):
+            return await logged()  # no question of it is relayed: nothing to pause or to find
+        if relay.asker is None:  # stdio: a question while it is the one call in flight is its (refused)
+            with questions.carrying(relay):
+                return await logged()
+        with relay.deadline(deadline - clock.now()), questions.carrying(relay):
             return await logged()
         raise timeout_error("upstream")  # the relay's deadline passed (it raises its own first)
 
