@@ -100,3 +100,33 @@ async def test_workers_without_shared_state_keep_their_part_of_a_tools_limits(sh
     assert sum(t.take("tool")[0] is not None for _ in range(12) for t in rpm) == 6
     await clock.advance(60)
     assert sum(t.take("tool")[0] is not None for _ in range(12) for t in rpm) == 6
+
+
+class _Down:
+    """A shared state that never answers, seen by two live replicas at the last heartbeat."""
+
+    replica_id = "r1"
+    lease_s = 30.0
+    timeout_s = 0.1
+
+    def live_replicas(self) -> int:
+        return 2
+
+    async def acquire_many(self, *args: Any) -> Any:
+        from multiplexer.core.state import StateUnavailable
+
+        raise StateUnavailable("down")
+
+
+async def test_redis_unreachable_each_replica_keeps_its_share_of_a_tools_limits() -> None:
+    from multiplexer.core.shared_limiter import SharedLimiter
+    from multiplexer.core.state import LimitSpec
+
+    degraded: list[str] = []
+    limiter = SharedLimiter(ManualClock(), "p", LimitSpec(), _Down(),  # type: ignore[arg-type]
+                            on_degraded=degraded.append)
+    tools = limiter.named("provider", [("t*", 4.0, 0)], lambda g, n: fnmatchcase(n, g))
+    got = [await tools.acquire("tool") for _ in range(3)]
+    assert [limit is not None for limit, _, _ in got] == [True, True, False]  # 4 over 2 replicas
+    assert got[2][1] == "rpm" and degraded == ["limits"] * 3
+    assert await tools.acquire("other") == (None, None, 0.0)  # no glob matches: not limited
