@@ -84,7 +84,7 @@ class Upstream:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\n\r\n")
         for data in self.events:
-            event = b"data: " + data + b"\n\n"
+            event = data if data.startswith(b"event: ") else b"data: " + data + b"\n\n"
             writer.write(b"%x\r\n%b\r\n" % (len(event), event))
             await writer.drain()
             if self.gap_s:
@@ -100,17 +100,20 @@ class Upstream:
 
 
 @asynccontextmanager
-async def gateway(tmp_path: Path, upstream: Upstream) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+async def gateway(tmp_path: Path, upstream: Upstream,
+                  kind: str = "openai") -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
+    base = f"http://127.0.0.1:{port}" + ("/v1" if kind == "openai" else "")
     config = {
         "server": {"api_keys": {"alice": {"key": KEY}}, "admin_key": ADMIN},
         "store": {"path": str(tmp_path / "jobs.db")},
         "spend": {"flush_interval_s": 0.05},
-        "providers": {"oai": {"kind": "openai", "base_url": f"http://127.0.0.1:{port}/v1",
-                              "api_key": "sk-up", "retry": {"attempts": 1},
-                              "price": {"input_per_mtok": 2, "output_per_mtok": 10}}},
-        "routes": {"chat": {"provider": "oai", "operation": "chat", "models": ["gpt-relay"]}},
+        "providers": {"up": {"kind": kind, "base_url": base, "api_key": "sk-up",
+                             "retry": {"attempts": 1},
+                             "price": {"input_per_mtok": 2, "output_per_mtok": 10}}},
+        "routes": {"chat": {"provider": "up", "operation": "chat" if kind == "openai" else "messages",
+                            "models": ["gpt-relay" if kind == "openai" else "claude-relay"]}},
     }
     try:
         async with (
@@ -240,3 +243,36 @@ async def test_chunks_are_relayed_from_the_read_callback_in_order(tmp_path: Path
         assert b'"cost_usd"' in events[len(content)] and events[-2:] == [b"data: [DONE]", b""]
         assert relayed.count(True) >= 5  # most chunks never woke the task
         assert await spend(client, 1) == Decimal(1000 * 2 + 2000 * 10) / 10**6
+
+
+def named(kind: str, data: bytes) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+async def test_anthropic_named_events_are_relayed_as_they_came(tmp_path: Path) -> None:
+    """Anthropic's content events go on as the upstream's bytes; message_start and message_delta
+    (usage) are read, and the delta carries the cost of both."""
+    start = b'{"type": "message_start", "message": {"id": "m1", "type": "message", "role": ' \
+            b'"assistant", "model": "claude-relay", "content": [], "usage": {"input_tokens": 1000, ' \
+            b'"output_tokens": 1}}}'
+    content = [named("content_block_start", b'{"type": "content_block_start",  "index": 0, '
+                                            b'"content_block": {"type": "text", "text": ""}}'),
+               named("ping", b'{"type": "ping"}')] + [
+        named("content_block_delta", b'{"type": "content_block_delta", "index": 0, '
+                                     b'"delta": {"type": "text_delta", "text": "w\\u00f6rd %d "}}' % i)
+        for i in range(4)] + [named("content_block_stop", b'{"type": "content_block_stop", "index": 0}')]
+    delta = b'{"type": "message_delta", "delta": {"stop_reason": "end_turn"}, ' \
+            b'"usage": {"output_tokens": 2000}}'
+    events = [named("message_start", start), *content, named("message_delta", delta),
+              named("message_stop", b'{"type": "message_stop"}')]
+    async with gateway(tmp_path, Upstream(events, gap_s=0.01), kind="anthropic") as (_, client):
+        r = await client.post("/v1/messages", json={
+            "model": "claude-relay", "max_tokens": 100, "stream": True,
+            "messages": [{"role": "user", "content": "one two three"}]})
+        assert r.status_code == 200, r.text
+        out = [e + b"\n\n" for e in r.content.split(b"\n\n") if e]
+        assert out[1:1 + len(content)] == content  # byte for byte, spaces and escapes kept
+        usage = httpx.Response(200, content=out[-2].split(b"data: ", 1)[1]).json()["usage"]
+        cost = Decimal(1000 * 2 + 2000 * 10) / 10**6
+        assert Decimal(usage["cost_usd"]) == cost
+        assert await spend(client, 1) == cost
