@@ -72,7 +72,8 @@ async def test_sighup_reloads_serve_stdio_and_closes_the_changed_upstream(tmp_pa
     try:
         io = Frames(proc)
         io.send({"id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}})
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"}}})
         assert (await io.until(lambda f: f.get("id") == 1))["result"]["serverInfo"]["name"] == "multiplexer"
         io.send({"method": "notifications/initialized"})
         first = (await io.call(2, "tools_pid", {}))["structuredContent"]["result"]
