@@ -305,7 +305,10 @@ class _Body(httpx.AsyncByteStream):
             self._transport._release(conn, self._origin, self._slots)
 
     async def aclose(self) -> None:
-        self._end(keep=False)
+        # a reply read to its end (a stream that stopped at its last event, the body's end
+        # already parsed) leaves the connection at a clean boundary: kept alive, not dialled anew
+        conn = self._conn
+        self._end(keep=conn is not None and conn.done and not conn.failed)
 
 
 async def _serialize(request: httpx.Request) -> bytes:
