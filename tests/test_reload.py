@@ -356,3 +356,29 @@ async def test_a_routes_tool_limits_reload_on_a_kept_mcp_provider(tmp_path: Path
             write(path, data)
             assert (await reloader.reload("test")).result == "ok"
             assert all([(await call(gw, "rug_lookup", {"word": str(i)})).ok for i in range(5)])
+
+
+async def test_providers_start_in_their_own_tasks_and_close_in_reverse_or_on_a_failed_start(
+        tmp_path: Path) -> None:
+    """At start-up each provider starts in a task of its own (``gateway/provider_life.py``): one
+    whose start fails fails the gateway's start with its own error, closing those started before
+    it; as the gateway stops they close in the reverse order of their starts."""
+    from multiplexer.gateway.gateway import Gateway
+
+    data = conf(tmp_path)
+    data["providers"] = {"g": {"kind": "gated", "tag": "first"}, "h": {"kind": "gated", "tag": "second"}}
+    async with Gateway(load_config_data(tmp_path, data)) as gw:
+        assert Gated.started == ["first", "second"] and len(gw.lives.open) == 2
+    assert Gated.closed == ["second", "first"]
+    Gated.started, Gated.closed = [], []
+    data["providers"]["h"]["tag"] = "boom"
+    with pytest.raises(RuntimeError, match="upstream unreachable"):
+        async with Gateway(load_config_data(tmp_path, data)):
+            pass
+    assert Gated.started == ["first"] and Gated.closed == ["first"]
+
+
+def load_config_data(tmp_path: Path, data: dict[str, Any]) -> Any:
+    path = tmp_path / "gw.yaml"
+    write(path, data)
+    return load_config(path)
