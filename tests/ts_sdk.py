@@ -25,6 +25,7 @@ from tests.legacy_sdk import cache_dir
 VERSION = "1.32.2"  # `npm view @modelcontextprotocol/sdk version` when these tests were written
 SPEC = f"@modelcontextprotocol/sdk@{VERSION}"
 SCRIPTS = Path(__file__).resolve().parent / "ts"
+_FAILED: list[str] = []  # why it could not be had, once per process (not an npm try per test)
 
 
 def sdk_prefix(*, skip: bool = True) -> Path:
@@ -32,6 +33,8 @@ def sdk_prefix(*, skip: bool = True) -> Path:
     first use; when it cannot be had, ``pytest.skip`` (or ``RuntimeError`` with ``skip=False``)."""
     home = cache_dir() / "ts-sdk"
     marker = home / ".installed"
+    if _FAILED:
+        return _unavailable(_FAILED[0], skip)
     try:
         for tool in ("node", "npm"):
             if shutil.which(tool) is None:
@@ -43,17 +46,21 @@ def sdk_prefix(*, skip: bool = True) -> Path:
             if not (marker.exists() and marker.read_text() == SPEC and installed.exists()):
                 home.mkdir(exist_ok=True)
                 subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--no-save",
-                                "--prefix", str(home), SPEC],
+                                "--fetch-retries", "1", "--prefix", str(home), SPEC],
                                check=True, capture_output=True, timeout=300)
                 marker.write_text(SPEC)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
-        reason = f"no {SPEC} for the TypeScript client tests: {e} {detail.decode()[-300:]}"
-        print(reason)
-        if not skip:
-            raise RuntimeError(reason) from e
-        pytest.skip(reason)
+        _FAILED.append(f"no {SPEC} for the TypeScript client tests: {e} {detail.decode()[-300:]}")
+        return _unavailable(_FAILED[0], skip)
     return home
+
+
+def _unavailable(reason: str, skip: bool) -> Path:
+    print(reason)
+    if not skip:
+        raise RuntimeError(reason)
+    pytest.skip(reason)
 
 
 async def run_script(name: str, config: dict[str, Any], *, timeout: float = 30) -> dict[str, Any]:
