@@ -133,11 +133,12 @@ async def test_sampling_for_a_typescript_client_without_it_is_answered_by_the_ro
     assert (await spend(url))[("alice", "chat")] == (calls_before + 2, cost_before + 2 * PER_CALL)
 
 
-async def test_a_changed_tool_is_hidden_from_the_typescript_client_and_refused(
+async def test_a_changed_tool_is_hidden_from_the_typescript_client_until_approved(
         gateway: tuple[Gateway, str]) -> None:
     """The rug upstream changes ``lookup``'s description (called by the TypeScript client itself);
     its ``list_changed`` quarantines the tool at once: a second session of the same client does not
-    see it in ``listTools`` and its call is refused with -32010 naming the change."""
+    see it in ``listTools`` and its call is refused with -32010 naming the change; once an admin
+    approves the new definition, a third session sees it and calls it."""
     gw, url = gateway
     changed = anyio.Event()
 
@@ -163,7 +164,12 @@ async def test_a_changed_tool_is_hidden_from_the_typescript_client_and_refused(
     assert error["code"] == Code.TOOL_QUARANTINED == -32010
     assert error["data"]["changed"] == ["description"] and error["data"]["tool"] == "lookup"
     assert "description changed" in text(refused)
-    assert gw.providers["rug"].quarantined("lookup")  # type: ignore[attr-defined]
+    async with httpx.AsyncClient(base_url=url.removesuffix("/mcp")) as http:
+        r = await http.post("/admin/mcp/tools/rug:lookup/approve", json={"hash": error["data"]["hash"]},
+                            headers={"authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and r.json()["status"] == "approved", r.text
+    (approved,) = await ts_client(url, {"steps": [{"op": "list"}, *calls(("rug_lookup", {"word": "c"}))]})
+    assert "rug_lookup" in approved["results"][0]["tools"] and text(approved["results"][1]) == "C"
 
 
 async def test_a_tools_rpm_refuses_the_typescript_clients_excess_call(gateway: tuple[Gateway, str]) -> None:
@@ -190,7 +196,7 @@ async def test_a_typescript_session_works_across_three_replicas(tmp_path: Path) 
     from tests.mcp_helpers import wait_listening
     from tests.redis_helpers import redis_url
     from tests.test_mcp_asking import HttpAsking
-    from tests.test_mcp_replicas import deployment, manager_of
+    from tests.test_mcp_replicas import KEYS, deployment, manager_of
 
     sdk_prefix()
     redis_url()
@@ -202,7 +208,7 @@ async def test_a_typescript_session_works_across_three_replicas(tmp_path: Path) 
             steps = calls(*[(f"{up}_{tool}", args) for up in UPSTREAMS for tool, args, _, _ in CASES],
                           ("echo", {"n": 1}))
             sessions = await ts_client(url, *[{"capabilities": EVERYTHING, "steps": steps}] * 2,
-                                       key="key-a-" + "x" * 20)
+                                       key=KEYS["a"])
             assert set(proxy.served) == {0, 1, 2}
             assert sum(manager_of(gw).forwarded for gw, _ in replicas) > forwarded
     finally:
