@@ -713,3 +713,18 @@ async def test_a_reload_turns_the_cache_on_and_applies_new_settings_to_new_calls
         assert "x-multiplexer-cache" not in (await c.chat(CAROL, paraphrase)).headers
         assert gw.semantic.sizes() == {}
         assert upstream(gw) == 4
+
+
+def test_an_entry_keeps_its_answer_as_json_of_its_own_size_and_each_reader_a_copy() -> None:
+    answer = {"object": "chat.completion", "choices": [{"message": {"content": "x" * 50}}]}
+    a = Entry("e1", "chat|key:a|embed", "chat", "n", "x1", "q", answer, None, 2e9)
+    b = Entry("e2", "chat|key:a|" + "embed", "chat", "n", "x2", "q", answer, None, 2e9)
+    assert isinstance(a.body, bytes) and len(a.body) < 200
+    assert a.scope is b.scope  # one string for every entry of a scope
+    got = a.result
+    got["choices"].clear()  # a caller's shaping never changes what the next hit reads
+    assert a.result == answer
+    from multiplexer.cache.key import Ask, ask_of
+
+    found = ask_of(body("word " * 2000), route="chat", scope="s", max_messages=4)
+    assert isinstance(found, Ask) and len(found.exact) == 32  # a digest, whatever the prompt's size

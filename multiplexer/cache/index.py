@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from usearch.index import Index
+
+from multiplexer.core.json_codec import dumps, loads
 
 NEIGHBOURS = 8  # candidates a lookup reads, nearest first; each must then pass the guard
 
@@ -25,7 +28,10 @@ _ids = itertools.count(1)
 
 @dataclass(slots=True)
 class Entry:
-    """One stored answer and what it was the answer to."""
+    """One stored answer and what it was the answer to. Kept small, as a scope holds up to
+    ``max_entries`` of them: the answer as its JSON bytes (one object, not a tree of dicts the
+    collector walks; each hit reads its own copy), the scope, route and neighbourhood strings
+    shared by every entry that has them (interned), the exact request as a digest."""
 
     id: str  # unique over replicas: the writer's replica id and its own sequence
     scope: str
@@ -33,12 +39,26 @@ class Entry:
     neighbourhood: str
     exact: str
     text: str
-    result: Any  # the provider's result, shaped for each caller as it is answered
+    body: Any  # the provider's result (its JSON bytes once made), shaped for each caller
     request_id: str | None
     expires: float  # wall-clock seconds (replicas share it)
     vector: np.ndarray | None = None
     key: int = field(default_factory=lambda: next(_ids))  # the index's integer key, this process only
-    aliases: list[str] = field(default_factory=list)  # exact requests a semantic hit matched to it
+    aliases: list[str] | None = None  # exact requests a semantic hit matched to it
+
+    def __post_init__(self) -> None:
+        self.scope = sys.intern(self.scope)
+        self.route = sys.intern(self.route)
+        self.neighbourhood = sys.intern(self.neighbourhood)
+        if not isinstance(self.body, bytes):
+            # copied to its own size: orjson's bytes keep the buffer they were written in (4 KB
+            # and more; 100,000 answers held 400 MB where their JSON is 40)
+            self.body = bytes(memoryview(dumps(self.body)))
+
+    @property
+    def result(self) -> Any:
+        """The stored answer, a copy of its own for each reader."""
+        return loads(self.body)
 
 
 SMALL = 256  # a neighbourhood up to this many answers is scanned exactly; above, an HNSW index
@@ -147,6 +167,8 @@ class ScopeIndex:
 
     def alias(self, exact: str, entry: Entry, similarity: float) -> None:
         """A request that a semantic hit answered with ``entry``: its repeat is an exact hit."""
+        if entry.aliases is None:
+            entry.aliases = []
         if entry.key in self.entries and exact not in self.exact and len(entry.aliases) < 64:
             self.exact[exact] = entry
             self.alias_similarity[exact] = similarity
@@ -155,7 +177,7 @@ class ScopeIndex:
     def remove(self, entry: Entry) -> None:
         if self.entries.pop(entry.key, None) is None:
             return
-        for exact in (entry.exact, *entry.aliases):
+        for exact in (entry.exact, *(entry.aliases or ())):
             if self.exact.get(exact) is entry:
                 del self.exact[exact]
             self.alias_similarity.pop(exact, None)

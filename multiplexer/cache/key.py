@@ -4,6 +4,7 @@ changes the answer), or why it is not cached at all."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ class Ask:
 
     text: str
     neighbourhood: str
-    exact: str
+    exact: str  # a digest of the neighbourhood and the text, whitespace aside
     streamed: bool
 
 
@@ -72,5 +73,6 @@ def ask_of(params: Any, *, route: str, scope: str, max_messages: int) -> Ask | s
     rest = {k: v for k, v in params.items() if k not in _DELIVERY and k != "messages"}
     rest["messages"] = messages[:-1]
     neighbourhood = f"{route}|{scope}|{canonical(rest)}"
-    exact = f"{neighbourhood}|{canonical(' '.join(text.split()))}"
+    whole = f"{neighbourhood}|{canonical(' '.join(text.split()))}"
+    exact = hashlib.blake2b(whole.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
     return Ask(text.strip(), neighbourhood, exact, bool(params.get("stream")))

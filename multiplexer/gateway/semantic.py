@@ -173,15 +173,18 @@ def _store_when_answered(cache: SemanticCache, plan: Plan, lk: Lookup) -> None:
 
     def store_then_shape(outcome: Outcome) -> Outcome:
         result = outcome.result
-        if recorder is not None:
-            usage = result.get("usage") if isinstance(result, dict) else None
-            answer = whole(operation, recorder.chunks, usage)
-            recorder.chunks = []
-            if answer is not None:
-                cache.store(lk, answer)
-        elif isinstance(result, dict) and (result.get("choices") is not None
-                                           or result.get("type") == "message"):
-            cache.store(lk, result)
+        try:
+            if recorder is not None:
+                usage = result.get("usage") if isinstance(result, dict) else None
+                answer = whole(operation, recorder.chunks, usage)
+                recorder.chunks = []
+                if answer is not None:
+                    cache.store(lk, answer)
+            elif isinstance(result, dict) and (result.get("choices") is not None
+                                               or result.get("type") == "message"):
+                cache.store(lk, result)
+        except Exception:  # the cache fails open: the call is answered, its answer not kept
+            log.exception("semantic cache: an answer could not be stored")
         return outcome if shape is None else shape(outcome)
 
     call.shape = store_then_shape
