@@ -161,7 +161,7 @@ async def test_a_changed_tool_is_hidden_from_the_typescript_client_until_approve
     assert "rug_rug" in listed["tools"] and "rug_lookup" not in listed["tools"]
     assert refused["result"]["isError"] is True, refused  # a tool error, as the Python SDK sees it
     error = refused["result"]["_meta"]["multiplexer/error"]
-    assert error["code"] == Code.TOOL_QUARANTINED == -32010
+    assert error["code"] == Code.TOOL_QUARANTINED  # -32010
     assert error["data"]["changed"] == ["description"] and error["data"]["tool"] == "lookup"
     assert "description changed" in text(refused)
     async with httpx.AsyncClient(base_url=url.removesuffix("/mcp")) as http:
@@ -183,7 +183,7 @@ async def test_a_tools_rpm_refuses_the_typescript_clients_excess_call(gateway: t
     assert [text(first), text(second)] == ["0", "1"]
     assert third["result"]["isError"] is True, third
     error = third["result"]["_meta"]["multiplexer/error"]
-    assert error["code"] == Code.RATE_LIMITED == -32003
+    assert error["code"] == Code.RATE_LIMITED  # -32003
     assert error["data"]["limit"] == "tool_rpm" and error["data"]["tool"] == "plain"
     assert 0 < error["data"]["retry_after"] <= 60
     assert text(other) == "hello Ada" and done["asked"] == ["elicit:form"]
