@@ -169,11 +169,10 @@ class PgLog:
 
     def _open(self) -> Any:
         if self.conn is None:
+            import psycopg
             from psycopg import sql
 
-            from multiplexer.jobs.pg_connect import connect
-
-            conn = connect(self.url)
+            conn = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
             schema = sql.Identifier(self.schema)
             table = sql.Identifier(self.schema, "semantic_cache_log")
             with conn.transaction():

@@ -70,7 +70,8 @@ def message_events(result: Any) -> list[dict[str, Any]] | None:
             isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
             for b in content):
         return None
-    usage = result.get("usage") if isinstance(result.get("usage"), dict) else {}
+    found = result.get("usage")
+    usage: dict[str, Any] = found if isinstance(found, dict) else {}
     opening = {**usage, "output_tokens": 1} if usage else {"input_tokens": 0, "output_tokens": 1}
     start = {"id": result.get("id", "msg_cache"), "type": "message", "role": "assistant",
              "model": result.get("model", ""), "content": [], "stop_reason": None,
