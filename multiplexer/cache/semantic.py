@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 Embed = Callable[[str, list[str]], Awaitable[list[np.ndarray] | None]]
 GUARD_REASONS = ("numbers", "versions", "units", "negation", "roles", "particles", "entity_order",
                  "content")
-SKIPS = ("off", "shape", "long", "tools", "n", "not_text", "stream", "error")
+SKIPS = ("off", "shape", "long", "tools", "n", "not_text", "error")
 
 
 @dataclass(slots=True)
