@@ -3,9 +3,20 @@ same fake upstream, in one run.
 
 The fake (``benchmarks/_stream_fake.py``, its own process) answers every chat call with 40
 chunks 50 ms apart (20 chunks/s), a usage chunk and ``[DONE]``, as OpenAI streams them. The
-client holds N streams open at once: N workers, each on its own keep-alive connection, start
-spread over one stream's length and run ``--rounds`` streams back to back, so N stay open
-while calls keep arriving. Per target and N the table gives
+client holds N streams open at once, N workers each on its own keep-alive connection, arriving
+one of two ways (``--arrival``, both by default):
+
+- ``burst``: the workers' first streams start at random over one stream's length (2 s), and
+  each runs ``--rounds`` streams back to back, so N stay open while calls keep arriving: at
+  1,000, 500 streams a second start, each setup in the queue of the others' (what the first
+  runs measured);
+- ``ramp``: the workers start evenly spread over ``--ramp-k`` chunk periods (100: 5 s), one
+  stream each of 40 + k chunks (so the first is still open when the last starts, and all N
+  are open at once for 40 chunk periods): each stream arrives while the others
+  stream, one setup at a time, as a gateway's traffic arrives; its added first-chunk latency is
+  what one stream pays for the others' chunks, not a queue of setups.
+
+Per arrival, target and N the table gives
 
 - max open upstream: the most streams the fake saw open at once (the gateway's lane and
   pool caps show here);
@@ -24,7 +35,8 @@ The baseline (``--baseline REV``, a git worktree in a temporary folder, removed 
 same way in the same run; ``--baseline ''`` skips it. ``--big`` adds 2,000 streams and 10,000
 with ``serve --workers auto``. The soft limit on open files is raised to the hard one.
 
-    python -m benchmarks.bench_streams [--baseline 4e15b15] [--this HEAD] [--streams 64,256,1000] [--big]
+    python -m benchmarks.bench_streams [--baseline 4e15b15] [--this HEAD] [--streams 64,256,1000]
+        [--arrival burst,ramp] [--ramp-k 100] [--big]
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import random
 import resource
 import subprocess
@@ -61,6 +74,9 @@ routes:
   chat: {{provider: oai, operation: chat, models: [gpt-bench]}}
 """
 SERVE = "import sys; sys.path.insert(0, {tree!r}); from multiplexer.cli import main; sys.exit(main())"
+HEADS = ["streams", "arrival", "target", "max open upstream", "whole streams",
+         "added first-chunk p99 ms (direct: p99)", "added gap p99 ms (direct: p99)",
+         "CPU us/chunk", "relay us/chunk", "setup us/stream", "RSS KB/stream", "load avg 1m"]
 SHORT = 2  # the chunks of the streams that measure what a stream costs beyond its chunks
 
 
@@ -159,7 +175,8 @@ class Stream(asyncio.Protocol):
 
 
 async def run_streams(port: int, path: str, n: int, rounds: int, spread: float,
-                      chunks: int = CHUNKS) -> Runs:
+                      chunks: int = CHUNKS, even: bool = False) -> Runs:
+    """N workers, started at random over ``spread`` seconds (``even``: ``spread / n`` apart)."""
     loop = asyncio.get_running_loop()
     runs = Runs()
     req = request(path, port, chunks)
@@ -175,7 +192,8 @@ async def run_streams(port: int, path: str, n: int, rounds: int, spread: float,
             return
         await done
 
-    await asyncio.gather(*(worker(random.uniform(0, spread)) for _ in range(n)))
+    await asyncio.gather(*(worker(i * spread / n if even else random.uniform(0, spread))
+                           for i in range(n)))
     return runs
 
 
@@ -251,13 +269,30 @@ def fake_stats(fake: int, reset: bool = False) -> dict[str, int]:
     return httpx.get(f"{url}/stats", timeout=5).json()
 
 
+@dataclass
+class Arrival:
+    """How a run's N streams arrive: over how long, how many each worker runs, how long each is."""
+
+    spread: float
+    rounds: int
+    chunks: int
+    even: bool
+
+
+def arrival(name: str, args: argparse.Namespace) -> Arrival:
+    gap = args.gap_ms / 1000
+    if name == "ramp":
+        return Arrival(args.ramp_k * gap, 1, CHUNKS + args.ramp_k, True)
+    return Arrival(CHUNKS * gap, args.rounds, CHUNKS, False)
+
+
 def measure(port: int, fake: int, n: int, args: argparse.Namespace,
-            gw: Gateway | None) -> tuple[Runs, dict[str, float]]:
+            gw: Gateway | None, how: Arrival) -> tuple[Runs, dict[str, float]]:
     path = "/v1/chat/completions"
-    spread = CHUNKS * args.gap_ms / 1000
+    spread, rounds, chunks, even = how.spread, how.rounds, how.chunks, how.even
     if gw is None:
         fake_stats(fake, reset=True)
-        runs = asyncio.run(run_streams(port, path, n, args.rounds, spread))
+        runs = asyncio.run(run_streams(port, path, n, rounds, spread, chunks, even))
         return runs, {"max_open": fake_stats(fake)["max_open"]}
     asyncio.run(run_streams(port, path, 8, 1, 0.05))  # warm-up: imports, pools, the first stream
     time.sleep(0.3)
@@ -265,12 +300,12 @@ def measure(port: int, fake: int, n: int, args: argparse.Namespace,
     fake_stats(fake, reset=True)
     cpu = gw.cpu()
     with Peak(gw.rss) as peak:
-        runs = asyncio.run(run_streams(port, path, n, args.rounds, spread))
+        runs = asyncio.run(run_streams(port, path, n, rounds, spread, chunks, even))
     cpu = gw.cpu() - cpu
     max_open = fake_stats(fake)["max_open"]
     time.sleep(0.3)
     short_cpu = gw.cpu()  # the same streams, SHORT chunks each: what a stream costs beyond them
-    short = asyncio.run(run_streams(port, path, n, args.rounds, spread, SHORT))
+    short = asyncio.run(run_streams(port, path, n, rounds, spread, SHORT, even))
     short_cpu = gw.cpu() - short_cpu
     relay = (cpu - short_cpu) / max(runs.events - short.events, 1)
     extra = {"max_open": max_open,
@@ -352,13 +387,20 @@ def main() -> None:
     parser.add_argument("--this", default="", help="measure this commit, not the working tree")
     parser.add_argument("--streams", default="64,256,1000", help="concurrent streams, comma-separated")
     parser.add_argument("--big", action="store_true", help="add 2000, and 10000 with --workers auto")
-    parser.add_argument("--rounds", type=int, default=2, help="streams each client runs back to back")
+    parser.add_argument("--arrival", default="burst,ramp",
+                        help="how streams arrive: burst, ramp or both, comma-separated")
+    parser.add_argument("--ramp-k", type=int, default=100,
+                        help="ramp: the chunk periods over which the streams start")
+    parser.add_argument("--rounds", type=int, default=2, help="burst: streams each client runs back to back")
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--fake-procs", type=int, default=1)
     args = parser.parse_args()
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     plan = [(int(n), None) for n in args.streams.split(",")]
+    arrivals = [a for a in args.arrival.split(",") if a]
+    if not arrivals or set(arrivals) - {"burst", "ramp"}:
+        parser.error("--arrival takes burst, ramp or both")
     if args.big:
         plan += [(2000, None), (10000, "auto")]
     rows: list[list[object]] = []
@@ -380,45 +422,45 @@ def main() -> None:
              "--chunks", str(CHUNKS), "--procs", str(args.fake_procs)],
             f"http://127.0.0.1:{fake}/", tmp / "fake.log"))
         for n, workers in plan:
-            direct, extra = measure(fake, fake, n, args, None)
-            first99, gap99 = p99(direct.firsts), p99(direct.gaps)
-            results = [("direct", direct, extra)]
-            for name, tree in trees:
-                with gateway(tree, fake, tmp, workers) as gw:
-                    runs, extra = measure(gw.port, fake, n, args, gw)
-                results.append((name + (f" --workers {workers}" if workers else ""), runs, extra))
-            for name, runs, extra in results:
-                f99, g99 = p99(runs.firsts), p99(runs.gaps)
-                direct_row = name == "direct"
-                row = {"target": name, "streams": n, "max_open_upstream": extra["max_open"],
-                       "whole": runs.whole, "started": runs.streams, "errors": len(runs.errors),
-                       "first_p99_ms": f99 * 1000, "gap_p99_ms": g99 * 1000,
-                       "added_first_p99_ms": None if direct_row else (f99 - first99) * 1000,
-                       "added_gap_p99_ms": None if direct_row else (g99 - gap99) * 1000,
-                       "cpu_us_per_chunk": extra.get("cpu_us_per_chunk"),
-                       "relay_us_per_chunk": extra.get("relay_us_per_chunk"),
-                       "setup_us_per_stream": extra.get("setup_us_per_stream"),
-                       "rss_kb_per_stream": extra.get("rss_kb_per_stream"),
-                       "first_errors": runs.errors[:3]}
-                data.append(row)
-                rows.append([n, name, extra["max_open"], f"{runs.whole}/{runs.streams}",
-                             f"{f99 * 1000:.1f}" if direct_row else f"{(f99 - first99) * 1000:+.1f}",
-                             f"{g99 * 1000:.1f}" if direct_row else f"{(g99 - gap99) * 1000:+.1f}",
-                             "" if direct_row else f"{extra['cpu_us_per_chunk']:.0f}",
-                             "" if direct_row else f"{extra['relay_us_per_chunk']:.0f}",
-                             "" if direct_row else f"{extra['setup_us_per_stream']:.0f}",
-                             "" if direct_row else f"{extra['rss_kb_per_stream']:.1f}"])
-                if runs.errors:
-                    print(f"{name} at {n}: {len(runs.errors)} errors, e.g. {runs.errors[:2]}",
-                          file=sys.stderr)
-            print(table(["streams", "target", "max open upstream", "whole streams",
-                         "added first-chunk p99 ms (direct: p99)", "added gap p99 ms (direct: p99)",
-                         "CPU us/chunk", "relay us/chunk", "setup us/stream", "RSS KB/stream"],
-                        rows[-len(results):]), flush=True)
+            for way in arrivals:
+                how = arrival(way, args)
+                direct, extra = measure(fake, fake, n, args, None, how)
+                first99, gap99 = p99(direct.firsts), p99(direct.gaps)
+                results = [("direct", direct, extra)]
+                for name, tree in trees:
+                    with gateway(tree, fake, tmp, workers) as gw:
+                        runs, extra = measure(gw.port, fake, n, args, gw, how)
+                    results.append((name + (f" --workers {workers}" if workers else ""), runs, extra))
+                for name, runs, extra in results:
+                    f99, g99 = p99(runs.firsts), p99(runs.gaps)
+                    direct_row = name == "direct"
+                    row = {"target": name, "streams": n, "arrival": way,
+                           "max_open_upstream": extra["max_open"],
+                           "whole": runs.whole, "started": runs.streams, "errors": len(runs.errors),
+                           "first_p99_ms": f99 * 1000, "gap_p99_ms": g99 * 1000,
+                           "added_first_p99_ms": None if direct_row else (f99 - first99) * 1000,
+                           "added_gap_p99_ms": None if direct_row else (g99 - gap99) * 1000,
+                           "cpu_us_per_chunk": extra.get("cpu_us_per_chunk"),
+                           "relay_us_per_chunk": extra.get("relay_us_per_chunk"),
+                           "setup_us_per_stream": extra.get("setup_us_per_stream"),
+                           "rss_kb_per_stream": extra.get("rss_kb_per_stream"),
+                           "load_average_1m": os.getloadavg()[0],
+                           "first_errors": runs.errors[:3]}
+                    data.append(row)
+                    rows.append([n, way, name, extra["max_open"], f"{runs.whole}/{runs.streams}",
+                                 f"{f99 * 1000:.1f}" if direct_row else f"{(f99 - first99) * 1000:+.1f}",
+                                 f"{g99 * 1000:.1f}" if direct_row else f"{(g99 - gap99) * 1000:+.1f}",
+                                 "" if direct_row else f"{extra['cpu_us_per_chunk']:.0f}",
+                                 "" if direct_row else f"{extra['relay_us_per_chunk']:.0f}",
+                                 "" if direct_row else f"{extra['setup_us_per_stream']:.0f}",
+                                 "" if direct_row else f"{extra['rss_kb_per_stream']:.1f}",
+                                 f"{os.getloadavg()[0]:.1f}"])
+                    if runs.errors:
+                        print(f"{name} at {n} ({way}): {len(runs.errors)} errors, e.g. "
+                              f"{runs.errors[:2]}", file=sys.stderr)
+                print(table(HEADS, rows[-len(results):]), flush=True)
     print()
-    print(table(["streams", "target", "max open upstream", "whole streams",
-                 "added first-chunk p99 ms (direct: p99)", "added gap p99 ms (direct: p99)",
-                 "CPU us/chunk", "relay us/chunk", "setup us/stream", "RSS KB/stream"], rows))
+    print(table(HEADS, rows))
     save("streams", {"rows": data, "relay_work_us": {"before": work[0], "now": work[1]},
                      "argv": sys.argv[1:]})
 
