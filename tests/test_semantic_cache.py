@@ -638,9 +638,11 @@ async def test_an_upstreams_relayed_bytes_are_stored_as_the_whole_answer(tmp_pat
         asked.append(await reader.readexactly(length))
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\n\r\n")
-        for data in pieces:
+        for data in pieces:  # each its own read, as a model's tokens come
             event = b"data: " + data + b"\n\n"
             writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.01)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
         writer.close()

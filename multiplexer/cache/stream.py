@@ -105,8 +105,8 @@ def replayed(operation: str, result: Any, params: Any) -> list[dict[str, Any]] |
 # -- a relayed stream, kept and assembled ----------------------------------------------------
 class Recorder:
     """The face's end of a stream (``core/sink.Reader``) that keeps every chunk it passes on.
-    It offers the reader's ``raw`` shape, so an upstream's events still go as their bytes, but
-    no ``write_now``: a recorded stream's events all pass through its task, so none is missed."""
+    It offers the reader's ``raw`` shape, so an upstream's events still go as their bytes (and
+    ``WritingRecorder`` its ``write_now``, the relay's write from the read callback)."""
 
     __slots__ = ("chunks", "raw", "reader")
 
@@ -125,6 +125,24 @@ class Recorder:
 
     def close(self) -> None:
         self.reader.close()
+
+
+class WritingRecorder(Recorder):
+    """A ``Recorder`` of a reader that takes an upstream's event at once (``write_now``): the
+    events the relay writes from the read callback are kept too, in the order written."""
+
+    __slots__ = ()
+
+    def write_now(self, chunk: bytes) -> bool:
+        if not self.reader.write_now(chunk):
+            return False
+        self.chunks.append(chunk)
+        return True
+
+
+def recorder(reader: Any) -> Recorder:
+    """The recorder of ``reader``: with ``write_now`` only where the reader has it."""
+    return WritingRecorder(reader) if callable(getattr(reader, "write_now", None)) else Recorder(reader)
 
 
 def _data(chunk: Any) -> dict[str, Any] | None:

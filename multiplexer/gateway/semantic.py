@@ -156,28 +156,28 @@ def _store_when_answered(cache: SemanticCache, plan: Plan, lk: Lookup) -> None:
     which sees the provider's own successful outcome before the face shapes it. A stream's
     chunks are kept as they are relayed (only for this call: its sink's reader is wrapped) and
     stored, assembled, as the whole answer once the stream ended well."""
-    from multiplexer.cache.stream import Recorder, whole
+    from multiplexer.cache.stream import Recorder, recorder, whole
 
     call, item = plan.call, plan.item
     assert item is not None
     shape = call.shape
-    recorder: Recorder | None = None
+    kept: Recorder | None = None
     if call.sink is not None:
         sink = item.options.get(STREAM)
         if not isinstance(sink, ChunkSink) or sink.started:
             return
-        recorder = Recorder(call.sink)
+        kept = recorder(call.sink)
         # the same reader, seen through the recorder; the first chunk still timed from admission
-        item.options[STREAM] = ChunkSink(recorder, sink._first)
+        item.options[STREAM] = ChunkSink(kept, sink._first)
     operation = item.operation
 
     def store_then_shape(outcome: Outcome) -> Outcome:
         result = outcome.result
         try:
-            if recorder is not None:
+            if kept is not None:
                 usage = result.get("usage") if isinstance(result, dict) else None
-                answer = whole(operation, recorder.chunks, usage)
-                recorder.chunks = []
+                answer = whole(operation, kept.chunks, usage)
+                kept.chunks = []
                 if answer is not None:
                     cache.store(lk, answer)
             elif isinstance(result, dict) and (result.get("choices") is not None
