@@ -68,7 +68,9 @@ class _Events:
         self.raw = raw  # the shape of ``encode``'s events, when an upstream's in it go as they are
         self.broken: RpcError | None = None
         self.held: list[Chunk] = []  # the final usage event and what follows it, until priced
-        self.pending: collections.deque[Chunk] = collections.deque()
+        # chunks handed over without waiting (``send_nowait``), made at the first: a deque is
+        # 600 bytes, and most streams never queue one (a thousand open streams hold 0.6 MB less)
+        self.pending: collections.deque[Chunk] | None = None
         self.drainer: asyncio.Task[None] | None = None
 
     async def send(self, chunk: Chunk) -> None:
@@ -79,6 +81,8 @@ class _Events:
     def send_nowait(self, chunk: Chunk) -> None:
         if self.broken is not None:
             raise anyio.BrokenResourceError
+        if self.pending is None:
+            self.pending = collections.deque()
         self.pending.append(chunk)
         done = self.drainer
         if done is not None and done.done():
@@ -115,9 +119,9 @@ class _Events:
             self.drainer.cancel()
 
     async def _drain(self) -> None:
-        while self.pending and self.broken is None:
+        while (pending := self.pending) and self.broken is None:
             try:
-                await self._one(self.pending.popleft())
+                await self._one(pending.popleft())
             except anyio.BrokenResourceError:
                 break
 
