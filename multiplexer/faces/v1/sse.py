@@ -133,7 +133,10 @@ class _Events:
         elif not await self.out(chunk):
             raise anyio.BrokenResourceError
 
-    async def out(self, chunk: Chunk) -> bool:
+    async def out(self, chunk: Chunk, joined: bool = False) -> bool:
+        """Write one event; ``joined``: through the ASGI send, which leaves with whatever else
+        is written in this turn of the loop (a stream's held usage event and its end, in one
+        send), not at once."""
         if isinstance(chunk, bytes):  # an upstream's event in this face's shape, as it came
             event = chunk
         else:
@@ -144,7 +147,7 @@ class _Events:
                 self.broken = internal_error("a chunk of the stream could not be encoded")
                 return False
         first = not self.started
-        if not first and self._chunk is not None and self._chunk(event):
+        if not first and not joined and self._chunk is not None and self._chunk(event):
             return True
         if first:
             self.started = True
@@ -182,8 +185,8 @@ async def stream_call(submit: Callable[[Call], Any], call: Call, scope: Scope, r
         first = held[0]  # the final usage event: always an object (its usage was read)
         if not isinstance(first, bytes):
             held[0] = with_cost(first, outcome)
-        for chunk in held:
-            if not await events.out(chunk):
+        for chunk in held:  # they and the stream's end leave in one send
+            if not await events.out(chunk, joined=True):
                 break
     result = Outcome.fail(events.broken) if events.broken is not None else outcome
     if result.error is not None and not events.started:
