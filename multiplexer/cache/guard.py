@@ -9,9 +9,14 @@ a neighbour the index found is a hit only when the two texts agree on
 - their **negations** (``not``, ``n't``, ``never``, ``without``, ... counted),
 - the **roles and order of their entities** (``from X to Y``, ``X than Y``, and the order of
   the capitalised names both mention),
-- their **content words**: the words left after stop words, light stemming and a table of
-  synonyms; one text's word that the other lacks is a refusal (soda and powder, approve and
-  deny), except filler words that never change an answer.
+- their **content words**: the words left after stop words (filler and the vocabulary of asking:
+  "give me", "what is the meaning of", "the syntax for", "the best way to"), light stemming
+  (a verb and its noun agree: explain and explanation, summarize and summary, differ and
+  difference) and a table of synonyms; a word one text has in place of another's is a refusal
+  (soda and powder, approve and deny, hidden files and files). One text may add a few frame
+  nouns the other lacks ("which **city** is the capital", "error **code** E42", "the **word**
+  cactus"), only where the other adds nothing of its own ("largest city" vs "largest country"
+  is a substitution and refused).
 
 It is deliberately strict: a paraphrase that swaps vocabulary outside the synonym table is a
 miss (one more upstream call), never a wrong answer. Pure functions; no model, nothing loaded.
@@ -80,7 +85,7 @@ _SKIP = {"the", "a", "an", "my", "your", "our", "their", "his", "her", "its", "t
 
 STOPWORDS = frozenset(str.split("""
 a an the and or but if then so of at by for with about as on in into onto from to up down out
-off over under again further once here there when where why how what which who whom whose this
+off over under again further once here there when where how what which who whom whose this
 that these those am is are was were be been being have has had having do does did doing would
 should could can will may might must shall i me my myself we our ours ourselves you your yours
 yourself yourselves he him his himself she her hers herself it its itself they them their theirs
@@ -92,7 +97,19 @@ you're we're they're is there anything something best good correct right proper 
 mean means meaning definition describe description step steps example examples give way ways
 find out figure learn understand sure okay ok well still ever even much many more most
 use using used check located locate acronym tip tips recipe people
+between see view say suggest recommend recommendation command syntax formula equation method
+procedure purpose principle instruction instructions guide approach technique tutorial advice
+manner able option main mainly primary common commonly typical typically usual usually normally
+generally general particular certain specific calculate compute determine define
 """)) - NEGATIONS
+
+# words one question may add to the other's and still ask the same thing ("which city is the
+# capital of Spain", "the word cactus", "error code E42"), as long as the other adds nothing
+# of its own: "largest city" vs "largest country" replaces one with another and is refused
+FRAME_NOUNS = frozenset(str.split("""
+city town country nation place person scientist word term name code status language program
+software app tool company kind type number amount quantity form
+"""))
 
 # irregular forms and agent nouns -> the verb they come from
 IRREGULAR = {
@@ -107,6 +124,25 @@ IRREGULAR = {
     "thought": "think", "taught": "teach", "caught": "catch", "brought": "bring", "lost": "lose",
     "won": "win", "children": "child", "men": "man", "women": "woman", "mice": "mouse",
     "feet": "foot", "teeth": "tooth", "geese": "goose", "people": "person",
+    # a noun made of a verb (or back) asks the same: "give me an explanation of" / "explain"
+    "explanation": "explain", "definition": "define", "description": "describe",
+    "summarize": "summary", "summarise": "summary", "summarization": "summary",
+    "meaning": "mean", "difference": "differ", "different": "differ", "differently": "differ",
+    "installation": "install", "translation": "translate", "calculation": "calculate",
+    "comparison": "compare", "conversion": "convert", "deletion": "delete", "removal": "remove",
+    "creation": "create", "prevention": "prevent", "reduction": "reduce", "invention": "invent",
+    "discovery": "discover", "decision": "decide", "solution": "solve", "addition": "add",
+    "subtraction": "subtract", "multiplication": "multiply", "division": "divide",
+    "generation": "generate", "production": "produce", "connection": "connect",
+    "configuration": "configure", "config": "configure", "registration": "register",
+    "cancellation": "cancel", "subscription": "subscribe", "payment": "pay",
+    "replacement": "replace", "improvement": "improve", "treatment": "treat",
+    "requirement": "require", "development": "develop", "growth": "grow", "loss": "lose",
+    "choice": "choose", "proof": "prove", "belief": "believe", "response": "respond",
+    "analysis": "analyze", "analyse": "analyze", "analyses": "analyze", "origin": "originate",
+    "bacteria": "bacterium", "criteria": "criterion", "phenomena": "phenomenon",
+    "indices": "index", "matrices": "matrix", "vertices": "vertex", "dict": "dictionary",
+    "repo": "repository", "why": "reason",
 }
 # particles right after a word that turn it into its opposite (turn on / turn off)
 PARTICLES = {"in": "out", "out": "in", "up": "down", "down": "up", "on": "off", "off": "on"}
@@ -118,8 +154,10 @@ SYNONYMS: dict[str, str] = {}
 for _group in (
     "change modify update alter edit", "reset restore", "restart reboot",
     "compress zip", "fix repair resolve solve troubleshoot",
-    "make create build generate produce", "remove delete erase", "begin start initiate commence",
-    "end finish stop terminate halt quit exit", "big large huge", "small little tiny",
+    "make create build generate produce", "remove delete erase eliminate rid uninstall",
+    "reduce lower decrease lessen minimize minimise", "increase raise boost",
+    "prevent avoid", "side adverse", "begin start initiate commence",
+    "end finish stop terminate halt quit exit cancel", "big large huge", "small little tiny",
     "fast quick rapid speedy", "buy purchase", "show display print output", "find locate search",
     "use utilize employ", "car automobile vehicle", "cheap inexpensive affordable",
     "install setup", "error bug issue problem", "run execute launch", "picture image photo",
@@ -129,7 +167,8 @@ for _group in (
     "lose lost", "write compose", "sort order arrange", "split divide separate", "home house",
     "calculate compute", "distance far", "differ difference", "often frequently",
     "benefit advantage", "simple easy",
-    "tall height", "weigh weight", "old age", "long length", "hot temperature", "cold",
+    "tall height high", "tallest highest", "taller higher", "weigh weight", "old age",
+    "long length", "hot temperature", "cold",
     "help assist", "happen occur", "significance importance", "reason cause", "capital",
 ):
     words = _group.split()
@@ -148,6 +187,8 @@ def stem(word: str) -> str:
         w = w[:-3] + "y"
     elif len(w) > 3 and w.endswith("s") and not w.endswith("ss") and not w.endswith("us"):
         w = w[:-1]
+    if len(w) > 5 and w.endswith("ly"):  # horizontally -> horizontal, mainly -> main
+        w = w[:-2]
     if len(w) > 4 and w.endswith("ing"):
         w = w[:-3]
     elif len(w) > 4 and w.endswith("ed"):
@@ -160,6 +201,7 @@ def stem(word: str) -> str:
 
 
 _SYN_STEMMED: dict[str, str] = {stem(k): stem(v) for k, v in SYNONYMS.items()}
+_FRAME_STEMMED = frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in FRAME_NOUNS)
 _UNITS_STEMMED: dict[str, str] = {**{stem(k): v for k, v in UNITS.items()},
                                   **{k: v for k, v in UNITS.items()}}
 
@@ -330,5 +372,7 @@ def disagreement(a: str, b: str) -> str | None:
     if len(shared) > 1 and shared != [e for e in fb.entities if e in fa.entities]:
         return "entity_order"
     if fa.content != fb.content:
-        return "content"
+        only_a, only_b = fa.content - fb.content, fb.content - fa.content
+        if (only_a and only_b) or not (only_a or only_b) <= _FRAME_STEMMED:
+            return "content"
     return None
