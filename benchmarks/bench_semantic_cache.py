@@ -7,7 +7,10 @@ routes, ``chat`` semantically cached at the defaults (threshold 0.88, guard on, 
 1. **Pairs**: for each pair of ``benchmarks/data/semantic_pairs*.jsonl`` (each under its own
    system prompt, so each is its own neighbourhood), the first question is asked, then the
    second; a hit is ``x-multiplexer-cache: semantic`` on the second. Paraphrases should hit,
-   near-misses must not. The two ``unseen`` sets were written after the guard was tuned.
+   near-misses must not. The two ``unseen`` sets were written after the guard was tuned;
+   ``real`` (realistic rewrites: frame words, reordering, nominalisation, synonyms; near-misses
+   with a word substituted in the same slot or a narrowing modifier added) was written before
+   the guard's second tuning, and tuned on.
 2. **Sweep**: the same pairs' cosine similarities from ``/v1/embeddings`` (the gateway's own
    pool), hit rate and wrong hits at each threshold, with and without the guard.
 3. **Latency** (client side, one HTTP/1.1 connection per caller): ``plain`` (no cache), a miss,
@@ -41,7 +44,8 @@ from benchmarks._gateway import gateway
 from multiplexer.cache.guard import disagreement
 
 DATA = Path(__file__).resolve().parent / "data"
-SETS = ("semantic_pairs.jsonl", "semantic_pairs_unseen.jsonl", "semantic_pairs_unseen2.jsonl")
+SETS = ("semantic_pairs.jsonl", "semantic_pairs_unseen.jsonl", "semantic_pairs_unseen2.jsonl",
+        "semantic_pairs_real.jsonl")
 THRESHOLDS = (0.80, 0.85, 0.88, 0.90, 0.92, 0.95)
 
 CONFIG = """

@@ -1,0 +1,100 @@
+"""The semantic cache's guard on realistic paraphrases and near-misses (no model, pure functions).
+
+A paraphrase that adds the vocabulary of asking ("give me an explanation of", "what is the
+meaning of", "which city is"), reorders, or turns a verb into its noun asks the same thing; a
+word put in another's slot (password/username, Austria/Australia), a swapped direction, a
+negation or an added modifier that narrows the question (hidden files, raw chicken) does not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from multiplexer.cache.guard import disagreement, facts
+
+DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
+SETS = ("semantic_pairs.jsonl", "semantic_pairs_unseen.jsonl", "semantic_pairs_unseen2.jsonl",
+        "semantic_pairs_real.jsonl")
+
+SAME = [
+    ("What does error E42 mean?", "What is the meaning of error code E42?"),
+    ("Explain recursion", "Give me an explanation of recursion"),
+    ("Which city is Spain's capital?", "What is the capital of Spain?"),
+    ("Summarize this article", "Give me a summary of this article"),
+    ("What is the difference between a virus and a bacterium?", "How do viruses and bacteria differ?"),
+    ("Why do cats purr?", "What is the reason cats purr?"),
+    ("What causes inflation?", "Why is there inflation?"),
+    ("How do I center a div in CSS?", "In CSS, how can I center a div?"),
+    ("How can I lower my blood pressure?", "What are some ways to reduce blood pressure?"),
+    ("How do I get rid of fruit flies?", "What's the best way to eliminate fruit flies?"),
+    ("What is the tallest mountain in the world?", "Which mountain is the highest in the world?"),
+    ("Define photosynthesis", "What is the definition of photosynthesis?"),
+    ("Recommend a book about stoicism", "Can you suggest a good book on stoicism?"),
+    ("How do I sort a dictionary by value in Python?", "In Python, how can I sort a dict by its values?"),
+    ("How do I cancel my subscription?", "I want to stop my subscription, how do I cancel it?"),
+    ("What does a VPN do?", "What is the purpose of a VPN?"),
+    ("What is the plural of cactus?", "What is the plural form of the word cactus?"),
+    ("How do I rename a branch in Git?", "What's the command for renaming a Git branch?"),
+]
+
+DIFFERENT = [
+    ("How do I reset my password?", "I forgot my username, how do I reset it?", "content"),
+    ("What is the capital of Austria?", "Which city is the capital of Australia?", "content"),
+    ("What is the boiling point of water?", "What is the freezing point of water?", "content"),
+    ("How do I split a window horizontally?", "How can I split a window vertically?", "content"),
+    ("How do I sort a list in ascending order?", "What's the way to sort a list in descending order?",
+     "content"),
+    ("What is the ibuprofen dose for adults?", "What is the ibuprofen dose for children?", "roles"),
+    ("What does HTTP error 403 mean?", "What is the meaning of HTTP error 404?", "numbers"),
+    ("How do I install Node 18?", "How can I install Node 20?", "numbers"),
+    ("Should I approve this pull request?", "Should I reject this pull request?", "content"),
+    ("How can I increase my metabolism?", "What can I do to decrease my metabolism?", "content"),
+    ("What is the largest country in Europe?", "Which country is the largest in Africa?", "content"),
+    ("Which city is the largest in Europe?", "Which country is the largest in Europe?", "content"),
+    ("How do you say hello in Spanish?", "How do you say hello in Portuguese?", "content"),
+    ("How long should I bake chicken?", "How long should I bake salmon?", "content"),
+    ("Convert 100 dollars to euros", "Convert 100 euros to dollars", "roles"),
+    ("Why can dogs eat grapes?", "Why can dogs not eat grapes?", "negation"),
+    ("How do I delete files in Linux?", "How do I delete hidden files in Linux?", "content"),
+    ("Is it safe to eat chicken?", "Is it safe to eat raw chicken?", "content"),
+    ("What causes diabetes?", "What is diabetes?", "content"),
+    ("How does a vaccine work?", "Why does a vaccine work?", "content"),
+    ("Give me an explanation of inflation", "Give me an explanation of deflation", "content"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), SAME)
+def test_a_realistic_paraphrase_passes(a: str, b: str) -> None:
+    assert disagreement(a, b) is None
+    assert disagreement(b, a) is None
+
+
+@pytest.mark.parametrize(("a", "b", "why"), DIFFERENT)
+def test_a_near_miss_is_refused_whatever_its_frame(a: str, b: str, why: str) -> None:
+    assert disagreement(a, b) == why
+    assert disagreement(b, a) == why
+
+
+def test_the_sets_no_near_miss_passes_and_most_paraphrases_do() -> None:
+    for name in SETS:
+        rows = [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
+        assert [r for r in rows if r["label"] == "miss" and disagreement(r["a"], r["b"]) is None] == []
+        paraphrases = [r for r in rows if r["label"] == "hit"]
+        agreed = sum(disagreement(r["a"], r["b"]) is None for r in paraphrases)
+        assert agreed >= 0.75 * len(paraphrases), (name, agreed, len(paraphrases))
+    real = [line for line in (DATA / "semantic_pairs_real.jsonl").read_text().splitlines() if line]
+    assert sum('"hit"' in line for line in real) >= 60 and sum('"miss"' in line for line in real) >= 60
+
+
+def test_the_guard_stays_in_microseconds() -> None:
+    rows = [json.loads(line) for line in (DATA / "semantic_pairs_real.jsonl").read_text().splitlines()]
+    texts = [f"{r['a']} ({i})" for i, r in enumerate(rows)]  # uncached: new texts
+    start = time.perf_counter()
+    for t in texts:
+        facts(t)
+    per_text = (time.perf_counter() - start) / len(texts)
+    assert per_text < 0.002  # ~20 µs here; a loose bound for a loaded machine
