@@ -18,7 +18,7 @@ from multiplexer.cache.guard import disagreement, facts
 
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 SETS = ("semantic_pairs.jsonl", "semantic_pairs_unseen.jsonl", "semantic_pairs_unseen2.jsonl",
-        "semantic_pairs_real.jsonl")
+        "semantic_pairs_real.jsonl", "semantic_pairs_real2.jsonl")
 
 SAME = [
     ("What does error E42 mean?", "What is the meaning of error code E42?"),
@@ -39,6 +39,11 @@ SAME = [
     ("What does a VPN do?", "What is the purpose of a VPN?"),
     ("What is the plural of cactus?", "What is the plural form of the word cactus?"),
     ("How do I rename a branch in Git?", "What's the command for renaming a Git branch?"),
+    ("What does exit code 137 mean?", "What is the meaning of exit status 137?"),
+    ("What are the side effects of metformin?", "What adverse effects can metformin cause?"),
+    ("When was the Eiffel Tower built?", "In what year was the Eiffel Tower constructed?"),
+    ("What is the largest ocean on Earth?", "Which ocean is the biggest on Earth?"),
+    ("Who wrote The Great Gatsby?", "Who is the author of the novel The Great Gatsby?"),
 ]
 
 DIFFERENT = [
@@ -64,6 +69,10 @@ DIFFERENT = [
     ("What causes diabetes?", "What is diabetes?", "content"),
     ("How does a vaccine work?", "Why does a vaccine work?", "content"),
     ("Give me an explanation of inflation", "Give me an explanation of deflation", "content"),
+    ("What does dehydration cause?", "What is dehydration?", "content"),
+    ("What is the name of the phone?", "What is the number of the phone?", "content"),
+    ("How many years does a dog live?", "How many months does a dog live?", "units"),
+    ("How many days until Christmas?", "How many weeks until Christmas?", "units"),
 ]
 
 

@@ -100,16 +100,23 @@ use using used check located locate acronym tip tips recipe people
 between see view say suggest recommend recommendation command syntax formula equation method
 procedure purpose principle instruction instructions guide approach technique tutorial advice
 manner able option main mainly primary common commonly typical typically usual usually normally
-generally general particular certain specific calculate compute determine define
+generally general particular certain specific calculate compute determine define take
 """)) - NEGATIONS
 
 # words one question may add to the other's and still ask the same thing ("which city is the
 # capital of Spain", "the word cactus", "error code E42"), as long as the other adds nothing
 # of its own: "largest city" vs "largest country" replaces one with another and is refused
 FRAME_NOUNS = frozenset(str.split("""
-city town country nation place person scientist word term name code status language program
-software app tool company kind type number amount quantity form
+city town country nation place person scientist language program software app tool company
+name number amount quantity file document item element novel book film movie song album
 """))
+# frame nouns that may also stand in for each other ("exit code 137" / "exit status 137")
+FRAME_FILLERS = frozenset(str.split("code status word term form kind type"))
+# units of time one question may name and the other not, when neither has a number ("when was
+# it built" / "in what year was it built"); with numbers, units always agree
+_TIME_UNITS = frozenset(("year", "month", "week", "day", "hour", "minute", "second"))
+# "what symptoms does X cause": a last ``cause`` after one of these nouns names no reason
+_EFFECTS = frozenset(str.split("effect symptom consequence result problem damage complication risk"))
 
 # irregular forms and agent nouns -> the verb they come from
 IRREGULAR = {
@@ -154,7 +161,7 @@ SYNONYMS: dict[str, str] = {}
 for _group in (
     "change modify update alter edit", "reset restore", "restart reboot",
     "compress zip", "fix repair resolve solve troubleshoot",
-    "make create build generate produce", "remove delete erase eliminate rid uninstall",
+    "make create build construct generate produce", "remove delete erase eliminate rid uninstall",
     "reduce lower decrease lessen minimize minimise", "increase raise boost",
     "prevent avoid", "side adverse", "begin start initiate commence",
     "end finish stop terminate halt quit exit cancel", "big large huge", "small little tiny",
@@ -167,7 +174,8 @@ for _group in (
     "lose lost", "write compose", "sort order arrange", "split divide separate", "home house",
     "calculate compute", "distance far", "differ difference", "often frequently",
     "benefit advantage", "simple easy",
-    "tall height high", "tallest highest", "taller higher", "weigh weight", "old age",
+    "tall height high", "tallest highest", "taller higher", "largest biggest", "larger bigger",
+    "fastest quickest", "smallest tiniest", "weigh weight", "old age",
     "long length", "hot temperature", "cold",
     "help assist", "happen occur", "significance importance", "reason cause", "capital",
 ):
@@ -201,7 +209,9 @@ def stem(word: str) -> str:
 
 
 _SYN_STEMMED: dict[str, str] = {stem(k): stem(v) for k, v in SYNONYMS.items()}
-_FRAME_STEMMED = frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in FRAME_NOUNS)
+_FRAME_STEMMED = frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in FRAME_NOUNS | FRAME_FILLERS)
+_FILLERS_STEMMED = frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in FRAME_FILLERS)
+_EFFECTS_STEMMED = frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in _EFFECTS)
 _UNITS_STEMMED: dict[str, str] = {**{stem(k): v for k, v in UNITS.items()},
                                   **{k: v for k, v in UNITS.items()}}
 
@@ -236,6 +246,9 @@ def facts(text: str) -> Facts:
     raw = _TOKEN.findall(text.replace("\u2019", "'"))
     lowered = [t.lower() for t in raw]
     canon = [_canon(raw, lowered, i) for i in range(len(raw))]
+    last = max((i for i, c in enumerate(canon) if c), default=-1)
+    if last > 0 and lowered[last].startswith("caus") and not _EFFECTS_STEMMED.isdisjoint(canon[:last]):
+        canon[last] = ""  # "what side effects can aspirin cause": the effects are asked, no reason
     numbers: list[float] = []
     units: set[str] = set()
     negations = 0
@@ -359,8 +372,13 @@ def disagreement(a: str, b: str) -> str | None:
         return "numbers"
     if fa.versions != fb.versions:
         return "versions"
+    timeless: frozenset[str] = frozenset()
     if fa.units != fb.units:
-        return "units"
+        extra = fa.units ^ fb.units
+        if fa.numbers or fb.numbers or not (fa.units <= fb.units or fb.units <= fa.units) \
+                or not extra <= _TIME_UNITS:
+            return "units"
+        timeless = frozenset("u:" + u for u in extra)  # "when" / "in what year"
     if fa.negations != fb.negations:
         return "negation"
     if _differ(fa.roles, fb.roles, 0) or _differ(fa.roles, fb.roles, 1):
@@ -372,7 +390,10 @@ def disagreement(a: str, b: str) -> str | None:
     if len(shared) > 1 and shared != [e for e in fb.entities if e in fa.entities]:
         return "entity_order"
     if fa.content != fb.content:
-        only_a, only_b = fa.content - fb.content, fb.content - fa.content
-        if (only_a and only_b) or not (only_a or only_b) <= _FRAME_STEMMED:
+        only_a, only_b = fa.content - fb.content - timeless, fb.content - fa.content - timeless
+        if only_a and only_b:
+            if not (only_a | only_b) <= _FILLERS_STEMMED:
+                return "content"
+        elif not (only_a or only_b) <= _FRAME_STEMMED:
             return "content"
     return None
