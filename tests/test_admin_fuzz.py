@@ -31,6 +31,7 @@ from multiplexer.gateway.config import parse_config
 from multiplexer.money.spend_store import GROUPS
 from multiplexer.server import running
 from tests.entry_point_helpers import mounted
+from tests.fuzz_budget import examples
 
 ADMIN = "adm-fuzz-" + "z" * 24
 AUTH = {"authorization": f"Bearer {ADMIN}"}
@@ -148,7 +149,8 @@ def target(served: Served, method: str, path: str, data: st.DataObject) -> str:
     return path.replace("{id}", quote(found, safe=""))
 
 
-FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=examples(250), deadline=None, database=None,
+                suppress_health_check=list(HealthCheck))
 
 
 @given(data=st.data())
@@ -167,7 +169,7 @@ def test_odd_bodies_ids_and_actors_are_answered_never_with_a_5xx(served: Served,
 
 
 @given(data=st.data())
-@settings(FUZZ, max_examples=120)
+@settings(FUZZ, max_examples=examples(120))
 def test_odd_query_strings_are_answered_never_with_a_5xx(served: Served, data: st.DataObject) -> None:
     reads = [(m, p) for m, p in served.routes if m == "GET"]
     method, path = data.draw(st.sampled_from(reads), label="endpoint")

@@ -24,6 +24,7 @@ from multiplexer.core.json_codec import dumps, loads, loads_lenient
 from multiplexer.core.jsonrpc import decode
 from multiplexer.faces.v1.common import V1, HttpError
 from providers.api_client import decode_body
+from tests.fuzz_budget import examples
 
 
 def _finite_float(text: str) -> float:
@@ -90,7 +91,7 @@ bodies = (st.binary(max_size=60) | st.lists(st.sampled_from(TOKENS), max_size=12
 
 
 @given(body=bodies)
-@settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(2000), deadline=None, suppress_health_check=list(HealthCheck))
 def test_loads_reads_and_refuses_what_the_stdlib_did(body: bytes) -> None:
     assert outcome(loads, body) == outcome(stdlib_loads, body)
     assert outcome(loads_lenient, body) == outcome(json.loads, body)
@@ -301,6 +302,6 @@ json_objects = st.recursive(
 
 
 @given(value=json_objects)
-@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(1500), deadline=None, suppress_health_check=list(HealthCheck))
 def test_dumps_agrees_with_the_stdlib_on_any_value(value: Any) -> None:
     assert same_document(outcome(dumps, value), outcome(stdlib_dumps, value))

@@ -41,7 +41,8 @@ async def test_every_tools_call_is_recorded_and_queryable(tmp_path: Path) -> Non
     async with upstream_url() as url, running(parse_config(
             audited_config(url, tmp_path, arguments=True))) as (_, base):
         async with mcp_http_client(base + "/mcp", "auto", KEYS["alice"]) as client:
-            assert not (await client.call_tool("rug_lookup", {"word": "a", "api_key": "sk-" + "s" * 20})).is_error
+            secret = {"word": "a", "api_key": "sk-" + "s" * 20}
+            assert not (await client.call_tool("rug_lookup", secret)).is_error
             assert not (await client.call_tool("rug_unrug", {})).is_error
             assert (await client.call_tool("rug_unrug", {})).is_error  # over the tool's rpm
         async with mcp_http_client(base + "/mcp/words", "legacy", KEYS["alice"]) as client:
@@ -61,7 +62,8 @@ async def test_every_tools_call_is_recorded_and_queryable(tmp_path: Path) -> Non
             assert first["args_hash"] == hashlib.sha256(expected.encode()).hexdigest()
             assert began <= first["ts"] <= time.time()
 
-            assert [r["status"] for r in (await records(http, base, status="refused"))["records"]] == ["refused"]
+            refused = (await records(http, base, status="refused"))["records"]
+            assert [r["status"] for r in refused] == ["refused"]
             assert len((await records(http, base, tool="rug_lookup"))["records"]) == 2
             assert (await records(http, base, key="bob"))["records"] == []
             assert (await records(http, base, since=time.time() + 60))["records"] == []

@@ -24,6 +24,9 @@ from examples.jsonrpc_upstream import create_app as calc_app
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
 from tests.fakes.serve import serve_app
+from tests.fuzz_budget import examples
+
+RPC_CASES = examples(2000)
 
 pytestmark = pytest.mark.anyio
 
@@ -45,9 +48,9 @@ async def test_fuzzed_rpc_and_mcp_get_spec_shaped_replies_and_no_5xx(
                          store=str(tmp_path / "store.db"))
         async with running(config, port=0) as (_, url):
             rpc, mcp = fuzz_rpc.Tally(), fuzz_rpc.Tally()
-            await fuzz_rpc.fire(url, "/rpc", RpcFuzzer(11, fuzz_rpc.LIMITS, fuzz_rpc.KEY).case, 2000,
+            await fuzz_rpc.fire(url, "/rpc", RpcFuzzer(11, fuzz_rpc.LIMITS, fuzz_rpc.KEY).case, RPC_CASES,
                                 fuzz_rpc.rpc_check, 32, rpc)
-            await fuzz_rpc.fire(url, "/mcp", McpFuzzer(11, fuzz_rpc.LIMITS, fuzz_rpc.KEY).case, 500,
+            await fuzz_rpc.fire(url, "/mcp", McpFuzzer(11, fuzz_rpc.LIMITS, fuzz_rpc.KEY).case, examples(500),
                                 fuzz_rpc.mcp_check, 16, mcp)
             async with httpx.AsyncClient() as http:
                 assert (await http.get(f"{url}/healthz")).status_code == 200
@@ -58,7 +61,7 @@ async def test_fuzzed_rpc_and_mcp_get_spec_shaped_replies_and_no_5xx(
     for tally in (rpc, mcp):
         assert tally.total_violations == 0, tally.samples[:3]
         assert not any(s >= 500 or s == 0 for c in tally.statuses.values() for s in c)
-    assert rpc.inputs == 2000 and set(rpc.by_class) == set(RPC_CLASSES)  # every class was tried
+    assert rpc.inputs == RPC_CASES and set(rpc.by_class) == set(RPC_CLASSES)  # every class was tried
     assert {401, 413, 204, 200} <= {s for c in rpc.statuses.values() for s in c}
     assert _errors(caplog) == []
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from multiplexer.faces.v1.file_policy import PURPOSES
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
+from tests.fuzz_budget import examples
 from tests.test_v1_openai import KEY
 
 NAMES = ["purpose", "file", "expires_after[anchor]", "expires_after[seconds]", "expires_after",
@@ -100,7 +101,7 @@ def answered_well(r: httpx.Response) -> None:
 
 
 @given(form=forms())
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=list(HealthCheck))
 def test_odd_upload_forms_are_answered_never_with_a_5xx(served, form):
     url, uploads = served
     kind, body = form
@@ -116,7 +117,7 @@ def test_odd_upload_forms_are_answered_never_with_a_5xx(served, form):
     ["file-", "file-batch_-output", "file-batch_x-error", "file-" + "0" * 24, "%00", "\x00"])).filter(
         lambda i: i not in (".", "..") and "/" not in i),  # the URL's own path structure, not an id
        purpose=st.one_of(st.none(), st.text(max_size=20)))
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=list(HealthCheck))
 def test_odd_ids_and_queries_are_answered_never_with_a_5xx(served, file_id, purpose):
     url, _ = served
     quoted = f"{url}/v1/files/" + quote(file_id, safe="", errors="surrogatepass")
