@@ -11,7 +11,8 @@ routes, ``chat`` semantically cached at the defaults (threshold 0.88, guard on, 
    ``real`` (realistic rewrites: frame words, reordering, nominalisation, synonyms; near-misses
    with a word substituted in the same slot or a narrowing modifier added) was written before
    the guard's second tuning, and tuned on; ``real2`` likewise, written after that tuning
-   (measured once as it was: 16 of 30 paraphrases passed the guard), then tuned on too.
+   (measured once as it was: 16 of 30 paraphrases passed the guard), then tuned on too;
+   ``unseen3`` (25 + 25 of the realistic kinds) was written after all tuning and not tuned on.
 2. **Sweep**: the same pairs' cosine similarities from ``/v1/embeddings`` (the gateway's own
    pool), hit rate and wrong hits at each threshold, with and without the guard.
 3. **Latency** (client side, one HTTP/1.1 connection per caller): ``plain`` (no cache), a miss,
@@ -46,7 +47,7 @@ from multiplexer.cache.guard import disagreement
 
 DATA = Path(__file__).resolve().parent / "data"
 SETS = ("semantic_pairs.jsonl", "semantic_pairs_unseen.jsonl", "semantic_pairs_unseen2.jsonl",
-        "semantic_pairs_real.jsonl", "semantic_pairs_real2.jsonl")
+        "semantic_pairs_real.jsonl", "semantic_pairs_real2.jsonl", "semantic_pairs_unseen3.jsonl")
 THRESHOLDS = (0.80, 0.85, 0.88, 0.90, 0.92, 0.95)
 
 CONFIG = """
