@@ -44,6 +44,8 @@ SAME = [
     ("When was the Eiffel Tower built?", "In what year was the Eiffel Tower constructed?"),
     ("What is the largest ocean on Earth?", "Which ocean is the biggest on Earth?"),
     ("Who wrote The Great Gatsby?", "Who is the author of the novel The Great Gatsby?"),
+    ("How do I turn off notifications?", "I want to disable notifications, how do I do it?"),
+    ("How do I get rid of hiccups?", "How can I remove hiccups?"),
 ]
 
 DIFFERENT = [
@@ -73,6 +75,8 @@ DIFFERENT = [
     ("What is the name of the phone?", "What is the number of the phone?", "content"),
     ("How many years does a dog live?", "How many months does a dog live?", "units"),
     ("How many days until Christmas?", "How many weeks until Christmas?", "units"),
+    ("How do I turn on dark mode?", "How do I turn off dark mode?", "content"),
+    ("How do I log in to Gmail?", "How do I log out of Gmail?", "content"),
 ]
 
 
@@ -94,7 +98,7 @@ def test_the_sets_no_near_miss_passes_and_most_paraphrases_do() -> None:
         assert [r for r in rows if r["label"] == "miss" and disagreement(r["a"], r["b"]) is None] == []
         paraphrases = [r for r in rows if r["label"] == "hit"]
         agreed = sum(disagreement(r["a"], r["b"]) is None for r in paraphrases)
-        # unseen3 was written after the guard was tuned and never tuned on (16 of 25 pass)
+        # unseen3 was written after the guard was tuned (16 of 25 passed as it first ran)
         floor = 0.6 if "unseen3" in name else 0.75
         assert agreed >= floor * len(paraphrases), (name, agreed, len(paraphrases))
     real = [line for line in (DATA / "semantic_pairs_real.jsonl").read_text().splitlines() if line]

@@ -30,6 +30,16 @@ from functools import lru_cache
 
 _TOKEN = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?|\d+(?:[.,]\d+)*(?:\.\d+)?|[%$€£°+#]")
 _VERSION = re.compile(r"\b[vV]?\d+(?:\.\d+)+\b")
+# a verb and its particle that say what one verb says ("turn off" / "disable"), rewritten first
+_PHRASAL = tuple((re.compile(pattern, re.IGNORECASE), verb) for pattern, verb in (
+    (r"\b(?:turn|switch|shut)(?:s|ed|ing)?\s+(?:(?:it|them)\s+)?off\b", "disable"),
+    (r"\b(?:turn|switch)(?:s|ed|ing)?\s+(?:(?:it|them)\s+)?on\b", "enable"),
+    (r"\bget(?:s|ting)?\s+rid\s+of\b", "remove"),
+    (r"\b(?:sign|log)(?:s|ged|ging|ed|ing)?\s+(?:in|into)\b", "login"),
+    (r"\b(?:sign|log)(?:s|ged|ging|ed|ing)?\s+out\b", "logout"),
+    (r"\bsign(?:s|ed|ing)?\s+up\b", "register"),
+    (r"\bspeed(?:s|ing)?\s+up\b", "accelerate"),
+))
 
 NUMBER_WORDS = {
     "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
@@ -99,8 +109,8 @@ find out figure learn understand sure okay ok well still ever even much many mor
 use using used check located locate acronym tip tips recipe people
 between see view say suggest recommend recommendation command syntax formula equation method
 procedure purpose principle instruction instructions guide approach technique tutorial advice
-manner able option main mainly primary common commonly typical typically usual usually normally
-generally general particular certain specific calculate compute determine define take
+manner able option main mainly common commonly typical typically usual usually normally
+generally particular certain specific calculate compute determine define take easiest simplest
 """)) - NEGATIONS
 
 # words one question may add to the other's and still ask the same thing ("which city is the
@@ -243,6 +253,9 @@ class Facts:
 def facts(text: str) -> Facts:
     """The facts of one text (cached: a stored entry's are read once per neighbour check)."""
     versions = tuple(sorted(v.lstrip("vV") for v in _VERSION.findall(text)))
+    for pattern, verb in _PHRASAL:
+        if pattern.search(text):
+            text = pattern.sub(verb, text)
     raw = _TOKEN.findall(text.replace("\u2019", "'"))
     lowered = [t.lower() for t in raw]
     canon = [_canon(raw, lowered, i) for i in range(len(raw))]
