@@ -13,7 +13,8 @@ routes, ``chat`` semantically cached at the defaults (threshold 0.88, guard on, 
    the guard's second tuning, and tuned on; ``real2`` likewise, written after that tuning
    (measured once as it was: 16 of 30 paraphrases passed the guard), then tuned on too;
    ``unseen3`` (25 + 25 of the realistic kinds) was written after that (16 of 25 passed as it
-   first ran; phrasal verbs such as "turn off" / "disable" were added after it).
+   first ran; phrasal verbs such as "turn off" / "disable" were added after it); ``unseen4``
+   (25 + 25) was written after all tuning and is not tuned on.
 2. **Sweep**: the same pairs' cosine similarities from ``/v1/embeddings`` (the gateway's own
    pool), hit rate and wrong hits at each threshold, with and without the guard.
 3. **Latency** (client side, one HTTP/1.1 connection per caller): ``plain`` (no cache), a miss,
@@ -48,7 +49,8 @@ from multiplexer.cache.guard import disagreement
 
 DATA = Path(__file__).resolve().parent / "data"
 SETS = ("semantic_pairs.jsonl", "semantic_pairs_unseen.jsonl", "semantic_pairs_unseen2.jsonl",
-        "semantic_pairs_real.jsonl", "semantic_pairs_real2.jsonl", "semantic_pairs_unseen3.jsonl")
+        "semantic_pairs_real.jsonl", "semantic_pairs_real2.jsonl", "semantic_pairs_unseen3.jsonl",
+        "semantic_pairs_unseen4.jsonl")
 THRESHOLDS = (0.80, 0.85, 0.88, 0.90, 0.92, 0.95)
 
 CONFIG = """
