@@ -40,6 +40,7 @@ _PHRASAL = tuple((re.compile(pattern, re.IGNORECASE), verb) for pattern, verb in
     (r"\bsign(?:s|ed|ing)?\s+up\b", "register"),
     (r"\bspeed(?:s|ing)?\s+up\b", "accelerate"),
 ))
+_PHRASAL_VERB = re.compile(r"\b(?:turn|switch|shut|get|sign|log|speed)", re.IGNORECASE)
 
 NUMBER_WORDS = {
     "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
@@ -253,8 +254,8 @@ class Facts:
 def facts(text: str) -> Facts:
     """The facts of one text (cached: a stored entry's are read once per neighbour check)."""
     versions = tuple(sorted(v.lstrip("vV") for v in _VERSION.findall(text)))
-    for pattern, verb in _PHRASAL:
-        if pattern.search(text):
+    if _PHRASAL_VERB.search(text):
+        for pattern, verb in _PHRASAL:
             text = pattern.sub(verb, text)
     raw = _TOKEN.findall(text.replace("\u2019", "'"))
     lowered = [t.lower() for t in raw]
