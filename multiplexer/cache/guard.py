@@ -16,7 +16,9 @@ a neighbour the index found is a hit only when the two texts agree on
   (soda and powder, approve and deny, hidden files and files). One text may add a few frame
   nouns the other lacks ("which **city** is the capital", "error **code** E42", "the **word**
   cactus"), only where the other adds nothing of its own ("largest city" vs "largest country"
-  is a substitution and refused).
+  is a substitution and refused). A verb and its particle are first read as the one verb they
+  mean ("turn off" as "disable"); a time unit one side names without numbers ("in what year"
+  for "when") and a last "cause" after effects or symptoms are no difference.
 
 It is deliberately strict: a paraphrase that swaps vocabulary outside the synonym table is a
 miss (one more upstream call), never a wrong answer. Pure functions; no model, nothing loaded.
