@@ -148,19 +148,26 @@ class Lane:
             self._wake.set()  # else nothing can leave before a batch ends, and its end wakes the loop
         return p
 
-    def express(self, item: Item) -> Batch | None:
+    def express(self, item: Item, streamed: bool = False) -> Batch | None:
         """A lone item on an idle eager lane: its batch, taken and charged now, for the caller to
         ``run_here`` in its own task; None when it must queue (``submit``).
 
         It is the batch ``submit`` would have started at once; run by the caller, it skips the
         queue, the hand-over to a worker and back, and the caller's wait for it, which were a fifth
-        of a lone proxied call's CPU."""
-        if (self._tg is None or not self.eager or self.in_flight or self._closing
+        of a lone proxied call's CPU.
+
+        ``streamed``: a stream also on a busy lane, when nothing is queued and the formation
+        sends it alone at once (as ``submit`` then would): a stream holds its batch for its whole
+        length, and a worker task parked on each of a thousand open streams, with its frames and
+        its caller's waiter, was 6 KB of every one."""
+        if (self._tg is None or not self.eager or (self.in_flight and not streamed) or self._closing
                 or getattr(self.formation, "tracks_batches", False)
                 or len(self.queue) or self.limiter.full()
                 or self.limiter.delay(1, item.tokens)[0] > 0):
             return None
         p = Pending(item, self.clock.now())
+        if self.in_flight and not self.formation.decide([p], p.enqueued).take:
+            return None  # the formation would hold it for a batch: it queues
         p.state = "running"
         self.in_flight += 1
         return [p], self.limiter.take(item.tokens)

@@ -379,8 +379,8 @@ class Gateway:
         """Stage three, the only one with effects: answer from the cache, join an identical call
         in flight, or queue the item on its lane. A call refused here never ran, so its batch
         charge is given back. ``alone``: the caller's only call, which an idle lane hands back to
-        run in the caller's task (``Lane.express``) unless it is shared, streamed or has
-        fallbacks."""
+        run in the caller's task (``Lane.express``) unless it is shared or has fallbacks (a
+        stream also on a busy lane with nothing queued)."""
         call = plan.call
         ticket = Ticket(plan.label, call.identity, plan.deadline, started=plan.started)
         ticket.span, ticket.grant = plan.span, grant
@@ -408,9 +408,8 @@ class Gateway:
                     ticket.lane = lane = self._lane_for(plan.label, route)
                     if plan.dedup_key is None:
                         batch = None
-                        if (alone and plan.attempts is None and stream_sink(item) is None
-                                and plan.deadline > plan.started):
-                            batch = lane.express(item)
+                        if (alone and plan.attempts is None and plan.deadline > plan.started):
+                            batch = lane.express(item, stream_sink(item) is not None)
                         if batch is None:
                             ticket.pending = lane.submit(item)
                         else:
