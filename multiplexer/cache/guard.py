@@ -44,6 +44,76 @@ _PHRASAL = tuple((re.compile(pattern, re.IGNORECASE), verb) for pattern, verb in
 ))
 _PHRASAL_VERB = re.compile(r"\b(?:turn|switch|shut|get|sign|log|speed)", re.IGNORECASE)
 
+# a dimension asked with "how" and an adjective asks for the dimension's noun: "how fast does
+# light travel" / "the speed of light"; the adjectives that name the low end keep their word
+# ("how cold" is the temperature and cold: not "how hot")
+_DIMENSIONS = {
+    "fast": "speed", "quick": "speed", "quickly": "speed", "rapidly": "speed",
+    "slow": "speed slow", "slowly": "speed slow", "tall": "height", "high": "height",
+    "short": "height short", "long": "length", "big": "size", "large": "size", "huge": "size",
+    "small": "size small", "heavy": "weight", "old": "age", "young": "age young",
+    "far": "distance", "close": "distance close", "near": "distance close", "hot": "temperature",
+    "warm": "temperature", "cold": "temperature cold", "wide": "width", "deep": "depth",
+    "expensive": "price", "costly": "price", "cheap": "price cheap",
+}
+_HOW_DIMENSION = re.compile(
+    r"\bhow\s+(?:(many|much)\s+(?:people|persons|inhabitants|residents)"
+    r"(?:\s+(?:live|lives|living|reside|are\s+there|are|is\s+there))?|(" + "|".join(_DIMENSIONS) + r"))\b",
+    re.IGNORECASE)
+# frames that say one thing in other words, rewritten before the words are read; each names a
+# class, not a question: "what makes X" / "what causes X" / "why X"; "another word for" /
+# "a synonym for"; "how do you say X in L" / "translate X into L"; "what command lists" /
+# "how do I list"; "boiling point" / "the temperature it boils at"; "WW2" / "World War II";
+# "stand for" / "short for" / "an acronym for"; "last longer" / "extend its life"
+_FRAMES = tuple((re.compile(pattern, re.IGNORECASE), repl) for pattern, repl in (
+    (r"\bWW\s?(?:II|2)\b", "World War II"),
+    (r"\bWW\s?(?:I|1)\b", "World War I"),
+    (r"\bhow\s+come\b", "why"),
+    (r"\bwhat\s+(?:makes|made|causes|caused)\s+(.{1,60}?)\s+(?:look|looks|appear|appears|seem|seems)"
+     r"\s+(?!like\b)", r"why \1 "),
+    (r"\bwhat\s+(?:is|are|was|were)\s+the\s+reasons?\s+(?:why|that)\b", "why"),
+    (r"\bwhat\s+(?:makes|made|causes|caused)\b", "why"),
+    (r"\b(?:an)?other\s+(?:word|term)s?\b", "synonym"),
+    (r"\b(?:a\s+)?(?:word|term)s?\s+(?:that\s+means?|meaning)\b", "synonym for"),
+    (r"\bhow\s+(?:do|would|can|could|should|does)\s+(?:you|i|we|one|someone)\s+say\b", "translate"),
+    (r"\b(?:what|which)\s+((?:[a-z]+\s+)?)(?:command|shortcut|function|method)s?\s+"
+     r"(?:(?:do|can|should|would)\s+i\s+use\s+to\s+|is\s+used\s+to\s+|to\s+use\s+to\s+|to\s+|that\s+)?",
+     r"\1 how do I "),
+    (r"\b(?:the|a)\s+(?:command|shortcut|function|method)\s+(?:to|for|that)\b", "how to"),
+    (r"\b(boil|boiling|freez|freezing|melt|melting|dew|flash|smoke|smoking)\s+points?\b", r"\1 temperature"),
+    (r"\b(?:stands?|short|an?\s+abbreviation|an?\s+acronym)\s+for\b", "acronym for"),
+    (r"\blife\s+(?:expectancy|span)\b", "lifespan"),
+    (r"\bhow\s+long\s+(?:do|does|can|will|did|should)\s+(.{1,40}?)\s+live\b", r"how lifespan \1"),
+    (r"\bmake\s+(.{1,30}?)\s+(?:run\s+|go\s+|work\s+|load\s+)?faster\b", r"accelerate \1"),
+    (r"\b(?:the\s+)?(?:fastest|quickest)\s+way\b", "fast"),
+    (r"\b(?:stop|keep)\s+(.{1,30}?)\s+from\b", r"prevent \1 from"),
+    (r"\bstop\s+((?:my|your|the|a|an|his|her|their|our)\s+[a-z]+)\s+(?=[a-z]+ing\b)", r"prevent \1 from "),
+    (r"\btell\s+(?:if|whether)\b", "know if"),
+    (r"\bcomes?\s+from\b", "originate"),
+    (r"\bon\s+(?:the\s+)?(?:planet\s+)?earth\b|\bon\s+the\s+planet\b", "in the world"),
+    (r"\bin\s+colou?r\b", ""),
+    (r"\bon\s+average\b", "average"),
+    (r"\bmake\s+(.{1,40}?)\s+last\s+longer\b", r"extend \1 life"),
+    (r"\blast\s+longer\b", "extend life"),
+    (r"\bmake\s+(.{1,30}?)\s+longer\b", r"extend \1"),
+))
+_FRAME_HINT = re.compile(
+    r"\b(?:WW|come|make|made|cause|caus|reason|other|word|term|say|command|shortcut|function|method|"
+    r"point|stand|short|abbreviation|acronym|life|long|fast|quick|stop|keep|tell|come|earth|planet|"
+    r"colo|average)", re.IGNORECASE)
+# a first clause that gives the asker's state before the question ("I forgot my password, how
+# can I reset it?"): its verb of state is no content; the verb of any such clause is kept apart
+# so that two clauses compare ("I lost a wallet" / "I found a wallet")
+_CONTEXT = re.compile(
+    r"^\W*(?:(?:so|well|hi|hey|ok|okay|um|help)\W+)?I(?:'ve|\s+have|'m|\s+am|'d|\s+had)?\s+"
+    r"(?:(?:just|accidentally|recently|really|already|completely|totally|somehow)\s+)*"
+    r"(can'?t\s+remember|cannot\s+remember|don'?t\s+remember|do\s+not\s+remember|[a-z]+)\b",
+    re.IGNORECASE)
+_STATE_VERBS = {"forgot": "forget", "forget": "forget", "forgotten": "forget",
+                "lost": "lose", "misplaced": "lose", "need": "need", "needed": "need",
+                "want": "want", "wanted": "want", "trying": "try", "tried": "try", "try": "try",
+                "would": "want", "wish": "want", "hope": "want", "plan": "want", "planning": "want"}
+
 NUMBER_WORDS = {
     "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
     "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13,
@@ -52,7 +122,11 @@ NUMBER_WORDS = {
     "seventy": 70, "eighty": 80, "ninety": 90, "hundred": 100, "thousand": 1000,
     "million": 1_000_000, "billion": 1_000_000_000, "dozen": 12, "half": 0.5, "twice": 2,
     "double": 2, "triple": 3, "first": 1, "second": 2, "third": 3, "fourth": 4, "fifth": 5,
+    "sixth": 6, "seventh": 7, "eighth": 8, "ninth": 9, "tenth": 10, "eleventh": 11,
+    "twelfth": 12, "twentieth": 20, "hundredth": 100, "earliest": 1,
 }
+_ROMAN = re.compile(r"X{0,3}(?:IX|IV|V?I{0,3})")
+_ROMAN_VALUES = {"I": 1, "V": 5, "X": 10}
 
 # spellings of one unit -> its one name
 UNITS = {
@@ -114,6 +188,7 @@ between see view say suggest recommend recommendation command syntax formula equ
 procedure purpose principle instruction instructions guide approach technique tutorial advice
 manner able option main mainly common commonly typical typically usual usually normally
 generally particular certain specific calculate compute determine define take easiest simplest
+whether average
 """)) - NEGATIONS
 
 # words one question may add to the other's and still ask the same thing ("which city is the
@@ -122,6 +197,7 @@ generally particular certain specific calculate compute determine define take ea
 FRAME_NOUNS = frozenset(str.split("""
 city town country nation place person scientist language program software app tool company
 name number amount quantity file document item element novel book film movie song album
+quality world
 """))
 # frame nouns that may also stand in for each other ("exit code 137" / "exit status 137")
 FRAME_FILLERS = frozenset(str.split("code status word term form kind type"))
@@ -191,6 +267,11 @@ for _group in (
     "fastest quickest", "smallest tiniest", "weigh weight", "old age",
     "long length", "hot temperature", "cold",
     "help assist", "happen occur", "significance importance", "reason cause", "capital",
+    # dimensions: "how ADJ" is read as the noun first (_HOW_DIMENSION)
+    "speed velocity", "size", "width breadth", "depth", "population", "lifespan",
+    # recency: the last, latest, most recent, newest commit
+    "last latest recent newest", "int integer", "symptom sign", "improve better enhance",
+    "extend lengthen prolong", "all every", "synonym", "antonym opposite",
 ):
     words = _group.split()
     for _w in words:
@@ -222,6 +303,19 @@ def stem(word: str) -> str:
 
 
 _SYN_STEMMED: dict[str, str] = {stem(k): stem(v) for k, v in SYNONYMS.items()}
+
+
+def _canonical(words: str) -> frozenset[str]:
+    return frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in words.split())
+
+
+# the nouns "how" and an adjective are read as, and the verbs that then ask nothing more
+# ("how fast does light travel", "how tall do giraffes grow", "how many people live in")
+_DIMENSION_NOUNS = _canonical("speed height length size weight age distance temperature width "
+                              "depth price population lifespan")
+_DIMENSION_VERBS = _canonical("travel move grow reach")
+# the question after a clause of state points back at what the clause named
+_REFERS_BACK = re.compile(r"\b(?:it|them|one|this|that|those|these)\b", re.IGNORECASE)
 _FRAME_STEMMED = frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in FRAME_NOUNS | FRAME_FILLERS)
 _FILLERS_STEMMED = frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in FRAME_FILLERS)
 _EFFECTS_STEMMED = frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in _EFFECTS)
@@ -250,21 +344,39 @@ class Facts:
     particles: frozenset[tuple[str, str]]
     entities: tuple[str, ...]
     content: frozenset[str]
+    context: str = ""
 
 
 @lru_cache(maxsize=65_536)
 def facts(text: str) -> Facts:
     """The facts of one text (cached: a stored entry's are read once per neighbour check)."""
     versions = tuple(sorted(v.lstrip("vV") for v in _VERSION.findall(text)))
+    text = text.replace("\u2019", "'")
+    context = ""
+    clause = _CONTEXT.match(text)
+    if clause is not None:
+        verb = clause.group(1).lower()
+        state = "forget" if verb.endswith("remember") else _STATE_VERBS.get(verb)
+        if state is None:
+            context = _SYN_STEMMED.get(stem(verb), stem(verb))
+        elif _REFERS_BACK.search(text, clause.end()):
+            context = state  # "I forgot my password, how can I reset it?"
+            text = text[:clause.start(1)] + text[clause.end(1):]
     if _PHRASAL_VERB.search(text):
         for pattern, verb in _PHRASAL:
             text = pattern.sub(verb, text)
-    raw = _TOKEN.findall(text.replace("\u2019", "'"))
+    if _FRAME_HINT.search(text):
+        for pattern, repl in _FRAMES:
+            text = pattern.sub(repl, text)
+    text = _HOW_DIMENSION.sub(_dimension, text)
+    raw = _TOKEN.findall(text)
     lowered = [t.lower() for t in raw]
     canon = [_canon(raw, lowered, i) for i in range(len(raw))]
     last = max((i for i, c in enumerate(canon) if c), default=-1)
     if last > 0 and lowered[last].startswith("caus") and not _EFFECTS_STEMMED.isdisjoint(canon[:last]):
         canon[last] = ""  # "what side effects can aspirin cause": the effects are asked, no reason
+    if not _DIMENSION_NOUNS.isdisjoint(canon):  # "how fast does light travel": the speed is asked
+        canon = ["" if c in _DIMENSION_VERBS else c for c in canon]
     numbers: list[float] = []
     units: set[str] = set()
     negations = 0
@@ -287,7 +399,13 @@ def facts(text: str) -> Facts:
         elif low in PARTICLES and i > 0 and canon[i - 1] and not canon[i - 1].startswith("#"):
             particles.add((canon[i - 1], low))  # turn on, zoom out, scale up
     return Facts(tuple(sorted(numbers)), versions, frozenset(units), negations,
-                 _roles(lowered, canon), frozenset(particles), tuple(entities), frozenset(content))
+                 _roles(lowered, canon), frozenset(particles), tuple(entities), frozenset(content),
+                 context)
+
+
+def _dimension(match: re.Match[str]) -> str:
+    # "how" stays: a stop word, it ends a noun phrase before it ("for a soft yolk, how long")
+    return "how " + ("population" if match.group(1) else _DIMENSIONS[match.group(2).lower()])
 
 
 def _canon(raw: list[str], lowered: list[str], i: int) -> str:
@@ -299,7 +417,10 @@ def _canon(raw: list[str], lowered: list[str], i: int) -> str:
     if low.endswith("'s") and len(low) > 2:
         low = low[:-2]
     num = _number(tok)
-    if num is not None and (low not in ("one", "second") or _before_unit(lowered, i)):
+    if num is None and i > 0 and _ROMAN.fullmatch(tok) and _after_name(raw, i):
+        num = _roman(tok)  # World War II, Henry VIII, World War I (a name before it)
+    if num is not None and (low not in ("one", "second") or _before_unit(lowered, i)
+                            or (low == "second" and _ordinal(raw, lowered, i))):
         return f"#{num:g}"
     if low == "\u00b0":
         nxt = lowered[i + 1][:1] if i + 1 < len(lowered) else ""
@@ -308,11 +429,40 @@ def _canon(raw: list[str], lowered: list[str], i: int) -> str:
     unit = UNITS.get(low) or _UNITS_STEMMED.get(st)
     if unit is not None and (len(low) > 2 or low in "$\u20ac\u00a3%" or (i > 0 and (
             _number(raw[i - 1]) is not None or lowered[i - 1] in _UNIT_BEFORE))):
+        if unit in _TIME_UNITS and i > 0 and lowered[i - 1] in ("what", "which"):
+            return ""  # "in what year", "on which day": asks when
         return "u:" + unit
     if low in STOPWORDS and not (tok[0].isupper() and i > 0 and len(low) > 1):
         return ""  # a capitalised word mid-sentence is a name (Go, Swift), not a stop word
     word = _SYN_STEMMED.get(st, st)
     return "" if word in STOPWORDS else word
+
+
+def _roman(tok: str) -> float | None:
+    values = [_ROMAN_VALUES[c] for c in tok]
+    if not values:
+        return None
+    return float(sum(-v if k + 1 < len(values) and v < values[k + 1] else v
+                     for k, v in enumerate(values)))
+
+
+def _after_name(raw: list[str], i: int) -> bool:
+    """A Roman numeral follows a capitalised word (not the sentence's first word when it is
+    ``I``, the pronoun's spelling)."""
+    prev = raw[i - 1]
+    if not (prev[0].isupper() and prev.isalpha() and prev != "I"):
+        return False
+    # a lone I is the pronoun unless a name of two capitalised words precedes it (World War I)
+    return raw[i] != "I" or (i > 1 and raw[i - 2][0].isupper() and raw[i - 2].lower() not in STOPWORDS)
+
+
+def _ordinal(raw: list[str], lowered: list[str], i: int) -> bool:
+    """``second`` before a word it counts (the Second World War, the second largest), not the
+    unit (wait a second, in a second)."""
+    if i + 1 >= len(raw):
+        return False
+    nxt = lowered[i + 1]
+    return nxt not in STOPWORDS and nxt not in _PREPOSITIONS and not _before_unit(lowered, i)
 
 
 def _before_unit(lowered: list[str], i: int) -> bool:
@@ -397,6 +547,8 @@ def disagreement(a: str, b: str) -> str | None:
         timeless = frozenset("u:" + u for u in extra)  # "when" / "in what year"
     if fa.negations != fb.negations:
         return "negation"
+    if fa.context and fb.context and fa.context != fb.context:
+        return "content"  # "I lost a wallet, ..." / "I found a wallet, ..."
     if _differ(fa.roles, fb.roles, 0) or _differ(fa.roles, fb.roles, 1):
         return "roles"
     for word, particle in fa.particles:
