@@ -65,42 +65,45 @@ _HOW_DIMENSION = re.compile(
 # "a synonym for"; "how do you say X in L" / "translate X into L"; "what command lists" /
 # "how do I list"; "boiling point" / "the temperature it boils at"; "WW2" / "World War II";
 # "stand for" / "short for" / "an acronym for"; "last longer" / "extend its life"
-_FRAMES = tuple((re.compile(pattern, re.IGNORECASE), repl) for pattern, repl in (
-    (r"\bWW\s?(?:II|2)\b", "World War II"),
-    (r"\bWW\s?(?:I|1)\b", "World War I"),
-    (r"\bhow\s+come\b", "why"),
-    (r"\bwhat\s+(?:makes|made|causes|caused)\s+(.{1,60}?)\s+(?:look|looks|appear|appears|seem|seems)"
-     r"\s+(?!like\b)", r"why \1 "),
-    (r"\bwhat\s+(?:is|are|was|were)\s+the\s+reasons?\s+(?:why|that)\b", "why"),
-    (r"\bwhat\s+(?:makes|made|causes|caused)\b", "why"),
-    (r"\b(?:an)?other\s+(?:word|term)s?\b", "synonym"),
-    (r"\b(?:a\s+)?(?:word|term)s?\s+(?:that\s+means?|meaning)\b", "synonym for"),
-    (r"\bhow\s+(?:do|would|can|could|should|does)\s+(?:you|i|we|one|someone)\s+say\b", "translate"),
-    (r"\b(?:what|which)\s+((?:[a-z]+\s+)?)(?:command|shortcut|function|method)s?\s+"
+_ASKING = ("command", "shortcut", "function", "method")
+_CAUSING = ("made", "make", "caus")
+_FRAMES = tuple((keys, re.compile(pattern, re.IGNORECASE), repl) for keys, pattern, repl in (
+    # (words one of which the frame needs, looked for in the lowered text first; its pattern;
+    # what it reads as)
+    (("ww",), r"\bWW\s?(?:II|2)\b", "World War II"),
+    (("ww",), r"\bWW\s?(?:I|1)\b", "World War I"),
+    (("come",), r"\bhow\s+come\b", "why"),
+    (_CAUSING, r"\bwhat\s+(?:makes|made|causes|caused)\s+(.{1,60}?)\s+"
+     r"(?:look|looks|appear|appears|seem|seems)\s+(?!like\b)", r"why \1 "),
+    (("reason",), r"\bwhat\s+(?:is|are|was|were)\s+the\s+reasons?\s+(?:why|that)\b", "why"),
+    (_CAUSING, r"\bwhat\s+(?:makes|made|causes|caused)\b", "why"),
+    (("other",), r"\b(?:an)?other\s+(?:word|term)s?\b", "synonym"),
+    (("mean",), r"\b(?:a\s+)?(?:word|term)s?\s+(?:that\s+means?|meaning)\b", "synonym for"),
+    (("say",), r"\bhow\s+(?:do|would|can|could|should|does)\s+(?:you|i|we|one|someone)\s+say\b", "translate"),
+    (_ASKING, r"\b(?:what|which)\s+((?:[a-z]+\s+)?)(?:command|shortcut|function|method)s?\s+"
      r"(?:(?:do|can|should|would)\s+i\s+use\s+to\s+|is\s+used\s+to\s+|to\s+use\s+to\s+|to\s+|that\s+)?",
      r"\1 how do I "),
-    (r"\b(?:the|a)\s+(?:command|shortcut|function|method)\s+(?:to|for|that)\b", "how to"),
-    (r"\b(boil|boiling|freez|freezing|melt|melting|dew|flash|smoke|smoking)\s+points?\b", r"\1 temperature"),
-    (r"\b(?:stands?|short|an?\s+abbreviation|an?\s+acronym)\s+for\b", "acronym for"),
-    (r"\blife\s+(?:expectancy|span)\b", "lifespan"),
-    (r"\bhow\s+long\s+(?:do|does|can|will|did|should)\s+(.{1,40}?)\s+live\b", r"how lifespan \1"),
-    (r"\bmake\s+(.{1,30}?)\s+(?:run\s+|go\s+|work\s+|load\s+)?faster\b", r"accelerate \1"),
-    (r"\b(?:the\s+)?(?:fastest|quickest)\s+way\b", "fast"),
-    (r"\b(?:stop|keep)\s+(.{1,30}?)\s+from\b", r"prevent \1 from"),
-    (r"\bstop\s+((?:my|your|the|a|an|his|her|their|our)\s+[a-z]+)\s+(?=[a-z]+ing\b)", r"prevent \1 from "),
-    (r"\btell\s+(?:if|whether)\b", "know if"),
-    (r"\bcomes?\s+from\b", "originate"),
-    (r"\bon\s+(?:the\s+)?(?:planet\s+)?earth\b|\bon\s+the\s+planet\b", "in the world"),
-    (r"\bin\s+colou?r\b", ""),
-    (r"\bon\s+average\b", "average"),
-    (r"\bmake\s+(.{1,40}?)\s+last\s+longer\b", r"extend \1 life"),
-    (r"\blast\s+longer\b", "extend life"),
-    (r"\bmake\s+(.{1,30}?)\s+longer\b", r"extend \1"),
+    (_ASKING, r"\b(?:the|a)\s+(?:command|shortcut|function|method)\s+(?:to|for|that)\b", "how to"),
+    (("point",), r"\b(boil|boiling|freez|freezing|melt|melting|dew|flash|smoke|smoking)\s+points?\b",
+     r"\1 temperature"),
+    ((" for",), r"\b(?:stands?|short|an?\s+abbreviation|an?\s+acronym)\s+for\b", "acronym for"),
+    (("life",), r"\blife\s+(?:expectancy|span)\b", "lifespan"),
+    (("live",), r"\bhow\s+long\s+(?:do|does|can|will|did|should)\s+(.{1,40}?)\s+live\b", r"how lifespan \1"),
+    (("faster",), r"\bmake\s+(.{1,30}?)\s+(?:run\s+|go\s+|work\s+|load\s+)?faster\b", r"accelerate \1"),
+    (("est way",), r"\b(?:the\s+)?(?:fastest|quickest)\s+way\b", "fast"),
+    ((" from",), r"\b(?:stop|keep)\s+(.{1,30}?)\s+from\b", r"prevent \1 from"),
+    (("stop",), r"\bstop\s+((?:my|your|the|a|an|his|her|their|our)\s+[a-z]+)\s+(?=[a-z]+ing\b)",
+     r"prevent \1 from "),
+    (("tell",), r"\btell\s+(?:if|whether)\b", "know if"),
+    ((" from",), r"\bcomes?\s+from\b", "originate"),
+    (("on ",), r"\bon\s+(?:the\s+)?(?:planet\s+)?earth\b|\bon\s+the\s+planet\b", "in the world"),
+    (("colo",), r"\bin\s+colou?r\b", ""),
+    (("average",), r"\bon\s+average\b", "average"),
+    (("longer",), r"\bmake\s+(.{1,40}?)\s+last\s+longer\b", r"extend \1 life"),
+    (("longer",), r"\blast\s+longer\b", "extend life"),
+    (("longer",), r"\bmake\s+(.{1,30}?)\s+longer\b", r"extend \1"),
+    (("better",), r"\bmake\s+(.{1,30}?)\s+better\b", r"improve \1"),
 ))
-_FRAME_HINT = re.compile(
-    r"\b(?:WW|come|make|made|cause|caus|reason|other|word|term|say|command|shortcut|function|method|"
-    r"point|stand|short|abbreviation|acronym|life|long|fast|quick|stop|keep|tell|come|earth|planet|"
-    r"colo|average)", re.IGNORECASE)
 # a first clause that gives the asker's state before the question ("I forgot my password, how
 # can I reset it?"): its verb of state is no content; the verb of any such clause is kept apart
 # so that two clauses compare ("I lost a wallet" / "I found a wallet")
@@ -110,8 +113,8 @@ _CONTEXT = re.compile(
     r"(can'?t\s+remember|cannot\s+remember|don'?t\s+remember|do\s+not\s+remember|[a-z]+)\b",
     re.IGNORECASE)
 _STATE_VERBS = {"forgot": "forget", "forget": "forget", "forgotten": "forget",
-                "lost": "lose", "misplaced": "lose", "need": "need", "needed": "need",
-                "want": "want", "wanted": "want", "trying": "try", "tried": "try", "try": "try",
+                "lost": "lose", "misplaced": "lose", "need": "want", "needed": "want",
+                "want": "want", "wanted": "want", "trying": "want", "tried": "want", "try": "want",
                 "would": "want", "wish": "want", "hope": "want", "plan": "want", "planning": "want"}
 
 NUMBER_WORDS = {
@@ -125,6 +128,7 @@ NUMBER_WORDS = {
     "sixth": 6, "seventh": 7, "eighth": 8, "ninth": 9, "tenth": 10, "eleventh": 11,
     "twelfth": 12, "twentieth": 20, "hundredth": 100, "earliest": 1,
 }
+_NUMBER_SIGN = re.compile(r"\b[Nn]o\.\s*(?=\d)")
 _ROMAN = re.compile(r"X{0,3}(?:IX|IV|V?I{0,3})")
 _ROMAN_VALUES = {"I": 1, "V": 5, "X": 10}
 
@@ -314,6 +318,7 @@ def _canonical(words: str) -> frozenset[str]:
 _DIMENSION_NOUNS = _canonical("speed height length size weight age distance temperature width "
                               "depth price population lifespan")
 _DIMENSION_VERBS = _canonical("travel move grow reach")
+_HAPPEN, _REASON = _SYN_STEMMED[stem("happen")], _SYN_STEMMED[stem("reason")]
 # the question after a clause of state points back at what the clause named
 _REFERS_BACK = re.compile(r"\b(?:it|them|one|this|that|those|these)\b", re.IGNORECASE)
 _FRAME_STEMMED = frozenset(_SYN_STEMMED.get(stem(w), stem(w)) for w in FRAME_NOUNS | FRAME_FILLERS)
@@ -351,7 +356,7 @@ class Facts:
 def facts(text: str) -> Facts:
     """The facts of one text (cached: a stored entry's are read once per neighbour check)."""
     versions = tuple(sorted(v.lstrip("vV") for v in _VERSION.findall(text)))
-    text = text.replace("\u2019", "'")
+    text = _NUMBER_SIGN.sub("number ", text.replace("\u2019", "'"))  # Symphony No. 5
     context = ""
     clause = _CONTEXT.match(text)
     if clause is not None:
@@ -365,16 +370,20 @@ def facts(text: str) -> Facts:
     if _PHRASAL_VERB.search(text):
         for pattern, verb in _PHRASAL:
             text = pattern.sub(verb, text)
-    if _FRAME_HINT.search(text):
-        for pattern, repl in _FRAMES:
+    lower = text.lower()
+    for keys, pattern, repl in _FRAMES:
+        if any(k in lower for k in keys):
             text = pattern.sub(repl, text)
-    text = _HOW_DIMENSION.sub(_dimension, text)
+    if "how" in lower:
+        text = _HOW_DIMENSION.sub(_dimension, text)
     raw = _TOKEN.findall(text)
     lowered = [t.lower() for t in raw]
     canon = [_canon(raw, lowered, i) for i in range(len(raw))]
     last = max((i for i, c in enumerate(canon) if c), default=-1)
     if last > 0 and lowered[last].startswith("caus") and not _EFFECTS_STEMMED.isdisjoint(canon[:last]):
         canon[last] = ""  # "what side effects can aspirin cause": the effects are asked, no reason
+    if last > 0 and canon[last] == _HAPPEN and _REASON in canon[:last]:
+        canon[last] = ""  # "why does thunder happen": what causes thunder
     if not _DIMENSION_NOUNS.isdisjoint(canon):  # "how fast does light travel": the speed is asked
         canon = ["" if c in _DIMENSION_VERBS else c for c in canon]
     numbers: list[float] = []
@@ -417,9 +426,10 @@ def _canon(raw: list[str], lowered: list[str], i: int) -> str:
     if low.endswith("'s") and len(low) > 2:
         low = low[:-2]
     num = _number(tok)
-    if num is None and i > 0 and _ROMAN.fullmatch(tok) and _after_name(raw, i):
-        num = _roman(tok)  # World War II, Henry VIII, World War I (a name before it)
+    if num is None and i > 0 and _ROMAN.fullmatch(tok.removesuffix("'s")) and _after_name(raw, i):
+        num = _roman(tok.removesuffix("'s"))  # World War II, Henry VIII, World War I (a name before it)
     if num is not None and (low not in ("one", "second") or _before_unit(lowered, i)
+                            or (low == "one" and tok[0] == "O" and _after_name(raw, i))
                             or (low == "second" and _ordinal(raw, lowered, i))):
         return f"#{num:g}"
     if low == "\u00b0":
