@@ -67,7 +67,7 @@ _HOW_DIMENSION = re.compile(
 # "stand for" / "short for" / "an acronym for"; "last longer" / "extend its life"
 _ASKING = ("command", "shortcut", "function", "method")
 _CAUSING = ("made", "make", "caus")
-_FRAMES = tuple((keys, re.compile(pattern, re.IGNORECASE), repl) for keys, pattern, repl in (
+_FRAMES = tuple((frozenset(keys), re.compile(pattern, re.IGNORECASE), repl) for keys, pattern, repl in (
     # (words one of which the frame needs, looked for in the lowered text first; its pattern;
     # what it reads as)
     (("ww",), r"\bWW\s?(?:II|2)\b", "World War II"),
@@ -104,6 +104,9 @@ _FRAMES = tuple((keys, re.compile(pattern, re.IGNORECASE), repl) for keys, patte
     (("longer",), r"\bmake\s+(.{1,30}?)\s+longer\b", r"extend \1"),
     (("better",), r"\bmake\s+(.{1,30}?)\s+better\b", r"improve \1"),
 ))
+# one search finds which frames' words a text has
+_FRAME_KEYS = re.compile("|".join(sorted({re.escape(k) for keys, _, _ in _FRAMES for k in keys},
+                                         key=len, reverse=True)))
 # a first clause that gives the asker's state before the question ("I forgot my password, how
 # can I reset it?"): its verb of state is no content; the verb of any such clause is kept apart
 # so that two clauses compare ("I lost a wallet" / "I found a wallet")
@@ -371,9 +374,11 @@ def facts(text: str) -> Facts:
         for pattern, verb in _PHRASAL:
             text = pattern.sub(verb, text)
     lower = text.lower()
-    for keys, pattern, repl in _FRAMES:
-        if any(k in lower for k in keys):
-            text = pattern.sub(repl, text)
+    found = set(_FRAME_KEYS.findall(lower))
+    if found:
+        for keys, pattern, repl in _FRAMES:
+            if not keys.isdisjoint(found):
+                text = pattern.sub(repl, text)
     if "how" in lower:
         text = _HOW_DIMENSION.sub(_dimension, text)
     raw = _TOKEN.findall(text)
