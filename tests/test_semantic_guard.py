@@ -19,7 +19,7 @@ from multiplexer.cache.guard import disagreement, facts
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 SETS = ("semantic_pairs.jsonl", "semantic_pairs_unseen.jsonl", "semantic_pairs_unseen2.jsonl",
         "semantic_pairs_real.jsonl", "semantic_pairs_real2.jsonl", "semantic_pairs_unseen3.jsonl",
-        "semantic_pairs_unseen4.jsonl")
+        "semantic_pairs_unseen4.jsonl", "semantic_pairs_lead1.jsonl")
 
 SAME = [
     ("What does error E42 mean?", "What is the meaning of error code E42?"),
@@ -80,14 +80,78 @@ DIFFERENT = [
     ("How do I log in to Gmail?", "How do I log out of Gmail?", "content"),
 ]
 
+# the classes of paraphrase the second round reads (issue 53), each with a near-miss in its frame
+SAME_CLASSES = [
+    # a dimension asked with "how" and its adjective is the dimension's noun
+    ("What is the speed of sound?", "How fast does sound travel?"),
+    ("What is the height of the Eiffel Tower?", "How tall is the Eiffel Tower?"),
+    ("What is the weight of an adult elephant?", "How heavy is an adult elephant?"),
+    ("What is the population of Tokyo?", "How many people live in Tokyo?"),
+    ("What is the depth of the Mariana Trench?", "How deep is the Mariana Trench?"),
+    ("What is the price of a Tesla Model 3?", "How expensive is a Tesla Model 3?"),
+    ("What is the freezing point of water?", "At what temperature does water freeze?"),
+    ("What is the lifespan of a cat?", "How long do cats live?"),
+    # ordinals, Roman numerals and numbers are one value
+    ("When did WW2 begin?", "When did the Second World War start?"),
+    ("When did World War I start?", "When did the First World War begin?"),
+    ("Who was Henry VIII's first wife?", "Who was the first wife of Henry VIII?"),
+    # recency
+    ("How do I view my latest commit?", "How can I view my most recent commit?"),
+    ("What was the first computer?", "What was the earliest computer?"),
+    # reason frames
+    ("Why is the ocean salty?", "What makes the ocean salty?"),
+    ("Why do we dream?", "What is the reason we dream?"),
+    ("What causes thunder?", "Why does thunder happen?"),
+    # request frames, and a first clause of state
+    ("Translate 'thank you' into French.", "How do you say 'thank you' in French?"),
+    ("What is a synonym for big?", "What's another word for big?"),
+    ("What are some tips to save money?", "How can I save money?"),
+    ("I lost my phone, how can I track it?", "How do I track my phone?"),
+    ("I can't remember my PIN, how do I reset it?", "How do I reset my PIN?"),
+    # symptoms and signs, improve and better, extend and last longer
+    ("What are the signs of a heart attack?", "What are the symptoms of a heart attack?"),
+    ("How can I improve my memory?", "How do I make my memory better?"),
+    ("How do I make my phone battery last longer?", "How can I extend my phone's battery life?"),
+    # a command, shortcut or function as the frame of asking
+    ("What command shows the current directory in Linux?", "How do I show the current directory in Linux?"),
+    ("Which function sorts a list in Python?", "How do I sort a list in Python?"),
+]
 
-@pytest.mark.parametrize(("a", "b"), SAME)
+DIFFERENT_CLASSES = [
+    ("How fast does light travel?", "How fast does sound travel?", "content"),
+    ("How fast can a cheetah run?", "How fast can a cheetah swim?", "content"),
+    ("How long is the Nile River?", "How wide is the Nile River?", "content"),
+    ("How cold does it get in Chicago?", "How hot does it get in Chicago?", "content"),
+    ("How many people live in Tokyo?", "How many people die in Tokyo?", "content"),
+    ("What is the freezing point of water?", "At what temperature does water boil?", "content"),
+    ("When did World War I end?", "When did WW2 end?", "numbers"),
+    ("When did the First World War end?", "When did the Second World War end?", "numbers"),
+    ("Who was Henry VII's first wife?", "Who was Henry VIII's first wife?", "numbers"),
+    ("How do I view my latest commit?", "How do I view my first commit?", "numbers"),
+    ("Who was the first president of the US?", "Who was the last president of the US?", "numbers"),
+    ("Why do cats purr?", "What makes cats hiss?", "content"),
+    ("What causes acid rain?", "What is acid rain?", "content"),
+    ("Translate 'thank you' into French.", "How do you say 'thank you' in Italian?", "content"),
+    ("What is an antonym for big?", "What's another word for big?", "content"),
+    ("I forgot my password, how do I reset it?", "I forgot my PIN, how do I reset it?", "content"),
+    ("I lost a wallet, how do I report it?", "I found a wallet, how do I report it?", "content"),
+    ("I lost my wallet, what should I do?", "What should I do with my wallet?", "content"),
+    ("What are the signs of diabetes?", "What are the signs of depression?", "content"),
+    ("How can I improve my memory?", "How can I make my focus better?", "content"),
+    ("How do I make my battery last longer?", "How do I make my battery charge faster?", "content"),
+    ("What command lists files in Linux?", "How do I delete files in Linux?", "content"),
+    ("Which function sorts a list in Python?", "Which function reverses a list in Python?", "content"),
+    ("How long do cats sleep?", "How long do cats live?", "content"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), SAME + SAME_CLASSES)
 def test_a_realistic_paraphrase_passes(a: str, b: str) -> None:
     assert disagreement(a, b) is None
     assert disagreement(b, a) is None
 
 
-@pytest.mark.parametrize(("a", "b", "why"), DIFFERENT)
+@pytest.mark.parametrize(("a", "b", "why"), DIFFERENT + DIFFERENT_CLASSES)
 def test_a_near_miss_is_refused_whatever_its_frame(a: str, b: str, why: str) -> None:
     assert disagreement(a, b) == why
     assert disagreement(b, a) == why
@@ -101,6 +165,7 @@ def test_the_sets_no_near_miss_passes_and_most_paraphrases_do() -> None:
         agreed = sum(disagreement(r["a"], r["b"]) is None for r in paraphrases)
         # unseen3 was written after the guard was tuned (16 of 25 passed as it first ran)
         # unseen4 was written after all tuning and not tuned on (21 of 25)
+        # lead1 was written by the lead, tuned on after its first run (11 of 25)
         floor = 0.6 if "unseen3" in name else 0.75
         assert agreed >= floor * len(paraphrases), (name, agreed, len(paraphrases))
     real = [line for line in (DATA / "semantic_pairs_real.jsonl").read_text().splitlines() if line]
