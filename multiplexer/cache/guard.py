@@ -79,6 +79,8 @@ _FRAMES = tuple((frozenset(keys), re.compile(pattern, re.IGNORECASE), repl) for 
     (_CAUSING, r"\bwhat\s+(?:makes|made|causes|caused)\b", "why"),
     (("other",), r"\b(?:an)?other\s+(?:word|term)s?\b", "synonym"),
     (("mean",), r"\b(?:a\s+)?(?:word|term)s?\s+(?:that\s+means?|meaning)\b", "synonym for"),
+    (("word", "term"), r"\b(?:what\s+is|what's|whats)\s+the\s+((?-i:[A-Z])[a-z]+)\s+(?:word|term)\s+for\s+"
+     r"([^?.!]{1,40})", r"translate \2 in \1"),
     (("say",), r"\bhow\s+(?:do|would|can|could|should|does)\s+(?:you|i|we|one|someone)\s+say\b", "translate"),
     (_ASKING, r"\b(?:what|which)\s+((?:[a-z]+\s+)?)(?:command|shortcut|function|method)s?\s+"
      r"(?:(?:do|can|should|would)\s+i\s+use\s+to\s+|is\s+used\s+to\s+|to\s+use\s+to\s+|to\s+|that\s+)?",
@@ -204,7 +206,7 @@ whether average
 FRAME_NOUNS = frozenset(str.split("""
 city town country nation place person scientist language program software app tool company
 name number amount quantity file document item element novel book film movie song album
-quality world
+quality world model
 """))
 # frame nouns that may also stand in for each other ("exit code 137" / "exit status 137")
 FRAME_FILLERS = frozenset(str.split("code status word term form kind type"))
@@ -271,7 +273,7 @@ for _group in (
     "calculate compute", "distance far", "differ difference", "often frequently",
     "benefit advantage", "simple easy",
     "tall height high", "tallest highest", "taller higher", "largest biggest", "larger bigger",
-    "fastest quickest", "smallest tiniest", "weigh weight", "old age",
+    "fastest quickest", "smallest tiniest", "old age",
     "long length", "hot temperature", "cold",
     "help assist", "happen occur", "significance importance", "reason cause", "capital",
     # dimensions: "how ADJ" is read as the noun first (_HOW_DIMENSION)
@@ -279,6 +281,7 @@ for _group in (
     # recency: the last, latest, most recent, newest commit
     "last latest recent newest", "int integer", "symptom sign", "improve better enhance",
     "extend lengthen prolong", "all every", "synonym", "antonym opposite",
+    "app application program software", "weigh weight mass",
 ):
     words = _group.split()
     for _w in words:
@@ -295,7 +298,7 @@ def stem(word: str) -> str:
     if len(w) > 4 and (w.endswith("ies") or w.endswith("ied")):
         w = w[:-3] + "y"
     elif len(w) > 3 and w.endswith("s") and not w.endswith("ss") and not w.endswith("us"):
-        w = w[:-1]
+        w = IRREGULAR.get(w[:-1], w[:-1])  # dicts -> dict -> dictionary, authors -> write
     if len(w) > 5 and w.endswith("ly"):  # horizontally -> horizontal, mainly -> main
         w = w[:-2]
     if len(w) > 4 and w.endswith("ing"):
