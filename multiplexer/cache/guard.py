@@ -133,6 +133,7 @@ NUMBER_WORDS = {
     "sixth": 6, "seventh": 7, "eighth": 8, "ninth": 9, "tenth": 10, "eleventh": 11,
     "twelfth": 12, "twentieth": 20, "hundredth": 100, "earliest": 1,
 }
+_ORDINAL_DIGITS = re.compile(r"\b(\d+)(?:st|nd|rd|th)\b", re.IGNORECASE)
 _NUMBER_SIGN = re.compile(r"\b[Nn]o\.\s*(?=\d)")
 _ROMAN = re.compile(r"X{0,3}(?:IX|IV|V?I{0,3})")
 _ROMAN_VALUES = {"I": 1, "V": 5, "X": 10}
@@ -197,7 +198,7 @@ between see view say suggest recommend recommendation command syntax formula equ
 procedure purpose principle instruction instructions guide approach technique tutorial advice
 manner able option main mainly common commonly typical typically usual usually normally
 generally particular certain specific calculate compute determine define take easiest simplest
-whether average
+whether average away
 """)) - NEGATIONS
 
 # words one question may add to the other's and still ask the same thing ("which city is the
@@ -263,7 +264,8 @@ for _group in (
     "reduce lower decrease lessen minimize minimise", "increase raise boost",
     "prevent avoid", "side adverse", "begin start initiate commence",
     "end finish stop terminate halt quit exit cancel", "big large huge", "small little tiny",
-    "fast quick rapid speedy", "buy purchase", "show display print output", "find locate search",
+    "fast quick rapid speedy faster quicker", "buy purchase", "show display print output",
+    "find locate search",
     "use utilize employ", "car automobile vehicle", "cheap inexpensive affordable",
     "install setup", "error bug issue problem", "run execute launch", "picture image photo",
     "movie film", "job career occupation", "kid child", "doctor physician", "medicine drug medication",
@@ -363,6 +365,8 @@ def facts(text: str) -> Facts:
     """The facts of one text (cached: a stored entry's are read once per neighbour check)."""
     versions = tuple(sorted(v.lstrip("vV") for v in _VERSION.findall(text)))
     text = _NUMBER_SIGN.sub("number ", text.replace("\u2019", "'"))  # Symphony No. 5
+    if any(c.isdigit() for c in text):
+        text = _ORDINAL_DIGITS.sub(r"\1", text)  # the 2nd World War
     context = ""
     clause = _CONTEXT.match(text)
     if clause is not None:
