@@ -101,14 +101,16 @@ _FRAMES = tuple((frozenset(keys), re.compile(pattern, re.IGNORECASE), repl) for 
     (("on ",), r"\bon\s+(?:the\s+)?(?:planet\s+)?earth\b|\bon\s+the\s+planet\b", "in the world"),
     (("colo",), r"\bin\s+colou?r\b", ""),
     (("average",), r"\bon\s+average\b", "average"),
+    (("out of",), r"\bget\s+(.{1,30}?)\s+out\s+of\b", r"remove \1 from"),
+    (("terms",), r"\bin\s+(?:simple|plain|layman'?s?|easy)\s+terms\b", ""),
     (("longer",), r"\bmake\s+(.{1,40}?)\s+last\s+longer\b", r"extend \1 life"),
     (("longer",), r"\blast\s+longer\b", "extend life"),
     (("longer",), r"\bmake\s+(.{1,30}?)\s+longer\b", r"extend \1"),
     (("better",), r"\bmake\s+(.{1,30}?)\s+better\b", r"improve \1"),
 ))
 # one search finds which frames' words a text has
-_FRAME_KEYS = re.compile("|".join(sorted({re.escape(k) for keys, _, _ in _FRAMES for k in keys},
-                                         key=len, reverse=True)))
+_FRAME_KEYS = re.compile("(?=(" + "|".join(sorted({re.escape(k) for keys, _, _ in _FRAMES for k in keys},
+                                                key=len, reverse=True)) + "))")  # overlapping
 # a first clause that gives the asker's state before the question ("I forgot my password, how
 # can I reset it?"): its verb of state is no content; the verb of any such clause is kept apart
 # so that two clauses compare ("I lost a wallet" / "I found a wallet")
@@ -187,7 +189,7 @@ that these those am is are was were be been being have has had having do does di
 should could can will may might must shall i me my myself we our ours ourselves you your yours
 yourself yourselves he him his himself she her hers herself it its itself they them their theirs
 themselves s t just also too very really actually exactly basically simply please kindly quick
-quickly briefly tell explain know want need like help question way thing things someone anyone
+briefly tell explain know want need like help question way thing things someone anyone
 somebody anybody possible hi hello hey thanks thank guys any some get got give show let me us
 does doing done go going i'm i've i'd i'll it's what's how's that's there's where's who's
 you're we're they're is there anything something best good correct right proper properly
