@@ -77,7 +77,7 @@ _FRAMES = tuple((frozenset(keys), re.compile(pattern, re.IGNORECASE), repl) for 
      r"(?:look|looks|appear|appears|seem|seems)\s+(?!like\b)", r"why \1 "),
     (("reason",), r"\bwhat\s+(?:is|are|was|were)\s+the\s+reasons?\s+(?:why|that)\b", "why"),
     (_CAUSING, r"\bwhat\s+(?:makes|made|causes|caused)\b", "why"),
-    (("other",), r"\b(?:an)?other\s+(?:word|term)s?\b", "synonym"),
+    (("other", "another"), r"\b(?:an)?other\s+(?:word|term)s?\b", "synonym"),
     (("mean",), r"\b(?:a\s+)?(?:word|term)s?\s+(?:that\s+means?|meaning)\b", "synonym for"),
     (("word", "term"), r"\b(?:what\s+is|what's|whats)\s+the\s+((?-i:[A-Z])[a-z]+)\s+(?:word|term)\s+for\s+"
      r"([^?.!]{1,40})", r"translate \2 in \1"),
@@ -88,29 +88,29 @@ _FRAMES = tuple((frozenset(keys), re.compile(pattern, re.IGNORECASE), repl) for 
     (_ASKING, r"\b(?:the|a)\s+(?:command|shortcut|function|method)\s+(?:to|for|that)\b", "how to"),
     (("point",), r"\b(boil|boiling|freez|freezing|melt|melting|dew|flash|smoke|smoking)\s+points?\b",
      r"\1 temperature"),
-    ((" for",), r"\b(?:stands?|short|an?\s+abbreviation|an?\s+acronym)\s+for\b", "acronym for"),
+    (("for",), r"\b(?:stands?|short|an?\s+abbreviation|an?\s+acronym)\s+for\b", "acronym for"),
     (("life",), r"\blife\s+(?:expectancy|span)\b", "lifespan"),
     (("live",), r"\bhow\s+long\s+(?:do|does|can|will|did|should)\s+(.{1,40}?)\s+live\b", r"how lifespan \1"),
     (("faster",), r"\bmake\s+(.{1,30}?)\s+(?:run\s+|go\s+|work\s+|load\s+)?faster\b", r"accelerate \1"),
-    (("est way",), r"\b(?:the\s+)?(?:fastest|quickest)\s+way\b", "fast"),
-    ((" from",), r"\b(?:stop|keep)\s+(.{1,30}?)\s+from\b", r"prevent \1 from"),
+    (("fastest", "quickest"), r"\b(?:the\s+)?(?:fastest|quickest)\s+way\b", "fast"),
+    (("from",), r"\b(?:stop|keep)\s+(.{1,30}?)\s+from\b", r"prevent \1 from"),
     (("stop",), r"\bstop\s+((?:my|your|the|a|an|his|her|their|our)\s+[a-z]+)\s+(?=[a-z]+ing\b)",
      r"prevent \1 from "),
     (("tell",), r"\btell\s+(?:if|whether)\b", "know if"),
-    ((" from",), r"\bcomes?\s+from\b", "originate"),
-    (("on ",), r"\bon\s+(?:the\s+)?(?:planet\s+)?earth\b|\bon\s+the\s+planet\b", "in the world"),
+    (("from",), r"\bcomes?\s+from\b", "originate"),
+    (("on",), r"\bon\s+(?:the\s+)?(?:planet\s+)?earth\b|\bon\s+the\s+planet\b", "in the world"),
     (("colo",), r"\bin\s+colou?r\b", ""),
     (("average",), r"\bon\s+average\b", "average"),
-    (("out of",), r"\bget\s+(.{1,30}?)\s+out\s+of\b", r"remove \1 from"),
+    (("out",), r"\bget\s+(.{1,30}?)\s+out\s+of\b", r"remove \1 from"),
     (("terms",), r"\bin\s+(?:simple|plain|layman'?s?|easy)\s+terms\b", ""),
     (("longer",), r"\bmake\s+(.{1,40}?)\s+last\s+longer\b", r"extend \1 life"),
     (("longer",), r"\blast\s+longer\b", "extend life"),
     (("longer",), r"\bmake\s+(.{1,30}?)\s+longer\b", r"extend \1"),
     (("better",), r"\bmake\s+(.{1,30}?)\s+better\b", r"improve \1"),
 ))
-# one search finds which frames' words a text has
-_FRAME_KEYS = re.compile("(?=(" + "|".join(sorted({re.escape(k) for keys, _, _ in _FRAMES for k in keys},
-                                                key=len, reverse=True)) + "))")  # overlapping
+# one search finds which frames' words a text has (each a word's start: none hides another)
+_FRAME_KEYS = re.compile(r"\b(?:" + "|".join(sorted({re.escape(k) for keys, _, _ in _FRAMES for k in keys},
+                                                      key=len, reverse=True)) + ")")
 # a first clause that gives the asker's state before the question ("I forgot my password, how
 # can I reset it?"): its verb of state is no content; the verb of any such clause is kept apart
 # so that two clauses compare ("I lost a wallet" / "I found a wallet")
@@ -367,8 +367,7 @@ def facts(text: str) -> Facts:
     """The facts of one text (cached: a stored entry's are read once per neighbour check)."""
     versions = tuple(sorted(v.lstrip("vV") for v in _VERSION.findall(text)))
     text = _NUMBER_SIGN.sub("number ", text.replace("\u2019", "'"))  # Symphony No. 5
-    if any(c.isdigit() for c in text):
-        text = _ORDINAL_DIGITS.sub(r"\1", text)  # the 2nd World War
+    text = _ORDINAL_DIGITS.sub(r"\1", text)  # the 2nd World War
     context = ""
     clause = _CONTEXT.match(text)
     if clause is not None:
@@ -440,7 +439,8 @@ def _canon(raw: list[str], lowered: list[str], i: int) -> str:
     if low.endswith("'s") and len(low) > 2:
         low = low[:-2]
     num = _number(tok)
-    if num is None and i > 0 and _ROMAN.fullmatch(tok.removesuffix("'s")) and _after_name(raw, i):
+    if num is None and i > 0 and tok[0] in "IVX" and _ROMAN.fullmatch(tok.removesuffix("'s")) \
+            and _after_name(raw, i):
         num = _roman(tok.removesuffix("'s"))  # World War II, Henry VIII, World War I (a name before it)
     if num is not None and (low not in ("one", "second") or _before_unit(lowered, i)
                             or (low == "one" and tok[0] == "O" and _after_name(raw, i))
