@@ -20,6 +20,16 @@ a neighbour the index found is a hit only when the two texts agree on
   mean ("turn off" as "disable"); a time unit one side names without numbers ("in what year"
   for "when") and a last "cause" after effects or symptoms are no difference.
 
+Frames that say one thing in other words are rewritten before the words are read, each a class:
+a dimension asked with "how" and its adjective is the dimension's noun ("how fast does light
+travel" / "the speed of light", "how many people live in" / "the population of"; "how cold" keeps
+its "cold"); ordinals, Roman numerals after a name and ordinal digits are numbers (World War II,
+the Second World War, WW2 and the 2nd World War agree; World War I does not); "what makes X" and
+"what causes X" ask why; "another word for" asks a synonym; "how do you say X in L" and "the L
+word for X" ask to translate; "what command lists" and "the function to sort" ask how; a first
+clause of state ("I forgot my password, how can I reset it?") drops its verb when the question
+points back at it, and two such clauses must agree ("I lost a wallet" / "I found a wallet").
+
 It is deliberately strict: a paraphrase that swaps vocabulary outside the synonym table is a
 miss (one more upstream call), never a wrong answer. Pure functions; no model, nothing loaded.
 """
