@@ -115,6 +115,11 @@ SAME_CLASSES = [
     # a command, shortcut or function as the frame of asking
     ("What command shows the current directory in Linux?", "How do I show the current directory in Linux?"),
     ("Which function sorts a list in Python?", "How do I sort a list in Python?"),
+    # the L word for X, ordinal digits, an agent noun and its verb, a recipe for X
+    ("What's the Spanish word for apple?", "How do you say apple in Spanish?"),
+    ("When did the 2nd World War end?", "When did World War II end?"),
+    ("Who founded Apple?", "Who is the founder of Apple?"),
+    ("How do I make pancakes?", "What's the recipe for pancakes?"),
 ]
 
 DIFFERENT_CLASSES = [
@@ -142,6 +147,10 @@ DIFFERENT_CLASSES = [
     ("What command lists files in Linux?", "How do I delete files in Linux?", "content"),
     ("Which function sorts a list in Python?", "Which function reverses a list in Python?", "content"),
     ("How long do cats sleep?", "How long do cats live?", "content"),
+    ("What's the Spanish word for apple?", "What's the French word for apple?", "content"),
+    ("When did the 2nd World War end?", "When did World War I end?", "numbers"),
+    ("Who directed Titanic?", "Who produced Titanic?", "content"),
+    ("What's the recipe for pancakes?", "What's the recipe for vegan pancakes?", "content"),
 ]
 
 

@@ -99,6 +99,9 @@ _FRAMES = tuple((frozenset(keys), re.compile(pattern, re.IGNORECASE), repl) for 
     (("point",), r"\b(boil|boiling|freez|freezing|melt|melting|dew|flash|smoke|smoking)\s+points?\b",
      r"\1 temperature"),
     (("for",), r"\b(?:stands?|short|an?\s+abbreviation|an?\s+acronym)\s+for\b", "acronym for"),
+    (("full",), r"\b(?:the\s+)?full\s+form\s+of\b", "the acronym for"),
+    (("recipe",), r"\b(?:a\s+|the\s+)?recipe\s+(?:for|to\s+make)\b", "how to make"),
+    (("vs", "versus"), r"\b(?:vs\.?|versus)(?=\s)", "and differ"),
     (("life",), r"\blife\s+(?:expectancy|span)\b", "lifespan"),
     (("live",), r"\bhow\s+long\s+(?:do|does|can|will|did|should)\s+(.{1,40}?)\s+live\b", r"how lifespan \1"),
     (("faster",), r"\bmake\s+(.{1,30}?)\s+(?:run\s+|go\s+|work\s+|load\s+)?faster\b", r"accelerate \1"),
@@ -232,7 +235,9 @@ _EFFECTS = frozenset(str.split("effect symptom consequence result problem damage
 # irregular forms and agent nouns -> the verb they come from
 IRREGULAR = {
     "wrote": "write", "written": "write", "author": "write", "writer": "write",
-    "painter": "paint", "inventor": "invent", "discoverer": "discover", "creator": "create",
+    "painter": "paint", "inventor": "invent", "composer": "compose", "director": "direct",
+    "founder": "found", "designer": "design", "developer": "develop", "producer": "produce",
+    "owner": "own", "singer": "sing", "leader": "lead", "discoverer": "discover", "creator": "create",
     "spoken": "speak", "spoke": "speak", "froze": "freeze", "frozen": "freeze", "made": "make",
     "built": "build", "ran": "run", "began": "begin", "begun": "begin", "took": "take",
     "taken": "take", "gave": "give", "given": "give", "ate": "eat", "eaten": "eat",
