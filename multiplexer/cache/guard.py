@@ -388,8 +388,8 @@ def facts(text: str) -> Facts:
     if clause is not None:
         verb = clause.group(1).lower()
         state = "forget" if verb.endswith("remember") else _STATE_VERBS.get(verb)
-        if state is None:
-            context = _SYN_STEMMED.get(stem(verb), stem(verb))
+        if state is None:  # "I found a wallet": kept, and compared with the other's clause
+            context = "" if verb in STOPWORDS else _SYN_STEMMED.get(stem(verb), stem(verb))
         elif _REFERS_BACK.search(text, clause.end()):
             context = state  # "I forgot my password, how can I reset it?"
             text = text[:clause.start(1)] + text[clause.end(1):]
