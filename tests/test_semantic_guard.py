@@ -19,7 +19,7 @@ from multiplexer.cache.guard import disagreement, facts
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
 SETS = ("semantic_pairs.jsonl", "semantic_pairs_unseen.jsonl", "semantic_pairs_unseen2.jsonl",
         "semantic_pairs_real.jsonl", "semantic_pairs_real2.jsonl", "semantic_pairs_unseen3.jsonl",
-        "semantic_pairs_unseen4.jsonl", "semantic_pairs_lead1.jsonl")
+        "semantic_pairs_unseen4.jsonl", "semantic_pairs_lead1.jsonl", "semantic_pairs_lead2.jsonl")
 
 SAME = [
     ("What does error E42 mean?", "What is the meaning of error code E42?"),
@@ -175,6 +175,7 @@ def test_the_sets_no_near_miss_passes_and_most_paraphrases_do() -> None:
         # unseen3 was written after the guard was tuned (16 of 25 passed as it first ran)
         # unseen4 was written after all tuning and not tuned on (21 of 25)
         # lead1 was written by the lead, tuned on after its first run (11 of 25)
+        # lead2 was written by the lead and held out from every round (24 of 30 through the gateway)
         floor = 0.6 if "unseen3" in name else 0.75
         assert agreed >= floor * len(paraphrases), (name, agreed, len(paraphrases))
     real = [line for line in (DATA / "semantic_pairs_real.jsonl").read_text().splitlines() if line]
