@@ -89,17 +89,44 @@ class RedisLog:
         await self.redis.aclose()
 
 
-class SqliteLog:
+class _PolledLog:
+    """A log table read past the last sequence number every ``poll_s``: its reads and appends
+    run on a worker thread, one at a time (one connection per log)."""
+
+    def __init__(self, poll_s: float) -> None:
+        self.poll_s = poll_s
+        self.last = 0
+        self.appended = 0
+        self.lock = anyio.Lock()
+
+    def _rows(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def _append(self, ops: Sequence[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> list[dict[str, Any]]:
+        async with self.lock:
+            return await anyio.to_thread.run_sync(self._rows)
+
+    async def append(self, ops: Sequence[dict[str, Any]]) -> None:
+        async with self.lock:
+            await anyio.to_thread.run_sync(self._append, ops)
+
+    async def since(self) -> list[dict[str, Any]]:
+        await anyio.sleep(self.poll_s)
+        async with self.lock:
+            return await anyio.to_thread.run_sync(self._rows)
+
+
+class SqliteLog(_PolledLog):
     """The log as a table of the store's SQLite file (``semantic_cache_log``), read by the
     workers of one machine and kept across restarts."""
 
     def __init__(self, path: Path, poll_s: float) -> None:
+        super().__init__(poll_s)
         self.path = path
-        self.poll_s = poll_s
-        self.last = 0
-        self.appended = 0
         self.db: sqlite3.Connection | None = None
-        self.lock = anyio.Lock()
 
     def _open(self) -> sqlite3.Connection:
         if self.db is None:
@@ -129,26 +156,13 @@ class SqliteLog:
         if self.appended % PRUNE_EVERY == 0:
             db.execute("DELETE FROM semantic_cache_log WHERE expires <= ?", (time.time(),))
 
-    async def start(self) -> list[dict[str, Any]]:
-        async with self.lock:
-            return await anyio.to_thread.run_sync(self._rows)
-
-    async def append(self, ops: Sequence[dict[str, Any]]) -> None:
-        async with self.lock:
-            await anyio.to_thread.run_sync(self._append, ops)
-
-    async def since(self) -> list[dict[str, Any]]:
-        await anyio.sleep(self.poll_s)
-        async with self.lock:
-            return await anyio.to_thread.run_sync(self._rows)
-
     async def aclose(self) -> None:
         if self.db is not None:
             self.db.close()
             self.db = None
 
 
-class PgLog:
+class PgLog(_PolledLog):
     """The log as a table of the store's PostgreSQL database (``semantic_cache_log`` in
     ``store.schema``), for replicas that share a database and no Redis. Each replica reads the
     rows past the last id it read, every ``sync_ms``. Appends take one transaction-scoped
@@ -158,13 +172,10 @@ class PgLog:
     LOCK = 7332  # the advisory lock of the log's appends (the job store's tables use 7331)
 
     def __init__(self, url: str, schema: str, poll_s: float) -> None:
+        super().__init__(poll_s)
         self.url = url
         self.schema = schema
-        self.poll_s = poll_s
-        self.last = 0
-        self.appended = 0
         self.conn: Any = None
-        self.lock = anyio.Lock()
         self.table = ""
 
     def _open(self) -> Any:
@@ -204,19 +215,6 @@ class PgLog:
         self.appended += 1
         if self.appended % PRUNE_EVERY == 0:
             conn.execute(f"DELETE FROM {self.table} WHERE expires <= %s", (time.time(),))
-
-    async def start(self) -> list[dict[str, Any]]:
-        async with self.lock:
-            return await anyio.to_thread.run_sync(self._rows)
-
-    async def append(self, ops: Sequence[dict[str, Any]]) -> None:
-        async with self.lock:
-            await anyio.to_thread.run_sync(self._append, ops)
-
-    async def since(self) -> list[dict[str, Any]]:
-        await anyio.sleep(self.poll_s)
-        async with self.lock:
-            return await anyio.to_thread.run_sync(self._rows)
 
     async def aclose(self) -> None:
         if self.conn is not None:
