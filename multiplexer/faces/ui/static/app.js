@@ -2,23 +2,13 @@
 // EventSource cannot send the bearer header), rendered panel by panel. No framework, no build.
 "use strict";
 
-const KEY = "multiplexer.key";
 const WINDOW_S = 120;     // the charts' span
 const RATE_SPAN_S = 2;    // rates over the last two seconds of snapshots
-const $ = (sel) => document.querySelector(sel);
-const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
 const num = (v, d = 0) => v == null ? "–" : Number(v).toFixed(d);
 const v = (name, text, cls = "") => `<span data-v="${esc(name)}" class="${cls}">${esc(text)}</span>`;
 const sum = (o) => Object.values(o || {}).reduce((a, b) => a + b, 0);
 
-// -- the key: #key=... in the fragment (never sent to the server), else the login form ----------
-function takeFragmentKey() {
-  const m = location.hash.match(/^#key=(.+)$/);
-  if (m) {
-    sessionStorage.setItem(KEY, decodeURIComponent(m[1]));
-    window.history.replaceState(null, "", location.pathname + location.search);
-  }
-}
+// -- the key (key.js takes a #key=... fragment), else the login form -----------------------------
 function showLogin(message) {
   $("#main").hidden = true; $("#logout").hidden = true; $("#login").hidden = false;
   $("#login-error").textContent = message || "";

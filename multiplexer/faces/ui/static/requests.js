@@ -2,18 +2,8 @@
 // The key is the dashboard's (session storage), sent as a bearer header. No framework, no build.
 "use strict";
 
-const KEY = "multiplexer.key";
-const $ = (sel) => document.querySelector(sel);
-const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
 let cursor = null;
 
-function takeFragmentKey() {
-  const m = location.hash.match(/^#key=(.+)$/);
-  if (m) {
-    sessionStorage.setItem(KEY, decodeURIComponent(m[1]));
-    window.history.replaceState(null, "", location.pathname + location.search);
-  }
-}
 function showLogin(message) {
   $("#main").hidden = true; $("#login").hidden = false;
   $("#login-error").textContent = message || "";
