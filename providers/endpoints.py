@@ -26,10 +26,10 @@ import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import anyio
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from multiplexer.core.breaker import Breaker
 from multiplexer.core.cache_affinity import (
@@ -37,6 +37,7 @@ from multiplexer.core.cache_affinity import (
     CACHE_MOVED,
     CACHED_OPERATIONS,
     SESSION,
+    ModeSetting,
     call_key,
     digest64,
     ranking,
@@ -62,7 +63,7 @@ class EndpointSettings(BaseModel):
     endpoint_failures: int = Field(
         default=2, ge=1, description="connection failures in a row that take it out")
     endpoint_retry_s: float = Field(default=5.0, gt=0, description="then the next request to it is a probe")
-    endpoint_affinity: Literal["prefix", "session", "off"] = Field(
+    endpoint_affinity: ModeSetting = Field(
         default="prefix", description="with several base_urls, chat and messages calls that share a "
         "prompt-cache key go to one endpoint while it is usable and not saturated: prefix "
         "(prompt_cache_key, else x-session-id, else the system prompt, tools and first user "
@@ -72,12 +73,6 @@ class EndpointSettings(BaseModel):
         default=1024, ge=0, description="endpoint_affinity: prefix keys a call by its prefix only "
         "when its prompt is at least this many (estimated) tokens: a shorter one no provider "
         "caches, so it spreads by outstanding requests (a prompt_cache_key or session always keys)")
-
-    @field_validator("endpoint_affinity", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        """YAML reads a bare ``off`` as false: it means ``off``."""
-        return "off" if value is False else value
 
     @model_validator(mode="after")
     def _http_urls(self) -> EndpointSettings:

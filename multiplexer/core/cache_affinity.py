@@ -18,15 +18,24 @@ import hashlib
 import math
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from prometheus_client import CollectorRegistry
+from pydantic import BeforeValidator
 
 from multiplexer.core.json_codec import dumps
 from multiplexer.core.metrics import Metrics
 from multiplexer.core.plain_metrics import Tally
 
 Mode = Literal["prefix", "session", "off"]
+
+
+def _yaml_off(value: Any) -> Any:
+    """YAML reads a bare ``off`` as false: it means ``off``."""
+    return "off" if value is False else value
+
+
+ModeSetting = Annotated[Mode, BeforeValidator(_yaml_off)]  # a group's or base_urls' setting
 LOAD_FACTOR = 0.25  # a member is saturated above (1 + this) x the group's mean in flight, + 1
 CACHED_OPERATIONS = frozenset({"chat", "messages"})  # groups of these default to ``prefix``
 # Item options the gateway sets: a group's affinity key (the same hash, not taken twice, for the

@@ -9,7 +9,9 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
+
+from multiplexer.core.cache_affinity import ModeSetting
 
 
 class Strict(BaseModel):
@@ -186,15 +188,9 @@ class GroupConfig(Strict):
         default=None, description="what moves to the next route (as on a route)")
     max_attempts: int = Field(default=3, ge=1, description="upstream requests of one call, all "
                               "routes and retries together")
-    affinity: Literal["prefix", "session", "off"] | None = Field(
+    affinity: ModeSetting | None = Field(
         default=None, description="calls that share a prompt-cache key keep to one route while it "
         "is healthy and not saturated: prefix (prompt_cache_key, else x-session-id, else the system "
         "prompt, tools and first user message), session (prompt_cache_key, else x-session-id, else "
         "the body's metadata.session_id, metadata.user_id or user), off; default prefix when every "
         "route is chat or messages, else off")
-
-    @field_validator("affinity", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        """YAML reads a bare ``off`` as false: it means ``off``."""
-        return "off" if value is False else value
