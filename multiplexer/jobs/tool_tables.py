@@ -11,12 +11,13 @@ PostgreSQL (``store.url``, schema ``store.schema``) shared by replicas.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from multiplexer.jobs.sqlite_connect import connect as connect_sqlite
 
 PINS = """CREATE TABLE IF NOT EXISTS {t}mcp_tool_pins (
   provider TEXT NOT NULL, tool TEXT NOT NULL, approved_hash TEXT NOT NULL, approved_def TEXT NOT NULL,
@@ -90,10 +91,7 @@ class ToolTables:
 
     def __init__(self, path: str | Path) -> None:
         self._lock = threading.Lock()
-        self.conn: Any = sqlite3.connect(str(path), timeout=30, check_same_thread=False,
-                                         isolation_level=None)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn: Any = connect_sqlite(path)
         for table in (PINS, CHANGES, AUDIT_SQLITE, AUDIT_INDEX):
             self.conn.execute(table.format(t=self.prefix))
 

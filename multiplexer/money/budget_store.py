@@ -9,11 +9,12 @@ connection. Every method is blocking: callers run it on a thread.
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+
+from multiplexer.jobs.sqlite_connect import connect as connect_sqlite
 
 TABLE = """CREATE TABLE IF NOT EXISTS {t} (
   key TEXT PRIMARY KEY, spent BIGINT NOT NULL, alerted SMALLINT NOT NULL, expires DOUBLE PRECISION)"""
@@ -32,10 +33,7 @@ class BudgetStore:
     def __init__(self, path: str | Path) -> None:
         self.table = "budget_counters"
         self._lock = threading.Lock()
-        self.conn: Any = sqlite3.connect(str(path), timeout=30, check_same_thread=False,
-                                         isolation_level=None)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")  # as the spend table: WAL keeps it consistent
+        self.conn: Any = connect_sqlite(path)
         self._create()
 
     def _create(self) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from multiplexer.jobs.sqlite_connect import connect as connect_sqlite
+
 GROUPS = ("key", "team", "route", "model", "day")
 SUMS = ("calls", "cost", "saved", "unknown_calls", "saved_batch", "saved_dedup", "saved_cache",
         "saved_prompt_cache", "requests_saved", "input_tokens", "cache_read_tokens",
@@ -64,12 +66,7 @@ class SpendStore:
     def __init__(self, path: str | Path) -> None:
         self.table = "spend"
         self._lock = threading.Lock()
-        self.conn: Any = sqlite3.connect(str(path), timeout=30, check_same_thread=False,
-                                         isolation_level=None)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        # a batch every few seconds: a power cut may lose the last one, as a crash loses what is
-        # still in memory; no fsync per commit (WAL keeps the file consistent either way)
-        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn: Any = connect_sqlite(path)
         self.conn.execute(TABLE.format(t=self.table))
         for column in ADDED:
             self._add_column(column)

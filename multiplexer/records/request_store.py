@@ -10,12 +10,13 @@ by count, so no statement holds the table for long.
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from multiplexer.jobs.sqlite_connect import connect as connect_sqlite
 
 # a row as the writer adds it (``id`` is the database's)
 COLUMNS = ("at", "request_id", "key", "team", "face", "method", "route", "model_asked", "model",
@@ -78,10 +79,7 @@ class RequestStore:
     def __init__(self, path: str | Path) -> None:
         self.table = "requests"
         self._lock = threading.Lock()
-        self.conn: Any = sqlite3.connect(str(path), timeout=30, check_same_thread=False,
-                                         isolation_level=None)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")  # as the spend table: a batch a second
+        self.conn: Any = connect_sqlite(path)
         statements = [_table(self.table, "id INTEGER PRIMARY KEY AUTOINCREMENT"),
                       *_indexes(self.table, "requests")]
         self.conn.execute("BEGIN")  # one commit for the table and its indexes: a gateway starts sooner
