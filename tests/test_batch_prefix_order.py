@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from multiplexer.core.cache_affinity import call_key, prefix_order
-from tests.test_prompt_cache_fidelity import gateway, post, until
+from tests.test_prompt_cache_fidelity import gateway, run_batch
 
 pytestmark = pytest.mark.anyio
 
@@ -33,19 +33,7 @@ async def test_an_openai_batch_file_groups_each_conversations_lines(tmp_path: Pa
     rows = [{"custom_id": f"{c}{t}", "method": "POST", "url": "/v1/chat/completions",
              "body": line(c, t)} for c, t in order]
     async with gateway(tmp_path) as (ups, client):
-        upload = await client.post("/v1/files", data={"purpose": "batch"}, files={
-            "file": ("in.jsonl", b"".join(json.dumps(r).encode() + b"\n" for r in rows))})
-        assert upload.status_code == 200, upload.text
-        batch = await post(client, "/v1/batches", {"input_file_id": upload.json()["id"],
-                                                  "endpoint": "/v1/chat/completions",
-                                                  "completion_window": "24h"})
-
-        async def ended() -> bool:
-            got = (await client.get(f"/v1/batches/{batch['id']}")).json()
-            return got["status"] in ("completed", "failed", "cancelled", "expired")
-
-        await until(ended)
-        got = (await client.get(f"/v1/batches/{batch['id']}")).json()
+        got = await run_batch(client, rows)
         assert got["status"] == "completed", got
         out = (await client.get(f"/v1/files/{got['output_file_id']}/content")).text
     [sent] = [f for f in ups.openai_state.files.values() if f.purpose == "batch"]

@@ -274,24 +274,31 @@ async def until(check: Callable[[], Awaitable[bool]]) -> None:
         while not await check():
             await anyio.sleep(0.02)  # polling as a batch client does; the end is asserted, not timed
 
+async def run_batch(client: httpx.AsyncClient, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``rows`` uploaded as a ``/v1/batches`` file of chat lines, run to its end: the batch."""
+    upload = await client.post("/v1/files", data={"purpose": "batch"}, files={
+        "file": ("in.jsonl", b"".join(json.dumps(r).encode() + b"\n" for r in rows))})
+    assert upload.status_code == 200, upload.text
+    batch = await post(client, "/v1/batches", {"input_file_id": upload.json()["id"],
+                                              "endpoint": "/v1/chat/completions",
+                                              "completion_window": "24h"})
+
+    async def ended() -> bool:
+        got = (await client.get(f"/v1/batches/{batch['id']}")).json()
+        return got["status"] in ("completed", "failed", "cancelled", "expired")
+
+    await until(ended)
+    got: dict[str, Any] = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    return got
+
+
 
 async def test_openai_batch_lines_keep_the_fields_in_the_uploaded_file(tmp_path: Path) -> None:
     sent = await converse(chat_turn, "messages", canned, chat_said)
     rows = [{"custom_id": f"t{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
             for i, body in enumerate(sent)]
     async with gateway(tmp_path) as (ups, client):
-        upload = await client.post("/v1/files", data={"purpose": "batch"}, files={
-            "file": ("in.jsonl", b"".join(json.dumps(r).encode() + b"\n" for r in rows))})
-        assert upload.status_code == 200, upload.text
-        batch = await post(client, "/v1/batches", {"input_file_id": upload.json()["id"],
-                                                  "endpoint": "/v1/chat/completions",
-                                                  "completion_window": "24h"})
-
-        async def ended() -> bool:
-            got = (await client.get(f"/v1/batches/{batch['id']}")).json()
-            return got["status"] in ("completed", "failed", "cancelled", "expired")
-
-        await until(ended)
+        await run_batch(client, rows)
     inputs = [f for f in ups.openai_state.files.values() if f.purpose == "batch"]
     assert len(inputs) == 1
     lines = in_order([(json.loads(x)["custom_id"], x) for x in inputs[0].content.splitlines()])
