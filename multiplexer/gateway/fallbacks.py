@@ -77,6 +77,13 @@ class Attempts:
         self.home: str | None = None  # the affinity pick the call went to, until it moves on
 
 
+def breaker_policies(config: Any) -> dict[str, Any]:
+    """Each provider's breaker policy; a provider with base_urls has a breaker per endpoint
+    instead (providers/endpoints.py)."""
+    return {name: p.breaker for name, p in config.providers.items()
+            if p.breaker is not None and not p.extra.get("base_urls")}
+
+
 class Fallbacks:
     """The gateway's fallbacks, model groups and breakers."""
 
@@ -84,29 +91,32 @@ class Fallbacks:
         """``gateway``: the ``Gateway`` that owns this (its lanes, providers, metrics, ``_finish``)."""
         self.gw = gateway
         config = gateway.config
-        self.routes = config.routes
-        self.groups: dict[str, GroupConfig] = dict(config.groups)
         self.metrics = gateway.metrics
-        # a provider with base_urls has a breaker per endpoint instead (providers/endpoints.py)
-        policies = {name: p.breaker for name, p in config.providers.items()
-                    if p.breaker is not None and not p.extra.get("base_urls")}
+        policies = breaker_policies(config)
         state = gateway.state
         store = state.breaker_store() if isinstance(state, SharesBreakers) and policies else None
         self.breakers = Breakers(policies, gateway.clock, store, self._breaker_changed)
         for name in policies:
             self.metrics.breaker_state.labels(name).set(0)
-        # routes whose calls walk: fallbacks, an explicit max_attempts, or a provider with a breaker
-        self.watched = {name for name, r in self.routes.items()
-                        if r.fallbacks or r.context_window_fallbacks or "max_attempts" in r.model_fields_set
-                        or r.provider in policies}
         self.busy: dict[str, int] = {}  # attempts in flight per route (least_busy)
         self.latency: dict[str, float] = {}  # recent seconds per route (latency)
         self._started: dict[int, float] = {}
-        self.affinity = affinities(self.groups, self.routes)
+        self.read_config(config, policies)
         self.cache_moves = moves_tally(self.metrics)
         # pick to attempts, within one admission: (call, its routes in order, why it left home,
         # its affinity key, which the route's base_urls reuse: providers/endpoints.py)
         self._ranked: tuple[Call, list[str], str | None, int | None] | None = None
+
+    def read_config(self, config: Any, policies: dict[str, Any]) -> None:
+        """What the fallbacks read of the config: at start, and again by a reload (breakers'
+        states, busy counts and latencies carry on)."""
+        self.routes = config.routes
+        self.groups: dict[str, GroupConfig] = dict(config.groups)
+        # routes whose calls walk: fallbacks, an explicit max_attempts, or a provider with a breaker
+        self.watched = {name for name, r in self.routes.items()
+                        if r.fallbacks or r.context_window_fallbacks or "max_attempts" in r.model_fields_set
+                        or r.provider in policies}
+        self.affinity = affinities(self.groups, self.routes)
 
     @property
     def shared(self) -> bool:

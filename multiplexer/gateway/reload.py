@@ -38,8 +38,8 @@ from multiplexer.core.policy import ProviderConfig, RouteConfig
 from multiplexer.core.provider import BatchCapable, Provider, ProviderContext
 from multiplexer.core.router import Router
 from multiplexer.core.shared_limiter import SharedLimiter
-from multiplexer.gateway.affinity import affinities
 from multiplexer.gateway.config import Config, ConfigError, ServerConfig, parse_config
+from multiplexer.gateway.fallbacks import breaker_policies
 from multiplexer.gateway.gateway import with_kind_defaults
 from multiplexer.gateway.provider_life import ProviderLife
 from multiplexer.gateway.registry import provider_class
@@ -358,10 +358,7 @@ class ConfigReloader:
         """Fallbacks, model groups and breakers read the new routes; breakers' states, busy counts
         and latencies carry on."""
         fb = self.gw.fallbacks
-        fb.routes = config.routes
-        fb.groups = dict(config.groups)
-        policies = {name: p.breaker for name, p in config.providers.items()
-                    if p.breaker is not None and not p.extra.get("base_urls")}
+        policies = breaker_policies(config)
         for name in list(fb.breakers.all):
             if name in old.providers and policies.get(name) is None and not (
                     old.providers[name].extra.get("base_urls")):
@@ -371,10 +368,7 @@ class ConfigReloader:
             if current is None or old.providers.get(name) is None or old.providers[name].breaker != policy:
                 fb.breakers.add(name, policy)
                 self.gw.metrics.breaker_state.labels(name).set(0)
-        fb.watched = {name for name, r in config.routes.items()
-                      if r.fallbacks or r.context_window_fallbacks
-                      or "max_attempts" in r.model_fields_set or r.provider in policies}
-        fb.affinity = affinities(fb.groups, fb.routes)
+        fb.read_config(config, policies)
 
     def _semantic(self, config: Config) -> None:
         """``cache.semantic`` for new calls (``SemanticCache.configure``: answers kept where their
