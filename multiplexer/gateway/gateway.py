@@ -131,6 +131,17 @@ class Gateway:
         self.closing = False
 
     # -- lifecycle -------------------------------------------------------------
+    def provider_context(self, name: str, pconf: ProviderConfig, cls: type[Provider], limiter: Limiter,
+                         config: Config) -> ProviderContext:
+        """What a provider is built with, at start or by a reload (``config``: the one it serves)."""
+        return ProviderContext(
+            name=name, config=pconf, settings=cls.Settings.model_validate(
+                pconf.extra, context=config.paths_context()),
+            clock=self.clock, limiter=limiter, metrics=self.metrics,
+            store_path=Path(config.store.path), notify=self.notify, store_url=config.store.url,
+            store_lease_s=config.store.lease_s, store_schema=config.store.schema_, tracer=self.tracer,
+            breakers=self.fallbacks.breakers, job_fallback=self.job_fallbacks)
+
     async def __aenter__(self) -> Gateway:
         from multiplexer.gateway.registry import provider_class
 
@@ -147,18 +158,7 @@ class Gateway:
                 limiter = limiter_for(name, pconf, self.clock, self.state, self.metrics, self.share)
                 self.limiters[name] = limiter
                 if name not in self.providers:
-                    settings = cls.Settings.model_validate(pconf.extra,
-                                                           context=self.config.paths_context())
-                    ctx = ProviderContext(
-                        name=name, config=pconf, settings=settings, clock=self.clock,
-                        limiter=limiter, metrics=self.metrics,
-                        store_path=Path(self.config.store.path), notify=self.notify,
-                        store_url=self.config.store.url, store_lease_s=self.config.store.lease_s,
-                        store_schema=self.config.store.schema_,
-                        tracer=self.tracer, breakers=self.fallbacks.breakers,
-                        job_fallback=self.job_fallbacks,
-                    )
-                    self.providers[name] = cls(ctx)
+                    self.providers[name] = cls(self.provider_context(name, pconf, cls, limiter, self.config))
                 await self.lives.start(self.providers[name])  # closed when drained or as we stop
                 self.started.add(name)
             await stack.enter_async_context(keys_running(self.keys, self.config))

@@ -35,7 +35,7 @@ from prometheus_client import Counter
 from multiplexer.core.lane import Lane
 from multiplexer.core.limiter import Limiter
 from multiplexer.core.policy import ProviderConfig, RouteConfig
-from multiplexer.core.provider import BatchCapable, Provider, ProviderContext
+from multiplexer.core.provider import BatchCapable, Provider
 from multiplexer.core.router import Router
 from multiplexer.core.shared_limiter import SharedLimiter
 from multiplexer.gateway.config import Config, ConfigError, ServerConfig, parse_config
@@ -280,15 +280,7 @@ class ConfigReloader:
         the task that entered them)."""
         gw = self.gw
         limiter = limiter_for(name, pconf, gw.clock, gw.state, gw.metrics, gw.share)
-        settings = cls.Settings.model_validate(pconf.extra, context=config.paths_context())
-        ctx = ProviderContext(
-            name=name, config=pconf, settings=settings, clock=gw.clock, limiter=limiter,
-            metrics=gw.metrics, store_path=Path(config.store.path), notify=gw.notify,
-            store_url=config.store.url, store_lease_s=config.store.lease_s,
-            store_schema=config.store.schema_, tracer=gw.tracer, breakers=gw.fallbacks.breakers,
-            job_fallback=gw.job_fallbacks,
-        )
-        provider = cls(ctx)
+        provider = cls(gw.provider_context(name, pconf, cls, limiter, config))
         life = await gw.lives.start(provider, START_TIMEOUT_S)
         return provider, limiter, life
 
