@@ -11,7 +11,7 @@ namespaces them), only where the upstream advertises them.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Literal, cast
 
@@ -152,6 +152,10 @@ class McpProvider(Provider):
         spec = self.session.tools.get(tool)
         hints = spec.annotations if spec is not None else None
         return bool(hints and (hints.read_only_hint or hints.idempotent_hint))
+
+    def routes_changed(self, names: Iterable[str]) -> None:
+        """A reload's changed routes: their ``tool_limits`` built again on their next call."""
+        self.tool_limits.forget(names)
 
     def prepare(self, route: RouteConfig, item: Item) -> None:
         if item.params is not None and not isinstance(item.params, dict):

@@ -11,7 +11,7 @@ route to it; a call is charged under both where both match (the first matching g
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -81,6 +81,11 @@ class ToolLimits:
                                           {g: lim.timeout_ms for g, lim in limits.items() if lim.timeout_ms})
             self.any_routes = self.any_routes or bool(limits)
         return found
+
+    def forget(self, routes: Iterable[str]) -> None:
+        """These routes' limits built again from their keys on their next call (a reload)."""
+        for name in routes:
+            self._routes.pop(name, None)
 
     def timeout_s(self, route: str, raw: object, tool: str) -> float | None:
         """The shortest ``timeout_ms`` of the globs that match ``tool`` (route's and provider's)."""

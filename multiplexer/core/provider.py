@@ -7,7 +7,7 @@ limits, dedup, deadlines) is the lane's job, so a provider stays small.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
@@ -98,6 +98,10 @@ class Provider:
     def prepare(self, route: RouteConfig, item: Item) -> None:
         """Validate params and set ``item.group`` / ``item.tokens``; raise RpcError -32602."""
         item.group = (item.operation,)
+
+    def routes_changed(self, names: Iterable[str]) -> None:
+        """A config reload changed or removed these routes of a provider it kept: forget what was
+        built from their own keys (built again from the new ones on their next call)."""
 
     def dedup_safe(self, item: Item) -> bool:
         """Whether identical concurrent calls may share one execution when the route is silent."""

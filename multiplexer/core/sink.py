@@ -47,6 +47,11 @@ class ChunkSink:
         self.raw: str | None = getattr(stream, "raw", None)
         self._write_now: Callable[[bytes], bool] | None = getattr(stream, "write_now", None)
 
+    def reading(self, stream: Reader) -> ChunkSink:
+        """The same call's sink handing its chunks to ``stream`` (a reader wrapping this one's),
+        its first chunk still running this one's ``first``."""
+        return ChunkSink(stream, self._first)
+
     @property
     def started(self) -> bool:
         """Whether a chunk has been handed to the reader (then the call can no longer fall back)."""

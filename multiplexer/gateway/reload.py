@@ -386,10 +386,9 @@ class ConfigReloader:
         if not changed:
             return
         for name in kept:
-            built = getattr(getattr(self.gw.providers.get(name), "tool_limits", None), "_routes", None)
-            if isinstance(built, dict):
-                for route_name in changed:
-                    built.pop(route_name, None)
+            provider = self.gw.providers.get(name)
+            if provider is not None:
+                provider.routes_changed(changed)
 
     def _keys(self, old: Config, config: Config) -> None:
         """The config's keys, teams and ``server.quotas``: their rules and limits for new calls

@@ -168,7 +168,7 @@ def _store_when_answered(cache: SemanticCache, plan: Plan, lk: Lookup) -> None:
             return
         kept = recorder(call.sink)
         # the same reader, seen through the recorder; the first chunk still timed from admission
-        item.options[STREAM] = ChunkSink(kept, sink._first)
+        item.options[STREAM] = sink.reading(kept)
     operation = item.operation
 
     def store_then_shape(outcome: Outcome) -> Outcome:
