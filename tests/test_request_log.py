@@ -5,6 +5,7 @@ seeing only its own calls, and bodies only when asked for, redacted."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from multiplexer.gateway.config import parse_config
+from multiplexer.records import request_store
 from multiplexer.records.redact import MASK, redact, redacted_text
 from multiplexer.records.request_store import COLUMNS, STEP, PgRequestStore, Query, RequestStore
 from multiplexer.server import running
@@ -29,6 +31,12 @@ def row(at: float, key: str, status: str = "ok", route: str = "echo",
                   status=status, code=None if status == "ok" else -32000, error=error, attempts=1,
                   fallbacks=0, latency_ms=1.5, path="{}")
     return tuple(values[c] for c in COLUMNS)
+
+
+def listed(store: RequestStore, q: Query) -> list[tuple[Any, ...]]:
+    rows, stopped = store.page(q)
+    assert stopped is None  # these tables are small: no listing stops before its page is full
+    return rows
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -50,31 +58,92 @@ def test_filters_and_the_cursor_walk_every_row_once(store: RequestStore) -> None
     seen: list[int] = []
     q = Query(limit=5)
     while True:
-        page = store.page(q)
+        page = listed(store, q)
         seen += [r[0] for r in page]
         if len(page) < q.limit:
             break
         q.cursor = (page[-1][1], page[-1][0])
     assert len(seen) == 23 == len(set(seen)) and seen == sorted(seen, reverse=True)
-    assert {r[3] for r in store.page(Query(key="alice", limit=50))} == {"alice"}
-    assert len(store.page(Query(team="t", limit=50))) == 11
-    assert len(store.page(Query(status="error", limit=50))) == 5
-    assert len(store.page(Query(code=-32000, limit=50))) == 5
-    assert len(store.page(Query(error="said no", limit=50))) == 5  # any case
-    assert len(store.page(Query(error="100%", limit=50))) == 0  # a LIKE wildcard is a character
-    assert [r[1] for r in store.page(Query(since=1010.0, until=1012.0))] == [1011.0, 1010.0]
+    assert {r[3] for r in listed(store, Query(key="alice", limit=50))} == {"alice"}
+    assert len(listed(store, Query(team="t", limit=50))) == 11
+    assert len(listed(store, Query(status="error", limit=50))) == 5
+    assert len(listed(store, Query(code=-32000, limit=50))) == 5
+    assert len(listed(store, Query(error="said no", limit=50))) == 5  # any case
+    assert len(listed(store, Query(error="100%", limit=50))) == 0  # a LIKE wildcard is a character
+    assert [r[1] for r in listed(store, Query(since=1010.0, until=1012.0))] == [1011.0, 1010.0]
     # a filter beside a status, a text or neither: one index range, or each status's merged
-    alice = [r[1] for r in store.page(Query(key="alice", limit=4))]
+    alice = [r[1] for r in listed(store, Query(key="alice", limit=4))]
     assert alice == [1021.0, 1019.0, 1017.0, 1015.0]  # 1015 failed: both statuses, in order
-    later = store.page(Query(key="alice", limit=4, cursor=(1015.0, 16)))
+    later = listed(store, Query(key="alice", limit=4, cursor=(1015.0, 16)))
     assert [r[1] for r in later] == [1013.0, 1011.0, 1009.0, 1007.0]
-    assert [r[1] for r in store.page(Query(key="alice", status="error"))] == [1015.0, 1005.0]
-    assert [r[1] for r in store.page(Query(key="alice", error="said"))] == [1015.0, 1005.0]
-    assert store.page(Query(team="t", code=-32000, route="nowhere")) == []
-    first = store.page(Query(limit=1))[0]
+    assert [r[1] for r in listed(store, Query(key="alice", status="error"))] == [1015.0, 1005.0]
+    assert [r[1] for r in listed(store, Query(key="alice", error="said"))] == [1015.0, 1005.0]
+    assert listed(store, Query(team="t", code=-32000, route="nowhere")) == []
+    first = listed(store, Query(limit=1))[0]
     got = store.get(first[0])
     assert got is not None and got["path"] == "{}" and got["at"] == 1022.0
     assert store.get(10**12) is None
+
+
+def walk(store: RequestStore, q: Query) -> tuple[list[float], int]:
+    """Every page of ``q`` through its cursors: the rows' times, and how many pages stopped early."""
+    seen: list[float] = []
+    stops = 0
+    while True:
+        rows, stopped = store.page(q)
+        seen += [r[1] for r in rows]
+        if stopped is not None:
+            stops += 1
+            q = replace(q, cursor=stopped)
+        elif len(rows) == q.limit:
+            q = replace(q, cursor=(rows[-1][1], rows[-1][0]))
+        else:
+            return seen, stops
+
+
+def test_filters_no_one_index_holds_stop_after_a_bounded_read_and_go_on(
+        store: RequestStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two filters whose calls seldom meet (no index holds both) read the lead's rows a step at a
+    time, at most ``SCAN``; a page that stops there says where, and its cursor goes on: walking
+    the pages finds every matching row once, newest first."""
+    monkeypatch.setattr(request_store, "STEPS", (2, 3, 4))
+    monkeypatch.setattr(request_store, "SCAN", 9)
+    store.add([row(1000.0 + i, "alice", route="rare" if i in (3, 25) else "echo") for i in range(30)]
+              + [row(2000.0, "bob", route="rare")])
+    first, stopped = store.page(Query(key="alice", route="rare", limit=5))
+    assert [r[1] for r in first] == [1025.0]  # 9 rows read, 1029 to 1021: stopped there
+    assert stopped is not None and stopped[0] == 1021.0
+    assert walk(store, Query(key="alice", route="rare", limit=5)) == ([1025.0, 1003.0], 3)
+    # a filter in its index alone is a range read: never stops
+    assert walk(store, Query(key="alice", limit=7))[1] == 0
+    # a text too: the newest errors read until the page is full, or a stop
+    store.add([row(3000.0 + i, "carol", "error", error="disk full" if i == 1 else "busy")
+               for i in range(12)])
+    assert walk(store, Query(error="DISK", limit=2))[0] == [3001.0]
+
+
+def test_a_text_few_errors_hold_is_found_by_its_index_past_the_scan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL: a text that no recent error holds is looked up in the errors' trigram index,
+    so its page is whole, not stopped; a text too many errors hold is left to the scan."""
+    monkeypatch.setattr(request_store, "STEPS", (2, 3, 4))
+    monkeypatch.setattr(request_store, "SCAN", 9)
+    with throwaway_schema() as (url, schema, _):
+        store = PgRequestStore(url, schema)
+        try:
+            assert store.trigrams
+            store.add([row(1000.0 + i, "alice", "error",
+                           error="certificate expired" if i < 3 else "upstream overloaded")
+                       for i in range(40)])
+            rows, stopped = store.page(Query(error="Certificate", limit=10))
+            assert [r[1] for r in rows] == [1002.0, 1001.0, 1000.0] and stopped is None
+            assert store.page(Query(error="certificate", key="bob")) == ([], None)
+            monkeypatch.setattr(request_store, "MATCHES", 2)  # more hold it than it sorts
+            rows, stopped = store.page(Query(error="certificate", limit=10))
+            assert rows == [] and stopped is not None
+            assert walk(store, Query(error="certificate", limit=10)) == ([1002.0, 1001.0, 1000.0], 4)
+        finally:
+            store.close()
 
 
 def test_pruning_goes_in_steps_by_age_and_by_count(store: RequestStore) -> None:
@@ -84,7 +153,7 @@ def test_pruning_goes_in_steps_by_age_and_by_count(store: RequestStore) -> None:
     assert store.prune_step(before=None, max_rows=3) == STEP  # one step at a time
     assert store.prune_step(before=None, max_rows=3) == 2
     assert store.count() == 3
-    assert [r[1] for r in store.page(Query())] == [float(STEP + 9), float(STEP + 8), float(STEP + 7)]
+    assert [r[1] for r in listed(store, Query())] == [float(STEP + 9), float(STEP + 8), float(STEP + 7)]
 
 
 def test_redaction_masks_secrets_and_keeps_the_rest() -> None:
@@ -275,7 +344,7 @@ async def test_what_is_queued_is_written_as_the_gateway_stops(tmp_path: Path) ->
         assert gw.requests is not None and len(gw.requests.sink) == 1  # the writer waits a minute
     store = RequestStore(tmp_path / "jobs.db")
     try:
-        assert [r[3] for r in store.page(Query())] == ["alice"]
+        assert [r[3] for r in listed(store, Query())] == ["alice"]
     finally:
         store.close()
 
@@ -293,7 +362,7 @@ async def test_a_lone_surrogate_in_a_method_is_recorded_and_costs_no_other_recor
         assert gw.requests is not None and len(gw.requests.sink) == 2  # one batch, written at the stop
     store = RequestStore(tmp_path / "jobs.db")
     try:
-        methods = sorted(r[COLUMNS.index("method") + 1] for r in store.page(Query()))
+        methods = sorted(r[COLUMNS.index("method") + 1] for r in listed(store, Query()))
         assert methods == ["echo", "echo?x"]
     finally:
         store.close()

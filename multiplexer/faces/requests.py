@@ -4,9 +4,11 @@ the dashboard (the admin key: every call; a caller's key: its own calls only, wh
 whose page is ``/ui/requests`` (its files hold no data and are served without a key).
 
 A listing takes ``key``, ``team``, ``route``, ``model`` (the model that served it), ``status``
-(``ok``, ``error`` or an error code), ``request_id``, ``since`` and ``until`` (epoch seconds or
-ISO 8601 times; ``since`` included, ``until`` not), ``error`` (text in the error message),
-``limit`` (1-500, default 50) and ``cursor`` (a page's ``next_cursor``); newest first. One record
+(``ok``, ``error`` or an error code), ``request_id``, ``batch_id`` (a batch's or a job's lines),
+``since`` and ``until`` (epoch seconds or ISO 8601 times; ``since`` included, ``until`` not),
+``error`` (text in the error message), ``limit`` (1-500, default 50) and ``cursor`` (a page's
+``next_cursor``); newest first. A page whose filters no one index holds stops after reading a few
+thousand rows and says how far back it searched (``searched_to``); its cursor goes on. One record
 adds ``path``: the call's admission, lane, batch, attempts, cost and timeline. Each request is one
 of its key's through the gateway's quota decision; errors are the admin API's shape."""
 
@@ -32,7 +34,7 @@ from multiplexer.records.requests import RequestLog, parse_cursor
 
 log = logging.getLogger(__name__)
 MAX_LIMIT = 500
-PARAMS = {*FILTERS, "request_id", "since", "until", "error", "limit", "cursor"}
+PARAMS = {*FILTERS, "request_id", "batch_id", "since", "until", "error", "limit", "cursor"}
 
 
 def _when(name: str, raw: str) -> float:
@@ -61,7 +63,7 @@ def query_of(params: Any, own: str | None) -> Query:
         raise invalid_params(f"unknown parameter {unknown[0][:64]!r}; "
                              f"these filter: {', '.join(sorted(PARAMS))}")
     q = Query()
-    for name in ("key", "team", "route", "model", "request_id", "error"):
+    for name in ("key", "team", "route", "model", "request_id", "batch_id", "error"):
         value = params.get(name)
         if value not in (None, ""):
             if len(value) > 200:

@@ -208,13 +208,21 @@ class RequestLog:
         return self._reader
 
     async def page(self, q: Query) -> dict[str, Any]:
-        """A page of records, newest first, and the cursor of the next page (None: the last)."""
+        """A page of records, newest first, and the cursor of the next page (None: the last).
+        A page whose filters the store read ``SCAN`` rows for without filling it says how far
+        back it searched (``searched_to``, the time of the last row read); its cursor goes on
+        from there."""
         await self._catch_up()
         store = await self._read()
-        rows = await anyio.to_thread.run_sync(store.page, q)
+        rows, stopped = await anyio.to_thread.run_sync(store.page, q)
         out = [dict(zip(LISTED, r, strict=True)) for r in rows]
-        cursor = f"{rows[-1][1]!r}:{rows[-1][0]}" if len(rows) == q.limit else None
-        return {"requests": out, "next_cursor": cursor}
+        cursor = None
+        if stopped is not None:
+            cursor = f"{stopped[0]!r}:{stopped[1]}"
+        elif len(rows) == q.limit:
+            cursor = f"{rows[-1][1]!r}:{rows[-1][0]}"
+        return {"requests": out, "next_cursor": cursor,
+                "searched_to": None if stopped is None else stopped[0]}
 
     async def get(self, row_id: int) -> dict[str, Any] | None:
         await self._catch_up()

@@ -49,6 +49,9 @@ async function search(more) {
   for (const r of body.requests) tbody.append(row(r));
   cursor = body.next_cursor;
   $("#more").hidden = !cursor;
+  // a page whose filters no one index holds stops after a bounded read: say how far it looked
+  $("#more").textContent = body.searched_to == null ? "more"
+    : `searched back to ${when(body.searched_to)}: search further`;
   $("#main").dataset.loaded = String(tbody.children.length);
 }
 
