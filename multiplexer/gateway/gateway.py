@@ -122,6 +122,8 @@ class Gateway:
         self.listeners: list[Any] = [] if self.money is None else [self.money.on_event]
         self.semantic = semantic_for(self)  # None: no route, key or team semantically cached
         self.requests = request_log_for(config, self.clock, self.metrics, self.keys)  # None: log off
+        if self.requests is not None:  # a batch job's lines, after the money priced them
+            self.listeners.append(self.requests.on_event)
         self.methods: dict[str, tuple[Handler, ToolSpec]] = {}
         self._stack: AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None

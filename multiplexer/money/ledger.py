@@ -125,6 +125,7 @@ class Money:
         if event == "batch_results":
             costs = self.meter.lines(data.get("identity"), data.get("provider", ""),
                                      bool(data.get("batch")), data.get("lines") or [])
+            data["costs"] = costs  # for the request log's records, a listener after this one
             held = self.jobs.get(data.get("job_id", ""))
             if held is not None:
                 for cost in costs:

@@ -107,7 +107,56 @@ class RequestLog:
     def _write(self, batch: Sequence[Ended]) -> None:
         if self._writer is None:
             self._writer = self._open()
-        self._writer.add([self.row(e) for e in batch])
+        self._writer.add([self.line_row(e) if type(e) is BatchLine else self.row(e) for e in batch])
+
+    # -- a batch job's lines ---------------------------------------------------------
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        """A gateway listener: a batch job's lines that a provider ran outside the gateway's
+        lanes (its batch API, or its synchronous endpoint for a job), one record each, queued
+        like a call's end. ``Money.on_event`` runs before this one and leaves each successful
+        line's cost in ``costs``."""
+        if event != "batch_results":
+            return
+        at = self.wall()
+        job_id, source = data.get("job_id"), data.get("source")
+        batch_id, face = _batch_of(job_id, source)
+        mode = "batch" if data.get("batch") else "sync"
+        created = data.get("created")
+        seconds = max(at - created, 0.0) if isinstance(created, float | int) else 0.0
+        costs = iter(data.get("costs") or ())
+        for method, route, model, usage, error in data.get("ended") or ():
+            cost = next(costs, None) if error is None else None
+            self.sink.put(BatchLine((at, data.get("identity"), face, method, route, model, mode,
+                                     usage, error, cost, batch_id, job_id, data.get("provider"),
+                                     seconds)))
+
+    def line_row(self, line: BatchLine) -> tuple[Any, ...]:
+        """A batch line's row, built on the writer's thread."""
+        (at, key, face, method, route, model, mode, usage, error, cost_pico, batch_id, job_id,
+         provider, seconds) = line
+        message = code = None
+        if isinstance(error, dict):
+            code = error.get("code") if isinstance(error.get("code"), int) else None
+            info = error.get("data")
+            detail = info.get("detail") if isinstance(info, dict) else None
+            text = error.get("message")
+            text = text if isinstance(text, str) else "the line failed"
+            message = storable(f"{text}: {detail}" if isinstance(detail, str) else text)
+        tokens = _tokens(usage)
+        cost = None if cost_pico is None else -(-cost_pico // 1000)
+        latency_ms = round(seconds * 1000, 3)
+        path = {"admission": {"method": (method or "")[:200], "route": route, "mode": mode},
+                "batch": {"mode": mode, "job": job_id, "provider": provider},
+                "attempts": [{"route": route, "outcome": "ok" if error is None else f"error {code}"}],
+                "cost": {"cost_nano_usd": cost, "saved_nano_usd": 0},
+                "timeline": [{"at_ms": 0.0, "event": "submitted"},
+                             {"at_ms": latency_ms, "event": "answered" if error is None else "failed"}]}
+        return (at, None, key, self.team_of(key), face, storable((method or route or "")[:200]), route,
+                _text(model), _text(model), "ok" if error is None else "error", code,
+                None if message is None else message[:2000], 1, 0, batch_id, mode, None,
+                None if tokens is None else tokens.input, None if tokens is None else tokens.output,
+                None if tokens is None else tokens.cache_read, cost, 0, latency_ms, None,
+                orjson.dumps(path).decode(), None, None)
 
     def row(self, ended: Ended) -> tuple[Any, ...]:
         """A record's row (``request_store.COLUMNS``), built on the writer's thread."""
@@ -242,6 +291,28 @@ def _tokens(usage: Any) -> Any:
             return None
         usage = usage_of(result) if isinstance(result, dict) else None
     return tokens_of(usage)
+
+
+V1_SOURCE = "v1:"  # a /v1 batch's job: its source names the batch (``batch_source``)
+
+
+class BatchLine(tuple[Any, ...]):
+    """A batch job's line as ``on_event`` queues it (``line_row`` reads it)."""
+
+    __slots__ = ()
+
+
+def batch_source(batch_id: str) -> str:
+    """The job source of a ``/v1`` batch's (or a message batch's) lines sent to a provider's batch
+    API: its records then carry the batch's id, which its caller knows, not the job's."""
+    return V1_SOURCE + batch_id
+
+
+def _batch_of(job_id: Any, source: Any) -> tuple[str | None, str]:
+    """The batch id a job's line records carry, and the face it came in on."""
+    if isinstance(source, str) and source.startswith(V1_SOURCE):
+        return source[len(V1_SOURCE):], "v1"
+    return (str(job_id) if job_id is not None else None), "mcp" if source == "task" else "jobs"
 
 
 def _text(value: Any) -> str | None:

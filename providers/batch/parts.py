@@ -325,17 +325,18 @@ class PartDriver:
         unfinished: set[int] = set()
         buf: list[tuple[int, str, Any, Any]] = []
         stop = cancelled("batch job cancelled").to_dict()
-        done: list[tuple[int, Any]] = []
+        done: list[tuple[int, Any, Any]] = []  # (index, result, error) of each line that ran
         async for line in self.backend.results(status):
             idx = by_id.pop(line.custom_id, None)
             if idx is None:
                 continue
             if line.kind == "succeeded":
                 buf.append((idx, "succeeded", line.result, None))
-                done.append((idx, line.result))
+                done.append((idx, line.result, None))
             elif line.kind == "errored":
                 err = line.error or upstream_error(self.name, "batch request failed")
                 buf.append((idx, "failed", None, err.to_dict()))
+                done.append((idx, None, err.to_dict()))
             elif line.kind == "cancelled":
                 buf.append((idx, "failed", None, stop))
             else:
@@ -348,10 +349,12 @@ class PartDriver:
         await self._announce(part, done, batch=True)
         return unfinished
 
-    async def _announce(self, part: PartRow, done: list[tuple[int, Any]], batch: bool) -> None:
+    async def _announce(self, part: PartRow, done: list[tuple[int, Any, Any]], batch: bool) -> None:
         """Tell the listeners what a client's job (``jobs.submit``, ``/v1/batches``) used, line by
-        line, for its cost: ``batch_results`` with (route, model, usage) per line. A route's own
-        jobs (``mode: batch``) are priced with their calls, not here."""
+        line, for its cost: ``batch_results`` with (route, model, usage) per line that succeeded,
+        and for the request log each line that ran, failed ones too: ``ended``, (method, route,
+        model, usage, error) in the same order. A route's own jobs (``mode: batch``) are priced
+        and recorded with their calls, not here."""
         if not done:
             return
         try:
@@ -359,14 +362,14 @@ class PartDriver:
         except Exception:  # the results are kept; only their cost goes uncounted
             log.exception("%s: the cost of job %s's lines could not be announced", self.name, part.job_id)
 
-    async def _announce_lines(self, part: PartRow, done: list[tuple[int, Any]], batch: bool) -> None:
+    async def _announce_lines(self, part: PartRow, done: list[tuple[int, Any, Any]], batch: bool) -> None:
         st = self.store()
         job = await st.run(st.job, part.job_id)
         if job is None or job.source == "route":
             return
         items = {r.idx: r for r in await st.run(st.part_items, part.id)}
-        lines = []
-        for idx, result in done:
+        lines, ended = [], []
+        for idx, result, error in done:
             row = items.get(idx)
             if row is None:
                 continue
@@ -376,9 +379,13 @@ class PartDriver:
                 params = None
             model = params.get("model") if isinstance(params, dict) else None
             usage = result.get("usage") if isinstance(result, dict) else None
-            lines.append((row.route or "", model if isinstance(model, str) else None, usage))
+            model = model if isinstance(model, str) else None
+            if error is None:
+                lines.append((row.route or "", model, usage))
+            ended.append((row.method, row.route or "", model, usage, error))
         self.ctx.notify("batch_results", {"job_id": part.job_id, "provider": self.name,
-                                          "identity": job.identity, "batch": batch, "lines": lines})
+                                          "identity": job.identity, "batch": batch, "lines": lines,
+                                          "ended": ended, "source": job.source, "created": job.created})
 
     async def _run_sync(self, part: PartRow) -> None:
         """No batch API: the same items through the synchronous endpoint, results kept as they come."""
@@ -396,15 +403,16 @@ class PartDriver:
                 buf.clear()
                 await st.run(st.record, part.job_id, chunk)
 
-        done: list[tuple[int, Any]] = []
+        done: list[tuple[int, Any, Any]] = []
 
         async def on_result(idx: int, outcome: Outcome) -> None:
             if outcome.ok:
                 buf.append((idx, "succeeded", outcome.result, None))
-                done.append((idx, outcome.result))
+                done.append((idx, outcome.result, None))
             else:
                 assert outcome.error is not None
                 buf.append((idx, "failed", None, outcome.error.to_dict()))
+                done.append((idx, None, outcome.error.to_dict()))
             if len(buf) >= 100:
                 await flush()
 

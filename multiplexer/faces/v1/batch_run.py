@@ -34,6 +34,7 @@ from multiplexer.faces.v1.requests import EMBEDDINGS, MESSAGES, OPERATIONS, Shap
 from multiplexer.faces.v1.store import BatchRecord, V1Store, new_batch_id, now
 from multiplexer.gateway.admission import call_most
 from multiplexer.jobs.line_runner import LineRunner, Refused, Row
+from multiplexer.records.requests import batch_source
 
 log = logging.getLogger(__name__)
 ENDED = ("completed", "failed", "cancelled")
@@ -172,7 +173,8 @@ class Batches:
             if job_calls:  # every line of a file is for one endpoint, so one operation for the job
                 try:  # the job charges its lines to the key's batch calls and budget, once
                     submitted = await port_of(self.gateway, "jobs.submit").submit(
-                        identity, job_calls, operation_for(endpoint, None))
+                        identity, job_calls, operation_for(endpoint, None),
+                        source=batch_source(record.id))  # its lines' records carry the batch's id
                 except RpcError as e:
                     raise http_error(e, self.surfaces[endpoint]) from None
                 record.job_id = submitted.job_id
