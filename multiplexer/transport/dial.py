@@ -41,6 +41,15 @@ async def dial(host: str, port: int) -> socket.socket:
     return await race(addresses, loop.sock_connect)
 
 
+def literal(host: str) -> bool:
+    """Whether ``host`` is an address (IPv6 in brackets or not), not a name to resolve."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
 def interleaved(addresses: Sequence[Address]) -> list[Address]:
     """The first family's first address, then the other family's first, and so on (RFC 8305 §4),
     each family in the resolver's order."""
@@ -58,7 +67,19 @@ def interleaved(addresses: Sequence[Address]) -> list[Address]:
 
 async def race(addresses: Sequence[Address], connect: Connect,
                delay: float = ATTEMPT_DELAY_S) -> socket.socket:
-    """The first of ``addresses`` to connect (by ``connect``), attempts started ``delay`` apart."""
+    """The first of ``addresses`` to connect (by ``connect``), attempts started ``delay`` apart;
+    one address is simply connected (no task group: a new connection to an upstream named by
+    its address, a stream's at a thousand at once, pays no race it cannot have)."""
+    if len(addresses) == 1:
+        family, kind, proto, sockaddr = addresses[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await connect(sock, sockaddr)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
     winner: socket.socket | None = None
     errors: list[OSError] = []
 

@@ -35,7 +35,7 @@ import anyio
 import httpx
 
 from multiplexer.transport.connection import Conn, content_length
-from multiplexer.transport.dial import dial
+from multiplexer.transport.dial import dial, literal
 
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 _UNSAFE = re.compile(rb"[\r\n\0]")  # would split or end a header line
@@ -183,6 +183,11 @@ class Http1Transport(httpx.AsyncBaseTransport):
         tls = self._ssl if scheme == "https" else None
         try:
             with anyio.fail_after(timeout):
+                if literal(host):  # one address, nothing to race: the loop connects it itself
+                    _, conn = await loop.create_connection(
+                        lambda: Conn(loop), host.strip("[]"), port, ssl=tls,
+                        server_hostname=host if tls is not None else None)
+                    return conn
                 sock = await dial(host, port)  # the host's addresses raced (RFC 8305)
                 try:
                     _, conn = await loop.create_connection(
