@@ -98,11 +98,13 @@ def plain(event: Event, raw: str | None) -> bool:
 
 class Relay:
     """A stream's events relayed from its upstream connection's read callback (``Conn.relay``)
-    while the stream's task waits for bytes with nothing before them: each event that may go
-    as it came is written to the reader at once, so the task is not woken for a chunk (that
-    wake-up and the task's way back to its read were most of what a relayed chunk cost after
-    its JSON was no longer parsed). The first event that may not (usage, an error, the end, a
-    reader that cannot take it now) and every one after it are left to the task, in order."""
+    while the stream's task waits for bytes with nothing before them: the events that may go
+    as they came are written to the reader at once, those of one read in one send, so the
+    task is not woken for a chunk (that wake-up and the task's way back to its read were most
+    of what a relayed chunk cost after its JSON was no longer parsed; a read behind by several
+    events, as on a loaded host, costs one write, not one each). The first event that may not
+    (usage, an error, the end) and every one after it are left to the task, in order, and all
+    of them when the reader cannot take them now."""
 
     __slots__ = ("conn", "passes", "raw", "sink", "splitter")
 
@@ -121,12 +123,16 @@ class Relay:
         for chunk in conn.chunks:
             if b"\r" in chunk:  # line ends to normalise: the task's (rare) way
                 return False
-        sink, raw, passes, left = self.sink, self.raw, self.passes, splitter.pending
+        raw, passes, left = self.raw, self.passes, splitter.pending
+        out: list[Event] = []  # the events that may go now: written together, in one send
         for chunk in conn.take():
             for event in splitter.feed(chunk):
-                if left or not (plain(event, raw) and passes(event)
-                                and sink.write_now(event.wire or b"")):
+                if left or not (plain(event, raw) and passes(event)):
                     left.append(event)
+                else:
+                    out.append(event)
+        if out and not self.sink.write_now([event.wire or b"" for event in out]):
+            left[:0] = out  # the reader cannot take them now: the task sends them, in order
         if left:
             conn.chunks.append(b"")  # a read for the task, which takes the events left first
             return False

@@ -15,9 +15,10 @@ import anyio
 import httpx
 import pytest
 
+from multiplexer.core.sink import ChunkSink
 from multiplexer.gateway.config import parse_config
 from multiplexer.server import running
-from providers.sse_relay import DATA, NAMED, Relay, escaped, events, valued
+from providers.sse_relay import DATA, NAMED, Relay, Splitter, escaped, events, valued
 
 pytestmark = pytest.mark.anyio
 KEY = "sk-stream-relay-0123456789"
@@ -243,6 +244,76 @@ async def test_chunks_are_relayed_from_the_read_callback_in_order(tmp_path: Path
         assert b'"cost_usd"' in events[len(content)] and events[-2:] == [b"data: [DONE]", b""]
         assert relayed.count(True) >= 5  # most chunks never woke the task
         assert await spend(client, 1) == Decimal(1000 * 2 + 2000 * 10) / 10**6
+
+
+class _Conn:
+    """What the relay reads of an upstream connection: its parsed chunks and its read timer."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+        self.timeout = 5.0
+        self.armed = 0
+
+    def take(self) -> list[bytes]:
+        chunks, self.chunks = self.chunks, []
+        return chunks
+
+    def arm(self, timeout: float | None) -> None:
+        self.armed += 1
+
+
+class _Reader:
+    """A face's end that takes raw events now (``write_now``), or refuses them all."""
+
+    raw = DATA
+
+    def __init__(self, takes: bool) -> None:
+        self.takes = takes
+        self.writes: list[list[bytes]] = []
+
+    def write_now(self, events: list[bytes]) -> bool:
+        if self.takes:
+            self.writes.append(list(events))
+        return self.takes
+
+    async def send(self, chunk: Any) -> None: ...
+
+    def send_nowait(self, chunk: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _relay(reader: _Reader, chunks: list[bytes]) -> tuple[Relay, _Conn, ChunkSink]:
+    sink = ChunkSink(reader)
+    sink._started()  # a chunk already went the usual way (the head with it)
+    conn = _Conn(chunks)
+    usage = lambda event: not valued(event.data, b'"usage"')  # noqa: E731
+    return Relay(conn, Splitter(), sink, DATA, usage), conn, sink  # type: ignore[arg-type]
+
+
+def test_the_events_of_one_read_leave_in_one_write_and_the_rest_wait_in_order() -> None:
+    """A read behind by several events (a loaded host) is one write of them all, counted as
+    that many chunks handed over; the usage event and what follows are the task's, in order."""
+    wire = [b"data: " + c + b"\n\n" for c in CONTENT]
+    reader = _Reader(takes=True)
+    relay, conn, sink = _relay(reader, [wire[0] + wire[1], wire[2]])
+    assert relay() is True
+    assert reader.writes == [wire] and sink.sent == 3 and conn.armed == 1
+    usage = b"data: " + USAGE + b"\n\n"
+    conn.chunks = [wire[0] + usage + wire[1]]
+    assert relay() is False  # the usage event: the task is woken for it and the one after it
+    assert reader.writes[-1] == [wire[0]] and sink.sent == 4
+    assert [e.wire for e in relay.splitter.pending] == [usage, wire[1]]
+    assert conn.chunks == [b""]  # a read for the task, which takes the events left first
+
+
+def test_events_a_reader_cannot_take_now_are_all_left_to_the_task_in_order() -> None:
+    wire = [b"data: " + c + b"\n\n" for c in CONTENT]
+    reader = _Reader(takes=False)
+    relay, _conn, sink = _relay(reader, [wire[0] + wire[1] + b"data: " + USAGE + b"\n\n"])
+    assert relay() is False
+    assert reader.writes == [] and sink.sent == 0
+    assert [e.wire for e in relay.splitter.pending] == [wire[0], wire[1], b"data: " + USAGE + b"\n\n"]
 
 
 def named(kind: str, data: bytes) -> bytes:

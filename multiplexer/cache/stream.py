@@ -133,10 +133,10 @@ class WritingRecorder(Recorder):
 
     __slots__ = ()
 
-    def write_now(self, chunk: bytes) -> bool:
-        if not self.reader.write_now(chunk):
+    def write_now(self, chunks: list[bytes]) -> bool:
+        if not self.reader.write_now(chunks):
             return False
-        self.chunks.append(chunk)
+        self.chunks += chunks
         return True
 
 

@@ -45,7 +45,7 @@ class ChunkSink:
         # "named": ``event:`` and ``data:``), when it takes an upstream's event in that shape as
         # the upstream's bytes (``providers/sse_relay.py``); None: chunks only as objects
         self.raw: str | None = getattr(stream, "raw", None)
-        self._write_now: Callable[[bytes], bool] | None = getattr(stream, "write_now", None)
+        self._write_now: Callable[[list[bytes]], bool] | None = getattr(stream, "write_now", None)
 
     def reading(self, stream: Reader) -> ChunkSink:
         """The same call's sink handing its chunks to ``stream`` (a reader wrapping this one's),
@@ -73,13 +73,14 @@ class ChunkSink:
         """Whether the reader can take a raw chunk at once, outside any task (``write_now``)."""
         return self._write_now is not None and self.raw is not None
 
-    def write_now(self, chunk: bytes) -> bool:
-        """A raw chunk written at once where the reader can (a chunk already went the usual
-        way, and nothing waits before this one); False where it must be ``send``."""
+    def write_now(self, chunks: list[bytes]) -> bool:
+        """Raw chunks (the events one read completed) written at once and together where the
+        reader can (a chunk already went the usual way, and nothing waits before these); False
+        where they must each be ``send``."""
         write = self._write_now
-        if write is None or self._first is not None or not write(chunk):
+        if write is None or self._first is not None or not write(chunks):
             return False
-        self.sent += 1
+        self.sent += len(chunks)
         return True
 
     def send_nowait(self, chunk: Any) -> None:

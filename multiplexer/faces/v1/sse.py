@@ -91,14 +91,15 @@ class _Events:
         if self.drainer is None:
             self.drainer = asyncio.get_running_loop().create_task(self._drain())
 
-    def write_now(self, event: bytes) -> bool:
-        """An upstream's event in this face's shape, written at once from the upstream
-        connection's read callback: only after the head, with nothing queued or held before
-        it, the stream unbroken and the server able to write it now (``CHUNK``)."""
+    def write_now(self, events: list[bytes]) -> bool:
+        """An upstream's events in this face's shape (those one read completed), written at
+        once and in one send from the upstream connection's read callback: only after the
+        head, with nothing queued or held before them, the stream unbroken and the server able
+        to write them now (``CHUNK``)."""
         if not self.started or self.held or self.pending or self.drainer is not None \
                 or self.broken is not None or self._chunk is None:
             return False
-        return self._chunk(event)
+        return self._chunk(events[0] if len(events) == 1 else b"".join(events))
 
     def close(self) -> None:
         """Nothing to close: the stream ends when the call's outcome comes back."""
