@@ -76,7 +76,8 @@ routes:
 SERVE = "import sys; sys.path.insert(0, {tree!r}); from multiplexer.cli import main; sys.exit(main())"
 HEADS = ["streams", "arrival", "target", "max open upstream", "whole streams",
          "added first-chunk p99 ms (direct: p99)", "added gap p99 ms (direct: p99)",
-         "CPU us/chunk", "relay us/chunk", "setup us/stream", "RSS KB/stream", "load avg 1m"]
+         "CPU us/chunk", "relay us/chunk", "setup us/stream", "RSS KB/stream",
+         "cores: target / client+fake", "load avg 1m"]
 SHORT = 2  # the chunks of the streams that measure what a stream costs beyond its chunks
 
 
@@ -227,6 +228,16 @@ class Gateway:
 
 
 @contextlib.contextmanager
+def bare_relay(fake: int, tmp: Path) -> Iterator[Gateway]:
+    """The pass-through relay (``benchmarks/_bare_relay.py``): the host's own cost of the hop."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with logged_child(["-m", "benchmarks._bare_relay", str(port), str(fake)], f"{url}/",
+                      tmp / f"bare-{port}.log") as proc:
+        yield Gateway(url, port, psutil.Process(proc.pid))
+
+
+@contextlib.contextmanager
 def gateway(tree: Path, fake: int, tmp: Path, workers: str | None) -> Iterator[Gateway]:
     port = free_port()
     conf = tmp / f"gw-{port}.yaml"
@@ -286,22 +297,39 @@ def arrival(name: str, args: argparse.Namespace) -> Arrival:
     return Arrival(CHUNKS * gap, args.rounds, CHUNKS, False)
 
 
+def cpu_of(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            total += t.user + t.system
+    return total
+
+
 def measure(port: int, fake: int, n: int, args: argparse.Namespace,
-            gw: Gateway | None, how: Arrival) -> tuple[Runs, dict[str, float]]:
+            gw: Gateway | None, how: Arrival, fakes: list[psutil.Process]) -> tuple[Runs, dict[str, float]]:
+    """One run of N streams; with the CPU the host's other two parts (this process's client
+    and the fake) spent, in cores: on two cores their share is what the target cannot have."""
     path = "/v1/chat/completions"
     spread, rounds, chunks, even = how.spread, how.rounds, how.chunks, how.even
     if gw is None:
         fake_stats(fake, reset=True)
+        wall, own, other = time.monotonic(), time.process_time(), cpu_of(fakes)
         runs = asyncio.run(run_streams(port, path, n, rounds, spread, chunks, even))
-        return runs, {"max_open": fake_stats(fake)["max_open"]}
+        wall = time.monotonic() - wall
+        return runs, {"max_open": fake_stats(fake)["max_open"],
+                      "others_cores": (time.process_time() - own + cpu_of(fakes) - other) / wall}
     asyncio.run(run_streams(port, path, 8, 1, 0.05))  # warm-up: imports, pools, the first stream
     time.sleep(0.3)
     idle = gw.rss()
     fake_stats(fake, reset=True)
     cpu = gw.cpu()
+    wall, own, other = time.monotonic(), time.process_time(), cpu_of(fakes)
     with Peak(gw.rss) as peak:
         runs = asyncio.run(run_streams(port, path, n, rounds, spread, chunks, even))
     cpu = gw.cpu() - cpu
+    wall = time.monotonic() - wall
+    others = (time.process_time() - own + cpu_of(fakes) - other) / wall
     max_open = fake_stats(fake)["max_open"]
     time.sleep(0.3)
     short_cpu = gw.cpu()  # the same streams, SHORT chunks each: what a stream costs beyond them
@@ -312,7 +340,8 @@ def measure(port: int, fake: int, n: int, args: argparse.Namespace,
              "cpu_us_per_chunk": cpu * 1e6 / max(runs.events, 1),
              "relay_us_per_chunk": relay * 1e6,
              "setup_us_per_stream": (short_cpu - relay * short.events) * 1e6 / max(short.streams, 1),
-             "rss_kb_per_stream": max(peak.peak - idle, 0) / 1024 / n}
+             "rss_kb_per_stream": max(peak.peak - idle, 0) / 1024 / n,
+             "target_cores": cpu / wall, "others_cores": others}
     return runs, extra
 
 
@@ -394,6 +423,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="burst: streams each client runs back to back")
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--fake-procs", type=int, default=1)
+    parser.add_argument("--no-bare", action="store_true",
+                        help="leave out the pass-through relay's row (the host's cost of the hop)")
     args = parser.parse_args()
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -417,19 +448,24 @@ def main() -> None:
             trees.insert(0, (f"baseline {args.baseline}",
                              stack.enter_context(worktree(args.baseline, tmp / "baseline"))))
         fake = free_port()
-        stack.enter_context(logged_child(
+        fake_proc = psutil.Process(stack.enter_context(logged_child(
             ["-m", "benchmarks._stream_fake", "--port", str(fake), "--gap-ms", str(args.gap_ms),
              "--chunks", str(CHUNKS), "--procs", str(args.fake_procs)],
-            f"http://127.0.0.1:{fake}/", tmp / "fake.log"))
+            f"http://127.0.0.1:{fake}/", tmp / "fake.log")).pid)
+        fakes = [fake_proc, *fake_proc.children(recursive=True)]
         for n, workers in plan:
             for way in arrivals:
                 how = arrival(way, args)
-                direct, extra = measure(fake, fake, n, args, None, how)
+                direct, extra = measure(fake, fake, n, args, None, how, fakes)
                 first99, gap99 = p99(direct.firsts), p99(direct.gaps)
                 results = [("direct", direct, extra)]
+                if not args.no_bare and not workers:
+                    with bare_relay(fake, tmp) as gw:
+                        runs, extra = measure(gw.port, fake, n, args, gw, how, fakes)
+                    results.append(("bare relay", runs, extra))
                 for name, tree in trees:
                     with gateway(tree, fake, tmp, workers) as gw:
-                        runs, extra = measure(gw.port, fake, n, args, gw, how)
+                        runs, extra = measure(gw.port, fake, n, args, gw, how, fakes)
                     results.append((name + (f" --workers {workers}" if workers else ""), runs, extra))
                 for name, runs, extra in results:
                     f99, g99 = p99(runs.firsts), p99(runs.gaps)
@@ -444,6 +480,8 @@ def main() -> None:
                            "relay_us_per_chunk": extra.get("relay_us_per_chunk"),
                            "setup_us_per_stream": extra.get("setup_us_per_stream"),
                            "rss_kb_per_stream": extra.get("rss_kb_per_stream"),
+                           "target_cores": extra.get("target_cores"),
+                           "others_cores": extra.get("others_cores"),
                            "load_average_1m": os.getloadavg()[0],
                            "first_errors": runs.errors[:3]}
                     data.append(row)
@@ -454,6 +492,8 @@ def main() -> None:
                                  "" if direct_row else f"{extra['relay_us_per_chunk']:.0f}",
                                  "" if direct_row else f"{extra['setup_us_per_stream']:.0f}",
                                  "" if direct_row else f"{extra['rss_kb_per_stream']:.1f}",
+                                 (f"- / {extra['others_cores']:.2f}" if direct_row else
+                                  f"{extra['target_cores']:.2f} / {extra['others_cores']:.2f}"),
                                  f"{os.getloadavg()[0]:.1f}"])
                     if runs.errors:
                         print(f"{name} at {n} ({way}): {len(runs.errors)} errors, e.g. "
