@@ -115,9 +115,13 @@ async def test_an_mcp_task_s_line_is_recorded_under_its_job(tmp_path: Path) -> N
 
     async with fakes() as f, running(parse_config(config(f, tmp_path))) as (gw, base), \
             httpx.AsyncClient(timeout=30) as http:
+        events = Events()
+        gw.listeners.append(events)  # after the log's own: it has queued the lines when this hears
         alice = McpHttp(http, base + "/mcp", KEYS["alice"])
         created = (await alice.call("chat_task", user("hello")))["result"]
         assert (await finished(alice, created["taskId"]))["status"] == "completed"
+        await events.wait("batch_results")  # a task reads completed once its result is stored,
+        # which is before the provider tells the listeners what the line cost
         job_id = created["taskId"].rpartition(".")[0]
         found = [r for r in await lines_of(gw, job_id) if r["face"] == "mcp"]
         assert [(r["method"], r["status"], r["mode"], r["key"]) for r in found] == [
