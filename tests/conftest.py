@@ -23,6 +23,7 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 DATA_HOME = "XDG_DATA_HOME"  # platformdirs' user data directory on Linux and the BSDs
 RUN_DATA = pytest.StashKey[tuple[Path, str | None]]()
 BEFORE = pytest.StashKey[set[str] | None]()
+PG_EXTENSIONS = pytest.StashKey[set[str] | None]()  # the shared database's, as the run began
 TEST_NUMBER = itertools.count()
 
 
@@ -63,6 +64,7 @@ def is_worker(config: pytest.Config) -> bool:
 def pytest_sessionstart(session: pytest.Session) -> None:
     if not is_worker(session.config):
         session.config.stash[BEFORE] = untracked(CHECKOUT)
+        session.config.stash[PG_EXTENSIONS] = pg_helpers.extensions()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -70,6 +72,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     log or an output a test wrote where it ran (the tools' caches aside)."""
     if is_worker(session.config) or BEFORE not in session.config.stash:
         return
+    before_ext = session.config.stash.get(PG_EXTENSIONS, None)
+    after_ext = pg_helpers.extensions() if before_ext is not None else None
+    if before_ext is not None and after_ext is not None and after_ext - before_ext:
+        # the run's gateways added them (pg_trgm for the request log) to the shared database
+        for left in pg_helpers.drop_extensions(after_ext - before_ext):
+            NOTES.append(f"an extension this run added to the shared database stays: {left}")
     if os.environ.get("MUX_LEFTOVER_CHECK") == "off":  # several people testing in one checkout at once
         NOTES.append("leftover check skipped: MUX_LEFTOVER_CHECK=off")
         return

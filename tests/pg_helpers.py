@@ -61,6 +61,35 @@ def throwaway_schema() -> Iterator[tuple[str, str, Any]]:
             conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
 
 
+def extensions() -> set[str] | None:
+    """The extensions of the shared test database (None where there is no server to ask): a
+    gateway on it adds pg_trgm for its request log's index (``records/request_store.py``)."""
+    try:
+        import psycopg
+    except ImportError:
+        return None
+    try:
+        with psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3) as conn:
+            return {row[0] for row in conn.execute("SELECT extname FROM pg_extension").fetchall()}
+    except psycopg.OperationalError:
+        return None
+
+
+def drop_extensions(names: set[str]) -> list[str]:
+    """Drop these extensions from the shared test database, each only where nothing uses it
+    any longer (no CASCADE: another run's tables keep theirs); the ones left, with why."""
+    import psycopg
+
+    left: list[str] = []
+    with psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3) as conn:
+        for name in sorted(names):
+            try:
+                conn.execute(f"DROP EXTENSION IF EXISTS {name}")
+            except psycopg.Error as e:
+                left.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0]})")
+    return left
+
+
 def databases_left(names: list[str]) -> list[str] | None:
     """Which of these databases still exist; None where there is no server to ask."""
     try:
