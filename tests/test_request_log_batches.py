@@ -126,3 +126,32 @@ async def test_an_mcp_task_s_line_is_recorded_under_its_job(tmp_path: Path) -> N
         found = [r for r in await lines_of(gw, job_id) if r["face"] == "mcp"]
         assert [(r["method"], r["status"], r["mode"], r["key"]) for r in found] == [
             ("chat_task", "ok", "batch", "alice")]
+
+
+@pytest.mark.parametrize("ending", ["failed", "expired"])
+async def test_lines_a_vendor_batch_ended_without_running_are_recorded_as_errors(
+        tmp_path: Path, ending: str) -> None:
+    """A line the vendor never ran still ends for its caller (an error in its job's results), so
+    it ends as a record too: every line of a batch that failed whole; the lines an expired batch
+    left, once no resubmission is allowed. The lines that ran are recorded as before."""
+    knobs = {"force_status": "failed"} if ending == "failed" else {"expire_after_items": 1}
+    async with fakes(**knobs) as f:
+        data = remote_config_data(f, tmp_path)
+        data["providers"]["oai"].update(batch_api=True, batch_resubmit_expired=False)
+        async with running(parse_config(data), port=0) as (gw, url), Client(url) as client:
+            if ending == "expired":
+                f.openai.force_status = "expired"
+            events = Events()
+            gw.listeners.append(events)
+            calls = [{"method": "chat", "params": {"model": "gpt-test", **user(text)}}
+                     for text in ("a", "b", "c")]
+            job = await client.call("jobs.submit", {"calls": calls})
+            await events.wait("batch_job_ended")
+            found = [r for r in await lines_of(gw, job["job_id"]) if r["method"] != "jobs.submit"]
+    statuses = sorted(r["status"] for r in found)
+    assert statuses == (["error"] * 3 if ending == "failed" else ["error", "error", "ok"])
+    assert all(r["mode"] == "batch" and r["face"] == "jobs" and r["batch_id"] == job["job_id"]
+               for r in found)
+    errors = [r for r in found if r["status"] == "error"]
+    assert all(r["cost"] is None and r["code"] is not None for r in errors)
+    assert all(("expired" if ending == "expired" else "fail") in r["error"].lower() for r in errors)

@@ -137,16 +137,23 @@ class PartDriver:
         return min(self.settings.batch_poll_interval_s * 2 ** max(tries - 1, 0), 300.0)
 
     async def _end_part(self, part: PartRow, error: RpcError | None, status: str | None = None,
-                        detail: str | None = None, whole: bool = False) -> None:
+                        detail: str | None = None, whole: bool = False, batch: bool = True) -> None:
         """Fail what is still open in the part (if ``error``), close it, maybe close the job.
         ``whole``: the remote batch failed as a whole (its status, or its submission refused):
-        the error says so (``batch_failed``), and the items with a fallback route go there first."""
+        the error says so (``batch_failed``), and the items with a fallback route go there first.
+        ``batch``: the part went to the vendor's batch API (False: its sync endpoint), as its
+        failed lines' records say."""
         st = self.store()
         if error is not None and whole:
             error = RpcError(error.code, error.message, {**(error.data or {}), "batch_failed": True})
             await self._fall_back(part)
         if error is not None:
+            # the lines this fails never ran, but each ends here for its caller: a record each
+            ending = await st.run(st.part_items, part.id, True)
             await st.run(st.fail_open, part.job_id, error.to_dict(), part.id)
+            failed = error.to_dict()
+            await self._announce(part, [(row.idx, None, failed) for row in ending],
+                                 batch=batch)
             log.info("%s: batch job %s: part %s failed (%s): %s", self.name, part.job_id, part.id,
                      status or "-", (error.data or {}).get("detail", error.message))
         await st.run(st.finish_part, part.id, status, detail)
@@ -297,6 +304,7 @@ class PartDriver:
             err = upstream_error(self.name, "the batch ended without a result for this request",
                                  batch_id=status.remote_id).to_dict()
             await st.run(st.record, part.job_id, [(i, "failed", None, err) for i in sorted(missing)])
+            await self._announce(part, [(i, None, err) for i in sorted(missing)], batch=True)
             leftover -= missing
         if not leftover:
             await self._end_part(part, None, status.status)
@@ -339,6 +347,7 @@ class PartDriver:
                 done.append((idx, None, err.to_dict()))
             elif line.kind == "cancelled":
                 buf.append((idx, "failed", None, stop))
+                done.append((idx, None, stop))
             else:
                 unfinished.add(idx)
             if len(buf) >= FLUSH_EVERY:
@@ -352,8 +361,10 @@ class PartDriver:
     async def _announce(self, part: PartRow, done: list[tuple[int, Any, Any]], batch: bool) -> None:
         """Tell the listeners what a client's job (``jobs.submit``, ``/v1/batches``) used, line by
         line, for its cost: ``batch_results`` with (route, model, usage) per line that succeeded,
-        and for the request log each line that ran, failed ones too: ``ended``, (method, route,
-        model, usage, error) in the same order. A route's own jobs (``mode: batch``) are priced
+        and for the request log each line that ended, failed ones too (those the vendor
+        cancelled, left without a result, or that ended with a part that failed, expired or
+        was cancelled, never having run): ``ended``, (method, route, model, usage, error) in
+        the same order. A route's own jobs (``mode: batch``) are priced
         and recorded with their calls, not here."""
         if not done:
             return
@@ -426,4 +437,4 @@ class PartDriver:
                     await flush()
                     await self._announce(part, done, batch=False)
         error = cancelled("batch job cancelled") if scope.cancelled_caught else None
-        await self._end_part(part, error, "cancelled" if error else "completed")
+        await self._end_part(part, error, "cancelled" if error else "completed", batch=False)
