@@ -33,6 +33,21 @@ async def lines_of(gw: Gateway, batch_id: str) -> list[dict[str, Any]]:
     return (await gw.requests.page(Query(batch_id=batch_id)))["requests"]
 
 
+async def job_lines(f: Any, tmp_path: Path, texts: tuple[str, ...],
+                    **provider: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A ``jobs.submit`` of one chat call per text on the fakes' OpenAI provider (``provider``:
+    its settings), run to its end: the job, and the records under its id."""
+    data = remote_config_data(f, tmp_path)
+    data["providers"]["oai"].update(provider)
+    async with running(parse_config(data), port=0) as (gw, url), Client(url) as client:
+        events = Events()
+        gw.listeners.append(events)
+        calls = [{"method": "chat", "params": {"model": "gpt-test", **user(text)}} for text in texts]
+        job = await client.call("jobs.submit", {"calls": calls})
+        await events.wait("batch_job_ended")
+        return job, await lines_of(gw, job["job_id"])
+
+
 async def test_a_v1_batch_s_vendor_lines_are_recorded_at_the_batch_price(tmp_path: Path) -> None:
     async with fakes() as f:
         data = v1_config(f, tmp_path, admin_key=ADMIN)
@@ -89,16 +104,8 @@ async def test_jobs_submit_lines_are_recorded_whether_a_batch_api_or_the_sync_en
         tmp_path: Path) -> None:
     for batch_api in (True, False):
         async with fakes() as f:
-            data = remote_config_data(f, tmp_path / str(batch_api))
-            data["providers"]["oai"]["batch_api"] = batch_api
-            async with running(parse_config(data), port=0) as (gw, url), Client(url) as client:
-                events = Events()
-                gw.listeners.append(events)
-                calls = [{"method": "chat", "params": {"model": "gpt-test", **user(text)}}
-                         for text in ("a", "b", "FAIL c")]
-                job = await client.call("jobs.submit", {"calls": calls})
-                await events.wait("batch_job_ended")
-                found = await lines_of(gw, job["job_id"])
+            job, found = await job_lines(f, tmp_path / str(batch_api), ("a", "b", "FAIL c"),
+                                         batch_api=batch_api)
         submit = [r for r in found if r["method"] == "jobs.submit"]  # the call that made the job
         assert [(r["face"], r["status"]) for r in submit] == [("rpc", "ok")]
         found = [r for r in found if r not in submit]
@@ -136,18 +143,11 @@ async def test_lines_a_vendor_batch_ended_without_running_are_recorded_as_errors
     left, once no resubmission is allowed. The lines that ran are recorded as before."""
     knobs = {"force_status": "failed"} if ending == "failed" else {"expire_after_items": 1}
     async with fakes(**knobs) as f:
-        data = remote_config_data(f, tmp_path)
-        data["providers"]["oai"].update(batch_api=True, batch_resubmit_expired=False)
-        async with running(parse_config(data), port=0) as (gw, url), Client(url) as client:
-            if ending == "expired":
-                f.openai.force_status = "expired"
-            events = Events()
-            gw.listeners.append(events)
-            calls = [{"method": "chat", "params": {"model": "gpt-test", **user(text)}}
-                     for text in ("a", "b", "c")]
-            job = await client.call("jobs.submit", {"calls": calls})
-            await events.wait("batch_job_ended")
-            found = [r for r in await lines_of(gw, job["job_id"]) if r["method"] != "jobs.submit"]
+        if ending == "expired":
+            f.openai.force_status = "expired"
+        job, found = await job_lines(f, tmp_path, ("a", "b", "c"), batch_api=True,
+                                     batch_resubmit_expired=False)
+    found = [r for r in found if r["method"] != "jobs.submit"]
     statuses = sorted(r["status"] for r in found)
     assert statuses == (["error"] * 3 if ending == "failed" else ["error", "error", "ok"])
     assert all(r["mode"] == "batch" and r["face"] == "jobs" and r["batch_id"] == job["job_id"]
