@@ -6,6 +6,7 @@ one, each test's its own; and no file left in the checkout by the run."""
 import itertools
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -30,7 +31,11 @@ TEST_NUMBER = itertools.count()
 def pytest_configure(config: pytest.Config) -> None:
     """Before any test module is imported (a config made at import reads the data directory):
     the run's own data directory, so the default store (``gateway/home.py``) of the suite and of
-    the gateways it starts as subprocesses is never the user's."""
+    the gateways it starts as subprocesses is never the user's. And the modules it imports keep
+    their bytecode (the checkout's ignored ``__pycache__`` folders) even where the environment sets
+    PYTHONDONTWRITEBYTECODE: each xdist worker imports the whole project and every test module,
+    and compiled them all again every run (collection 24 s a worker here, 12-14 s so)."""
+    sys.dont_write_bytecode = False
     data = Path(tempfile.mkdtemp(prefix="multiplexer-data-"))
     config.stash[RUN_DATA] = (data, os.environ.get(DATA_HOME))
     os.environ[DATA_HOME] = str(data)
