@@ -23,6 +23,7 @@ import anyio
 import orjson
 from prometheus_client import CollectorRegistry
 
+from multiplexer.core.errors import RpcError
 from multiplexer.core.json_codec import loads
 from multiplexer.money.prices import tokens_of, usage_of
 from multiplexer.records.context import REQUEST_ID
@@ -135,15 +136,11 @@ class RequestLog:
         (at, key, face, method, route, model, mode, usage, error, cost_pico, batch_id, job_id,
          provider, seconds) = line
         message = code = None
-        if isinstance(error, dict):
-            code = error.get("code") if isinstance(error.get("code"), int) else None
-            info = error.get("data")
-            detail = info.get("detail") if isinstance(info, dict) else None
-            text = error.get("message")
-            text = text if isinstance(text, str) else "the line failed"
-            message = storable(f"{text}: {detail}" if isinstance(detail, str) else text)
+        if isinstance(error, dict):  # as the job's results keep it (``RpcError.to_dict``)
+            failed = RpcError.from_dict(error)
+            code, message = failed.code, _message(failed)
         tokens = _tokens(usage)
-        cost = None if cost_pico is None else -(-cost_pico // 1000)
+        cost = _nano(cost_pico)
         latency_ms = round(seconds * 1000, 3)
         path = {"admission": {"method": (method or "")[:200], "route": route, "mode": mode},
                 "batch": {"mode": mode, "job": job_id, "provider": provider},
@@ -164,18 +161,14 @@ class RequestLog:
          tried, number, group, refused, gateway_method, auto, deadline, first, batch, usage, lane,
          shared, seconds, bodies) = ended
         method, label, group = storable(method), storable(label), storable(group)
-        message = None
-        if error is not None:
-            data = error.data if isinstance(error.data, dict) else {}
-            detail = data.get("detail")
-            message = storable(error.message if not isinstance(detail, str) else f"{error.message}: {detail}")
+        message = None if error is None else _message(error)
         tried = list(tried or ())
         # its own upstream attempts: none when refused before a lane took it, or when it shared
         # another call's (joined in flight, answered from the cache)
         ran = number if number is not None else int(lane is not None and shared is None)
         tokens = _tokens(usage)
-        cost = None if cost_pico is None else -(-cost_pico // 1000)
-        saved = -(-saved_pico // 1000) if saved_pico else 0
+        cost = _nano(cost_pico)
+        saved = _nano(saved_pico) or 0
         latency_ms = round(seconds * 1000, 3)
         first_ms = None if first is None else round(first * 1000, 3)
         attempts = [{"route": r, "outcome": why} for r, why in tried]
@@ -265,11 +258,10 @@ class RequestLog:
         store = await self._read()
         rows, stopped = await anyio.to_thread.run_sync(store.page, q)
         out = [dict(zip(LISTED, r, strict=True)) for r in rows]
-        cursor = None
-        if stopped is not None:
-            cursor = f"{stopped[0]!r}:{stopped[1]}"
-        elif len(rows) == q.limit:
-            cursor = f"{rows[-1][1]!r}:{rows[-1][0]}"
+        last = stopped  # (at, id): where the next page starts (``parse_cursor`` reads it back)
+        if last is None and len(rows) == q.limit:
+            last = (rows[-1][1], rows[-1][0])
+        cursor = None if last is None else f"{last[0]!r}:{last[1]}"
         return {"requests": out, "next_cursor": cursor,
                 "searched_to": None if stopped is None else stopped[0]}
 
@@ -291,6 +283,18 @@ def _tokens(usage: Any) -> Any:
             return None
         usage = usage_of(result) if isinstance(result, dict) else None
     return tokens_of(usage)
+
+
+def _message(error: RpcError) -> str:
+    """An error's text as a record keeps it: its message, and its detail when it has one."""
+    data = error.data if isinstance(error.data, dict) else {}
+    detail = data.get("detail")
+    return storable(error.message if not isinstance(detail, str) else f"{error.message}: {detail}")
+
+
+def _nano(pico: int | None) -> int | None:
+    """Picodollars as the table's nanodollars, rounded up (a cost never shows as less)."""
+    return None if pico is None else -(-pico // 1000)
 
 
 V1_SOURCE = "v1:"  # a /v1 batch's job: its source names the batch (``batch_source``)
