@@ -28,12 +28,11 @@ async def dial(host: str, port: int) -> socket.socket:
     """A connected, non-blocking TCP socket to ``host:port``; raises ``OSError`` when every
     address failed."""
     loop = asyncio.get_running_loop()
-    try:  # an address literal: nothing to resolve
-        literal = ipaddress.ip_address(host.strip("[]"))
-        family = socket.AF_INET6 if literal.version == 6 else socket.AF_INET
-        addresses: list[Address] = [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP,
-                                     (str(literal), port))]
-    except ValueError:
+    address = literal(host)
+    if address is not None:  # nothing to resolve
+        addresses: list[Address] = [(address[0], socket.SOCK_STREAM, socket.IPPROTO_TCP,
+                                     (address[1], port))]
+    else:
         found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         addresses = interleaved([(f, t, p, a) for f, t, p, _, a in found])
     if not addresses:
@@ -41,13 +40,27 @@ async def dial(host: str, port: int) -> socket.socket:
     return await race(addresses, loop.sock_connect)
 
 
-def literal(host: str) -> bool:
-    """Whether ``host`` is an address (IPv6 in brackets or not), not a name to resolve."""
+def literal(host: str) -> tuple[int, str] | None:
+    """``host`` as an address (IPv6 in brackets or not): its family and its text; None for a
+    name to resolve."""
     try:
-        ipaddress.ip_address(host.strip("[]"))
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        return False
-    return True
+        return None
+    return (socket.AF_INET6 if address.version == 6 else socket.AF_INET), str(address)
+
+
+async def _connected(address: Address, connect: Connect) -> socket.socket:
+    """A new non-blocking socket connected to ``address`` by ``connect``; closed if it fails."""
+    family, kind, proto, sockaddr = address
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setblocking(False)
+        await connect(sock, sockaddr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def interleaved(addresses: Sequence[Address]) -> list[Address]:
@@ -71,33 +84,18 @@ async def race(addresses: Sequence[Address], connect: Connect,
     one address is simply connected (no task group: a new connection to an upstream named by
     its address, a stream's at a thousand at once, pays no race it cannot have)."""
     if len(addresses) == 1:
-        family, kind, proto, sockaddr = addresses[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            await connect(sock, sockaddr)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        return await _connected(addresses[0], connect)
     winner: socket.socket | None = None
     errors: list[OSError] = []
 
     async def attempt(address: Address, failed: anyio.Event, scope: anyio.CancelScope) -> None:
         nonlocal winner
-        family, kind, proto, sockaddr = address
-        sock = socket.socket(family, kind, proto)
         try:
-            sock.setblocking(False)
-            await connect(sock, sockaddr)
+            sock = await _connected(address, connect)
         except OSError as e:
-            sock.close()
             errors.append(e)
             failed.set()
             return
-        except BaseException:
-            sock.close()
-            raise
         if winner is None:
             winner = sock
             scope.cancel()  # the other attempts, and any not started yet

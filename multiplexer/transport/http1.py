@@ -183,9 +183,10 @@ class Http1Transport(httpx.AsyncBaseTransport):
         tls = self._ssl if scheme == "https" else None
         try:
             with anyio.fail_after(timeout):
-                if literal(host):  # one address, nothing to race: the loop connects it itself
+                address = literal(host)
+                if address is not None:  # one address, nothing to race: the loop connects it itself
                     _, conn = await loop.create_connection(
-                        lambda: Conn(loop), host.strip("[]"), port, ssl=tls,
+                        lambda: Conn(loop), address[1], port, ssl=tls,
                         server_hostname=host if tls is not None else None)
                     return conn
                 sock = await dial(host, port)  # the host's addresses raced (RFC 8305)
