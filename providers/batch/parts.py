@@ -150,10 +150,9 @@ class PartDriver:
         if error is not None:
             # the lines this fails never ran, but each ends here for its caller: a record each
             ending = await st.run(st.part_items, part.id, True)
-            await st.run(st.fail_open, part.job_id, error.to_dict(), part.id)
             failed = error.to_dict()
-            await self._announce(part, [(row.idx, None, failed) for row in ending],
-                                 batch=batch)
+            await st.run(st.fail_open, part.job_id, failed, part.id)
+            await self._announce(part, [(row.idx, None, failed) for row in ending], batch=batch)
             log.info("%s: batch job %s: part %s failed (%s): %s", self.name, part.job_id, part.id,
                      status or "-", (error.data or {}).get("detail", error.message))
         await st.run(st.finish_part, part.id, status, detail)
@@ -342,9 +341,9 @@ class PartDriver:
                 buf.append((idx, "succeeded", line.result, None))
                 done.append((idx, line.result, None))
             elif line.kind == "errored":
-                err = line.error or upstream_error(self.name, "batch request failed")
-                buf.append((idx, "failed", None, err.to_dict()))
-                done.append((idx, None, err.to_dict()))
+                failed = (line.error or upstream_error(self.name, "batch request failed")).to_dict()
+                buf.append((idx, "failed", None, failed))
+                done.append((idx, None, failed))
             elif line.kind == "cancelled":
                 buf.append((idx, "failed", None, stop))
                 done.append((idx, None, stop))
@@ -422,8 +421,9 @@ class PartDriver:
                 done.append((idx, outcome.result, None))
             else:
                 assert outcome.error is not None
-                buf.append((idx, "failed", None, outcome.error.to_dict()))
-                done.append((idx, None, outcome.error.to_dict()))
+                failed = outcome.error.to_dict()
+                buf.append((idx, "failed", None, failed))
+                done.append((idx, None, failed))
             if len(buf) >= 100:
                 await flush()
 
