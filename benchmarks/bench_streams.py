@@ -212,12 +212,7 @@ class Gateway:
         return [self.proc, *self.proc.children(recursive=True)]
 
     def cpu(self) -> float:
-        total = 0.0
-        for p in self.procs():
-            with contextlib.suppress(psutil.Error):
-                t = p.cpu_times()
-                total += t.user + t.system
-        return total
+        return cpu_of(self.procs())
 
     def rss(self) -> int:
         total = 0
@@ -298,12 +293,27 @@ def arrival(name: str, args: argparse.Namespace) -> Arrival:
 
 
 def cpu_of(procs: list[psutil.Process]) -> float:
+    """The CPU seconds these processes have spent (those gone count nothing)."""
     total = 0.0
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             t = proc.cpu_times()
             total += t.user + t.system
     return total
+
+
+class Others:
+    """The wall time since it was made and the cores the host's other parts spent in it: this
+    process (the client) and the fake's processes."""
+
+    def __init__(self, fakes: list[psutil.Process]) -> None:
+        self.fakes = fakes
+        self.wall, self.own, self.other = time.monotonic(), time.process_time(), cpu_of(fakes)
+
+    def since(self) -> tuple[float, float]:
+        """(wall seconds, the others' cores over them)."""
+        wall = time.monotonic() - self.wall
+        return wall, (time.process_time() - self.own + cpu_of(self.fakes) - self.other) / wall
 
 
 def measure(port: int, fake: int, n: int, args: argparse.Namespace,
@@ -314,22 +324,19 @@ def measure(port: int, fake: int, n: int, args: argparse.Namespace,
     spread, rounds, chunks, even = how.spread, how.rounds, how.chunks, how.even
     if gw is None:
         fake_stats(fake, reset=True)
-        wall, own, other = time.monotonic(), time.process_time(), cpu_of(fakes)
+        others = Others(fakes)
         runs = asyncio.run(run_streams(port, path, n, rounds, spread, chunks, even))
-        wall = time.monotonic() - wall
-        return runs, {"max_open": fake_stats(fake)["max_open"],
-                      "others_cores": (time.process_time() - own + cpu_of(fakes) - other) / wall}
+        return runs, {"max_open": fake_stats(fake)["max_open"], "others_cores": others.since()[1]}
     asyncio.run(run_streams(port, path, 8, 1, 0.05))  # warm-up: imports, pools, the first stream
     time.sleep(0.3)
     idle = gw.rss()
     fake_stats(fake, reset=True)
     cpu = gw.cpu()
-    wall, own, other = time.monotonic(), time.process_time(), cpu_of(fakes)
+    share = Others(fakes)
     with Peak(gw.rss) as peak:
         runs = asyncio.run(run_streams(port, path, n, rounds, spread, chunks, even))
     cpu = gw.cpu() - cpu
-    wall = time.monotonic() - wall
-    others = (time.process_time() - own + cpu_of(fakes) - other) / wall
+    wall, others = share.since()
     max_open = fake_stats(fake)["max_open"]
     time.sleep(0.3)
     short_cpu = gw.cpu()  # the same streams, SHORT chunks each: what a stream costs beyond them
