@@ -61,18 +61,24 @@ def throwaway_schema() -> Iterator[tuple[str, str, Any]]:
             conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
 
 
-def extensions() -> set[str] | None:
-    """The extensions of the shared test database (None where there is no server to ask): a
-    gateway on it adds pg_trgm for its request log's index (``records/request_store.py``)."""
+def _asked(sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]] | None:
+    """The rows of one query to the shared test database; None where there is no server to ask."""
     try:
         import psycopg
     except ImportError:
         return None
     try:
         with psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3) as conn:
-            return {row[0] for row in conn.execute("SELECT extname FROM pg_extension").fetchall()}
+            return conn.execute(sql, args).fetchall()
     except psycopg.OperationalError:
         return None
+
+
+def extensions() -> set[str] | None:
+    """The extensions of the shared test database (None where there is no server to ask): a
+    gateway on it adds pg_trgm for its request log's index (``records/request_store.py``)."""
+    rows = _asked("SELECT extname FROM pg_extension")
+    return None if rows is None else {row[0] for row in rows}
 
 
 def drop_extensions(names: set[str]) -> list[str]:
@@ -92,13 +98,5 @@ def drop_extensions(names: set[str]) -> list[str]:
 
 def databases_left(names: list[str]) -> list[str] | None:
     """Which of these databases still exist; None where there is no server to ask."""
-    try:
-        import psycopg
-    except ImportError:
-        return None
-    try:
-        with psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=3) as admin:
-            rows = admin.execute("SELECT datname FROM pg_database WHERE datname = ANY(%s)", (names,))
-            return sorted(row[0] for row in rows.fetchall())
-    except psycopg.OperationalError:
-        return None
+    rows = _asked("SELECT datname FROM pg_database WHERE datname = ANY(%s)", (names,))
+    return None if rows is None else sorted(row[0] for row in rows)
